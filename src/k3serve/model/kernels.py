@@ -1,0 +1,162 @@
+"""Hot loops: the fused MXFP4 dequantize-and-multiply of the routed experts, with its slow numpy twin.
+
+Shape letters: T = tokens (rows of x), R = weight rows (outputs), C = weight columns (inputs), G = C / 32 scale
+groups per row, RB = weight rows decoded per tile.
+
+    y[t, r] = sum_c x[t, c] * W[r, c],   W[r, c] = E2M1[nibble(r, c)] * 2^(scales[r, c // 32] - 127)
+
+(K3_SPEC section 4; `k3serve.weights.mxfp4` defines the format.) The fused kernel never builds the float
+matrix: each parallel task decodes RB rows into a small float32 tile (RB * C * 4 bytes, L2-resident) through a
+16-entry nibble table and one power-of-two multiplier per group, and then applies that tile to all T tokens,
+so every weight byte is decoded once per call however large T is. Decoding is exact (a power of two times a
+two-bit mantissa), so the only rounding is in the dot products.
+
+Determinism. Work is split over weight rows only, and every output y[t, r] is one dot product of a decoded
+row with x[t], always computed by the same compiled loop. The result therefore depends neither on the number of
+threads nor on T or on the other tokens in the batch (a token gets the same bits alone or batched). The dot
+loop is compiled with LLVM's `reassoc` flag only, so that it can be vectorized: its summation order is fixed by
+the compiled code (it may differ between CPUs with different vector widths), and NaN/inf semantics and
+rounding of each product are unchanged (no fast-math NaN assumptions, no FMA contraction). Small matrices run
+the same tile code on one thread (no pool wake-up); the serial and parallel paths give identical bits.
+
+TODO: at T = 1 the scalar nibble decode (~1.5 cycles per byte) is the bottleneck, not memory; numba does not
+vectorize the table lookups. A SIMD decode (or int8 activations) is the next step if experts stay compute bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32
+
+GROUP_SIZE = 32
+BYTES_PER_GROUP = GROUP_SIZE // 2
+TILE_ROWS = 8  # RB: 8 rows of the full-model expert (C = 3584) decode to a 112 KiB tile
+# Below this many weights (R * C) one thread is faster than waking the pool (the tiny model's 64x64 and
+# 128x128 experts take microseconds); both paths run the same tile code and give the same bits.
+PARALLEL_MIN_WEIGHTS = 2**17
+
+_NIBBLE_VALUES = np.ascontiguousarray(E2M1_VALUES, dtype=np.float32)  # [16]
+_SCALE_VALUES = scale_bytes_to_f32(np.arange(256, dtype=np.uint8))  # [256], byte 255 -> 0
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _dot(w: np.ndarray, x: np.ndarray) -> np.float32:
+    """sum_k w[k] * x[k] in float32; `reassoc` lets LLVM vectorize the sum in a fixed, compiled order."""
+    total = np.float32(0.0)
+    for k in range(w.shape[0]):
+        total += w[k] * x[k]
+    return total
+
+
+@njit(cache=True, fastmath=False)
+def _matmul_tile(
+    packed: np.ndarray,  # u8 [R, C/2]
+    scales: np.ndarray,  # u8 [R, G]
+    x: np.ndarray,  # f32 [T, C], C-contiguous
+    nibble_values: np.ndarray,  # f32 [16]
+    scale_values: np.ndarray,  # f32 [256]
+    out: np.ndarray,  # f32 [T, R]
+    tile: int,
+    decoded: np.ndarray,  # f32 [RB, C] scratch
+) -> None:
+    """Decode weight rows [tile * RB, tile * RB + RB) into `decoded`, then write out[:, those rows]."""
+    num_rows = packed.shape[0]
+    num_groups = scales.shape[1]
+    row_start = tile * TILE_ROWS
+    tile_rows = min(TILE_ROWS, num_rows - row_start)
+    for local_row in range(tile_rows):
+        row = row_start + local_row
+        for group in range(num_groups):
+            multiplier = scale_values[scales[row, group]]
+            col = group * GROUP_SIZE
+            byte_index = group * BYTES_PER_GROUP
+            for j in range(BYTES_PER_GROUP):
+                byte = packed[row, byte_index + j]
+                decoded[local_row, col + 2 * j] = nibble_values[byte & 15] * multiplier
+                decoded[local_row, col + 2 * j + 1] = nibble_values[byte >> 4] * multiplier
+    for token in range(x.shape[0]):
+        x_row = x[token]  # [C]
+        for local_row in range(tile_rows):
+            out[token, row_start + local_row] = _dot(decoded[local_row], x_row)
+
+
+@njit(cache=True, parallel=True, fastmath=False)
+def _mxfp4_matmul_parallel(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    x: np.ndarray,
+    nibble_values: np.ndarray,
+    scale_values: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    num_tiles = (packed.shape[0] + TILE_ROWS - 1) // TILE_ROWS
+    for tile in prange(num_tiles):
+        decoded = np.empty((TILE_ROWS, 2 * packed.shape[1]), dtype=np.float32)  # [RB, C]
+        _matmul_tile(packed, scales, x, nibble_values, scale_values, out, tile, decoded)
+
+
+@njit(cache=True, fastmath=False)
+def _mxfp4_matmul_serial(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    x: np.ndarray,
+    nibble_values: np.ndarray,
+    scale_values: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    num_tiles = (packed.shape[0] + TILE_ROWS - 1) // TILE_ROWS
+    decoded = np.empty((TILE_ROWS, 2 * packed.shape[1]), dtype=np.float32)  # [RB, C]
+    for tile in range(num_tiles):
+        _matmul_tile(packed, scales, x, nibble_values, scale_values, out, tile, decoded)
+
+
+def _check_operands(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tuple[int, int]:
+    rows, cols = check_mxfp4_shapes(packed, scales)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be [T, {cols}] to multiply an MXFP4 [{rows}, {cols}] matrix, got {x.shape}")
+    return rows, cols
+
+
+def mxfp4_matmul(
+    packed: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """x @ dequantize_mxfp4(packed, scales).T without building the float matrix.
+
+    packed u8 [R, C/2], scales u8 [R, C/32], x float32 [T, C] (other layouts/dtypes are converted) -> [T, R].
+    `out`, if given, must be a C-contiguous float32 [T, R] array and is filled and returned.
+    """
+    packed = np.ascontiguousarray(packed)
+    scales = np.ascontiguousarray(scales)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, cols = _check_operands(packed, scales, x)
+    num_tokens = x.shape[0]
+    if out is None:
+        out = np.empty((num_tokens, rows), dtype=np.float32)  # [T, R]
+    elif out.shape != (num_tokens, rows) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(
+            f"out must be a C-contiguous float32 [{num_tokens}, {rows}] array, got {out.dtype} {out.shape}"
+        )
+    if num_tokens == 0 or rows == 0:
+        return out
+    kernel = _mxfp4_matmul_parallel if rows * cols >= PARALLEL_MIN_WEIGHTS else _mxfp4_matmul_serial
+    kernel(packed, scales, x, _NIBBLE_VALUES, _SCALE_VALUES, out)
+    return out
+
+
+def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The slow twin of `mxfp4_matmul`: dequantize to float32 [R, C], then one numpy matmul. -> f32 [T, R]."""
+    x = np.asarray(x, dtype=np.float32)
+    _check_operands(np.asarray(packed), np.asarray(scales), x)
+    return x @ dequantize_mxfp4(packed, scales).T  # [T, R]
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) every kernel of this module on tiny inputs."""
+    packed = np.zeros((3, BYTES_PER_GROUP), dtype=np.uint8)  # [3, 16]
+    scales = np.full((3, 1), 127, dtype=np.uint8)  # [3, 1]
+    x = np.ones((2, GROUP_SIZE), dtype=np.float32)  # [2, 32]
+    out = np.empty((2, 3), dtype=np.float32)  # [2, 3]
+    for kernel in (_mxfp4_matmul_serial, _mxfp4_matmul_parallel):
+        kernel(packed, scales, x, _NIBBLE_VALUES, _SCALE_VALUES, out)

@@ -1,0 +1,130 @@
+"""The fused MXFP4 matmul against its dequantize-then-multiply twin, on odd shapes, with NaN-scale groups."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from k3serve.model import kernels
+from k3serve.model.kernels import mxfp4_matmul, mxfp4_matmul_reference, warmup
+
+
+def _random_mxfp4(
+    rng: np.random.Generator, rows: int, cols: int, num_nan_scales: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    packed = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)  # [R, C/2]
+    scales = rng.integers(118, 125, size=(rows, cols // 32), dtype=np.uint8)  # [R, G]
+    flat = scales.reshape(-1)
+    flat[rng.choice(flat.size, size=min(num_nan_scales, flat.size), replace=False)] = 255
+    return packed, scales
+
+
+def _relative_rms(got: np.ndarray, want: np.ndarray) -> float:
+    squared_error = np.mean((got.astype(np.float64) - want) ** 2)
+    return float(np.sqrt(squared_error / max(np.mean(want.astype(np.float64) ** 2), 1e-300)))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 15])
+@pytest.mark.parametrize("rows", [1, 13, 37])
+@pytest.mark.parametrize("cols", [32, 64, 96])
+def test_fused_matches_reference(num_tokens: int, rows: int, cols: int) -> None:
+    rng = np.random.default_rng(1000 * num_tokens + 10 * rows + cols)
+    packed, scales = _random_mxfp4(rng, rows, cols, num_nan_scales=max(1, rows // 5))
+    x = rng.standard_normal((num_tokens, cols)).astype(np.float32)
+    got = mxfp4_matmul(packed, scales, x)
+    want = mxfp4_matmul_reference(packed, scales, x)
+    assert got.shape == (num_tokens, rows) and got.dtype == np.float32
+    error = _relative_rms(got, want)
+    assert error < 1e-5, f"T={num_tokens} R={rows} C={cols}: relative RMS error {error:.3e}"
+
+
+def test_full_width_expert_rows() -> None:
+    rng = np.random.default_rng(7)
+    packed, scales = _random_mxfp4(rng, 19, 3584, num_nan_scales=5)
+    x = rng.standard_normal((2, 3584)).astype(np.float32)
+    error = _relative_rms(mxfp4_matmul(packed, scales, x), mxfp4_matmul_reference(packed, scales, x))
+    assert error < 1e-5, f"relative RMS error {error:.3e}"
+
+
+def test_exact_when_every_product_and_sum_is_exact() -> None:
+    # Small integer inputs and scale byte 128 (x2): every partial sum is an exact float32, so any summation
+    # order gives the same bits; a wrong nibble, position or scale shows up as an exact mismatch.
+    rng = np.random.default_rng(3)
+    packed = rng.integers(0, 256, size=(11, 48), dtype=np.uint8)  # [11, 96]
+    scales = np.full((11, 3), 128, dtype=np.uint8)
+    scales[4, 2] = 255
+    x = rng.integers(-8, 9, size=(5, 96)).astype(np.float32)
+    assert np.array_equal(mxfp4_matmul(packed, scales, x), mxfp4_matmul_reference(packed, scales, x))
+
+
+def test_scale_255_group_contributes_nothing() -> None:
+    packed = np.full((2, 32), 0x77, dtype=np.uint8)  # every element +6
+    scales = np.array([[127, 255], [127, 127]], dtype=np.uint8)
+    x = np.zeros((1, 64), dtype=np.float32)
+    x[0, 32:] = 1.0  # only the second group of inputs is non-zero
+    assert mxfp4_matmul(packed, scales, x).tolist() == [[0.0, 192.0]]
+
+
+def test_batch_and_thread_count_do_not_change_bits() -> None:
+    rng = np.random.default_rng(4)
+    packed, scales = _random_mxfp4(rng, 29, 256, num_nan_scales=3)
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    batched = mxfp4_matmul(packed, scales, x)
+    for token in range(6):
+        alone = mxfp4_matmul(packed, scales, x[token : token + 1])
+        assert np.array_equal(alone[0], batched[token]), f"token {token} differs alone vs batched"
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        single_thread = mxfp4_matmul(packed, scales, x)
+    finally:
+        numba.set_num_threads(previous)
+    assert np.array_equal(single_thread, batched)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(37, 3584), (5, 96)])
+def test_serial_and_parallel_paths_give_the_same_bits(rows: int, cols: int) -> None:
+    rng = np.random.default_rng(rows)
+    packed, scales = _random_mxfp4(rng, rows, cols, num_nan_scales=2)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    outputs = []
+    for kernel in (kernels._mxfp4_matmul_serial, kernels._mxfp4_matmul_parallel):
+        out = np.empty((3, rows), dtype=np.float32)
+        kernel(packed, scales, x, kernels._NIBBLE_VALUES, kernels._SCALE_VALUES, out)
+        outputs.append(out)
+    assert np.array_equal(outputs[0], outputs[1])
+    assert np.array_equal(outputs[0], mxfp4_matmul(packed, scales, x))
+
+
+def test_zero_tokens_and_non_contiguous_input() -> None:
+    rng = np.random.default_rng(5)
+    packed, scales = _random_mxfp4(rng, 9, 64)
+    empty = mxfp4_matmul(packed, scales, np.zeros((0, 64), dtype=np.float32))
+    assert empty.shape == (0, 9) and empty.dtype == np.float32
+    wide = rng.standard_normal((4, 128)).astype(np.float32)
+    strided = wide[:, ::2]  # [4, 64], not contiguous
+    assert np.array_equal(mxfp4_matmul(packed, scales, strided), mxfp4_matmul(packed, scales, strided.copy()))
+    as_float64 = strided.astype(np.float64)
+    assert np.array_equal(mxfp4_matmul(packed, scales, as_float64), mxfp4_matmul(packed, scales, strided.copy()))
+
+
+def test_out_argument_and_shape_errors() -> None:
+    rng = np.random.default_rng(6)
+    packed, scales = _random_mxfp4(rng, 5, 32)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    out = np.full((2, 5), np.nan, dtype=np.float32)
+    returned = mxfp4_matmul(packed, scales, x, out=out)
+    assert returned is out and np.array_equal(out, mxfp4_matmul(packed, scales, x))
+    with pytest.raises(ValueError, match=r"\[T, 32\]"):
+        mxfp4_matmul(packed, scales, np.zeros((2, 64), dtype=np.float32))
+    with pytest.raises(ValueError, match="scales"):
+        mxfp4_matmul(packed, scales[:, :0], x)
+    with pytest.raises(ValueError, match="out must be"):
+        mxfp4_matmul(packed, scales, x, out=np.zeros((5, 2), dtype=np.float32))
+
+
+def test_warmup_runs() -> None:
+    warmup()  # compiles or loads from cache; a later call must still be correct
+    packed = np.full((1, 16), 0x22, dtype=np.uint8)  # every element 1.0
+    assert mxfp4_matmul(packed, np.array([[127]], dtype=np.uint8), np.ones((1, 32), dtype=np.float32))[0, 0] == 32.0
