@@ -1,0 +1,1 @@
+"""Requests and their state: sampling, generation loops, and (later) the batching scheduler."""

@@ -1,0 +1,75 @@
+"""Sampling parameters and the sampler: temperature, top-k, top-p over float32 logits.
+
+Temperature 0 means greedy (argmax, lowest id on ties). Otherwise logits are divided by the temperature, the
+top-k and then the top-p (nucleus) filters keep the smallest set of most likely tokens, and one token is drawn
+with the request's own seeded generator, so a seeded request gives the same tokens whatever else runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3serve.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    max_tokens: int = 64
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws tokens for one sequence. Holds that sequence's random generator."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution sampling draws from, after temperature, top-k and top-p. logits [V] -> [V]."""
+        p = self.params
+        scaled = logits.astype(np.float64) / p.temperature
+        if p.top_k and p.top_k < scaled.shape[0]:
+            kth = np.partition(scaled, -p.top_k)[-p.top_k]
+            scaled = np.where(scaled >= kth, scaled, -np.inf)
+        probs = np.exp(scaled - np.max(scaled))
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, p.top_p) + 1)]
+            filtered = np.zeros_like(probs)
+            filtered[keep] = probs[keep]
+            probs = filtered / filtered.sum()
+        return probs
+
+    def sample(self, logits: np.ndarray) -> int:
+        if self.params.greedy:
+            return int(np.argmax(logits))
+        probs = self.probabilities(logits)
+        return int(self._rng.choice(probs.shape[0], p=probs))

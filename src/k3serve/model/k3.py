@@ -1,0 +1,159 @@
+"""The K3 model: one forward step over a batch of positions drawn from several sequences.
+
+Layer l (zero-based, block size B), per token, following K3_SPEC section 5:
+    pref = incoming h
+    if stack: h = AttnRes(stack + [pref], attention query)
+    if l % B == 0: push pref; pref = empty                 (layer 0 pushes the embedding)
+    a = Attention(RMSNorm(h)); pref = a if empty else pref + a
+    h = AttnRes(stack + [pref], mlp query)
+    pref = pref + MLP or MoE(RMSNorm(h)); the layer outputs pref
+and at the end logits = lm_head(RMSNorm(AttnRes(stack + [h], output query))).
+
+A batch is a list of `ForwardItem`s, each a run of new tokens of one sequence with that sequence's cache. All
+tokens of the batch share every matmul; only the recurrent and attention parts run per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from k3serve.config import K3Config
+from k3serve.errors import RequestError
+from k3serve.model.attn_res import attn_res
+from k3serve.model.kda import DEFAULT_CHUNK_SIZE, kda_forward
+from k3serve.model.mla import mla_attend, mla_project
+from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward
+from k3serve.model.ops import rms_norm
+from k3serve.model.state import DenseSequenceCache, SequenceCache
+from k3serve.model.weights import KDAWeights, MLAWeights, MoEWeights, WeightSource
+
+
+@dataclass
+class ForwardItem:
+    token_ids: np.ndarray  # [t] new tokens of one sequence, t >= 1
+    cache: SequenceCache
+    all_logits: bool = False  # logits for every new position, else only for the last
+
+
+@dataclass
+class ForwardResult:
+    logits: list[np.ndarray]  # per item: [t, V] if all_logits else [1, V]
+    routing: dict[int, Routing] = field(default_factory=dict)  # MoE layer -> routing of all T tokens
+    segments: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each item's rows
+
+
+RoutingObserver = Callable[[int, Routing, list[tuple[int, int]]], None]
+
+
+class K3Model:
+    """The K3 forward pass over a `WeightSource`. Stateless apart from its weights: all sequence state lives in
+    the caches passed to `forward`."""
+
+    def __init__(self, source: WeightSource, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        self.source = source
+        self.config: K3Config = source.config
+        self.chunk_size = chunk_size
+        self._globals = source.global_weights()
+
+    def new_cache(self) -> DenseSequenceCache:
+        return DenseSequenceCache(self.config)
+
+    def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
+                on_routing: RoutingObserver | None = None) -> ForwardResult:
+        c = self.config
+        if not items:
+            return ForwardResult(logits=[])
+        segments: list[tuple[int, int]] = []
+        start = 0
+        for item in items:
+            if len(item.token_ids) == 0:
+                raise RequestError("a forward item needs at least one token")
+            segments.append((start, start + len(item.token_ids)))
+            start += len(item.token_ids)
+        ids = np.concatenate([np.asarray(item.token_ids, dtype=np.int64) for item in items])  # [T]
+        if ids.min() < 0 or ids.max() >= c.vocab_size:
+            raise RequestError(f"token id out of range 0..{c.vocab_size - 1}")
+        caches = [item.cache for item in items]
+        eps = c.rms_norm_eps
+        result = ForwardResult(logits=[], segments=segments)
+
+        h = self._globals.embed[ids]  # [T, H]
+        stack: list[np.ndarray] = []
+        pref: np.ndarray | None = h
+        for layer in range(c.num_layers):
+            w = self.source.layer(layer)
+            if stack:
+                h = attn_res(stack + [pref], w.attn_res_query, eps)
+            if layer % c.attn_res_block_size == 0:
+                stack.append(pref)
+                pref = None
+            x = rms_norm(h, w.input_norm, eps)
+            if isinstance(w.attention, KDAWeights):
+                a = kda_forward(c, w.attention, x, segments, caches, layer, self.chunk_size)
+            else:
+                a = self._mla(w.attention, x, segments, caches, layer)
+            pref = a if pref is None else pref + a
+            h = attn_res(stack + [pref], w.mlp_res_query, eps)
+            x = rms_norm(h, w.post_attention_norm, eps)
+            if isinstance(w.mlp, MoEWeights):
+                m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: self.source.experts(l, ids))
+                if keep_routing:
+                    result.routing[layer] = routing
+                if on_routing is not None:
+                    on_routing(layer, routing, segments)
+            else:
+                m = dense_mlp_forward(c, w.mlp, x)
+            pref = pref + m
+
+        rows = []
+        for item, (begin, end) in zip(items, segments):
+            rows.extend(range(begin, end) if item.all_logits else [end - 1])
+        rows_arr = np.asarray(rows)
+        out = attn_res([s[rows_arr] for s in stack] + [pref[rows_arr]], self._globals.output_res_query, eps)
+        logits = rms_norm(out, self._globals.final_norm, eps) @ self._globals.lm_head.T  # [R, V]
+        offset = 0
+        for item, (begin, end) in zip(items, segments):
+            n = end - begin if item.all_logits else 1
+            result.logits.append(logits[offset:offset + n])
+            offset += n
+        for item, cache in zip(items, caches):
+            cache.advance(len(item.token_ids))
+        return result
+
+    def _mla(self, w: MLAWeights, x: np.ndarray, segments: list[tuple[int, int]],
+             caches: Sequence[SequenceCache], layer: int) -> np.ndarray:
+        q, rows, gate = mla_project(self.config, w, x)
+        out = np.empty((x.shape[0], self.config.hidden_size), np.float32)
+        for (start, end), cache in zip(segments, caches):
+            cache.mla_append(layer, rows[start:end])
+            out[start:end] = mla_attend(self.config, w, q[start:end], cache.mla_rows(layer),
+                                        None if gate is None else gate[start:end])
+        return out
+
+    # ---- conveniences over one sequence ---------------------------------------------------------------------
+    def logits(self, token_ids: Sequence[int], mode: str = "full") -> np.ndarray:
+        """Float32 logits [T, V] for every position: one forward over all ids ('full'), or a prefill of the first
+        id followed by one decode step per remaining id ('incremental')."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        cache = self.new_cache()
+        if mode == "full":
+            return self.forward([ForwardItem(ids, cache, all_logits=True)]).logits[0]
+        if mode == "incremental":
+            return np.concatenate([self.forward([ForwardItem(ids[i:i + 1], cache)]).logits[0]
+                                   for i in range(len(ids))])
+        raise RequestError(f"unknown logits mode {mode!r}; use 'full' or 'incremental'")
+
+    def greedy(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+        """Greedy continuation of `prompt` by prefill then one decode step per token."""
+        cache = self.new_cache()
+        logits = self.forward([ForwardItem(np.asarray(prompt, dtype=np.int64), cache)]).logits[0][-1]
+        out: list[int] = []
+        for step in range(num_tokens):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if step + 1 < num_tokens:
+                logits = self.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
+        return out

@@ -1,0 +1,178 @@
+"""Kimi Delta Attention (KDA): gated delta rule with per-channel decay (K3_SPEC section 5, KDA layer).
+
+Per head, with state S [D, D] (key channels x value channels), per token:
+    S <- diag(alpha_t) S                 alpha_t = exp(g_t), g_t in (-5, 0] per key channel
+    u  = S^T k_t
+    S <- S + k_t (beta_t (v_t - u))^T
+    o_t = S^T q_t                        (read from the updated S)
+
+Chunked form (used for prefill). Within a chunk of C tokens starting from state S0, let b_t = sum_{j<=t} g_j
+(cumulative log decay per key channel) and w_t = beta_t (v_t - u_t). Unrolling the recurrence gives
+    S_t = exp(b_t) * S0 + sum_{i<=t} (exp(b_t - b_i) * k_i) w_i^T                (* scales rows)
+so the w_t solve a unit lower-triangular system
+    w_t + beta_t sum_{i<t} M_ti w_i = beta_t (v_t - S0^T (exp(b_t) * k_t)),   M_ti = sum_d k_td k_id e^(b_td - b_id)
+and the outputs and the chunk-end state are
+    o_t = S0^T (exp(b_t) * q_t) + sum_{i<=t} Q_ti w_i,   Q_ti = sum_d q_td k_id e^(b_td - b_id)
+    S_C = exp(b_C) * S0 + sum_i (exp(b_C - b_i) * k_i) w_i^T.
+Every exponent is b_t - b_i with i <= t, which is <= 0, so nothing overflows however strong the decay.
+
+Shapes: T tokens, NH heads, D head dim (d_k = d_v), P = NH*D, K conv kernel, C chunk length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from k3serve.config import K3Config
+from k3serve.model.ops import l2_normalize, rms_norm, sigmoid, silu
+from k3serve.model.state import SequenceCache
+from k3serve.model.weights import KDAWeights
+
+DEFAULT_CHUNK_SIZE = 32
+
+
+@dataclass
+class KDAInputs:
+    """The per-token vectors the recurrence consumes, after projections, conv and normalisation."""
+
+    q: np.ndarray  # [T, NH, D] L2-normalised and scaled by 1/sqrt(D)
+    k: np.ndarray  # [T, NH, D] L2-normalised
+    v: np.ndarray  # [T, NH, D]
+    g: np.ndarray  # [T, NH, D] log decay, in (lower_bound, 0]
+    beta: np.ndarray  # [T, NH]
+
+
+def causal_conv(x: np.ndarray, tail: np.ndarray, taps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal conv of width K along time, with the last K-1 inputs carried in `tail`.
+
+    x [T, C], tail [K-1, C], taps [C, K] (oldest to newest). Returns (out [T, C], new tail [K-1, C])."""
+    K = taps.shape[1]
+    full = np.concatenate([tail, x], axis=0)  # [K-1+T, C]
+    T = x.shape[0]
+    out = np.zeros_like(x)
+    for j in range(K):
+        out += full[j:j + T] * taps[:, j]
+    return out, full[full.shape[0] - (K - 1):].copy()
+
+
+def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequence[tuple[int, int]],
+                conv_tails: Sequence[np.ndarray]) -> tuple[KDAInputs, np.ndarray, list[np.ndarray]]:
+    """Projections, short conv and decay for T tokens made of several sequence segments.
+
+    x [T, H]; segments are [start, end) row ranges, one per sequence, each with its conv tail [K-1, 3P].
+    Returns (inputs over all T, output gate [T, P], the new conv tail of each segment)."""
+    NH, D, P = config.kda_num_heads, config.kda_head_dim, config.kda_proj_size
+    T = x.shape[0]
+    proj = x @ w.in_proj.T  # [T, 4P + D + NH]
+    out_gate, f_a, b = proj[:, 3 * P:4 * P], proj[:, 4 * P:4 * P + D], proj[:, 4 * P + D:]
+    qkv = np.empty((T, 3 * P), np.float32)
+    new_tails = []
+    for (start, end), tail in zip(segments, conv_tails):
+        qkv[start:end], new_tail = causal_conv(proj[start:end, :3 * P], tail, w.conv)
+        new_tails.append(new_tail)
+    qkv = silu(qkv).reshape(T, 3, NH, D)
+    q = l2_normalize(qkv[:, 0]) * np.float32(1.0 / np.sqrt(D))
+    k = l2_normalize(qkv[:, 1])
+    v = np.ascontiguousarray(qkv[:, 2])
+    z = (f_a @ w.f_b.T + w.dt_bias).reshape(T, NH, D)  # [T, NH, D]
+    g = np.float32(config.gate_lower_bound) * sigmoid(w.a_exp[None, :, None] * z)
+    beta = sigmoid(b)  # [T, NH]
+    return KDAInputs(q=q, k=k, v=v, g=g, beta=beta), out_gate, new_tails
+
+
+def kda_forward(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequence[tuple[int, int]],
+                caches: Sequence[SequenceCache], layer: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> np.ndarray:
+    """A KDA layer over a batch: x [T, H] -> [T, H], reading and writing each sequence's state.
+
+    Single-token segments (decode) advance together in one batched step; longer ones (prefill) run chunked."""
+    states = [cache.kda_state(layer) for cache in caches]
+    inputs, out_gate, new_tails = kda_prepare(config, w, x, segments, [tail for _, tail in states])
+    o = np.empty_like(inputs.v)  # [T, NH, D]
+    decode = [i for i, (start, end) in enumerate(segments) if end - start == 1]
+    if decode:
+        rows = np.array([segments[i][0] for i in decode])
+        o[rows], new_states = kda_step_batch(
+            inputs.q[rows], inputs.k[rows], inputs.v[rows], inputs.g[rows], inputs.beta[rows],
+            np.stack([states[i][0] for i in decode]))
+        for j, i in enumerate(decode):
+            caches[i].set_kda_state(layer, new_states[j], new_tails[i])
+    for i, (start, end) in enumerate(segments):
+        if end - start > 1:
+            part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")))
+            o[start:end], new_state = kda_chunked(part, states[i][0], chunk_size)
+            caches[i].set_kda_state(layer, new_state, new_tails[i])
+    return kda_finish(config, w, o, out_gate)
+
+
+def kda_recurrent(inputs: KDAInputs, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Token-by-token delta rule. state [NH, D, D] -> (o [T, NH, D], new state). The chunked form's twin."""
+    S = state.copy()
+    T = inputs.q.shape[0]
+    out = np.empty_like(inputs.v)
+    alpha = np.exp(inputs.g)
+    for t in range(T):
+        S *= alpha[t][:, :, None]
+        u = np.einsum("hij,hi->hj", S, inputs.k[t])  # [NH, D]
+        S += inputs.k[t][:, :, None] * (inputs.beta[t][:, None] * (inputs.v[t] - u))[:, None, :]
+        out[t] = np.einsum("hij,hi->hj", S, inputs.q[t])
+    return out, S
+
+
+def kda_step_batch(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One decode token for each of B sequences at once.
+
+    q, k, v, g [B, NH, D]; beta [B, NH]; state [B, NH, D, D] -> (o [B, NH, D], new state)."""
+    S = state * np.exp(g)[..., None]
+    u = np.einsum("bhij,bhi->bhj", S, k)
+    S += k[..., None] * (beta[..., None] * (v - u))[..., None, :]
+    return np.einsum("bhij,bhi->bhj", S, q), S
+
+
+def kda_chunked(inputs: KDAInputs, state: np.ndarray, chunk_size: int = DEFAULT_CHUNK_SIZE
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The same recurrence, chunk by chunk (see the module docstring). state [NH, D, D]."""
+    T = inputs.q.shape[0]
+    out = np.empty_like(inputs.v)
+    S = state
+    for start in range(0, T, chunk_size):
+        end = min(start + chunk_size, T)
+        # to head-major: [NH, C, D]
+        q = inputs.q[start:end].transpose(1, 0, 2)
+        k = inputs.k[start:end].transpose(1, 0, 2)
+        v = inputs.v[start:end].transpose(1, 0, 2)
+        beta = inputs.beta[start:end].T  # [NH, C]
+        b = np.cumsum(inputs.g[start:end], axis=0).transpose(1, 0, 2)  # [NH, C, D]
+        C = end - start
+        lower = np.tril(np.ones((C, C), dtype=bool))  # i <= t
+        diff = b[:, :, None, :] - b[:, None, :, :]  # [NH, C(t), C(i), D]
+        decay = np.exp(np.where(lower[None, :, :, None], diff, -np.inf)).astype(np.float32)
+        k_decay = k[:, None, :, :] * decay  # [NH, t, i, D] = k_i * e^(b_t - b_i)
+        m_kk = np.einsum("htd,htid->hti", k, k_decay) * ~np.eye(C, dtype=bool)  # strict lower
+        m_qk = np.einsum("htd,htid->hti", q, k_decay)  # lower incl. diagonal
+        eb = np.exp(b)  # [NH, C, D]
+        rhs = beta[:, :, None] * (v - (eb * k) @ S)  # [NH, C, D]
+        system = np.eye(C, dtype=np.float32) + beta[:, :, None] * m_kk  # [NH, C, C] unit lower-triangular
+        w = _solve_unit_lower(system, rhs)  # [NH, C, D]
+        out[start:end] = ((eb * q) @ S + m_qk @ w).transpose(1, 0, 2)
+        end_decay = np.exp(b[:, -1:, :] - b)  # [NH, C, D]
+        S = np.exp(b[:, -1, :])[:, :, None] * S + np.swapaxes(end_decay * k, 1, 2) @ w
+    return out, np.ascontiguousarray(S, dtype=np.float32)
+
+
+def _solve_unit_lower(system: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """Forward substitution for a batch of unit lower-triangular systems. system [NH, C, C], rhs [NH, C, D]."""
+    w = np.empty_like(rhs)
+    for t in range(system.shape[1]):
+        w[:, t] = rhs[:, t] - np.einsum("hi,hid->hd", system[:, t, :t], w[:, :t])
+    return w
+
+
+def kda_finish(config: K3Config, w: KDAWeights, o: np.ndarray, out_gate: np.ndarray) -> np.ndarray:
+    """Per-head RMSNorm, output gate, o_proj. o [T, NH, D], out_gate [T, P] -> [T, H]."""
+    T = o.shape[0]
+    normed = rms_norm(o, w.o_norm, config.rms_norm_eps).reshape(T, config.kda_proj_size)
+    return (normed * sigmoid(out_gate)) @ w.o_proj.T

@@ -1,0 +1,57 @@
+"""Gated multi-head latent attention without rotary embedding (K3_SPEC section 5, gated MLA layer).
+
+    q        = q_b(RMSNorm(q_a x))                      -> NA heads of [DN nope | DR rope]
+    c        = kv_a x = [latent KL | k_rope DR];  latent = RMSNorm(c[:KL], kv_a_layernorm)
+    k_nope_h = W_uk_h latent,   v_h = W_uv_h latent     (kv_b split per head into key and value halves)
+    score    = (q_nope . k_nope + q_rope . k_rope) / sqrt(DN + DR), causal softmax
+    out      = o_proj(attention * sigmoid(g x))
+
+Only [latent | k_rope] (KL + DR values) is cached per position. Attention runs on the latent directly by
+absorbing W_uk into the query and W_uv into the output:
+    q_nope . (W_uk latent_j) = (W_uk^T q_nope) . latent_j,    sum_j p_j W_uv latent_j = W_uv (sum_j p_j latent_j)
+so no per-head key or value is ever expanded. The reference (model/reference.py) computes the expanded form.
+
+Shapes: T new tokens, N cached positions (including the new ones), NA heads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from k3serve.config import K3Config
+from k3serve.model.ops import rms_norm, sigmoid, softmax
+from k3serve.model.weights import MLAWeights
+
+
+def mla_project(config: K3Config, w: MLAWeights, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """x [T, H] -> (q [T, NA, DN+DR], cache rows [T, KL+DR], output gate [T, NA*DV] or None)."""
+    QL, KL, DR = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
+    NA, DN = config.num_mla_heads, config.qk_nope_head_dim
+    proj = x @ w.in_proj.T  # [T, QL + KL + DR (+ NA*DV)]
+    q = rms_norm(proj[:, :QL], w.q_a_norm, config.rms_norm_eps) @ w.q_b.T
+    latent = rms_norm(proj[:, QL:QL + KL], w.kv_a_norm, config.rms_norm_eps)
+    rows = np.concatenate([latent, proj[:, QL + KL:QL + KL + DR]], axis=1)  # [T, KL+DR]
+    gate = proj[:, QL + KL + DR:] if w.has_gate else None
+    return q.reshape(x.shape[0], NA, DN + DR), rows, gate
+
+
+def mla_attend(config: K3Config, w: MLAWeights, q: np.ndarray, cache: np.ndarray,
+               gate: np.ndarray | None) -> np.ndarray:
+    """Attention of T new queries over N cached rows; the new tokens are the last T rows of the cache.
+
+    q [T, NA, DN+DR], cache [N, KL+DR], gate [T, NA*DV] -> [T, H]."""
+    KL, DN, DR = config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim
+    T, N = q.shape[0], cache.shape[0]
+    latent, k_rope = cache[:, :KL], cache[:, KL:]
+    q_latent = np.einsum("tad,adk->atk", q[:, :, :DN], w.w_uk)  # [NA, T, KL]
+    q_rope = q[:, :, DN:].transpose(1, 0, 2)  # [NA, T, DR]
+    scores = (q_latent @ latent.T + q_rope @ k_rope.T) * np.float32(1.0 / np.sqrt(DN + DR))  # [NA, T, N]
+    # query t sits at position N - T + t and sees positions 0..N - T + t
+    visible = np.arange(N)[None, :] <= (N - T + np.arange(T))[:, None]  # [T, N]
+    scores = np.where(visible[None], scores, -np.inf)
+    probs = softmax(scores, axis=-1)
+    out_latent = probs @ latent  # [NA, T, KL]
+    attn = np.einsum("atk,avk->tav", out_latent, w.w_uv).reshape(T, -1)  # [T, NA*DV]
+    if gate is not None:
+        attn = attn * sigmoid(gate)
+    return attn @ w.o_proj.T

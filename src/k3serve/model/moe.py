@@ -1,0 +1,91 @@
+"""The sigmoid router, the latent MoE with shared experts, and the dense MLP (K3_SPEC section 5).
+
+Router:  s = sigmoid(gate x); choose TOPK by s + bias (the bias affects selection only);
+         weight_e = s_e / sum(s_chosen) * routed_scaling_factor
+MoE:     z = routed_expert_down_proj x            (H -> LT)
+         y_e = w2_e SiTU-GLU(w1_e z, w3_e z)       in the latent, each expert straight from its MXFP4 bytes
+         r = RMSNorm(sum_e weight_e y_e, routed_expert_norm)
+         out = routed_expert_up_proj r + shared_experts(x)
+Each expert is computed once per forward for all tokens routed to it, so a batch reads each expert once.
+
+Shapes: T tokens, NE experts, TOPK active, LT latent, MI expert intermediate, SI shared width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from k3serve.config import K3Config
+from k3serve.model.kernels import mxfp4_matmul
+from k3serve.model.ops import rms_norm, sigmoid, situ_glu
+from k3serve.model.weights import DenseMLPWeights, ExpertWeights, MoEWeights
+
+
+@dataclass(frozen=True)
+class Routing:
+    expert_ids: np.ndarray  # [T, TOPK] int64, best first
+    weights: np.ndarray  # [T, TOPK] float32
+
+
+def route(config: K3Config, w: MoEWeights, x: np.ndarray) -> Routing:
+    """x [T, H] -> the TOPK experts of each token and their mixing weights."""
+    return route_scores(config, sigmoid(x @ w.router.T), w.router_bias)
+
+
+def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Routing:
+    """scores [T, NE] (after sigmoid) -> Routing. Ties in s + bias go to the lower expert id."""
+    top_k = config.num_experts_per_token
+    biased = scores + bias  # [T, NE]
+    # stable sort on the negated value keeps lower ids first among equal values
+    ids = np.argsort(-biased, axis=1, kind="stable")[:, :top_k]  # [T, TOPK]
+    chosen = np.take_along_axis(scores, ids, axis=1)
+    if config.moe_renormalize:
+        chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
+    return Routing(expert_ids=ids, weights=(chosen * np.float32(config.routed_scaling_factor)).astype(np.float32))
+
+
+def expert_forward(config: K3Config, e: ExpertWeights, z: np.ndarray) -> np.ndarray:
+    """One routed expert on the latent rows routed to it: z [n, LT] -> [n, LT]."""
+    gate = mxfp4_matmul(e.w1_packed, e.w1_scales, z)  # [n, MI]
+    up = mxfp4_matmul(e.w3_packed, e.w3_scales, z)  # [n, MI]
+    hidden = situ_glu(gate, up, config.situ_beta, config.situ_linear_beta)
+    return mxfp4_matmul(e.w2_packed, e.w2_scales, hidden)  # [n, LT]
+
+
+ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]
+
+
+def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: ExpertFetch,
+                routing: Routing | None = None) -> tuple[np.ndarray, Routing]:
+    """x [T, H] -> (out [T, H], routing). `fetch_experts(ids)` returns the MXFP4 weights of those experts."""
+    if routing is None:
+        routing = route(config, w, x)
+    T = x.shape[0]
+    z = x @ w.latent_down.T  # [T, LT]
+    needed = np.unique(routing.expert_ids)
+    experts = fetch_experts([int(e) for e in needed])
+    mixed = np.zeros((T, config.latent_size), np.float32)  # [T, LT]
+    for expert in needed:  # ascending id: a fixed accumulation order per token
+        tokens, slots = np.nonzero(routing.expert_ids == expert)
+        y = expert_forward(config, experts[int(expert)], np.ascontiguousarray(z[tokens]))
+        mixed[tokens] += routing.weights[tokens, slots][:, None] * y
+    if config.latent_moe_use_norm:
+        mixed = rms_norm(mixed, w.latent_norm, config.rms_norm_eps)
+    out = mixed @ w.latent_up.T  # [T, H]
+    if w.shared_gate_up is not None:
+        out += _glu_mlp(config, w.shared_gate_up, w.shared_down, x)
+    return out, routing
+
+
+def dense_mlp_forward(config: K3Config, w: DenseMLPWeights, x: np.ndarray) -> np.ndarray:
+    return _glu_mlp(config, w.gate_up, w.down, x)
+
+
+def _glu_mlp(config: K3Config, gate_up: np.ndarray, down: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """down(SiTU-GLU(gate x, up x)) with gate and up stacked in one [2I, H] matrix."""
+    h = x @ gate_up.T  # [T, 2I]
+    width = gate_up.shape[0] // 2
+    return situ_glu(h[:, :width], h[:, width:], config.situ_beta, config.situ_linear_beta) @ down.T

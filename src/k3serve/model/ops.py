@@ -1,0 +1,42 @@
+"""Small elementwise and normalisation ops shared by the model layers (numpy, float32).
+
+    RMSNorm(x, w) = x / sqrt(mean(x^2) + eps) * w
+    SiTU-GLU(g, u) = b1 tanh(g / b1) * sigmoid(g) * b2 tanh(u / b2)      (K3: b1 = 4, b2 = 25)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    # exp of a non-positive number only, so no overflow warnings for large |x|
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32, copy=False)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis; `weight` None means no weight."""
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    out = x / np.sqrt(variance + np.float32(eps))
+    return out * weight if weight is not None else out
+
+
+def situ_glu(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float) -> np.ndarray:
+    b1, b2 = np.float32(beta), np.float32(linear_beta)
+    return b1 * np.tanh(gate / b1) * sigmoid(gate) * (b2 * np.tanh(up / b2))
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Divide by sqrt(sum of squares + eps) over the last axis."""
+    return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=axis, keepdims=True)

@@ -1,0 +1,210 @@
+"""Weight containers the model computes with, and the `WeightSource` seam it reads them through.
+
+The model never knows where bytes come from: a resident source holds everything in RAM, a streaming source
+(k3serve.stream) reads through a cache under a budget. Trunk weights arrive as float32 arrays, routed experts as
+their MXFP4 bytes (multiplied directly by the fused kernels, never expanded).
+
+Fused projection matrices (several [out, H] matrices stacked so one GEMM serves them all) are built once when a
+layer is assembled, from the released tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from k3serve.config import K3Config
+from k3serve.weights import names
+
+
+@dataclass(frozen=True)
+class KDAWeights:
+    in_proj: np.ndarray  # [4P + D + NH, H]: q, k, v, g (output gate), f_a, b stacked
+    f_b: np.ndarray  # [P, D]
+    conv: np.ndarray  # [3P, K]: q, k, v depthwise taps, oldest to newest
+    a_exp: np.ndarray  # [NH] exp(A_log[:NH])
+    dt_bias: np.ndarray  # [P]
+    o_norm: np.ndarray  # [D]
+    o_proj: np.ndarray  # [H, P]
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    in_proj: np.ndarray  # [QL + KL + DR (+ NA*DV), H]: q_a, kv_a_with_mqa (and g) stacked
+    q_a_norm: np.ndarray  # [QL]
+    q_b: np.ndarray  # [NA*(DN+DR), QL]
+    kv_a_norm: np.ndarray  # [KL]
+    w_uk: np.ndarray  # [NA, DN, KL] key half of kv_b, per head
+    w_uv: np.ndarray  # [NA, DV, KL] value half of kv_b, per head
+    o_proj: np.ndarray  # [H, NA*DV]
+    has_gate: bool
+
+
+@dataclass(frozen=True)
+class DenseMLPWeights:
+    gate_up: np.ndarray  # [2*DI, H]
+    down: np.ndarray  # [H, DI]
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    router: np.ndarray  # [NE, H]
+    router_bias: np.ndarray  # [NE] selection-only correction bias
+    latent_down: np.ndarray  # [LT, H]
+    latent_up: np.ndarray  # [H, LT]
+    latent_norm: np.ndarray  # [LT]
+    shared_gate_up: np.ndarray | None  # [2*SI, H]
+    shared_down: np.ndarray | None  # [H, SI]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: np.ndarray  # [H]
+    post_attention_norm: np.ndarray  # [H]
+    attn_res_query: np.ndarray  # [H] self_attention_res_norm * self_attention_res_proj
+    mlp_res_query: np.ndarray  # [H] mlp_res_norm * mlp_res_proj
+    attention: KDAWeights | MLAWeights
+    mlp: DenseMLPWeights | MoEWeights
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for part in (self, self.attention, self.mlp):
+            for value in vars(part).values():
+                if isinstance(value, np.ndarray):
+                    total += value.nbytes
+        return total
+
+
+@dataclass(frozen=True)
+class GlobalWeights:
+    embed: np.ndarray  # [V, H]
+    lm_head: np.ndarray  # [V, H]
+    final_norm: np.ndarray  # [H]
+    output_res_query: np.ndarray  # [H] output_attn_res_norm * output_attn_res_proj
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert in MXFP4: packed nibbles [rows, cols/2] and E8M0 scales [rows, cols/32] per matrix."""
+
+    w1_packed: np.ndarray  # [MI, LT/2] gate
+    w1_scales: np.ndarray  # [MI, LT/32]
+    w3_packed: np.ndarray  # [MI, LT/2] up
+    w3_scales: np.ndarray  # [MI, LT/32]
+    w2_packed: np.ndarray  # [LT, MI/2] down
+    w2_scales: np.ndarray  # [LT, MI/32]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values())
+
+
+class WeightSource(Protocol):
+    """Where the model gets its weights. Implementations must return identical values for identical requests."""
+
+    config: K3Config
+
+    def global_weights(self) -> GlobalWeights: ...
+
+    def layer(self, layer: int) -> LayerWeights: ...
+
+    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]: ...
+
+
+TensorReader = Callable[[str], np.ndarray]
+
+
+def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeights:
+    """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array."""
+    p = names.layer_prefix(layer)
+    f32 = lambda name: np.ascontiguousarray(read(name), dtype=np.float32)  # noqa: E731
+    a = f"{p}self_attn."
+    attention: KDAWeights | MLAWeights
+    if config.is_mla(layer):
+        NA, DN, DV, KL = config.num_mla_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+        parts = [f32(f"{a}q_a_proj.weight"), f32(f"{a}kv_a_proj_with_mqa.weight")]
+        if config.mla_use_output_gate:
+            parts.append(f32(f"{a}g_proj.weight"))
+        kv_b = f32(f"{a}kv_b_proj.weight").reshape(NA, DN + DV, KL)  # [NA, DN+DV, KL]
+        attention = MLAWeights(
+            in_proj=np.ascontiguousarray(np.concatenate(parts, axis=0)),
+            q_a_norm=f32(f"{a}q_a_layernorm.weight"),
+            q_b=f32(f"{a}q_b_proj.weight"),
+            kv_a_norm=f32(f"{a}kv_a_layernorm.weight"),
+            w_uk=np.ascontiguousarray(kv_b[:, :DN, :]),
+            w_uv=np.ascontiguousarray(kv_b[:, DN:, :]),
+            o_proj=f32(f"{a}o_proj.weight"),
+            has_gate=config.mla_use_output_gate,
+        )
+    else:
+        NH = config.kda_num_heads
+        in_proj = np.concatenate(
+            [f32(f"{a}{n}_proj.weight") for n in ("q", "k", "v", "g")]
+            + [f32(f"{a}f_a_proj.weight"), f32(f"{a}b_proj.weight")],
+            axis=0,
+        )
+        conv = np.concatenate([f32(f"{a}{n}_conv1d.weight")[:, 0, :] for n in ("q", "k", "v")], axis=0)
+        attention = KDAWeights(
+            in_proj=np.ascontiguousarray(in_proj),
+            f_b=f32(f"{a}f_b_proj.weight"),
+            conv=np.ascontiguousarray(conv),
+            a_exp=np.exp(f32(f"{a}A_log")[:NH]).astype(np.float32),
+            dt_bias=f32(f"{a}dt_bias"),
+            o_norm=f32(f"{a}o_norm.weight"),
+            o_proj=f32(f"{a}o_proj.weight"),
+        )
+    mlp: DenseMLPWeights | MoEWeights
+    if config.is_dense(layer):
+        m = f"{p}mlp."
+        mlp = DenseMLPWeights(
+            gate_up=np.ascontiguousarray(np.concatenate([f32(f"{m}gate_proj.weight"), f32(f"{m}up_proj.weight")])),
+            down=f32(f"{m}down_proj.weight"),
+        )
+    else:
+        m = names.moe_prefix(layer)
+        has_shared = config.shared_intermediate_size > 0
+        mlp = MoEWeights(
+            router=f32(f"{m}gate.weight"),
+            router_bias=f32(f"{m}gate.e_score_correction_bias"),
+            latent_down=f32(f"{m}routed_expert_down_proj.weight"),
+            latent_up=f32(f"{m}routed_expert_up_proj.weight"),
+            latent_norm=f32(f"{m}routed_expert_norm.weight"),
+            shared_gate_up=np.ascontiguousarray(np.concatenate(
+                [f32(f"{m}shared_experts.gate_proj.weight"), f32(f"{m}shared_experts.up_proj.weight")]
+            )) if has_shared else None,
+            shared_down=f32(f"{m}shared_experts.down_proj.weight") if has_shared else None,
+        )
+    return LayerWeights(
+        input_norm=f32(f"{p}input_layernorm.weight"),
+        post_attention_norm=f32(f"{p}post_attention_layernorm.weight"),
+        attn_res_query=(f32(f"{p}self_attention_res_norm.weight")
+                        * f32(f"{p}self_attention_res_proj.weight").reshape(-1)),
+        mlp_res_query=f32(f"{p}mlp_res_norm.weight") * f32(f"{p}mlp_res_proj.weight").reshape(-1),
+        attention=attention,
+        mlp=mlp,
+    )
+
+
+def build_globals(read: TensorReader) -> GlobalWeights:
+    f32 = lambda name: np.ascontiguousarray(read(name), dtype=np.float32)  # noqa: E731
+    return GlobalWeights(
+        embed=f32(names.EMBED),
+        lm_head=f32(names.LM_HEAD),
+        final_norm=f32(names.FINAL_NORM),
+        output_res_query=f32(names.OUTPUT_RES_NORM) * f32(names.OUTPUT_RES_PROJ).reshape(-1),
+    )
+
+
+def build_expert(layer: int, expert: int, read: TensorReader) -> ExpertWeights:
+    """`read(name)` returns the uint8 array as stored."""
+    def u8(matrix: str, part: str) -> np.ndarray:
+        return np.ascontiguousarray(read(names.expert_name(layer, expert, matrix, part)), dtype=np.uint8)
+
+    return ExpertWeights(
+        w1_packed=u8("w1", "weight_packed"), w1_scales=u8("w1", "weight_scale"),
+        w3_packed=u8("w3", "weight_packed"), w3_scales=u8("w3", "weight_scale"),
+        w2_packed=u8("w2", "weight_packed"), w2_scales=u8("w2", "weight_scale"),
+    )

@@ -1,0 +1,68 @@
+"""A K3 checkpoint folder: config.json, safetensors shards, and optionally the tokenizer files.
+
+Opening one checks every tensor the config implies against the headers (present, shape, dtype) before any
+weight is read, so a mismatched or truncated checkpoint is refused at load with the names that are wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from k3serve.config import K3Config, load_config
+from k3serve.errors import CheckpointError
+from k3serve.weights import names
+from k3serve.weights.safetensors_io import SafetensorsIndex
+
+_FLOAT_DTYPES = {"BF16", "F32", "F16"}
+_MAX_LISTED_PROBLEMS = 8
+
+
+class Checkpoint:
+    def __init__(self, path: str | Path, validate: bool = True) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint folder {self.path} does not exist")
+        self.config: K3Config = load_config(self.path)
+        self.index = SafetensorsIndex.open(self.path)
+        if validate:
+            self.validate()
+
+    def validate(self) -> None:
+        problems: list[str] = []
+        for spec in names.all_specs(self.config):
+            if spec.name not in self.index:
+                problems.append(f"missing tensor {spec.name} {list(spec.shape)}")
+            else:
+                info = self.index.info(spec.name)
+                if tuple(info.shape) != spec.shape:
+                    problems.append(f"{spec.name} has shape {list(info.shape)}, config implies {list(spec.shape)}")
+                elif spec.dtype == "U8" and info.dtype != "U8":
+                    problems.append(f"{spec.name} has dtype {info.dtype}, MXFP4 bytes must be U8")
+                elif spec.dtype != "U8" and info.dtype not in _FLOAT_DTYPES:
+                    problems.append(f"{spec.name} has dtype {info.dtype}, expected a float type")
+            if len(problems) >= _MAX_LISTED_PROBLEMS:
+                break
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not match its config.json:\n  " + "\n  ".join(problems)
+            )
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor as float32 (bf16/f16/f32 on disk) or as stored bytes (U8)."""
+        array = self.index.read(name)
+        return array if array.dtype == np.uint8 else array.astype(np.float32, copy=False)
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        return self.path if (self.path / "tiktoken.model").exists() else None
+
+    def close(self) -> None:
+        self.index.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
