@@ -1,0 +1,161 @@
+"""The `k3serve` command line: generate, logits, make-tiny, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from k3serve.errors import K3Error
+
+EXIT_USER_ERROR = 2
+
+
+def _add_model_arg(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument("--model", type=Path, required=required,
+                        help="checkpoint folder (config.json + safetensors); default: the embedded model")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--ids needs at least one id")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3serve", description="CPU inference for Kimi K3-family MoE models")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_arg(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence ids")
+    gen.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+
+    logits = sub.add_parser("logits", help="write float32 logits for every position to a .npy file")
+    _add_model_arg(logits)
+    logits.add_argument("--ids", type=_parse_ids, required=True, help="comma-separated token ids")
+    logits.add_argument("--out", type=Path, required=True)
+    logits.add_argument("--mode", choices=("full", "incremental"), default="full")
+
+    tiny = sub.add_parser("make-tiny", help="write the tiny oracle checkpoint (K3_SPEC tiny shapes)")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+
+    info = sub.add_parser("info", help="describe a model: shapes, layer map, parameter counts, sizes")
+    _add_model_arg(info)
+    info.add_argument("--full-k3", action="store_true", help="describe the full Kimi K3 shapes instead")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from k3serve.engine.generate import generate
+    from k3serve.engine.sampling import SamplingParams
+    from k3serve.loading import load_model
+
+    loaded = load_model(args.model)
+    if loaded.tokenizer is None:
+        raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model); use `k3serve logits --ids` instead")
+    tokenizer = loaded.tokenizer
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not args.no_bos and tokenizer.bos_id is not None:
+        prompt_ids = [tokenizer.bos_id] + prompt_ids
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    decoder = tokenizer.stream_decoder()
+    stops = set(loaded.stop_ids)
+
+    def emit(token: int) -> None:
+        if token in stops:
+            return
+        text = decoder.add(token)
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    _, report = generate(loaded.model, prompt_ids, params, stop_ids=loaded.stop_ids, on_token=emit)
+    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.flush()
+    print(f"--- run report ({loaded.path.name})", file=sys.stderr)
+    for line in report.lines():
+        print(line, file=sys.stderr)
+    return 0
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    from k3serve.loading import load_model
+
+    loaded = load_model(args.model)
+    logits = loaded.model.logits(args.ids, mode=args.mode)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(args.out, logits.astype(np.float32))
+    print(f"wrote {args.out}: float32 {list(logits.shape)} ({args.mode})", file=sys.stderr)
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from k3serve.config import tiny_config
+    from k3serve.weights.synthetic import write_random_checkpoint
+
+    config = tiny_config()
+    write_random_checkpoint(config, args.out, seed=args.seed, max_shard_bytes=1 << 20)
+    print(f"wrote the tiny oracle ({config.layer_map}, {config.num_experts} experts, top-"
+          f"{config.num_experts_per_token}) to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from k3serve.config import full_k3_config, load_config
+    from k3serve.loading import default_model_dir
+
+    config = full_k3_config() if args.full_k3 else load_config(args.model or default_model_dir())
+    counts = config.num_parameters()
+    num_moe = len(config.moe_layer_ids)
+    summary = {
+        "layer_map": config.layer_map,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "experts_per_layer": config.num_experts,
+        "active_experts": config.num_experts_per_token,
+        "parameters": counts,
+        "expert_bytes": config.expert_bytes,
+        "expert_store_bytes": config.expert_bytes * config.num_experts * num_moe,
+        "expert_bytes_per_token": config.expert_bytes * config.num_experts_per_token * num_moe,
+        "mla_cache_values_per_position_per_layer": config.mla_cache_width,
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "make-tiny": cmd_make_tiny, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except K3Error as exc:
+        print(f"k3serve: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

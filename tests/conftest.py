@@ -1,0 +1,38 @@
+"""Shared fixtures: the tiny oracle checkpoint, written once per test session, and models over it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# every test run generates its own default model unless the caller points elsewhere
+os.environ.setdefault("K3SERVE_CACHE", tempfile.mkdtemp(prefix="k3serve-test-cache-"))
+
+from k3serve.config import tiny_config  # noqa: E402
+from k3serve.loading import load_model  # noqa: E402
+from k3serve.weights.checkpoint import Checkpoint  # noqa: E402
+from k3serve.weights.synthetic import write_random_checkpoint  # noqa: E402
+
+TINY_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    return write_random_checkpoint(tiny_config(), out, seed=TINY_SEED, max_shard_bytes=1 << 20)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    return load_model(tiny_dir).model
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_dir):
+    from k3serve.model.reference import ReferenceModel
+
+    checkpoint = Checkpoint(tiny_dir)
+    tensors = {name: checkpoint.read(name) for name in checkpoint.index.names()}
+    return ReferenceModel(checkpoint.config, tensors)

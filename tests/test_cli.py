@@ -1,0 +1,74 @@
+"""The command line, run as a user would: generate on the embedded model, logits, make-tiny, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from k3serve.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3serve.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_on_the_embedded_model_streams_text_and_reports_on_stderr():
+    result = _run("generate", "--prompt", "def fibonacci(n):", "--max-tokens", "12", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), "generated text goes to stdout"
+    for field in ("prompt tokens", "generated tokens  12", "prefill", "decode", "peak RSS"):
+        assert field in result.stderr
+    assert "prompt tokens" not in result.stdout  # the report never pollutes piped output
+
+
+def test_generate_is_deterministic_with_a_seed(capsys):
+    outputs = []
+    for _ in range(2):
+        assert main(["generate", "--prompt", "import os", "--max-tokens", "10", "--temperature", "0.9",
+                     "--top-p", "0.9", "--seed", "7", "--ignore-eos"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+
+
+def test_logits_full_and_incremental_agree(tiny_dir, tmp_path):
+    ids = "1,5,9,200,17,3,88,41,2,250,7"
+    paths = {}
+    for mode in ("full", "incremental"):
+        paths[mode] = tmp_path / f"{mode}.npy"
+        assert main(["logits", "--model", str(tiny_dir), "--ids", ids, "--out", str(paths[mode]),
+                     "--mode", mode]) == 0
+    full, incremental = np.load(paths["full"]), np.load(paths["incremental"])
+    assert full.dtype == np.float32 and full.shape == (11, 256)
+    assert np.array_equal(full.argmax(1), incremental.argmax(1))
+    assert np.sqrt(np.mean((full - incremental) ** 2) / np.mean(full ** 2)) < 1e-5
+
+
+def test_make_tiny_writes_a_loadable_oracle(tmp_path):
+    from k3serve.weights.checkpoint import Checkpoint
+
+    assert main(["make-tiny", str(tmp_path / "t")]) == 0
+    with Checkpoint(tmp_path / "t") as checkpoint:
+        assert checkpoint.config.layer_map == "KKKMKKKMKKKMM"
+        assert checkpoint.index.info("language_model.model.embed_tokens.weight").dtype == "BF16"
+        expert = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
+        assert checkpoint.index.info(expert).dtype == "U8"
+        assert len(list(checkpoint.path.glob("*.safetensors"))) > 1  # sharded, with an index
+
+
+def test_user_errors_exit_2_with_a_message(tiny_dir, tmp_path):
+    result = _run("logits", "--model", str(tiny_dir), "--ids", "1,2,999", "--out", str(tmp_path / "x.npy"))
+    assert result.returncode == 2 and "out of range" in result.stderr
+    result = _run("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    result = _run("generate", "--prompt", "hi", "--temperature", "-1")
+    assert result.returncode == 2 and "temperature" in result.stderr
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for file in tiny_dir.iterdir():
+        data = file.read_bytes()
+        (truncated / file.name).write_bytes(data[: len(data) // 2] if file.suffix == ".safetensors" else data)
+    result = _run("logits", "--model", str(truncated), "--ids", "1", "--out", str(tmp_path / "y.npy"))
+    assert result.returncode == 2 and "safetensors" in result.stderr
