@@ -128,3 +128,24 @@ def test_warmup_runs() -> None:
     warmup()  # compiles or loads from cache; a later call must still be correct
     packed = np.full((1, 16), 0x22, dtype=np.uint8)  # every element 1.0
     assert mxfp4_matmul(packed, np.array([[127]], dtype=np.uint8), np.ones((1, 32), dtype=np.float32))[0, 0] == 32.0
+
+
+@pytest.mark.parametrize("latent,inter,tokens", [(64, 96, 1), (128, 128, 5), (512, 384, 3)])
+def test_fused_expert_forward_matches_numpy_twin(latent, inter, tokens):
+    """The one-call expert (small shapes) and the three-call path (large shapes) both equal the numpy form."""
+    from k3serve.model.kernels import PARALLEL_MIN_WEIGHTS, mxfp4_expert_forward
+    from k3serve.model.ops import situ_glu
+    from k3serve.weights.mxfp4 import quantize_mxfp4
+
+    rng = np.random.default_rng(latent + inter)
+    w1 = quantize_mxfp4((4 * rng.normal(size=(inter, latent)) / np.sqrt(latent)).astype(np.float32))
+    w3 = quantize_mxfp4((30 * rng.normal(size=(inter, latent)) / np.sqrt(latent)).astype(np.float32))
+    w2 = quantize_mxfp4((rng.normal(size=(latent, inter)) / np.sqrt(inter)).astype(np.float32))
+    z = rng.normal(size=(tokens, latent)).astype(np.float32)
+    hidden = situ_glu(mxfp4_matmul_reference(*w1, z), mxfp4_matmul_reference(*w3, z), 4.0, 25.0)
+    expected = mxfp4_matmul_reference(*w2, hidden)
+    got = mxfp4_expert_forward(w1, w3, w2, z, 4.0, 25.0)
+    error = float(np.sqrt(np.mean((got - expected) ** 2) / np.mean(expected ** 2)))
+    assert error < 1e-5, f"relative RMS {error:.2e} (parallel path: {inter * latent >= PARALLEL_MIN_WEIGHTS})"
+    # a token's result does not depend on the other tokens in the call
+    np.testing.assert_array_equal(mxfp4_expert_forward(w1, w3, w2, z[:1], 4.0, 25.0), got[:1])

@@ -69,10 +69,20 @@ def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
     proj = x @ w.in_proj.T  # [T, 4P + D + NH]
     out_gate, f_a, b = proj[:, 3 * P:4 * P], proj[:, 4 * P:4 * P + D], proj[:, 4 * P + D:]
     qkv = np.empty((T, 3 * P), np.float32)
-    new_tails = []
-    for (start, end), tail in zip(segments, conv_tails):
-        qkv[start:end], new_tail = causal_conv(proj[start:end, :3 * P], tail, w.conv)
-        new_tails.append(new_tail)
+    new_tails: list[np.ndarray] = [np.empty(0)] * len(segments)
+    single = [i for i, (start, end) in enumerate(segments) if end - start == 1]
+    if single:  # decode: every one-token segment in one vectorised conv, same summation order as causal_conv
+        rows = np.array([segments[i][0] for i in single])
+        window = np.concatenate([np.stack([conv_tails[i] for i in single]), proj[rows, None, :3 * P]], axis=1)
+        out = np.zeros((len(single), 3 * P), np.float32)  # [B, 3P]
+        for j in range(window.shape[1]):
+            out += window[:, j] * w.conv[:, j]
+        qkv[rows] = out
+        for row, i in enumerate(single):
+            new_tails[i] = window[row, 1:].copy()
+    for i, ((start, end), tail) in enumerate(zip(segments, conv_tails)):
+        if end - start > 1:
+            qkv[start:end], new_tails[i] = causal_conv(proj[start:end, :3 * P], tail, w.conv)
     qkv = silu(qkv).reshape(T, 3, NH, D)
     q = l2_normalize(qkv[:, 0]) * np.float32(1.0 / np.sqrt(D))
     k = l2_normalize(qkv[:, 1])

@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.kernels import mxfp4_matmul
+from k3serve.model.kernels import mxfp4_expert_forward
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, MoEWeights
 
@@ -49,10 +49,8 @@ def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Rout
 
 def expert_forward(config: K3Config, e: ExpertWeights, z: np.ndarray) -> np.ndarray:
     """One routed expert on the latent rows routed to it: z [n, LT] -> [n, LT]."""
-    gate = mxfp4_matmul(e.w1_packed, e.w1_scales, z)  # [n, MI]
-    up = mxfp4_matmul(e.w3_packed, e.w3_scales, z)  # [n, MI]
-    hidden = situ_glu(gate, up, config.situ_beta, config.situ_linear_beta)
-    return mxfp4_matmul(e.w2_packed, e.w2_scales, hidden)  # [n, LT]
+    return mxfp4_expert_forward((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales),
+                                (e.w2_packed, e.w2_scales), z, config.situ_beta, config.situ_linear_beta)
 
 
 ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]

@@ -10,9 +10,8 @@ import numpy as np
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    # exp of a non-positive number only, so no overflow warnings for large |x|
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32, copy=False)
+    # one ufunc, no overflow for large |x|; absolute error ~1e-7, which is all the gates and decays need
+    return np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
