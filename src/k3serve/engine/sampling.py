@@ -24,6 +24,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # completions per request (the engine forks them from one prefill)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
@@ -37,6 +38,13 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n must be a positive integer, got {self.n!r}")
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.stop_token_ids, tuple) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be a tuple of non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
@@ -44,11 +52,12 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws tokens for one sequence. Holds that sequence's random generator."""
+    """Draws tokens for one sequence. Holds that sequence's random generator (by default seeded with
+    `params.seed`; the engine passes its own for the 2nd..nth completion of a seeded request)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, rng: np.random.Generator | None = None) -> None:
         self.params = params
-        self._rng = np.random.default_rng(params.seed)
+        self._rng = np.random.default_rng(params.seed) if rng is None else rng
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution sampling draws from, after temperature, top-k and top-p. logits [V] -> [V]."""
