@@ -20,6 +20,11 @@ def _add_model_arg(parser: argparse.ArgumentParser, required: bool = False) -> N
                         help="checkpoint folder (config.json + safetensors); default: the embedded model")
 
 
+def _add_precision_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--expert-precision", choices=("native", "bf16", "mxfp4", "int8"), default="native",
+                        help="routed-expert precision for non-K3 families (K3 experts are MXFP4 already)")
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
@@ -37,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     _add_model_arg(gen)
-    gen.add_argument("--prompt", required=True, help="prompt text")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as comma-separated token ids")
+    _add_precision_arg(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -51,10 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
     logits.add_argument("--ids", type=_parse_ids, required=True, help="comma-separated token ids")
     logits.add_argument("--out", type=Path, required=True)
     logits.add_argument("--mode", choices=("full", "incremental"), default="full")
+    _add_precision_arg(logits)
 
     tiny = sub.add_parser("make-tiny", help="write the tiny oracle checkpoint (K3_SPEC tiny shapes)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    _add_model_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    serve.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per forward step")
+    serve.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
+    serve.add_argument("--max-model-len", type=int, default=4096, help="prompt + generated tokens per sequence")
+    serve.add_argument("--block-size", type=int, default=16, help="positions per paged MLA cache block")
+    serve.add_argument("--kv-cache-mib", type=int, default=256, help="memory for the paged MLA cache")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
 
     info = sub.add_parser("info", help="describe a model: shapes, layer map, parameter counts, sizes")
     _add_model_arg(info)
@@ -67,15 +88,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from k3serve.engine.sampling import SamplingParams
     from k3serve.loading import load_model
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, expert_precision=args.expert_precision)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    if args.prompt_ids is not None:
+        tokens, report = generate(loaded.model, args.prompt_ids, params, stop_ids=loaded.stop_ids)
+        print(",".join(str(t) for t in tokens))
+        _print_report(loaded, report)
+        return 0
     if loaded.tokenizer is None:
-        raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model); use `k3serve logits --ids` instead")
+        raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model); pass --prompt-ids instead")
     tokenizer = loaded.tokenizer
     prompt_ids = tokenizer.encode(args.prompt)
     if not args.no_bos and tokenizer.bos_id is not None:
         prompt_ids = [tokenizer.bos_id] + prompt_ids
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     decoder = tokenizer.stream_decoder()
     stops = set(loaded.stop_ids)
 
@@ -90,16 +116,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _, report = generate(loaded.model, prompt_ids, params, stop_ids=loaded.stop_ids, on_token=emit)
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
+    _print_report(loaded, report)
+    return 0
+
+
+def _print_report(loaded, report) -> None:
     print(f"--- run report ({loaded.path.name})", file=sys.stderr)
     for line in report.lines():
         print(line, file=sys.stderr)
-    return 0
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
     from k3serve.loading import load_model
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, expert_precision=args.expert_precision)
     logits = loaded.model.logits(args.ids, mode=args.mode)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.save(args.out, logits.astype(np.float32))
@@ -122,6 +152,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     from k3serve.config import full_k3_config, load_config
     from k3serve.loading import default_model_dir
 
+    from k3serve.model.families import is_family_checkpoint, read_family_config
+
+    if args.model is not None and is_family_checkpoint(args.model):
+        print(json.dumps(read_family_config(args.model).summary(), indent=2))
+        return 0
     config = full_k3_config() if args.full_k3 else load_config(args.model or default_model_dir())
     counts = config.num_parameters()
     num_moe = len(config.moe_layer_ids)
@@ -141,7 +176,31 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "make-tiny": cmd_make_tiny, "info": cmd_info}
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k3serve.engine.config import EngineConfig
+    from k3serve.engine.engine import LLMEngine
+    from k3serve.loading import load_model
+    from k3serve.serve.api import create_app
+
+    loaded = load_model(args.model)
+    if loaded.checkpoint is None:
+        raise K3Error(f"{loaded.path} is a {loaded.model.config.model_type} checkpoint: the server runs K3 models "
+                      "only for now (use generate or logits for the other families)")
+    if loaded.tokenizer is None:
+        raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model): the server needs one")
+    config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
+                          max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                          max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache)
+    engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids)
+    name = args.served_model_name or loaded.path.name
+    print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(engine, loaded.tokenizer, name), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, "make-tiny": cmd_make_tiny, "info": cmd_info}
 
 
 def main(argv: list[str] | None = None) -> int:

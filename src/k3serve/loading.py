@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3serve.config import K3Config
-from k3serve.errors import CheckpointError
+from k3serve.errors import CheckpointError, ConfigError, TokenizerError
+from k3serve.model.families import FamilyModel, is_family_checkpoint, load_family
 from k3serve.model.k3 import K3Model
 from k3serve.model.kernels import warmup as warmup_kernels
 from k3serve.model.source import ResidentSource
@@ -76,22 +77,45 @@ def default_model_dir() -> Path:
 
 @dataclass
 class LoadedModel:
-    model: K3Model
-    checkpoint: Checkpoint
+    model: K3Model | FamilyModel
+    checkpoint: Checkpoint | None  # None for the other families (their tensors are read through the family)
     tokenizer: Tokenizer | None
     path: Path
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        ids = list(self.checkpoint.config.eos_token_ids)
+        ids = list(self.model.config.eos_token_ids)
         if self.tokenizer is not None:
             ids += list(self.tokenizer.eos_ids)
         return tuple(dict.fromkeys(ids))
 
 
-def load_model(path: str | Path | None = None) -> LoadedModel:
-    """Open a checkpoint folder (or the default model) with the resident weight source."""
+def load_model(path: str | Path | None = None, expert_precision: str = "native", stream=None) -> LoadedModel:
+    """Open a checkpoint folder (or the default model) with the resident weight source.
+
+    K3 checkpoints go to `K3Model`; Kimi Linear, DeepSeek-V3 / Kimi K2, Qwen3-MoE and Qwen3-Next checkpoints
+    (by their config's model_type) to the family models, whose bf16 experts may be quantized at load."""
+    from k3serve.weights.store import is_packed_store
+
+    if stream is not None or (path is not None and is_packed_store(path)):
+        # a packed store, or any streaming option (`stream`: k3serve.stream.source.StreamOptions)
+        from k3serve.stream.loading import load_streaming
+        from k3serve.stream.source import StreamOptions
+
+        return load_streaming(path, stream if stream is not None else StreamOptions())
     folder = Path(path) if path is not None else default_model_dir()
+    if is_family_checkpoint(folder):
+        family = load_family(folder, expert_precision=expert_precision)
+        family_tokenizer = None
+        if (folder / "tiktoken.model").exists():
+            try:
+                family_tokenizer = Tokenizer.from_dir(folder)
+            except TokenizerError as exc:
+                logger.warning("%s: tokenizer not usable (%s); pass token ids instead", folder, exc)
+        return LoadedModel(model=family, checkpoint=None, tokenizer=family_tokenizer, path=folder)
+    if expert_precision not in ("native", "mxfp4"):
+        raise ConfigError(f"K3 experts ship as MXFP4; --expert-precision {expert_precision!r} applies to the other "
+                          "families")
     checkpoint = Checkpoint(folder)
     tokenizer = Tokenizer.from_dir(checkpoint.tokenizer_dir) if checkpoint.tokenizer_dir else None
     if tokenizer is not None and tokenizer.vocab_size > checkpoint.config.vocab_size:

@@ -1,0 +1,100 @@
+"""Pieces every family builder shares: the common config keys, GLU and lm_head weights, and expert readers.
+
+Experts come in two layouts, both read lazily, one expert at a time:
+- per expert (released checkpoints, and what transformers' `save_pretrained` writes back):
+  `{moe}experts.{e}.{gate}.weight` [I, H], `{up}` [I, H], `{down}` [H, I];
+- fused (transformers' in-memory layout): `{moe}experts.gate_up_proj` [E, 2I, H], `{moe}experts.down_proj`
+  [E, H, I]; one expert's slice is read by byte range, never the whole tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from k3serve.errors import CheckpointError
+from k3serve.model.families.experts import ExpertReader
+from k3serve.model.families.hf_config import HFConfig
+from k3serve.model.families.moe import GLUWeights
+from k3serve.model.families.tensors import TensorReader
+from k3serve.weights.bf16 import bf16_bits_to_f32
+from k3serve.weights.safetensors_io import STORAGE_DTYPES
+
+# transformers builds q_a_layernorm and kv_a_layernorm (DeepSeek-V3, Kimi Linear) without passing the config's
+# eps, so they use the class default
+MLA_INNER_NORM_EPS = 1e-6
+
+
+def common_keys(config: HFConfig) -> dict:
+    """The DecoderConfig fields every family reads the same way."""
+    bos, eos = config.special_ids()
+    return dict(
+        vocab_size=config.integer("vocab_size"),
+        hidden_size=config.integer("hidden_size"),
+        num_layers=config.integer("num_hidden_layers"),
+        rms_norm_eps=config.number("rms_norm_eps"),
+        # absent in some released configs; transformers' default for every family here is False
+        tie_word_embeddings=bool(config.optional("tie_word_embeddings", False)),
+        bos_token_id=bos,
+        eos_token_ids=eos,
+    )
+
+
+def check_supported_basics(config: HFConfig) -> None:
+    config.require_value("hidden_act", ("silu",))
+    config.require_value("attention_bias", (False,), value_when_absent=False)
+
+
+def glu(reader: TensorReader, prefixes: tuple[str, ...], hidden: int, width: int) -> GLUWeights:
+    """A SiLU-GLU MLP under the first of `prefixes` that holds it."""
+    prefix = next((p for p in prefixes if f"{p}gate_proj.weight" in reader), prefixes[0])
+    gate = reader.f32(f"{prefix}gate_proj.weight", shape=(width, hidden))
+    up = reader.f32(f"{prefix}up_proj.weight", shape=(width, hidden))
+    down = reader.f32(f"{prefix}down_proj.weight", shape=(hidden, width))
+    return GLUWeights(gate_up=np.ascontiguousarray(np.concatenate([gate, up])), down=down)
+
+
+def embeddings(reader: TensorReader, vocab: int, hidden: int, tied: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(embed [V, H], lm_head [V, H]); a tied model reuses the embedding."""
+    embed = reader.f32("model.embed_tokens.weight", shape=(vocab, hidden))
+    if tied:
+        return embed, embed
+    return embed, reader.f32("lm_head.weight", shape=(vocab, hidden))
+
+
+def _read_slice(reader: TensorReader, name: str, index: int, shape: tuple[int, int]) -> np.ndarray:
+    """Slice `index` of a [E, R, C] tensor, by byte range."""
+    info = reader.index.info(name)
+    if len(info.shape) != 3 or tuple(info.shape[1:]) != shape:
+        raise CheckpointError(f"{reader.family} checkpoint {reader.path}: tensor {name!r} has shape "
+                              f"{list(info.shape)}, expected [E, {shape[0]}, {shape[1]}]")
+    stored = STORAGE_DTYPES[info.dtype]
+    size = math.prod(shape) * stored.itemsize
+    raw = np.frombuffer(reader.index.read_range(name, index * size, size), dtype=stored).reshape(shape)
+    if info.dtype == "BF16":
+        return bf16_bits_to_f32(raw)
+    return raw.astype(np.float32)
+
+
+def expert_reader(reader: TensorReader, moe_prefix: Callable[[int], str], matrix_names: tuple[str, str, str],
+                  hidden: int, width: int) -> ExpertReader:
+    """(layer, expert) -> float32 (gate [I, H], up [I, H], down [H, I]) from whichever layout is present.
+
+    `matrix_names` are the per-expert module names of gate, up and down (("gate_proj", "up_proj", "down_proj"),
+    or Kimi's ("w1", "w3", "w2"))."""
+    gate_name, up_name, down_name = matrix_names
+
+    def read(layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        prefix = moe_prefix(layer)
+        per_expert = f"{prefix}experts.{expert}."
+        if f"{per_expert}{gate_name}.weight" in reader or f"{prefix}experts.gate_up_proj" not in reader:
+            return (reader.f32(f"{per_expert}{gate_name}.weight", shape=(width, hidden)),
+                    reader.f32(f"{per_expert}{up_name}.weight", shape=(width, hidden)),
+                    reader.f32(f"{per_expert}{down_name}.weight", shape=(hidden, width)))
+        gate_up = _read_slice(reader, f"{prefix}experts.gate_up_proj", expert, (2 * width, hidden))
+        down = _read_slice(reader, f"{prefix}experts.down_proj", expert, (hidden, width))
+        return gate_up[:width], gate_up[width:], down
+
+    return read

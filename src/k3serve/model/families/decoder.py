@@ -1,0 +1,188 @@
+"""The pre-norm decoder shared by every family, over the same `ForwardItem` / `ForwardResult` as K3.
+
+Per layer, per token (all four families):
+    h = h + Mixer(RMSNorm(h, input_layernorm))          Mixer: GQA, MLA, KDA or gated DeltaNet
+    h = h + MLP(RMSNorm(h, post_attention_layernorm))   MLP: dense SiLU-GLU or a routed MoE
+and logits = lm_head(RMSNorm(h, norm)). Norm weights arrive already in the "x_hat * w" form (Qwen3-Next's
+"x_hat * (1 + w)" norms are folded into w when the layer is built), so one RMSNorm serves every family.
+
+A batch is a list of `ForwardItem`s, each a run of new tokens of one sequence with its cache. Every matmul runs
+once over all T tokens; attention and the recurrences run per sequence inside the mixers.
+Shapes: T tokens of the batch, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import numpy as np
+
+from k3serve.errors import ConfigError, RequestError
+from k3serve.model.families.cache import CacheLayout, FamilyCache
+from k3serve.model.k3 import ForwardItem, ForwardResult, RoutingObserver
+from k3serve.model.moe import Routing
+from k3serve.model.ops import rms_norm
+from k3serve.model.state import SequenceCache
+
+if TYPE_CHECKING:
+    from k3serve.model.families.experts import ExpertStore
+
+
+LAYER_KINDS = {"attention": "a", "mla": "m", "kda": "k", "gated_deltanet": "g"}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What every family config carries; each family adds its own fields."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    layer_kinds: tuple[str, ...]  # per layer, one of LAYER_KINDS
+    mlp_kinds: tuple[str, ...]  # per layer, "dense" or "moe"
+
+    def __post_init__(self) -> None:
+        if len(self.layer_kinds) != self.num_layers or len(self.mlp_kinds) != self.num_layers:
+            raise ConfigError(f"{self.model_type}: {self.num_layers} layers but {len(self.layer_kinds)} mixer kinds "
+                              f"and {len(self.mlp_kinds)} MLP kinds")
+        if not set(self.layer_kinds) <= set(LAYER_KINDS) or not set(self.mlp_kinds) <= {"dense", "moe"}:
+            raise ConfigError(f"{self.model_type}: unknown layer kinds {set(self.layer_kinds) - set(LAYER_KINDS)} "
+                              f"or MLP kinds {set(self.mlp_kinds) - {'dense', 'moe'}}")
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
+            raise ConfigError(f"{self.model_type}: bos_token_id {self.bos_token_id} is outside the vocabulary")
+
+    def summary(self) -> dict:
+        """Every setting, with the per-layer lists replaced by the layer map (for `k3serve info`)."""
+        values = {k: v for k, v in asdict(self).items() if k not in ("layer_kinds", "mlp_kinds")}
+        return {"layer_map": self.layer_map, **values}
+
+    @property
+    def layer_map(self) -> str:
+        """One letter per layer, upper case for a MoE layer: a/A GQA attention, m/M MLA, k/K KDA, g/G DeltaNet."""
+        return "".join(LAYER_KINDS[kind] if mlp == "dense" else LAYER_KINDS[kind].upper()
+                       for kind, mlp in zip(self.layer_kinds, self.mlp_kinds))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Where each sequence's tokens sit in the batch, and their absolute positions."""
+
+    segments: list[tuple[int, int]]  # [start, end) rows of each item
+    caches: Sequence[SequenceCache]
+    positions: np.ndarray  # [T] int64 position of each token in its sequence
+
+
+class Mixer(Protocol):
+    def __call__(self, x: np.ndarray, batch: Batch) -> np.ndarray:
+        """x [T, H] (already normed) -> [T, H]; reads and writes each sequence's state for this layer."""
+
+
+class Mlp(Protocol):
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing | None]:
+        """x [T, H] -> (out [T, H], routing of a MoE layer or None)."""
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: np.ndarray  # [H]
+    post_attention_norm: np.ndarray  # [H]
+    mixer: Mixer
+    mlp: Mlp
+
+
+class FamilyModel:
+    """A decoder-only model of one of the supported families. Stateless apart from its weights."""
+
+    def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list[DecoderLayer],
+                 final_norm: np.ndarray, lm_head: np.ndarray, cache_layout: CacheLayout,
+                 experts: ExpertStore | None = None) -> None:
+        self.config = config
+        self.embed = embed  # [V, H]
+        self.layers = layers
+        self.final_norm = final_norm  # [H]
+        self.lm_head = lm_head  # [V, H]
+        self.cache_layout = cache_layout
+        self.experts = experts  # routed experts, read and packed on first use
+
+    @property
+    def expert_precision(self) -> str:
+        return self.experts.precision if self.experts is not None else "native"
+
+    def new_cache(self) -> FamilyCache:
+        return FamilyCache(self.cache_layout)
+
+    def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
+                on_routing: RoutingObserver | None = None) -> ForwardResult:
+        if not items:
+            return ForwardResult(logits=[])
+        segments: list[tuple[int, int]] = []
+        start = 0
+        for item in items:
+            if len(item.token_ids) == 0:
+                raise RequestError("a forward item needs at least one token")
+            segments.append((start, start + len(item.token_ids)))
+            start += len(item.token_ids)
+        ids = np.concatenate([np.asarray(item.token_ids, dtype=np.int64) for item in items])  # [T]
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise RequestError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        caches = [item.cache for item in items]
+        positions = np.concatenate([cache.num_tokens + np.arange(end - begin)
+                                    for cache, (begin, end) in zip(caches, segments)])  # [T]
+        batch = Batch(segments=segments, caches=caches, positions=positions)
+        eps = self.config.rms_norm_eps
+        result = ForwardResult(logits=[], segments=segments)
+
+        h = self.embed[ids]  # [T, H]
+        for index, layer in enumerate(self.layers):
+            h = h + layer.mixer(rms_norm(h, layer.input_norm, eps), batch)
+            m, routing = layer.mlp(rms_norm(h, layer.post_attention_norm, eps))
+            h = h + m
+            if routing is not None:
+                if keep_routing:
+                    result.routing[index] = routing
+                if on_routing is not None:
+                    on_routing(index, routing, segments)
+
+        rows = []
+        for item, (begin, end) in zip(items, segments):
+            rows.extend(range(begin, end) if item.all_logits else [end - 1])
+        logits = rms_norm(h[np.asarray(rows)], self.final_norm, eps) @ self.lm_head.T  # [R, V]
+        offset = 0
+        for item, (begin, end) in zip(items, segments):
+            n = end - begin if item.all_logits else 1
+            result.logits.append(logits[offset:offset + n])
+            offset += n
+        for item, cache in zip(items, caches):
+            cache.advance(len(item.token_ids))
+        return result
+
+    # ---- conveniences over one sequence (the same contract as K3Model) -----------------------------------
+    def logits(self, token_ids: Sequence[int], mode: str = "full") -> np.ndarray:
+        """Float32 logits [T, V] for every position: one forward over all ids ('full'), or one decode step per
+        id ('incremental')."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        cache = self.new_cache()
+        if mode == "full":
+            return self.forward([ForwardItem(ids, cache, all_logits=True)]).logits[0]
+        if mode == "incremental":
+            return np.concatenate([self.forward([ForwardItem(ids[i:i + 1], cache)]).logits[0]
+                                   for i in range(len(ids))])
+        raise RequestError(f"unknown logits mode {mode!r}; use 'full' or 'incremental'")
+
+    def greedy(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+        """Greedy continuation of `prompt`: one prefill, then one decode step per token."""
+        cache = self.new_cache()
+        logits = self.forward([ForwardItem(np.asarray(prompt, dtype=np.int64), cache)]).logits[0][-1]
+        out: list[int] = []
+        for step in range(num_tokens):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if step + 1 < num_tokens:
+                logits = self.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
+        return out

@@ -1,0 +1,159 @@
+"""Routed experts of the families, kept at a chosen precision, read from the checkpoint on first use.
+
+An expert is a SiLU-GLU MLP: y = W_down (SiLU(W_gate x) * (W_up x)), W_gate and W_up [I, H], W_down [H, I].
+The checkpoints ship experts in bf16 (or f32 in tests). The precision is a load option:
+- "native" (alias "bf16"): the stored values, exactly, held as float32.
+- "mxfp4": each matrix quantized row-wise to MXFP4 (K3_SPEC section 4, `k3serve.weights.mxfp4`) and multiplied by
+  the fused kernel (`k3serve.model.kernels.mxfp4_matmul`), as K3's experts are. Needs H and I multiples of 32.
+- "int8": symmetric per-row 8-bit, w[r, c] ~ q[r, c] * s[r], s[r] = max_c |w[r, c]| / 127, q rounded to nearest;
+  y = (x @ q^T) * s.
+Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
+at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from k3serve.errors import ConfigError
+from k3serve.model.kernels import mxfp4_matmul
+from k3serve.model.ops import silu
+from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+
+EXPERT_PRECISIONS = ("native", "mxfp4", "int8")
+PRECISION_ALIASES = {"bf16": "native"}
+
+
+def normalize_precision(precision: str) -> str:
+    name = PRECISION_ALIASES.get(precision, precision)
+    if name not in EXPERT_PRECISIONS:
+        choices = ", ".join(list(EXPERT_PRECISIONS) + list(PRECISION_ALIASES))
+        raise ConfigError(f"unknown expert precision {precision!r} (choices: {choices})")
+    return name
+
+
+class Expert(Protocol):
+    nbytes: int
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [n, H] -> [n, H]."""
+
+
+@dataclass(frozen=True)
+class FloatExpert:
+    gate_up: np.ndarray  # [2I, H]
+    down: np.ndarray  # [H, I]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        h = x @ self.gate_up.T  # [n, 2I]
+        width = self.down.shape[1]
+        return (silu(h[:, :width]) * h[:, width:]) @ self.down.T
+
+
+@dataclass(frozen=True)
+class MXFP4Matrix:
+    packed: np.ndarray  # u8 [R, C/2]
+    scales: np.ndarray  # u8 [R, C/32]
+
+    @classmethod
+    def quantize(cls, w: np.ndarray) -> MXFP4Matrix:
+        packed, scales = quantize_mxfp4(w)
+        return cls(packed, scales)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return mxfp4_matmul(self.packed, self.scales, x)
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize_mxfp4(self.packed, self.scales)
+
+
+@dataclass(frozen=True)
+class Int8Matrix:
+    values: np.ndarray  # i8 [R, C]
+    scales: np.ndarray  # f32 [R]
+
+    @classmethod
+    def quantize(cls, w: np.ndarray) -> Int8Matrix:
+        scales = np.max(np.abs(w), axis=1) / np.float32(127.0)  # [R]
+        scales = np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32)
+        values = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
+        return cls(values, scales)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        # NOTE: widens the int8 matrix on every call; a fused int8 kernel is a TODO if int8 experts matter
+        return (x @ self.values.T.astype(np.float32)) * self.scales
+
+    def dequantize(self) -> np.ndarray:
+        return self.values.astype(np.float32) * self.scales[:, None]
+
+
+@dataclass(frozen=True)
+class QuantizedExpert:
+    gate: MXFP4Matrix | Int8Matrix
+    up: MXFP4Matrix | Int8Matrix
+    down: MXFP4Matrix | Int8Matrix
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for m in (self.gate, self.up, self.down) for a in vars(m).values())
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        hidden = silu(self.gate.matmul(x)) * self.up.matmul(x)  # [n, I]
+        return self.down.matmul(np.ascontiguousarray(hidden))
+
+
+def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, precision: str) -> Expert:
+    """Float32 gate, up [I, H] and down [H, I] -> an expert at `precision`."""
+    if precision == "native":
+        return FloatExpert(np.ascontiguousarray(np.concatenate([gate, up])), np.ascontiguousarray(down))
+    if precision == "mxfp4":
+        if gate.shape[1] % GROUP_SIZE or down.shape[1] % GROUP_SIZE:
+            raise ConfigError(f"MXFP4 experts need hidden size and expert intermediate size that are multiples of "
+                              f"{GROUP_SIZE}, got {gate.shape[1]} and {down.shape[1]}; use 'native' or 'int8'")
+        return QuantizedExpert(*(MXFP4Matrix.quantize(m) for m in (gate, up, down)))
+    if precision == "int8":
+        return QuantizedExpert(*(Int8Matrix.quantize(m) for m in (gate, up, down)))
+    raise ConfigError(f"unknown expert precision {precision!r}")
+
+
+ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+class ExpertStore:
+    """Every routed expert of a model, read (and packed) on first use, then kept."""
+
+    def __init__(self, read: ExpertReader, precision: str) -> None:
+        self._read = read
+        self.precision = normalize_precision(precision)
+        self._experts: dict[tuple[int, int], Expert] = {}
+
+    def get(self, layer: int, expert: int) -> Expert:
+        key = (layer, expert)
+        found = self._experts.get(key)
+        if found is None:
+            found = self._experts[key] = pack_expert(*self._read(layer, expert), self.precision)
+        return found
+
+    def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The expert's float32 (gate, up, down) as stored in the checkpoint, bypassing the packed copy."""
+        return self._read(layer, expert)
+
+    def loaded(self) -> dict[tuple[int, int], Expert]:
+        """(layer, expert) -> packed expert, for every expert used so far."""
+        return dict(self._experts)
+
+    @property
+    def num_loaded(self) -> int:
+        return len(self._experts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._experts.values())

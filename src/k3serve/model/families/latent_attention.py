@@ -1,0 +1,94 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 section 2.1) with rotary embedding on the decoupled key
+(DeepSeek-V3 / Kimi K2) or without any (Kimi Linear, whose "rope" dims are carried but never rotated).
+
+    q        = q_b(RMSNorm(q_a x))   or   q_proj x            -> NA heads of [q_nope DN | q_rope DR]
+    c        = kv_a x = [latent KL | k_rope DR];  latent = RMSNorm(c[:KL], kv_a_layernorm)
+    q_rope, k_rope = RoPE(q_rope, p), RoPE(k_rope, p)         (DeepSeek-V3 only; k_rope is one head shared by all)
+    k_nope_h = W_uk_h latent,   v_h = W_uv_h latent           (kv_b split per head into key and value halves)
+    score    = (q_nope . k_nope + q_rope . k_rope) * scale, causal softmax;   out = o_proj(attention)
+scale = 1/sqrt(DN + DR), times mscale^2 under YaRN with `mscale_all_dim` (DeepSeek-V3 section 4.3, long context).
+
+As in K3's MLA (k3serve.model.mla), only [latent | rotated k_rope] is cached per position and attention runs on
+the latent with W_uk absorbed into the query and W_uv into the output:
+    q_nope . (W_uk latent_j) = (W_uk^T q_nope) . latent_j,     sum_j p_j W_uv latent_j = W_uv (sum_j p_j latent_j)
+
+Shapes: T new tokens of a sequence, N cached positions (including the new ones), NA heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3serve.model.families.decoder import Batch
+from k3serve.model.families.rope import Rotary
+from k3serve.model.ops import rms_norm, softmax
+
+
+@dataclass(frozen=True)
+class LatentAttentionWeights:
+    in_proj: np.ndarray  # [QL + KL + DR, H] (q_a and kv_a stacked) or [NA*(DN+DR) + KL + DR, H] (q_proj and kv_a)
+    q_a_norm: np.ndarray | None  # [QL], None without a query low-rank
+    q_b: np.ndarray | None  # [NA*(DN+DR), QL]
+    kv_a_norm: np.ndarray  # [KL]
+    w_uk: np.ndarray  # [NA, DN, KL]
+    w_uv: np.ndarray  # [NA, DV, KL]
+    o_proj: np.ndarray  # [H, NA*DV]
+
+
+@dataclass
+class LatentAttention:
+    layer: int
+    weights: LatentAttentionWeights
+    num_heads: int  # NA
+    q_lora_rank: int | None  # QL
+    kv_lora_rank: int  # KL
+    nope_dim: int  # DN
+    rope_dim: int  # DR
+    value_dim: int  # DV
+    scale: float
+    rotary: Rotary | None
+    norm_eps: float  # of q_a_layernorm and kv_a_layernorm
+
+    @property
+    def row_width(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def __call__(self, x: np.ndarray, batch: Batch) -> np.ndarray:
+        NA, KL, DN, DR = self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim
+        w = self.weights
+        T = x.shape[0]
+        proj = x @ w.in_proj.T
+        if self.q_lora_rank is None:
+            q_width = NA * (DN + DR)
+            q = proj[:, :q_width]
+        else:
+            q_width = self.q_lora_rank
+            q = rms_norm(proj[:, :q_width], w.q_a_norm, self.norm_eps) @ w.q_b.T
+        q = q.reshape(T, NA, DN + DR)
+        latent = rms_norm(proj[:, q_width:q_width + KL], w.kv_a_norm, self.norm_eps)  # [T, KL]
+        k_rope = proj[:, q_width + KL:q_width + KL + DR]  # [T, DR]
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(batch.positions)
+            q = np.concatenate([q[:, :, :DN], self.rotary.apply(q[:, :, DN:], cos, sin)], axis=2)
+            k_rope = self.rotary.apply(k_rope[:, None, :], cos, sin)[:, 0, :]
+        rows = np.concatenate([latent, k_rope], axis=1)  # [T, KL+DR]
+        out = np.empty((T, NA * self.value_dim), np.float32)
+        for (start, end), cache in zip(batch.segments, batch.caches):
+            cache.mla_append(self.layer, rows[start:end])
+            out[start:end] = self._attend(q[start:end], cache.mla_rows(self.layer))
+        return out @ w.o_proj.T
+
+    def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        """q [T, NA, DN+DR] over cached rows [N, KL+DR]; the new tokens are the last T rows. -> [T, NA*DV]."""
+        KL, DN = self.kv_lora_rank, self.nope_dim
+        T, N = q.shape[0], cached.shape[0]
+        latent, k_rope = cached[:, :KL], cached[:, KL:]
+        q_latent = np.einsum("tad,adk->atk", q[:, :, :DN], self.weights.w_uk)  # [NA, T, KL]
+        q_rope = q[:, :, DN:].transpose(1, 0, 2)  # [NA, T, DR]
+        scores = (q_latent @ latent.T + q_rope @ k_rope.T) * np.float32(self.scale)  # [NA, T, N]
+        visible = np.arange(N)[None, :] <= (N - T + np.arange(T))[:, None]  # [T, N]
+        probs = softmax(np.where(visible[None], scores, -np.inf), axis=-1)
+        out_latent = probs @ latent  # [NA, T, KL]
+        return np.einsum("atk,avk->tav", out_latent, self.weights.w_uv).reshape(T, -1)  # [T, NA*DV]

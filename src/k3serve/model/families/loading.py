@@ -1,0 +1,87 @@
+"""Choosing a family from a checkpoint's config.json and loading it.
+
+`load_family(folder)` reads `model_type`, parses the family's config (missing keys are errors), opens the
+safetensors lazily and builds the trunk; routed experts are read and packed to `expert_precision` on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from k3serve.errors import ConfigError
+from k3serve.model.families import deepseek_v3, kimi_linear, qwen3_moe, qwen3_next
+from k3serve.model.families.decoder import DecoderConfig, FamilyModel
+from k3serve.model.families.experts import normalize_precision
+from k3serve.model.families.hf_config import HFConfig
+from k3serve.model.families.tensors import TensorReader
+from k3serve.model.kda import DEFAULT_CHUNK_SIZE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    parse: Callable[[HFConfig], DecoderConfig]
+    build: Callable[..., FamilyModel]
+
+
+_FAMILIES = {
+    "kimi_linear": Family("kimi_linear", kimi_linear.KimiLinearConfig.from_hf, kimi_linear.build),
+    "deepseek_v3": Family("deepseek_v3", deepseek_v3.DeepseekV3Config.from_hf, deepseek_v3.build),
+    "qwen3_moe": Family("qwen3_moe", qwen3_moe.Qwen3MoeConfig.from_hf, qwen3_moe.build),
+    "qwen3_next": Family("qwen3_next", qwen3_next.Qwen3NextConfig.from_hf, qwen3_next.build),
+}
+# model_type -> family. Kimi K2 ships DeepSeek-V3's architecture under its own model_type.
+_MODEL_TYPES = {"kimi_linear": "kimi_linear", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+                "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next"}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_MODEL_TYPES)
+
+
+def family_of(config: HFConfig) -> Family:
+    if config.has("text_config"):
+        # a nested config (K3 nests a kimi_linear-typed text model under model_type kimi_k3): not ours
+        raise ConfigError(f"{config.source}: a nested text_config is a K3 (or multimodal) checkpoint, not one of "
+                          f"the families {', '.join(SUPPORTED_MODEL_TYPES)}")
+    model_type = config.get("model_type", default=None)
+    if model_type not in _MODEL_TYPES:
+        raise ConfigError(f"{config.source}: model_type {model_type!r} is not supported by the family loader "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return _FAMILIES[_MODEL_TYPES[model_type]]
+
+
+def is_family_checkpoint(folder: str | Path) -> bool:
+    """True if `folder`'s config.json names, at its root, a model_type this loader handles. K3 checkpoints do not:
+    their root says kimi_k3 (the released one nests a kimi_linear-typed text_config, which is not Kimi Linear)."""
+    try:
+        config = HFConfig.read(folder)
+    except ConfigError:
+        return False
+    return not config.has("text_config") and config.get("model_type", default=None) in _MODEL_TYPES
+
+
+def read_family_config(folder: str | Path) -> DecoderConfig:
+    config = HFConfig.read(folder)
+    family = family_of(config)
+    return family.parse(config.with_family(family.name))
+
+
+def load_family(folder: str | Path, expert_precision: str = "native",
+                chunk_size: int = DEFAULT_CHUNK_SIZE) -> FamilyModel:
+    """Open a Hugging Face checkpoint folder of a supported family.
+
+    expert_precision: "native" (alias "bf16": the stored values), "mxfp4" or "int8" (see `experts.py`).
+    chunk_size: tokens per chunk of the chunked delta rule in KDA / DeltaNet prefill."""
+    precision = normalize_precision(expert_precision)
+    if chunk_size < 1:
+        raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
+    hf = HFConfig.read(folder)
+    family = family_of(hf)
+    config = family.parse(hf.with_family(family.name))
+    reader = TensorReader.open(folder, family.name)
+    logger.info("loading %s (%s, layers %s) from %s, experts %s", family.name, config.model_type, config.layer_map,
+                folder, precision)
+    return family.build(config, reader, precision, chunk_size)

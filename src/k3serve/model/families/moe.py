@@ -1,0 +1,115 @@
+"""Routers, the routed MoE block with shared experts, and the dense MLP of the families.
+
+Softmax top-k routing (Qwen3-MoE, Qwen3-Next):
+    p = softmax(W_r x);  chosen = top-k of p;  weight_e = p_e (/ sum of chosen p, if norm_topk_prob)
+Grouped sigmoid routing with a selection-only bias (DeepSeek-V3 section 2.1.2 "auxiliary-loss-free balancing";
+DeepSeek-V3 / Kimi K2 / Kimi Linear):
+    s = sigmoid(W_r x);  c = s + bias;  group score = sum of the 2 largest c in each of NG groups;
+    keep the topk_group best groups;  chosen = top-k of c within them;
+    weight_e = s_e / (sum of chosen s + 1e-20) (if norm_topk_prob) * routed_scaling_factor
+MoE block:
+    out = sum_{e chosen} weight_e * Expert_e(x) + Shared(x)          (DeepSeek-V3, Kimi Linear: shared_experts)
+    out = sum_{e chosen} weight_e * Expert_e(x) + sigmoid(w_sg . x) * Shared(x)     (Qwen3-Next: shared_expert)
+Every MLP here is a SiLU-GLU: down(SiLU(gate x) * up x). Each routed expert runs once per forward on all the
+tokens routed to it. Ties in the top-k go to the lower expert id.
+Shapes: T tokens, NE experts, TOPK active, NG groups, H hidden, S shared width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3serve.model.families.experts import ExpertStore
+from k3serve.model.moe import Routing
+from k3serve.model.ops import sigmoid, silu, softmax
+
+
+def _top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices [T, k] of the k largest values per row, best first; the stable sort keeps lower ids first."""
+    return np.argsort(-values, axis=1, kind="stable")[:, :k]
+
+
+@dataclass(frozen=True)
+class SoftmaxRouter:
+    weight: np.ndarray  # [NE, H]
+    top_k: int
+    normalize: bool
+
+    def __call__(self, x: np.ndarray) -> Routing:
+        probs = softmax(x @ self.weight.T, axis=-1)  # [T, NE]
+        ids = _top_k(probs, self.top_k)
+        chosen = np.take_along_axis(probs, ids, axis=1)
+        if self.normalize:
+            chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
+        return Routing(expert_ids=ids, weights=chosen.astype(np.float32))
+
+
+@dataclass(frozen=True)
+class GroupedSigmoidRouter:
+    weight: np.ndarray  # [NE, H]
+    bias: np.ndarray  # [NE] e_score_correction_bias, selection only
+    top_k: int
+    num_groups: int  # NG
+    topk_group: int
+    normalize: bool
+    scaling_factor: float
+
+    def __call__(self, x: np.ndarray) -> Routing:
+        scores = sigmoid(x @ self.weight.T)  # [T, NE]
+        choice = scores + self.bias  # [T, NE]
+        if self.num_groups > 1:
+            T, NE = choice.shape
+            grouped = choice.reshape(T, self.num_groups, NE // self.num_groups)  # [T, NG, NE/NG]
+            group_scores = np.sum(-np.sort(-grouped, axis=2)[:, :, :2], axis=2)  # [T, NG]
+            keep = np.zeros((T, self.num_groups), dtype=bool)
+            np.put_along_axis(keep, _top_k(group_scores, self.topk_group), True, axis=1)
+            choice = np.where(np.repeat(keep, NE // self.num_groups, axis=1), choice, -np.inf)
+        ids = _top_k(choice, self.top_k)  # [T, TOPK]
+        chosen = np.take_along_axis(scores, ids, axis=1)
+        if self.normalize:
+            chosen = chosen / (np.sum(chosen, axis=1, keepdims=True) + np.float32(1e-20))
+        return Routing(expert_ids=ids, weights=(chosen * np.float32(self.scaling_factor)).astype(np.float32))
+
+
+@dataclass(frozen=True)
+class GLUWeights:
+    gate_up: np.ndarray  # [2I, H] gate and up stacked
+    down: np.ndarray  # [H, I]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        h = x @ self.gate_up.T  # [T, 2I]
+        width = self.down.shape[1]
+        return (silu(h[:, :width]) * h[:, width:]) @ self.down.T
+
+
+@dataclass
+class DenseMLP:
+    weights: GLUWeights
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, None]:
+        return self.weights(x), None
+
+
+@dataclass
+class MoEBlock:
+    layer: int
+    router: SoftmaxRouter | GroupedSigmoidRouter
+    experts: ExpertStore
+    shared: GLUWeights | None
+    shared_gate: np.ndarray | None  # [1, H]: Qwen3-Next scales the shared expert by sigmoid(w . x)
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing]:
+        routing = self.router(x)
+        out = np.zeros_like(x)  # [T, H]
+        for expert in np.unique(routing.expert_ids):  # ascending id: a fixed accumulation order per token
+            tokens, slots = np.nonzero(routing.expert_ids == expert)
+            y = self.experts.get(self.layer, int(expert))(x[tokens])
+            out[tokens] += routing.weights[tokens, slots][:, None] * y
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * sigmoid(x @ self.shared_gate.T)  # [T, 1] broadcast
+            out += shared
+        return out, routing

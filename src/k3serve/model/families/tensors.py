@@ -1,0 +1,78 @@
+"""Lazy access to a Hugging Face checkpoint's tensors, by name, as float32.
+
+Every read goes through `SafetensorsIndex` (one `pread` per tensor, nothing memory-mapped), so opening a checkpoint
+costs only its headers and a tensor is read when a layer is built or an expert is first used. Whatever dtype the
+header says (BF16, F16, F32) comes back as float32; BF16 widening is exact.
+
+Some tensors have several spellings: the names of the released checkpoint and the names transformers uses inside
+its modules (for example `self_attn.f_a_proj` and `self_attn.forget_gate.f_a_proj`). `first(...)` takes the first
+present and, if none is, raises a `CheckpointError` that lists every spelling it tried.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from k3serve.errors import CheckpointError
+from k3serve.weights.safetensors_io import SafetensorsIndex
+
+_FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
+
+
+class TensorReader:
+    def __init__(self, index: SafetensorsIndex, family: str, path: Path) -> None:
+        self.index = index
+        self.family = family
+        self.path = path
+
+    @classmethod
+    def open(cls, folder: str | Path, family: str) -> TensorReader:
+        return cls(SafetensorsIndex.open(folder), family, Path(folder))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def exists(self, *names: str) -> bool:
+        return any(name in self.index for name in names)
+
+    def _missing(self, names: Sequence[str]) -> CheckpointError:
+        spelled = " or ".join(repr(n) for n in names)
+        return CheckpointError(
+            f"{self.family} checkpoint {self.path} lacks tensor {spelled} ({len(self.index)} tensors present)"
+        )
+
+    def name_of(self, *names: str) -> str:
+        """The first of `names` that the checkpoint holds."""
+        for name in names:
+            if name in self.index:
+                return name
+        raise self._missing(names)
+
+    def f32(self, *names: str, shape: tuple[int, ...] | None = None, size: int | None = None) -> np.ndarray:
+        """The first present of `names` as a C-contiguous float32 array, checked against `shape` (or, for a
+        tensor whose layout varies between writers, its number of elements `size`) if given."""
+        name = self.name_of(*names)
+        info = self.index.info(name)
+        if info.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{self.family} checkpoint {self.path}: tensor {name!r} has dtype {info.dtype}; this loader reads "
+                f"float tensors (BF16, F16, F32) only"
+            )
+        array = np.ascontiguousarray(self.index.read(name), dtype=np.float32)
+        if shape is not None and tuple(array.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.family} checkpoint {self.path}: tensor {name!r} has shape {list(array.shape)}, the config "
+                f"implies {list(shape)}"
+            )
+        if size is not None and array.size != size:
+            raise CheckpointError(
+                f"{self.family} checkpoint {self.path}: tensor {name!r} has {array.size} values "
+                f"(shape {list(array.shape)}), the config implies {size}"
+            )
+        return array
+
+    def close(self) -> None:
+        self.index.close()
