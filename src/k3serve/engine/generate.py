@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -23,6 +23,7 @@ class RunReport:
     decode_seconds: float
     peak_rss_bytes: int
     finish_reason: str  # "stop" (end-of-sequence id) or "length"
+    extra_lines: list[str] = field(default_factory=list)  # e.g. the streaming source's decode-phase figures
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -41,7 +42,7 @@ class RunReport:
             f"prefill           {self.prefill_tokens_per_second:.1f} tok/s ({self.prefill_seconds:.3f} s)",
             f"decode            {self.decode_tokens_per_second:.2f} tok/s ({self.decode_seconds:.3f} s)",
             f"peak RSS          {self.peak_rss_bytes / 2**20:.1f} MiB",
-        ]
+        ] + self.extra_lines
 
 
 def peak_rss_bytes() -> int:
@@ -61,6 +62,8 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
     started = time.perf_counter()
     logits = model.forward([ForwardItem(np.asarray(prompt_ids, dtype=np.int64), cache)]).logits[0][-1]
     prefill_seconds = time.perf_counter() - started
+    stream_stats = getattr(getattr(model, "source", None), "stream_stats", None)  # a streaming source reports its I/O
+    after_prefill = stream_stats() if stream_stats is not None else None
     tokens: list[int] = []
     finish = "length"
     started = time.perf_counter()
@@ -77,4 +80,11 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
         logits = model.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
     decode_seconds = time.perf_counter() - started
     report = RunReport(len(prompt_ids), len(tokens), prefill_seconds, decode_seconds, peak_rss_bytes(), finish)
+    if stream_stats is not None and after_prefill is not None:
+        from k3serve.stream.source import stream_report_lines
+
+        # decode phase only: per generated token after the first (which came out of the prefill)
+        report.extra_lines = [f"streaming         {model.source.describe()}"] + stream_report_lines(
+            stream_stats().minus(after_prefill), max(len(tokens) - 1, 1), decode_seconds, model.source.plan,
+            report.peak_rss_bytes)
     return tokens, report

@@ -1,0 +1,427 @@
+"""The serving engine: `LLMEngine` (add_request / step / abort, thread-safe submission) and the offline `LLM`.
+
+One `step()` is: take in what other threads submitted or cancelled; let the scheduler pick sequences and token
+counts under the budget; run ONE batched forward over all of them (every matmul and every expert read serves the
+whole batch); sample a token for each sequence whose tokens are all computed; apply stop conditions; free what
+finished; stream a `RequestOutput` for every request that changed.
+
+Failure isolation: a bad request raises `RequestError` in `add_request` and never enters the engine. An exception
+while post-processing one sequence (sampling, the stop hook, a callback) fails only its request. If the batched
+forward itself raises, every sequence in it is reset to be recomputed and marked suspect; suspects then run one per
+step, and one that fails alone is failed with an error output. The engine keeps going either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.errors import IntegrityError
+from k3serve.engine.metrics import MetricsRegistry
+from k3serve.engine.prefix_cache import root_hash
+from k3serve.engine.request import (CompletionOutput, FinishReason, Request, RequestOutput, Sequence,
+                                    SequenceStatus, StopHook)
+from k3serve.engine.sampling import Sampler, SamplingParams
+from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from k3serve.errors import RequestError
+from k3serve.model.k3 import ForwardItem, K3Model
+
+if TYPE_CHECKING:
+    from k3serve.loading import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous batching over one `K3Model`. `add_request` and `abort` may be called from any thread; `step`
+    from one thread at a time (the engine loop)."""
+
+    def __init__(self, model: K3Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
+                 metrics: MetricsRegistry | None = None) -> None:
+        self.model = model
+        self.model_config = model.config
+        self.config = config if config is not None else EngineConfig()
+        self.metrics = metrics if metrics is not None else MetricsRegistry()
+        self.stop_ids = frozenset(self.model_config.eos_token_ids if stop_ids is None else stop_ids)
+        self.scheduler = Scheduler(self.config, self.model_config, self.metrics)
+        self.max_context = min(self.config.max_model_len, self.scheduler.capacity_tokens)
+        self._lock = threading.Lock()
+        self._incoming: list[Request] = []
+        self._aborts: list[str] = []
+        self._live_ids: set[str] = set()  # submitted and not yet finished (guarded by _lock)
+        self._requests: dict[str, Request] = {}  # live requests the engine thread has taken in
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        m = self.metrics
+        self._m_added = m.counter("requests_added", "requests accepted by add_request")
+        self._m_finished = {reason: m.counter(f"requests_finished_{reason.value}", f"requests finished: {reason.value}")
+                            for reason in FinishReason}
+        self._m_generated = m.counter("generation_tokens", "tokens generated")
+        self._m_prompt = m.counter("prompt_tokens", "prompt tokens of accepted requests")
+        self._m_computed = m.counter("computed_tokens", "positions run through the model (prefill + decode)")
+        self._m_steps = m.counter("steps", "engine steps that ran a forward")
+        self._m_forward_failures = m.counter("forward_failures", "batched forwards that raised")
+        self._m_ttft = m.histogram("ttft_seconds", "arrival to first token")
+        self._m_itl = m.histogram("inter_token_latency_seconds", "time between consecutive tokens of a sequence")
+        self._m_e2e = m.histogram("e2e_latency_seconds", "arrival to last output")
+        self._m_step = m.histogram("step_seconds", "duration of steps that ran a forward")
+        self._m_batch = m.histogram("batch_tokens", "tokens per forward")
+        self._g = {name: m.gauge(name, help) for name, help in (
+            ("queue_length", "sequences waiting"), ("num_running", "sequences running"),
+            ("kv_blocks_used", "MLA blocks referenced by running sequences"), ("kv_blocks_total", "MLA blocks"),
+            ("kv_block_usage", "fraction of MLA blocks referenced"), ("kv_blocks_cached", "unreferenced prefix blocks"),
+            ("kv_waste_fraction", "allocated but unfilled positions in running sequences' blocks"),
+            ("state_slots_used", "KDA state slots in use"), ("state_slots_total", "KDA state slots"),
+            ("prefix_cache_checkpoints", "KDA checkpoints held"),
+            ("prefix_cache_hit_rate", "positions restored / positions looked up"),
+        )}
+        self._g["kv_blocks_total"].set(self.scheduler.blocks.num_blocks)
+        self._g["state_slots_total"].set(self.scheduler.states.num_slots)
+
+    # ---- submission (any thread) ----------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
+                    stop_hook: StopHook | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+        """Queue a request and return its id. Raises `RequestError` (and queues nothing) if it is invalid.
+
+        `on_output` is called from the engine thread with every `RequestOutput` of this request (streaming);
+        `stop_hook` sees each completion's generated ids after every token and may finish it."""
+        return self.enqueue(self.make_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
+                                               cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output))
+
+    def make_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
+                     request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
+                     stop_hook: StopHook | None = None,
+                     on_output: Callable[[RequestOutput], None] | None = None) -> Request:
+        """Validate and build a request without queueing it (`add_request` = this + queueing). Raises
+        `RequestError`. The id is checked for duplicates, and assigned if None, when it is queued."""
+        prompt = self._validate_prompt(prompt_token_ids)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        params.__post_init__()  # re-check: a frozen dataclass can still have been altered
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must lie in 0..{vocab - 1}")
+        if len(prompt) >= self.max_context:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens but the context holds at most {self.max_context} "
+                "(prompt plus at least one generated token)"
+            )
+        if params.n > self.config.max_seqs:
+            raise RequestError(f"n = {params.n} exceeds max_seqs = {self.config.max_seqs}")
+        if not isinstance(tenant, str) or not tenant:
+            raise RequestError(f"tenant must be a non-empty string, got {tenant!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        for name, hook in (("stop_hook", stop_hook), ("on_output", on_output)):
+            if hook is not None and not callable(hook):
+                raise RequestError(f"{name} must be callable")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_ids))
+        request = Request(request_id or "", prompt, params, tenant, cache_salt, root_hash(tenant, cache_salt),
+                          frozenset(stops), stop_hook, on_output)
+        max_total = min(len(prompt) + params.max_tokens, self.max_context)
+        for index in range(params.n):
+            rng = np.random.default_rng([params.seed, index]) if index and params.seed is not None else None
+            request.sequences.append(Sequence(next(self._seq_ids), request, index, Sampler(params, rng), max_total))
+        request.pending_forks = request.sequences[1:]
+        return request
+
+    def enqueue(self, request: Request) -> str:
+        """Queue a request built by `make_request`; returns its id. Raises `RequestError` on a duplicate id."""
+        with self._lock:
+            if not request.request_id:
+                request.request_id = f"req-{next(self._request_ids)}"
+                while request.request_id in self._live_ids:
+                    request.request_id = f"req-{next(self._request_ids)}"
+            elif request.request_id in self._live_ids:
+                raise RequestError(f"request id {request.request_id!r} is already in use")
+            self._live_ids.add(request.request_id)
+            self._incoming.append(request)
+        self._m_added.inc()
+        self._m_prompt.inc(len(request.prompt_token_ids))
+        return request.request_id
+
+    def _validate_prompt(self, prompt_token_ids: Iterable[int]) -> list[int]:
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise RequestError("the prompt must be token ids (tokenize text first)")
+        try:
+            raw = list(prompt_token_ids)
+        except TypeError:
+            raise RequestError("the prompt must be a sequence of integer token ids") from None
+        if not raw:
+            raise RequestError("the prompt is empty: give at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in raw):
+            raise RequestError("prompt token ids must be integers")
+        prompt = [int(t) for t in raw]
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}")
+        return prompt
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client gone). Takes effect at the next step; unknown or finished ids are ignored."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._incoming or self._aborts or self._live_ids)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        with self._lock:
+            return len(self._live_ids)
+
+    # ---- the step (engine thread) ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision, one batched forward, sampling and bookkeeping. Returns the outputs of every
+        request that changed (each also went to its `on_output`)."""
+        started = time.perf_counter()
+        touched: dict[str, Request] = {}
+        self._take_submissions(touched)
+        decision = self.scheduler.schedule()
+        if not decision.empty:
+            self._run(decision, touched)
+            self._m_steps.inc()
+            self._m_step.observe(time.perf_counter() - started)
+            self._m_batch.observe(decision.num_batched_tokens)
+        self._update_gauges()
+        return self._emit(touched)
+
+    def _take_submissions(self, touched: dict[str, Request]) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            aborts, self._aborts = self._aborts, []
+        for request in incoming:
+            self._requests[request.request_id] = request
+            self.scheduler.add(request.sequences[0])
+        for request_id in aborts:
+            request = self._requests.get(request_id)
+            if request is not None and not request.finished:
+                request.pending_forks = []
+                for seq in request.sequences:
+                    self._finish(seq, FinishReason.ABORT)
+                touched[request_id] = request
+
+    def _run(self, decision: SchedulerOutput, touched: dict[str, Request]) -> None:
+        items = [ForwardItem(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
+                                                        s.seq.num_computed_tokens + s.num_new_tokens], np.int64),
+                             s.seq.cache) for s in decision.scheduled]
+        try:
+            result = self.model.forward(items)
+        except Exception as exc:  # noqa: BLE001 - isolate, never kill the loop
+            self._forward_failed(decision, exc, touched)
+            return
+        self._m_computed.inc(decision.num_batched_tokens)
+        now = time.perf_counter()
+        for scheduled, logits in zip(decision.scheduled, result.logits):
+            request = scheduled.seq.request
+            if request.finished:
+                continue
+            try:
+                self._after_forward(scheduled, logits[-1], now, touched)
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("request %s failed while processing its step", request.request_id)
+                self._fail(request, exc, touched)
+
+    def _after_forward(self, scheduled: ScheduledSequence, logits: np.ndarray, now: float,
+                       touched: dict[str, Request]) -> None:
+        seq = scheduled.seq
+        completes = scheduled.completes
+        self.scheduler.after_forward(seq, scheduled.num_new_tokens)
+        seq.suspect = False
+        if not completes:
+            return
+        request = seq.request
+        touched[request.request_id] = request
+        sampled = [(seq, seq.sampler.sample(logits))]
+        if request.pending_forks and seq.index == 0:  # n > 1: the prompt is done, fork the other completions
+            forks, request.pending_forks = request.pending_forks, []
+            for child in forks:
+                if self.scheduler.fork(seq, child):
+                    sampled.append((child, child.sampler.sample(logits)))
+                else:
+                    self.scheduler.add(child)  # no seat or slot now: it will prefill the prompt itself
+        for target, token in sampled:
+            self._append(target, token, now)
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        request = seq.request
+        seq.token_ids.append(token)
+        self._m_generated.inc()
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self._m_ttft.observe(now - request.arrival_time)
+        if seq.last_token_time is not None:
+            self._m_itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        reason = None
+        if token in request.stop_ids:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= seq.max_total_tokens:
+            reason = FinishReason.LENGTH
+        elif request.stop_hook is not None and request.stop_hook(seq.output_token_ids):
+            reason = FinishReason.STOP
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq, save_state=reason in (FinishReason.STOP, FinishReason.LENGTH))
+        seq.finish_reason = reason
+        request = seq.request
+        if request.finished:
+            self._m_finished[_request_reason(request)].inc()
+            self._m_e2e.observe(time.perf_counter() - request.arrival_time)
+            self._requests.pop(request.request_id, None)
+            with self._lock:
+                self._live_ids.discard(request.request_id)
+
+    def _fail(self, request: Request, exc: BaseException, touched: dict[str, Request]) -> None:
+        request.error = f"{type(exc).__name__}: {exc}"
+        request.pending_forks = []
+        for seq in request.sequences:
+            self._finish(seq, FinishReason.ERROR)
+        touched[request.request_id] = request
+
+    def _forward_failed(self, decision: SchedulerOutput, exc: BaseException, touched: dict[str, Request]) -> None:
+        """The batched forward raised: its partial writes cannot be trusted. Alone: fail that request. In a batch:
+        recompute every member, one per step, to find the culprit."""
+        self._m_forward_failures.inc()
+        alone = len(decision.scheduled) == 1
+        logger.error("a forward over %d sequences failed: %s: %s", len(decision.scheduled), type(exc).__name__, exc)
+        for scheduled in decision.scheduled:
+            seq = scheduled.seq
+            if seq.is_finished:
+                continue
+            if alone:
+                self._fail(seq.request, exc, touched)
+            else:
+                self.scheduler.reset_for_recompute(seq)
+                seq.suspect = True
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Fail every live request (the engine loop hit an error it cannot attribute); returns their outputs."""
+        touched: dict[str, Request] = {}
+        self._take_submissions(touched)
+        for request in list(self._requests.values()):
+            self._fail(request, RuntimeError(message), touched)
+        self._update_gauges()
+        return self._emit(touched)
+
+    # ---- outputs and metrics --------------------------------------------------------------------------------
+    def _emit(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in touched.values():
+            completions = []
+            for seq in request.sequences:
+                generated = seq.output_token_ids
+                completions.append(CompletionOutput(seq.index, generated, generated[seq.num_emitted:],
+                                                    seq.finish_reason))
+                seq.num_emitted = len(generated)
+            ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
+            out = RequestOutput(request.request_id, list(request.prompt_token_ids), completions, request.finished,
+                                request.error, request.num_cached_tokens, ttft)
+            outputs.append(out)
+            if request.on_output is not None:
+                try:
+                    request.on_output(out)
+                except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
+                    logger.exception("the output callback of request %s raised", request.request_id)
+        return outputs
+
+    def _update_gauges(self) -> None:
+        s = self.scheduler
+        g = self._g
+        g["queue_length"].set(len(s.waiting))
+        g["num_running"].set(len(s.running))
+        used = s.blocks.num_used_blocks
+        g["kv_blocks_used"].set(used)
+        g["kv_block_usage"].set(used / s.blocks.num_blocks)
+        g["kv_blocks_cached"].set(s.blocks.num_cached_blocks)
+        g["kv_waste_fraction"].set(self.kv_waste_fraction())
+        g["state_slots_used"].set(s.states.num_used_slots)
+        if s.prefix_cache is not None:
+            g["prefix_cache_checkpoints"].set(s.prefix_cache.num_checkpoints)
+            queried = self.metrics.counter("prefix_cache_query_tokens").value
+            hit = self.metrics.counter("prefix_cache_hit_tokens").value
+            g["prefix_cache_hit_rate"].set(hit / queried if queried else 0.0)
+
+    def kv_waste_fraction(self) -> float:
+        """Allocated but unfilled positions over allocated positions, across running sequences' block tables."""
+        allocated = filled = 0
+        for seq in self.scheduler.running:
+            allocated += len(seq.cache.block_table) * self.config.block_size
+            filled += seq.cache.num_tokens
+        return 1.0 - filled / allocated if allocated else 0.0
+
+    def check_integrity(self) -> None:
+        """Every pool and cache consistent, and every queued sequence belongs to a live request."""
+        self.scheduler.check_integrity()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if self._requests.get(seq.request.request_id) is not seq.request or seq.is_finished:
+                raise IntegrityError(f"{seq} is queued but its request is not live")
+
+
+def _request_reason(request: Request) -> FinishReason:
+    """A finished request's reason: error or abort if any completion had it, else that of completion 0."""
+    reasons = [s.finish_reason for s in request.sequences]
+    for reason in (FinishReason.ERROR, FinishReason.ABORT):
+        if reason in reasons:
+            return reason
+    return reasons[0] or FinishReason.STOP
+
+
+class LLM:
+    """Offline generation over an `LLMEngine`: submit a list of prompts, step until all are done."""
+
+    def __init__(self, model: K3Model | LoadedModel | str | Path | None = None,
+                 config: EngineConfig | None = None) -> None:
+        if isinstance(model, K3Model):
+            self.tokenizer = None
+            self.engine = LLMEngine(model, config)
+            return
+        from k3serve.loading import LoadedModel, load_model
+
+        loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids)
+
+    def generate(self, prompts: list[int] | list[list[int]] | str | list[str],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Final outputs in prompt order. A bad prompt raises `RequestError` before any is submitted."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self._encode(p) for p in prompts]
+        all_params = params if isinstance(params, list) else [params] * len(ids)
+        if len(all_params) != len(ids):
+            raise RequestError(f"{len(all_params)} sampling parameter sets for {len(ids)} prompts")
+        requests = [self.engine.make_request(prompt, p) for prompt, p in zip(ids, all_params)]  # all valid first
+        request_ids = [self.engine.enqueue(request) for request in requests]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(request_ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in request_ids]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: give token ids")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)

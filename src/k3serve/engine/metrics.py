@@ -1,0 +1,121 @@
+"""One metrics registry for the engine: counters, gauges and histograms, in plain Python.
+
+Every component reports into the same `MetricsRegistry`; the CLI report, the benchmarks, the lab and (later) the
+HTTP `/metrics` endpoint read `snapshot()`. Thread-safe: the engine thread writes while a server thread reads.
+Histograms keep count and sum of every sample and the most recent `window` samples for quantiles.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from typing import Any
+
+
+class Counter:
+    """A value that only goes up (tokens generated, preemptions)."""
+
+    def __init__(self, name: str, help: str, lock: threading.Lock) -> None:
+        self.name, self.help, self._lock = name, help, lock
+        self._value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError(f"counter {self.name} cannot decrease (inc by {amount})")
+        with self._lock:
+            self._value += amount
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+
+class Gauge:
+    """A value that is set to the current state (queue length, blocks in use)."""
+
+    def __init__(self, name: str, help: str, lock: threading.Lock) -> None:
+        self.name, self.help, self._lock = name, help, lock
+        self._value = 0.0
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = float(value)
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+
+class Histogram:
+    """Samples of a quantity (TTFT, inter-token latency): count, sum, and quantiles over a recent window."""
+
+    def __init__(self, name: str, help: str, lock: threading.Lock, window: int = 10_000) -> None:
+        self.name, self.help, self._lock = name, help, lock
+        self._recent: deque[float] = deque(maxlen=window)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._recent.append(float(value))
+            self.count += 1
+            self.sum += float(value)
+
+    def samples(self) -> list[float]:
+        with self._lock:
+            return list(self._recent)
+
+    def quantile(self, q: float) -> float:
+        return _quantile(sorted(self.samples()), q)
+
+    def summary(self) -> dict[str, float]:
+        values = sorted(self.samples())
+        return {"count": self.count, "sum": self.sum, "p50": _quantile(values, 0.5),
+                "p90": _quantile(values, 0.9), "p99": _quantile(values, 0.99)}
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    position = q * (len(sorted_values) - 1)
+    low = int(math.floor(position))
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+class MetricsRegistry:
+    """Named metrics, created on first use: `registry.counter("x").inc()`. Asking again returns the same one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._metrics: dict[str, Counter | Gauge | Histogram] = {}
+
+    def _get(self, kind: type, name: str, help: str) -> Any:
+        with self._lock:
+            metric = self._metrics.get(name)
+            if metric is None:
+                metric = self._metrics[name] = kind(name, help, threading.Lock())
+            elif not isinstance(metric, kind):
+                raise TypeError(f"metric {name} is a {type(metric).__name__}, not a {kind.__name__}")
+            return metric
+
+    def counter(self, name: str, help: str = "") -> Counter:
+        return self._get(Counter, name, help)
+
+    def gauge(self, name: str, help: str = "") -> Gauge:
+        return self._get(Gauge, name, help)
+
+    def histogram(self, name: str, help: str = "") -> Histogram:
+        return self._get(Histogram, name, help)
+
+    def metrics(self) -> list[Counter | Gauge | Histogram]:
+        with self._lock:
+            return list(self._metrics.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every metric by name: a number for counters and gauges, a summary dict for histograms."""
+        out: dict[str, Any] = {}
+        for metric in self.metrics():
+            out[metric.name] = metric.summary() if isinstance(metric, Histogram) else metric.value
+        return out

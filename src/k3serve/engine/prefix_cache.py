@@ -1,0 +1,329 @@
+"""Prefix caching for a hybrid model: MLA blocks by chained hash, KDA state by checkpoint at exact positions.
+
+MLA rows of a position depend only on the tokens up to it, so a full block can be reused by any sequence that
+starts with the same tokens: block j is keyed by
+    h_j = H(h_{j-1}, tokens of block j),    h_{-1} = H("root", tenant, cache_salt)
+(blake2b, 128 bits), so tenants and salts never share an entry. A KDA recurrent state, though, summarises the whole
+prefix and exists only at the position where it was taken. So a hit at position p needs BOTH
+    - the MLA blocks covering [0, p): the full blocks 0 .. p//BS - 1 in the block pool's hash index, and the
+      p % BS rows of the partial block after them, which the checkpoint keeps itself (its "tail"), and
+    - a KDA checkpoint taken at exactly p, keyed by (h_{p//BS - 1}, the tokens after that block).
+The usable hit is the longest such p with p <= len(tokens) - 1: at least one token is always computed, since its
+logits are needed.
+
+Which positions get a checkpoint (admission, after Marconi, MLSys'25): only where reuse is likely
+    - branch points: where a new sequence leaves the cached token tree (a prefix shared by two requests is likely
+      shared by a third: a long system prompt);
+    - the end of every prompt;
+    - after the last generated token (the next turn of a conversation starts with this one's tokens);
+    - optionally every `checkpoint_every_blocks` full blocks of a prefill;
+within a budget of `num_state_checkpoints` slots, least recently used evicted first (a checkpoint is copied out on
+a hit, never referenced, so every one is evictable). With `checkpoint_partial_blocks=False` checkpoints are only
+taken at block boundaries (as vLLM's 'align' mode does); prompts that fit in one block can then never hit, which
+the cache reports with a warning and the `prefix_cache_cannot_hit` flag rather than silently.
+
+Shapes: LM MLA layers, BS block size, W = KL + DR, NC checkpoint slots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3serve.config import K3Config
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.errors import IntegrityError
+from k3serve.engine.metrics import MetricsRegistry
+from k3serve.engine.paged_cache import PagedSequenceCache
+from k3serve.engine.paged_kv import BlockPool
+from k3serve.engine.state_pool import KDAStatePool
+
+logger = logging.getLogger(__name__)
+
+WARN_EVERY = 100  # repeat the cannot-hit warning once per this many affected requests
+
+
+def root_hash(tenant: str, cache_salt: str | None) -> bytes:
+    """The parent hash of a sequence's first block: it carries the tenant and the salt into every key."""
+    text = f"root\x00{tenant}\x00{'' if cache_salt is None else cache_salt}".encode()
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class StateCheckpoint:
+    """A KDA state saved at `position`, plus the MLA rows of the partial block before it (slot's tail rows)."""
+
+    slot: int
+    parent: bytes  # chain hash of the last full block before `position` (the root hash if none)
+    tail: tuple[int, ...]  # the tokens after that block, position % BS of them
+    position: int
+    num_hits: int = 0
+
+
+@dataclass
+class PrefixMatch:
+    """What the cache holds for a sequence: the usable hit and where the sequence leaves the cached tree."""
+
+    num_tokens: int  # p: positions restored from the cache (0 = miss)
+    block_ids: list[int]  # the full blocks covering [0, p - p % BS)
+    checkpoint: StateCheckpoint | None
+    branch_point: int | None  # where this sequence leaves a path the cache has seen (None: no such path)
+    num_mla_tokens: int  # positions covered by cached MLA blocks alone (what a pure-attention model would reuse)
+
+
+class PrefixCache:
+    """Block hashes in the `BlockPool`, KDA checkpoints in a slot pool of their own, and the match logic."""
+
+    def __init__(self, engine: EngineConfig, model: K3Config, blocks: BlockPool, metrics: MetricsRegistry) -> None:
+        self.config = engine
+        self.block_size = engine.block_size
+        self.blocks = blocks
+        self.metrics = metrics
+        self.store = KDAStatePool(model, engine.num_state_checkpoints)
+        LM = max(len(model.mla_layer_ids), 1)
+        self.num_mla_layers = len(model.mla_layer_ids)
+        self.tails = np.zeros((engine.num_state_checkpoints, LM, engine.block_size, model.mla_cache_width),
+                              np.float32)  # [NC, LM, BS, W]
+        self._lru: OrderedDict[int, StateCheckpoint] = OrderedDict()  # slot -> checkpoint, least recent first
+        self._index: dict[bytes, dict[tuple[int, ...], StateCheckpoint]] = {}  # parent hash -> tail -> checkpoint
+        self._children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child block hash -> tokens
+        self._parent_of: dict[bytes, bytes] = {}
+        self._num_cannot_hit = 0
+        blocks.add_eviction_listener(self._on_block_evicted)
+        self._m_queries = metrics.counter("prefix_cache_queries", "sequences looked up at admission")
+        self._m_hits = metrics.counter("prefix_cache_hits", "lookups that restored at least one position")
+        self._m_query_tokens = metrics.counter("prefix_cache_query_tokens", "tokens of the sequences looked up")
+        self._m_hit_tokens = metrics.counter("prefix_cache_hit_tokens", "positions restored (tokens saved)")
+        self._m_mla_tokens = metrics.counter(
+            "prefix_cache_mla_only_tokens", "positions whose MLA blocks were cached, with or without a KDA state")
+        self._m_saved = metrics.counter("prefix_cache_checkpoints_saved", "KDA checkpoints admitted")
+        self._m_evicted = metrics.counter("prefix_cache_checkpoints_evicted", "KDA checkpoints evicted or dropped")
+        self._m_cannot_hit = metrics.counter(
+            "prefix_cache_unhittable_requests", "requests that can never hit under the current settings")
+        self._m_flag = metrics.gauge(
+            "prefix_cache_cannot_hit", "1 when hybrid prefix caching is enabled but cannot hit (see the log)")
+        if engine.enable_prefix_caching and engine.num_state_checkpoints == 0 and model.kda_layer_ids:
+            logger.warning(
+                "prefix caching is enabled but num_state_checkpoints = 0: MLA blocks are cached, but without a KDA "
+                "state checkpoint this hybrid model can never reuse them, so every request misses"
+            )
+            self._m_flag.set(1)
+
+    # ---- hashing --------------------------------------------------------------------------------------------
+    def extend_hashes(self, root: bytes, tokens: list[int], hashes: list[bytes], num_blocks: int) -> None:
+        """Grow `hashes` (the chain hashes of a sequence's full blocks) to `num_blocks` entries."""
+        BS = self.block_size
+        while len(hashes) < num_blocks:
+            j = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else root, tokens[j * BS:(j + 1) * BS]))
+
+    # ---- lookup ---------------------------------------------------------------------------------------------
+    def match(self, root: bytes, tokens: list[int], hashes: list[bytes]) -> PrefixMatch:
+        """The longest usable hit for `tokens` (p <= len(tokens) - 1) and the branch point. `hashes` must cover
+        every full block of `tokens` (see `extend_hashes`)."""
+        BS, limit = self.block_size, len(tokens) - 1
+        matched: list[int] = []
+        for block_hash in hashes:
+            block = self.blocks.lookup(block_hash)
+            if block is None:
+                break
+            matched.append(block)
+        hit: StateCheckpoint | None = None
+        for j in range(min(len(matched), limit // BS), -1, -1):
+            group = self._index.get(hashes[j - 1] if j else root)
+            if not group:
+                continue
+            for tail, checkpoint in group.items():
+                end = j * BS + len(tail)
+                if end <= limit and (hit is None or end > hit.position) \
+                        and tuple(tokens[j * BS:end]) == tail:
+                    hit = checkpoint
+            if hit is not None:
+                break
+        branch = self._branch_point(root, tokens, hashes, len(matched))
+        if hit is None:
+            return PrefixMatch(0, [], None, branch, len(matched) * BS)
+        return PrefixMatch(hit.position, matched[: hit.position // BS], hit, branch, len(matched) * BS)
+
+    def _branch_point(self, root: bytes, tokens: list[int], hashes: list[bytes], num_matched: int) -> int | None:
+        """Where `tokens` part from a path the cache has seen (a cached child block or checkpoint tail under the
+        last matched block that agrees with them for a while and then differs), or None if there is no such
+        path: the cache merely ends there, which is no evidence that the position will be shared."""
+        BS = self.block_size
+        start = num_matched * BS
+        parent = hashes[num_matched - 1] if num_matched else root
+        rest = tokens[start:start + BS]
+        best: int | None = None
+        candidates = list(self._children.get(parent, {}).values()) + list(self._index.get(parent, {}).keys())
+        for seen in candidates:
+            common = 0
+            for a, b in zip(rest, seen):
+                if a != b:
+                    break
+                common += 1
+            if common < min(len(seen), len(rest)) and (best is None or common > best):
+                best = common
+        if best is None or start + best >= len(tokens):
+            return None
+        return start + best
+
+    def record_lookup(self, match: PrefixMatch, num_tokens: int) -> None:
+        """Count one admission's lookup in the metrics (hits are counted by `restore`), and warn when this
+        sequence could never hit under the current settings."""
+        self._m_queries.inc()
+        self._m_query_tokens.inc(num_tokens)
+        self._m_mla_tokens.inc(min(match.num_mla_tokens, num_tokens - 1))
+        if not self.config.checkpoint_partial_blocks and num_tokens - 1 < self.block_size:
+            self._report_cannot_hit(num_tokens)
+
+    def _report_cannot_hit(self, length: int) -> None:
+        self._m_cannot_hit.inc()
+        self._m_flag.set(1)
+        if self._num_cannot_hit % WARN_EVERY == 0:
+            logger.warning(
+                "hybrid prefix caching cannot hit: a %d-token sequence is shorter than block_size + 1 = %d and "
+                "checkpoint_partial_blocks is off, so no KDA checkpoint can ever serve it (%d such requests so far); "
+                "lower block_size or enable checkpoint_partial_blocks",
+                length, self.block_size + 1, self._num_cannot_hit + 1,
+            )
+        self._num_cannot_hit += 1
+
+    def restore(self, match: PrefixMatch, cache: PagedSequenceCache) -> None:
+        """Load a hit into an empty cache: share the full blocks, write the tail rows, copy the KDA state."""
+        checkpoint = match.checkpoint
+        if checkpoint is None:
+            return
+        for block in match.block_ids:
+            self.blocks.acquire(block)
+        cache.adopt_prefix(match.block_ids, len(match.block_ids) * self.block_size)
+        cache.write_rows(self.tails[checkpoint.slot, : self.num_mla_layers, : len(checkpoint.tail)])
+        cache.states.copy_slot(checkpoint.slot, cache.slot, source_pool=self.store)
+        checkpoint.num_hits += 1
+        self._lru.move_to_end(checkpoint.slot)
+        self._m_hits.inc()
+        self._m_hit_tokens.inc(match.num_tokens)
+
+    def blocks_to_take(self, match: PrefixMatch) -> int:
+        """Pool blocks a restore removes from what allocation can use (cached blocks it revives)."""
+        if match.checkpoint is None:
+            return 0
+        return sum(self.blocks.is_cached(block) for block in match.block_ids)
+
+    # ---- admission ------------------------------------------------------------------------------------------
+    def plan_checkpoints(self, match: PrefixMatch, num_prompt_tokens: int, num_tokens: int) -> list[int]:
+        """Positions past the hit where this sequence should save its KDA state (see the module docstring)."""
+        if self.config.num_state_checkpoints == 0:
+            return []
+        BS = self.block_size
+        targets = {num_prompt_tokens} if match.branch_point is None else {match.branch_point, num_prompt_tokens}
+        every = self.config.checkpoint_every_blocks
+        if every:
+            targets.update(range(every * BS, num_prompt_tokens + 1, every * BS))
+        if not self.config.checkpoint_partial_blocks:
+            targets = {t - t % BS for t in targets}
+        return sorted(t for t in targets if match.num_tokens < t <= num_tokens)
+
+    def register_blocks(self, root: bytes, tokens: list[int], hashes: list[bytes],
+                        cache: PagedSequenceCache, registered: int) -> int:
+        """Index the sequence's newly full blocks; returns how many of its blocks are now registered."""
+        num_full = cache.num_tokens // self.block_size
+        self.extend_hashes(root, tokens, hashes, num_full)
+        for j in range(registered, num_full):
+            if self.blocks.register(cache.block_table[j], hashes[j]):
+                parent = hashes[j - 1] if j else root
+                self._parent_of[hashes[j]] = parent
+                self._children.setdefault(parent, {})[hashes[j]] = tuple(tokens[j * self.block_size:
+                                                                                 (j + 1) * self.block_size])
+        return max(registered, num_full)
+
+    def save_checkpoint(self, root: bytes, tokens: list[int], hashes: list[bytes],
+                        cache: PagedSequenceCache) -> bool:
+        """Save the KDA state of `cache` at its current position (its full blocks must be registered)."""
+        BS, position = self.block_size, cache.num_tokens
+        if self.config.num_state_checkpoints == 0 or position == 0:
+            return False
+        if not self.config.checkpoint_partial_blocks and position % BS:
+            return False
+        j = position // BS
+        self.extend_hashes(root, tokens, hashes, j)
+        if any(self.blocks.lookup(hashes[i]) is None for i in range(j)):
+            return False  # a block under it was never indexed (or is gone): the checkpoint could not hit
+        parent = hashes[j - 1] if j else root
+        tail = tuple(tokens[j * BS:position])
+        existing = self._index.get(parent, {}).get(tail)
+        if existing is not None:
+            self._lru.move_to_end(existing.slot)
+            return False
+        if self.store.num_free_slots == 0:
+            self._drop(next(iter(self._lru.values())))
+        slot = self.store.allocate()
+        self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
+        self.tails[slot, : self.num_mla_layers, : len(tail)] = cache.tail_rows(position)
+        checkpoint = StateCheckpoint(slot, parent, tail, position)
+        self._lru[slot] = checkpoint
+        self._index.setdefault(parent, {})[tail] = checkpoint
+        self._m_saved.inc()
+        return True
+
+    # ---- eviction -------------------------------------------------------------------------------------------
+    def _drop(self, checkpoint: StateCheckpoint) -> None:
+        del self._lru[checkpoint.slot]
+        group = self._index[checkpoint.parent]
+        del group[checkpoint.tail]
+        if not group:
+            del self._index[checkpoint.parent]
+        self.store.free(checkpoint.slot)
+        self._m_evicted.inc()
+
+    def _on_block_evicted(self, block_hash: bytes) -> None:
+        """A cached block was reused: checkpoints right under it can no longer hit, and it leaves the tree."""
+        for checkpoint in list(self._index.get(block_hash, {}).values()):
+            self._drop(checkpoint)
+        parent = self._parent_of.pop(block_hash, None)
+        if parent is not None:
+            siblings = self._children.get(parent)
+            if siblings is not None:
+                siblings.pop(block_hash, None)
+                if not siblings:
+                    del self._children[parent]
+
+    def clear(self) -> None:
+        """Drop every checkpoint and every cached (unreferenced) block."""
+        for checkpoint in list(self._lru.values()):
+            self._drop(checkpoint)
+        self.blocks.evict_all_cached()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._lru)
+
+    def checkpoint_positions(self) -> list[int]:
+        return sorted(c.position for c in self._lru.values())
+
+    def check_integrity(self) -> None:
+        """The LRU list, the index and the slot pool describe the same checkpoints; tree links are consistent."""
+        self.store.check_integrity(self._lru.keys())
+        indexed = [c for group in self._index.values() for c in group.values()]
+        if len(indexed) != len(self._lru) or any(self._lru.get(c.slot) is not c for c in indexed):
+            raise IntegrityError("prefix-cache checkpoint index and LRU list disagree")
+        for checkpoint in indexed:
+            if len(checkpoint.tail) != checkpoint.position % self.block_size:
+                raise IntegrityError(f"checkpoint at {checkpoint.position} has a tail of {len(checkpoint.tail)}")
+            if not self._index[checkpoint.parent]:
+                raise IntegrityError("an empty checkpoint group was kept")
+        for child, parent in self._parent_of.items():
+            if child not in self._children.get(parent, {}):
+                raise IntegrityError("a cached block is missing from its parent's children")
+            if self.blocks.lookup(child) is None:
+                raise IntegrityError("the prefix tree names a block the pool no longer indexes")
+        if sum(len(c) for c in self._children.values()) != len(self._parent_of):
+            raise IntegrityError("prefix tree children and parents disagree")

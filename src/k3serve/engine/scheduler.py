@@ -1,0 +1,291 @@
+"""The scheduler: which sequences run in the next forward, and how many of their tokens.
+
+Every step has a token budget (`max_batch_tokens`) and a seat limit (`max_seqs`). A sequence asks for the tokens
+it has not computed yet: one for a decode, up to the whole rest of the prompt for a prefill. Chunked prefill cuts
+a prefill to what fits in the budget, so long prompts share steps with decodes instead of stalling them. Chunks
+also stop at the sequence's next KDA checkpoint position, since a recurrent state can only be saved at the end of
+a forward.
+
+Order, first come first served:
+  1. running sequences, oldest first; each reserves the blocks its new tokens need. When the pool runs dry the
+     newest running sequence is preempted (its memory freed, its tokens to be recomputed; the prefix cache
+     usually brings most of them back) until the older one fits;
+  2. then waiting sequences, oldest first, while budget, seats, state slots and blocks last (none are admitted in
+     a step that preempted). Admission looks up the prefix cache.
+A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from k3serve.config import K3Config
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.errors import IntegrityError
+from k3serve.engine.metrics import MetricsRegistry
+from k3serve.engine.paged_cache import PagedSequenceCache
+from k3serve.engine.paged_kv import BlockPool
+from k3serve.engine.prefix_cache import PrefixCache, PrefixMatch
+from k3serve.engine.request import Sequence, SequenceStatus
+from k3serve.engine.state_pool import KDAStatePool
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the end of the sequence's tokens (its logits then give a new token)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting queue, running set, and the memory they hold (blocks, state slots, prefix cache)."""
+
+    def __init__(self, config: EngineConfig, model_config: K3Config, metrics: MetricsRegistry) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.blocks = BlockPool(config.resolve_num_blocks(model_config), config.block_size,
+                                len(model_config.mla_layer_ids), model_config.mla_cache_width)
+        self.states = KDAStatePool(model_config, config.state_slots)
+        self.prefix_cache = PrefixCache(config, model_config, self.blocks, metrics) \
+            if config.enable_prefix_caching else None
+        self.watermark_blocks = max(1, int(config.admission_watermark * self.blocks.num_blocks)) \
+            if config.admission_watermark > 0 else 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._m_preemptions = metrics.counter("preemptions", "sequences preempted (memory freed, to recompute)")
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Positions the whole block pool holds: no sequence may grow past it."""
+        return self.blocks.num_blocks * self.config.block_size
+
+    # ---- queue operations -----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, save_state: bool) -> None:
+        """Take a sequence out (finished, aborted or failed) and free its memory; with `save_state` its KDA state
+        after the last computed token is offered to the prefix cache (the next turn of a conversation hits)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            if save_state:
+                self._save_state(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def after_forward(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Book `num_new_tokens` as computed; index full blocks and save a checkpoint if one is due here."""
+        seq.num_computed_tokens += num_new_tokens
+        if seq.cache is None or seq.cache.num_tokens != seq.num_computed_tokens:
+            raise IntegrityError(f"{seq}: the cache position disagrees with the computed count after a forward")
+        if self.prefix_cache is not None:
+            self._register(seq)
+            if seq.num_computed_tokens in seq.checkpoint_targets:
+                self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache)
+
+    def reset_for_recompute(self, seq: Sequence) -> None:
+        """Drop a running sequence's memory and queue it again at the front, to be recomputed (preemption, or
+        a failed forward whose partial writes cannot be trusted)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Start `child` as a copy of running `parent` (shared blocks, copied KDA state). False when no seat or
+        state slot is free; the caller then queues the child to prefill on its own."""
+        if parent.cache is None or len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0:
+            return False
+        child.cache = parent.cache.fork()
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return True
+
+    # ---- the decision ---------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        suspect = next((s for s in self.waiting if s.suspect), None)
+        if suspect is not None:
+            self._schedule_alone(suspect, out)
+            return out
+        budget = self.config.max_batch_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, seq.num_computed_tokens, budget, alone=not out.scheduled)
+            if n == 0:
+                i += 1
+                continue
+            while seq.cache.num_blocks_to_reserve(n) > self.blocks.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                seq.cache.reserve(n)
+                out.scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs \
+                and self.states.num_free_slots > 0:
+            n = self._admit_head(budget, alone=not out.scheduled)
+            if n == 0:
+                break
+            out.scheduled.append(ScheduledSequence(self.running[-1], n))
+            budget -= n
+        return out
+
+    def _schedule_alone(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Run one suspect sequence by itself, preempting running sequences if it needs their memory or seat."""
+        self.waiting.remove(seq)
+        self.waiting.appendleft(seq)
+        while self.running and (len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0
+                                or not self._fits(seq, self.config.max_batch_tokens)):
+            self._preempt(self.running[-1], out)
+        n = self._admit_head(self.config.max_batch_tokens, alone=True)
+        if n:
+            out.scheduled.append(ScheduledSequence(self.running[-1], n))
+
+    def _chunk(self, seq: Sequence, start: int, budget: int, alone: bool) -> int:
+        """Tokens to compute for `seq` from position `start` this step (0: not this step)."""
+        remaining = seq.num_tokens - start
+        target = seq.next_checkpoint(start)
+        wanted = remaining if target is None else min(remaining, target - start)
+        if wanted <= budget:
+            return wanted
+        if self.config.enable_chunked_prefill:
+            return budget
+        return wanted if alone else 0  # unchunked: a prefill longer than the budget runs alone
+
+    def _lookup(self, seq: Sequence) -> PrefixMatch | None:
+        if self.prefix_cache is None:
+            return None
+        self.prefix_cache.extend_hashes(seq.request.root_hash, seq.token_ids, seq.block_hashes,
+                                        seq.num_tokens // self.config.block_size)
+        return self.prefix_cache.match(seq.request.root_hash, seq.token_ids, seq.block_hashes)
+
+    def _fits(self, seq: Sequence, budget: int) -> bool:
+        match = self._lookup(seq)
+        start = match.num_tokens if match is not None else 0
+        n = max(1, min(budget, seq.num_tokens - start))
+        return self._blocks_for_admission(match, start, n) <= self.blocks.num_free_blocks
+
+    def _blocks_for_admission(self, match: PrefixMatch | None, start: int, n: int) -> int:
+        BS = self.config.block_size
+        revived = self.prefix_cache.blocks_to_take(match) if match is not None else 0
+        return revived + -(-(start + n) // BS) - start // BS
+
+    def _admit_head(self, budget: int, alone: bool) -> int:
+        """Admit the first waiting sequence if it fits; returns its scheduled token count (0 if it did not)."""
+        seq = self.waiting[0]
+        match = self._lookup(seq)
+        start = match.num_tokens if match is not None else 0
+        targets = self.prefix_cache.plan_checkpoints(match, seq.num_prompt_tokens, seq.num_tokens) \
+            if match is not None else []
+        seq.checkpoint_targets = targets
+        n = self._chunk(seq, start, budget, alone)
+        # the watermark is waived for a sequence that runs alone: it must be able to make progress
+        reserve = 0 if alone and not self.running else self.watermark_blocks
+        if n == 0 or self._blocks_for_admission(match, start, n) + reserve > self.blocks.num_free_blocks:
+            seq.checkpoint_targets = []
+            return 0
+        self.waiting.popleft()
+        cache = PagedSequenceCache(self.model_config, self.blocks, self.states)
+        if match is not None:
+            first_admission = seq.num_preemptions == 0 and not seq.suspect
+            if first_admission:
+                self.prefix_cache.record_lookup(match, seq.num_tokens)
+            self.prefix_cache.restore(match, cache)
+            if first_admission and seq.index == 0:
+                seq.request.num_cached_tokens = match.num_tokens
+            seq.num_registered_blocks = len(match.block_ids) if match.checkpoint is not None else 0
+        cache.reserve(n)
+        seq.cache = cache
+        seq.num_computed_tokens = cache.num_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.prefix_cache is not None:
+            self._save_state(seq)  # recompute may then restart from here, if the checkpoint survives
+        self.reset_for_recompute(seq)
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self._m_preemptions.inc()
+
+    # ---- memory ---------------------------------------------------------------------------------------------
+    def _register(self, seq: Sequence) -> None:
+        seq.num_registered_blocks = self.prefix_cache.register_blocks(
+            seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache, seq.num_registered_blocks)
+
+    def _save_state(self, seq: Sequence) -> None:
+        if self.prefix_cache is None or seq.cache is None or seq.num_computed_tokens == 0:
+            return
+        self._register(seq)
+        self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.cache is not None:
+            seq.cache.release()
+        seq.cache = None
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.checkpoint_targets = []
+
+    # ---- checks ---------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Queues consistent with sequence states, and every pool consistent with the sequences holding it."""
+        if len(self.running) > self.config.max_seqs:
+            raise IntegrityError(f"{len(self.running)} running sequences exceed max_seqs {self.config.max_seqs}")
+        ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
+        if len(set(ids)) != len(ids):
+            raise IntegrityError("a sequence is queued twice")
+        refs: Counter[int] = Counter()
+        slots = []
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING or seq.cache is None:
+                raise IntegrityError(f"{seq} is in the running set without running state")
+            seq.cache.check_integrity()
+            if seq.cache.num_tokens != seq.num_computed_tokens or seq.num_computed_tokens > seq.num_tokens:
+                raise IntegrityError(f"{seq}: cache at {seq.cache.num_tokens}")
+            refs.update(seq.cache.block_table)
+            slots.append(seq.cache.slot)
+        for seq in self.waiting:
+            if seq.status is not SequenceStatus.WAITING or seq.cache is not None or seq.num_computed_tokens:
+                raise IntegrityError(f"{seq} is waiting but holds memory or progress")
+        self.blocks.check_integrity(refs)
+        self.states.check_integrity(slots)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()

@@ -1,0 +1,315 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streamed or not), /v1/models,
+/health and /metrics, over one `EngineRunner`.
+
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with the status mapped in one place
+(`_error_response`): bad input 400, unknown model 404, engine failure of one request 500. A bad request never
+reaches the engine, and a failing request never disturbs the others.
+
+Tenancy: the bearer token of a request names its tenant (hashed; no token = "anonymous"), and prefix-cache
+entries are salted by tenant and by the request's `cache_salt`, so tenants never share cached state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from k3serve.engine.background import EngineRunner, RequestStream
+from k3serve.engine.engine import LLMEngine
+from k3serve.engine.request import FinishReason, RequestOutput
+from k3serve.engine.sampling import SamplingParams
+from k3serve.errors import RequestError
+from k3serve.serve.chat import apply_chat_template
+from k3serve.serve.metrics import render_metrics
+from k3serve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from k3serve.serve.text import TextTracker, stop_hook_for
+from k3serve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+    return JSONResponse(body, status_code=error.status)
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+
+
+class ServerState:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_name: str) -> None:
+        self.engine = engine
+        self.runner = EngineRunner(engine)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.created = int(time.time())
+        metrics = engine.metrics
+        self.requests_total = metrics.counter("http_requests_total", "HTTP requests received")
+        self.request_errors = metrics.counter("http_request_errors_total", "HTTP requests answered with 4xx/5xx")
+
+
+def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
+    """The FastAPI app serving `engine`. The engine thread starts now and stops with the app."""
+    state = ServerState(engine, tokenizer, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.runner.shutdown()
+
+    app = FastAPI(title="k3serve", lifespan=lifespan)
+    app.state.k3 = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        state.request_errors.inc()
+        return _error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        state.request_errors.inc()
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not state.runner.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
+             "max_model_len": state.engine.max_context}]})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        body, content_type = render_metrics(state.engine.metrics)
+        return PlainTextResponse(body, media_type=content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest, state)
+        prompts = _completion_prompts(body.prompt, state.tokenizer)
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        return await _serve(request, state, body, prompts, max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest, state)
+        try:
+            messages = [(m.role, m.text()) for m in body.messages]
+            ids = apply_chat_template(state.tokenizer, messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        except RequestError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(state.engine.max_context - len(ids), 1)
+        return await _serve(request, state, body, [_Prompt(ids)], max_tokens, chat=True)
+
+    return app
+
+
+async def _parse(request: Request, model: type, state: ServerState):
+    state.requests_total.inc()
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first.get("loc", ()))
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown field '{param}'"
+        raise APIError(400, f"{message} ({param})" if param else message, param=param or None) from None
+    if body.model != state.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server has '{state.model_name}'",
+                       param="model", code="model_not_found")
+    return body
+
+
+def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[_Prompt]:
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.encode(text)
+        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+
+    if isinstance(prompt, str):
+        return [_Prompt(encode(prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [_Prompt(encode(p)) for p in prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [_Prompt(list(prompt))]
+    return [_Prompt(list(p)) for p in prompt]
+
+
+def _tenant(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    return "tenant-" + hashlib.sha256(token.encode()).hexdigest()[:16] if token else "anonymous"
+
+
+async def _serve(request: Request, state: ServerState, body, prompts: list[_Prompt], max_tokens: int,
+                 chat: bool):
+    tenant = _tenant(request)
+    streams: list[RequestStream] = []
+    for prompt in prompts:
+        if len(prompt.ids) + max_tokens > state.engine.max_context:
+            for stream in streams:
+                stream.abort()
+            raise APIError(400, f"this model's context holds {state.engine.max_context} tokens, but the prompt "
+                                f"has {len(prompt.ids)} and max_tokens asks for {max_tokens} more",
+                           param="max_tokens", code="context_length_exceeded")
+        try:
+            params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos)
+            streams.append(state.runner.submit(prompt.ids, params, tenant=tenant, cache_salt=body.cache_salt,
+                                               stop_hook=stop_hook_for(state.tokenizer, body.stop)))
+        except RequestError as exc:
+            for stream in streams:
+                stream.abort()
+            raise APIError(400, str(exc)) from None
+    response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream_events(state, body, streams, response_id, chat, include_usage),
+                                 media_type="text/event-stream")
+    return await _complete(state, body, streams, response_id, chat)
+
+
+def _finish_reason(reason: FinishReason | None, tracker: TextTracker) -> str | None:
+    if tracker.stopped:
+        return "stop"
+    if reason is None:
+        return None
+    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
+            FinishReason.ERROR: "error"}[reason]
+
+
+async def _complete(state: ServerState, body, streams: list[RequestStream], response_id: str, chat: bool):
+    choices: list[dict] = []
+    prompt_tokens = completion_tokens = 0
+    try:
+        for prompt_index, stream in enumerate(streams):
+            final: RequestOutput | None = None
+            async for output in stream:
+                final = output
+            assert final is not None
+            if final.error is not None:
+                raise APIError(500, f"the request failed in the engine: {final.error}", type_="server_error")
+            prompt_tokens += len(final.prompt_token_ids)
+            for completion in final.outputs:
+                tracker = TextTracker(state.tokenizer, body.stop)
+                text = tracker.add(completion.token_ids) + tracker.finish()
+                completion_tokens += len(completion.token_ids)
+                index = prompt_index * body.n + completion.index
+                reason = _finish_reason(completion.finish_reason, tracker)
+                if chat:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                    "finish_reason": reason, "logprobs": None})
+                else:
+                    choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": None})
+    finally:
+        for stream in streams:
+            if not stream.finished:
+                stream.abort()  # the client went away, or another prompt of this request failed
+    return JSONResponse({
+        "id": response_id, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": state.model_name, "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    })
+
+
+async def _stream_events(state: ServerState, body, streams: list[RequestStream], response_id: str, chat: bool,
+                         include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    trackers: dict[int, TextTracker] = {}
+    prompt_tokens = completion_tokens = 0
+
+    def event(choices: list[dict], usage: dict | None = None) -> str:
+        payload: dict[str, Any] = {"id": response_id, "object": kind, "created": created,
+                                   "model": state.model_name, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def choice(index: int, text: str, reason: str | None, first: bool) -> dict:
+        if chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+
+    done: set[int] = set()
+    token_counts: dict[int, int] = {}
+    try:
+        for prompt_index, stream in enumerate(streams):
+            first_output = True
+            async for output in stream:
+                if output.error is not None:
+                    error = {"message": f"the request failed in the engine: {output.error}", "type": "server_error",
+                             "param": None, "code": None}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    return
+                if first_output:
+                    prompt_tokens += len(output.prompt_token_ids)
+                    first_output = False
+                choices = []
+                for completion in output.outputs:
+                    index = prompt_index * body.n + completion.index
+                    token_counts[index] = len(completion.token_ids)
+                    if index in done:
+                        continue
+                    first = index not in trackers
+                    tracker = trackers.setdefault(index, TextTracker(state.tokenizer, body.stop))
+                    text = tracker.add(completion.new_token_ids)
+                    reason = None
+                    if completion.finished or tracker.stopped:
+                        text += tracker.finish()
+                        reason = _finish_reason(completion.finish_reason or FinishReason.STOP, tracker)
+                        done.add(index)
+                    if text or reason or first:
+                        choices.append(choice(index, text, reason, first))
+                if choices:
+                    yield event(choices)
+        if include_usage:
+            completion_tokens = sum(token_counts.values())
+            yield event([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens})
+        yield "data: [DONE]\n\n"
+    finally:
+        for stream in streams:
+            if not stream.finished:
+                stream.abort()  # the client disconnected mid-stream

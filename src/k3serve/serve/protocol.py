@@ -1,0 +1,149 @@
+"""The OpenAI-compatible request bodies, validated strictly: unknown fields and bad values are 400s.
+
+Only what k3serve implements is accepted; a field we would silently ignore (logprobs, penalties other than 0,
+tools) is rejected with a message instead, so a client never believes it got behaviour it did not get.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension: 0 or -1 = no top-k filter
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = Field(default=None, validate_default=True)
+    seed: int | None = None
+    user: str | None = None
+    cache_salt: str | None = None  # extension: isolates prefix-cache entries (vLLM's name)
+    ignore_eos: bool = False  # extension
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if not math.isfinite(value) or value < 0 or value > 2:
+            raise ValueError("temperature must be a number in [0, 2]")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float) -> float:
+        if not math.isfinite(value) or not 0 < value <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value < -1:
+            raise ValueError("top_k must be -1, 0 (both mean no limit) or positive")
+        return max(value, 0)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if not 1 <= value <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("max_tokens must be a positive integer")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value < 2**63:
+            raise ValueError("seed must be a non-negative 64-bit integer")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> list[str]:
+        stops = [] if value is None else [value] if isinstance(value, str) else list(value)
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+        for stop in stops:
+            if not stop or len(stop) > MAX_STOP_LENGTH:
+                raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_LENGTH} characters")
+        return stops
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalties(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("presence and frequency penalties are not supported; leave them at 0")
+        return value
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        if isinstance(value, (str, list)) and len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[dict]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages must not be empty")
+        return value

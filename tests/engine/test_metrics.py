@@ -1,0 +1,27 @@
+"""The metrics registry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from k3serve.engine.metrics import MetricsRegistry
+
+
+def test_counters_gauges_histograms_and_snapshot():
+    registry = MetricsRegistry()
+    registry.counter("tokens").inc(3)
+    registry.counter("tokens").inc()
+    registry.gauge("queue").set(7)
+    for value in range(1, 101):
+        registry.histogram("ttft").observe(value)
+    snap = registry.snapshot()
+    assert snap["tokens"] == 4 and snap["queue"] == 7
+    assert snap["ttft"]["count"] == 100 and snap["ttft"]["p50"] == pytest.approx(50.5)
+    assert snap["ttft"]["p99"] == pytest.approx(99.01)
+    assert math.isnan(registry.histogram("empty").summary()["p50"])
+    with pytest.raises(ValueError):
+        registry.counter("tokens").inc(-1)
+    with pytest.raises(TypeError):
+        registry.gauge("tokens")
