@@ -166,6 +166,49 @@ def mxfp4_expert_forward(
     return out
 
 
+@njit(cache=True, fastmath=False)
+def _expert_accumulate_serial(
+    w1_packed: np.ndarray, w1_scales: np.ndarray,
+    w3_packed: np.ndarray, w3_scales: np.ndarray,
+    w2_packed: np.ndarray, w2_scales: np.ndarray,
+    z: np.ndarray,  # f32 [T, LT] latent of every token in the batch
+    tokens: np.ndarray,  # i64 [n] the rows of z routed to this expert, ascending
+    token_weights: np.ndarray,  # f32 [n] their mixing weights
+    beta: np.float32, linear_beta: np.float32,
+    nibble_values: np.ndarray, scale_values: np.ndarray,
+    mixed: np.ndarray,  # f32 [T, LT], accumulated in place
+) -> None:
+    num_routed = tokens.shape[0]
+    gathered = np.empty((num_routed, z.shape[1]), dtype=np.float32)  # [n, LT]
+    for i in range(num_routed):
+        gathered[i] = z[tokens[i]]
+    out = np.empty((num_routed, w2_packed.shape[0]), dtype=np.float32)  # [n, LT]
+    _expert_forward_serial(w1_packed, w1_scales, w3_packed, w3_scales, w2_packed, w2_scales, gathered,
+                           beta, linear_beta, nibble_values, scale_values, out)
+    for i in range(num_routed):
+        weight = token_weights[i]
+        for j in range(out.shape[1]):
+            mixed[tokens[i], j] += weight * out[i, j]
+
+
+def mxfp4_expert_accumulate(
+    w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray], w2: tuple[np.ndarray, np.ndarray],
+    z: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, beta: float, linear_beta: float,
+    mixed: np.ndarray,
+) -> None:
+    """mixed[tokens] += token_weights * expert(z[tokens]) for one routed expert, in one compiled call for small
+    experts. Each token's result is the same bits as `mxfp4_expert_forward` on that token alone, weighted and
+    added in float32, so the batch composition never changes a token's output."""
+    (p1, s1), (p3, s3), (p2, s2) = w1, w3, w2
+    rows, cols = check_mxfp4_shapes(p1, s1)
+    if rows * cols >= PARALLEL_MIN_WEIGHTS or not (z.flags.c_contiguous and mixed.flags.c_contiguous):
+        y = mxfp4_expert_forward(w1, w3, w2, z[tokens], beta, linear_beta)
+        mixed[tokens] += token_weights[:, None] * y
+        return
+    _expert_accumulate_serial(p1, s1, p3, s3, p2, s2, z, tokens, token_weights, np.float32(beta),
+                              np.float32(linear_beta), _NIBBLE_VALUES, _SCALE_VALUES, mixed)
+
+
 def _check_operands(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tuple[int, int]:
     rows, cols = check_mxfp4_shapes(packed, scales)
     if x.ndim != 2 or x.shape[1] != cols:
@@ -216,3 +259,5 @@ def warmup() -> None:
         kernel(packed, scales, x, _NIBBLE_VALUES, _SCALE_VALUES, out)
     square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] matrix
     mxfp4_expert_forward(square, square, square, np.ones((2, 32), np.float32), 4.0, 25.0)
+    mxfp4_expert_accumulate(square, square, square, np.ones((2, 32), np.float32), np.array([1], np.int64),
+                            np.ones(1, np.float32), 4.0, 25.0, np.zeros((2, 32), np.float32))

@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.kernels import mxfp4_expert_forward
+from k3serve.model.kernels import mxfp4_expert_accumulate, mxfp4_expert_forward
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, MoEWeights
 
@@ -62,14 +62,21 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     if routing is None:
         routing = route(config, w, x)
     T = x.shape[0]
-    z = x @ w.latent_down.T  # [T, LT]
-    needed = np.unique(routing.expert_ids)
+    z = np.ascontiguousarray(x @ w.latent_down.T)  # [T, LT]
+    top_k = routing.expert_ids.shape[1]
+    flat = routing.expert_ids.ravel()  # [T*TOPK]
+    order = np.argsort(flat, kind="stable")  # by expert, tokens ascending within each expert
+    needed, starts = np.unique(flat[order], return_index=True)
+    ends = np.append(starts[1:], len(flat))
+    tokens_by_expert = (order // top_k).astype(np.int64)
+    weights_by_expert = np.ascontiguousarray(routing.weights.ravel()[order])
     experts = fetch_experts([int(e) for e in needed])
     mixed = np.zeros((T, config.latent_size), np.float32)  # [T, LT]
-    for expert in needed:  # ascending id: a fixed accumulation order per token
-        tokens, slots = np.nonzero(routing.expert_ids == expert)
-        y = expert_forward(config, experts[int(expert)], np.ascontiguousarray(z[tokens]))
-        mixed[tokens] += routing.weights[tokens, slots][:, None] * y
+    for expert, start, end in zip(needed, starts, ends):  # ascending id: a fixed accumulation order per token
+        e = experts[int(expert)]
+        mxfp4_expert_accumulate((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales), (e.w2_packed, e.w2_scales),
+                                z, tokens_by_expert[start:end], weights_by_expert[start:end], config.situ_beta,
+                                config.situ_linear_beta, mixed)
     if config.latent_moe_use_norm:
         mixed = rms_norm(mixed, w.latent_norm, config.rms_norm_eps)
     out = mixed @ w.latent_up.T  # [T, H]
