@@ -20,6 +20,7 @@ from k3serve.model.families import FamilyModel, is_family_checkpoint, load_famil
 from k3serve.model.k3 import K3Model
 from k3serve.model.kernels import warmup as warmup_kernels
 from k3serve.model.source import ResidentSource
+from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.tokenizer import Tokenizer, default_tokenizer_dir
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.synthetic import write_random_checkpoint
@@ -79,7 +80,7 @@ def default_model_dir() -> Path:
 class LoadedModel:
     model: K3Model | FamilyModel
     checkpoint: Checkpoint | None  # None for the other families (their tensors are read through the family)
-    tokenizer: Tokenizer | None
+    tokenizer: Tokenizer | HFTokenizer | None
     path: Path
 
     @property
@@ -110,6 +111,11 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
         if (folder / "tiktoken.model").exists():
             try:
                 family_tokenizer = Tokenizer.from_dir(folder)
+            except TokenizerError as exc:
+                logger.warning("%s: tokenizer not usable (%s); pass token ids instead", folder, exc)
+        elif (folder / "tokenizer.json").exists():
+            try:
+                family_tokenizer = HFTokenizer.from_dir(folder)
             except TokenizerError as exc:
                 logger.warning("%s: tokenizer not usable (%s); pass token ids instead", folder, exc)
         return LoadedModel(model=family, checkpoint=None, tokenizer=family_tokenizer, path=folder)
