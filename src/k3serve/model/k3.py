@@ -48,7 +48,35 @@ class ForwardResult:
 RoutingObserver = Callable[[int, Routing, list[tuple[int, int]]], None]
 
 
-class K3Model:
+class SingleSequenceMixin:
+    """`logits` and `greedy` over one sequence, for any model with `new_cache()` and `forward(items)`."""
+
+    def logits(self, token_ids: Sequence[int], mode: str = "full") -> np.ndarray:
+        """Float32 logits [T, V] for every position: one forward over all ids ('full'), or a prefill of the first
+        id followed by one decode step per remaining id ('incremental')."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        cache = self.new_cache()
+        if mode == "full":
+            return self.forward([ForwardItem(ids, cache, all_logits=True)]).logits[0]
+        if mode == "incremental":
+            return np.concatenate([self.forward([ForwardItem(ids[i:i + 1], cache)]).logits[0]
+                                   for i in range(len(ids))])
+        raise RequestError(f"unknown logits mode {mode!r}; use 'full' or 'incremental'")
+
+    def greedy(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+        """Greedy continuation of `prompt` by prefill then one decode step per token."""
+        cache = self.new_cache()
+        logits = self.forward([ForwardItem(np.asarray(prompt, dtype=np.int64), cache)]).logits[0][-1]
+        out: list[int] = []
+        for step in range(num_tokens):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if step + 1 < num_tokens:
+                logits = self.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
+        return out
+
+
+class K3Model(SingleSequenceMixin):
     """The K3 forward pass over a `WeightSource`. Stateless apart from its weights: all sequence state lives in
     the caches passed to `forward`."""
 
@@ -80,6 +108,12 @@ class K3Model:
         eps = c.rms_norm_eps
         result = ForwardResult(logits=[], segments=segments)
 
+        # optional hooks of a streaming source (k3serve.stream): step boundaries, next-layer prefetch, traces
+        begin_step = getattr(self.source, "begin_step", None)
+        prefetch_hint = getattr(self.source, "prefetch_hint", None)
+        note_routing = getattr(self.source, "note_routing", None)
+        if begin_step is not None:
+            begin_step(int(ids.shape[0]))
         h = self._globals.embed[ids]  # [T, H]
         stack: list[np.ndarray] = []
         pref: np.ndarray | None = h
@@ -98,12 +132,16 @@ class K3Model:
             pref = a if pref is None else pref + a
             h = attn_res(stack + [pref], w.mlp_res_query, eps)
             x = rms_norm(h, w.post_attention_norm, eps)
+            if prefetch_hint is not None:
+                prefetch_hint(layer, h)
             if isinstance(w.mlp, MoEWeights):
                 m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: self.source.experts(l, ids))
                 if keep_routing:
                     result.routing[layer] = routing
                 if on_routing is not None:
                     on_routing(layer, routing, segments)
+                if note_routing is not None:
+                    note_routing(layer, routing.expert_ids)
             else:
                 m = dense_mlp_forward(c, w.mlp, x)
             pref = pref + m
@@ -131,29 +169,4 @@ class K3Model:
             cache.mla_append(layer, rows[start:end])
             out[start:end] = mla_attend(self.config, w, q[start:end], cache.mla_rows(layer),
                                         None if gate is None else gate[start:end])
-        return out
-
-    # ---- conveniences over one sequence ---------------------------------------------------------------------
-    def logits(self, token_ids: Sequence[int], mode: str = "full") -> np.ndarray:
-        """Float32 logits [T, V] for every position: one forward over all ids ('full'), or a prefill of the first
-        id followed by one decode step per remaining id ('incremental')."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        cache = self.new_cache()
-        if mode == "full":
-            return self.forward([ForwardItem(ids, cache, all_logits=True)]).logits[0]
-        if mode == "incremental":
-            return np.concatenate([self.forward([ForwardItem(ids[i:i + 1], cache)]).logits[0]
-                                   for i in range(len(ids))])
-        raise RequestError(f"unknown logits mode {mode!r}; use 'full' or 'incremental'")
-
-    def greedy(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
-        """Greedy continuation of `prompt` by prefill then one decode step per token."""
-        cache = self.new_cache()
-        logits = self.forward([ForwardItem(np.asarray(prompt, dtype=np.int64), cache)]).logits[0][-1]
-        out: list[int] = []
-        for step in range(num_tokens):
-            token = int(np.argmax(logits))
-            out.append(token)
-            if step + 1 < num_tokens:
-                logits = self.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
         return out

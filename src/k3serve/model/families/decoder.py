@@ -20,7 +20,7 @@ import numpy as np
 
 from k3serve.errors import ConfigError, RequestError
 from k3serve.model.families.cache import CacheLayout, FamilyCache
-from k3serve.model.k3 import ForwardItem, ForwardResult, RoutingObserver
+from k3serve.model.k3 import ForwardItem, ForwardResult, RoutingObserver, SingleSequenceMixin
 from k3serve.model.moe import Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.state import SequenceCache
@@ -96,7 +96,7 @@ class DecoderLayer:
     mlp: Mlp
 
 
-class FamilyModel:
+class FamilyModel(SingleSequenceMixin):
     """A decoder-only model of one of the supported families. Stateless apart from its weights."""
 
     def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list[DecoderLayer],
@@ -161,28 +161,3 @@ class FamilyModel:
         for item, cache in zip(items, caches):
             cache.advance(len(item.token_ids))
         return result
-
-    # ---- conveniences over one sequence (the same contract as K3Model) -----------------------------------
-    def logits(self, token_ids: Sequence[int], mode: str = "full") -> np.ndarray:
-        """Float32 logits [T, V] for every position: one forward over all ids ('full'), or one decode step per
-        id ('incremental')."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        cache = self.new_cache()
-        if mode == "full":
-            return self.forward([ForwardItem(ids, cache, all_logits=True)]).logits[0]
-        if mode == "incremental":
-            return np.concatenate([self.forward([ForwardItem(ids[i:i + 1], cache)]).logits[0]
-                                   for i in range(len(ids))])
-        raise RequestError(f"unknown logits mode {mode!r}; use 'full' or 'incremental'")
-
-    def greedy(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
-        """Greedy continuation of `prompt`: one prefill, then one decode step per token."""
-        cache = self.new_cache()
-        logits = self.forward([ForwardItem(np.asarray(prompt, dtype=np.int64), cache)]).logits[0][-1]
-        out: list[int] = []
-        for step in range(num_tokens):
-            token = int(np.argmax(logits))
-            out.append(token)
-            if step + 1 < num_tokens:
-                logits = self.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
-        return out
