@@ -54,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence ids")
     gen.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
 
+    from k3serve.stream.commands import add_stream_args, add_subcommands
+
+    add_stream_args(gen)
     logits = sub.add_parser("logits", help="write float32 logits for every position to a .npy file")
+    add_stream_args(logits)
+    STREAM_COMMANDS.update(add_subcommands(sub))
     _add_model_arg(logits)
     logits.add_argument("--ids", type=_parse_ids, required=True, help="comma-separated token ids")
     logits.add_argument("--out", type=Path, required=True)
@@ -88,7 +93,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from k3serve.engine.sampling import SamplingParams
     from k3serve.loading import load_model
 
-    loaded = load_model(args.model, expert_precision=args.expert_precision)
+    from k3serve.stream.commands import load_for_run
+
+    loaded = load_for_run(args, expert_precision=args.expert_precision)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.prompt_ids is not None:
@@ -97,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _print_report(loaded, report)
         return 0
     if loaded.tokenizer is None:
-        raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model); pass --prompt-ids instead")
+        raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model or tokenizer.json); pass --prompt-ids instead")
     tokenizer = loaded.tokenizer
     prompt_ids = tokenizer.encode(args.prompt)
     if not args.no_bos and tokenizer.bos_id is not None:
@@ -129,7 +136,9 @@ def _print_report(loaded, report) -> None:
 def cmd_logits(args: argparse.Namespace) -> int:
     from k3serve.loading import load_model
 
-    loaded = load_model(args.model, expert_precision=args.expert_precision)
+    from k3serve.stream.commands import load_for_run
+
+    loaded = load_for_run(args, expert_precision=args.expert_precision)
     logits = loaded.model.logits(args.ids, mode=args.mode)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.save(args.out, logits.astype(np.float32))
@@ -200,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+STREAM_COMMANDS: dict = {}  # pack, sim, coactivation (k3serve.stream.commands)
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, "make-tiny": cmd_make_tiny, "info": cmd_info}
 
 
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args)
+        return {**COMMANDS, **STREAM_COMMANDS}[args.command](args)
     except K3Error as exc:
         print(f"k3serve: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

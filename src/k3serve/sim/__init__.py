@@ -1,0 +1,1 @@
+"""Simulators driven by the same policy code as the live engine and by recorded traces."""

@@ -1,0 +1,155 @@
+"""Command-line pieces of streaming: the flags shared by every command that loads a model, and the `pack`,
+`sim cache` and `coactivation` subcommands (wired into `k3serve.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from k3serve.stream.budget import format_size, parse_size
+from k3serve.stream.cache import POLICIES
+from k3serve.stream.io import IO_MODES
+from k3serve.stream.source import PREFETCH_MODES, StreamOptions
+
+_STREAM_FLAGS = ("ram_budget", "io", "queue_depth", "cache", "cache_profile", "prefetch", "prefetch_max",
+                 "pin_trunk", "trace_out")
+
+
+def add_stream_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("streaming (any of these reads the model from a packed store)")
+    g.add_argument("--ram-budget", default=None, help="cap on all weight memory, e.g. 8G, 512M (default: none)")
+    g.add_argument("--io", choices=IO_MODES, default=None, help="mmap (naive), pread or direct (O_DIRECT); "
+                                                                  "default pread")
+    g.add_argument("--queue-depth", type=int, default=None, help="reads in flight (pread/direct; default 16)")
+    g.add_argument("--cache", choices=POLICIES, default=None, help="expert cache policy (default lru)")
+    g.add_argument("--cache-profile", type=Path, default=None, help="routing trace whose hot set --cache pinned holds")
+    g.add_argument("--prefetch", choices=PREFETCH_MODES, default=None, help="next-layer router prefetch")
+    g.add_argument("--prefetch-max", type=int, default=None, help="guesses per layer (default: top-k)")
+    g.add_argument("--pin-trunk", default=None, help="cap on the budget given to pinned trunk layers (e.g. 0, 2G); "
+                                                     "default: as much as fits")
+    g.add_argument("--trace-out", type=Path, default=None, help="record every (token, layer, expert) request")
+
+
+def stream_options(args: argparse.Namespace) -> StreamOptions | None:
+    if all(getattr(args, name, None) is None for name in _STREAM_FLAGS):
+        return None
+    defaults = StreamOptions()
+    return StreamOptions(
+        ram_budget=parse_size(args.ram_budget) if args.ram_budget is not None else None,
+        io=args.io or defaults.io,
+        queue_depth=args.queue_depth if args.queue_depth is not None else defaults.queue_depth,
+        cache=args.cache or defaults.cache,
+        prefetch=args.prefetch or defaults.prefetch,
+        prefetch_max=args.prefetch_max,
+        pin_trunk_bytes=parse_size(args.pin_trunk) if args.pin_trunk is not None else None,
+        cache_profile=args.cache_profile,
+        trace_out=args.trace_out,
+    )
+
+
+def load_for_run(args: argparse.Namespace, **kwargs):
+    """load_model with the streaming flags; --trace-out alone on a plain checkpoint traces the resident model."""
+    from k3serve.loading import load_model
+    from k3serve.weights.store import is_packed_store
+
+    options = stream_options(args)
+    only_trace = options is not None and all(getattr(args, n, None) is None for n in _STREAM_FLAGS if n != "trace_out")
+    if only_trace and args.model is not None and not is_packed_store(args.model):
+        from k3serve.stream.trace import TracedSource, TraceWriter, trace_meta
+
+        loaded = load_model(args.model, **kwargs)
+        source = loaded.model.source
+        loaded.model.source = TracedSource(source, TraceWriter(options.trace_out, trace_meta(source.config)))
+        return loaded
+    return load_model(args.model, stream=options, **kwargs)
+
+
+def add_subcommands(sub) -> dict:
+    pack = sub.add_parser("pack", help="rewrite a checkpoint into a trunk file + aligned, checksummed expert store")
+    pack.add_argument("src", type=Path, help="safetensors checkpoint folder")
+    pack.add_argument("out", type=Path, help="output folder")
+    pack.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural")
+    pack.add_argument("--trace", type=Path, default=None, help="routing trace (for frequency / coactivation)")
+
+    sim = sub.add_parser("sim", help="simulators")
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
+    cache = sim_sub.add_parser("cache", help="replay a routing trace against every cache policy and Belady")
+    cache.add_argument("trace", type=Path)
+    cache.add_argument("--capacity", required=True,
+                       help="comma-separated expert-cache capacities in experts (or sizes like 64M)")
+    cache.add_argument("--policies", default="none,lru,lfu,s3fifo,pinned,belady")
+    cache.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+
+    co = sub.add_parser("coactivation", help="per-layer co-activation maps of a trace, as .npy and heatmap .png")
+    co.add_argument("trace", type=Path)
+    co.add_argument("--out", type=Path, required=True)
+    return {"pack": cmd_pack, "sim": cmd_sim, "coactivation": cmd_coactivation}
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from k3serve.stream.trace import read_trace
+    from k3serve.weights.pack import pack_checkpoint
+
+    token_sets = read_trace(args.trace).token_sets() if args.trace else None
+    store = pack_checkpoint(args.src, args.out, layout=args.layout, token_sets=token_sets, progress=True)
+    print(f"packed {args.src} -> {args.out}: layout {store.layout}, {store.num_experts_total} experts of "
+          f"{format_size(store.expert_blob_size)} (stride {format_size(store.expert_stride)}), expert store "
+          f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_path.stat().st_size)}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from k3serve.sim.cache_replay import replay_all
+    from k3serve.stream.trace import read_trace
+
+    trace = read_trace(args.trace)
+    expert_bytes = int(trace.meta.get("expert_bytes", 1))
+    capacities = []
+    for part in args.capacity.split(","):
+        part = part.strip()
+        capacities.append(int(part) if part.isdigit() else max(1, parse_size(part) // expert_bytes))
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    requests = trace.requests()
+    tokens = trace.num_tokens
+    top_k = int(trace.meta.get("top_k", 1))
+    results = replay_all(requests, capacities, tokens, expert_bytes, policies, working_slots=top_k)
+    print(f"trace {args.trace}: {tokens} tokens, {len(requests)} layer requests, "
+          f"{sum(len(r[2]) for r in requests)} expert requests, expert blob {format_size(expert_bytes)}")
+    print(f"{'capacity':>9} {'policy':>8} {'retention':>10} {'read/token':>12} {'vs belady':>10}")
+    best = {r.capacity: r for r in results if r.policy == "belady"}
+    for r in results:
+        ratio = r.bytes_per_token / best[r.capacity].bytes_per_token if r.capacity in best and \
+            best[r.capacity].bytes_per_token else float("nan")
+        print(f"{r.capacity:>9} {r.policy:>8} {100 * r.retention:>9.1f}% {format_size(r.bytes_per_token):>12} "
+              f"{ratio:>9.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps([{**r.__dict__, "retention": r.retention,
+                                          "bytes_per_token": r.bytes_per_token} for r in results], indent=1))
+    return 0
+
+
+def cmd_coactivation(args: argparse.Namespace) -> int:
+    from k3serve.stream.heatmap import heatmap_rgb, write_png
+    from k3serve.stream.trace import read_trace
+    from k3serve.weights.layout import adjacency_score, coactivation_matrix, coactivation_order
+
+    trace = read_trace(args.trace)
+    num_experts = int(trace.meta["num_experts"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for layer, sets in sorted(trace.token_sets().items()):
+        matrix = coactivation_matrix(sets, num_experts)
+        np.save(args.out / f"layer_{layer:03d}.npy", matrix)
+        write_png(args.out / f"layer_{layer:03d}.png", heatmap_rgb(matrix, cell=max(1, 512 // num_experts)))
+        order = coactivation_order(matrix)
+        summary[layer] = {"tokens": len(sets), "natural_adjacency": adjacency_score(range(num_experts), matrix),
+                          "chain_adjacency": adjacency_score(order, matrix), "chain_order": order}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {len(summary)} layers to {args.out} (layer_LLL.npy counts, layer_LLL.png heatmaps, summary.json)",
+          file=sys.stderr)
+    return 0

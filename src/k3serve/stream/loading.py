@@ -1,0 +1,61 @@
+"""Opening a model through the streaming source: a packed store folder, or the embedded default model (packed
+into the user cache on first streaming use)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from k3serve.errors import CheckpointError
+from k3serve.stream.source import StreamingSource, StreamOptions
+from k3serve.weights.store import PackedStore, is_packed_store
+
+logger = logging.getLogger(__name__)
+
+
+def default_packed_dir() -> Path:
+    from k3serve.loading import DEFAULT_MODEL_NAME, cache_root, default_model_dir
+
+    target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-packed"
+    if is_packed_store(target):
+        return target
+    from k3serve.weights.pack import pack_checkpoint
+
+    source = default_model_dir()
+    logger.info("packing the default model into %s (first streaming use only)", target)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        pack_checkpoint(source, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not is_packed_store(target):
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_streaming(path: str | Path | None, options: StreamOptions):
+    """A `LoadedModel` whose K3Model reads through a `StreamingSource`."""
+    from k3serve.loading import LoadedModel
+    from k3serve.model.k3 import K3Model
+    from k3serve.model.kernels import warmup as warmup_kernels
+    from k3serve.tokenizer import Tokenizer
+
+    folder = Path(path) if path is not None else default_packed_dir()
+    if not is_packed_store(folder):
+        raise CheckpointError(
+            f"{folder} is not a packed store; streaming options (--ram-budget, --io, --cache, --prefetch, "
+            f"--trace-out) read a packed store: run `k3serve pack {folder} PACKED_DIR` and pass --model PACKED_DIR")
+    store = PackedStore(folder)
+    tokenizer = Tokenizer.from_dir(folder) if (folder / "tiktoken.model").exists() else None
+    if tokenizer is not None and tokenizer.vocab_size > store.config.vocab_size:
+        raise CheckpointError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {store.config.vocab_size}")
+    source = StreamingSource(store, options)
+    warmup_kernels()
+    return LoadedModel(model=K3Model(source), checkpoint=None, tokenizer=tokenizer, path=folder)

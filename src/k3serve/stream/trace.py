@@ -1,0 +1,147 @@
+"""Routing traces: every (step, token, layer, experts) the router chose, one line per token and MoE layer.
+
+File format (text, one record per line):
+
+    # k3serve-trace 1 {"num_layers": L, "num_experts": NE, "top_k": TOPK, "expert_bytes": B, ...}
+    STEP TOKEN LAYER E1 E2 ... ETOPK
+
+STEP numbers forward passes (a prefill is one step, each decode one more); TOKEN numbers tokens over the whole
+run. A step's request for a layer is the union of its tokens' experts: that is what a source must load.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Mapping, Sequence
+
+import numpy as np
+
+from k3serve.errors import K3Error
+
+TRACE_MAGIC = "# k3serve-trace 1 "
+
+
+class TraceError(K3Error):
+    """A routing trace file is missing or malformed."""
+
+
+@dataclass
+class Trace:
+    meta: dict
+    records: list[tuple[int, int, int, tuple[int, ...]]] = field(default_factory=list)  # (step, token, layer, ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len({r[1] for r in self.records})
+
+    @property
+    def num_steps(self) -> int:
+        return len({r[0] for r in self.records})
+
+    def requests(self) -> list[tuple[int, int, list[int]]]:
+        """(step, layer, sorted union of experts) in the order a forward pass issues them."""
+        merged: dict[tuple[int, int], set[int]] = {}
+        for step, _, layer, ids in self.records:
+            merged.setdefault((step, layer), set()).update(ids)
+        return [(s, l, sorted(ids)) for (s, l), ids in merged.items()]
+
+    def token_sets(self) -> dict[int, list[tuple[int, ...]]]:
+        out: dict[int, list[tuple[int, ...]]] = {}
+        for _, _, layer, ids in self.records:
+            out.setdefault(layer, []).append(ids)
+        return out
+
+    def popularity(self) -> Counter:
+        """Requests per (layer, expert), counting a step's union once (what a cache sees)."""
+        counts: Counter = Counter()
+        for _, layer, ids in self.requests():
+            counts.update((layer, e) for e in ids)
+        return counts
+
+
+class TraceWriter:
+    def __init__(self, path: str | Path, meta: Mapping[str, object]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "w")
+        self._file.write(TRACE_MAGIC + json.dumps(dict(meta), sort_keys=True) + "\n")
+        self.num_records = 0
+        atexit.register(self.close)  # flush a trace even when the caller never closes the source
+
+    def write(self, step: int, first_token: int, layer: int, expert_ids: np.ndarray) -> None:
+        """expert_ids [T, TOPK]: one row per token, tokens numbered from `first_token`."""
+        assert self._file is not None
+        lines = [f"{step} {first_token + t} {layer} " + " ".join(str(int(e)) for e in row)
+                 for t, row in enumerate(np.asarray(expert_ids))]
+        self._file.write("\n".join(lines) + "\n")
+        self.num_records += len(lines)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    if not lines or not lines[0].startswith(TRACE_MAGIC):
+        raise TraceError(f"{path} is not a k3serve routing trace (write one with --trace-out)")
+    try:
+        meta = json.loads(lines[0][len(TRACE_MAGIC):])
+        trace = Trace(meta)
+        for number, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            fields = [int(x) for x in line.split()]
+            if len(fields) < 4:
+                raise TraceError(f"{path}:{number}: expected STEP TOKEN LAYER EXPERT..., got {line!r}")
+            trace.records.append((fields[0], fields[1], fields[2], tuple(fields[3:])))
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise TraceError(f"{path}: malformed trace: {exc}") from exc
+    return trace
+
+
+def trace_meta(config, expert_bytes: int | None = None) -> dict:
+    return {"num_layers": config.num_layers, "num_experts": config.num_experts,
+            "top_k": config.num_experts_per_token, "moe_layers": list(config.moe_layer_ids),
+            "expert_bytes": int(expert_bytes if expert_bytes is not None else config.expert_bytes)}
+
+
+class TracedSource:
+    """Wraps any weight source and records its routing (for --trace-out on a resident model)."""
+
+    def __init__(self, inner, writer: TraceWriter) -> None:
+        self.inner = inner
+        self.config = inner.config
+        self.writer = writer
+        self._step = -1
+        self._next_token = 0
+        self._step_first_token = 0
+
+    def global_weights(self):
+        return self.inner.global_weights()
+
+    def layer(self, layer: int):
+        return self.inner.layer(layer)
+
+    def experts(self, layer: int, expert_ids: Sequence[int]):
+        return self.inner.experts(layer, expert_ids)
+
+    def begin_step(self, num_tokens: int) -> None:
+        self._step += 1
+        self._step_first_token = self._next_token
+        self._next_token += num_tokens
+
+    def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
+        self.writer.write(self._step, self._step_first_token, layer, expert_ids)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)

@@ -1,0 +1,127 @@
+"""`k3serve pack`: rewrite a safetensors checkpoint into a packed store (see `k3serve.weights.store`).
+
+Tensors are copied byte for byte in their stored dtype (the trunk stays bf16 on disk, experts stay MXFP4), so a
+streaming source decodes exactly what the resident source decodes. The index is written last, under a temporary
+name and renamed, so an interrupted pack never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import zlib
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from k3serve.weights import names
+from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.layout import LAYOUTS, layer_order
+from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
+                                   TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
+                                   align_up, config_fingerprint, expert_parts)
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
+
+
+def _write_padded(f, data: bytes | np.ndarray, alignment: int = ALIGNMENT) -> None:
+    f.write(data)
+    pad = align_up(f.tell(), alignment) - f.tell()
+    if pad:
+        f.write(b"\0" * pad)
+
+
+def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offset: int) -> tuple[TrunkBlob, bytes]:
+    entries, chunks, cursor = [], [], 0
+    for spec in specs:
+        info = checkpoint.index.info(spec.name)
+        raw = checkpoint.index.read_raw(spec.name)
+        start = align_up(cursor, TENSOR_ALIGNMENT)
+        if start > cursor:
+            chunks.append(b"\0" * (start - cursor))
+        chunks.append(raw.tobytes())
+        entries.append(TensorEntry(spec.name, info.dtype, tuple(info.shape), start, raw.nbytes))
+        cursor = start + raw.nbytes
+    data = b"".join(chunks)
+    return TrunkBlob(offset, len(data), zlib.crc32(data), tuple(entries)), data
+
+
+def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural",
+                    token_sets: Mapping[int, Sequence[Sequence[int]]] | None = None,
+                    progress: bool = False) -> PackedStore:
+    """Pack `source` into `out`. `token_sets[layer]` lists the experts each traced token chose (for the
+    frequency and coactivation layouts)."""
+    if layout not in LAYOUTS:
+        raise StoreError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if layout != "natural" and not token_sets:
+        raise StoreError(f"layout {layout!r} needs a routing trace (--trace FILE, written by --trace-out)")
+    checkpoint = Checkpoint(source)
+    config = checkpoint.config
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STORE_INDEX).unlink(missing_ok=True)
+    parts = expert_parts(config)
+    blob_size = sum(p.nbytes for p in parts)
+    stride = align_up(blob_size)
+    total = sum(checkpoint.index.info(s.name).nbytes for s in names.all_specs(config))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pack", leave=True)
+    try:
+        with open(out / TRUNK_FILE, "wb") as f:
+            globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0)
+            _write_padded(f, data)
+            if bar:
+                bar.update(len(data))
+            layer_blobs = []
+            for layer in range(config.num_layers):
+                blob, data = _trunk_blob(checkpoint, names.layer_trunk_specs(config, layer), f.tell())
+                _write_padded(f, data)
+                layer_blobs.append(blob)
+                if bar:
+                    bar.update(len(data))
+        expert_index: dict[str, dict] = {}
+        with open(out / EXPERT_FILE, "wb") as f:
+            for layer in config.moe_layer_ids:
+                sets = token_sets.get(layer) if token_sets else None
+                order = layer_order(layout, config.num_experts, sets) if sets or layout == "natural" \
+                    else list(range(config.num_experts))
+                offsets = [0] * config.num_experts
+                crcs = [0] * config.num_experts
+                for expert in order:
+                    blob = bytearray(stride)
+                    for p in parts:
+                        raw = checkpoint.index.read_raw(names.expert_name(layer, expert, p.matrix, p.part))
+                        if raw.nbytes != p.nbytes:
+                            raise StoreError(f"layer {layer} expert {expert} {p.matrix}.{p.part}: "
+                                             f"{raw.nbytes} bytes, expected {p.nbytes}")
+                        blob[p.offset:p.offset + p.nbytes] = raw.tobytes()
+                    offsets[expert] = f.tell()
+                    crcs[expert] = zlib.crc32(memoryview(blob)[:blob_size])
+                    f.write(blob)
+                    if bar:
+                        bar.update(blob_size)
+                expert_index[str(layer)] = {"order": order, "offsets": offsets, "crc32": crcs}
+    finally:
+        if bar:
+            bar.close()
+    shutil.copy(Path(source) / "config.json", out / "config.json")
+    for file in _TOKENIZER_FILES:
+        if (Path(source) / file).exists():
+            shutil.copy(Path(source) / file, out / file)
+    index = {
+        "format": STORE_FORMAT, "version": STORE_VERSION, "config_sha256": config_fingerprint(config),
+        "layout": layout, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE, "expert_file": EXPERT_FILE,
+        "globals": globals_blob.to_json(), "layers": [b.to_json() for b in layer_blobs],
+        "expert_blob_size": blob_size, "expert_stride": stride, "experts": expert_index,
+    }
+    staging = out / (STORE_INDEX + ".tmp")
+    staging.write_text(json.dumps(index))
+    staging.rename(out / STORE_INDEX)
+    checkpoint.close()
+    return PackedStore(out)

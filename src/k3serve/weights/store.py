@@ -1,0 +1,206 @@
+"""The packed store: a trunk file and an expert store written by `k3serve pack`, and its index.
+
+A packed model folder holds:
+
+    config.json              the model's config (and the tokenizer files when the source had them)
+    trunk.bin                globals, then one blob per layer: every always-active tensor of that layer in its
+                             stored dtype, contiguous, so one read fetches one layer
+    experts.bin              one blob per routed expert: w1, w3, w2 packed bytes and scales together, each blob
+                             starting on a 4 KiB boundary and padded to a multiple of 4 KiB (O_DIRECT can read it)
+    store.json               the index: for every blob its offset, size and CRC-32; the layout order of experts
+
+Blob layout of one expert (sizes from the config, identical for every expert):
+    w1_packed [MI, LT/2] | w1_scales [MI, LT/32] | w3_packed [MI, LT/2] | w3_scales [MI, LT/32]
+    | w2_packed [LT, MI/2] | w2_scales [LT, MI/32] | zero padding to the stride
+
+Opening a store checks it against its config before any weight is read: the config fingerprint, every trunk
+tensor's name, shape and dtype, the expert blob size, and that every blob lies inside its file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from k3serve.config import MXFP4_GROUP_SIZE, K3Config, load_config
+from k3serve.errors import CheckpointError
+from k3serve.weights import names
+from k3serve.weights.bf16 import bf16_bits_to_f32
+from k3serve.weights.safetensors_io import STORAGE_DTYPES
+
+STORE_FORMAT = "k3serve-store"
+STORE_VERSION = 1
+STORE_INDEX = "store.json"
+TRUNK_FILE = "trunk.bin"
+EXPERT_FILE = "experts.bin"
+ALIGNMENT = 4096  # blob starts and read lengths: the O_DIRECT granularity of common file systems
+TENSOR_ALIGNMENT = 64  # tensors inside a trunk blob
+
+
+class StoreError(CheckpointError):
+    """A packed store is missing, corrupt, or does not match the model's config."""
+
+
+def align_up(value: int, alignment: int = ALIGNMENT) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def config_fingerprint(config: K3Config) -> str:
+    text = json.dumps(config.to_dict(nested=True), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ExpertPart(NamedTuple):
+    matrix: str  # w1, w3, w2
+    part: str  # weight_packed or weight_scale
+    shape: tuple[int, int]
+    offset: int  # bytes into the blob
+    nbytes: int
+
+
+def expert_parts(config: K3Config) -> list[ExpertPart]:
+    """The six arrays of one expert blob, in blob order."""
+    parts, offset = [], 0
+    for matrix in names.EXPERT_MATRICES:
+        rows, cols = names.expert_matrix_shape(config, matrix)
+        for part, shape in (("weight_packed", (rows, cols // 2)), ("weight_scale", (rows, cols // MXFP4_GROUP_SIZE))):
+            nbytes = shape[0] * shape[1]
+            parts.append(ExpertPart(matrix, part, shape, offset, nbytes))
+            offset += nbytes
+    return parts
+
+
+class TensorEntry(NamedTuple):
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    offset: int  # bytes into the blob
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TrunkBlob:
+    """One contiguous region of trunk.bin: the globals or one layer."""
+
+    offset: int
+    size: int  # bytes of tensor data (the read length is align_up(size))
+    crc32: int
+    tensors: tuple[TensorEntry, ...]
+
+    @property
+    def read_size(self) -> int:
+        return align_up(self.size)
+
+    @property
+    def float32_bytes(self) -> int:
+        """An upper bound on the RAM its tensors take once widened to float32."""
+        return sum(int(np.prod(t.shape)) * 4 for t in self.tensors)
+
+    def decode(self, raw: np.ndarray) -> dict[str, np.ndarray]:
+        """raw: u8 [>= size], the blob's bytes -> {name: fresh array} exactly as `Checkpoint.read` returns them."""
+        out = {}
+        for t in self.tensors:
+            stored = raw[t.offset:t.offset + t.nbytes].view(STORAGE_DTYPES[t.dtype]).reshape(t.shape)
+            if t.dtype == "BF16":
+                out[t.name] = bf16_bits_to_f32(stored)
+            else:
+                array = np.array(stored, copy=True)
+                out[t.name] = array if array.dtype == np.uint8 else array.astype(np.float32, copy=False)
+        return out
+
+    def to_json(self) -> dict:
+        return {"offset": self.offset, "size": self.size, "crc32": self.crc32,
+                "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors]}
+
+    @staticmethod
+    def from_json(raw: dict) -> TrunkBlob:
+        return TrunkBlob(int(raw["offset"]), int(raw["size"]), int(raw["crc32"]),
+                         tuple(TensorEntry(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in raw["tensors"]))
+
+
+@dataclass(frozen=True)
+class ExpertLayerIndex:
+    order: tuple[int, ...]  # expert ids in file order (the layout)
+    offsets: tuple[int, ...]  # by expert id
+    crc32: tuple[int, ...]  # by expert id
+
+
+class PackedStore:
+    """An opened, validated packed store (read-only metadata; the bytes are read by `k3serve.stream`)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index_file = self.path / STORE_INDEX
+        if not index_file.exists():
+            raise StoreError(f"{self.path} is not a packed store (no {STORE_INDEX}); create one with "
+                             f"`k3serve pack CHECKPOINT {self.path}`")
+        try:
+            raw = json.loads(index_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StoreError(f"{index_file}: unreadable index: {exc}") from exc
+        if raw.get("format") != STORE_FORMAT or raw.get("version") != STORE_VERSION:
+            raise StoreError(f"{index_file}: not a {STORE_FORMAT} v{STORE_VERSION} index")
+        self.config: K3Config = load_config(self.path)
+        self.layout: str = raw["layout"]
+        self.trunk_path = self.path / raw["trunk_file"]
+        self.expert_path = self.path / raw["expert_file"]
+        self.globals = TrunkBlob.from_json(raw["globals"])
+        self.layers = [TrunkBlob.from_json(b) for b in raw["layers"]]
+        self.expert_blob_size = int(raw["expert_blob_size"])
+        self.expert_stride = int(raw["expert_stride"])
+        self.experts = {int(l): ExpertLayerIndex(tuple(v["order"]), tuple(v["offsets"]), tuple(v["crc32"]))
+                        for l, v in raw["experts"].items()}
+        self._validate(raw)
+
+    def _validate(self, raw: dict) -> None:
+        c = self.config
+        problems: list[str] = []
+        if raw.get("config_sha256") != config_fingerprint(c):
+            problems.append("config.json differs from the config the store was packed with")
+        if len(self.layers) != c.num_layers:
+            problems.append(f"store has {len(self.layers)} trunk layers, config has {c.num_layers}")
+        expected_blob = sum(p.nbytes for p in expert_parts(c))
+        if self.expert_blob_size != expected_blob:
+            problems.append(f"expert blobs are {self.expert_blob_size} bytes, config implies {expected_blob}")
+        if self.expert_stride % ALIGNMENT or self.expert_stride < self.expert_blob_size:
+            problems.append(f"expert stride {self.expert_stride} is not a {ALIGNMENT}-aligned blob size")
+        if sorted(self.experts) != list(c.moe_layer_ids):
+            problems.append(f"expert layers {sorted(self.experts)} differ from MoE layers {list(c.moe_layer_ids)}")
+        for layer, blob in enumerate(self.layers[:c.num_layers]):
+            want = [(s.name, s.shape) for s in names.layer_trunk_specs(c, layer)]
+            have = [(t.name, t.shape) for t in blob.tensors]
+            if want != have:
+                problems.append(f"trunk layer {layer} holds other tensors than the config implies")
+        for layer, entry in self.experts.items():
+            if len(entry.offsets) != c.num_experts or sorted(entry.order) != list(range(c.num_experts)):
+                problems.append(f"layer {layer} indexes {len(entry.offsets)} experts, config has {c.num_experts}")
+        for path, end in ((self.trunk_path, max([b.offset + b.read_size for b in self.layers + [self.globals]])),
+                          (self.expert_path, max((max(e.offsets) + self.expert_stride for e in self.experts.values()),
+                                                 default=0))):
+            size = path.stat().st_size if path.exists() else -1
+            if size < end:
+                problems.append(f"{path.name} is {max(size, 0)} bytes, the index needs {end} (truncated?)")
+        if problems:
+            raise StoreError(f"packed store {self.path} does not match its config:\n  " + "\n  ".join(problems[:8]))
+
+    # ---- sizes -----------------------------------------------------------------------------------------------
+    @property
+    def num_experts_total(self) -> int:
+        return len(self.experts) * self.config.num_experts
+
+    @property
+    def expert_store_bytes(self) -> int:
+        return os.path.getsize(self.expert_path)
+
+    def expert_offset(self, layer: int, expert: int) -> int:
+        return self.experts[layer].offsets[expert]
+
+
+def is_packed_store(path: str | Path) -> bool:
+    return (Path(path) / STORE_INDEX).exists()

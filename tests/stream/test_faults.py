@@ -1,0 +1,114 @@
+"""Bad bytes and bad stores: checksum retry, clear errors naming the blob, truncation, config mismatch, budget."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from k3serve.loading import load_model
+from k3serve.stream.budget import BudgetError, parse_size, plan_budget
+from k3serve.stream.source import StoreCorruptError, StreamOptions
+from k3serve.weights.store import StoreError
+
+
+def _copy(store, tmp_path):
+    target = tmp_path / "store"
+    shutil.copytree(store.path, target)
+    return target
+
+
+def test_a_corrupt_blob_is_refused_with_its_location(tiny_store, tmp_path):
+    folder = _copy(tiny_store, tmp_path)
+    offset = tiny_store.expert_offset(1, 3)
+    with open(folder / "experts.bin", "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    model = load_model(folder, stream=StreamOptions(io="pread")).model
+    with pytest.raises(StoreCorruptError) as info:
+        for expert_ids in ([3], [0, 3]):
+            model.source.experts(1, expert_ids)[3]
+    message = str(info.value)
+    assert "layer 1 expert 3" in message and "experts.bin" in message and f"offset {offset}" in message
+    assert model.source.stats.checksum_retries == 1
+    model.source.check_integrity()  # the bad slot was freed, not kept
+
+
+def test_a_transient_corruption_is_reread_once(tiny_store):
+    model = load_model(tiny_store.path, stream=StreamOptions(io="pread", cache="none")).model
+    hits = []
+
+    def flip_once(offset, buffer):
+        if not hits:
+            hits.append(offset)
+            buffer[0] ^= 0xFF
+
+    model.source.expert_io.fault = flip_once
+    weights = model.source.experts(2, [5])[5]
+    resident = load_model(tiny_store.path).model.source.experts(2, [5])[5]
+    assert (weights.w1_packed == resident.w1_packed).all()
+    assert model.source.stats.checksum_retries == 1
+
+
+def test_io_errors_are_retried_then_reported(tiny_store):
+    from k3serve.stream.io import StoreIOError
+
+    model = load_model(tiny_store.path, stream=StreamOptions(io="pread", cache="none")).model
+    failures = []
+
+    def fail_once(offset, buffer):
+        if not failures:
+            failures.append(offset)
+            raise OSError(5, "Input/output error")
+
+    model.source.expert_io.fault = fail_once
+    model.source.experts(1, [0])[0]  # retried, succeeds
+
+    def always(offset, buffer):
+        raise OSError(5, "Input/output error")
+
+    model.source.expert_io.fault = always
+    with pytest.raises(StoreIOError, match=r"layer 1 expert 1: .*experts.bin.*offset .*after 3 attempts"):
+        model.source.experts(1, [1])[1]
+
+
+def test_truncated_or_mismatched_stores_are_refused_at_load(tiny_store, tmp_path):
+    folder = _copy(tiny_store, tmp_path)
+    with open(folder / "experts.bin", "r+b") as f:
+        f.truncate(tiny_store.expert_store_bytes - 4096)
+    with pytest.raises(StoreError, match="truncated"):
+        load_model(folder, stream=StreamOptions())
+    folder2 = tmp_path / "other"
+    shutil.copytree(tiny_store.path, folder2)
+    config = json.loads((folder2 / "config.json").read_text())
+    config["text_config"]["num_experts"] = 16
+    (folder2 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StoreError, match="does not match"):
+        load_model(folder2, stream=StreamOptions())
+
+
+def test_a_budget_too_small_names_the_minimum(tiny_store):
+    with pytest.raises(BudgetError, match=r"minimum is .*--ram-budget (\d+)") as info:
+        plan_budget(tiny_store, 100_000)
+    minimum = int(str(info.value).split("--ram-budget ")[1].split()[0])
+    plan = plan_budget(tiny_store, minimum)
+    assert plan.total_bytes <= minimum and plan.expert_slots >= tiny_store.config.num_experts_per_token
+    with pytest.raises(BudgetError):
+        plan_budget(tiny_store, minimum - 1)
+
+
+def test_trunk_comes_first_and_pin_cap_moves_the_split(tiny_store):
+    generous = plan_budget(tiny_store, 4_000_000)
+    capped = plan_budget(tiny_store, 4_000_000, pin_trunk_bytes=0)
+    assert len(generous.pinned_layers) > 0 and capped.pinned_layers == ()
+    assert capped.expert_slots > generous.expert_slots
+    assert generous.total_bytes <= 4_000_000 and capped.total_bytes <= 4_000_000
+
+
+def test_parse_size():
+    assert parse_size("8G") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1.5GB") == 1_500_000_000
+    with pytest.raises(BudgetError):
+        parse_size("lots")
