@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from k3serve.errors import K3Error
+from k3serve.stream.commands import add_stream_args, add_subcommands, load_for_run
 
 EXIT_USER_ERROR = 2
 
@@ -54,17 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence ids")
     gen.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
 
-    from k3serve.stream.commands import add_stream_args, add_subcommands
-
     add_stream_args(gen)
+
     logits = sub.add_parser("logits", help="write float32 logits for every position to a .npy file")
-    add_stream_args(logits)
-    STREAM_COMMANDS.update(add_subcommands(sub))
     _add_model_arg(logits)
     logits.add_argument("--ids", type=_parse_ids, required=True, help="comma-separated token ids")
     logits.add_argument("--out", type=Path, required=True)
     logits.add_argument("--mode", choices=("full", "incremental"), default="full")
     _add_precision_arg(logits)
+    add_stream_args(logits)
 
     tiny = sub.add_parser("make-tiny", help="write the tiny oracle checkpoint (K3_SPEC tiny shapes)")
     tiny.add_argument("out", type=Path)
@@ -81,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16, help="positions per paged MLA cache block")
     serve.add_argument("--kv-cache-mib", type=int, default=256, help="memory for the paged MLA cache")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    add_stream_args(serve)
+
+    STREAM_COMMANDS.update(add_subcommands(sub))  # pack, sim cache, coactivation
 
     info = sub.add_parser("info", help="describe a model: shapes, layer map, parameter counts, sizes")
     _add_model_arg(info)
@@ -91,9 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from k3serve.engine.generate import generate
     from k3serve.engine.sampling import SamplingParams
-    from k3serve.loading import load_model
-
-    from k3serve.stream.commands import load_for_run
 
     loaded = load_for_run(args, expert_precision=args.expert_precision)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -134,10 +133,6 @@ def _print_report(loaded, report) -> None:
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
-    from k3serve.loading import load_model
-
-    from k3serve.stream.commands import load_for_run
-
     loaded = load_for_run(args, expert_precision=args.expert_precision)
     logits = loaded.model.logits(args.ids, mode=args.mode)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -190,11 +185,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
-    from k3serve.loading import load_model
+    from k3serve.model.k3 import K3Model
     from k3serve.serve.api import create_app
 
-    loaded = load_model(args.model)
-    if loaded.checkpoint is None:
+    loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
+    if not isinstance(loaded.model, K3Model):
         raise K3Error(f"{loaded.path} is a {loaded.model.config.model_type} checkpoint: the server runs K3 models "
                       "only for now (use generate or logits for the other families)")
     if loaded.tokenizer is None:
@@ -210,7 +205,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 STREAM_COMMANDS: dict = {}  # pack, sim, coactivation (k3serve.stream.commands)
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, "make-tiny": cmd_make_tiny, "info": cmd_info}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, "make-tiny": cmd_make_tiny,
+            "info": cmd_info}
 
 
 def main(argv: list[str] | None = None) -> int:
