@@ -149,3 +149,27 @@ def test_fused_expert_forward_matches_numpy_twin(latent, inter, tokens):
     assert error < 1e-5, f"relative RMS {error:.2e} (parallel path: {inter * latent >= PARALLEL_MIN_WEIGHTS})"
     # a token's result does not depend on the other tokens in the call
     np.testing.assert_array_equal(mxfp4_expert_forward(w1, w3, w2, z[:1], 4.0, 25.0), got[:1])
+
+
+def test_experts_spread_over_cores_give_the_same_bits_as_one_by_one():
+    from k3serve.model.kernels import mxfp4_expert_accumulate, mxfp4_experts_accumulate
+    from k3serve.weights.mxfp4 import quantize_mxfp4
+
+    rng = np.random.default_rng(9)
+    latent, inter, tokens_total = 64, 96, 7
+    experts = []
+    for _ in range(5):
+        w1, w3 = (quantize_mxfp4(rng.normal(size=(inter, latent)).astype(np.float32)) for _ in range(2))
+        experts.append((w1, w3, quantize_mxfp4(rng.normal(size=(latent, inter)).astype(np.float32))))
+    z = rng.normal(size=(tokens_total, latent)).astype(np.float32)
+    groups = [np.array(sorted(rng.choice(tokens_total, size=int(n), replace=False))) for n in (1, 3, 7, 2, 4)]
+    tokens = np.concatenate(groups).astype(np.int64)
+    ends = np.cumsum([len(g) for g in groups]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    weights = rng.uniform(size=len(tokens)).astype(np.float32)
+    one_by_one = np.zeros((tokens_total, latent), np.float32)
+    for (w1, w3, w2), start, end in zip(experts, starts, ends):
+        mxfp4_expert_accumulate(w1, w3, w2, z, tokens[start:end], weights[start:end], 4.0, 25.0, one_by_one)
+    together = np.zeros_like(one_by_one)
+    mxfp4_experts_accumulate(experts, z, tokens, starts, ends, weights, 4.0, 25.0, together)
+    np.testing.assert_array_equal(together, one_by_one)

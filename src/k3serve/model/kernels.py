@@ -191,6 +191,53 @@ def _expert_accumulate_serial(
             mixed[tokens[i], j] += weight * out[i, j]
 
 
+@njit(cache=True, parallel=True, fastmath=False)
+def _experts_parallel(
+    w1_packed: np.ndarray, w1_scales: np.ndarray,  # u8 [E, MI, LT/2], [E, MI, LT/32] stacked experts
+    w3_packed: np.ndarray, w3_scales: np.ndarray,
+    w2_packed: np.ndarray, w2_scales: np.ndarray,  # u8 [E, LT, MI/2], [E, LT, MI/32]
+    z: np.ndarray,  # f32 [T, LT]
+    tokens: np.ndarray,  # i64 [N] token rows grouped by expert (expert e owns starts[e]:ends[e])
+    starts: np.ndarray, ends: np.ndarray,  # i64 [E]
+    beta: np.float32, linear_beta: np.float32,
+    nibble_values: np.ndarray, scale_values: np.ndarray,
+    out: np.ndarray,  # f32 [N, LT] row i = the expert's output for tokens[i]
+) -> None:
+    for e in prange(starts.shape[0]):
+        begin, end = starts[e], ends[e]
+        gathered = np.empty((end - begin, z.shape[1]), dtype=np.float32)  # [n, LT]
+        for i in range(end - begin):
+            gathered[i] = z[tokens[begin + i]]
+        _expert_forward_serial(w1_packed[e], w1_scales[e], w3_packed[e], w3_scales[e], w2_packed[e], w2_scales[e],
+                               gathered, beta, linear_beta, nibble_values, scale_values, out[begin:end])
+
+
+@njit(cache=True, fastmath=False)
+def _accumulate_rows(out: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, mixed: np.ndarray) -> None:
+    """mixed[tokens[i]] += token_weights[i] * out[i], in row order (experts ascending, as the serial path)."""
+    for i in range(tokens.shape[0]):
+        weight = token_weights[i]
+        for j in range(out.shape[1]):
+            mixed[tokens[i], j] += weight * out[i, j]
+
+
+def mxfp4_experts_accumulate(
+    experts: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]],
+    z: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, token_weights: np.ndarray,
+    beta: float, linear_beta: float, mixed: np.ndarray,
+) -> None:
+    """Several small routed experts of one layer at once, spread over the cores: expert k owns rows
+    starts[k]:ends[k] of `tokens` / `token_weights`. Bit-identical to calling `mxfp4_expert_accumulate` per expert
+    in the given order: each expert's rows are computed by the same serial code, and the weighted sums are added
+    afterwards in that order."""
+    z = np.ascontiguousarray(z, dtype=np.float32)
+    stacked = [np.stack([expert[m][part] for expert in experts]) for m in range(3) for part in range(2)]
+    out = np.empty((tokens.shape[0], stacked[4].shape[1]), dtype=np.float32)  # [N, LT]
+    _experts_parallel(*stacked, z, tokens, starts, ends, np.float32(beta), np.float32(linear_beta),
+                      _NIBBLE_VALUES, _SCALE_VALUES, out)
+    _accumulate_rows(out, tokens, token_weights, mixed)
+
+
 def mxfp4_expert_accumulate(
     w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray], w2: tuple[np.ndarray, np.ndarray],
     z: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, beta: float, linear_beta: float,
@@ -261,3 +308,6 @@ def warmup() -> None:
     mxfp4_expert_forward(square, square, square, np.ones((2, 32), np.float32), 4.0, 25.0)
     mxfp4_expert_accumulate(square, square, square, np.ones((2, 32), np.float32), np.array([1], np.int64),
                             np.ones(1, np.float32), 4.0, 25.0, np.zeros((2, 32), np.float32))
+    mxfp4_experts_accumulate([(square, square, square)] * 2, np.ones((2, 32), np.float32),
+                             np.array([0, 1], np.int64), np.array([0, 1], np.int64), np.array([1, 2], np.int64),
+                             np.ones(2, np.float32), 4.0, 25.0, np.zeros((2, 32), np.float32))

@@ -19,7 +19,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.kernels import mxfp4_expert_accumulate, mxfp4_expert_forward
+from k3serve.model.kernels import (PARALLEL_MIN_WEIGHTS, mxfp4_expert_accumulate, mxfp4_expert_forward,
+                                   mxfp4_experts_accumulate)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, MoEWeights
 
@@ -72,11 +73,19 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     weights_by_expert = np.ascontiguousarray(routing.weights.ravel()[order])
     experts = fetch_experts([int(e) for e in needed])
     mixed = np.zeros((T, config.latent_size), np.float32)  # [T, LT]
-    for expert, start, end in zip(needed, starts, ends):  # ascending id: a fixed accumulation order per token
-        e = experts[int(expert)]
-        mxfp4_expert_accumulate((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales), (e.w2_packed, e.w2_scales),
-                                z, tokens_by_expert[start:end], weights_by_expert[start:end], config.situ_beta,
-                                config.situ_linear_beta, mixed)
+    small = config.moe_intermediate_size * config.latent_size < PARALLEL_MIN_WEIGHTS
+    if small and len(needed) > 1 and isinstance(experts, dict):
+        # all resident at once (a lazy mapping may reuse a slot for the next expert): spread over the cores
+        matrices = [((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales), (e.w2_packed, e.w2_scales))
+                    for e in (experts[int(expert)] for expert in needed)]
+        mxfp4_experts_accumulate(matrices, z, tokens_by_expert, starts.astype(np.int64), ends.astype(np.int64),
+                                 weights_by_expert, config.situ_beta, config.situ_linear_beta, mixed)
+    else:  # one expert at a time, ascending id (large experts parallelise inside each matmul)
+        for expert, start, end in zip(needed, starts, ends):
+            e = experts[int(expert)]
+            mxfp4_expert_accumulate((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales),
+                                    (e.w2_packed, e.w2_scales), z, tokens_by_expert[start:end],
+                                    weights_by_expert[start:end], config.situ_beta, config.situ_linear_beta, mixed)
     if config.latent_moe_use_norm:
         mixed = rms_norm(mixed, w.latent_norm, config.rms_norm_eps)
     out = mixed @ w.latent_up.T  # [T, H]

@@ -111,7 +111,9 @@ class WeightSource(Protocol):
 
     def layer(self, layer: int) -> LayerWeights: ...
 
-    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]: ...
+    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        """The requested experts. A plain dict means every value stays valid at once; any other Mapping may load
+        lazily and reuse memory, so its values are read in ascending id order, each before the next lookup."""
 
 
 TensorReader = Callable[[str], np.ndarray]

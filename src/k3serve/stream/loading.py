@@ -41,7 +41,7 @@ def default_packed_dir() -> Path:
 
 def load_streaming(path: str | Path | None, options: StreamOptions):
     """A `LoadedModel` whose K3Model reads through a `StreamingSource`."""
-    from k3serve.loading import LoadedModel
+    from k3serve.loading import LoadedModel, configure_threads
     from k3serve.model.k3 import K3Model
     from k3serve.model.kernels import warmup as warmup_kernels
     from k3serve.tokenizer import Tokenizer
@@ -57,5 +57,6 @@ def load_streaming(path: str | Path | None, options: StreamOptions):
         raise CheckpointError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {store.config.vocab_size}")
     source = StreamingSource(store, options)
+    configure_threads(store.config.hidden_size)
     warmup_kernels()
     return LoadedModel(model=K3Model(source), checkpoint=None, tokenizer=tokenizer, path=folder)
