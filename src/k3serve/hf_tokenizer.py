@@ -34,17 +34,15 @@ import heapq
 import json
 import logging
 import operator
-import threading
 import unicodedata
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import regex
 
 from k3serve.errors import TokenizerError
-from k3serve.tokenizer import StreamDecoder
+from k3serve.tokenizer import ByteDecoding, PieceCache
 
 logger = logging.getLogger(__name__)
 
@@ -349,7 +347,7 @@ def _flatten(spec: Any, where: str, list_key: str) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------------------------------------------
 
-class HFTokenizer:
+class HFTokenizer(ByteDecoding):
     """A byte-level BPE tokenizer built from a parsed `tokenizer.json` (see the module docstring)."""
 
     def __init__(self, spec: Mapping[str, Any], bos_token: str | None = None, eos_tokens: Sequence[str] = (),
@@ -429,9 +427,7 @@ class HFTokenizer:
         self.eos_tokens: tuple[str, ...] = tuple(self.id_to_bytes(i).decode("utf-8", "replace") for i in self.eos_ids)
         self.chat_template = chat_template
 
-        self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
-        self._cache_size = cache_size
-        self._cache_lock = threading.Lock()
+        self._cache = PieceCache(cache_size)
 
     # ---- loading ---------------------------------------------------------------------------------------------
 
@@ -610,37 +606,18 @@ class HFTokenizer:
             if token_id is not None:
                 return (token_id,)
         cacheable = len(piece) <= _MAX_CACHED_PIECE_BYTES
-        if cacheable:
-            with self._cache_lock:
-                cached = self._cache.get(piece)
-                if cached is not None:
-                    self._cache.move_to_end(piece)
-                    return cached
+        cached = self._cache.get(piece) if cacheable else None
+        if cached is not None:
+            return cached
         symbols = [self._byte_ids[byte] for byte in piece]
         if len(piece) <= _SHORT_PIECE_BYTES:
             ids = tuple(merge_symbols_reference(symbols, self._merges))
         else:
             ids = tuple(merge_symbols_heap(symbols, self._merges))
         if cacheable:
-            with self._cache_lock:
-                self._cache[piece] = ids
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+            self._cache.put(piece, ids)
         return ids
 
-    # ---- decoding --------------------------------------------------------------------------------------------
-
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """The exact bytes of a sequence of ids."""
-        return b"".join(self.id_to_bytes(token_id) for token_id in ids)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of a sequence of ids; invalid UTF-8 becomes U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def stream_decoder(self) -> StreamDecoder:
-        """A decoder for ids arriving one at a time (see k3serve.tokenizer.StreamDecoder)."""
-        return StreamDecoder(self)  # type: ignore[arg-type]  # it needs only id_to_bytes
 
     def __repr__(self) -> str:
         return (f"HFTokenizer(vocab_size={self.vocab_size}, num_added={len(self._added)}, "

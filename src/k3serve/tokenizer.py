@@ -167,7 +167,48 @@ class StreamDecoder:
         return text
 
 
-class Tokenizer:
+class PieceCache:
+    """A thread-safe LRU of piece bytes -> token ids, shared by the BPE tokenizers."""
+
+    def __init__(self, size: int) -> None:
+        self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, piece: bytes) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._entries.get(piece)
+            if ids is not None:
+                self._entries.move_to_end(piece)
+            return ids
+
+    def put(self, piece: bytes, ids: tuple[int, ...]) -> None:
+        with self._lock:
+            self._entries[piece] = ids
+            if len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+
+
+class ByteDecoding:
+    """Decoding for any tokenizer whose tokens are byte strings (`id_to_bytes`)."""
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        raise NotImplementedError
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The exact bytes of a sequence of ids."""
+        return b"".join(self.id_to_bytes(token_id) for token_id in ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a sequence of ids; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> StreamDecoder:
+        """A decoder for ids arriving one at a time (see StreamDecoder)."""
+        return StreamDecoder(self)
+
+
+class Tokenizer(ByteDecoding):
     """A byte-level BPE tokenizer: base tokens (rank = id) followed by special tokens."""
 
     def __init__(self, tokens: list[bytes], pattern: str, special_tokens: list[str], bos_token: str | None,
@@ -211,9 +252,7 @@ class Tokenizer:
         self.eos_ids: tuple[int, ...] = tuple(self._special_id(t, "eos_tokens") for t in self.eos_tokens)
         self.chat_template = chat_template
 
-        self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
-        self._cache_size = cache_size
-        self._cache_lock = threading.Lock()
+        self._cache = PieceCache(cache_size)
 
     # ---- loading ---------------------------------------------------------------------------------------------
 
@@ -307,36 +346,17 @@ class Tokenizer:
         if rank is not None:
             return (rank,)
         cacheable = len(piece) <= _MAX_CACHED_PIECE_BYTES
-        if cacheable:
-            with self._cache_lock:
-                cached = self._cache.get(piece)
-                if cached is not None:
-                    self._cache.move_to_end(piece)
-                    return cached
+        cached = self._cache.get(piece) if cacheable else None
+        if cached is not None:
+            return cached
         if len(piece) <= _SHORT_PIECE_BYTES:
             ids = tuple(merge_piece_reference(piece, self._ranks))
         else:
             ids = tuple(merge_piece_heap(piece, self._ranks))
         if cacheable:
-            with self._cache_lock:
-                self._cache[piece] = ids
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+            self._cache.put(piece, ids)
         return ids
 
-    # ---- decoding --------------------------------------------------------------------------------------------
-
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """The exact bytes of a sequence of ids."""
-        return b"".join(self.id_to_bytes(token_id) for token_id in ids)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of a sequence of ids; invalid UTF-8 becomes U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def stream_decoder(self) -> StreamDecoder:
-        """A decoder for ids arriving one at a time (see StreamDecoder)."""
-        return StreamDecoder(self)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(num_base_tokens={self.num_base_tokens}, num_special={len(self.special_tokens)}, "

@@ -27,8 +27,7 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
-from k3serve.engine.request import (CompletionOutput, FinishReason, Request, RequestOutput, Sequence,
-                                    SequenceStatus, StopHook)
+from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
 from k3serve.engine.sampling import Sampler, SamplingParams
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.errors import RequestError

@@ -22,10 +22,9 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
