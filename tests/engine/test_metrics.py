@@ -25,3 +25,14 @@ def test_counters_gauges_histograms_and_snapshot():
         registry.counter("tokens").inc(-1)
     with pytest.raises(TypeError):
         registry.gauge("tokens")
+
+
+def test_histogram_buckets_are_cumulative_and_end_at_the_count():
+    from k3serve.engine.metrics import MetricsRegistry
+
+    histogram = MetricsRegistry().histogram("ttft_seconds")
+    for value in (0.0005, 0.003, 0.003, 0.2, 100.0):
+        histogram.observe(value)
+    buckets = dict(histogram.cumulative_buckets())
+    assert buckets[0.001] == 1 and buckets[0.005] == 3 and buckets[0.25] == 4 and buckets[60.0] == 4
+    assert buckets[float("inf")] == histogram.count == 5

@@ -61,7 +61,8 @@ def test_models_health_and_metrics(server, client):
     text = httpx.get(url + "/metrics").text
     for name in ("k3serve_http_requests_total", "k3serve_prefix_cache_hit_tokens_total"):
         assert name in text
-    assert "ttft" in text and ("kv_blocks" in text or "kv_" in text)
+    assert "k3serve_ttft_seconds_bucket{le=" in text and "k3serve_ttft_seconds_count" in text
+    assert "kv_blocks" in text
 
 
 def test_completion_streamed_equals_not_streamed(client):

@@ -7,6 +7,7 @@ Histograms keep count and sum of every sample and the most recent `window` sampl
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections import deque
@@ -47,20 +48,41 @@ class Gauge:
         return self._value
 
 
-class Histogram:
-    """Samples of a quantity (TTFT, inter-token latency): count, sum, and quantiles over a recent window."""
+# upper bounds in seconds, for latencies from a fast decode step to a long prefill under a RAM budget
+DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   math.inf)
 
-    def __init__(self, name: str, help: str, lock: threading.Lock, window: int = 10_000) -> None:
+
+class Histogram:
+    """Samples of a quantity (TTFT, inter-token latency): count, sum, cumulative bucket counts since start (for a
+    Prometheus histogram), and quantiles over a recent window."""
+
+    def __init__(self, name: str, help: str, lock: threading.Lock, window: int = 10_000,
+                 buckets: tuple[float, ...] = DEFAULT_BUCKETS) -> None:
         self.name, self.help, self._lock = name, help, lock
         self._recent: deque[float] = deque(maxlen=window)
         self.count = 0
         self.sum = 0.0
+        self._bounds = buckets
+        self._bucket_counts = [0] * len(buckets)
 
     def observe(self, value: float) -> None:
+        value = float(value)
         with self._lock:
-            self._recent.append(float(value))
+            self._recent.append(value)
             self.count += 1
-            self.sum += float(value)
+            self.sum += value
+            self._bucket_counts[bisect.bisect_left(self._bounds, value)] += 1
+
+    def cumulative_buckets(self) -> list[tuple[float, int]]:
+        """(upper bound, samples <= bound) for every bound, the last one +inf = count."""
+        with self._lock:
+            counts = list(self._bucket_counts)
+        total, out = 0, []
+        for bound, count in zip(self._bounds, counts):
+            total += count
+            out.append((bound, total))
+        return out
 
     def samples(self) -> list[float]:
         with self._lock:
