@@ -26,6 +26,30 @@ def _add_precision_arg(parser: argparse.ArgumentParser) -> None:
                         help="routed-expert precision for non-K3 families (K3 experts are MXFP4 already)")
 
 
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
+    group.add_argument("--speculative", choices=("off", "ngram", "resident", "model"), default="off",
+                       help="drafter: n-gram prompt lookup, the model on its resident experts, or --draft-model")
+    group.add_argument("--rollback", choices=("snapshot", "projection"), default="projection",
+                       help="how KDA state goes back after rejected drafts")
+    group.add_argument("--num-draft-tokens", type=int, default=4, help="the most drafts per verify window")
+    group.add_argument("--no-adaptive-draft", action="store_true", help="always draft --num-draft-tokens")
+    group.add_argument("--draft-model", type=Path, default=None, help="checkpoint of a small draft model")
+
+
+def _speculative_from_args(args: argparse.Namespace, target):
+    """(SpeculativeConfig or None, DrafterFactory or None) from the speculative flags."""
+    if args.speculative == "off":
+        return None, None
+    from k3serve.engine.speculative import DrafterFactory, SpeculativeConfig
+    from k3serve.loading import load_model
+
+    draft_model = load_model(args.draft_model).model if args.draft_model is not None else None
+    config = SpeculativeConfig(drafter=args.speculative, rollback=args.rollback,
+                               num_draft_tokens=args.num_draft_tokens, adaptive=not args.no_adaptive_draft)
+    return config, DrafterFactory(target, draft_model)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
@@ -54,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence ids")
     gen.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    _add_speculative_args(gen)
 
     add_stream_args(gen)
 
@@ -80,9 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16, help="positions per paged MLA cache block")
     serve.add_argument("--kv-cache-mib", type=int, default=256, help="memory for the paged MLA cache")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    _add_speculative_args(serve)
     add_stream_args(serve)
 
     STREAM_COMMANDS.update(add_subcommands(sub))  # pack, sim cache, coactivation
+
+    storage = sub.add_parser("spec-storage", help="rollback storage per sequence: snapshots vs projection cache")
+    storage.add_argument("--max-window", type=int, default=8, help="window sizes 1..N (positions per verify)")
+    storage.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
 
     info = sub.add_parser("info", help="describe a model: shapes, layer map, parameter counts, sizes")
     _add_model_arg(info)
@@ -97,8 +127,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     loaded = load_for_run(args, expert_precision=args.expert_precision)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    speculative, drafters = _speculative_from_args(args, loaded.model)
     if args.prompt_ids is not None:
-        tokens, report = generate(loaded.model, args.prompt_ids, params, stop_ids=loaded.stop_ids)
+        tokens, report = generate(loaded.model, args.prompt_ids, params, stop_ids=loaded.stop_ids,
+                                  speculative=speculative, drafters=drafters)
         print(",".join(str(t) for t in tokens))
         _print_report(loaded, report)
         return 0
@@ -119,7 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    _, report = generate(loaded.model, prompt_ids, params, stop_ids=loaded.stop_ids, on_token=emit)
+    _, report = generate(loaded.model, prompt_ids, params, stop_ids=loaded.stop_ids, on_token=emit,
+                         speculative=speculative, drafters=drafters)
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     _print_report(loaded, report)
@@ -197,16 +230,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                           max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
                           max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache)
-    engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids)
+    speculative, drafters = _speculative_from_args(args, loaded.model)
+    engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative, drafters=drafters)
     name = args.served_model_name or loaded.path.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(create_app(engine, loaded.tokenizer, name), host=args.host, port=args.port, log_level="warning")
     return 0
 
 
+def cmd_spec_storage(args: argparse.Namespace) -> int:
+    from k3serve.engine.speculative import storage_report
+
+    if args.max_window < 1:
+        raise K3Error("--max-window must be at least 1")
+    lines, record = storage_report(args.max_window)
+    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
+    return 0
+
+
 STREAM_COMMANDS: dict = {}  # pack, sim, coactivation (k3serve.stream.commands)
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, "make-tiny": cmd_make_tiny,
-            "info": cmd_info}
+            "info": cmd_info, "spec-storage": cmd_spec_storage}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,11 @@ from k3serve.engine.errors import IntegrityError
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
+from k3serve.engine.drafters import Draft
 from k3serve.engine.sampling import Sampler, SamplingParams
+from k3serve.engine.speculative import (DrafterFactory, SequenceSpeculation, SpeculativeConfig, num_to_emit,
+                                        verify)
+from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.errors import RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
@@ -44,8 +48,13 @@ class LLMEngine:
     from one thread at a time (the engine loop)."""
 
     def __init__(self, model: K3Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
-                 metrics: MetricsRegistry | None = None) -> None:
+                 metrics: MetricsRegistry | None = None, speculative: SpeculativeConfig | None = None,
+                 drafters: DrafterFactory | None = None) -> None:
         self.model = model
+        self.speculative = speculative  # the server default; a request may choose its own or none
+        self.drafters = drafters if drafters is not None else DrafterFactory(model)
+        self._speculation: dict[int, SequenceSpeculation] = {}  # seq_id -> drafter and adaptive length
+        self._drafts: dict[int, Draft] = {}  # seq_id -> this step's draft
         self.model_config = model.config
         self.config = config if config is not None else EngineConfig()
         self.metrics = metrics if metrics is not None else MetricsRegistry()
@@ -73,6 +82,9 @@ class LLMEngine:
         self._m_e2e = m.histogram("e2e_latency_seconds", "arrival to last output")
         self._m_step = m.histogram("step_seconds", "duration of steps that ran a forward")
         self._m_batch = m.histogram("batch_tokens", "tokens per forward")
+        self._m_spec_windows = m.counter("spec_windows", "speculative verify windows (with at least one draft)")
+        self._m_spec_drafted = m.counter("spec_draft_tokens", "draft tokens verified")
+        self._m_spec_accepted = m.counter("spec_accepted_tokens", "draft tokens accepted")
         self._g = {name: m.gauge(name, help) for name, help in (
             ("queue_length", "sequences waiting"), ("num_running", "sequences running"),
             ("kv_blocks_used", "MLA blocks referenced by running sequences"), ("kv_blocks_total", "MLA blocks"),
@@ -89,18 +101,22 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
                     stop_hook: StopHook | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+                    on_output: Callable[[RequestOutput], None] | None = None,
+                    speculative: SpeculativeConfig | bool | None = None) -> str:
         """Queue a request and return its id. Raises `RequestError` (and queues nothing) if it is invalid.
 
         `on_output` is called from the engine thread with every `RequestOutput` of this request (streaming);
-        `stop_hook` sees each completion's generated ids after every token and may finish it."""
+        `stop_hook` sees each completion's generated ids after every token and may finish it. `speculative`:
+        None = the engine's default, False = off, True = the default or `SpeculativeConfig()`, or a config."""
         return self.enqueue(self.make_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
-                                               cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output))
+                                               cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output,
+                                               speculative=speculative))
 
     def make_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
                      stop_hook: StopHook | None = None,
-                     on_output: Callable[[RequestOutput], None] | None = None) -> Request:
+                     on_output: Callable[[RequestOutput], None] | None = None,
+                     speculative: SpeculativeConfig | bool | None = None) -> Request:
         """Validate and build a request without queueing it (`add_request` = this + queueing). Raises
         `RequestError`. The id is checked for duplicates, and assigned if None, when it is queued."""
         prompt = self._validate_prompt(prompt_token_ids)
@@ -130,12 +146,26 @@ class LLMEngine:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_ids))
         request = Request(request_id or "", prompt, params, tenant, cache_salt, root_hash(tenant, cache_salt),
                           frozenset(stops), stop_hook, on_output)
+        request.speculative = self._speculative_for(speculative)
         max_total = min(len(prompt) + params.max_tokens, self.max_context)
         for index in range(params.n):
             rng = np.random.default_rng([params.seed, index]) if index and params.seed is not None else None
             request.sequences.append(Sequence(next(self._seq_ids), request, index, Sampler(params, rng), max_total))
         request.pending_forks = request.sequences[1:]
         return request
+
+    def _speculative_for(self, choice: SpeculativeConfig | bool | None) -> SpeculativeConfig | None:
+        if choice is None:
+            return self.speculative
+        if choice is False:
+            return None
+        if choice is True:
+            return self.speculative if self.speculative is not None else SpeculativeConfig()
+        if not isinstance(choice, SpeculativeConfig):
+            raise RequestError(f"speculative must be a SpeculativeConfig or a bool, got {type(choice).__name__}")
+        if choice.drafter == "model" and self.drafters.draft_model is None:
+            raise RequestError("drafter 'model' needs a draft model, and this engine has none")
+        return choice
 
     def enqueue(self, request: Request) -> str:
         """Queue a request built by `make_request`; returns its id. Raises `RequestError` on a duplicate id."""
@@ -190,12 +220,16 @@ class LLMEngine:
         started = time.perf_counter()
         touched: dict[str, Request] = {}
         self._take_submissions(touched)
+        self._propose_drafts()
         decision = self.scheduler.schedule()
         if not decision.empty:
             self._run(decision, touched)
             self._m_steps.inc()
             self._m_step.observe(time.perf_counter() - started)
             self._m_batch.observe(decision.num_batched_tokens)
+        for seq in [s.seq for s in decision.scheduled] + decision.preempted:
+            seq.draft_tokens = []
+            self._drafts.pop(seq.seq_id, None)
         self._update_gauges()
         return self._emit(touched)
 
@@ -214,10 +248,42 @@ class LLMEngine:
                     self._finish(seq, FinishReason.ABORT)
                 touched[request_id] = request
 
+    def _propose_drafts(self) -> None:
+        """Drafts for every running sequence that is about to decode and speculates (engine/speculative.py)."""
+        for seq in self.scheduler.running:
+            seq.draft_tokens = []
+            config = seq.request.speculative
+            if config is None or seq.num_uncomputed_tokens != 1 or seq.suspect or seq.is_finished:
+                continue
+            spec = self._speculation.get(seq.seq_id)
+            if spec is None:
+                spec = self._speculation[seq.seq_id] = SequenceSpeculation(config, self.drafters.create(config))
+            room = min(seq.request.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
+            try:
+                draft = spec.propose(seq.token_ids, room, seq.sampler)
+            except Exception:  # noqa: BLE001 - a drafter's failure costs speculation, not the request
+                logger.exception("drafter failed for %s; it decodes without drafts", seq)
+                seq.request.speculative = None
+                continue
+            if len(draft):
+                seq.draft_tokens = list(draft.tokens)
+                self._drafts[seq.seq_id] = draft
+
     def _run(self, decision: SchedulerOutput, touched: dict[str, Request]) -> None:
-        items = [ForwardItem(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
-                                                        s.seq.num_computed_tokens + s.num_new_tokens], np.int64),
-                             s.seq.cache) for s in decision.scheduled]
+        items = []
+        windows: list[RollbackCache | None] = []
+        for s in decision.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            ids = seq.token_ids[start:start + s.num_new_tokens - s.num_draft_tokens] \
+                + seq.draft_tokens[:s.num_draft_tokens]
+            if s.num_draft_tokens:
+                window = RollbackCache(seq.cache, seq.request.speculative.rollback)
+                window.begin_window()
+                items.append(ForwardItem(np.asarray(ids, np.int64), window, all_logits=True))
+            else:
+                window = None
+                items.append(ForwardItem(np.asarray(ids, np.int64), seq.cache))
+            windows.append(window)
         try:
             result = self.model.forward(items)
         except Exception as exc:  # noqa: BLE001 - isolate, never kill the loop
@@ -225,12 +291,15 @@ class LLMEngine:
             return
         self._m_computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
-        for scheduled, logits in zip(decision.scheduled, result.logits):
+        for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
             request = scheduled.seq.request
             if request.finished:
                 continue
             try:
-                self._after_forward(scheduled, logits[-1], now, touched)
+                if window is not None:
+                    self._after_verify(scheduled, logits, window, now, touched)
+                else:
+                    self._after_forward(scheduled, logits[-1], now, touched)
             except Exception as exc:  # noqa: BLE001
                 logger.exception("request %s failed while processing its step", request.request_id)
                 self._fail(request, exc, touched)
@@ -256,6 +325,32 @@ class LLMEngine:
         for target, token in sampled:
             self._append(target, token, now)
 
+    def _after_verify(self, scheduled: ScheduledSequence, logits: np.ndarray, window: RollbackCache, now: float,
+                      touched: dict[str, Request]) -> None:
+        """A speculative window ran: verify the drafts, roll the state back to the kept positions, emit."""
+        seq, request, k = scheduled.seq, scheduled.seq.request, scheduled.num_draft_tokens
+        full = self._drafts.pop(seq.seq_id)
+        draft = Draft(full.tokens[:k], None if full.probs is None else full.probs[:k])
+        result = verify(logits, draft, seq.sampler)
+        room = min(request.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
+        m = num_to_emit(result.tokens, seq.num_output_tokens, room, request.stop_ids, request.stop_hook,
+                        seq.output_token_ids)
+        window.commit(m)  # the last confirmed token and the first m - 1 emitted ones stay in the state
+        kept = result.tokens[:m - 1]
+        seq.token_ids.extend(kept)  # computed positions must be in token_ids while the prefix cache indexes them
+        self.scheduler.after_forward(seq, m)
+        del seq.token_ids[len(seq.token_ids) - len(kept):]
+        seq.suspect = False
+        self._speculation[seq.seq_id].record(k, result.num_accepted, m)
+        self._m_spec_windows.inc()
+        self._m_spec_drafted.inc(k)
+        self._m_spec_accepted.inc(result.num_accepted)
+        touched[request.request_id] = request
+        for token in result.tokens[:m]:
+            self._append(seq, token, now)
+            if seq.is_finished:
+                break
+
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         request = seq.request
         seq.token_ids.append(token)
@@ -279,6 +374,11 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
             return
+        spec = self._speculation.pop(seq.seq_id, None)
+        if spec is not None:
+            spec.drafter.release()
+        self._drafts.pop(seq.seq_id, None)
+        seq.draft_tokens = []
         self.scheduler.finish(seq, save_state=reason in (FinishReason.STOP, FinishReason.LENGTH))
         seq.finish_reason = reason
         request = seq.request

@@ -6,13 +6,16 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from k3serve.engine.sampling import Sampler, SamplingParams
 from k3serve.errors import RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
+
+if TYPE_CHECKING:
+    from k3serve.engine.speculative import DrafterFactory, SpeculativeConfig
 
 
 @dataclass
@@ -51,11 +54,17 @@ def peak_rss_bytes() -> int:
 
 
 def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
-             stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None
+             stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
+             speculative: SpeculativeConfig | None = None, drafters: DrafterFactory | None = None
              ) -> tuple[list[int], RunReport]:
-    """Generate up to params.max_tokens tokens after `prompt_ids`; `on_token` sees each one as it is made."""
+    """Generate up to params.max_tokens tokens after `prompt_ids`; `on_token` sees each one as it is made.
+    With `speculative`, drafts are verified in windows (engine/speculative.py): same greedy tokens."""
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: give at least one token")
+    if speculative is not None:
+        from k3serve.engine.speculative import speculative_generate
+
+        return speculative_generate(model, prompt_ids, params, speculative, stop_ids, on_token, drafters)
     sampler = Sampler(params)
     stops = set() if params.ignore_eos else set(stop_ids) | set(params.stop_token_ids)
     cache = model.new_cache()

@@ -81,6 +81,18 @@ class PagedSequenceCache(SequenceCache):
                 f"after a forward the MLA layers hold {self._mla_len} rows but the sequence is at {self._num_tokens}"
             )
 
+    def truncate(self, num_tokens: int) -> None:
+        """Speculative rollback of the MLA side: the position moves back to `num_tokens` and blocks past it are
+        released (they were reserved for rejected draft positions and never registered in the prefix cache)."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise IntegrityError(f"cannot truncate a cache at {self._num_tokens} positions to {num_tokens}")
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(self.block_table[keep:]):
+            self.blocks.release(block)
+        del self.block_table[keep:]
+        self._num_tokens = num_tokens
+        self._mla_len = [num_tokens] * len(self._mla_len)
+
     # ---- reservation, copy-on-write, sharing ----------------------------------------------------------------
     def num_blocks_to_reserve(self, num_new_tokens: int) -> int:
         """Blocks an append of `num_new_tokens` positions would take from the pool (new ones plus one copy if the

@@ -13,10 +13,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from k3serve.engine.speculative import SpeculativeConfig
 
 StopHook = Callable[[list[int]], bool]
 """Called with a sequence's generated token ids after each new token; True finishes it (reason 'stop'). The
@@ -80,6 +83,7 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    speculative: SpeculativeConfig | None = None  # speculative decoding for this request (None: off)
 
     @property
     def finished(self) -> bool:
@@ -108,6 +112,7 @@ class Sequence:
         self.num_preemptions = 0
         self.suspect = False  # its last batched forward failed: run it alone until it succeeds
         self.last_token_time: float | None = None
+        self.draft_tokens: list[int] = []  # speculative drafts for this step, verified after the last token
 
     @property
     def num_tokens(self) -> int:

@@ -59,6 +59,11 @@ class Sampler:
         self.params = params
         self._rng = np.random.default_rng(params.seed) if rng is None else rng
 
+    @property
+    def rng(self) -> np.random.Generator:
+        """This sequence's generator (speculative rejection sampling draws from it too)."""
+        return self._rng
+
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution sampling draws from, after temperature, top-k and top-p. logits [V] -> [V]."""
         p = self.params

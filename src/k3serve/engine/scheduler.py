@@ -34,12 +34,14 @@ from k3serve.engine.state_pool import KDAStatePool
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # including draft tokens
+    num_draft_tokens: int = 0  # speculative drafts after the last token (the first num_draft_tokens of
+    # seq.draft_tokens), verified in this forward
 
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the end of the sequence's tokens (its logits then give a new token)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -141,6 +143,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, seq.num_computed_tokens, budget, alone=not out.scheduled)
+            if n == 1 and seq.draft_tokens and seq.num_uncomputed_tokens == 1:  # a decode with drafts to verify
+                n = min(1 + len(seq.draft_tokens), budget)
             if n == 0:
                 i += 1
                 continue
@@ -151,7 +155,7 @@ class Scheduler:
                     break
             else:
                 seq.cache.reserve(n)
-                out.scheduled.append(ScheduledSequence(seq, n))
+                out.scheduled.append(ScheduledSequence(seq, n, max(0, n - seq.num_uncomputed_tokens)))
                 budget -= n
                 i += 1
         if out.preempted:

@@ -43,6 +43,7 @@ class KDAInputs:
     v: np.ndarray  # [T, NH, D]
     g: np.ndarray  # [T, NH, D] log decay, in (lower_bound, 0]
     beta: np.ndarray  # [T, NH]
+    conv_inputs: np.ndarray | None = None  # [T, 3P] pre-conv q, k, v (speculative rollback rebuilds the conv tail)
 
 
 def causal_conv(x: np.ndarray, tail: np.ndarray, taps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -90,7 +91,7 @@ def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
     z = (f_a @ w.f_b.T + w.dt_bias).reshape(T, NH, D)  # [T, NH, D]
     g = np.float32(config.gate_lower_bound) * sigmoid(w.a_exp[None, :, None] * z)
     beta = sigmoid(b)  # [T, NH]
-    return KDAInputs(q=q, k=k, v=v, g=g, beta=beta), out_gate, new_tails
+    return KDAInputs(q=q, k=k, v=v, g=g, beta=beta, conv_inputs=proj[:, :3 * P]), out_gate, new_tails
 
 
 def kda_forward(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequence[tuple[int, int]],
@@ -111,8 +112,10 @@ def kda_forward(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
             caches[i].set_kda_state(layer, new_states[j], new_tails[i])
     for i, (start, end) in enumerate(segments):
         if end - start > 1:
-            part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")))
+            part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")),
+                             conv_inputs=inputs.conv_inputs[start:end])
             o[start:end], new_state = kda_chunked(part, states[i][0], chunk_size)
+            caches[i].record_kda_window(layer, states[i][0], states[i][1], part)  # before the state is replaced
             caches[i].set_kda_state(layer, new_state, new_tails[i])
     return kda_finish(config, w, o, out_gate)
 

@@ -8,10 +8,14 @@ through `SequenceCache`, so the engine can back them with paged blocks and state
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from k3serve.config import K3Config
+
+if TYPE_CHECKING:
+    from k3serve.model.kda import KDAInputs
 
 
 class SequenceCache(ABC):
@@ -40,6 +44,16 @@ class SequenceCache(ABC):
     @abstractmethod
     def advance(self, num_new_tokens: int) -> None:
         """Called once per forward after every layer has written its state."""
+
+    def record_kda_window(self, layer: int, state: np.ndarray, conv_tail: np.ndarray, inputs: KDAInputs) -> None:
+        """Called by a KDA layer for a multi-token segment, with the state before it and the segment's per-token
+        vectors, just before the state is replaced. Speculative rollback records here (model/rollback.py); plain
+        caches ignore it."""
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget MLA rows at positions >= num_tokens and move the position back there (speculative rollback;
+        the caller restores the KDA state)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be truncated")
 
 
 class DenseSequenceCache(SequenceCache):
@@ -81,6 +95,13 @@ class DenseSequenceCache(SequenceCache):
 
     def advance(self, num_new_tokens: int) -> None:
         self._num_tokens += num_new_tokens
+
+    def truncate(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"cannot truncate a cache at {self._num_tokens} positions to {num_tokens}")
+        for layer in self._mla_len:
+            self._mla_len[layer] = num_tokens
+        self._num_tokens = num_tokens
 
     def nbytes(self) -> int:
         kda = sum(s.nbytes for s in self._kda.values()) + sum(c.nbytes for c in self._conv.values())

@@ -193,7 +193,8 @@ async def _serve(request: Request, state: ServerState, body, prompts: list[_Prom
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos)
             streams.append(state.runner.submit(prompt.ids, params, tenant=tenant, cache_salt=body.cache_salt,
-                                               stop_hook=stop_hook_for(state.tokenizer, body.stop)))
+                                               stop_hook=stop_hook_for(state.tokenizer, body.stop),
+                                               speculative=_speculative_choice(state.engine, body.speculative)))
         except RequestError as exc:
             for stream in streams:
                 stream.abort()
@@ -204,6 +205,19 @@ async def _serve(request: Request, state: ServerState, body, prompts: list[_Prom
         return StreamingResponse(_stream_events(state, body, streams, response_id, chat, include_usage),
                                  media_type="text/event-stream")
     return await _complete(state, body, streams, response_id, chat)
+
+
+def _speculative_choice(engine, choice):
+    """The request's `speculative` field -> what `LLMEngine.add_request` takes (a drafter name keeps the server's
+    other speculation settings)."""
+    if not isinstance(choice, str):
+        return choice
+    import dataclasses
+
+    from k3serve.engine.speculative import SpeculativeConfig
+
+    base = engine.speculative if engine.speculative is not None else SpeculativeConfig()
+    return dataclasses.replace(base, drafter=choice)
 
 
 def _finish_reason(reason: FinishReason | None, tracker: TextTracker) -> str | None:

@@ -37,6 +37,8 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     cache_salt: str | None = None  # extension: isolates prefix-cache entries (vLLM's name)
     ignore_eos: bool = False  # extension
+    speculative: Union[bool, Literal["ngram", "resident", "model"], None] = None  # extension: None = server
+    # default, false = off, true = on with the server's settings (or n-gram), or a drafter name
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
