@@ -49,3 +49,23 @@ def test_bytes_read_per_generated_token_fall_with_batch_size(tiny_store):
         per_token[batch] = read / sum(len(o) for o in outputs)
         model.source.close()
     assert per_token[8] < 0.5 * per_token[1], per_token
+
+
+def test_cache_resident_draft_over_a_streaming_source_keeps_greedy_tokens(tiny_store):
+    from k3serve.engine.generate import generate
+    from k3serve.engine.speculative import SpeculativeConfig
+
+    options = StreamOptions(ram_budget=3 << 20, io="pread", cache="lru")
+    plain_model = load_model(tiny_store.path, stream=options).model
+    prompt = [1, 17, 200, 45, 3, 99, 128, 7]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain, _ = generate(plain_model, prompt, params)
+    resident = [plain_model.source.resident_experts(layer) for layer in plain_model.config.moe_layer_ids]
+    # a real subset: the budget holds a few slots, so most layers have nothing resident and none has everything
+    assert 0 < sum(map(len, resident)) < plain_model.config.num_experts
+    assert all(len(r) < plain_model.config.num_experts for r in resident)
+    plain_model.source.close()
+    model = load_model(tiny_store.path, stream=options).model
+    spec, _ = generate(model, prompt, params, speculative=SpeculativeConfig(drafter="resident", adaptive=False))
+    assert spec == plain
+    model.source.close()

@@ -501,6 +501,12 @@ class StreamingSource:
         return arrays
 
     # ---- reporting ---------------------------------------------------------------------------------------------
+    def resident_experts(self, layer: int) -> set[int]:
+        """Experts of `layer` whose bytes are in a slot now (read and verified): what a cache-resident draft may
+        route to without touching the disk (engine/drafters.py)."""
+        return {slot.key[1] for slot in self._slots
+                if slot.key is not None and slot.key[0] == layer and slot.future is None}
+
     def stream_stats(self) -> StreamStats:
         s = StreamStats(**{f.name: getattr(self.stats, f.name) for f in fields(self.stats)})
         s.expert_bytes_read = self.expert_io.counters.bytes_read
