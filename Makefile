@@ -1,23 +1,30 @@
 # The two set-up commands of the README: `make run` (main job on the embedded model) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
-STAMP := $(VENV)/.installed-stamp
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: run test bench clean
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e ".[test]"
-	touch $(STAMP)
 
-run: $(STAMP)
+$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(VENV)/bin/pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+$(TEST_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(VENV)/bin/pip install --quiet -e ".[test]"
+	touch $(TEST_STAMP) $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(VENV)/bin/k3serve generate --prompt "def fibonacci(n):" --max-tokens 48
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/python -m pytest
 
-bench: $(STAMP)
+bench: $(RUN_STAMP)
 	$(VENV)/bin/python benchmarks/bench_mxfp4_kernel.py --quick
 	$(VENV)/bin/python benchmarks/bench_decode.py --quick
 
