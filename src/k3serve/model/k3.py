@@ -48,6 +48,21 @@ class ForwardResult:
 RoutingObserver = Callable[[int, Routing, list[tuple[int, int]]], None]
 
 
+def flatten_items(items: Sequence[ForwardItem], vocab_size: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """All new token ids of a batch [T] and each item's [start, end) rows; validates lengths and ids."""
+    segments: list[tuple[int, int]] = []
+    start = 0
+    for item in items:
+        if len(item.token_ids) == 0:
+            raise RequestError("a forward item needs at least one token")
+        segments.append((start, start + len(item.token_ids)))
+        start += len(item.token_ids)
+    ids = np.concatenate([np.asarray(item.token_ids, dtype=np.int64) for item in items])  # [T]
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise RequestError(f"token id out of range 0..{vocab_size - 1}")
+    return ids, segments
+
+
 class SingleSequenceMixin:
     """`logits` and `greedy` over one sequence, for any model with `new_cache()` and `forward(items)`."""
 
@@ -94,16 +109,7 @@ class K3Model(SingleSequenceMixin):
         c = self.config
         if not items:
             return ForwardResult(logits=[])
-        segments: list[tuple[int, int]] = []
-        start = 0
-        for item in items:
-            if len(item.token_ids) == 0:
-                raise RequestError("a forward item needs at least one token")
-            segments.append((start, start + len(item.token_ids)))
-            start += len(item.token_ids)
-        ids = np.concatenate([np.asarray(item.token_ids, dtype=np.int64) for item in items])  # [T]
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            raise RequestError(f"token id out of range 0..{c.vocab_size - 1}")
+        ids, segments = flatten_items(items, c.vocab_size)
         caches = [item.cache for item in items]
         eps = c.rms_norm_eps
         result = ForwardResult(logits=[], segments=segments)

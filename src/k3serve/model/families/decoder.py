@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
-from k3serve.errors import ConfigError, RequestError
+from k3serve.errors import ConfigError
 from k3serve.model.families.cache import CacheLayout, FamilyCache
-from k3serve.model.k3 import ForwardItem, ForwardResult, RoutingObserver, SingleSequenceMixin
+from k3serve.model.k3 import ForwardItem, ForwardResult, RoutingObserver, SingleSequenceMixin, flatten_items
 from k3serve.model.moe import Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.state import SequenceCache
@@ -121,16 +121,7 @@ class FamilyModel(SingleSequenceMixin):
                 on_routing: RoutingObserver | None = None) -> ForwardResult:
         if not items:
             return ForwardResult(logits=[])
-        segments: list[tuple[int, int]] = []
-        start = 0
-        for item in items:
-            if len(item.token_ids) == 0:
-                raise RequestError("a forward item needs at least one token")
-            segments.append((start, start + len(item.token_ids)))
-            start += len(item.token_ids)
-        ids = np.concatenate([np.asarray(item.token_ids, dtype=np.int64) for item in items])  # [T]
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise RequestError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        ids, segments = flatten_items(items, self.config.vocab_size)
         caches = [item.cache for item in items]
         positions = np.concatenate([cache.num_tokens + np.arange(end - begin)
                                     for cache, (begin, end) in zip(caches, segments)])  # [T]
