@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 from k3serve.config import tiny_config
 from k3serve.engine.generate import generate

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from k3serve.engine.sampling import Sampler, SamplingParams
 from k3serve.errors import RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
 from k3serve.model.rollback import ROLLBACK_METHODS, RollbackCache
+
+if TYPE_CHECKING:  # generate.py imports this module lazily; a runtime import here would be circular
+    from k3serve.engine.generate import RunReport
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class SpeculativeConfig:
         if not isinstance(self.position_cost, (int, float)) or not 0 <= self.position_cost <= 10:
             raise RequestError(f"position_cost must be in [0, 10], got {self.position_cost!r}")
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise RequestError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram")
+            raise RequestError("n-gram sizes must satisfy 1 <= min_ngram <= max_ngram")
 
 
 class DrafterFactory:
@@ -217,7 +220,7 @@ def num_to_emit(tokens: Sequence[int], num_output_tokens: int, room: int, stop_i
 def speculative_generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
                          spec: SpeculativeConfig, stop_ids: Sequence[int] = (),
                          on_token: Callable[[int], None] | None = None,
-                         drafters: DrafterFactory | None = None) -> tuple[list[int], "RunReport"]:
+                         drafters: DrafterFactory | None = None) -> tuple[list[int], RunReport]:
     """`generate` with speculation: same tokens under greedy, same distribution under sampling."""
     from k3serve.engine.generate import RunReport, peak_rss_bytes
 
