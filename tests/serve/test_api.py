@@ -182,3 +182,22 @@ def test_200_concurrent_streaming_clients_each_get_their_own_answer(server):
     mismatched = [i for i, text in enumerate(results) if text != expected[prompts[i % 50]]]
     assert not mismatched, f"{len(mismatched)} of 200 clients got another answer, e.g. client {mismatched[0]}"
     engine.check_integrity()
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request(server):
+    url, engine, _ = server
+    aborted = engine.metrics.counter("requests_finished_abort")
+    before = aborted.value
+    body = {"model": MODEL, "prompt": "while True:", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then hang up
+    deadline = time.time() + 20
+    while engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests(), "the abandoned request kept running"
+    assert aborted.value == before + 1, "the request must end as aborted, not run to max_tokens"
+    engine.check_integrity()
