@@ -63,6 +63,26 @@ def flatten_items(items: Sequence[ForwardItem], vocab_size: int) -> tuple[np.nda
     return ids, segments
 
 
+def logit_rows(items: Sequence[ForwardItem], segments: list[tuple[int, int]]) -> np.ndarray:
+    """The rows whose logits the batch asked for: every new position of an all_logits item, else its last."""
+    rows: list[int] = []
+    for item, (begin, end) in zip(items, segments):
+        rows.extend(range(begin, end) if item.all_logits else [end - 1])
+    return np.asarray(rows)
+
+
+def finish_batch(items: Sequence[ForwardItem], segments: list[tuple[int, int]], logits: np.ndarray,
+                 result: ForwardResult) -> ForwardResult:
+    """Split logits [R, V] (rows as `logit_rows`) into one array per item and advance every cache."""
+    offset = 0
+    for item, (begin, end) in zip(items, segments):
+        n = end - begin if item.all_logits else 1
+        result.logits.append(logits[offset:offset + n])
+        offset += n
+        item.cache.advance(len(item.token_ids))
+    return result
+
+
 class SingleSequenceMixin:
     """`logits` and `greedy` over one sequence, for any model with `new_cache()` and `forward(items)`."""
 
@@ -152,20 +172,10 @@ class K3Model(SingleSequenceMixin):
                 m = dense_mlp_forward(c, w.mlp, x)
             pref = pref + m
 
-        rows = []
-        for item, (begin, end) in zip(items, segments):
-            rows.extend(range(begin, end) if item.all_logits else [end - 1])
-        rows_arr = np.asarray(rows)
-        out = attn_res([s[rows_arr] for s in stack] + [pref[rows_arr]], self._globals.output_res_query, eps)
+        rows = logit_rows(items, segments)
+        out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)
         logits = rms_norm(out, self._globals.final_norm, eps) @ self._globals.lm_head.T  # [R, V]
-        offset = 0
-        for item, (begin, end) in zip(items, segments):
-            n = end - begin if item.all_logits else 1
-            result.logits.append(logits[offset:offset + n])
-            offset += n
-        for item, cache in zip(items, caches):
-            cache.advance(len(item.token_ids))
-        return result
+        return finish_batch(items, segments, logits, result)
 
     def _mla(self, w: MLAWeights, x: np.ndarray, segments: list[tuple[int, int]],
              caches: Sequence[SequenceCache], layer: int) -> np.ndarray:

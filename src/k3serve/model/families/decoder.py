@@ -20,13 +20,15 @@ import numpy as np
 
 from k3serve.errors import ConfigError
 from k3serve.model.families.cache import CacheLayout, FamilyCache
-from k3serve.model.k3 import ForwardItem, ForwardResult, RoutingObserver, SingleSequenceMixin, flatten_items
+from k3serve.model.k3 import (ForwardItem, ForwardResult, RoutingObserver, SingleSequenceMixin, finish_batch,
+                              flatten_items, logit_rows)
 from k3serve.model.moe import Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.state import SequenceCache
 
 if TYPE_CHECKING:
     from k3serve.model.families.experts import ExpertStore
+    from k3serve.model.families.tensors import TensorReader
 
 
 LAYER_KINDS = {"attention": "a", "mla": "m", "kda": "k", "gated_deltanet": "g"}
@@ -140,15 +142,20 @@ class FamilyModel(SingleSequenceMixin):
                 if on_routing is not None:
                     on_routing(index, routing, segments)
 
-        rows = []
-        for item, (begin, end) in zip(items, segments):
-            rows.extend(range(begin, end) if item.all_logits else [end - 1])
-        logits = rms_norm(h[np.asarray(rows)], self.final_norm, eps) @ self.lm_head.T  # [R, V]
-        offset = 0
-        for item, (begin, end) in zip(items, segments):
-            n = end - begin if item.all_logits else 1
-            result.logits.append(logits[offset:offset + n])
-            offset += n
-        for item, cache in zip(items, caches):
-            cache.advance(len(item.token_ids))
-        return result
+        logits = rms_norm(h[logit_rows(items, segments)], self.final_norm, eps) @ self.lm_head.T  # [R, V]
+        return finish_batch(items, segments, logits, result)
+
+
+def pre_norm_layer(reader: TensorReader, prefix: str, hidden: int, mixer: Mixer, mlp: Mlp) -> DecoderLayer:
+    """A layer with the usual `input_layernorm` / `post_attention_layernorm` weights under `prefix`."""
+    return DecoderLayer(input_norm=reader.f32(f"{prefix}input_layernorm.weight", shape=(hidden,)),
+                        post_attention_norm=reader.f32(f"{prefix}post_attention_layernorm.weight", shape=(hidden,)),
+                        mixer=mixer, mlp=mlp)
+
+
+def assemble_model(reader: TensorReader, config: DecoderConfig, layers: list[DecoderLayer], layout: CacheLayout,
+                   store: ExpertStore | None,
+                   embed: np.ndarray, lm_head: np.ndarray) -> FamilyModel:
+    """The model over its layers, with the final `model.norm` read as stored."""
+    final_norm = reader.f32("model.norm.weight", shape=(config.hidden_size,))
+    return FamilyModel(config, embed, layers, final_norm, lm_head, layout, store)

@@ -21,7 +21,7 @@ import numpy as np
 from k3serve.model.families.build import (MLA_INNER_NORM_EPS, check_supported_basics, common_keys, embeddings,
                                           expert_reader, glu)
 from k3serve.model.families.cache import CacheLayout
-from k3serve.model.families.decoder import DecoderConfig, DecoderLayer, FamilyModel
+from k3serve.model.families.decoder import DecoderConfig, FamilyModel, assemble_model, pre_norm_layer
 from k3serve.model.families.experts import ExpertStore
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.latent_attention import LatentAttention, LatentAttentionWeights
@@ -176,8 +176,6 @@ def build(config: DeepseekV3Config, reader: TensorReader, precision: str, chunk_
             mlp: MoEBlock | DenseMLP = build_grouped_moe(reader, config, config, l, f"{p}mlp.", store)
         else:
             mlp = DenseMLP(glu(reader, (f"{p}mlp.",), H, config.intermediate_size))
-        layers.append(DecoderLayer(input_norm=reader.f32(f"{p}input_layernorm.weight", shape=(H,)),
-                                   post_attention_norm=reader.f32(f"{p}post_attention_layernorm.weight", shape=(H,)),
-                                   mixer=mixer, mlp=mlp))
+        layers.append(pre_norm_layer(reader, p, H, mixer, mlp))
     embed, lm_head = embeddings(reader, config.vocab_size, H, config.tie_word_embeddings)
-    return FamilyModel(config, embed, layers, reader.f32("model.norm.weight", shape=(H,)), lm_head, layout, store)
+    return assemble_model(reader, config, layers, layout, store, embed, lm_head)

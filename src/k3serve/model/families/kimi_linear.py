@@ -23,7 +23,7 @@ import numpy as np
 
 from k3serve.model.families.build import check_supported_basics, common_keys, embeddings, expert_reader, glu
 from k3serve.model.families.cache import CacheLayout
-from k3serve.model.families.decoder import DecoderConfig, DecoderLayer, FamilyModel
+from k3serve.model.families.decoder import DecoderConfig, FamilyModel, assemble_model, pre_norm_layer
 from k3serve.model.families.deepseek_v3 import MLAConfig, build_grouped_moe, build_mla, read_mla_config
 from k3serve.model.families.delta import KimiDeltaAttention, KimiDeltaWeights
 from k3serve.model.families.experts import ExpertStore
@@ -130,8 +130,6 @@ def build(config: KimiLinearConfig, reader: TensorReader, precision: str, chunk_
         else:
             # transformers' save_pretrained writes the dense MLP under block_sparse_moe. too
             mlp = DenseMLP(glu(reader, (f"{p}mlp.", f"{p}block_sparse_moe."), H, config.intermediate_size))
-        layers.append(DecoderLayer(input_norm=reader.f32(f"{p}input_layernorm.weight", shape=(H,)),
-                                   post_attention_norm=reader.f32(f"{p}post_attention_layernorm.weight", shape=(H,)),
-                                   mixer=mixer, mlp=mlp))
+        layers.append(pre_norm_layer(reader, p, H, mixer, mlp))
     embed, lm_head = embeddings(reader, config.vocab_size, H, config.tie_word_embeddings)
-    return FamilyModel(config, embed, layers, reader.f32("model.norm.weight", shape=(H,)), lm_head, layout, store)
+    return assemble_model(reader, config, layers, layout, store, embed, lm_head)
