@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from k3serve.config import K3Config
 from k3serve.tokenizer import DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKENS, DEFAULT_PATTERN, DEFAULT_SPECIAL_TOKENS, Tokenizer
 from k3serve.tokenizer_training import train_bpe, write_tokenizer
-from k3serve.training.corpus import build_corpus
+from k3serve.training.corpus import DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus
 from k3serve.training.model import K3ForTraining, export, export_tensors, init_weights
 
 BPE_VOCAB_SIZE = 1024
@@ -92,25 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder for the exported checkpoint")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps (also the LR schedule length)")
     parser.add_argument("--seconds", type=float, default=None, help="stop early after this much training time")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--code-bytes", type=int, default=3_000_000)
-    parser.add_argument("--prose-bytes", type=int, default=1_000_000)
+    parser.add_argument("--code-bytes", type=int, default=DEFAULT_CODE_BYTES)
+    parser.add_argument("--prose-bytes", type=int, default=DEFAULT_PROSE_BYTES)
+    parser.add_argument("--device", default="cpu", help="torch device: cpu (reproducible, the default), cuda, auto")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
     corpus = build_corpus(args.code_bytes, args.prose_bytes)
     print(f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out documents; "
-          f"{corpus.num_code_bytes} code + {corpus.num_prose_bytes} prose bytes (Python {platform.python_version()})")
+          f"{corpus.num_code_bytes} code + {corpus.num_prose_bytes} prose bytes ({corpus.prose_source}; "
+          f"Python {platform.python_version()})")
     bpe_text: list[str] = []
     remaining = BPE_TRAIN_BYTES
     for doc in corpus.train:
@@ -121,16 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     tokens = train_bpe(bpe_text, BPE_VOCAB_SIZE, DEFAULT_PATTERN)
     write_tokenizer(out, tokens, DEFAULT_PATTERN, DEFAULT_SPECIAL_TOKENS, DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKENS,
                     source=f"k3serve.training.train: BPE {BPE_VOCAB_SIZE} on the first {BPE_TRAIN_BYTES} bytes of "
-                           "the training split (stdlib code + stdlib docstrings/comments)")
+                           f"the training split (stdlib code + {corpus.prose_source})")
     tokenizer = Tokenizer.from_dir(out)
     train_ids = encode_docs(tokenizer, corpus.train)
-    heldout_ids = encode_docs(tokenizer, corpus.heldout)
-    print(f"tokenizer: {tokenizer.vocab_size} tokens; {len(train_ids)} train / {len(heldout_ids)} held-out tokens "
-          f"({time.perf_counter() - started:.0f} s)")
+    heldout = {"code": encode_docs(tokenizer, corpus.heldout_code), "prose": encode_docs(tokenizer, corpus.heldout_prose)}
+    print(f"tokenizer: {tokenizer.vocab_size} tokens; {len(train_ids)} train / {len(heldout['code'])} held-out code / "
+          f"{len(heldout['prose'])} held-out prose tokens ({time.perf_counter() - started:.0f} s)")
 
     config = training_config(tokenizer)
     model = K3ForTraining(config)
     init_weights(model, args.seed)
+    model.to(device)
     tensors, dtypes = export_tensors(model)
     size_mb = sum(a.size * (2 if dtypes[n] == "BF16" else 4 if dtypes[n] == "F32" else 1)
                   for n, a in tensors.items()) / 1e6
@@ -140,10 +145,18 @@ def main(argv: list[str] | None = None) -> int:
 
     L = args.seq_len + 1
     rng = np.random.default_rng(args.seed)
-    eval_starts = np.linspace(0, len(heldout_ids) - L, args.eval_windows).astype(np.int64)
-    eval_windows = torch.from_numpy(np.stack([heldout_ids[s:s + L] for s in eval_starts]))
-    baseline = unigram_loss(train_ids, heldout_ids, config.vocab_size)
-    print(f"held-out unigram baseline: {baseline:.3f} nats/token")
+    eval_windows, baselines = {}, {}
+    for kind, ids in heldout.items():
+        if len(ids) < L:
+            raise SystemExit(f"error: the held-out {kind} split has {len(ids)} tokens, fewer than one window of {L}; "
+                             "raise --code-bytes/--prose-bytes or lower --seq-len")
+        eval_starts = np.linspace(0, len(ids) - L, args.eval_windows).astype(np.int64)
+        eval_windows[kind] = torch.from_numpy(np.stack([ids[s:s + L] for s in eval_starts])).to(device)
+        baselines[kind] = unigram_loss(train_ids, ids, config.vocab_size)
+    print("held-out unigram baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in baselines.items()) + " nats/token")
+
+    def evaluate() -> dict[str, float]:
+        return {kind: heldout_loss(model, windows, args.batch_size) for kind, windows in eval_windows.items()}
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -159,15 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     log: list[dict] = []
-    first = heldout_loss(model, eval_windows, args.batch_size)
+    first = evaluate()
     log.append({"step": 0, "heldout_loss": first, "seconds": 0.0})
-    print(f"step     0  held-out {first:.3f}")
+    print(f"step     0  held-out code {first['code']:.3f} prose {first['prose']:.3f}")
     train_started = time.perf_counter()
     step = 0
     running = 0.0
     for step in range(1, args.steps + 1):
         starts = rng.integers(0, len(train_ids) - L, size=args.batch_size)
-        batch = torch.from_numpy(np.stack([train_ids[s:s + L] for s in starts]))
+        batch = torch.from_numpy(np.stack([train_ids[s:s + L] for s in starts])).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1)
         logits = model(batch[:, :-1])
@@ -183,21 +196,24 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.eval_every == 0 or done:
             loads = torch.stack([m.last_load.float() for m in model.moe_layers()])  # [layers, NE]
             imbalance = float((loads.max(1).values / loads.mean(1)).mean())
-            held = heldout_loss(model, eval_windows, args.batch_size)
+            held = evaluate()
             train_loss = running / (step - (log[-1]["step"] if log else 0))
             running = 0.0
             log.append({"step": step, "train_loss": train_loss, "heldout_loss": held, "seconds": elapsed,
                         "max_over_mean_expert_load": imbalance})
-            print(f"step {step:5d}  train {train_loss:.3f}  held-out {held:.3f}  (unigram {baseline:.3f})  "
+            print(f"step {step:5d}  train {train_loss:.3f}  held-out code {held['code']:.3f} prose {held['prose']:.3f}  "
                   f"load max/mean {imbalance:.2f}  {elapsed / step:.2f} s/step", flush=True)
         if done:
             break
 
+    model.to("cpu")
     export(model, config, out, tokenizer_dir=None)
     (out / "train_log.json").write_text(json.dumps({
-        "args": vars(args), "unigram_baseline": baseline, "steps": step,
+        "args": vars(args), "unigram_baseline": baselines, "prose_source": corpus.prose_source, "steps": step,
+        "device": str(device), "torch": torch.__version__,
         "seconds_per_step": (time.perf_counter() - train_started) / max(step, 1),
-        "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(heldout_ids)), "curve": log}, indent=2) + "\n")
+        "train_tokens": int(len(train_ids)), "heldout_tokens": {k: int(len(v)) for k, v in heldout.items()},
+        "curve": log}, indent=2) + "\n")
     digest = sha256_files(out)
     print(f"exported {out} ({sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB); SHA256SUMS digest {digest}; "
           f"total {time.perf_counter() - started:.0f} s")
