@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from k3serve.errors import K3Error
 from k3serve.stream.budget import format_size, parse_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.io import IO_MODES
@@ -87,7 +88,20 @@ def add_subcommands(sub) -> dict:
     co = sub.add_parser("coactivation", help="per-layer co-activation maps of a trace, as .npy and heatmap .png")
     co.add_argument("trace", type=Path)
     co.add_argument("--out", type=Path, required=True)
-    return {"pack": cmd_pack, "sim": cmd_sim, "coactivation": cmd_coactivation}
+
+    stats = sub.add_parser("routing-stats", help="expert popularity skew, reuse between tokens and next-layer "
+                                                  "predictability of a model on text")
+    stats.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the embedded model)")
+    group = stats.add_mutually_exclusive_group()
+    group.add_argument("--text", type=Path, action="append", default=None,
+                       help="text file to route (repeatable; each file is cut into --window-token windows)")
+    group.add_argument("--heldout", choices=("code", "prose"), default=None,
+                       help="the training corpus's held-out split of that kind (rebuilt from this machine)")
+    stats.add_argument("--tokens", type=int, default=8192, help="at most this many tokens in all")
+    stats.add_argument("--window", type=int, default=512, help="tokens per independent sequence")
+    stats.add_argument("--trace-out", type=Path, default=None, help="also write the routing trace")
+    stats.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    return {"pack": cmd_pack, "sim": cmd_sim, "coactivation": cmd_coactivation, "routing-stats": cmd_routing_stats}
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -152,4 +166,65 @@ def cmd_coactivation(args: argparse.Namespace) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {len(summary)} layers to {args.out} (layer_LLL.npy counts, layer_LLL.png heatmaps, summary.json)",
           file=sys.stderr)
+    return 0
+
+
+def routing_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -> list[list[int]]:
+    """Cut each text's token ids into windows of `window` tokens (a shorter tail kept if > 1), up to max_tokens."""
+    if window < 2 or max_tokens < 2:
+        raise K3Error("--window and --tokens must be at least 2")
+    out: list[list[int]] = []
+    total = 0
+    for text in texts:
+        ids = tokenizer.encode(text)
+        for start in range(0, len(ids), window):
+            piece = ids[start:start + window][:max_tokens - total]
+            if len(piece) < 2:
+                break
+            out.append(piece)
+            total += len(piece)
+            if total >= max_tokens:
+                return out
+    return out
+
+
+def cmd_routing_stats(args: argparse.Namespace) -> int:
+    from k3serve.loading import load_model
+    from k3serve.stream.routing_stats import measure_routing
+    from k3serve.stream.trace import TraceWriter, trace_meta
+
+    loaded = load_model(args.model)
+    if loaded.tokenizer is None:
+        raise K3Error(f"{args.model} has no tokenizer; routing-stats needs text")
+    if args.text:
+        texts = []
+        for path in args.text:
+            try:
+                texts.append(path.read_text())
+            except (OSError, UnicodeDecodeError) as exc:
+                raise K3Error(f"cannot read {path}: {exc}") from exc
+        source = ", ".join(str(p) for p in args.text)
+    else:
+        from k3serve.training.corpus import DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus
+
+        kind = args.heldout or "code"
+        corpus = build_corpus(DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES)
+        texts = corpus.heldout_code if kind == "code" else corpus.heldout_prose
+        source = f"held-out {kind} ({'stdlib' if kind == 'code' else corpus.prose_source})"
+        if kind == "prose":  # many short documents: route them as one stream of windows
+            texts = ["".join(texts)]
+    windows = routing_windows(loaded.tokenizer, texts, args.window, args.tokens)
+    if not windows:
+        raise K3Error("no text to route (empty input)")
+    writer = TraceWriter(args.trace_out, trace_meta(loaded.model.config)) if args.trace_out else None
+    report = measure_routing(loaded.model, windows, writer)
+    if writer is not None:
+        writer.close()
+    print(f"routing of {args.model or 'the embedded model'} on {source}: {report.num_tokens} tokens in "
+          f"{len(windows)} windows, {report.num_experts} experts top-{report.top_k}")
+    print(report.table())
+    if args.json:
+        args.json.write_text(json.dumps({"source": source, "num_tokens": report.num_tokens,
+                                         "num_experts": report.num_experts, "top_k": report.top_k,
+                                         "layers": [l.__dict__ for l in report.layers]}, indent=1) + "\n")
     return 0
