@@ -1,36 +1,33 @@
 """Finding and opening models: a checkpoint folder given by the user, or the embedded default model.
 
-The embedded default is a deterministic K3 generated from a fixed seed on first use, with the tokenizer that
-ships in the package. It lives in the user cache directory ($K3SERVE_CACHE, else $XDG_CACHE_HOME/k3serve, else
-~/.cache/k3serve), is written to a temporary folder and renamed into place, so concurrent first uses are safe.
+The embedded default is a small K3 that k3serve trained itself (docs/MODEL.md; `python -m k3serve.training.train`
+rebuilds it). It ships inside the package (k3serve/assets/default_model) with a SHA256SUMS file that is checked
+once per process before the first use; a file that does not match is refused with its name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
-from k3serve.config import K3Config
 from k3serve.errors import CheckpointError, ConfigError, TokenizerError
 from k3serve.model.families import FamilyModel, is_family_checkpoint, load_family
 from k3serve.model.k3 import K3Model
 from k3serve.model.kernels import warmup as warmup_kernels
 from k3serve.model.source import ResidentSource
 from k3serve.hf_tokenizer import HFTokenizer
-from k3serve.tokenizer import Tokenizer, default_tokenizer_dir
+from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
-from k3serve.weights.synthetic import write_random_checkpoint
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "k3-random-default-v1"
-DEFAULT_MODEL_SEED = 20261203
+DEFAULT_MODEL_NAME = "k3-trained-default"
+_verified: dict[Path, str] = {}
 
 
 def cache_root() -> Path:
@@ -40,42 +37,38 @@ def cache_root() -> Path:
     return Path(base) / "k3serve"
 
 
-def default_model_config(tokenizer: Tokenizer) -> K3Config:
-    """The generated default: 8 layers (KKKM KKKM), 32 experts of which 4 active, a 1032-token vocabulary."""
-    return K3Config(
-        hidden_size=256, num_layers=8, vocab_size=tokenizer.vocab_size, rms_norm_eps=1e-5,
-        num_mla_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, mla_use_output_gate=True, num_experts=32, num_experts_per_token=4, num_shared_experts=1,
-        latent_size=128, moe_intermediate_size=128, routed_scaling_factor=1.0, moe_renormalize=True,
-        latent_moe_use_norm=True, router_activation="sigmoid", num_expert_group=1, topk_group=1,
-        first_k_dense_replace=1, intermediate_size=512, attn_res_block_size=3, situ_beta=4.0,
-        situ_linear_beta=25.0, kda_num_heads=4, kda_head_dim=64, short_conv_kernel_size=4,
-        gate_lower_bound=-5.0, full_attn_layers=(4, 8), kda_layers=(1, 2, 3, 5, 6, 7),
-        bos_token_id=tokenizer.bos_id, eos_token_ids=tuple(tokenizer.eos_ids),
-    )
+def verify_checksums(folder: Path) -> str:
+    """Check every file listed in folder/SHA256SUMS; returns the digest of that list (the model's identity)."""
+    folder = Path(folder)
+    if folder in _verified:
+        return _verified[folder]
+    sums = folder / "SHA256SUMS"
+    try:
+        listing = sums.read_text()
+    except OSError as exc:
+        raise CheckpointError(f"{sums}: cannot read the checksum list: {exc}") from exc
+    for line in listing.splitlines():
+        if not line.strip():
+            continue
+        expected, _, name = line.partition("  ")
+        path = folder / name
+        try:
+            actual = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+        if actual != expected:
+            raise CheckpointError(f"{path}: sha256 {actual} does not match {expected} in {sums}; the file is "
+                                  "damaged (reinstall k3serve)")
+    digest = hashlib.sha256(listing.encode()).hexdigest()
+    _verified[folder] = digest
+    return digest
 
 
 def default_model_dir() -> Path:
-    """The embedded default model's folder, generated on first use."""
-    target = cache_root() / "models" / DEFAULT_MODEL_NAME
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer.from_dir(default_tokenizer_dir())
-    logger.info("generating the default model in %s (first use only)", target)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-    try:
-        write_random_checkpoint(default_model_config(tokenizer), staging, seed=DEFAULT_MODEL_SEED,
-                                tokenizer_dir=default_tokenizer_dir())
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race only if the winner finished
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """The embedded default model's folder (inside the package), after its checksums are verified."""
+    folder = Path(__file__).parent / "assets" / "default_model"
+    verify_checksums(folder)
+    return folder
 
 
 @dataclass
@@ -91,6 +84,14 @@ class LoadedModel:
         if self.tokenizer is not None:
             ids += list(self.tokenizer.eos_ids)
         return tuple(dict.fromkeys(ids))
+
+    @property
+    def name(self) -> str:
+        """The model's id: the folder name, or DEFAULT_MODEL_NAME for the embedded default (packed or not)."""
+        default = Path(__file__).parent / "assets" / "default_model"
+        if self.path == default or self.path.name.startswith(DEFAULT_MODEL_NAME):
+            return DEFAULT_MODEL_NAME
+        return self.path.name
 
 
 # Below this hidden size a trunk matmul is too small to gain from several BLAS threads, and idle OpenBLAS threads

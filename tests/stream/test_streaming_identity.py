@@ -9,7 +9,7 @@ import pytest
 from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
-from k3serve.stream.budget import plan_budget
+from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.stream.source import StreamOptions
 
 IDS = [1, 5, 9, 200, 17, 3, 88, 41, 2, 250, 7]
@@ -27,12 +27,7 @@ def resident(tiny_model):
 
 
 def _budgets(store):
-    minimum = plan_budget(store, 10**15).globals_bytes  # placeholder, replaced below
-    from k3serve.stream.budget import BudgetError
-    try:
-        plan_budget(store, 1)
-    except BudgetError as exc:
-        minimum = int(str(exc).split("--ram-budget ")[1].split()[0])
+    minimum = minimum_budget_bytes(store)
     return {"minimum": minimum, "middle": minimum + 40 * store.expert_stride + 400_000, "unlimited": None}
 
 
@@ -76,8 +71,13 @@ def test_streaming_matches_resident_bytes(resident, tiny_store, tiny_store_coact
 
 
 def test_embedded_model_streams_byte_identically():
+    from k3serve.stream.loading import default_packed_dir
+    from k3serve.weights.store import PackedStore
+
     resident = load_model(None).model
-    streamed = load_model(None, stream=StreamOptions(ram_budget=14 << 20, io="direct", cache="s3fifo",
+    store = PackedStore(default_packed_dir())
+    budget = minimum_budget_bytes(store) + 8 * store.expert_stride
+    streamed = load_model(None, stream=StreamOptions(ram_budget=budget, io="direct", cache="s3fifo",
                                                      prefetch="next-layer")).model
     assert streamed.source.plan.pinned_layers != tuple(range(8)), "the budget must force trunk streaming"
     prompt = [1, 40, 41, 300, 7]

@@ -84,6 +84,17 @@ def _stream_buffer_bytes(store: PackedStore, streamed: list[int]) -> int:
             + 3 * max(store.layers[l].float32_bytes for l in streamed))
 
 
+def minimum_budget_bytes(store: PackedStore, min_slots: int | None = None) -> int:
+    """The smallest budget that runs one layer: globals, streaming buffers for the trunk (or the whole trunk pinned,
+    if that is smaller) and `min_slots` expert slots (default: top-k)."""
+    config = store.config
+    min_slots = config.num_experts_per_token if min_slots is None else min_slots
+    layers = range(config.num_layers)
+    streaming = store.globals.float32_bytes + _stream_buffer_bytes(store, list(layers))
+    all_pinned = store.globals.float32_bytes + sum(store.layers[l].float32_bytes for l in layers)
+    return min(streaming, all_pinned) + min_slots * store.expert_stride
+
+
 def plan_budget(store: PackedStore, budget_bytes: int | None, pin_trunk_bytes: int | None = None,
                 min_slots: int | None = None) -> BudgetPlan:
     config = store.config
@@ -105,9 +116,7 @@ def plan_budget(store: PackedStore, budget_bytes: int | None, pin_trunk_bytes: i
         return BudgetPlan(None, globals_bytes, tuple(sorted(pinned)), sum(sizes[l] for l in pinned),
                           tuple(streamed), _stream_buffer_bytes(store, streamed), total_experts, stride)
 
-    minimum = globals_bytes + _stream_buffer_bytes(store, list(range(num_layers))) + min_slots * stride
-    all_pinned = globals_bytes + sum(sizes.values()) + min_slots * stride
-    minimum = min(minimum, all_pinned)
+    minimum = minimum_budget_bytes(store, min_slots)
     if budget_bytes < minimum:
         raise BudgetError(
             f"RAM budget {format_size(budget_bytes)} cannot run one layer: the minimum is {format_size(minimum)} "

@@ -16,14 +16,15 @@ logger = logging.getLogger(__name__)
 
 
 def default_packed_dir() -> Path:
-    from k3serve.loading import DEFAULT_MODEL_NAME, cache_root, default_model_dir
+    from k3serve.loading import DEFAULT_MODEL_NAME, cache_root, default_model_dir, verify_checksums
 
-    target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-packed"
+    source = default_model_dir()
+    target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{verify_checksums(source)[:12]}-packed"
     if is_packed_store(target):
         return target
     from k3serve.weights.pack import pack_checkpoint
 
-    source = default_model_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("packing the default model into %s (first streaming use only)", target)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
