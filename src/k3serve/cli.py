@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence ids")
     gen.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    gen.add_argument("--no-token-healing", action="store_true",
+                     help="keep the prompt's last tokens as encoded (default: back off a tail that a longer token "
+                          "starts with and let generation spell it out, e.g. '):' -> '):\\n'; off with speculation)")
     _add_speculative_args(gen)
 
     add_stream_args(gen)
@@ -140,19 +143,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(args.prompt)
     if not args.no_bos and tokenizer.bos_id is not None:
         prompt_ids = [tokenizer.bos_id] + prompt_ids
+    healing = None
+    if not args.no_token_healing and speculative is None:
+        from k3serve.engine.healing import heal_prompt
+
+        healing = heal_prompt(tokenizer, prompt_ids)
     decoder = tokenizer.stream_decoder()
     stops = set(loaded.stop_ids)
+    skip = [healing.visible_skip() if healing else 0]  # the healed tail is part of the prompt: not printed again
 
     def emit(token: int) -> None:
         if token in stops:
             return
         text = decoder.add(token)
+        if skip[0] and text:
+            cut = min(skip[0], len(text))
+            text, skip[0] = text[cut:], skip[0] - cut
         if text:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    _, report = generate(loaded.model, prompt_ids, params, stop_ids=loaded.stop_ids, on_token=emit,
-                         speculative=speculative, drafters=drafters)
+    _, report = generate(loaded.model, healing.prompt_ids if healing else prompt_ids, params,
+                         stop_ids=loaded.stop_ids, on_token=emit, speculative=speculative, drafters=drafters,
+                         constraint=healing.allowed if healing else None)
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     _print_report(loaded, report)
@@ -160,7 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _print_report(loaded, report) -> None:
-    print(f"--- run report ({loaded.path.name})", file=sys.stderr)
+    print(f"--- run report ({loaded.name})", file=sys.stderr)
     for line in report.lines():
         print(line, file=sys.stderr)
 
@@ -232,7 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache)
     speculative, drafters = _speculative_from_args(args, loaded.model)
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative, drafters=drafters)
-    name = args.served_model_name or loaded.path.name
+    name = args.served_model_name or loaded.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(create_app(engine, loaded.tokenizer, name), host=args.host, port=args.port, log_level="warning")
     return 0

@@ -55,15 +55,18 @@ def peak_rss_bytes() -> int:
 
 def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
              stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
-             speculative: SpeculativeConfig | None = None, drafters: DrafterFactory | None = None
-             ) -> tuple[list[int], RunReport]:
+             speculative: SpeculativeConfig | None = None, drafters: DrafterFactory | None = None,
+             constraint: Callable[[list[int]], np.ndarray | None] | None = None) -> tuple[list[int], RunReport]:
     """Generate up to params.max_tokens tokens after `prompt_ids`; `on_token` sees each one as it is made.
-    With `speculative`, drafts are verified in windows (engine/speculative.py): same greedy tokens."""
+    With `speculative`, drafts are verified in windows (engine/speculative.py): same greedy tokens.
+    `constraint(tokens so far)` may return the ids allowed next (token healing, engine/healing.py); None: any."""
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: give at least one token")
     if speculative is not None:
         from k3serve.engine.speculative import speculative_generate
 
+        if constraint is not None:
+            raise RequestError("a generation constraint (token healing) cannot be combined with speculation")
         return speculative_generate(model, prompt_ids, params, speculative, stop_ids, on_token, drafters)
     sampler = Sampler(params)
     stops = set() if params.ignore_eos else set(stop_ids) | set(params.stop_token_ids)
@@ -77,6 +80,11 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
     finish = "length"
     started = time.perf_counter()
     while True:
+        allowed = constraint(tokens) if constraint is not None else None
+        if allowed is not None:
+            masked = np.full_like(logits, -np.inf)
+            masked[allowed] = logits[allowed]
+            logits = masked
         token = sampler.sample(logits)
         tokens.append(token)
         if on_token is not None:
