@@ -94,6 +94,9 @@ class StreamStats:
     def minus(self, other: StreamStats) -> StreamStats:
         return StreamStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
+    def plus(self, other: StreamStats) -> StreamStats:
+        return StreamStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     @property
     def bytes_read(self) -> int:
         return self.expert_bytes_read + self.trunk_bytes_read
