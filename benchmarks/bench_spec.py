@@ -68,8 +68,9 @@ def task_texts() -> tuple[str, str]:
 
 
 def budget_bytes(tokens: int, prompt: list[int]) -> dict:
-    """Disk bytes per decoded token (after the prefill) under a RAM budget (the minimum + a quarter of the experts), with and
-    without n-gram speculation (a verify window reads each layer's experts once for all its positions)."""
+    """Disk bytes per decoded token (after the prefill) under a RAM budget (the minimum + a quarter of the
+    experts), with and without n-gram speculation (a verify window reads each layer's experts once for all its
+    positions)."""
     from k3serve.stream.source import StreamOptions
     from k3serve.weights.store import PackedStore
     from k3serve.stream.budget import minimum_budget_bytes
@@ -170,8 +171,9 @@ def main() -> None:
     record["under_budget"] = {}
     for label, prompt in (("grounded", grounded), ("open-ended", open_ended)):
         b = record["under_budget"][label] = budget_bytes(args.tokens, prompt)
-        print(f"under a {b['budget_bytes'] / 2**20:.1f} MiB budget, {label}: {b['plain']['bytes_per_token'] / 1024:.0f} "
-              f"KiB read per token plain, {b['ngram']['bytes_per_token'] / 1024:.0f} KiB with n-gram speculation")
+        print(f"under a {b['budget_bytes'] / 2**20:.1f} MiB budget, {label}: "
+              f"{b['plain']['bytes_per_token'] / 1024:.0f} KiB read per token plain, "
+              f"{b['ngram']['bytes_per_token'] / 1024:.0f} KiB with n-gram speculation")
     best = max(r["speedup"] for r in record["cases"])
     print(f"summary: best {best:.2f}x; open-ended n-gram "
           f"{record['cases'][1]['speedup']:.2f}x; greedy output identical in every case")

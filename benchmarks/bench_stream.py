@@ -290,8 +290,9 @@ def main() -> int:
     print(f"bench_stream: budget {format_size(budget)} for a {format_size(store.expert_store_bytes)} expert store "
           f"({'confined to ' + format_size(limit) if limit else 'unconfined'}): naive "
           f"{med['naive']['s_per_token']:.3f} s/token, full {med['full']['s_per_token']:.3f} s/token "
-          f"({speedup:.2f}x; all resident {resident['s_per_token']:.3f}); {args.policy} {ratio_default:.2f}x Belady bytes; device utilisation "
-          f"{100 * utilisation:.0f}% of {seq:.0f} MB/s sequential O_DIRECT; cold cache via {record['cold_cache']}")
+          f"({speedup:.2f}x; all resident {resident['s_per_token']:.3f}); {args.policy} {ratio_default:.2f}x Belady "
+          f"bytes; device utilisation {100 * utilisation:.0f}% of {seq:.0f} MiB/s sequential O_DIRECT; cold cache "
+          f"via {record['cold_cache']}")
     for r in runs.values():
         for x in r:
             x.pop("outputs")
