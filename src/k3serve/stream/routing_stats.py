@@ -24,6 +24,7 @@ from k3serve.model.moe import route
 from k3serve.model.ops import rms_norm
 from k3serve.model.state import DenseSequenceCache
 from k3serve.model.weights import MoEWeights
+from k3serve.stream.trace import TracedSource
 
 
 @dataclass
@@ -64,27 +65,14 @@ class RoutingReport:
         return "\n".join(lines)
 
 
-class _RecordingSource:
-    """Forwards to the inner source; keeps each MoE layer's expert ids and the next-layer guess per token."""
+class _RecordingSource(TracedSource):
+    """Forwards to the inner source (and an optional trace writer); keeps each MoE layer's expert ids and the
+    next-layer guess per token."""
 
     def __init__(self, inner, writer=None) -> None:
-        self.inner = inner
-        self.writer = writer  # an optional k3serve.stream.trace.TraceWriter
-        self._step = -1
-        self._next_token = 0
-        self._first_token = 0
-        self.config = inner.config
+        super().__init__(inner, writer)
         self.actual: dict[int, list[np.ndarray]] = {}
         self.predicted: dict[int, list[np.ndarray]] = {}  # keyed by the layer predicted
-
-    def global_weights(self):
-        return self.inner.global_weights()
-
-    def layer(self, layer: int):
-        return self.inner.layer(layer)
-
-    def experts(self, layer: int, expert_ids: Sequence[int]):
-        return self.inner.experts(layer, expert_ids)
 
     def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
         nxt = layer + 1
@@ -92,15 +80,9 @@ class _RecordingSource:
             return
         self.predicted.setdefault(nxt, []).append(predict_next_layer(self.config, self.inner.layer(nxt), hidden))
 
-    def begin_step(self, num_tokens: int) -> None:
-        self._step += 1
-        self._first_token = self._next_token
-        self._next_token += num_tokens
-
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         self.actual.setdefault(layer, []).append(np.array(expert_ids))
-        if self.writer is not None:
-            self.writer.write(self._step, self._first_token, layer, expert_ids)
+        super().note_routing(layer, expert_ids)
 
 
 def predict_next_layer(config, next_weights, hidden: np.ndarray) -> np.ndarray:

@@ -116,9 +116,10 @@ def trace_meta(config, expert_bytes: int | None = None) -> dict:
 
 
 class TracedSource:
-    """Wraps any weight source and records its routing (for --trace-out on a resident model)."""
+    """Wraps any weight source and records its routing (for --trace-out on a resident model); with no writer it
+    only forwards (a base for other recorders)."""
 
-    def __init__(self, inner, writer: TraceWriter) -> None:
+    def __init__(self, inner, writer: TraceWriter | None) -> None:
         self.inner = inner
         self.config = inner.config
         self.writer = writer
@@ -141,7 +142,8 @@ class TracedSource:
         self._next_token += num_tokens
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
-        self.writer.write(self._step, self._step_first_token, layer, expert_ids)
+        if self.writer is not None:
+            self.writer.write(self._step, self._step_first_token, layer, expert_ids)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
