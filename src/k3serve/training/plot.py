@@ -2,8 +2,8 @@
 
     python -m k3serve.training.plot train_log.json curve.svg
 
-Lines: training loss (mean over each eval interval), held-out code and held-out prose; dashed: the unigram
-baselines of the two held-out streams.
+Lines: training loss (mean over each eval interval), held-out code, held-out prose and, where the log has it,
+held-out revision documents (copying); dashed: the unigram baselines of held-out code and prose.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 WIDTH, HEIGHT = 720, 420
 LEFT, RIGHT, TOP, BOTTOM = 60, 170, 20, 50
-COLORS = {"train": "#555555", "code": "#1f77b4", "prose": "#d62728"}
+COLORS = {"train": "#555555", "code": "#1f77b4", "prose": "#d62728", "copy": "#2ca02c"}
 
 
 def _nice_step(span: float, ticks: int) -> float:
@@ -32,7 +32,9 @@ def curve_svg(log: dict) -> str:
         "train": [(p["step"], p["train_loss"]) for p in curve if "train_loss" in p],
         "code": [(p["step"], p["heldout_loss"]["code"]) for p in curve],
         "prose": [(p["step"], p["heldout_loss"]["prose"]) for p in curve],
+        "copy": [(p["step"], p["heldout_loss"]["copy"]) for p in curve if "copy" in p["heldout_loss"]],
     }
+    baselines = {k: v for k, v in baselines.items() if k in ("code", "prose")}
     max_step = max(p["step"] for p in curve) or 1
     values = [v for pts in series.values() for _, v in pts] + list(baselines.values())
     lo, hi = math.floor(min(values) * 2) / 2, math.ceil(max(values) * 2) / 2
@@ -63,8 +65,11 @@ def curve_svg(log: dict) -> str:
     out.append(f'<text x="14" y="{TOP + plot_h / 2}" text-anchor="middle" '
                f'transform="rotate(-90 14 {TOP + plot_h / 2})">loss (nats / token)</text>')
     legend_y = TOP + 10
-    for name, label in (("train", "train"), ("code", "held-out code"), ("prose", "held-out prose")):
+    for name, label in (("train", "train"), ("code", "held-out code"), ("prose", "held-out prose"),
+                        ("copy", "held-out revisions")):
         pts = series[name]
+        if name == "copy" and not pts:
+            continue
         if pts:
             path = " ".join(f"{'M' if i == 0 else 'L'}{x(a):.1f},{y(b):.1f}" for i, (a, b) in enumerate(pts))
             out.append(f'<path d="{path}" fill="none" stroke="{COLORS[name]}" stroke-width="2"/>')

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from k3serve.config import K3Config
 from k3serve.tokenizer import DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKENS, DEFAULT_PATTERN, DEFAULT_SPECIAL_TOKENS, Tokenizer
 from k3serve.tokenizer_training import train_bpe, write_tokenizer
-from k3serve.training.corpus import DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus
+from k3serve.training.corpus import (DEFAULT_CODE_BYTES, DEFAULT_COPY_BYTES, DEFAULT_PROSE_BYTES, build_corpus,
+                                     copy_documents)
 from k3serve.training.model import K3ForTraining, export, export_tensors, init_weights
 
 BPE_VOCAB_SIZE = 1024
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--code-bytes", type=int, default=DEFAULT_CODE_BYTES)
     parser.add_argument("--prose-bytes", type=int, default=DEFAULT_PROSE_BYTES)
+    parser.add_argument("--copy-bytes", type=int, default=DEFAULT_COPY_BYTES,
+                        help="revision documents (a function, then the function again) meant to teach copying; "
+                             "0 (the default): none")
     parser.add_argument("--device", default="cpu", help="torch device: cpu (reproducible, the default), cuda, auto")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -111,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    corpus = build_corpus(args.code_bytes, args.prose_bytes)
+    corpus = build_corpus(args.code_bytes, args.prose_bytes, args.copy_bytes)
     print(f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out documents; "
-          f"{corpus.num_code_bytes} code + {corpus.num_prose_bytes} prose bytes ({corpus.prose_source}; "
+          f"{corpus.num_code_bytes} code + {corpus.num_prose_bytes} prose + {corpus.num_copy_bytes} revision bytes "
+          f"({corpus.prose_source}; "
           f"Python {platform.python_version()})")
     bpe_text: list[str] = []
     remaining = BPE_TRAIN_BYTES
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_dir(out)
     train_ids = encode_docs(tokenizer, corpus.train)
     heldout = {"code": encode_docs(tokenizer, corpus.heldout_code), "prose": encode_docs(tokenizer, corpus.heldout_prose)}
+    if args.copy_bytes > 0:  # revision documents made from held-out code: does copying generalise?
+        heldout["copy"] = encode_docs(tokenizer, copy_documents(corpus.heldout_code, args.copy_bytes))
     print(f"tokenizer: {tokenizer.vocab_size} tokens; {len(train_ids)} train / {len(heldout['code'])} held-out code / "
           f"{len(heldout['prose'])} held-out prose tokens ({time.perf_counter() - started:.0f} s)")
 
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     log: list[dict] = []
     first = evaluate()
     log.append({"step": 0, "heldout_loss": first, "seconds": 0.0})
-    print(f"step     0  held-out code {first['code']:.3f} prose {first['prose']:.3f}")
+    print(f"step     0  held-out " + " ".join(f"{k} {v:.3f}" for k, v in first.items()))
     train_started = time.perf_counter()
     step = 0
     running = 0.0
@@ -201,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             running = 0.0
             log.append({"step": step, "train_loss": train_loss, "heldout_loss": held, "seconds": elapsed,
                         "max_over_mean_expert_load": imbalance})
-            print(f"step {step:5d}  train {train_loss:.3f}  held-out code {held['code']:.3f} prose {held['prose']:.3f}  "
+            losses = " ".join(f"{k} {v:.3f}" for k, v in held.items())
+            print(f"step {step:5d}  train {train_loss:.3f}  held-out {losses}  "
                   f"load max/mean {imbalance:.2f}  {elapsed / step:.2f} s/step", flush=True)
         if done:
             break
