@@ -56,9 +56,9 @@ class ReplayFactory(DrafterFactory):
 
 def task_texts() -> tuple[str, str]:
     """(input-grounded prompt, open-ended prompt) from the held-out split of the training corpus."""
-    from k3serve.training.corpus import DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus
+    from k3serve.training.corpus import build_corpus
 
-    corpus = build_corpus(DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES)
+    corpus = build_corpus()
     code = corpus.heldout_code[3]
     start = code.find("\ndef ")
     excerpt = "\n".join(code[start + 1:].splitlines()[:14]) + "\n"

@@ -36,9 +36,9 @@ CGROUP = Path("/sys/fs/cgroup/memory/k3bench")
 # ------------------------------------------------------------------------------------------------ fixture
 def heldout_windows(tokenizer, count: int, length: int, skip: int = 0) -> list[list[int]]:
     """Alternating held-out code and prose windows of `length` tokens, from window index `skip` on."""
-    from k3serve.training.corpus import DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus
+    from k3serve.training.corpus import build_corpus
 
-    corpus = build_corpus(DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES)
+    corpus = build_corpus()
     streams = [tokenizer.encode("".join(corpus.heldout_code)), tokenizer.encode("".join(corpus.heldout_prose))]
     out = []
     for i in range(skip, skip + count):

@@ -27,6 +27,7 @@ from k3serve.weights.checkpoint import Checkpoint
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "k3-trained-default"
+DEFAULT_MODEL_PATH = Path(__file__).parent / "assets" / "default_model"
 _verified: dict[Path, str] = {}
 
 
@@ -66,9 +67,8 @@ def verify_checksums(folder: Path) -> str:
 
 def default_model_dir() -> Path:
     """The embedded default model's folder (inside the package), after its checksums are verified."""
-    folder = Path(__file__).parent / "assets" / "default_model"
-    verify_checksums(folder)
-    return folder
+    verify_checksums(DEFAULT_MODEL_PATH)
+    return DEFAULT_MODEL_PATH
 
 
 @dataclass
@@ -88,8 +88,7 @@ class LoadedModel:
     @property
     def name(self) -> str:
         """The model's id: the folder name, or DEFAULT_MODEL_NAME for the embedded default (packed or not)."""
-        default = Path(__file__).parent / "assets" / "default_model"
-        if self.path == default or self.path.name.startswith(DEFAULT_MODEL_NAME):
+        if self.path == DEFAULT_MODEL_PATH or self.path.name.startswith(DEFAULT_MODEL_NAME):
             return DEFAULT_MODEL_NAME
         return self.path.name
 

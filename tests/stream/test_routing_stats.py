@@ -7,7 +7,8 @@ import numpy as np
 from k3serve.cli import main
 from k3serve.model.k3 import ForwardItem
 from k3serve.model.state import DenseSequenceCache
-from k3serve.stream.routing_stats import _overlap, _skew, measure_routing, predict_next_layer
+from k3serve.model.moe import guess_next_layer
+from k3serve.stream.routing_stats import _overlap, _skew, measure_routing
 from k3serve.stream.trace import TraceWriter, read_trace, trace_meta
 
 
@@ -55,7 +56,7 @@ def test_a_layers_own_hidden_state_predicts_it_perfectly(tiny_model):
     from k3serve.model.ops import rms_norm
 
     expected = route(config, weights.mlp, rms_norm(hidden, weights.post_attention_norm, config.rms_norm_eps))
-    assert np.array_equal(predict_next_layer(config, weights, hidden), expected.expert_ids)
+    assert np.array_equal(guess_next_layer(config, weights, hidden)[0], expected.expert_ids)
 
 
 def test_routing_stats_command_on_a_text_file(tmp_path, capsys):

@@ -22,7 +22,7 @@ from k3serve.config import K3Config
 from k3serve.model.kernels import (PARALLEL_MIN_WEIGHTS, mxfp4_expert_accumulate, mxfp4_expert_forward,
                                    mxfp4_experts_accumulate)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
-from k3serve.model.weights import DenseMLPWeights, ExpertWeights, MoEWeights
+from k3serve.model.weights import DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,17 @@ def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Rout
     if config.moe_renormalize:
         chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
     return Routing(expert_ids=ids, weights=(chosen * np.float32(config.routed_scaling_factor)).astype(np.float32))
+
+
+def guess_next_layer(config: K3Config, next_layer: LayerWeights, hidden: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Guess the next layer's experts before it runs. hidden [T, H] is what the current layer feeds its
+    post-attention norm; the next layer's own norm, router and selection bias score it. Returns the guessed top-k
+    [T, TOPK] and the biased scores [T, NE]. This is what `--prefetch next-layer` loads and what routing-stats
+    measures the recall of."""
+    x = rms_norm(hidden, next_layer.post_attention_norm, config.rms_norm_eps)
+    scores = sigmoid(x @ next_layer.mlp.router.T)
+    return route_scores(config, scores, next_layer.mlp.router_bias).expert_ids, scores + next_layer.mlp.router_bias
 
 
 def expert_forward(config: K3Config, e: ExpertWeights, z: np.ndarray) -> np.ndarray:

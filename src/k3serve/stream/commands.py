@@ -205,10 +205,10 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
                 raise K3Error(f"cannot read {path}: {exc}") from exc
         source = ", ".join(str(p) for p in args.text)
     else:
-        from k3serve.training.corpus import DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus
+        from k3serve.training.corpus import build_corpus
 
         kind = args.heldout or "code"
-        corpus = build_corpus(DEFAULT_CODE_BYTES, DEFAULT_PROSE_BYTES)
+        corpus = build_corpus()
         texts = corpus.heldout_code if kind == "code" else corpus.heldout_prose
         source = f"held-out {kind} ({'stdlib' if kind == 'code' else corpus.prose_source})"
         if kind == "prose":  # many short documents: route them as one stream of windows

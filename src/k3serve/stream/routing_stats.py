@@ -20,10 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from k3serve.model.moe import route
-from k3serve.model.ops import rms_norm
+from k3serve.model.moe import guess_next_layer
 from k3serve.model.state import DenseSequenceCache
-from k3serve.model.weights import MoEWeights
 from k3serve.stream.trace import TracedSource
 
 
@@ -78,19 +76,11 @@ class _RecordingSource(TracedSource):
         nxt = layer + 1
         if nxt >= self.config.num_layers or self.config.is_dense(nxt):
             return
-        self.predicted.setdefault(nxt, []).append(predict_next_layer(self.config, self.inner.layer(nxt), hidden))
+        self.predicted.setdefault(nxt, []).append(guess_next_layer(self.config, self.inner.layer(nxt), hidden)[0])
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         self.actual.setdefault(layer, []).append(np.array(expert_ids))
         super().note_routing(layer, expert_ids)
-
-
-def predict_next_layer(config, next_weights, hidden: np.ndarray) -> np.ndarray:
-    """hidden [T, H] (what the current layer's post-attention norm reads) -> [T, TOPK] guesses for the next layer,
-    from the next layer's own norm, router and selection bias."""
-    assert isinstance(next_weights.mlp, MoEWeights)
-    x = rms_norm(hidden, next_weights.post_attention_norm, config.rms_norm_eps)
-    return route(config, next_weights.mlp, x).expert_ids
 
 
 def _skew(ids: np.ndarray, num_experts: int) -> float:

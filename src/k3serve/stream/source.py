@@ -242,12 +242,8 @@ class StreamingSource:
         if self.options.prefetch == "none" or self.prefetch_max == 0 or nxt >= self.config.num_layers \
                 or self.config.is_dense(nxt):
             return
-        from k3serve.model.ops import rms_norm, sigmoid
-        weights = self._peek_trunk(nxt)
-        x = rms_norm(hidden, weights.post_attention_norm, self.config.rms_norm_eps)  # [T, H]
-        scores = sigmoid(x @ weights.mlp.router.T) + weights.mlp.router_bias  # [T, NE]
-        top_k = self.config.num_experts_per_token
-        per_token = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]  # [T, TOPK]
+        from k3serve.model.moe import guess_next_layer
+        per_token, scores = guess_next_layer(self.config, self._peek_trunk(nxt), hidden)  # [T, TOPK], [T, NE]
         best = scores.max(axis=0)  # [NE]
         guesses = sorted(set(int(e) for e in per_token.ravel()), key=lambda e: (-best[e], e))[:self.prefetch_max]
         extents = []

@@ -10,9 +10,9 @@ Documents are interleaved code, prose, code, ... and every `HOLDOUT_EVERY`-th do
 so the split depends only on the Python version's stdlib, never on hash order or randomness.
 
 An optional third stream (`--copy-bytes`, off by default) aims to teach copying from the context, which
-input-grounded speculative decoding relies on: "revision" documents made from *training* code only. Each holds a short function, a comment asking for it again,
-and the function again, either unchanged or with one comment line added (`copy_documents`). They are short
-enough that both copies fit in one training window.
+input-grounded speculative decoding relies on: "revision" documents made from *training* code only. Each holds a
+short function, a comment asking for it again, and the function again, either unchanged or with one comment
+line added (`copy_documents`). They are short enough that both copies fit in one training window.
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def split(stream: list[str]) -> tuple[list[str], list[str]]:
     return [d for i, d in enumerate(stream) if i not in chosen], [stream[i] for i in held]
 
 
-def build_corpus(max_code_bytes: int, max_prose_bytes: int, max_copy_bytes: int = DEFAULT_COPY_BYTES) -> Corpus:
+def build_corpus(max_code_bytes: int = DEFAULT_CODE_BYTES, max_prose_bytes: int = DEFAULT_PROSE_BYTES,
+                 max_copy_bytes: int = DEFAULT_COPY_BYTES) -> Corpus:
     code = list(stdlib_corpus(max_code_bytes))
     books = books_path()
     if books is not None:
@@ -208,5 +209,6 @@ def build_corpus(max_code_bytes: int, max_prose_bytes: int, max_copy_bytes: int 
     mixed.extend(train_prose[len(train_code) * ratio:])
     mixed.extend(copies[len(train_code) // COPY_EVERY:])
     return Corpus(train=mixed, heldout_code=heldout_code, heldout_prose=heldout_prose,
-                  num_code_bytes=sum(len(d.encode()) for d in code), num_prose_bytes=sum(len(d.encode()) for d in prose),
+                  num_code_bytes=sum(len(d.encode()) for d in code),
+                  num_prose_bytes=sum(len(d.encode()) for d in prose),
                   prose_source=prose_source, num_copy_bytes=sum(len(d.encode()) for d in copies))

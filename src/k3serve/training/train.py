@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                            f"the training split (stdlib code + {corpus.prose_source})")
     tokenizer = Tokenizer.from_dir(out)
     train_ids = encode_docs(tokenizer, corpus.train)
-    heldout = {"code": encode_docs(tokenizer, corpus.heldout_code), "prose": encode_docs(tokenizer, corpus.heldout_prose)}
+    heldout = {"code": encode_docs(tokenizer, corpus.heldout_code),
+               "prose": encode_docs(tokenizer, corpus.heldout_prose)}
     if args.copy_bytes > 0:  # revision documents made from held-out code: does copying generalise?
         heldout["copy"] = encode_docs(tokenizer, copy_documents(corpus.heldout_code, args.copy_bytes))
     print(f"tokenizer: {tokenizer.vocab_size} tokens; {len(train_ids)} train / {len(heldout['code'])} held-out code / "
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     log: list[dict] = []
     first = evaluate()
     log.append({"step": 0, "heldout_loss": first, "seconds": 0.0})
-    print(f"step     0  held-out " + " ".join(f"{k} {v:.3f}" for k, v in first.items()))
+    print("step     0  held-out " + " ".join(f"{k} {v:.3f}" for k, v in first.items()))
     train_started = time.perf_counter()
     step = 0
     running = 0.0
