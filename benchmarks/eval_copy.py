@@ -1,0 +1,44 @@
+"""Does a model copy from its context? Held-out revision documents (k3serve.training.corpus.copy_documents, made
+from held-out stdlib code): the prompt is a function, the request for it again and its first line; greedy decoding
+should reproduce the rest. Prints the mean share of the remaining tokens reproduced before the first mistake and
+how many functions came out whole.
+
+    .venv/bin/python benchmarks/eval_copy.py [--model DIR] [--count 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from k3serve.loading import load_model
+from k3serve.training.corpus import build_corpus, copy_documents
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--count", type=int, default=20, help="unchanged copies to try")
+    args = parser.parse_args()
+    loaded = load_model(args.model)
+    tokenizer = loaded.tokenizer
+    docs = copy_documents(build_corpus().heldout_code, 1 << 30)[0::2][:args.count]  # even ones: unchanged copies
+    shares = []
+    for doc in docs:
+        first, rest = doc.split("\n\n", 1)
+        request, again = rest.split("\n", 1)
+        head = again.split("\n", 1)[0] + "\n"
+        want = tokenizer.encode(again[len(head):])
+        got = loaded.model.greedy([tokenizer.bos_id] + tokenizer.encode(first + "\n\n" + request + "\n" + head),
+                                  len(want))
+        right = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        shares.append(right / len(want))
+    record = {"functions": len(shares), "mean_prefix_share": sum(shares) / len(shares),
+              "whole_copies": sum(s == 1.0 for s in shares)}
+    print(f"copying: {record['mean_prefix_share']:.1%} of each function reproduced before the first mistake "
+          f"(mean of {record['functions']}); {record['whole_copies']} copied whole")
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
