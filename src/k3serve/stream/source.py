@@ -30,21 +30,18 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from k3serve.errors import CheckpointError, K3Error
+from k3serve.errors import K3Error
 from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, build_globals, build_layer)
 from k3serve.stream.budget import BudgetPlan, format_size, plan_budget
-from k3serve.stream.cache import POLICIES, make_policy
-from k3serve.stream.io import IO_MODES, Extent, IOEngine, StoreIOError
+from k3serve.stream.cache import POLICIES
+from k3serve.stream.expert_cache import ExpertCache, StoreCorruptError
+from k3serve.stream.io import IO_MODES, Extent, IOEngine
 from k3serve.stream.trace import TraceWriter, trace_meta
 from k3serve.weights.store import PackedStore, TrunkBlob, expert_parts
 
 logger = logging.getLogger(__name__)
 
 PREFETCH_MODES = ("none", "next-layer")
-
-
-class StoreCorruptError(CheckpointError):
-    """A blob failed its checksum twice: the bytes on disk are wrong."""
 
 
 @dataclass(frozen=True)
@@ -106,19 +103,6 @@ class StreamStats:
         return self.expert_retained / self.expert_requests if self.expert_requests else float("nan")
 
 
-class _Slot:
-    __slots__ = ("index", "key", "future", "extent", "warm", "loaded_step", "prefetched")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.key: tuple[int, int] | None = None
-        self.future: Future | None = None  # a read in flight (or done but not yet verified)
-        self.extent: Extent | None = None
-        self.warm = False  # demanded at least once since it was loaded
-        self.loaded_step = -1
-        self.prefetched = False
-
-
 class _LayerExperts(Mapping):
     """The experts of one request, loaded in groups that fit the slots, in ascending id order."""
 
@@ -168,7 +152,6 @@ class StreamingSource:
         self._step_first_token = 0
         self._generation = 0
         self._current: _LayerExperts | None = None
-        self._active: list[int] = []  # slots the current group uses
         self.trace: TraceWriter | None = (TraceWriter(options.trace_out, trace_meta(config, store.expert_blob_size))
                                           if options.trace_out else None)
 
@@ -190,18 +173,17 @@ class StreamingSource:
         self._arena = _aligned_buffer(num_slots * self._stride)
         self._arena_view = memoryview(self._arena)
         arena = np.frombuffer(self._arena, dtype=np.uint8)
-        self._slots = [_Slot(i) for i in range(num_slots)]
         self._slot_weights = [self._weights_view(arena[i * self._stride:(i + 1) * self._stride])
                               for i in range(num_slots)]
-        self._table: dict[tuple[int, int], int] = {}
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._cold: dict[int, None] = {}  # prefetched, never used, oldest first
-        self.policy = make_policy(options.cache, num_slots, profile, working_slots=config.num_experts_per_token)
-        self.prefetch_max = config.num_experts_per_token if options.prefetch_max is None else options.prefetch_max
-        # with prefetch on, `prefetch_max` slots are kept out of the warm set so guesses always find a cold slot
-        reserve = min(self.prefetch_max, num_slots - config.num_experts_per_token) if options.prefetch != "none" else 0
-        self._warm_capacity = num_slots - max(reserve, 0)
+        self.expert_cache = ExpertCache(
+            store, self.expert_io, num_slots, options.cache, self.stats, slot_buffer=self._slot_view,
+            top_k=config.num_experts_per_token, prefetch=options.prefetch != "none",
+            prefetch_max=options.prefetch_max, profile=profile)
+        self.prefetch_max = self.expert_cache.prefetch_max
         logger.info("streaming source: %s", self.plan.lines()[0])
+
+    def _slot_view(self, index: int) -> memoryview:
+        return self._arena_view[index * self._stride:(index + 1) * self._stride]
 
     # ---- WeightSource ------------------------------------------------------------------------------------------
     def global_weights(self) -> GlobalWeights:
@@ -217,7 +199,7 @@ class StreamingSource:
         return weights
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
-        self._release_active()
+        self.expert_cache.release()
         self._generation += 1
         request = _LayerExperts(self, layer, expert_ids, self._generation)
         if request.ids:
@@ -231,6 +213,7 @@ class StreamingSource:
         self.stats.tokens += num_tokens
         self._step_first_token = self._next_token
         self._next_token += num_tokens
+        self.expert_cache.begin_step()
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         if self.trace is not None:
@@ -245,198 +228,17 @@ class StreamingSource:
         from k3serve.model.moe import guess_next_layer
         per_token, scores = guess_next_layer(self.config, self._peek_trunk(nxt), hidden)  # [T, TOPK], [T, NE]
         best = scores.max(axis=0)  # [NE]
-        guesses = sorted(set(int(e) for e in per_token.ravel()), key=lambda e: (-best[e], e))[:self.prefetch_max]
-        extents = []
-        for expert in guesses:
-            key = (nxt, expert)
-            if key in self._table:
-                continue
-            index = self._take_cold_slot()
-            if index is None:
-                break
-            slot = self._slots[index]
-            self._assign(slot, key, prefetched=True)
-            extents.append(slot.extent)
-        if extents:
-            started = time.perf_counter()
-            futures = self.expert_io.submit(extents)
-            self.stats.io_wait_seconds += time.perf_counter() - started
-            for extent in extents:
-                self._slots[extent.tag].future = futures[id(extent)]
-                self._cold[extent.tag] = None  # only now: a slot must not be taken twice in one batch
-            self.stats.prefetch_issued += len(extents)
+        guesses = sorted(set(int(e) for e in per_token.ravel()), key=lambda e: (-best[e], e))
+        self.expert_cache.prefetch(nxt, guesses)
 
     # ---- expert cache ------------------------------------------------------------------------------------------
     def _load_group(self, request: _LayerExperts, start: int) -> None:
         if request.generation != self._generation:
             raise RuntimeError("expert weights from an earlier experts() call are no longer valid")
-        self._release_active()
         request.loaded.clear()
-        group = request.ids[start:start + len(self._slots)]
-        layer = request.layer
-        protected = {(layer, e) for e in group}
-        hits, misses = [], []
-        for expert in group:
-            key = (layer, expert)
-            self.policy.count(key)
-            self.stats.expert_requests += 1
-            index = self._table.get(key)
-            if index is None:
-                misses.append(expert)
-                continue
-            slot = self._slots[index]
-            if slot.loaded_step < self._step:
-                self.stats.expert_retained += 1
-            else:
-                self.stats.expert_prefetch_hits += 1
-            if slot.prefetched:
-                slot.prefetched = False
-                self._cold.pop(index, None)
-                self.policy.admit(key)
-            else:
-                self.policy.touch(key)
-            slot.warm = True
-            hits.append(index)
-        self.stats.expert_misses += len(misses)
-        loading = []
-        for expert in misses:
-            index = self._take_slot(protected)
-            slot = self._slots[index]
-            self._assign(slot, (layer, expert), prefetched=False)
-            slot.warm = True
-            self.policy.admit(slot.key)
-            loading.append(index)
-        if loading:
-            extents = [self._slots[i].extent for i in loading]
-            started = time.perf_counter()
-            futures = self.expert_io.submit(extents)  # mmap mode copies right here, on this thread
-            self.stats.io_wait_seconds += time.perf_counter() - started
-            for index, extent in zip(loading, extents):
-                self._slots[index].future = futures[id(extent)]
-        used = hits + loading
-        self._finish_reads(used)
-        self._active = used
-        request.loaded.update({self._slots[i].key[1]: self._slot_weights[i] for i in used})
-
-    def _release_active(self) -> None:
-        if not self.policy.retains:
-            for index in self._active:
-                slot = self._slots[index]
-                if slot.key is not None and not slot.prefetched:
-                    self._evict(index)
-                    self._free.append(index)
-        self._active = []
-
-    def _take_slot(self, protected: set) -> int:
-        while len(self._table) - len(self._cold) >= self._warm_capacity:  # keep the prefetch reserve cold
-            victim = self.policy.victim(protected)
-            if victim is None:
-                break
-            index = self._table[victim]
-            self._evict(index)
-            self._free.append(index)
-        if self._free:
-            return self._free.pop()
-        for index in list(self._cold):
-            slot = self._slots[index]
-            if slot.key in protected:
-                continue
-            if slot.future is not None and not slot.future.done():
-                continue
-            self._drop_guess(index)
-            return index
-        victim = self.policy.victim(protected)
-        if victim is None:
-            # only guesses still in flight remain: wait for the oldest and reuse it
-            for index in list(self._cold):
-                if self._slots[index].key not in protected:
-                    self._drop_guess(index)
-                    return index
-            raise RuntimeError("expert cache has no evictable slot (more experts requested than slots)")
-        index = self._table[victim]
-        self._evict(index)
-        return index
-
-    def _take_cold_slot(self) -> int | None:
-        if self._free:
-            return self._free.pop()
-        for index in list(self._cold):
-            slot = self._slots[index]
-            if slot.future is None or slot.future.done():
-                self._drop_guess(index)
-                return index
-        return None
-
-    def _drop_guess(self, index: int) -> None:
-        slot = self._slots[index]
-        self._cold.pop(index, None)
-        if slot.future is not None:
-            try:
-                slot.future.result()
-            except K3Error:
-                pass  # a guess that failed to read was never going to be used
-            slot.future = None
-        self.stats.prefetch_wasted += 1
-        self._table.pop(slot.key, None)
-        slot.key = None
-        slot.prefetched = False
-
-    def _evict(self, index: int) -> None:
-        slot = self._slots[index]
-        if slot.key is not None:
-            self._table.pop(slot.key, None)
-            self.policy.remove(slot.key)
-        slot.key = None
-        slot.warm = False
-
-    def _assign(self, slot: _Slot, key: tuple[int, int], prefetched: bool) -> None:
-        layer, expert = key
-        index_entry = self.store.experts[layer]
-        slot.key = key
-        slot.prefetched = prefetched
-        slot.warm = False
-        slot.loaded_step = self._step
-        slot.future = None
-        view = self._arena_view[slot.index * self._stride:(slot.index + 1) * self._stride]
-        slot.extent = Extent(index_entry.offsets[expert], view, self.store.expert_blob_size,
-                             index_entry.crc32[expert], tag=slot.index)
-        self._table[key] = slot.index
-
-    def _finish_reads(self, indices: list[int]) -> None:
-        started = time.perf_counter()
-        try:
-            for index in indices:
-                slot = self._slots[index]
-                if slot.future is None:
-                    continue
-                try:
-                    failed = slot.future.result()
-                except StoreIOError as exc:
-                    where = f"layer {slot_layer(slot)} expert {slot_expert(slot)}"
-                    self._discard(index)
-                    raise StoreIOError(f"{where}: {exc}") from exc
-                slot.future = None
-                if any(extent is slot.extent for extent in failed):
-                    self.stats.checksum_retries += 1
-                    logger.warning("checksum mismatch on layer %s expert %s at offset %d of %s: re-reading",
-                                   *slot.key, slot.extent.offset, self.store.expert_path)
-                    if self.expert_io.read_now(slot.extent):
-                        layer, expert = slot.key
-                        offset = slot.extent.offset
-                        self._discard(index)
-                        raise StoreCorruptError(
-                            f"expert blob of layer {layer} expert {expert} in {self.store.expert_path} at offset "
-                            f"{offset} ({self.store.expert_blob_size} bytes) failed its CRC-32 check twice; the "
-                            "store is corrupt: repack it with `k3serve pack`")
-        finally:
-            self.stats.io_wait_seconds += time.perf_counter() - started
-
-    def _discard(self, index: int) -> None:
-        slot = self._slots[index]
-        self._cold.pop(index, None)
-        self._evict(index)
-        slot.future = None
-        self._free.append(index)
+        group = request.ids[start:start + self.expert_cache.num_slots]
+        used = self.expert_cache.load(request.layer, group)
+        request.loaded.update({self.expert_cache.slot_key(i)[1]: self._slot_weights[i] for i in used})
 
     def _weights_view(self, blob: np.ndarray) -> ExpertWeights:
         views = {(p.matrix, p.part): blob[p.offset:p.offset + p.nbytes].reshape(p.shape) for p in self._parts}
@@ -503,8 +305,7 @@ class StreamingSource:
     def resident_experts(self, layer: int) -> set[int]:
         """Experts of `layer` whose bytes are in a slot now (read and verified): what a cache-resident draft may
         route to without touching the disk (engine/drafters.py)."""
-        return {slot.key[1] for slot in self._slots
-                if slot.key is not None and slot.key[0] == layer and slot.future is None}
+        return self.expert_cache.resident_experts(layer)
 
     def stream_stats(self) -> StreamStats:
         s = StreamStats(**{f.name: getattr(self.stats, f.name) for f in fields(self.stats)})
@@ -517,18 +318,11 @@ class StreamingSource:
     def describe(self) -> str:
         o = self.options
         return (f"io={o.io} qd={o.queue_depth} cache={o.cache} prefetch={o.prefetch} layout={self.store.layout} "
-                f"slots={len(self._slots)} pinned_layers={len(self._pinned)}/{self.config.num_layers}")
+                f"slots={self.expert_cache.num_slots} pinned_layers={len(self._pinned)}/{self.config.num_layers}")
 
     def check_integrity(self) -> None:
         """Slot table, free list and cold set agree (tests call this after steps)."""
-        seen = set()
-        for key, index in self._table.items():
-            assert self._slots[index].key == key, (key, index)
-            seen.add(index)
-        assert not (seen & set(self._free)), "a slot is both free and holding an expert"
-        assert len(seen) + len(self._free) == len(self._slots), "a slot leaked"
-        for index in self._cold:
-            assert self._slots[index].prefetched and index in seen
+        self.expert_cache.check_integrity()
 
     def close(self) -> None:
         if self.trace is not None:
@@ -536,14 +330,6 @@ class StreamingSource:
         self._trunk_worker.shutdown(wait=True)
         self.trunk_io.close()
         self.expert_io.close()
-
-
-def slot_layer(slot: _Slot) -> object:
-    return slot.key[0] if slot.key else "?"
-
-
-def slot_expert(slot: _Slot) -> object:
-    return slot.key[1] if slot.key else "?"
 
 
 def stream_report_lines(stats: StreamStats, tokens: int, wall_seconds: float, plan: BudgetPlan,
