@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from k3serve.errors import K3Error
+from k3serve.lab.commands import add_lab_command
 from k3serve.stream.commands import add_stream_args, add_subcommands, load_for_run
 
 EXIT_USER_ERROR = 2
@@ -108,10 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16, help="positions per paged MLA cache block")
     serve.add_argument("--kv-cache-mib", type=int, default=256, help="memory for the paged MLA cache")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
     _add_speculative_args(serve)
     add_stream_args(serve)
 
     STREAM_COMMANDS.update(add_subcommands(sub))  # pack, sim cache, coactivation
+    LAB_COMMANDS.update(add_lab_command(sub))  # lab, lab run, lab list
 
     storage = sub.add_parser("spec-storage", help="rollback storage per sequence: snapshots vs projection cache")
     storage.add_argument("--max-window", type=int, default=8, help="window sizes 1..N (positions per verify)")
@@ -247,7 +250,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative, drafters=drafters)
     name = args.served_model_name or loaded.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(engine, loaded.tokenizer, name), host=args.host, port=args.port, log_level="warning")
+    app = create_app(engine, loaded.tokenizer, name)
+    if not args.no_lab:  # the lab page beside the API, on its own run queue (k3serve.lab)
+        from k3serve.lab.api import mount_lab
+        from k3serve.lab.fixtures import LabFixtures
+        from k3serve.weights.store import is_packed_store
+
+        mount_lab(app, LabFixtures(args.model if args.model and not is_packed_store(args.model) else None))
+        print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -262,6 +273,7 @@ def cmd_spec_storage(args: argparse.Namespace) -> int:
 
 
 STREAM_COMMANDS: dict = {}  # pack, sim, coactivation (k3serve.stream.commands)
+LAB_COMMANDS: dict = {}  # lab (k3serve.lab.commands)
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, "make-tiny": cmd_make_tiny,
             "info": cmd_info, "spec-storage": cmd_spec_storage}
 
@@ -271,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {**COMMANDS, **STREAM_COMMANDS}[args.command](args)
+        return {**COMMANDS, **STREAM_COMMANDS, **LAB_COMMANDS}[args.command](args)
     except K3Error as exc:
         print(f"k3serve: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -1,0 +1,96 @@
+"""`k3serve lab` (serve the page) and `k3serve lab run MODULE --param k=v [--json FILE]` (one module from a shell,
+the command every figure on the page names), `k3serve lab list` (the modules and their parameters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from k3serve.errors import K3Error
+
+
+def add_lab_command(sub) -> dict:
+    lab = sub.add_parser("lab", help="the lab: every mechanism as a module with parameters and a measured "
+                                     "before/after, in the browser (docs/LAB.md)")
+    lab.add_argument("--host", default="127.0.0.1")
+    lab.add_argument("--port", type=int, default=8100)
+    lab.add_argument("--model", type=Path, default=None, help="K3 checkpoint folder (default: the embedded model)")
+    lab_sub = lab.add_subparsers(dest="lab_command")
+    run = lab_sub.add_parser("run", help="run one module from the shell and print its figures")
+    run.add_argument("module", help="module id (see `k3serve lab list`)")
+    run.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a parameter (repeatable)")
+    run.add_argument("--model", type=Path, default=None, dest="run_model",
+                     help="K3 checkpoint folder (default: the embedded model)")
+    run.add_argument("--json", type=Path, default=None, help="also write the full result record as JSON")
+    lab_sub.add_parser("list", help="the modules, their parameters and defaults")
+    return {"lab": cmd_lab}
+
+
+def _parse_params(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise K3Error(f"--param takes NAME=VALUE, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _format(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+        return f"{value:.4g}"
+    return f"{value:,.4g}"
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from k3serve.lab.fixtures import LabFixtures
+    from k3serve.lab.registry import get_module, modules
+
+    if args.lab_command == "list":
+        for module in modules().values():
+            print(f"{module.number:>2}. {module.id:<18} {module.title} [{module.kind}]")
+            for p in module.params:
+                extra = f"one of {', '.join(p.choices)}" if p.choices else \
+                    f"{p.min:g}..{p.max:g}" if p.min is not None and p.max is not None else p.type
+                print(f"      {p.name}={p.default}  ({extra}{' ' + p.unit if p.unit else ''}) {p.help}")
+        return 0
+    if args.lab_command == "run":
+        from k3serve.lab.registry import CancelToken, result_json
+
+        module = get_module(args.module)
+        params = module.validate(_parse_params(args.param))
+        fixtures = LabFixtures(args.run_model)
+
+        def progress(fraction: float, message: str) -> None:
+            print(f"[{100 * fraction:5.1f}%] {message}", file=sys.stderr)
+
+        started = time.perf_counter()
+        result = module.run(params, progress, CancelToken(), fixtures)
+        record = result_json(module, params, result, time.perf_counter() - started, fixtures.model_arg)
+        print(f"{module.number}. {module.title}  ({record['seconds']:.1f} s)")
+        print(f"{'metric':<48} {record['metrics_name'][:24]:>24} {record['baseline_name'][:24]:>24}")
+        for key, value in record["metrics"].items():
+            label = record["labels"].get(key, key)
+            print(f"{label[:48]:<48} {_format(value):>24} {_format(record['baseline'].get(key)):>24}")
+        for figure in record["series"]:
+            print(f"figure: {figure['title']} [{figure['mark']}: {figure['source']}]")
+        for note in record["notes"]:
+            print(f"note: {note}")
+        print(f"command: {record['command']}")
+        if args.json:
+            args.json.write_text(json.dumps(record, indent=1) + "\n")
+        return 0
+
+    import uvicorn
+
+    from k3serve.lab.api import create_lab_app
+
+    fixtures = LabFixtures(args.model)
+    print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/ ({len(modules())} modules)", file=sys.stderr)
+    uvicorn.run(create_lab_app(fixtures), host=args.host, port=args.port, log_level="warning")
+    return 0

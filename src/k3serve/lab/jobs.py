@@ -1,0 +1,191 @@
+"""The run queue: lab runs one at a time (a CPU machine measures one thing at a time), in arrival order.
+
+`submit(module, params)` validates the parameters and returns a `Job`: at once finished when the same module ran
+with the same parameters before (the cached result; `rerun=True` measures again), the job already queued or running
+with those parameters, or a new job at the end of the queue. One worker thread takes jobs in order; a job reports
+its progress, can be cancelled while queued (it never starts) or running (the module stops at its next
+`cancel.check()`), and ends done, failed (the error message kept) or cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from k3serve.lab.fixtures import LabFixtures
+from k3serve.lab.registry import CancelToken, LabModule, RunCancelled, result_json
+
+logger = logging.getLogger(__name__)
+
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+MAX_KEPT_JOBS = 256  # finished jobs kept for polling; the oldest go first
+
+
+@dataclass
+class Job:
+    id: str
+    module: LabModule
+    params: dict[str, Any]
+    key: str
+    status: JobStatus = "queued"
+    progress: float = 0.0
+    message: str = "queued"
+    result: dict | None = None
+    error: str | None = None
+    cached: bool = False
+    cancel: CancelToken = field(default_factory=CancelToken)
+    created: float = field(default_factory=time.time)
+    done_event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("done", "failed", "cancelled")
+
+
+class RunQueue:
+    def __init__(self, fixtures: LabFixtures) -> None:
+        self.fixtures = fixtures
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: deque[Job] = deque()
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._results: dict[str, dict] = {}  # key -> result record
+        self._active: dict[str, Job] = {}  # key -> queued or running job
+        self._running: Job | None = None
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="k3lab-runner", daemon=True)
+        self._worker.start()
+
+    # ---- the API's side -------------------------------------------------------------------------------------
+    def submit(self, module: LabModule, raw_params: dict[str, Any] | None, rerun: bool = False) -> Job:
+        params = module.validate(raw_params)  # LabParamError before anything is queued
+        key = module.id + ":" + json.dumps(params, sort_keys=True)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the lab's run queue is closed")
+            if not rerun and key in self._results:
+                job = self._new_job(module, params, key)
+                job.status, job.progress, job.message, job.cached = "done", 1.0, "cached result", True
+                job.result = self._results[key]
+                job.done_event.set()
+                return job
+            if key in self._active:
+                return self._active[key]
+            job = self._new_job(module, params, key)
+            self._active[key] = job
+            self._queue.append(job)
+            self._wake.notify()
+            return job
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def position(self, job: Job) -> int:
+        """0 while running (or finished), 1 for the next to run, and so on."""
+        with self._lock:
+            try:
+                return self._queue.index(job) + 1
+            except ValueError:
+                return 0
+
+    def cancel(self, job_id: str) -> Job | None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.finished:
+                return job
+            job.cancel.cancel()
+            if job.status == "queued":
+                self._queue.remove(job)
+                self._active.pop(job.key, None)
+                self._finish(job, "cancelled", "cancelled before it started")
+            return job
+
+    def snapshot(self, job: Job) -> dict:
+        with self._lock:
+            position = self._queue.index(job) + 1 if job in self._queue else 0
+            body = {"job_id": job.id, "module": job.module.id, "params": job.params, "status": job.status,
+                    "position": position, "progress": round(job.progress, 4), "message": job.message,
+                    "cached": job.cached}
+            if job.result is not None:
+                body["result"] = job.result
+            if job.error is not None:
+                body["error"] = job.error
+            return body
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel everything and stop the worker (a running module stops at its next check)."""
+        with self._lock:
+            self._closed = True
+            for job in list(self._queue):
+                job.cancel.cancel()
+                self._finish(job, "cancelled", "the lab is shutting down")
+            self._queue.clear()
+            if self._running is not None:
+                self._running.cancel.cancel()
+            self._wake.notify_all()
+        self._worker.join(timeout)
+
+    # ---- the worker -----------------------------------------------------------------------------------------
+    def _new_job(self, module: LabModule, params: dict[str, Any], key: str) -> Job:
+        job = Job(id=uuid.uuid4().hex[:12], module=module, params=params, key=key)
+        self._jobs[job.id] = job
+        while len(self._jobs) > MAX_KEPT_JOBS:
+            oldest = next(iter(self._jobs.values()))
+            if not oldest.finished:
+                break
+            self._jobs.popitem(last=False)
+        return job
+
+    def _finish(self, job: Job, status: JobStatus, message: str) -> None:
+        job.status, job.message = status, message
+        if status == "done":
+            job.progress = 1.0
+        job.done_event.set()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+                job.status, job.message = "running", "starting"
+                self._running = job
+            self._run(job)
+            with self._lock:
+                self._running = None
+                self._active.pop(job.key, None)
+
+    def _run(self, job: Job) -> None:
+        def progress(fraction: float, message: str) -> None:
+            job.progress = min(max(float(fraction), 0.0), 1.0)
+            job.message = message
+
+        started = time.perf_counter()
+        try:
+            job.cancel.check()
+            result = job.module.run(job.params, progress, job.cancel, self.fixtures)
+            record = result_json(job.module, job.params, result, time.perf_counter() - started,
+                                 self.fixtures.model_arg)
+        except RunCancelled:
+            with self._lock:
+                self._finish(job, "cancelled", f"cancelled after {time.perf_counter() - started:.1f} s")
+            return
+        except Exception as exc:  # noqa: BLE001 - one module's failure is reported on its job, never the server's
+            logger.exception("lab module %s failed", job.module.id)
+            with self._lock:
+                job.error = f"{type(exc).__name__}: {exc}"
+                self._finish(job, "failed", "failed")
+            return
+        with self._lock:
+            job.result = record
+            self._results[job.key] = record
+            self._finish(job, "done", f"done in {record['seconds']:.1f} s")

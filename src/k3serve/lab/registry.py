@@ -1,0 +1,242 @@
+"""What a lab module declares, how its parameters are checked, and the registry of all modules.
+
+A module is one file in `k3serve/lab/modules/` that defines `MODULE = LabModule(...)`. Its `run(params, progress,
+cancel, lab)` gets validated parameters (every declared one, defaults filled in), a progress callback
+`progress(fraction, message)`, a `CancelToken` to check between units of work, and the shared `LabFixtures`; it
+returns a `LabResult`: metrics and the baseline's metrics (the mechanism off, or the other policy), figures, and
+notes. The registry adds the module id, the parameters, the timing and the reproducing command.
+
+Every figure says whether it was measured on this machine or computed by a model (`Figure.measured`), and what
+exactly it came from (`Figure.source`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+import shlex
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from k3serve.errors import K3Error
+
+ParamType = Literal["int", "float", "choice", "bool"]
+Kind = Literal["measured", "simulated", "both"]
+ProgressFn = Callable[[float, str], None]
+
+
+class LabParamError(K3Error):
+    """A lab parameter is unknown, of the wrong type or out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"parameter {param!r}: {message}")
+        self.param = param
+
+
+class UnknownModuleError(K3Error):
+    """No lab module has that id."""
+
+
+class RunCancelled(K3Error):
+    """A run was cancelled (raised by `CancelToken.check`)."""
+
+
+class CancelToken:
+    """Set by whoever cancels; a module calls `check()` between units of work and stops at the next one."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise RunCancelled("the run was cancelled")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: ParamType
+    default: Any
+    help: str = ""
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        if self.type == "choice" and not self.choices:
+            raise ValueError(f"choice parameter {self.name} needs choices")
+        self.coerce(self.default)  # a module's own default must be valid
+
+    def coerce(self, value: Any) -> Any:
+        """The value as this parameter's type, or LabParamError naming the parameter. Strings are parsed (the CLI's
+        `--param k=v`); JSON numbers and booleans are taken as they are."""
+        name = self.name
+        if self.type == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+            raise LabParamError(name, f"must be true or false, got {value!r}")
+        if self.type == "choice":
+            if not isinstance(value, str) or value not in self.choices:
+                raise LabParamError(name, f"must be one of {', '.join(self.choices)}; got {value!r}")
+            return value
+        if isinstance(value, bool):
+            raise LabParamError(name, f"must be a number, got {value!r}")
+        if isinstance(value, str):
+            try:
+                value = int(value) if self.type == "int" else float(value)
+            except ValueError:
+                raise LabParamError(name, f"must be {'an integer' if self.type == 'int' else 'a number'}, "
+                                          f"got {value!r}") from None
+        if self.type == "int":
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if not isinstance(value, int):
+                raise LabParamError(name, f"must be an integer, got {value!r}")
+        else:
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise LabParamError(name, f"must be a finite number, got {value!r}")
+            value = float(value)
+        if self.min is not None and value < self.min:
+            raise LabParamError(name, f"must be >= {self.min:g}, got {value:g}")
+        if self.max is not None and value > self.max:
+            raise LabParamError(name, f"must be <= {self.max:g}, got {value:g}")
+        return value
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "type": self.type, "default": self.default, "min": self.min, "max": self.max,
+                "choices": list(self.choices) if self.choices else None, "unit": self.unit, "help": self.help}
+
+
+@dataclass
+class Figure:
+    """One chart. kind 'bar' or 'line': traces [{name, x, y}]; 'heatmap': traces [{name, z, x, y}]."""
+
+    title: str
+    kind: Literal["bar", "line", "heatmap"]
+    measured: bool  # True: measured on this machine; False: computed by a model (shapes, a simulator)
+    source: str  # what exactly it came from, e.g. "the embedded model, 64 tokens" or "full K3 shapes"
+    traces: list[dict]
+    x_label: str = ""
+    y_label: str = ""
+    log_y: bool = False
+
+    def to_json(self) -> dict:
+        return {"title": self.title, "kind": self.kind, "measured": self.measured,
+                "mark": "measured on this machine" if self.measured else "simulated (model)",
+                "source": self.source, "traces": self.traces, "x_label": self.x_label, "y_label": self.y_label,
+                "log_y": self.log_y}
+
+
+@dataclass
+class LabResult:
+    metrics: dict[str, float]  # the mechanism on (or the policy under study)
+    baseline: dict[str, float]  # the mechanism off (or the reference policy), same keys where comparable
+    figures: list[Figure]
+    labels: dict[str, str] = field(default_factory=dict)  # metric key -> "what it is (unit)"
+    baseline_name: str = "baseline"
+    metrics_name: str = "with the mechanism"
+    notes: list[str] = field(default_factory=list)
+    related_commands: list[str] = field(default_factory=list)  # native k3serve commands for the same figures
+
+
+@dataclass(frozen=True)
+class LabModule:
+    id: str
+    number: int  # its place on the page
+    title: str
+    summary: str  # one sentence
+    explanation: str  # what the mechanism does and why it pays; the equation where there is one
+    params: tuple[Param, ...]
+    kind: Kind
+    run: Callable[..., LabResult]  # run(params, progress, cancel, lab) -> LabResult
+
+    def validate(self, raw: dict[str, Any] | None) -> dict[str, Any]:
+        """Every declared parameter, defaults filled in; unknown or bad ones raise LabParamError naming them."""
+        raw = dict(raw or {})
+        known = {p.name: p for p in self.params}
+        for name in raw:
+            if name not in known:
+                raise LabParamError(name, f"unknown for module {self.id!r}; its parameters are "
+                                          f"{', '.join(known) or '(none)'}")
+        return {p.name: p.coerce(raw[p.name]) if p.name in raw else p.default for p in self.params}
+
+    def command(self, params: dict[str, Any], model: str | None = None) -> str:
+        """The shell command that reproduces a run with these (validated) parameters."""
+        parts = ["k3serve", "lab", "run", self.id]
+        if model:
+            parts += ["--model", model]
+        for p in self.params:
+            value = params[p.name]
+            if value != p.default:
+                text = ("true" if value else "false") if p.type == "bool" else f"{value:g}" \
+                    if isinstance(value, float) else str(value)
+                parts += ["--param", f"{p.name}={text}"]
+        return " ".join(shlex.quote(x) for x in parts)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "number": self.number, "title": self.title, "summary": self.summary,
+                "explanation": self.explanation, "params": [p.to_json() for p in self.params], "kind": self.kind}
+
+
+def _finite(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def result_json(module: LabModule, params: dict[str, Any], result: LabResult, seconds: float,
+                model: str | None = None) -> dict:
+    """The documented run record: {id, params, measured, metrics, baseline, series, command, seconds, ...}."""
+    command = module.command(params, model)
+    series = []
+    for figure in result.figures:
+        entry = figure.to_json()
+        entry["command"] = command
+        series.append(entry)
+    return {"id": module.id, "params": params, "measured": any(f.measured for f in result.figures),
+            "metrics": {k: _finite(v) for k, v in result.metrics.items()},
+            "baseline": {k: _finite(v) for k, v in result.baseline.items()},
+            "labels": result.labels, "metrics_name": result.metrics_name, "baseline_name": result.baseline_name,
+            "series": series, "notes": result.notes, "command": command,
+            "related_commands": result.related_commands, "seconds": round(seconds, 3)}
+
+
+_registry: dict[str, LabModule] | None = None
+_registry_lock = threading.Lock()
+
+
+def modules() -> dict[str, LabModule]:
+    """Every module in k3serve/lab/modules (each file's `MODULE`), by id, in page order."""
+    global _registry
+    with _registry_lock:
+        if _registry is None:
+            from k3serve.lab import modules as package
+
+            found: list[LabModule] = []
+            for info in pkgutil.iter_modules(package.__path__):
+                module = importlib.import_module(f"{package.__name__}.{info.name}")
+                if isinstance(getattr(module, "MODULE", None), LabModule):
+                    found.append(module.MODULE)
+            ids = [m.id for m in found]
+            if len(set(ids)) != len(ids):
+                raise RuntimeError(f"two lab modules share an id: {sorted(ids)}")
+            _registry = {m.id: m for m in sorted(found, key=lambda m: (m.number, m.id))}
+        return _registry
+
+
+def get_module(module_id: str) -> LabModule:
+    found = modules().get(module_id)
+    if found is None:
+        raise UnknownModuleError(f"no lab module {module_id!r}; the modules are {', '.join(modules())}")
+    return found

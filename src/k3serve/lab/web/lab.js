@@ -1,0 +1,257 @@
+// The lab page: lists the modules from api/modules, runs one through the queue (POST, then poll the job),
+// shows progress with a Cancel, and draws the result: metrics against the baseline and one chart per figure,
+// each with its "measured on this machine" / "simulated (model)" mark and the command that reproduces it.
+"use strict";
+
+const POLL_MS = 300;
+const state = {};  // module id -> {module, job, timer}
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (key === "class") node.className = value;
+    else if (key === "text") node.textContent = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) if (child !== null && child !== undefined) node.append(child);
+  return node;
+}
+
+function formatNumber(value) {
+  if (value === null || value === undefined) return "n/a";
+  const abs = Math.abs(value);
+  if (abs !== 0 && (abs >= 1e7 || abs < 1e-3)) return value.toExponential(3);
+  if (Number.isInteger(value)) return value.toLocaleString("en-US");
+  return value.toLocaleString("en-US", {maximumSignificantDigits: 4});
+}
+
+function paramInput(moduleId, param) {
+  const id = `p-${moduleId}-${param.name}`;
+  let input;
+  if (param.type === "choice") {
+    input = el("select", {id, name: param.name, "data-param": param.name});
+    for (const choice of param.choices) input.append(el("option", {value: choice, text: choice}));
+    input.value = param.default;
+  } else if (param.type === "bool") {
+    input = el("input", {id, name: param.name, type: "checkbox", "data-param": param.name});
+    input.checked = !!param.default;
+  } else {
+    input = el("input", {id, name: param.name, type: "number", "data-param": param.name,
+                         step: param.type === "int" ? "1" : "any", value: String(param.default)});
+    if (param.min !== null) input.min = String(param.min);
+    if (param.max !== null) input.max = String(param.max);
+  }
+  const range = param.choices ? "" : (param.min !== null && param.max !== null ? ` [${param.min}..${param.max}]` : "");
+  const label = el("label", {for: id, title: param.help || ""},
+                   `${param.name}${param.unit ? " (" + param.unit + ")" : ""}${range}`, input);
+  return label;
+}
+
+function readParams(section, module) {
+  const params = {};
+  for (const param of module.params) {
+    const input = section.querySelector(`[data-param="${param.name}"]`);
+    input.classList.remove("bad");
+    if (param.type === "bool") params[param.name] = input.checked;
+    else if (param.type === "choice") params[param.name] = input.value;
+    else params[param.name] = input.value === "" ? input.value : Number(input.value);
+  }
+  return params;
+}
+
+function renderModule(module) {
+  const section = el("section", {class: "module", id: `m-${module.id}`, "data-module": module.id});
+  const kinds = {measured: "measured on this machine", simulated: "simulated (model)",
+                 both: "measured and simulated figures"};
+  section.append(
+    el("h2", {}, el("span", {class: "num", text: `${module.number}.`}), module.title,
+       el("span", {class: "kind", text: kinds[module.kind] || module.kind})),
+    el("p", {class: "summary", text: module.summary}),
+    el("p", {class: "explanation", text: module.explanation}));
+  const form = el("form", {class: "params", onsubmit: (e) => { e.preventDefault(); run(module.id, false); }});
+  for (const param of module.params) form.append(paramInput(module.id, param));
+  section.append(form);
+  const runButton = el("button", {class: "run", type: "button", "data-action": "run", text: "Run",
+                                  onclick: () => run(module.id, false)});
+  const rerunButton = el("button", {class: "rerun-button", type: "button", "data-action": "rerun",
+                                    text: "Measure again", title: "ignore the cached result for these parameters",
+                                    onclick: () => run(module.id, true)});
+  const cancelButton = el("button", {class: "cancel", type: "button", "data-action": "cancel", text: "Cancel",
+                                     disabled: "", onclick: () => cancel(module.id)});
+  const bar = el("div", {class: "progress", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": "100"},
+                 el("div"));
+  section.append(el("div", {class: "controls"}, runButton, rerunButton, cancelButton, bar,
+                    el("span", {class: "message", "data-role": "message"})));
+  section.append(el("div", {class: "error", "data-role": "error"}));
+  section.append(el("div", {class: "result", "data-role": "result"}));
+  return section;
+}
+
+function setRunning(id, running) {
+  const section = document.getElementById(`m-${id}`);
+  section.querySelector('[data-action="run"]').disabled = running;
+  section.querySelector('[data-action="rerun"]').disabled = running;
+  section.querySelector('[data-action="cancel"]').disabled = !running;
+  section.dataset.state = running ? "running" : "idle";
+}
+
+function showProgress(id, job) {
+  const section = document.getElementById(`m-${id}`);
+  const pct = Math.round(100 * (job.progress || 0));
+  section.querySelector(".progress > div").style.width = `${pct}%`;
+  section.querySelector(".progress").setAttribute("aria-valuenow", String(pct));
+  let text = job.message || job.status;
+  if (job.status === "queued") text = `queued, position ${job.position}`;
+  else if (job.status === "running") text = `${pct}% ${job.message}`;
+  section.querySelector('[data-role="message"]').textContent = text;
+}
+
+async function run(id, rerun) {
+  const entry = state[id];
+  const section = document.getElementById(`m-${id}`);
+  const error = section.querySelector('[data-role="error"]');
+  error.textContent = "";
+  const params = readParams(section, entry.module);
+  setRunning(id, true);
+  let response, body;
+  try {
+    response = await fetch(`api/modules/${id}/run${rerun ? "?rerun=true" : ""}`, {
+      method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(params)});
+    body = await response.json();
+  } catch (exc) {
+    error.textContent = `the server did not answer: ${exc}`;
+    setRunning(id, false);
+    return;
+  }
+  if (!response.ok) {
+    const message = body.error ? body.error.message : response.statusText;
+    error.textContent = message;
+    if (body.error && body.error.param) {
+      const input = section.querySelector(`[data-param="${body.error.param}"]`);
+      if (input) input.classList.add("bad");
+    }
+    setRunning(id, false);
+    return;
+  }
+  entry.job = body.job_id;
+  follow(id, body);
+}
+
+function follow(id, job) {
+  const entry = state[id];
+  showProgress(id, job);
+  if (job.status === "queued" || job.status === "running") {
+    entry.timer = setTimeout(async () => {
+      try {
+        const response = await fetch(`api/jobs/${job.job_id}`);
+        follow(id, await response.json());
+      } catch (exc) {
+        document.querySelector(`#m-${id} [data-role="error"]`).textContent = `lost the job: ${exc}`;
+        setRunning(id, false);
+      }
+    }, POLL_MS);
+    return;
+  }
+  setRunning(id, false);
+  const section = document.getElementById(`m-${id}`);
+  if (job.status === "done") {
+    renderResult(id, job.result, job.cached);
+  } else if (job.status === "failed") {
+    section.querySelector('[data-role="error"]').textContent = `the run failed: ${job.error}`;
+  } else if (job.status === "cancelled") {
+    section.querySelector('[data-role="message"]').textContent = job.message;
+  }
+}
+
+async function cancel(id) {
+  const entry = state[id];
+  if (!entry.job) return;
+  await fetch(`api/jobs/${entry.job}`, {method: "DELETE"});
+}
+
+function changeCell(metric, baseline) {
+  if (metric === null || baseline === null || baseline === 0 || metric === undefined || baseline === undefined) {
+    return el("td", {text: ""});
+  }
+  const ratio = metric / baseline;
+  return el("td", {text: `${ratio >= 100 || ratio < 0.01 ? ratio.toExponential(2) : ratio.toFixed(3)}x`});
+}
+
+function renderResult(id, result, cached) {
+  const section = document.getElementById(`m-${id}`);
+  const target = section.querySelector('[data-role="result"]');
+  target.innerHTML = "";
+  const table = el("table", {class: "metrics", "data-role": "metrics"});
+  table.append(el("thead", {}, el("tr", {}, el("th", {text: "metric"}), el("th", {text: result.metrics_name}),
+                                  el("th", {text: result.baseline_name}), el("th", {text: "ratio"}))));
+  const tbody = el("tbody");
+  for (const [key, value] of Object.entries(result.metrics)) {
+    const base = key in result.baseline ? result.baseline[key] : null;
+    tbody.append(el("tr", {"data-metric": key}, el("td", {text: result.labels[key] || key}),
+                    el("td", {class: "value", "data-value": String(value), text: formatNumber(value)}),
+                    el("td", {class: "baseline", text: formatNumber(base)}), changeCell(value, base)));
+  }
+  table.append(tbody);
+  target.append(table);
+  if (result.notes && result.notes.length) {
+    const notes = el("ul", {class: "notes"});
+    for (const note of result.notes) notes.append(el("li", {text: note}));
+    target.append(notes);
+  }
+  const figures = el("div", {class: "figures"});
+  target.append(figures);
+  result.series.forEach((figure, index) => {
+    const chart = el("div", {class: "chart", id: `chart-${id}-${index}`});
+    const box = el("div", {class: "figure", "data-measured": String(figure.measured)},
+      el("div", {class: "head"}, el("span", {class: "title", text: figure.title}),
+         el("span", {class: `mark ${figure.measured ? "measured" : "simulated"}`, text: figure.mark})),
+      chart,
+      el("div", {class: "source", text: figure.source}),
+      el("div", {class: "command"}, "reproduce: ", el("code", {text: figure.command})));
+    figures.append(box);
+    draw(chart, figure);
+  });
+  const related = result.related_commands && result.related_commands.length
+    ? ` Related: ${result.related_commands.join("  |  ")}` : "";
+  target.append(el("p", {class: "meta", text: `${cached ? "cached result, " : ""}ran in ${result.seconds} s.` +
+                                                 related}));
+}
+
+function draw(div, figure) {
+  const traces = figure.traces.map((t) => {
+    if (figure.kind === "heatmap") return {type: "heatmap", z: t.z, x: t.x, y: t.y, name: t.name, colorscale: "Viridis"};
+    if (figure.kind === "bar") return {type: "bar", x: t.x, y: t.y, name: t.name};
+    return {type: "scatter", mode: "lines+markers", x: t.x, y: t.y, name: t.name};
+  });
+  const logX = figure.kind === "line" && figure.traces.length &&
+    figure.traces[0].x.length > 2 && figure.traces[0].x[figure.traces[0].x.length - 1] / figure.traces[0].x[0] > 200;
+  const layout = {margin: {l: 60, r: 10, t: 10, b: 50}, barmode: "group", showlegend: figure.traces.length > 1,
+                  legend: {orientation: "h", y: -0.25, font: {size: 11}}, font: {size: 11},
+                  xaxis: {title: {text: figure.x_label}, type: logX ? "log" : undefined, automargin: true},
+                  yaxis: {title: {text: figure.y_label}, type: figure.log_y ? "log" : undefined, automargin: true}};
+  if (div.clientWidth) layout.width = div.clientWidth;  // the grid cell's width, not plotly's 700 px default
+  Plotly.newPlot(div, traces, layout, {displaylogo: false, responsive: true});
+}
+
+async function main() {
+  const status = document.getElementById("status");
+  let modules;
+  try {
+    modules = await (await fetch("api/modules")).json();
+  } catch (exc) {
+    status.textContent = `cannot load the modules: ${exc}`;
+    return;
+  }
+  const toc = document.getElementById("toc");
+  const container = document.getElementById("modules");
+  for (const module of modules) {
+    state[module.id] = {module, job: null, timer: null};
+    toc.append(el("a", {href: `#m-${module.id}`, text: `${module.number}. ${module.title}`}));
+    container.append(renderModule(module));
+  }
+  status.textContent = `${modules.length} modules. Nothing runs until you press Run.`;
+  document.body.dataset.ready = "true";
+}
+
+main();

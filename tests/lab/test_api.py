@@ -1,0 +1,136 @@
+"""The lab's HTTP API on the embedded model: every module at (reduced) defaults returns the documented record with
+finite numbers; bad parameters are 400s naming them; a cancelled run stops; the page and plotly are served."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from k3serve.lab.registry import modules
+
+# smaller than the page's defaults where a module's defaults take seconds (the test suite's budget)
+FAST = {"rollback": {"repeats": 2}, "recurrent_state": {"measure_tokens": 16}, "mxfp4": {"rows": 64},
+        "cache_policies": {"tokens": 256}}
+
+
+def _finite_numbers(record: dict) -> None:
+    for part in ("metrics", "baseline"):
+        assert record[part], part
+        for key, value in record[part].items():
+            assert value is None or math.isfinite(value), (part, key, value)
+    assert any(v is not None for v in record["metrics"].values())
+
+
+def test_modules_list_has_the_documented_shape(lab_client):
+    listing = lab_client.get("/lab/api/modules").json()
+    assert [m["id"] for m in listing] == list(modules())
+    for module in listing:
+        assert set(module) >= {"id", "title", "summary", "params", "kind"}
+        assert module["kind"] in ("measured", "simulated", "both")
+        for param in module["params"]:
+            assert set(param) >= {"name", "type", "default", "min", "max", "choices", "unit"}
+
+
+@pytest.mark.parametrize("module_id", list(modules()))
+def test_every_module_runs_and_returns_the_documented_record(lab_client, module_id):
+    response = lab_client.post(f"/lab/api/modules/{module_id}/run?wait=true", json=FAST.get(module_id, {}))
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "done", job.get("error")
+    record = job["result"]
+    assert set(record) >= {"id", "params", "measured", "metrics", "baseline", "series", "command", "seconds"}
+    assert record["id"] == module_id and isinstance(record["measured"], bool)
+    _finite_numbers(record)
+    assert record["command"].startswith(f"k3serve lab run {module_id}")
+    for name, value in FAST.get(module_id, {}).items():
+        assert f"--param {name}={value}" in record["command"]
+    assert record["series"], "a module shows at least one figure"
+    assert record["measured"] == any(f["measured"] for f in record["series"])
+    for figure in record["series"]:
+        assert figure["mark"] in ("measured on this machine", "simulated (model)")
+        assert figure["command"] == record["command"] and figure["source"]
+        for trace in figure["traces"]:
+            values = trace.get("z") or trace["y"]
+            flat = [v for row in values for v in (row if isinstance(row, list) else [row])]
+            assert any(v is not None and math.isfinite(v) for v in flat), figure["title"]
+    again = lab_client.post(f"/lab/api/modules/{module_id}/run", json=FAST.get(module_id, {})).json()
+    assert again["cached"] and again["result"] == record
+
+
+def test_a_parameter_changes_the_result(lab_client):
+    a = lab_client.post("/lab/api/modules/mxfp4/run?wait=true", json={"rows": 64}).json()["result"]
+    b = lab_client.post("/lab/api/modules/mxfp4/run?wait=true",
+                        json={"rows": 64, "distribution": "student_t3"}).json()["result"]
+    assert a["metrics"]["relative_rms_error"] != b["metrics"]["relative_rms_error"]
+
+
+@pytest.mark.parametrize("body, param", [({"rows": 0}, "rows"), ({"rows": 1e9}, "rows"), ({"bogus": 1}, "bogus"),
+                                         ({"distribution": "cauchy"}, "distribution"), ({"cols": "wide"}, "cols")])
+def test_bad_parameters_are_400s_naming_the_parameter(lab_client, body, param):
+    response = lab_client.post("/lab/api/modules/mxfp4/run", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and param in error["message"]
+
+
+def test_a_module_level_check_is_a_failed_job_naming_the_parameter(lab_client):
+    job = lab_client.post("/lab/api/modules/mxfp4/run?wait=true", json={"cols": 33}).json()
+    assert job["status"] == "failed" and "cols" in job["error"]
+
+
+def test_unknown_module_job_and_body(lab_client):
+    assert lab_client.post("/lab/api/modules/nope/run", json={}).status_code == 404
+    assert lab_client.get("/lab/api/jobs/nope").status_code == 404
+    assert lab_client.delete("/lab/api/jobs/nope").status_code == 404
+    assert lab_client.post("/lab/api/modules/mxfp4/run", content=b"[1, 2]").status_code == 400
+
+
+def test_a_cancelled_run_stops(lab_client):
+    job = lab_client.post("/lab/api/modules/rollback/run?rerun=true", json={"repeats": 50}).json()
+    deadline = time.time() + 30
+    while job["status"] == "queued" or (job["status"] == "running" and job["progress"] < 0.45):
+        assert time.time() < deadline
+        time.sleep(0.05)
+        job = lab_client.get(f"/lab/api/jobs/{job['job_id']}").json()
+    assert job["status"] == "running", job
+    cancelled = lab_client.delete(f"/lab/api/jobs/{job['job_id']}").json()
+    while cancelled["status"] == "running":
+        assert time.time() < deadline
+        time.sleep(0.05)
+        cancelled = lab_client.get(f"/lab/api/jobs/{job['job_id']}").json()
+    assert cancelled["status"] == "cancelled" and "result" not in cancelled
+
+
+def test_the_page_and_plotly_are_served_from_the_package(lab_client):
+    page = lab_client.get("/lab/")
+    assert page.status_code == 200 and "static/lab.js" in page.text and "static/plotly.min.js" in page.text
+    assert "cdn" not in page.text.lower()
+    plotly = lab_client.get("/lab/static/plotly.min.js")
+    assert plotly.status_code == 200 and len(plotly.content) > 1_000_000 and b"plotly" in plotly.content[:2000].lower()
+    assert lab_client.get("/lab/static/lab.css").status_code == 200
+    assert lab_client.get("/lab/static/../api.py").status_code == 404
+    assert lab_client.get("/", follow_redirects=False).headers["location"] == "/lab/"
+
+
+def test_mount_lab_adds_the_lab_to_another_app(lab_fixtures):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from k3serve.lab.api import mount_lab
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"ok": True}
+
+    queue = mount_lab(app, lab_fixtures)
+    try:
+        with TestClient(app) as client:
+            assert client.get("/health").json() == {"ok": True}
+            assert [m["id"] for m in client.get("/lab/api/modules").json()] == list(modules())
+            assert client.get("/lab", follow_redirects=False).headers["location"] == "/lab/"
+    finally:
+        queue.close()
