@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from k3serve.errors import K3Error
+from k3serve import cli_args
+from k3serve.cli_args import Parser, output_file, positive_int
+from k3serve.errors import K3Error, UsageError, exit_code, user_message
 from k3serve.lab.commands import add_lab_command
 from k3serve.stream.commands import add_stream_args, add_subcommands, load_for_run
-
-EXIT_USER_ERROR = 2
 
 
 def _add_model_arg(parser: argparse.ArgumentParser, required: bool = False) -> None:
@@ -33,36 +33,40 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
                        help="drafter: n-gram prompt lookup, the model on its resident experts, or --draft-model")
     group.add_argument("--rollback", choices=("snapshot", "projection"), default="projection",
                        help="how KDA state goes back after rejected drafts")
-    group.add_argument("--num-draft-tokens", type=int, default=4, help="the most drafts per verify window")
+    group.add_argument("--num-draft-tokens", type=cli_args.int_range(1, 32), default=4,
+                       help="the most drafts per verify window")
     group.add_argument("--no-adaptive-draft", action="store_true", help="always draft --num-draft-tokens")
-    group.add_argument("--draft-model", type=Path, default=None, help="checkpoint of a small draft model")
+    group.add_argument("--draft-model", type=Path, default=None,
+                       help="checkpoint of a small draft model, for --speculative model (default: none)")
 
 
-def _speculative_from_args(args: argparse.Namespace, target):
-    """(SpeculativeConfig or None, DrafterFactory or None) from the speculative flags."""
+def _speculative_config(args: argparse.Namespace):
+    """The SpeculativeConfig of the speculative flags (None for off), checked before any model loads."""
+    if args.draft_model is not None and args.speculative != "model":
+        raise UsageError("--draft-model needs --speculative model")
+    if args.speculative == "model" and args.draft_model is None:
+        raise UsageError("--speculative model needs --draft-model DIR")
     if args.speculative == "off":
-        return None, None
-    from k3serve.engine.speculative import DrafterFactory, SpeculativeConfig
+        return None
+    from k3serve.engine.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(drafter=args.speculative, rollback=args.rollback,
+                             num_draft_tokens=args.num_draft_tokens, adaptive=not args.no_adaptive_draft)
+
+
+def _drafters(args: argparse.Namespace, config, target):
+    """The DrafterFactory for `config` (None when speculation is off); loads --draft-model."""
+    if config is None:
+        return None
+    from k3serve.engine.speculative import DrafterFactory
     from k3serve.loading import load_model
 
     draft_model = load_model(args.draft_model).model if args.draft_model is not None else None
-    config = SpeculativeConfig(drafter=args.speculative, rollback=args.rollback,
-                               num_draft_tokens=args.num_draft_tokens, adaptive=not args.no_adaptive_draft)
-    return config, DrafterFactory(target, draft_model)
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--ids needs at least one id")
-    return ids
+    return DrafterFactory(target, draft_model)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k3serve", description="CPU inference for Kimi K3-family MoE models")
+    parser = Parser(prog="k3serve", description="CPU inference for Kimi K3-family MoE models")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -70,44 +74,49 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as comma-separated token ids")
+    prompt.add_argument("--prompt-ids", type=cli_args.token_ids, help="prompt as comma-separated token ids")
     _add_precision_arg(gen)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=positive_int, default=64, help="the most tokens to generate")
+    gen.add_argument("--temperature", type=cli_args.float_range(0.0), default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=cli_args.float_range(0.0, 1.0, low_open=True), default=1.0,
+                     help="nucleus sampling: keep the smallest set of tokens with this much probability")
+    gen.add_argument("--top-k", type=cli_args.non_negative_int, default=0,
+                     help="keep the k most likely tokens (0 = no limit)")
+    gen.add_argument("--seed", type=cli_args.seed, default=None, help="sampling seed (default: unseeded)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence ids")
     gen.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
     gen.add_argument("--no-token-healing", action="store_true",
                      help="keep the prompt's last tokens as encoded (default: back off a tail that a longer token "
-                          "starts with and let generation spell it out, e.g. '):' -> '):\\n'; off with speculation)")
+                          "starts with and let generation spell it out, e.g. '):' -> '):\\n'; composes with "
+                          "--speculative: heal first, then speculate)")
     _add_speculative_args(gen)
 
     add_stream_args(gen)
 
     logits = sub.add_parser("logits", help="write float32 logits for every position to a .npy file")
     _add_model_arg(logits)
-    logits.add_argument("--ids", type=_parse_ids, required=True, help="comma-separated token ids")
-    logits.add_argument("--out", type=Path, required=True)
-    logits.add_argument("--mode", choices=("full", "incremental"), default="full")
+    logits.add_argument("--ids", type=cli_args.token_ids, required=True, help="comma-separated token ids")
+    logits.add_argument("--out", type=output_file, required=True, help="the .npy file to write")
+    logits.add_argument("--mode", choices=("full", "incremental"), default="full",
+                        help="one forward over all ids, or one forward per id")
     _add_precision_arg(logits)
     add_stream_args(logits)
 
     tiny = sub.add_parser("make-tiny", help="write the tiny oracle checkpoint (K3_SPEC tiny shapes)")
-    tiny.add_argument("out", type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out", type=cli_args.output_dir, help="folder to write (must not exist or be empty)")
+    tiny.add_argument("--seed", type=cli_args.seed, default=0, help="random seed of the weights")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_model_arg(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=cli_args.port, default=8000, help="TCP port to listen on")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    serve.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per forward step")
-    serve.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
-    serve.add_argument("--max-model-len", type=int, default=4096, help="prompt + generated tokens per sequence")
-    serve.add_argument("--block-size", type=int, default=16, help="positions per paged MLA cache block")
-    serve.add_argument("--kv-cache-mib", type=int, default=256, help="memory for the paged MLA cache")
+    serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
+    serve.add_argument("--max-seqs", type=positive_int, default=64, help="sequences running at once")
+    serve.add_argument("--max-model-len", type=positive_int, default=4096,
+                       help="prompt + generated tokens per sequence")
+    serve.add_argument("--block-size", type=positive_int, default=16, help="positions per paged MLA cache block")
+    serve.add_argument("--kv-cache-mib", type=positive_int, default=256, help="memory for the paged MLA cache")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
     _add_speculative_args(serve)
@@ -117,12 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     LAB_COMMANDS.update(add_lab_command(sub))  # lab, lab run, lab list
 
     storage = sub.add_parser("spec-storage", help="rollback storage per sequence: snapshots vs projection cache")
-    storage.add_argument("--max-window", type=int, default=8, help="window sizes 1..N (positions per verify)")
+    storage.add_argument("--max-window", type=cli_args.int_range(1, 64), default=8,
+                         help="window sizes 1..N (positions per verify)")
     storage.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
 
     info = sub.add_parser("info", help="describe a model: shapes, layer map, parameter counts, sizes")
     _add_model_arg(info)
     info.add_argument("--full-k3", action="store_true", help="describe the full Kimi K3 shapes instead")
+    cli_args.add_verbose_everywhere(parser)
     return parser
 
 
@@ -130,10 +141,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from k3serve.engine.generate import generate
     from k3serve.engine.sampling import SamplingParams
 
-    loaded = load_for_run(args, expert_precision=args.expert_precision)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
-    speculative, drafters = _speculative_from_args(args, loaded.model)
+    speculative = _speculative_config(args)  # every argument is checked before the model loads
+    loaded = load_for_run(args, expert_precision=args.expert_precision)
+    drafters = _drafters(args, speculative, loaded.model)
     if args.prompt_ids is not None:
         tokens, report = generate(loaded.model, args.prompt_ids, params, stop_ids=loaded.stop_ids,
                                   speculative=speculative, drafters=drafters)
@@ -147,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.no_bos and tokenizer.bos_id is not None:
         prompt_ids = [tokenizer.bos_id] + prompt_ids
     healing = None
-    if not args.no_token_healing and speculative is None:
+    if not args.no_token_healing:  # speculation composes: the healed tail is spelled out, then drafts start
         from k3serve.engine.healing import heal_prompt
 
         healing = heal_prompt(tokenizer, prompt_ids)
@@ -183,7 +195,7 @@ def _print_report(loaded, report) -> None:
 
 def cmd_logits(args: argparse.Namespace) -> int:
     loaded = load_for_run(args, expert_precision=args.expert_precision)
-    logits = loaded.model.logits(args.ids, mode=args.mode)
+    logits = loaded.model.logits(args.ids, mode=args.mode)  # [T, V]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.save(args.out, logits.astype(np.float32))
     print(f"wrote {args.out}: float32 {list(logits.shape)} ({args.mode})", file=sys.stderr)
@@ -194,6 +206,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from k3serve.config import tiny_config
     from k3serve.weights.synthetic import write_random_checkpoint
 
+    if args.out.exists() and any(args.out.iterdir()):
+        raise UsageError(f"{args.out} is not empty; make-tiny writes a new checkpoint into an empty or new folder")
     config = tiny_config()
     write_random_checkpoint(config, args.out, seed=args.seed, max_shard_bytes=1 << 20)
     print(f"wrote the tiny oracle ({config.layer_map}, {config.num_experts} experts, top-"
@@ -237,17 +251,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from k3serve.model.k3 import K3Model
     from k3serve.serve.api import create_app
 
+    config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
+                          max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                          max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache)
+    speculative = _speculative_config(args)
+    listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here, before the model loads and before "serving"
     loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
     if not isinstance(loaded.model, K3Model):
         raise K3Error(f"{loaded.path} is a {loaded.model.config.model_type} checkpoint: the server runs K3 models "
                       "only for now (use generate or logits for the other families)")
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model): the server needs one")
-    config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
-                          max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
-                          max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache)
-    speculative, drafters = _speculative_from_args(args, loaded.model)
-    engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative, drafters=drafters)
+    engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative,
+                       drafters=_drafters(args, speculative, loaded.model))
     name = args.served_model_name or loaded.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
     app = create_app(engine, loaded.tokenizer, name)
@@ -258,15 +274,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         mount_lab(app, LabFixtures(args.model if args.model and not is_packed_store(args.model) else None))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     return 0
+
 
 
 def cmd_spec_storage(args: argparse.Namespace) -> int:
     from k3serve.engine.speculative import storage_report
 
-    if args.max_window < 1:
-        raise K3Error("--max-window must be at least 1")
     lines, record = storage_report(args.max_window)
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
     return 0
@@ -279,16 +294,21 @@ COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    """Run one command. Every error the user can cause ends as one `k3serve: error:` line and the exit code of
+    `errors.exit_code` (2; 130 for Ctrl-C); an unexpected one (a bug) keeps its traceback."""
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
         return {**COMMANDS, **STREAM_COMMANDS, **LAB_COMMANDS}[args.command](args)
-    except K3Error as exc:
-        print(f"k3serve: error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
     except BrokenPipeError:
         return 0
+    except (K3Error, OSError, KeyboardInterrupt) as exc:
+        code = exit_code(exc)
+        assert code is not None
+        sys.stdout.flush()
+        print(f"k3serve: error: {user_message(exc)}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
-"""Typed errors. User-facing failures raise one of these; the CLI and the HTTP layer map them to messages and
-exit codes or status codes in one place each."""
+"""Typed errors, and the one place that maps any error to what the user sees: a `k3serve: error:` line and an
+exit code for the CLI (`exit_code`), a status code for HTTP (`http_status`). The CLI (`cli.main`) and the HTTP
+layer (`serve/errors.py`) both go through these two functions."""
 
 from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_USER_ERROR = 2  # bad arguments, bad files, anything the user can fix (argparse's code too)
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 
 
 class K3Error(Exception):
@@ -17,8 +22,47 @@ class CheckpointError(K3Error):
 
 
 class TokenizerError(K3Error):
-    """A tokenizer file is missing or malformed, or an id is out of range."""
+    """A tokenizer file is missing or malformed, an id is out of range, or text is not encodable."""
 
 
 class RequestError(K3Error):
     """A generation request has invalid parameters (bad sampling values, too long, unknown ids)."""
+
+
+class UsageError(K3Error):
+    """A command-line argument is invalid (a bad value, an unwritable output, flags that do not go together)."""
+
+
+def unencodable_text_error(text: str) -> TokenizerError:
+    """The error for text holding a lone surrogate (not encodable as UTF-8), naming its position in `text`."""
+    position = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+    where = f" at character {position} (U+{ord(text[position]):04X}, a lone surrogate)" if position is not None else ""
+    return TokenizerError(f"text is not encodable as UTF-8{where}")
+
+
+def user_message(exc: BaseException) -> str:
+    """The one-line text shown to the user for `exc` (without the `k3serve: error:` prefix)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, RecursionError):
+        return "input nested too deeply"
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())  # one line, whatever the message held
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The CLI's exit code for `exc`, or None for an unexpected error (a bug: let its traceback show)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, (K3Error, OSError)):  # OSError: unreadable input, unwritable output
+        return EXIT_USER_ERROR
+    return None
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status of a request that failed with `exc`: what the client sent is 400, the rest is ours."""
+    if isinstance(exc, (RequestError, TokenizerError, UsageError, RecursionError, UnicodeError)):
+        return 400
+    return 500

@@ -41,7 +41,7 @@ from typing import Any
 
 import regex
 
-from k3serve.errors import TokenizerError
+from k3serve.errors import TokenizerError, unencodable_text_error
 from k3serve.tokenizer import ByteDecoding, PieceCache
 
 logger = logging.getLogger(__name__)
@@ -582,7 +582,7 @@ class HFTokenizer(ByteDecoding):
                     start = match.end()
             ids += self._encode_segment(text[start:], errors)
         except UnicodeEncodeError as exc:
-            raise TokenizerError(f"text is not encodable as UTF-8: {exc.reason}") from None
+            raise unencodable_text_error(text) from None
         return ids
 
     def _encode_segment(self, segment: str, errors: str) -> list[int]:

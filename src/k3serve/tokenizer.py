@@ -30,7 +30,7 @@ from typing import Any
 
 import regex
 
-from k3serve.errors import TokenizerError
+from k3serve.errors import TokenizerError, unencodable_text_error
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class Tokenizer(ByteDecoding):
             if start < len(text):
                 ids += self._encode_piece(text[start:].encode("utf-8", errors))
         except UnicodeEncodeError as exc:
-            raise TokenizerError(f"text is not encodable as UTF-8 at character {exc.start}: {exc.reason}") from None
+            raise unencodable_text_error(text) from None
         return ids
 
     def _encode_piece(self, piece: bytes) -> tuple[int, ...]:

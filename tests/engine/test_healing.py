@@ -50,3 +50,29 @@ def test_cli_prints_only_the_continuation_with_and_without_healing(capsys):
     assert not healed.startswith("):"), "the healed tail is part of the prompt and is not printed again"
     assert healed.startswith("\n"), healed  # '):' + newline is what the corpus has after a def line
     assert texts[True].strip()
+
+
+def test_speculation_composes_with_healing_same_greedy_tokens():
+    from k3serve.engine.speculative import SpeculativeConfig
+
+    loaded = load_model(None)
+    tok = loaded.tokenizer
+    ids = [tok.bos_id] + tok.encode("def fibonacci(n):\n    if n < 2:")
+    healing = heal_prompt(tok, ids)
+    assert healing is not None and len(healing.tail) >= 1
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain, _ = generate(loaded.model, healing.prompt_ids, params, constraint=healing.allowed)
+    assert tok.decode_bytes(plain).startswith(healing.tail)
+    for drafter in ("ngram", "resident"):
+        spec, report = generate(loaded.model, healing.prompt_ids, params, constraint=healing.allowed,
+                                speculative=SpeculativeConfig(drafter=drafter))
+        assert spec == plain, drafter
+        assert report.speculation.windows > 0, "speculation ran after the healed tail"
+
+
+def test_cli_speculative_greedy_equals_plain_greedy_in_the_default_configuration(capsys):
+    outputs = {}
+    for flags in ([], ["--speculative", "ngram"]):
+        assert main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", *flags]) == 0
+        outputs[bool(flags)] = capsys.readouterr().out
+    assert outputs[True] == outputs[False] and outputs[False].startswith("\n")

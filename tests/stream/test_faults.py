@@ -112,3 +112,25 @@ def test_parse_size():
     assert parse_size("8G") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1.5GB") == 1_500_000_000
     with pytest.raises(BudgetError):
         parse_size("lots")
+
+
+def test_a_missing_expert_file_is_reported_missing_not_truncated(tiny_store, tmp_path):
+    folder = _copy(tiny_store, tmp_path)
+    (folder / "experts.bin").unlink()
+    with pytest.raises(StoreError, match="experts.bin is missing") as info:
+        load_model(folder, stream=StreamOptions())
+    assert "truncated" not in str(info.value)
+
+
+def test_a_cache_profile_from_another_model_is_refused(tiny_store, tmp_path):
+    from k3serve.stream.trace import TraceError, TraceWriter, trace_meta
+
+    config = tiny_store.config
+    own, other = tmp_path / "own.trace", tmp_path / "other.trace"
+    TraceWriter(own, trace_meta(config)).close()
+    meta = {**trace_meta(config), "num_experts": config.num_experts * 2}
+    TraceWriter(other, meta).close()
+    pinned = dict(cache="pinned", ram_budget=None)
+    load_model(tiny_store.path, stream=StreamOptions(cache_profile=own, **pinned))  # its own model: accepted
+    with pytest.raises(TraceError, match="--cache-profile .* another model: num_experts"):
+        load_model(tiny_store.path, stream=StreamOptions(cache_profile=other, **pinned))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from k3serve.engine.sampling import Sampler, SamplingParams
+from k3serve.engine.sampling import Sampler, SamplingParams, mask_logits
 from k3serve.errors import RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
 
@@ -65,9 +65,8 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
     if speculative is not None:
         from k3serve.engine.speculative import speculative_generate
 
-        if constraint is not None:
-            raise RequestError("a generation constraint (token healing) cannot be combined with speculation")
-        return speculative_generate(model, prompt_ids, params, speculative, stop_ids, on_token, drafters)
+        return speculative_generate(model, prompt_ids, params, speculative, stop_ids, on_token, drafters,
+                                    constraint)
     sampler = Sampler(params)
     stops = set() if params.ignore_eos else set(stop_ids) | set(params.stop_token_ids)
     cache = model.new_cache()
@@ -80,12 +79,7 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
     finish = "length"
     started = time.perf_counter()
     while True:
-        allowed = constraint(tokens) if constraint is not None else None
-        if allowed is not None:
-            masked = np.full_like(logits, -np.inf)
-            masked[allowed] = logits[allowed]
-            logits = masked
-        token = sampler.sample(logits)
+        token = sampler.sample(mask_logits(logits, constraint(tokens) if constraint is not None else None))
         tokens.append(token)
         if on_token is not None:
             on_token(token)

@@ -51,6 +51,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def mask_logits(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """Logits [V] with every id outside `allowed` set to -inf (a generation constraint); None = unchanged."""
+    if allowed is None:
+        return logits
+    masked = np.full_like(logits, -np.inf)
+    masked[allowed] = logits[allowed]
+    return masked
+
+
 class Sampler:
     """Draws tokens for one sequence. Holds that sequence's random generator (by default seeded with
     `params.seed`; the engine passes its own for the 2nd..nth completion of a seeded request)."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from k3serve.engine.drafters import (DRAFTERS, Draft, Drafter, ModelDrafter, NGramDrafter, ResidentExperts,
                                      resident_draft_model)
-from k3serve.engine.sampling import Sampler, SamplingParams
+from k3serve.engine.sampling import Sampler, SamplingParams, mask_logits
 from k3serve.errors import RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
 from k3serve.model.rollback import ROLLBACK_METHODS, RollbackCache
@@ -220,8 +220,12 @@ def num_to_emit(tokens: Sequence[int], num_output_tokens: int, room: int, stop_i
 def speculative_generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
                          spec: SpeculativeConfig, stop_ids: Sequence[int] = (),
                          on_token: Callable[[int], None] | None = None,
-                         drafters: DrafterFactory | None = None) -> tuple[list[int], RunReport]:
-    """`generate` with speculation: same tokens under greedy, same distribution under sampling."""
+                         drafters: DrafterFactory | None = None,
+                         constraint: Callable[[list[int]], np.ndarray | None] | None = None
+                         ) -> tuple[list[int], RunReport]:
+    """`generate` with speculation: same tokens under greedy, same distribution under sampling.
+    While `constraint(tokens so far)` returns allowed ids (token healing spelling the prompt's tail out again),
+    steps are plain one-token windows sampled under the mask; speculation starts once it returns None."""
     from k3serve.engine.generate import RunReport, peak_rss_bytes
 
     if len(prompt_ids) == 0:
@@ -236,12 +240,23 @@ def speculative_generate(model: K3Model, prompt_ids: Sequence[int], params: Samp
     prefill_seconds = time.perf_counter() - started
     started = time.perf_counter()
     context = list(prompt_ids)
-    tokens = [sampler.sample(logits)]
+    tokens = [sampler.sample(mask_logits(logits, constraint([]) if constraint is not None else None))]
     context.append(tokens[0])
     if on_token is not None:
         on_token(tokens[0])
     finish = "stop" if tokens[0] in stops else "length"
     while tokens[-1] not in stops and len(tokens) < params.max_tokens:
+        allowed = constraint(tokens) if constraint is not None else None
+        if allowed is not None:  # healing: one plain step under the mask, no drafts
+            cache.begin_window()
+            logits = model.forward([ForwardItem(np.asarray(context[-1:], dtype=np.int64), cache)]).logits[0][-1]
+            cache.commit(1)
+            tokens.append(sampler.sample(mask_logits(logits, allowed)))
+            context.append(tokens[-1])
+            if on_token is not None:
+                on_token(tokens[-1])
+            finish = "stop" if tokens[-1] in stops else finish
+            continue
         room = params.max_tokens - len(tokens)
         draft = speculation.propose(context, room, sampler)
         cache.begin_window()

@@ -9,14 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+from k3serve import cli_args
 from k3serve.errors import K3Error
 
 
 def add_lab_command(sub) -> dict:
     lab = sub.add_parser("lab", help="the lab: every mechanism as a module with parameters and a measured "
                                      "before/after, in the browser (docs/LAB.md)")
-    lab.add_argument("--host", default="127.0.0.1")
-    lab.add_argument("--port", type=int, default=8100)
+    lab.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    lab.add_argument("--port", type=cli_args.port, default=8100, help="TCP port to listen on")
     lab.add_argument("--model", type=Path, default=None, help="K3 checkpoint folder (default: the embedded model)")
     lab_sub = lab.add_subparsers(dest="lab_command")
     run = lab_sub.add_parser("run", help="run one module from the shell and print its figures")
@@ -24,7 +25,8 @@ def add_lab_command(sub) -> dict:
     run.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a parameter (repeatable)")
     run.add_argument("--model", type=Path, default=None, dest="run_model",
                      help="K3 checkpoint folder (default: the embedded model)")
-    run.add_argument("--json", type=Path, default=None, help="also write the full result record as JSON")
+    run.add_argument("--json", type=cli_args.output_file, default=None,
+                     help="also write the full result record as JSON (default: none)")
     lab_sub.add_parser("list", help="the modules, their parameters and defaults")
     return {"lab": cmd_lab}
 
@@ -90,7 +92,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     from k3serve.lab.api import create_lab_app
 
+    listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails before the announcement
     fixtures = LabFixtures(args.model)
     print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/ ({len(modules())} modules)", file=sys.stderr)
-    uvicorn.run(create_lab_app(fixtures), host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(create_lab_app(fixtures), log_level="warning")).run(sockets=[listener])
     return 0

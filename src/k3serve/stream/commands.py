@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from k3serve.errors import K3Error
+from k3serve import cli_args
+from k3serve.errors import K3Error, UsageError
 from k3serve.stream.budget import format_size, parse_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.io import IO_MODES
@@ -22,17 +23,22 @@ _STREAM_FLAGS = ("ram_budget", "io", "queue_depth", "cache", "cache_profile", "p
 
 def add_stream_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("streaming (any of these reads the model from a packed store)")
-    g.add_argument("--ram-budget", default=None, help="cap on all weight memory, e.g. 8G, 512M (default: none)")
+    g.add_argument("--ram-budget", type=cli_args.size, default=None, help="cap on all weight memory, e.g. 8G, 512M (default: none)")
     g.add_argument("--io", choices=IO_MODES, default=None, help="mmap (naive), pread or direct (O_DIRECT); "
                                                                   "default pread")
-    g.add_argument("--queue-depth", type=int, default=None, help="reads in flight (pread/direct; default 16)")
+    g.add_argument("--queue-depth", type=cli_args.int_range(1, 1024), default=None,
+                   help="reads in flight (pread/direct; default 16)")
     g.add_argument("--cache", choices=POLICIES, default=None, help="expert cache policy (default lru)")
-    g.add_argument("--cache-profile", type=Path, default=None, help="routing trace whose hot set --cache pinned holds")
-    g.add_argument("--prefetch", choices=PREFETCH_MODES, default=None, help="next-layer router prefetch")
-    g.add_argument("--prefetch-max", type=int, default=None, help="guesses per layer (default: top-k)")
-    g.add_argument("--pin-trunk", default=None, help="cap on the budget given to pinned trunk layers (e.g. 0, 2G); "
+    g.add_argument("--cache-profile", type=Path, default=None,
+                   help="routing trace (of this model) whose hot set --cache pinned holds (default: none)")
+    g.add_argument("--prefetch", choices=PREFETCH_MODES, default=None,
+                   help=f"next-layer router prefetch (default: {StreamOptions().prefetch})")
+    g.add_argument("--prefetch-max", type=cli_args.non_negative_int, default=None,
+                   help="guesses per layer (default: top-k)")
+    g.add_argument("--pin-trunk", type=cli_args.size, default=None, help="cap on the budget given to pinned trunk layers (e.g. 0, 2G); "
                                                      "default: as much as fits")
-    g.add_argument("--trace-out", type=Path, default=None, help="record every (token, layer, expert) request")
+    g.add_argument("--trace-out", type=cli_args.output_file, default=None,
+                   help="record every (token, layer, expert) request to this file (default: none)")
 
 
 def stream_options(args: argparse.Namespace) -> StreamOptions | None:
@@ -72,22 +78,26 @@ def load_for_run(args: argparse.Namespace, **kwargs):
 def add_subcommands(sub) -> dict:
     pack = sub.add_parser("pack", help="rewrite a checkpoint into a trunk file + aligned, checksummed expert store")
     pack.add_argument("src", type=Path, help="safetensors checkpoint folder")
-    pack.add_argument("out", type=Path, help="output folder")
-    pack.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural")
-    pack.add_argument("--trace", type=Path, default=None, help="routing trace (for frequency / coactivation)")
+    pack.add_argument("out", type=cli_args.output_dir, help="output folder (not the source folder)")
+    pack.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural",
+                      help="order of the experts in the store")
+    pack.add_argument("--trace", type=Path, default=None,
+                      help="routing trace of this model (for frequency / coactivation; default: none)")
 
     sim = sub.add_parser("sim", help="simulators")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
     cache = sim_sub.add_parser("cache", help="replay a routing trace against every cache policy and Belady")
-    cache.add_argument("trace", type=Path)
-    cache.add_argument("--capacity", required=True,
+    cache.add_argument("trace", type=Path, help="routing trace (written by --trace-out)")
+    cache.add_argument("--capacity", required=True, type=_capacities,
                        help="comma-separated expert-cache capacities in experts (or sizes like 64M)")
-    cache.add_argument("--policies", default="none,lru,lfu,s3fifo,pinned,belady")
-    cache.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    cache.add_argument("--policies", default=",".join(SIM_POLICIES), type=_policies,
+                       help="comma-separated policies to replay")
+    cache.add_argument("--json", type=cli_args.output_file, default=None,
+                       help="also write the results as JSON to this file (default: none)")
 
     co = sub.add_parser("coactivation", help="per-layer co-activation maps of a trace, as .npy and heatmap .png")
-    co.add_argument("trace", type=Path)
-    co.add_argument("--out", type=Path, required=True)
+    co.add_argument("trace", type=Path, help="routing trace (written by --trace-out)")
+    co.add_argument("--out", type=cli_args.output_dir, required=True, help="folder for the maps")
 
     stats = sub.add_parser("routing-stats", help="expert popularity skew, reuse between tokens and next-layer "
                                                   "predictability of a model on text")
@@ -96,19 +106,59 @@ def add_subcommands(sub) -> dict:
     group.add_argument("--text", type=Path, action="append", default=None,
                        help="text file to route (repeatable; each file is cut into --window-token windows)")
     group.add_argument("--heldout", choices=("code", "prose"), default=None,
-                       help="the training corpus's held-out split of that kind (rebuilt from this machine)")
-    stats.add_argument("--tokens", type=int, default=8192, help="at most this many tokens in all")
-    stats.add_argument("--window", type=int, default=512, help="tokens per independent sequence")
-    stats.add_argument("--trace-out", type=Path, default=None, help="also write the routing trace")
-    stats.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+                       help="the training corpus's held-out split of that kind (rebuilt from this machine; "
+                            "default: code)")
+    stats.add_argument("--tokens", type=cli_args.int_range(2), default=8192, help="at most this many tokens in all")
+    stats.add_argument("--window", type=cli_args.int_range(2), default=512, help="tokens per independent sequence")
+    stats.add_argument("--trace-out", type=cli_args.output_file, default=None,
+                       help="also write the routing trace (default: none)")
+    stats.add_argument("--json", type=cli_args.output_file, default=None,
+                       help="also write the figures as JSON (default: none)")
     return {"pack": cmd_pack, "sim": cmd_sim, "coactivation": cmd_coactivation, "routing-stats": cmd_routing_stats}
 
 
+SIM_POLICIES = ("none", "lru", "lfu", "s3fifo", "pinned", "belady")
+
+
+def _capacities(text: str) -> list[str]:
+    """--capacity: comma-separated positive expert counts or sizes (sizes become counts once the trace is read)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("needs at least one capacity")
+    for part in parts:
+        if part.isdigit():
+            if int(part) < 1:
+                raise argparse.ArgumentTypeError(f"capacities are at least 1 expert, got {part!r}")
+        elif part.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"capacities are at least 1 expert, got {part!r}")
+        else:
+            cli_args.size(part)
+    return parts
+
+
+def _policies(text: str) -> list[str]:
+    policies = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [p for p in policies if p not in SIM_POLICIES]
+    if not policies or unknown:
+        raise argparse.ArgumentTypeError(f"unknown polic{'ies' if len(unknown) > 1 else 'y'} "
+                                         f"{', '.join(map(repr, unknown)) or repr(text)}; choose from "
+                                         f"{', '.join(SIM_POLICIES)}")
+    return policies
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
-    from k3serve.stream.trace import read_trace
+    from k3serve.stream.trace import check_trace_model, read_trace
+    from k3serve.weights.checkpoint import Checkpoint
     from k3serve.weights.pack import pack_checkpoint
 
-    token_sets = read_trace(args.trace).token_sets() if args.trace else None
+    if args.out.resolve() == args.src.resolve():
+        raise UsageError(f"pack would write into its source checkpoint {args.src}: give another output folder")
+    token_sets = None
+    if args.trace:  # checked against the source model before anything is written
+        trace = read_trace(args.trace)
+        with Checkpoint(args.src) as checkpoint:
+            check_trace_model(trace, checkpoint.config, args.trace, "--trace")
+        token_sets = trace.token_sets()
     store = pack_checkpoint(args.src, args.out, layout=args.layout, token_sets=token_sets, progress=True)
     print(f"packed {args.src} -> {args.out}: layout {store.layout}, {store.num_experts_total} experts of "
           f"{format_size(store.expert_blob_size)} (stride {format_size(store.expert_stride)}), expert store "
@@ -123,11 +173,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
     trace = read_trace(args.trace)
     expert_bytes = int(trace.meta.get("expert_bytes", 1))
-    capacities = []
-    for part in args.capacity.split(","):
-        part = part.strip()
-        capacities.append(int(part) if part.isdigit() else max(1, parse_size(part) // expert_bytes))
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    capacities = [int(part) if part.isdigit() else max(1, parse_size(part) // expert_bytes) for part in args.capacity]
+    policies = args.policies
     requests = trace.requests()
     tokens = trace.num_tokens
     top_k = int(trace.meta.get("top_k", 1))

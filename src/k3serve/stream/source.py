@@ -140,8 +140,11 @@ class StreamingSource:
         self.config = config = store.config
         profile = None
         if options.cache_profile is not None:
-            from k3serve.stream.trace import read_trace
-            profile = read_trace(options.cache_profile).popularity()
+            from k3serve.stream.trace import check_trace_model, read_trace
+
+            trace = read_trace(options.cache_profile)
+            check_trace_model(trace, config, options.cache_profile, "--cache-profile")
+            profile = trace.popularity()
         self.plan: BudgetPlan = plan_budget(store, options.ram_budget, options.pin_trunk_bytes)
         self.stats = StreamStats()
         self.trunk_io = IOEngine(store.trunk_path, options.io, options.queue_depth)

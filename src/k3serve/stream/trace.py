@@ -109,10 +109,29 @@ def read_trace(path: str | Path) -> Trace:
     return trace
 
 
+MODEL_IDENTITY = ("num_layers", "num_experts", "top_k", "moe_layers", "hidden_size", "vocab_size")
+
+
 def trace_meta(config, expert_bytes: int | None = None) -> dict:
+    """The trace header: the model's identity (MODEL_IDENTITY, checked by `check_trace_model` wherever a trace
+    is used with a model) and the expert size."""
     return {"num_layers": config.num_layers, "num_experts": config.num_experts,
             "top_k": config.num_experts_per_token, "moe_layers": list(config.moe_layer_ids),
+            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
             "expert_bytes": int(expert_bytes if expert_bytes is not None else config.expert_bytes)}
+
+
+def check_trace_model(trace: Trace, config, path: str | Path, flag: str) -> None:
+    """Refuse a trace recorded on another model: every identity field the trace carries must equal the model's
+    (a trace from before hidden_size/vocab_size were recorded is checked on the fields it has)."""
+    model = trace_meta(config, expert_bytes=0)
+    carried = [key for key in MODEL_IDENTITY if key in trace.meta]
+    if not carried:
+        raise TraceError(f"{flag} {path}: the trace does not say which model it was recorded on")
+    for key in carried:
+        if trace.meta[key] != model[key]:
+            raise TraceError(f"{flag} {path} was recorded on another model: {key} is {trace.meta[key]} in the "
+                             f"trace and {model[key]} in this model")
 
 
 class TracedSource:

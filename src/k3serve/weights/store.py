@@ -183,9 +183,12 @@ class PackedStore:
         for path, end in ((self.trunk_path, max([b.offset + b.read_size for b in self.layers + [self.globals]])),
                           (self.expert_path, max((max(e.offsets) + self.expert_stride for e in self.experts.values()),
                                                  default=0))):
-            size = path.stat().st_size if path.exists() else -1
+            if not path.exists():
+                problems.append(f"{path.name} is missing (the index needs {end} bytes)")
+                continue
+            size = path.stat().st_size
             if size < end:
-                problems.append(f"{path.name} is {max(size, 0)} bytes, the index needs {end} (truncated?)")
+                problems.append(f"{path.name} is {size} bytes, the index needs {end} (truncated?)")
         if problems:
             raise StoreError(f"packed store {self.path} does not match its config:\n  " + "\n  ".join(problems[:8]))
 
