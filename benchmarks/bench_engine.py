@@ -33,8 +33,8 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
+from k3serve.engine.workloads import WasteMeter, ZeroRowsModel, run_all, shared_prefix_ttft
 from k3serve.loading import load_model
-from k3serve.model.k3 import ForwardResult
 
 CONCURRENCY = (1, 4, 16, 64)
 
@@ -47,39 +47,6 @@ def machine() -> dict[str, object]:
     except (OSError, StopIteration):
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
-
-
-class WasteMeter:
-    """Samples, after every step, positions filled vs reserved under three policies."""
-
-    def __init__(self, engine: LLMEngine, max_model_len: int) -> None:
-        self.engine, self.max_model_len = engine, max_model_len
-        self.filled = self.paged = self.max_len = self.exact = 0
-
-    def sample(self) -> None:
-        block = self.engine.config.block_size
-        for seq in self.engine.scheduler.running:
-            self.filled += seq.cache.num_tokens
-            self.paged += len(seq.cache.block_table) * block
-            self.max_len += self.max_model_len
-            self.exact += seq.max_total_tokens
-
-    def result(self) -> dict[str, float]:
-        def waste(reserved: int) -> float:
-            return round(100.0 * (1 - self.filled / reserved), 2) if reserved else float("nan")
-        return {"paged_pct": waste(self.paged), "reserve_max_len_pct": waste(self.max_len),
-                "reserve_prompt_plus_max_tokens_pct": waste(self.exact)}
-
-
-def run_all(engine: LLMEngine, meter: WasteMeter | None = None) -> dict:
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        if meter is not None:
-            meter.sample()
-    return final
 
 
 def throughput(model, stop_ids, concurrency: int, max_tokens: int, rng, meter_sink: list | None) -> float:
@@ -98,22 +65,6 @@ def throughput(model, stop_ids, concurrency: int, max_tokens: int, rng, meter_si
     return sum(len(o.outputs[0].token_ids) for o in final.values()) / elapsed
 
 
-def shared_prefix_ttft(model, stop_ids, caching: bool, system_len: int, num_requests: int, rng) -> dict:
-    engine = LLMEngine(model, EngineConfig(enable_prefix_caching=caching), stop_ids=stop_ids)
-    vocab = model.config.vocab_size
-    system = [int(t) for t in np.random.default_rng(7).integers(3, vocab, system_len)]
-    ttfts = []
-    for _ in range(num_requests):
-        question = [int(t) for t in rng.integers(3, vocab, 16)]
-        engine.add_request(system + question, SamplingParams(max_tokens=2, ignore_eos=True))
-        (out,) = run_all(engine).values()
-        ttfts.append(out.ttft_seconds)
-    snap = engine.metrics.snapshot()
-    return {"median_ttft_s": statistics.median(ttfts), "ttfts": ttfts, "steady_ttft_s": statistics.median(ttfts[2:]),
-            "hit_tokens": snap.get("prefix_cache_hit_tokens", 0.0),
-            "shared_fraction": system_len / (system_len + 16)}
-
-
 def multi_turn_ttft(model, stop_ids, caching: bool, system_len: int, turns: int, rng) -> dict:
     engine = LLMEngine(model, EngineConfig(enable_prefix_caching=caching), stop_ids=stop_ids)
     vocab = model.config.vocab_size
@@ -127,25 +78,6 @@ def multi_turn_ttft(model, stop_ids, caching: bool, system_len: int, turns: int,
         history = history + out.outputs[0].token_ids
     later = ttfts[1:]  # the first turn has nothing to reuse in either configuration
     return {"median_ttft_s": statistics.median(later), "ttfts": ttfts}
-
-
-class ZeroRowsModel:
-    """Stand-in for the waste workload: writes zero rows and states through the cache API, random logits."""
-
-    def __init__(self, config) -> None:
-        self.config = config
-        self._rng = np.random.default_rng(0)
-
-    def forward(self, items, **kwargs) -> ForwardResult:
-        c = self.config
-        logits = []
-        for item in items:
-            t = len(item.token_ids)
-            for layer in c.mla_layer_ids:
-                item.cache.mla_append(layer, np.zeros((t, c.mla_cache_width), np.float32))
-            item.cache.advance(t)
-            logits.append(self._rng.standard_normal((1, c.vocab_size)).astype(np.float32))
-        return ForwardResult(logits=logits)
 
 
 def long_sequence_waste(model_config, num_requests: int) -> dict:
@@ -205,10 +137,9 @@ def main() -> None:
     }
     for entry in ttft.values():
         entry["speedup"] = round(entry["no_cache_s"] / entry["cache_s"], 2)
-    merged = WasteMeter(None, 0)  # type: ignore[arg-type]
+    merged = WasteMeter(None, 0)
     for meter in meters:
-        for name in ("filled", "paged", "max_len", "exact"):
-            setattr(merged, name, getattr(merged, name) + getattr(meter, name))
+        merged.merge(meter)
     waste = {"throughput_run_c64": merged.result(),
              "long_sequences": long_sequence_waste(model.config, 64 if args.quick else 256)}
 

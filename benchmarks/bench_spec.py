@@ -21,37 +21,13 @@ import time
 
 import numpy as np
 
-from k3serve.engine.drafters import Draft, Drafter
 from k3serve.engine.generate import generate
+from k3serve.engine.replay_drafter import ReplayDrafter, ReplayFactory
 from k3serve.engine.sampling import SamplingParams
-from k3serve.engine.speculative import DrafterFactory, SpeculativeConfig
+from k3serve.engine.speculative import SpeculativeConfig
 from k3serve.loading import load_model
 from k3serve.model.k3 import ForwardItem
 from k3serve.model.rollback import RollbackCache
-
-
-class ReplayDrafter(Drafter):
-    """Proposes the known continuation; each draft token is replaced by a wrong one with probability `miss`."""
-
-    def __init__(self, prompt_len: int, continuation: list[int], miss: float, vocab: int, seed: int = 0) -> None:
-        self.prompt_len, self.continuation, self.miss, self.vocab = prompt_len, continuation, miss, vocab
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, context, max_tokens, sampler):
-        done = len(context) - self.prompt_len
-        out = []
-        for token in self.continuation[done:done + max_tokens]:
-            out.append(int((token + 1) % self.vocab) if self.rng.random() < self.miss else token)
-        return Draft(out)
-
-
-class ReplayFactory(DrafterFactory):
-    def __init__(self, model, drafter):
-        super().__init__(model)
-        self.drafter = drafter
-
-    def create(self, config):
-        return self.drafter
 
 
 def task_texts() -> tuple[str, str]:

@@ -10,9 +10,6 @@ import pytest
 
 from k3serve.lab.registry import modules
 
-# smaller than the page's defaults where a module's defaults take seconds (the test suite's budget)
-FAST = {"rollback": {"repeats": 2}, "recurrent_state": {"measure_tokens": 16}, "mxfp4": {"rows": 64},
-        "cache_policies": {"tokens": 256}}
 
 
 def _finite_numbers(record: dict) -> None:
@@ -34,8 +31,9 @@ def test_modules_list_has_the_documented_shape(lab_client):
 
 
 @pytest.mark.parametrize("module_id", list(modules()))
-def test_every_module_runs_and_returns_the_documented_record(lab_client, module_id):
-    response = lab_client.post(f"/lab/api/modules/{module_id}/run?wait=true", json=FAST.get(module_id, {}))
+def test_every_module_runs_and_returns_the_documented_record(lab_client, fast_params, module_id):
+    fast = fast_params.get(module_id, {})
+    response = lab_client.post(f"/lab/api/modules/{module_id}/run?wait=true", json=fast)
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["status"] == "done", job.get("error")
@@ -44,7 +42,7 @@ def test_every_module_runs_and_returns_the_documented_record(lab_client, module_
     assert record["id"] == module_id and isinstance(record["measured"], bool)
     _finite_numbers(record)
     assert record["command"].startswith(f"k3serve lab run {module_id}")
-    for name, value in FAST.get(module_id, {}).items():
+    for name, value in fast.items():
         assert f"--param {name}={value}" in record["command"]
     assert record["series"], "a module shows at least one figure"
     assert record["measured"] == any(f["measured"] for f in record["series"])
@@ -55,7 +53,7 @@ def test_every_module_runs_and_returns_the_documented_record(lab_client, module_
             values = trace.get("z") or trace["y"]
             flat = [v for row in values for v in (row if isinstance(row, list) else [row])]
             assert any(v is not None and math.isfinite(v) for v in flat), figure["title"]
-    again = lab_client.post(f"/lab/api/modules/{module_id}/run", json=FAST.get(module_id, {})).json()
+    again = lab_client.post(f"/lab/api/modules/{module_id}/run", json=fast).json()
     assert again["cached"] and again["result"] == record
 
 

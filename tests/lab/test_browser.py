@@ -18,8 +18,6 @@ import pytest
 
 CHROMIUM = Path(os.environ.get("K3SERVE_CHROMIUM", "/usr/bin/chromium"))
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "out" / "lab"
-FAST = {"rollback": {"repeats": 2}, "recurrent_state": {"measure_tokens": 16}, "mxfp4": {"rows": 64},
-        "cache_policies": {"tokens": 256}}
 CHANGES = {  # module -> (parameter, new value, metric that must change)
     "mxfp4": ("distribution", "student_t3", "relative_rms_error"),
     "cache_policies": ("capacity", "200", "retention_pct"),
@@ -83,7 +81,7 @@ def _chart_data(page, module: str) -> list:
         .map(d => (d.data || []).map(t => [t.y || t.z, t.x]))""", module)
 
 
-def test_the_page_in_chromium(lab_url):
+def test_the_page_in_chromium(lab_url, fast_params):
     _chromium_or_skip()
     from playwright.sync_api import sync_playwright
 
@@ -102,7 +100,7 @@ def test_the_page_in_chromium(lab_url):
         assert page.locator("section.module").count() == len(ids)
         first: dict[str, dict] = {}
         for module in ids:
-            for name, value in FAST.get(module, {}).items():
+            for name, value in fast_params.get(module, {}).items():
                 _set(page, module, name, str(value))
             first[module] = _run(page, module)
             figures = page.locator(f"#m-{module} .figure")

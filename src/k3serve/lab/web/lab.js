@@ -201,6 +201,7 @@ function renderResult(id, result, cached) {
   }
   const figures = el("div", {class: "figures"});
   target.append(figures);
+  const pending = [];  // draw once every box is in the grid, so each chart takes its final cell width
   result.series.forEach((figure, index) => {
     const chart = el("div", {class: "chart", id: `chart-${id}-${index}`});
     const box = el("div", {class: "figure", "data-measured": String(figure.measured)},
@@ -210,8 +211,9 @@ function renderResult(id, result, cached) {
       el("div", {class: "source", text: figure.source}),
       el("div", {class: "command"}, "reproduce: ", el("code", {text: figure.command})));
     figures.append(box);
-    draw(chart, figure);
+    pending.push([chart, figure]);
   });
+  for (const [chart, figure] of pending) draw(chart, figure);
   const related = result.related_commands && result.related_commands.length
     ? ` Related: ${result.related_commands.join("  |  ")}` : "";
   target.append(el("p", {class: "meta", text: `${cached ? "cached result, " : ""}ran in ${result.seconds} s.` +
@@ -230,6 +232,10 @@ function draw(div, figure) {
                   legend: {orientation: "h", y: -0.25, font: {size: 11}}, font: {size: 11},
                   xaxis: {title: {text: figure.x_label}, type: logX ? "log" : undefined, automargin: true},
                   yaxis: {title: {text: figure.y_label}, type: figure.log_y ? "log" : undefined, automargin: true}};
+  if (figure.kind === "heatmap") {  // expert ids in a chosen order are categories, not numbers
+    layout.xaxis.type = "category";
+    layout.yaxis.type = "category";
+  }
   if (div.clientWidth) layout.width = div.clientWidth;  // the grid cell's width, not plotly's 700 px default
   Plotly.newPlot(div, traces, layout, {displaylogo: false, responsive: true});
 }

@@ -1,0 +1,103 @@
+"""12. Speculative decoding: a drafter proposes, one forward verifies; acceptance and speed-up."""
+
+from __future__ import annotations
+
+import statistics
+import numpy as np
+
+from k3serve.engine.generate import generate
+from k3serve.engine.replay_drafter import ReplayDrafter, ReplayFactory
+from k3serve.engine.sampling import SamplingParams
+from k3serve.engine.speculative import SpeculativeConfig
+from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+
+
+def grounded_prompt(lab, excerpt_tokens: int) -> list[int]:
+    """A held-out code excerpt, then its first tokens again: a continuation that quotes the context (what n-gram
+    drafting needs), as when a user asks for the same code with a change."""
+    window = lab.windows(1, excerpt_tokens + 1, skip=6, kind="code")[0]
+    return window + window[1:1 + min(8, excerpt_tokens)]
+
+
+def run(params, progress, cancel, lab) -> LabResult:
+    loaded = lab.loaded()
+    model = loaded.model
+    prompt = grounded_prompt(lab, params["excerpt_tokens"]) if params["prompt"] == "grounded" else \
+        lab.windows(1, params["excerpt_tokens"], skip=9, kind="prose")[0]
+    sampling = SamplingParams(max_tokens=params["tokens"], ignore_eos=True)
+    spec = SpeculativeConfig(drafter="ngram" if params["drafter"] == "replay" else params["drafter"],
+                             num_draft_tokens=params["num_draft_tokens"], adaptive=params["adaptive"],
+                             rollback=params["rollback"])
+    factory = None
+    if params["drafter"] == "replay":
+        progress(0.05, "the plain greedy continuation, for the replay drafter")
+        target = model.greedy(prompt, params["tokens"])
+        factory = ReplayFactory(model, ReplayDrafter(len(prompt), target, params["replay_miss"],
+                                                     model.config.vocab_size))
+    plain_s, spec_s, stats, same = [], [], None, True
+    for r in range(params["repeats"]):  # alternated: plain, speculative, plain, ...
+        cancel.check()
+        progress(0.1 + 0.85 * r / params["repeats"], f"repeat {r + 1}: plain")
+        plain, plain_report = generate(model, prompt, sampling)
+        plain_s.append(plain_report.decode_seconds)
+        cancel.check()
+        progress(0.1 + 0.85 * (r + 0.5) / params["repeats"], f"repeat {r + 1}: speculative")
+        if factory is not None:
+            factory.drafter.rng = np.random.default_rng(r)  # the same corruptions every repeat
+        drafted, report = generate(model, prompt, sampling, speculative=spec, drafters=factory)
+        spec_s.append(report.decode_seconds)
+        stats = report.speculation
+        same = same and drafted == plain
+    tokens = params["tokens"]
+    # decode only: the first token comes out of the prefill, which speculation does not change
+    plain_rate, spec_rate = (tokens - 1) / statistics.median(plain_s), (tokens - 1) / statistics.median(spec_s)
+    metrics = {"tok_per_s": spec_rate, "acceptance_pct": 100 * stats.acceptance_rate,
+               "tokens_per_forward": stats.emitted / max(stats.windows, 1), "forwards": float(stats.windows),
+               "speedup": spec_rate / plain_rate}
+    baseline = {"tok_per_s": plain_rate, "acceptance_pct": float("nan"), "tokens_per_forward": 1.0,
+                "forwards": float(tokens), "speedup": 1.0}
+    source = (f"{lab.model_name}, {params['prompt']} prompt of {len(prompt)} tokens, {tokens} greedy tokens, "
+              f"median of {params['repeats']} alternated repeats on this machine")
+    figures = [
+        Figure("Decode speed", "bar", True, source,
+               [{"name": "tok/s", "x": ["plain greedy", f"speculative ({params['drafter']})"],
+                 "y": [plain_rate, spec_rate]}], y_label="tokens/s"),
+        Figure("Drafts and verify windows", "bar", True, source,
+               [{"name": "count", "x": ["drafted", "accepted", "verify forwards", "plain forwards"],
+                 "y": [stats.drafted, stats.accepted, stats.windows, tokens]}]),
+    ]
+    labels = {"tok_per_s": "decode tokens per second (after the prefill)", "acceptance_pct": "drafts accepted (%)",
+              "tokens_per_forward": "tokens per forward", "forwards": "forwards after the prefill",
+              "speedup": "speed-up over plain greedy"}
+    progress(1.0, "done")
+    return LabResult(metrics, baseline, figures, labels, metrics_name=f"speculative ({params['drafter']})",
+                     baseline_name="plain greedy",
+                     notes=["greedy speculative output is token for token the plain greedy output" if same else
+                            "WARNING: speculative output differs from plain greedy"],
+                     related_commands=[f"k3serve generate --prompt 'def f(x):' --max-tokens {tokens} --speculative "
+                                       f"{spec.drafter} --num-draft-tokens {params['num_draft_tokens']}",
+                                       "python benchmarks/bench_spec.py"])
+
+
+MODULE = LabModule(
+    id="speculative", number=12, title="Speculative decoding",
+    summary="Draft several tokens cheaply, verify them in one forward, keep what the model agrees with.",
+    explanation=(
+        "A decode step of a streamed MoE costs about the same for 1 or 5 positions (the same trunk and most of the "
+        "same experts are read), so verifying k drafted tokens in one forward of T = k + 1 positions pays when they "
+        "are accepted. Greedy: accept d_i while it equals the target's argmax; the first mismatch gives the target's "
+        "own token, so the output is exactly plain greedy. With acceptance a, a window yields (1 - a^(k+1)) / (1 - a) "
+        "tokens. Drafters: n-gram lookup in the context (free, good when the output quotes the input), the model on "
+        "its resident experts, or 'replay' (the known continuation with a chosen share of wrong tokens) to show the "
+        "mechanism at a given acceptance."),
+    params=(Param("drafter", "choice", "ngram", "who proposes drafts", choices=("ngram", "resident", "replay")),
+            Param("prompt", "choice", "grounded", "grounded: a code excerpt then its start again; open: prose",
+                  choices=("grounded", "open")),
+            Param("num_draft_tokens", "int", 4, "most drafts per window (k)", min=1, max=16),
+            Param("adaptive", "bool", True, "adapt k to the recent acceptance"),
+            Param("rollback", "choice", "projection", "KDA rollback method", choices=("projection", "snapshot")),
+            Param("replay_miss", "float", 0.1, "replay drafter: share of wrong drafts", min=0.0, max=1.0),
+            Param("tokens", "int", 24, "tokens to generate", min=4, max=256, unit="tokens"),
+            Param("excerpt_tokens", "int", 96, "prompt length", min=8, max=1000, unit="tokens"),
+            Param("repeats", "int", 2, "alternated repeats (medians)", min=1, max=10)),
+    kind="measured", run=run)
