@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=positive_int, default=16, help="positions per paged MLA cache block")
     serve.add_argument("--kv-cache-mib", type=positive_int, default=256, help="memory for the paged MLA cache")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    serve.add_argument("--default-max-tokens", type=positive_int, default=1024,
+                       help="tokens a chat request without max_tokens may generate at most")
     serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
     _add_speculative_args(serve)
     add_stream_args(serve)
@@ -266,7 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        drafters=_drafters(args, speculative, loaded.model))
     name = args.served_model_name or loaded.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    app = create_app(engine, loaded.tokenizer, name)
+    app = create_app(engine, loaded.tokenizer, name, default_max_tokens=args.default_max_tokens)
     if not args.no_lab:  # the lab page beside the API, on its own run queue (k3serve.lab)
         from k3serve.lab.api import mount_lab
         from k3serve.lab.fixtures import LabFixtures

@@ -2,8 +2,9 @@
 /health and /metrics, over one `EngineRunner`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with the status mapped in one place
-(`_error_response`): bad input 400, unknown model 404, engine failure of one request 500. A bad request never
-reaches the engine, and a failing request never disturbs the others.
+(`serve/errors.py`): bad input 400, unknown model or path 404, wrong method 405, a body over the size cap 413,
+engine failure of one request 500. A bad request never reaches the engine, a failing request never disturbs the
+others, and a client that goes away (streaming or not) cancels its request at the next engine step.
 
 Tenancy: the bearer token of a request names its tenant (hashed; no token = "anonymous"), and prefix-cache
 entries are salted by tenant and by the request's `cache_salt`, so tenants never share cached state.
@@ -11,6 +12,7 @@ entries are salted by tenant and by the request's `cache_salt`, so tenants never
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -30,7 +32,9 @@ from k3serve.engine.request import FinishReason, RequestOutput
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import RequestError
 from k3serve.serve.chat import apply_chat_template
+from k3serve.serve.errors import MAX_BODY_BYTES, APIError, install_error_handlers, read_json_body
 from k3serve.serve.metrics import render_metrics
+from k3serve.serve.openapi import declare_request_bodies
 from k3serve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from k3serve.serve.text import TextTracker, stop_hook_for
 from k3serve.tokenizer import Tokenizer
@@ -38,18 +42,8 @@ from k3serve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
-    return JSONResponse(body, status_code=error.status)
+DEFAULT_CHAT_MAX_TOKENS = 1024  # chat without max_tokens: a cap, not the rest of the context (vLLM and
+# OpenAI run to the context's end; llama.cpp's server and Ollama cap by default); `serve --default-max-tokens`
 
 
 @dataclass
@@ -58,8 +52,11 @@ class _Prompt:
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
+                 default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.engine = engine
+        self.default_max_tokens = default_max_tokens
+        self.max_body_bytes = max_body_bytes
         self.runner = EngineRunner(engine)
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -69,9 +66,11 @@ class ServerState:
         self.request_errors = metrics.counter("http_request_errors_total", "HTTP requests answered with 4xx/5xx")
 
 
-def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
-    """The FastAPI app serving `engine`. The engine thread starts now and stops with the app."""
-    state = ServerState(engine, tokenizer, model_name)
+def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
+               default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine`. The engine thread starts now and stops with the app. A chat request
+    without max_tokens generates at most `default_max_tokens`; a body over `max_body_bytes` is refused unread."""
+    state = ServerState(engine, tokenizer, model_name, default_max_tokens, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -81,16 +80,7 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str) -> Fast
     app = FastAPI(title="k3serve", lifespan=lifespan)
     app.state.k3 = state
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        state.request_errors.inc()
-        return _error_response(exc)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        state.request_errors.inc()
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
+    install_error_handlers(app, on_error=state.request_errors.inc)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -127,22 +117,18 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str) -> Fast
         except RequestError as exc:
             raise APIError(400, str(exc), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(state.engine.max_context - len(ids), 1)
+        if max_tokens is None:  # a default cap, never more than the context leaves
+            max_tokens = max(min(state.default_max_tokens, state.engine.max_context - len(ids)), 1)
         return await _serve(request, state, body, [_Prompt(ids)], max_tokens, chat=True)
 
+    declare_request_bodies(app, {"/v1/completions": CompletionRequest,
+                                 "/v1/chat/completions": ChatCompletionRequest})
     return app
 
 
 async def _parse(request: Request, model: type, state: ServerState):
     state.requests_total.inc()
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
+    data = await read_json_body(request, state.max_body_bytes)
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
@@ -204,7 +190,23 @@ async def _serve(request: Request, state: ServerState, body, prompts: list[_Prom
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream_events(state, body, streams, response_id, chat, include_usage),
                                  media_type="text/event-stream")
-    return await _complete(state, body, streams, response_id, chat)
+    watcher = asyncio.create_task(_abort_on_disconnect(request, streams))
+    try:
+        return await _complete(state, body, streams, response_id, chat)
+    finally:
+        watcher.cancel()
+
+
+async def _abort_on_disconnect(request: Request, streams: list[RequestStream]) -> None:
+    """A non-streaming request's client hung up: abort its sequences (freed at the engine's next step). The body
+    is read already, so the next ASGI message is the disconnect."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for stream in streams:
+                if not stream.finished:
+                    stream.abort()
+            return
 
 
 def _speculative_choice(engine, choice):

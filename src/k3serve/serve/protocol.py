@@ -1,4 +1,5 @@
-"""The OpenAI-compatible request bodies, validated strictly: unknown fields and bad values are 400s.
+"""The OpenAI-compatible request bodies, validated strictly: unknown fields, bad values and wrong JSON types
+(`"stream": "yes"`, `"max_tokens": "5"`; an integer is still a number) are 400s.
 
 Only what k3serve implements is accepted; a field we would silently ignore (logprobs, penalties other than 0,
 tools) is rejected with a message instead, so a client never believes it got behaviour it did not get.
@@ -7,40 +8,52 @@ tools) is rejected with a message instead, so a client never believes it got beh
 from __future__ import annotations
 
 import math
-from typing import Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
 MAX_N = 16
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)  # no coercion: JSON types must match the schema
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer; strict pydantic does not. Strings stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]  # an int field: 2 and 2.0, never "2" or 2.5
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
-    max_tokens: int | None = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension: 0 or -1 = no top-k filter
-    n: int = 1
+    # json_schema_extra: the validators' ranges, declared in /openapi.json too (validation is the validators')
+    max_tokens: Integer | None = Field(default=None, json_schema_extra={"minimum": 1})
+    temperature: float = Field(default=1.0, json_schema_extra={"minimum": 0, "maximum": 2})
+    top_p: float = Field(default=1.0, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: Integer = Field(default=0, json_schema_extra={"minimum": -1})  # extension: 0 or -1 = no top-k filter
+    n: Integer = Field(default=1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = Field(default=None, validate_default=True)
-    seed: int | None = None
+    seed: Integer | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 2**63 - 1})
     user: str | None = None
     cache_salt: str | None = None  # extension: isolates prefix-cache entries (vLLM's name)
     ignore_eos: bool = False  # extension
     speculative: Union[bool, Literal["ngram", "resident", "model"], None] = None  # extension: None = server
     # default, false = off, true = on with the server's settings (or n-gram), or a drafter name
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})  # not supported: only 0
+    frequency_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})
 
     @field_validator("temperature")
     @classmethod
@@ -95,6 +108,12 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_LENGTH} characters")
         return stops
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalties(cls, value: float) -> float:
@@ -104,7 +123,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[Integer], list[list[Integer]]] = Field(json_schema_extra={"minLength": 1,
+                                                                                        "minItems": 1})
     echo: bool = False
 
     @field_validator("prompt")
@@ -123,12 +143,20 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[dict]]
+    content: Union[str, list[dict], None] = None  # null (or absent) only for an assistant, as OpenAI allows
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_needed(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -140,8 +168,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: Integer | None = Field(default=None, json_schema_extra={"minimum": 1})
 
     @field_validator("messages")
     @classmethod
