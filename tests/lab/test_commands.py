@@ -1,0 +1,35 @@
+"""`k3serve lab run` and `k3serve lab list` from the shell: the figures, the JSON record, bad parameters."""
+
+from __future__ import annotations
+
+import json
+
+from k3serve.cli import main
+
+
+def test_lab_run_prints_and_writes_the_record(tmp_path, capsys):
+    out = tmp_path / "anatomy.json"
+    assert main(["lab", "run", "anatomy", "--param", "trunk_precision=fp8", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["command"] == "k3serve lab run anatomy --param trunk_precision=fp8"
+    assert "command: k3serve lab run anatomy --param trunk_precision=fp8" in printed
+    bf16 = tmp_path / "bf16.json"
+    assert main(["lab", "run", "anatomy", "--json", str(bf16)]) == 0
+    assert json.loads(bf16.read_text())["metrics"]["trunk_bytes"] == 2 * record["metrics"]["trunk_bytes"]
+
+
+def test_lab_run_refuses_bad_parameters_naming_them(capsys):
+    assert main(["lab", "run", "anatomy", "--param", "top_k=-1"]) == 2
+    assert "top_k" in capsys.readouterr().err
+    assert main(["lab", "run", "anatomy", "--param", "nonsense"]) == 2
+    assert main(["lab", "run", "no-such-module"]) == 2
+
+
+def test_lab_list_names_every_module(capsys):
+    from k3serve.lab.registry import modules
+
+    assert main(["lab", "list"]) == 0
+    printed = capsys.readouterr().out
+    for module_id in modules():
+        assert module_id in printed
