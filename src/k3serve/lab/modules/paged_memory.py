@@ -12,7 +12,7 @@ from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.workloads import WasteMeter, ZeroRowsModel, run_all
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 
-BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_MODEL_LEN = 2048
 
 
@@ -95,7 +95,7 @@ MODULE = LabModule(
         "reference counts and copied only when a completion writes into a shared block (copy-on-write): the prompt "
         "is stored once instead of n times."),
     params=(Param("block_size", "int", 16, "positions per block", min=1, max=256),
-            Param("requests", "int", 48, "requests in the waste workload", min=1, max=512),
+            Param("requests", "int", 32, "requests in the waste workload", min=1, max=512),
             Param("max_prompt", "int", 1024, "longest prompt in the workload", min=16, max=1900, unit="tokens"),
             Param("n", "int", 4, "completions per request for the sharing figure", min=1, max=16),
             Param("prompt_tokens", "int", 256, "prompt of the sharing figure", min=1, max=1500, unit="tokens"),

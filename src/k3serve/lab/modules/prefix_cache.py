@@ -45,7 +45,7 @@ def run(params, progress, cancel, lab) -> LabResult:
     metrics = {"steady_ttft_ms": 1e3 * steady_on, "hit_rate_pct": 100 * hit_rate,
                "checkpoints": float(len(positions))}
     baseline = {"steady_ttft_ms": 1e3 * steady_off, "hit_rate_pct": 0.0, "checkpoints": 0.0}
-    labels = {"steady_ttft_ms": "TTFT from the 3rd request on (ms)", "hit_rate_pct": "prompt positions restored (%)",
+    labels = {"steady_ttft_ms": "TTFT from the 3rd request on (ms)", "hit_rate_pct": "prompt positions restored, all requests (%)",
               "checkpoints": "KDA state checkpoints held"}
     progress(1.0, "done")
     return LabResult(metrics, baseline, figures, labels, metrics_name="prefix cache on", baseline_name="off",
