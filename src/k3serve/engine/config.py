@@ -33,6 +33,8 @@ class EngineConfig:
     num_state_slots: int | None = None  # KDA state slots; None = max_seqs
     admission_watermark: float = 0.01  # fraction of blocks (at least one) left free when admitting a sequence,
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
+    scheduling: str = "fcfs"  # between tenants: fcfs, fair (Virtual Token Counter) or priority (engine/fairness.py)
+    output_cost: float = 2.0  # fair/priority: an output token's charge relative to a prompt token
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_seqs", "max_model_len"):
@@ -53,6 +55,11 @@ class EngineConfig:
         if isinstance(self.admission_watermark, bool) or not isinstance(self.admission_watermark, (int, float)) \
                 or not 0 <= self.admission_watermark < 1:
             raise ConfigError(f"EngineConfig.admission_watermark must be in [0, 1), got {self.admission_watermark!r}")
+        if self.scheduling not in ("fcfs", "fair", "priority"):
+            raise ConfigError(f"EngineConfig.scheduling must be fcfs, fair or priority, got {self.scheduling!r}")
+        if isinstance(self.output_cost, bool) or not isinstance(self.output_cost, (int, float)) \
+                or not self.output_cost >= 0:
+            raise ConfigError(f"EngineConfig.output_cost must be a number >= 0, got {self.output_cost!r}")
         if self.num_blocks is None and self.kv_cache_bytes == 0:
             raise ConfigError("EngineConfig needs num_blocks or a positive kv_cache_bytes")
         if self.num_state_slots is not None and self.num_state_slots < self.max_seqs:

@@ -25,7 +25,8 @@ import numpy as np
 
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
-from k3serve.engine.metrics import MetricsRegistry
+from k3serve.engine.fairness import TenantShare
+from k3serve.engine.metrics import Counter, Gauge, Histogram, MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
 from k3serve.engine.drafters import Draft
@@ -64,6 +65,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._incoming: list[Request] = []
         self._aborts: list[str] = []
+        self._new_shares: dict[str, TenantShare] | None = None  # set_tenant_shares, applied at the next step
         self._live_ids: set[str] = set()  # submitted and not yet finished (guarded by _lock)
         self._requests: dict[str, Request] = {}  # live requests the engine thread has taken in
         self._seq_ids = itertools.count()
@@ -95,6 +97,13 @@ class LLMEngine:
             ("prefix_cache_hit_rate", "positions restored / positions looked up"),
         )}
         self._g["kv_blocks_total"].set(self.scheduler.blocks.num_blocks)
+        self._t_requests = m.family(Counter, "tenant_requests", "requests accepted, per tenant", ("tenant",))
+        self._t_prompt = m.family(Counter, "tenant_prompt_tokens", "prompt tokens accepted, per tenant", ("tenant",))
+        self._t_generated = m.family(Counter, "tenant_generation_tokens", "tokens generated, per tenant", ("tenant",))
+        self._t_ttft = m.family(Histogram, "tenant_ttft_seconds", "arrival to first token, per tenant", ("tenant",))
+        self._t_counter = m.family(Gauge, "tenant_virtual_counter",
+                                   "the scheduler's virtual token counter (weighted service received), per tenant",
+                                   ("tenant",))
         self._g["state_slots_total"].set(self.scheduler.states.num_slots)
 
     # ---- submission (any thread) ----------------------------------------------------------------------------
@@ -180,7 +189,24 @@ class LLMEngine:
             self._incoming.append(request)
         self._m_added.inc()
         self._m_prompt.inc(len(request.prompt_token_ids))
+        self._t_requests.labels(request.tenant).inc()
+        self._t_prompt.labels(request.tenant).inc(len(request.prompt_token_ids))
         return request.request_id
+
+    def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
+        """Replace the tenants' weights, priorities and KV shares (any thread; applied at the next step). Running
+        and queued requests carry on; tenants not named get the default share."""
+        for name, share in shares.items():
+            if not isinstance(name, str) or not isinstance(share, TenantShare):
+                raise RequestError("tenant shares must map tenant names to TenantShare")
+        with self._lock:
+            self._new_shares = dict(shares)
+
+    def share_capacity(self, kv_share: float) -> tuple[int, int]:
+        """(running sequences, cached positions) a KV share allows at admission: a request needing more can only
+        run while its tenant runs nothing else."""
+        max_seqs, max_blocks = self.scheduler.share_limits(kv_share)
+        return max_seqs, max_blocks * self.config.block_size
 
     def _validate_prompt(self, prompt_token_ids: Iterable[int]) -> list[int]:
         if isinstance(prompt_token_ids, (str, bytes)):
@@ -237,6 +263,9 @@ class LLMEngine:
         with self._lock:
             incoming, self._incoming = self._incoming, []
             aborts, self._aborts = self._aborts, []
+            shares, self._new_shares = self._new_shares, None
+        if shares is not None:
+            self.scheduler.policy.set_shares(shares)
         for request in incoming:
             self._requests[request.request_id] = request
             self.scheduler.add(request.sequences[0])
@@ -355,9 +384,12 @@ class LLMEngine:
         request = seq.request
         seq.token_ids.append(token)
         self._m_generated.inc()
+        self._t_generated.labels(request.tenant).inc()
+        self.scheduler.policy.charge_output(request.tenant)
         if request.first_token_time is None:
             request.first_token_time = now
             self._m_ttft.observe(now - request.arrival_time)
+            self._t_ttft.labels(request.tenant).observe(now - request.arrival_time)
         if seq.last_token_time is not None:
             self._m_itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
@@ -453,6 +485,8 @@ class LLMEngine:
         g["kv_blocks_cached"].set(s.blocks.num_cached_blocks)
         g["kv_waste_fraction"].set(self.kv_waste_fraction())
         g["state_slots_used"].set(s.states.num_used_slots)
+        for tenant, value in list(s.policy.counters.items()):
+            self._t_counter.labels(tenant).set(value)
         if s.prefix_cache is not None:
             g["prefix_cache_checkpoints"].set(s.prefix_cache.num_checkpoints)
             queried = self.metrics.counter("prefix_cache_query_tokens").value

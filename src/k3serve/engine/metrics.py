@@ -106,12 +106,38 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
+class Family:
+    """One metric per combination of label values (per tenant, per tenant and reason):
+    `family.labels("alice").inc()`. Children are created on first use and never removed."""
+
+    def __init__(self, kind: type, name: str, help: str, label_names: tuple[str, ...]) -> None:
+        self.kind, self.name, self.help, self.label_names = kind, name, help, label_names
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, ...], Counter | Gauge | Histogram] = {}
+
+    def labels(self, *values: str) -> Any:
+        if len(values) != len(self.label_names):
+            raise ValueError(f"metric {self.name} takes labels {self.label_names}, got {values}")
+        key = tuple(str(v) for v in values)
+        with self._lock:
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self.kind(self.name, self.help, threading.Lock())
+            return child
+
+    def children(self) -> list[tuple[tuple[str, ...], Counter | Gauge | Histogram]]:
+        with self._lock:
+            return list(self._children.items())
+
+
 class MetricsRegistry:
-    """Named metrics, created on first use: `registry.counter("x").inc()`. Asking again returns the same one."""
+    """Named metrics, created on first use: `registry.counter("x").inc()`. Asking again returns the same one.
+    Labeled families (`registry.family(Counter, "x", "help", ("tenant",))`) live beside them, in `families()`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._metrics: dict[str, Counter | Gauge | Histogram] = {}
+        self._families: dict[str, Family] = {}
 
     def _get(self, kind: type, name: str, help: str) -> Any:
         with self._lock:
@@ -135,9 +161,26 @@ class MetricsRegistry:
         with self._lock:
             return list(self._metrics.values())
 
+    def family(self, kind: type, name: str, help: str, label_names: tuple[str, ...]) -> Family:
+        """The labeled family `name` of `kind` (Counter, Gauge or Histogram), created on first use."""
+        with self._lock:
+            family = self._families.get(name)
+            if family is None:
+                family = self._families[name] = Family(kind, name, help, label_names)
+            elif family.kind is not kind or family.label_names != label_names:
+                raise TypeError(f"metric family {name} is a {family.kind.__name__}{family.label_names}")
+            return family
+
+    def families(self) -> list[Family]:
+        with self._lock:
+            return list(self._families.values())
+
     def snapshot(self) -> dict[str, Any]:
         """Every metric by name: a number for counters and gauges, a summary dict for histograms."""
         out: dict[str, Any] = {}
         for metric in self.metrics():
             out[metric.name] = metric.summary() if isinstance(metric, Histogram) else metric.value
+        for family in self.families():  # {"tenant_requests": {"alice": 3.0}}; several labels joined by "/"
+            out[family.name] = {"/".join(key): child.summary() if isinstance(child, Histogram) else child.value
+                                for key, child in family.children()}
         return out

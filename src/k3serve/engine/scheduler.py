@@ -6,24 +6,33 @@ a prefill to what fits in the budget, so long prompts share steps with decodes i
 also stop at the sequence's next KDA checkpoint position, since a recurrent state can only be saved at the end of
 a forward.
 
-Order, first come first served:
+Order (the policy between tenants, engine/fairness.py, picks the sequences; with `fcfs` this is first come first
+served):
   1. running sequences, oldest first; each reserves the blocks its new tokens need. When the pool runs dry the
-     newest running sequence is preempted (its memory freed, its tokens to be recomputed; the prefix cache
-     usually brings most of them back) until the older one fits;
-  2. then waiting sequences, oldest first, while budget, seats, state slots and blocks last (none are admitted in
-     a step that preempted). Admission looks up the prefix cache.
+     policy's victim (the newest running sequence under fcfs; a tenant over its KV share first) is preempted (its
+     memory freed, its tokens to be recomputed; the prefix cache usually brings most of them back) until the
+     sequence fits. Under `fair`/`priority`, prefill chunks of tenants ranked behind the best waiting one are
+     deferred to step 3;
+  2. then waiting sequences in the policy's order, while budget, seats, state slots and blocks last (none are
+     admitted in a step that preempted; a tenant at its share is skipped). Admission looks up the prefix cache. A
+     sequence that finds no seat, slot or blocks may displace one running sequence the policy names (a lower
+     priority class, or a tenant over its share);
+  3. deferred prefill chunks take the budget left over (work-conserving), without preempting.
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from k3serve.config import K3Config
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
-from k3serve.engine.metrics import MetricsRegistry
+from k3serve.engine.fairness import TenantUsage, make_policy
+from k3serve.engine.metrics import Counter as MetricCounter
+from k3serve.engine.metrics import Histogram, MetricsRegistry
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
 from k3serve.engine.prefix_cache import PrefixCache, PrefixMatch
@@ -74,6 +83,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._m_preemptions = metrics.counter("preemptions", "sequences preempted (memory freed, to recompute)")
+        self.policy = make_policy(config.scheduling, config.output_cost)
+        self.preemptions_by_tenant: Counter[str] = Counter()
+        self._m_tenant_preemptions = metrics.family(
+            MetricCounter, "tenant_preemptions", "sequences preempted, per tenant", ("tenant",))
+        self._m_queue_time = metrics.family(Histogram, "tenant_queue_seconds",
+                                            "arrival to first admission, per tenant", ("tenant",))
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,8 +97,15 @@ class Scheduler:
 
     # ---- queue operations -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        active = self.active_tenants()
+        if seq.request.tenant not in active:
+            self.policy.activate(seq.request.tenant, active)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def active_tenants(self) -> set[str]:
+        """Tenants with a queued or running sequence."""
+        return {s.request.tenant for s in self.waiting} | {s.request.tenant for s in self.running}
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -138,36 +160,105 @@ class Scheduler:
         if suspect is not None:
             self._schedule_alone(suspect, out)
             return out
-        budget = self.config.max_batch_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._chunk(seq, seq.num_computed_tokens, budget, alone=not out.scheduled)
-            if n == 1 and seq.draft_tokens and seq.num_uncomputed_tokens == 1:  # a decode with drafts to verify
-                n = min(1 + len(seq.draft_tokens), budget)
-            if n == 0:
-                i += 1
+        capped = any(share.kv_share < 1 for share in self.policy.shares.values())
+        best = self.policy.pick_waiting(self.waiting, set())
+        deferred: list[Sequence] = []
+        for seq in list(self.running):
+            if self._budget(out) <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            while seq.cache.num_blocks_to_reserve(n) > self.blocks.num_free_blocks:
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                seq.cache.reserve(n)
-                out.scheduled.append(ScheduledSequence(seq, n, max(0, n - seq.num_uncomputed_tokens)))
-                budget -= n
-                i += 1
+            if self.policy.defers(seq, best):
+                deferred.append(seq)
+                continue
+            self._schedule_running(seq, out, capped, may_preempt=True)
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs \
-                and self.states.num_free_slots > 0:
-            n = self._admit_head(budget, alone=not out.scheduled)
-            if n == 0:
+        stalled = self._admit_waiting(out, capped)
+        if stalled is not None:
+            usage, limits = self._usage(capped)
+            victim = self.policy.displaces(stalled, self.running, usage, limits)
+            if victim is not None:
+                self._preempt(victim, out)
+                return out
+        for seq in deferred:
+            if self._budget(out) <= 0:
                 break
-            out.scheduled.append(ScheduledSequence(self.running[-1], n))
-            budget -= n
+            if seq.status is SequenceStatus.RUNNING:
+                self._schedule_running(seq, out, capped, may_preempt=False)
         return out
+
+    def _budget(self, out: SchedulerOutput) -> int:
+        return self.config.max_batch_tokens - out.num_batched_tokens
+
+    def _schedule_running(self, seq: Sequence, out: SchedulerOutput, capped: bool, may_preempt: bool) -> None:
+        """Give running `seq` its next chunk (or decode, with drafts) if the budget and memory allow; may preempt
+        the policy's victims to make room (possibly `seq` itself)."""
+        budget = self._budget(out)
+        n = self._chunk(seq, seq.num_computed_tokens, budget, alone=not out.scheduled)
+        if n == 1 and seq.draft_tokens and seq.num_uncomputed_tokens == 1:  # a decode with drafts to verify
+            n = min(1 + len(seq.draft_tokens), budget)
+        if n == 0:
+            return
+        while seq.cache.num_blocks_to_reserve(n) > self.blocks.num_free_blocks:
+            if not may_preempt:
+                return
+            usage, limits = self._usage(capped)
+            victim = self.policy.victim(self.running, usage, limits)
+            self._preempt(victim, out)
+            if victim is seq:
+                return
+        seq.cache.reserve(n)
+        out.scheduled.append(ScheduledSequence(seq, n, max(0, n - seq.num_uncomputed_tokens)))
+
+    def _admit_waiting(self, out: SchedulerOutput, capped: bool) -> Sequence | None:
+        """Admit waiting sequences in the policy's order. Returns the sequence that found no seat, state slot or
+        blocks (a candidate to displace a running one), or None."""
+        blocked: set[str] = set()  # tenants at their share: none of theirs this step
+        while self.waiting and self._budget(out) > 0:
+            seq = self.policy.pick_waiting(self.waiting, blocked)
+            if seq is None:
+                return None
+            if capped and self._at_share(seq, capped):
+                blocked.add(seq.request.tenant)
+                continue
+            if len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0:
+                return seq
+            n = self._admit(seq, self._budget(out), alone=not out.scheduled)
+            if n == 0:
+                return seq
+            out.scheduled.append(ScheduledSequence(seq, n))
+        return None
+
+    def _usage(self, capped: bool) -> tuple[dict[str, TenantUsage], dict[str, tuple[int, int]]]:
+        """Per-tenant holdings and limits (max seqs, max blocks); empty when no tenant has a share below 1."""
+        if not capped:
+            return {}, {}
+        usage: dict[str, TenantUsage] = {}
+        for seq in self.running:
+            held = usage.setdefault(seq.request.tenant, TenantUsage())
+            held.num_seqs += 1
+            held.num_blocks += len(seq.cache.block_table)
+        limits = {tenant: self.tenant_limits(tenant) for tenant in usage}
+        return usage, limits
+
+    def tenant_limits(self, tenant: str) -> tuple[int, int]:
+        return self.share_limits(self.policy.share(tenant).kv_share)
+
+    def share_limits(self, kv_share: float) -> tuple[int, int]:
+        """(max running sequences, max blocks) a KV share allows at admission (at least one of each)."""
+        seats = min(self.config.max_seqs, self.states.num_slots)
+        return max(1, int(kv_share * seats)), max(1, int(kv_share * self.blocks.num_blocks))
+
+    def _at_share(self, seq: Sequence, capped: bool) -> bool:
+        """Whether admitting `seq` would put its tenant over its share (never when the tenant runs nothing)."""
+        usage, _ = self._usage(capped)
+        held = usage.get(seq.request.tenant)
+        if held is None:
+            return False
+        max_seqs, max_blocks = self.tenant_limits(seq.request.tenant)
+        first_chunk = min(seq.num_tokens, self.config.max_batch_tokens)
+        return held.num_seqs + 1 > max_seqs or held.num_blocks + -(-first_chunk // self.config.block_size) > max_blocks
 
     def _schedule_alone(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Run one suspect sequence by itself, preempting running sequences if it needs their memory or seat."""
@@ -176,7 +267,7 @@ class Scheduler:
         while self.running and (len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0
                                 or not self._fits(seq, self.config.max_batch_tokens)):
             self._preempt(self.running[-1], out)
-        n = self._admit_head(self.config.max_batch_tokens, alone=True)
+        n = self._admit(seq, self.config.max_batch_tokens, alone=True)
         if n:
             out.scheduled.append(ScheduledSequence(self.running[-1], n))
 
@@ -209,9 +300,8 @@ class Scheduler:
         revived = self.prefix_cache.blocks_to_take(match) if match is not None else 0
         return revived + -(-(start + n) // BS) - start // BS
 
-    def _admit_head(self, budget: int, alone: bool) -> int:
-        """Admit the first waiting sequence if it fits; returns its scheduled token count (0 if it did not)."""
-        seq = self.waiting[0]
+    def _admit(self, seq: Sequence, budget: int, alone: bool) -> int:
+        """Admit waiting `seq` if it fits; returns its scheduled token count (0 if it did not)."""
         match = self._lookup(seq)
         start = match.num_tokens if match is not None else 0
         targets = self.prefix_cache.plan_checkpoints(match, seq.num_prompt_tokens, seq.num_tokens) \
@@ -223,7 +313,7 @@ class Scheduler:
         if n == 0 or self._blocks_for_admission(match, start, n) + reserve > self.blocks.num_free_blocks:
             seq.checkpoint_targets = []
             return 0
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         cache = PagedSequenceCache(self.model_config, self.blocks, self.states)
         if match is not None:
             first_admission = seq.num_preemptions == 0 and not seq.suspect
@@ -233,6 +323,10 @@ class Scheduler:
             if first_admission and seq.index == 0:
                 seq.request.num_cached_tokens = match.num_tokens
             seq.num_registered_blocks = len(match.block_ids) if match.checkpoint is not None else 0
+        if seq.num_preemptions == 0 and not seq.suspect:  # first admission: the tenant is charged its prompt
+            self.policy.charge_prompt(seq.request.tenant, seq.num_tokens - start)
+            if seq.index == 0:
+                self._m_queue_time.labels(seq.request.tenant).observe(time.perf_counter() - seq.request.arrival_time)
         cache.reserve(n)
         seq.cache = cache
         seq.num_computed_tokens = cache.num_tokens
@@ -248,6 +342,8 @@ class Scheduler:
         out.preempted.append(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self._m_preemptions.inc()
+        self.preemptions_by_tenant[seq.request.tenant] += 1
+        self._m_tenant_preemptions.labels(seq.request.tenant).inc()
 
     # ---- memory ---------------------------------------------------------------------------------------------
     def _register(self, seq: Sequence) -> None:

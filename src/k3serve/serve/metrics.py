@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, SummaryMetricFamily)
 
-from k3serve.engine.metrics import Counter, Gauge, Histogram, MetricsRegistry
+from k3serve.engine.metrics import Counter, Family, Gauge, Histogram, MetricsRegistry
 
 PREFIX = "k3serve_"
 
@@ -42,6 +42,27 @@ class _RegistryCollector:
                         if value == value:  # skip NaN (no samples yet)
                             quantiles.add_metric([str(q)], value)
                     yield quantiles
+        for family in self._registry.families():
+            yield _labeled(family)
+
+
+def _labeled(family: Family):
+    """A labeled family (per tenant) as one Prometheus family with a sample set per label combination."""
+    name, help_text, labels = PREFIX + family.name, family.help or family.name, list(family.label_names)
+    if family.kind is Counter:
+        out = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=labels)
+        for key, child in family.children():
+            out.add_metric(list(key), child.value)
+    elif family.kind is Gauge:
+        out = GaugeMetricFamily(name, help_text, labels=labels)
+        for key, child in family.children():
+            out.add_metric(list(key), child.value)
+    else:
+        out = HistogramMetricFamily(name, help_text, labels=labels)
+        for key, child in family.children():
+            out.add_metric(list(key), [(_le(bound), count) for bound, count in child.cumulative_buckets()],
+                           child.sum)
+    return out
 
 
 def _le(bound: float) -> str:

@@ -1,0 +1,198 @@
+"""Scheduling policies between tenants: which waiting sequence is admitted next, which running prefill chunks wait
+for it, and which running sequence is preempted when memory runs out. The scheduler asks; the policy decides.
+
+Every policy keeps a Virtual Token Counter per tenant (Sheng et al., "Fairness in Serving Large Language Models",
+OSDI 2024, section 4), so `/metrics` shows it whichever policy runs:
+
+    c_u += n_in / w_u              when a sequence of tenant u is first admitted (n_in: prompt positions it computes,
+                                   i.e. not served by the prefix cache)
+    c_u += cost * n_out / w_u      for every generated token (`output_cost`, 2 by default as in the paper)
+    c_u  = max(c_u, min_{v in A} c_v)   when u becomes active (A: tenants with queued or running sequences; with A
+                                   empty, the largest counter), so an idle tenant banks no credit
+
+- `fcfs`: the oldest waiting sequence first; preempt the newest running one.
+- `fair` (VTC): admit from the active tenant with the smallest counter (its oldest sequence). It is
+  work-conserving: a tenant that cannot use capacity never holds it back from the others. Running prefill chunks
+  of tenants whose counter is above the smallest waiting counter go after the admissions in the step's token
+  budget (they get what is left, so nothing idles).
+- `priority`: strict classes (a larger `priority` is more important), VTC within a class; a waiting sequence that
+  finds no seat, state slot or blocks preempts a running sequence of a lower class.
+
+Shares: a tenant's `kv_share` caps the MLA blocks and KDA state slots its running sequences hold when it is
+admitted (it may grow past the cap while it runs, and a tenant with nothing running is always admitted if the
+pool can hold it, so a cap never deadlocks). Under memory pressure the victim is a sequence of a tenant over its
+share (the most over) first; then the policy's own order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from k3serve.engine.request import Sequence
+from k3serve.errors import ConfigError
+
+SCHEDULING_POLICIES = ("fcfs", "fair", "priority")
+DEFAULT_OUTPUT_COST = 2.0  # the paper's w_q / w_p: an output token costs twice an input token
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """What the engine knows of a tenant: its weight and priority class, and its share of blocks and slots."""
+
+    weight: float = 1.0
+    priority: int = 0
+    kv_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
+                or not math.isfinite(self.weight) or self.weight <= 0:
+            raise ConfigError(f"TenantShare.weight must be a positive number, got {self.weight!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ConfigError(f"TenantShare.priority must be an integer, got {self.priority!r}")
+        if isinstance(self.kv_share, bool) or not isinstance(self.kv_share, (int, float)) \
+                or not 0 < self.kv_share <= 1:
+            raise ConfigError(f"TenantShare.kv_share must be in (0, 1], got {self.kv_share!r}")
+
+
+DEFAULT_SHARE = TenantShare()
+
+
+@dataclass
+class TenantUsage:
+    """Blocks and state slots a tenant's running sequences hold (a block shared by two of them counts twice)."""
+
+    num_seqs: int = 0
+    num_blocks: int = 0
+
+
+class SchedulingPolicy:
+    """Counters, shares and the three decisions. Subclasses differ only in `rank` (lower is served first) and in
+    which running sequences a waiting one may displace."""
+
+    name = "fcfs"
+
+    def __init__(self, output_cost: float = DEFAULT_OUTPUT_COST) -> None:
+        if isinstance(output_cost, bool) or not isinstance(output_cost, (int, float)) or not output_cost >= 0:
+            raise ConfigError(f"output_cost must be a number >= 0, got {output_cost!r}")
+        self.output_cost = float(output_cost)
+        self.shares: dict[str, TenantShare] = {}
+        self.counters: dict[str, float] = {}
+
+    # ---- tenants and counters -------------------------------------------------------------------------------
+    def set_shares(self, shares: dict[str, TenantShare]) -> None:
+        """Replace every tenant's share (a reloaded tenants file); tenants not named get the default."""
+        self.shares = dict(shares)
+
+    def share(self, tenant: str) -> TenantShare:
+        return self.shares.get(tenant, DEFAULT_SHARE)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def activate(self, tenant: str, active: set[str]) -> None:
+        """`tenant` had nothing queued or running and now has: lift its counter (no banked credit)."""
+        others = [self.counters.get(t, 0.0) for t in active if t != tenant]
+        if others:
+            floor = min(others)
+        else:
+            floor = max(self.counters.values(), default=0.0)
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def charge_prompt(self, tenant: str, num_tokens: int) -> None:
+        self.counters[tenant] = self.counter(tenant) + num_tokens / self.share(tenant).weight
+
+    def charge_output(self, tenant: str, num_tokens: int = 1) -> None:
+        self.counters[tenant] = self.counter(tenant) + self.output_cost * num_tokens / self.share(tenant).weight
+
+    # ---- decisions ------------------------------------------------------------------------------------------
+    def rank(self, tenant: str) -> tuple:
+        """Service order between tenants: lower first. FCFS: no preference (queue order decides)."""
+        return ()
+
+    def pick_waiting(self, waiting: Iterable[Sequence], blocked: set[str]) -> Sequence | None:
+        """The next sequence to admit: the best-ranked tenant's oldest queued sequence (queue order among equal
+        ranks), skipping tenants in `blocked` (at their share this step)."""
+        best: Sequence | None = None
+        best_key: tuple | None = None
+        seen: set[str] = set()
+        for seq in waiting:
+            tenant = seq.request.tenant
+            if tenant in blocked or tenant in seen:
+                continue
+            seen.add(tenant)
+            key = self.rank(tenant)
+            if best_key is None or key < best_key:
+                best, best_key = seq, key
+        return best
+
+    def defers(self, seq: Sequence, best_waiting: Sequence | None) -> bool:
+        """Whether running `seq`'s prefill chunk goes after the admission of `best_waiting` (it still gets the
+        budget left over). Decodes never wait: they are one token each and hold memory."""
+        if best_waiting is None or seq.num_uncomputed_tokens <= 1:
+            return False
+        return self.rank(best_waiting.request.tenant) < self.rank(seq.request.tenant)
+
+    def victim(self, running: list[Sequence], usage: dict[str, TenantUsage], limits: dict[str, tuple[int, int]]
+               ) -> Sequence:
+        """The running sequence to preempt when memory runs out: over-share tenants first (most over), then the
+        policy's victim order. `limits`: tenant -> (max seqs, max blocks)."""
+        return max(running, key=lambda s: (_over_share(s.request.tenant, usage, limits), self._victim_key(s)))
+
+    def _victim_key(self, seq: Sequence) -> tuple:
+        return (seq.seq_id,)  # the newest
+
+    def displaces(self, waiting: Sequence, running: list[Sequence], usage: dict[str, TenantUsage],
+                  limits: dict[str, tuple[int, int]]) -> Sequence | None:
+        """A running sequence that `waiting` (which cannot be admitted for lack of a seat, slot or blocks) may
+        preempt, or None: one of a tenant over its share while `waiting`'s tenant is within its own."""
+        tenant = waiting.request.tenant
+        if _over_share(tenant, usage, limits) > 0:
+            return None
+        over = [s for s in running if _over_share(s.request.tenant, usage, limits) > 0]
+        return self.victim(over, usage, limits) if over else None
+
+
+class FairPolicy(SchedulingPolicy):
+    name = "fair"
+
+    def rank(self, tenant: str) -> tuple:
+        return (self.counter(tenant),)
+
+    def _victim_key(self, seq: Sequence) -> tuple:
+        return (self.counter(seq.request.tenant), seq.seq_id)  # the largest counter's newest
+
+
+class PriorityPolicy(SchedulingPolicy):
+    name = "priority"
+
+    def rank(self, tenant: str) -> tuple:
+        return (-self.share(tenant).priority, self.counter(tenant))
+
+    def _victim_key(self, seq: Sequence) -> tuple:
+        return (-self.share(seq.request.tenant).priority, self.counter(seq.request.tenant), seq.seq_id)
+
+    def displaces(self, waiting: Sequence, running: list[Sequence], usage: dict[str, TenantUsage],
+                  limits: dict[str, tuple[int, int]]) -> Sequence | None:
+        level = self.share(waiting.request.tenant).priority
+        lower = [s for s in running if self.share(s.request.tenant).priority < level]
+        if lower:
+            return self.victim(lower, usage, limits)
+        return super().displaces(waiting, running, usage, limits)
+
+
+def make_policy(name: str, output_cost: float = DEFAULT_OUTPUT_COST) -> SchedulingPolicy:
+    classes = {"fcfs": SchedulingPolicy, "fair": FairPolicy, "priority": PriorityPolicy}
+    if name not in classes:
+        raise ConfigError(f"scheduling must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")
+    return classes[name](output_cost)
+
+
+def _over_share(tenant: str, usage: dict[str, TenantUsage], limits: dict[str, tuple[int, int]]) -> float:
+    """How far a tenant is over its share (0 when within): the larger of its seat and block overshoot ratios."""
+    held = usage.get(tenant)
+    if held is None or tenant not in limits:
+        return 0.0
+    max_seqs, max_blocks = limits[tenant]
+    return max(0.0, held.num_seqs / max_seqs - 1, held.num_blocks / max_blocks - 1)
