@@ -94,6 +94,8 @@ def add_subcommands(sub) -> dict:
                        help="comma-separated policies to replay")
     cache.add_argument("--json", type=cli_args.output_file, default=None,
                        help="also write the results as JSON to this file (default: none)")
+    from k3serve.sim.commands import add_sim_commands
+    add_sim_commands(sim_sub)  # k3, calibrate, probe-disk, probe-cpu (the full-scale simulator)
 
     co = sub.add_parser("coactivation", help="per-layer co-activation maps of a trace, as .npy and heatmap .png")
     co.add_argument("trace", type=Path, help="routing trace (written by --trace-out)")
@@ -169,6 +171,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from k3serve.sim.cache_replay import replay_all
+    from k3serve.sim.commands import SIM_COMMANDS
+
+    if args.sim_command in SIM_COMMANDS:
+        return SIM_COMMANDS[args.sim_command](args)
     from k3serve.stream.trace import read_trace
 
     trace = read_trace(args.trace)

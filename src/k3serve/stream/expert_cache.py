@@ -7,7 +7,8 @@ simulated time instead of bytes.
   take slots freed by the policy and are read in one offset-ordered, coalesced batch; returns the slot indices.
 - `prefetch(layer, guesses)`: read guessed experts of a later layer into cold slots only. A speculative load takes
   a free slot or one holding an earlier guess that was never used: it never evicts a warm expert. With prefetch
-  on, `prefetch_max` slots are kept out of the warm set so that guesses always find a cold slot.
+  on, 2 x `prefetch_max` slots are kept out of the warm set so that the guesses for the next layer find cold
+  slots without dropping those for the layer about to run.
 - `release()`: end of a request: a non-retaining policy (none) frees its slots.
 
 Honest counters (on the shared `StreamStats`): a request is *retained* only if its expert was resident before
@@ -75,7 +76,8 @@ class ExpertCache:
         self._step = -1
         self.policy = make_policy(policy, num_slots, profile, working_slots=top_k)
         self.prefetch_max = top_k if prefetch_max is None else prefetch_max
-        reserve = min(self.prefetch_max, num_slots - top_k) if prefetch else 0
+        # guesses for the layer about to run and for the one after it live side by side: two layers' worth
+        reserve = min(2 * self.prefetch_max, num_slots - top_k) if prefetch else 0
         self._warm_capacity = num_slots - max(reserve, 0)
 
     @property
@@ -155,7 +157,7 @@ class ExpertCache:
             key = (layer, int(expert))
             if key in self._table:
                 continue
-            index = self._take_cold_slot()
+            index = self._take_cold_slot(keep_layer=layer - 1)
             if index is None:
                 break
             slot = self._slots[index]
@@ -202,11 +204,15 @@ class ExpertCache:
         self._evict(index)
         return index
 
-    def _take_cold_slot(self) -> int | None:
+    def _take_cold_slot(self, keep_layer: int) -> int | None:
+        """A free slot, or one holding a finished guess that is not for `keep_layer` (the layer about to ask for
+        its experts: dropping its guesses now would read them twice)."""
         if self._free:
             return self._free.pop()
         for index in list(self._cold):
             slot = self._slots[index]
+            if slot.key is not None and slot.key[0] == keep_layer:
+                continue
             if slot.future is None or slot.future.done():
                 self._drop_guess(index)
                 return index

@@ -54,6 +54,22 @@ class IOCounters:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
+def coalesce(extents: Sequence[Extent], max_coalesce_bytes: int) -> list[list[Extent]]:
+    """Extents in offset order, adjacent ones (one ends where the next starts) merged into runs of at most
+    `max_coalesce_bytes`: one system call per run. The simulator schedules the same runs."""
+    runs: list[list[Extent]] = []
+    for extent in sorted(extents, key=lambda e: e.offset):
+        if runs:
+            last = runs[-1][-1]
+            run_bytes = last.offset + len(last.buffer) - runs[-1][0].offset
+            if last.offset + len(last.buffer) == extent.offset and \
+                    run_bytes + len(extent.buffer) <= max_coalesce_bytes:
+                runs[-1].append(extent)
+                continue
+        runs.append([extent])
+    return runs
+
+
 class IOEngine:
     def __init__(self, path: str | Path, mode: str = "pread", queue_depth: int = 8,
                  max_coalesce_bytes: int = DEFAULT_MAX_COALESCE_BYTES, max_attempts: int = 3) -> None:
@@ -90,17 +106,8 @@ class IOEngine:
     def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:
         """Start reading every extent; returns {id(extent): future}. A future's result is the list of extents of
         its run whose checksum failed (empty when all passed); read errors raise from the future."""
-        ordered = sorted(extents, key=lambda e: e.offset)
-        runs: list[list[Extent]] = []
-        for extent in ordered:
-            if runs and self.mode != "mmap":
-                last = runs[-1][-1]
-                run_bytes = runs[-1][-1].offset + len(last.buffer) - runs[-1][0].offset
-                if last.offset + len(last.buffer) == extent.offset and \
-                        run_bytes + len(extent.buffer) <= self.max_coalesce_bytes:
-                    runs[-1].append(extent)
-                    continue
-            runs.append([extent])
+        runs = coalesce(extents, self.max_coalesce_bytes) if self.mode != "mmap" else \
+            [[e] for e in sorted(extents, key=lambda e: e.offset)]
         futures: dict[int, Future] = {}
         for run in runs:
             if self._pool is None:

@@ -1,0 +1,166 @@
+"""`k3serve sim k3 | calibrate | probe-disk | probe-cpu`: the full-scale simulator's command line (wired into
+`k3serve sim` beside `sim cache`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k3serve.stream.budget import format_size, parse_size
+
+RAM_LADDER = ("8G", "16G", "32G", "64G", "128G")
+
+
+def add_sim_commands(sim_sub) -> None:
+    k3 = sim_sub.add_parser("k3", help="simulate the full K3 (2.78T) through k3serve's streaming code on a machine")
+    k3.add_argument("--ram", default="32G", help="RAM budget for weights (e.g. 8G); 'unlimited' for none")
+    k3.add_argument("--machine", default="laptop",
+                    help="a preset (c-engine, c-engine-v1, laptop, this-machine) or a machine file (.json/.toml)")
+    k3.add_argument("--engine", choices=("k3serve", "c-engine"), default="k3serve")
+    k3.add_argument("--policy", default="lfu", help="expert cache policy: none, lru, lfu, s3fifo, pinned")
+    k3.add_argument("--prefetch", choices=("none", "next-layer"), default="next-layer")
+    k3.add_argument("--prefetch-max", type=int, default=None)
+    k3.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural")
+    k3.add_argument("--pin-trunk", default=None, help="cap on pinned trunk bytes (moves the trunk/cache split)")
+    k3.add_argument("--queue-depth", type=int, default=16)
+    k3.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="float32",
+                    help="how k3serve holds the trunk in RAM (float32 today; bf16 is a what-if)")
+    k3.add_argument("--batch", type=int, default=1)
+    k3.add_argument("--speculative", type=int, default=0, help="draft tokens per step (0: off)")
+    k3.add_argument("--acceptance", type=float, default=0.7, help="per-draft-token acceptance when speculating")
+    k3.add_argument("--tokens", type=int, default=4, help="decode steps measured")
+    k3.add_argument("--warmup", type=int, default=1, help="decode steps before measuring")
+    k3.add_argument("--routing", choices=("skewed", "flat"), default="skewed")
+    k3.add_argument("--routing-trace", type=Path, default=None,
+                    help="fit the skewed routing from this trace (k3serve routing-stats --trace-out)")
+    k3.add_argument("--recall", type=float, default=None, help="next-layer guess recall (default: measured 65%%)")
+    k3.add_argument("--c-pinned", type=int, default=None, help="c-engine: pinned layers")
+    k3.add_argument("--c-cache", default=None, help="c-engine: expert cache size")
+    k3.add_argument("--seed", type=int, default=0)
+    k3.add_argument("--timeline", action="store_true", help="print the per-layer timeline")
+    k3.add_argument("--sweep", choices=("ram",), default=None, help="run the memory ladder 8..128G")
+    k3.add_argument("--plot", type=Path, default=None, help="with --sweep ram: write the ladder as SVG")
+    k3.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
+
+    cal = sim_sub.add_parser("calibrate", help="the C engine's published K3 figures beside the simulator's")
+    cal.add_argument("--routing", choices=("flat", "skewed"), default="flat")
+    cal.add_argument("--json", type=Path, default=None)
+
+    disk = sim_sub.add_parser("probe-disk", help="O_DIRECT throughput by request size and queue depth")
+    disk.add_argument("path", type=Path, help="a large existing file on the disk to measure")
+    disk.add_argument("--sizes", default="4K,64K,1M,4M,16M")
+    disk.add_argument("--queue-depths", default="1,4,16")
+    disk.add_argument("--seconds", type=float, default=0.3, help="per point (keep it short: the disk is shared)")
+    disk.add_argument("--out", type=Path, default=None, help="write a machine file (with --cpu-from)")
+
+    cpu = sim_sub.add_parser("probe-cpu", help="the engine's kernels in bytes/s and FLOP/s")
+    cpu.add_argument("--out", type=Path, default=None, help="write the compute table as JSON")
+
+
+def _ram(text: str) -> int | None:
+    return None if text.lower() in ("unlimited", "none") else parse_size(text)
+
+
+def _sim_config(args: argparse.Namespace, ram: int | None):
+    from k3serve.config import full_k3_config
+    from k3serve.sim.full import SimConfig
+    from k3serve.sim.machine import resolve_machine
+    from k3serve.sim.routing import fit_routing
+    from k3serve.stream.trace import read_trace
+
+    routing_model = None
+    if args.routing_trace is not None:
+        c = full_k3_config()
+        fit = fit_routing(read_trace(args.routing_trace), c.num_experts, c.num_experts_per_token, args.recall,
+                          seed=args.seed)
+        print("\n".join(fit.lines()), file=sys.stderr)
+        routing_model = fit.model
+    return SimConfig(
+        machine=resolve_machine(args.machine), ram_bytes=ram, engine=args.engine, policy=args.policy,
+        prefetch=args.prefetch, prefetch_max=args.prefetch_max, layout=args.layout,
+        pin_trunk_bytes=parse_size(args.pin_trunk) if args.pin_trunk else None, queue_depth=args.queue_depth,
+        trunk_dtype=args.trunk_dtype, batch=args.batch, speculative=args.speculative, acceptance=args.acceptance,
+        tokens=args.tokens, warmup=args.warmup, routing=args.routing, routing_model=routing_model, seed=args.seed,
+        pinned_layers=args.c_pinned, cache_bytes=parse_size(args.c_cache) if args.c_cache else None)
+
+
+def cmd_sim_k3(args: argparse.Namespace) -> int:
+    from k3serve.sim.full import simulate
+    from k3serve.sim.plot import line_chart
+    from k3serve.stream.budget import BudgetError
+
+    if args.sweep == "ram":
+        records, points = [], []
+        for size in RAM_LADDER:
+            try:
+                r = simulate(_sim_config(args, parse_size(size)))
+            except BudgetError as exc:
+                print(f"{size:>6}: does not run: {exc}")
+                records.append({"ram": size, "error": str(exc)})
+                continue
+            print(f"{size:>6}: {r.s_per_token:8.3f} s/token, {format_size(r.bytes_per_token)}/token, "
+                  f"{r.reads_per_token:.0f} reads, I/O {r.io_seconds_per_token:.2f} s, compute "
+                  f"{r.compute_seconds_per_token:.2f} s")
+            records.append({"ram": size, **r.to_dict()})
+            points.append((parse_size(size) / 2**30, r.s_per_token))
+        if args.plot is not None and points:
+            args.plot.write_text(line_chart(f"full K3 on {args.machine}: s/token by RAM", "RAM (GiB)", "s/token",
+                                            {f"{args.engine} {args.policy}": points}))
+        if args.json:
+            args.json.write_text(json.dumps(records, indent=1))
+        return 0
+    r = simulate(_sim_config(args, _ram(args.ram)))
+    print("\n".join(r.lines()))
+    if args.timeline:
+        print("\n".join(r.timeline_lines()))
+    if args.json:
+        args.json.write_text(json.dumps(r.to_dict(), indent=1))
+    return 0
+
+
+def cmd_sim_calibrate(args: argparse.Namespace) -> int:
+    from k3serve.sim.calibrate import calibration, cold_token_figures, table_lines
+
+    reads, gb = cold_token_figures()
+    print(f"cold token: {reads:.0f} expert reads, {gb:.2f} GB (C engine: 1,472 and 25.83 GB)")
+    rows = calibration(args.routing)
+    print("\n".join(table_lines(rows)))
+    if args.json:
+        args.json.write_text(json.dumps({"cold_reads": reads, "cold_gb": gb,
+                                         "rows": [r.__dict__ | {"error": r.error} for r in rows]}, indent=1))
+    return 0
+
+
+def cmd_sim_probe_disk(args: argparse.Namespace) -> int:
+    from k3serve.sim.probe import probe_disk
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    qds = [int(q) for q in args.queue_depths.split(",")]
+    disk = probe_disk(args.path, sizes, qds, args.seconds)
+    print(f"{'size':>10} " + " ".join(f"{'QD' + str(q):>10}" for q in qds) + "   (MB/s, O_DIRECT)")
+    for s, row in zip(disk.sizes, disk.throughput):
+        print(f"{format_size(s):>10} " + " ".join(f"{v / 1e6:>10.0f}" for v in row))
+    if args.out:
+        args.out.write_text(json.dumps({"sizes": list(disk.sizes), "queue_depths": list(disk.queue_depths),
+                                        "throughput": [list(r) for r in disk.throughput],
+                                        "path": str(args.path)}, indent=1))
+    return 0
+
+
+def cmd_sim_probe_cpu(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from k3serve.sim.probe import probe_cpu
+
+    compute, raw = probe_cpu()
+    for key, value in asdict(compute).items():
+        print(f"{key:<28} {value:.4g}")
+    if args.out:
+        args.out.write_text(json.dumps({"compute": asdict(compute), "raw": raw}, indent=1))
+    return 0
+
+
+SIM_COMMANDS = {"k3": cmd_sim_k3, "calibrate": cmd_sim_calibrate, "probe-disk": cmd_sim_probe_disk,
+                "probe-cpu": cmd_sim_probe_cpu}

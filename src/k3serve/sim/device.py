@@ -1,0 +1,130 @@
+"""The discrete-event clock and the simulated device: reads cost time from the machine model, not bytes.
+
+- `SimClock`: one compute thread's time. `advance(dt)` is compute; `wait_until(t)` is blocking on a read.
+- `SimDevice`: one first-come-first-served server for every engine; a run submitted at time s by an engine with
+  queue depth Q arrives when one of that engine's Q workers is free and takes n / throughput(n, k) of device
+  time, k = runs outstanding at its arrival. Deterministic: no randomness, no wall clock.
+- `SimIOEngine`: an `IOEngine` whose runs are the engine's own (`k3serve.stream.io.coalesce`: offset order,
+  adjacent extents merged) but whose reads are scheduled on the device. Its futures are `SimFuture`s: `done()`
+  says whether the simulated read has finished by now, `result()` advances the clock to its end.
+"""
+
+from __future__ import annotations
+
+import heapq
+from concurrent.futures import Future
+from typing import Sequence
+
+from k3serve.sim.machine import DiskModel
+from k3serve.stream.io import DEFAULT_MAX_COALESCE_BYTES, Extent, IOCounters, coalesce
+
+
+class SimClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.io_wait = 0.0  # seconds the compute thread spent blocked on reads
+        self.compute = 0.0
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, seconds
+        self.now += seconds
+        self.compute += seconds
+
+    def wait_until(self, t: float) -> None:
+        if t > self.now:
+            self.io_wait += t - self.now
+            self.now = t
+
+
+class SimFuture(Future):
+    """A read that ends at `end` on the simulated clock."""
+
+    def __init__(self, clock: SimClock, end: float, value: object) -> None:
+        super().__init__()
+        self.clock = clock
+        self.end = end
+        self.set_result(value)
+
+    def done(self) -> bool:
+        return self.clock.now >= self.end
+
+    def result(self, timeout: float | None = None) -> object:
+        self.clock.wait_until(self.end)
+        return super().result(timeout)
+
+
+class SimDevice:
+    """One device shared by every engine: a single server whose service time for a request of n bytes is
+    n / throughput(n, k), k = the requests outstanding on the device when it arrives (itself included), served
+    first come first served. Aggregate throughput therefore never exceeds the measured curve at that queue
+    depth, and a lone request pays its queue-depth-1 latency."""
+
+    def __init__(self, disk: DiskModel) -> None:
+        self.disk = disk
+        self._free_at = 0.0
+        self._ends: list[float] = []  # end times of outstanding requests (a heap)
+        self.busy_seconds = 0.0
+        self.bytes_read = 0
+        self.num_reads = 0
+
+    def schedule(self, arrival: float, nbytes: int, batch: int = 1) -> float:
+        """`batch`: requests submitted together with this one (up to the engine's queue depth), which the device
+        sees queued at once."""
+        while self._ends and self._ends[0] <= arrival:
+            heapq.heappop(self._ends)
+        k = max(len(self._ends) + 1, batch)
+        service = nbytes / self.disk.bandwidth(nbytes, k)
+        start = max(arrival, self._free_at)
+        end = start + service
+        self._free_at = end
+        heapq.heappush(self._ends, end)
+        self.busy_seconds += service
+        self.bytes_read += nbytes
+        self.num_reads += 1
+        return end
+
+
+class SimIOEngine:
+    """The `ExpertIO` of the simulator (and the trunk's): same runs as `IOEngine`, reads on the device."""
+
+    def __init__(self, name: str, clock: SimClock, device: SimDevice, queue_depth: int,
+                 max_coalesce_bytes: int = DEFAULT_MAX_COALESCE_BYTES) -> None:
+        self.path = name
+        self.mode = "direct"
+        self.clock = clock
+        self.device = device
+        self.queue_depth = queue_depth
+        self.max_coalesce_bytes = max_coalesce_bytes
+        self.counters = IOCounters()
+        self._workers = [0.0] * queue_depth  # heap of the times each worker is next free
+
+    def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:
+        futures: dict[int, Future] = {}
+        runs = coalesce(extents, self.max_coalesce_bytes)
+        batch = min(len(runs), self.queue_depth)
+        for run in runs:
+            nbytes = sum(len(e.buffer) for e in run)
+            free = heapq.heappop(self._workers)
+            end = self.device.schedule(max(self.clock.now, free), nbytes, batch)
+            heapq.heappush(self._workers, end)
+            self.counters.bytes_read += nbytes
+            self.counters.num_reads += 1
+            future = SimFuture(self.clock, end, [])
+            for extent in run:
+                futures[id(extent)] = future
+        return futures
+
+    def read_now(self, extent: Extent) -> list[Extent]:
+        raise AssertionError("simulated reads never fail their checksum")
+
+
+class VirtualBuffer:
+    """Stands in for a slot's buffer: only its length (the read length) matters to the I/O path."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes

@@ -1,0 +1,584 @@
+"""The full-scale simulator: a model of any size (the full K3: 93 layers x 896 experts x 16 active, 2.78T
+parameters) run through k3serve's own streaming code against a machine model, on a discrete-event clock.
+
+What is the engine's code, not a copy:
+- the budget split (`k3serve.stream.budget.plan_budget`) over a virtual store with the model's exact blob sizes;
+- the expert cache (`k3serve.stream.expert_cache.ExpertCache`: the policies of `stream/cache.py`, slot
+  bookkeeping, cold-slot prefetch, honest retention counters);
+- I/O coalescing (`k3serve.stream.io.coalesce`) and queue depth (one worker per queue slot);
+- the expert file order (`k3serve.weights.layout.layer_order`: natural, frequency, co-activation).
+What is replaced: every read costs `t(n, k)` from the machine's disk curve and every matrix product
+max(bytes / bandwidth, FLOPs / FLOP rate) from its compute curve. The step loop mirrors `K3Model.forward` and
+`StreamingSource` call for call: per layer, take the trunk (pinned, or wait for the read started one streamed
+layer earlier, then start the next), attention, the next-layer prefetch hint (k3serve waits for the next
+streamed trunk layer there, since the guess needs its router), routing, the expert request in groups of at
+most `slots` experts in ascending id order, expert compute. Reads run on the device while the compute thread
+advances the clock; a wait on a read is I/O time.
+
+Two engine profiles:
+- `k3serve`: the trunk widened to float32 in RAM (bf16 on disk), the `plan_budget` split, a widening pass per
+  streamed layer on the trunk worker; `trunk_dtype="bf16"` is a what-if (the trunk kept as bf16 in RAM).
+- `c-engine`: kimi-k3-in-c as published: bf16 trunk, a one-layer trunk ring, an LRU expert cache of a given
+  size beside a given number of pinned layers, no prefetch, every expert read synchronous.
+
+Figures per generated token: s/token (and tok/s for a batch), bytes and reads per token, retention, I/O wait vs
+compute, and a per-layer timeline (mean seconds per step of trunk wait, compute and expert wait per layer).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from k3serve.config import K3Config, full_k3_config
+from k3serve.errors import K3Error
+from k3serve.sim.device import SimClock, SimDevice, SimIOEngine, VirtualBuffer
+from k3serve.sim.machine import Machine
+from k3serve.sim.routing import (DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, flat_routing,
+                                 replay_steps, solve_skew)
+from k3serve.stream.budget import BudgetError, BudgetPlan, format_size, minimum_budget_bytes, plan_budget
+from k3serve.stream.cache import POLICIES
+from k3serve.stream.expert_cache import ExpertCache
+from k3serve.stream.io import Extent
+from k3serve.stream.source import StreamStats
+from k3serve.weights import names
+from k3serve.weights.layout import LAYOUTS, layer_order
+from k3serve.weights.store import ALIGNMENT, align_up, expert_parts
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("k3serve", "c-engine")
+ROUTINGS = ("skewed", "flat")
+
+
+class SimConfigError(K3Error):
+    """A simulation was asked for something the model, machine or engine cannot do."""
+
+
+# ---- the virtual store -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VirtualBlob:
+    offset: int
+    size: int  # bytes on disk
+    float32_bytes: int  # bytes once resident (the splitter's name; bf16 in the what-if and the C engine)
+    attention_bytes: int = 0  # resident bytes of the attention part (the rest is norms and the MLP trunk)
+    params: int = 0
+
+    @property
+    def read_size(self) -> int:
+        return align_up(self.size)
+
+
+@dataclass(frozen=True)
+class VirtualExpertIndex:
+    order: tuple[int, ...]
+    offsets: tuple[int, ...]
+    crc32: tuple[int, ...]
+
+
+class VirtualStore:
+    """Everything `plan_budget` and `ExpertCache` read of a `PackedStore`, without the files."""
+
+    def __init__(self, config: K3Config, orders: dict[int, Sequence[int]] | None = None,
+                 trunk_dtype: str = "float32", layout: str = "natural") -> None:
+        if trunk_dtype not in ("float32", "bf16"):
+            raise SimConfigError(f"trunk dtype must be float32 or bf16, got {trunk_dtype!r}")
+        self.config = config
+        self.layout = layout
+        self.trunk_path = Path("<virtual trunk.bin>")
+        self.expert_path = Path("<virtual experts.bin>")
+        self.expert_blob_size = sum(p.nbytes for p in expert_parts(config))
+        self.expert_stride = align_up(self.expert_blob_size)
+        wide = 4 if trunk_dtype == "float32" else 2
+
+        def blob(specs, offset: int) -> VirtualBlob:
+            size = sum(int(np.prod(s.shape)) * (2 if s.dtype == "BF16" else 4) for s in specs)
+            resident = sum(int(np.prod(s.shape)) * (wide if s.dtype == "BF16" else 4) for s in specs)
+            attention = sum(int(np.prod(s.shape)) * (wide if s.dtype == "BF16" else 4) for s in specs
+                            if ".self_attn." in s.name)
+            params = sum(int(np.prod(s.shape)) for s in specs)
+            return VirtualBlob(offset, size, resident, attention, params)
+
+        self.globals = blob(names.global_specs(config), 0)
+        offset = self.globals.read_size
+        self.layers = []
+        for layer in range(config.num_layers):
+            b = blob(names.layer_trunk_specs(config, layer), offset)
+            self.layers.append(b)
+            offset += b.read_size
+        self.experts: dict[int, VirtualExpertIndex] = {}
+        position = 0
+        ne = config.num_experts
+        zeros = (0,) * ne
+        for layer in config.moe_layer_ids:
+            order = list(orders[layer]) if orders and layer in orders else list(range(ne))
+            offsets = [0] * ne
+            for rank, expert in enumerate(order):
+                offsets[expert] = (position + rank) * self.expert_stride
+            position += ne
+            self.experts[layer] = VirtualExpertIndex(tuple(order), tuple(offsets), zeros)
+
+    @classmethod
+    def from_store(cls, store, trunk_dtype: str = "float32") -> VirtualStore:
+        """The exact offsets and sizes of a real packed store (for checks against the live engine)."""
+        self = cls.__new__(cls)
+        self.config = store.config
+        self.layout = store.layout
+        self.trunk_path, self.expert_path = store.trunk_path, store.expert_path
+        self.expert_blob_size, self.expert_stride = store.expert_blob_size, store.expert_stride
+
+        def blob(b) -> VirtualBlob:
+            resident = b.float32_bytes if trunk_dtype == "float32" else b.size
+            attention = sum(int(np.prod(t.shape)) * 4 for t in b.tensors if ".self_attn." in t.name)
+            params = sum(int(np.prod(t.shape)) for t in b.tensors)
+            return VirtualBlob(b.offset, b.size, resident, attention, params)
+
+        self.globals = blob(store.globals)
+        self.layers = [blob(b) for b in store.layers]
+        self.experts = {l: VirtualExpertIndex(e.order, e.offsets, (0,) * len(e.offsets))
+                        for l, e in store.experts.items()}
+        return self
+
+    @property
+    def num_experts_total(self) -> int:
+        return len(self.experts) * self.config.num_experts
+
+    @property
+    def trunk_bytes(self) -> int:
+        return sum(b.size for b in self.layers)
+
+
+# ---- configuration and result ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimConfig:
+    machine: Machine
+    ram_bytes: int | None = 8 << 30  # None: unlimited
+    model: K3Config | None = None  # None: the full K3
+    engine: str = "k3serve"
+    policy: str = "lfu"
+    prefetch: str = "next-layer"
+    prefetch_max: int | None = None
+    layout: str = "natural"
+    pin_trunk_bytes: int | None = None
+    queue_depth: int = 16
+    trunk_dtype: str = "float32"
+    batch: int = 1
+    speculative: int = 0  # draft tokens per step per sequence (0: off)
+    acceptance: float = 0.7  # per draft token, when speculating
+    tokens: int = 4  # decode steps measured
+    warmup: int = 1  # decode steps run before measuring (the cache fills)
+    prompt_tokens: int = 0  # a prefill step of this many positions per sequence first (0: none)
+    count_prefill: bool = False  # include the prefill step (and weight loading) in the per-token figures
+    routing: str = "skewed"
+    routing_model: RoutingModel | None = None  # overrides `routing`
+    replay: tuple[StepRouting, ...] | None = None  # steps of a recorded trace, replayed in order
+    seed: int = 0
+    store: VirtualStore | None = None  # a given store (e.g. a real store's exact layout)
+    pinned_layers: int | None = None  # c-engine: layers pinned (largest first, as the budget splitter pins)
+    cache_bytes: int | None = None  # c-engine: the expert cache size
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise SimConfigError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
+        if self.policy not in POLICIES:
+            raise SimConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.prefetch not in ("none", "next-layer"):
+            raise SimConfigError(f"unknown prefetch {self.prefetch!r}; choose none or next-layer")
+        if self.layout not in LAYOUTS:
+            raise SimConfigError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        if self.routing not in ROUTINGS:
+            raise SimConfigError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
+        if self.ram_bytes is not None and self.ram_bytes <= 0:
+            raise SimConfigError(f"RAM must be positive, got {self.ram_bytes}")
+        for key, low in (("batch", 1), ("tokens", 1), ("queue_depth", 1), ("warmup", 0), ("speculative", 0),
+                         ("prompt_tokens", 0)):
+            if getattr(self, key) < low:
+                raise SimConfigError(f"{key} must be >= {low}, got {getattr(self, key)}")
+        if not 0.0 <= self.acceptance < 1.0:
+            raise SimConfigError(f"acceptance must be in [0, 1), got {self.acceptance}")
+        if self.engine == "c-engine" and (self.pinned_layers is None or self.cache_bytes is None):
+            raise SimConfigError("the c-engine profile needs pinned_layers and cache_bytes (its published split)")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Generated tokens per sequence per step: 1, or with k drafts accepted at rate a, (1 - a^(k+1)) / (1 - a)."""
+        if not self.speculative:
+            return 1.0
+        a = self.acceptance
+        return (1 - a ** (self.speculative + 1)) / (1 - a)
+
+
+@dataclass
+class LayerTime:
+    layer: int
+    trunk_wait_s: float = 0.0
+    expert_wait_s: float = 0.0
+    compute_s: float = 0.0
+    expert_reads: float = 0.0
+
+
+@dataclass
+class SimResult:
+    config: dict
+    plan: dict
+    s_per_token: float
+    tok_per_s: float
+    bytes_per_token: float
+    expert_bytes_per_token: float
+    trunk_bytes_per_token: float
+    reads_per_token: float
+    expert_requests_per_token: float
+    io_seconds_per_token: float
+    compute_seconds_per_token: float
+    retention: float
+    prefetch_hit_share: float
+    prefetch_wasted_per_token: float
+    device_busy_share: float
+    floor_io_s_per_token: float  # bytes that must move / the device's best bandwidth for these requests
+    floor_compute_s_per_token: float
+    step_seconds: list[float]
+    timeline: list[LayerTime] = field(default_factory=list)
+    totals: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["timeline"] = [asdict(t) for t in self.timeline]
+        return out
+
+    def lines(self) -> list[str]:
+        p = self.plan
+        return [
+            f"plan              {p['summary']}",
+            f"time/token        {self.s_per_token:.3f} s ({self.tok_per_s:.3f} tok/s); I/O wait "
+            f"{self.io_seconds_per_token:.3f} s, compute {self.compute_seconds_per_token:.3f} s",
+            f"read/token        {format_size(self.bytes_per_token)} (experts {format_size(self.expert_bytes_per_token)}"
+            f", trunk {format_size(self.trunk_bytes_per_token)}), {self.reads_per_token:.1f} reads",
+            f"retention         {100 * self.retention:.1f}% resident before their step; prefetch served "
+            f"{100 * self.prefetch_hit_share:.1f}%, {self.prefetch_wasted_per_token:.1f} guesses wasted/token",
+            f"device            busy {100 * self.device_busy_share:.0f}% of the time",
+            f"floors            I/O {self.floor_io_s_per_token:.3f} s/token (bytes that must move at the best "
+            f"bandwidth), compute {self.floor_compute_s_per_token:.3f} s/token",
+        ]
+
+    def timeline_lines(self, every: int = 1) -> list[str]:
+        out = [f"{'layer':>5} {'trunk wait':>10} {'expert wait':>11} {'compute':>9} {'reads':>7}  (s per step)"]
+        for t in self.timeline[::every]:
+            out.append(f"{t.layer:>5} {t.trunk_wait_s:>10.4f} {t.expert_wait_s:>11.4f} {t.compute_s:>9.4f} "
+                       f"{t.expert_reads:>7.1f}")
+        return out
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+def default_routing(config: K3Config, kind: str) -> RoutingModel:
+    """flat, or skewed as fit from the shipped trained model (docs/MODEL.md: top-10% share 17%, reuse 9% at
+    chance 6.25%, next-layer recall 65%)."""
+    ne, k = config.num_experts, config.num_experts_per_token
+    if kind == "flat":
+        return flat_routing(ne, k)
+    chance = 4 / 64
+    return RoutingModel(ne, k, skew=solve_skew(0.17, ne), reuse=(0.09 - chance) / (1 - chance),
+                        recall=DEFAULT_RECALL, name="skewed")
+
+
+class _Run:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        config = cfg.model or (cfg.store.config if cfg.store is not None else full_k3_config())
+        self.config = config
+        self.routing = cfg.routing_model or default_routing(config, cfg.routing)
+        if self.routing.num_experts != config.num_experts or self.routing.top_k != config.num_experts_per_token:
+            raise SimConfigError(f"routing model is {self.routing.num_experts} experts top-{self.routing.top_k}, "
+                                 f"the model {config.num_experts} top-{config.num_experts_per_token}")
+        self.stream = RoutingStream(self.routing, config.moe_layer_ids, cfg.seed)
+        self._replay = list(cfg.replay) if cfg.replay is not None else None
+        self.store = cfg.store or self._build_store()
+        self.machine = cfg.machine
+        self.clock = SimClock()
+        self.device = SimDevice(cfg.machine.disk)
+        self.stats = StreamStats()
+        self.plan = self._plan()
+        qd = cfg.queue_depth
+        self.expert_io = SimIOEngine("experts", self.clock, self.device, qd)
+        self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd)
+        prefetch = cfg.engine == "k3serve" and cfg.prefetch != "none"
+        profile = self._profile() if cfg.policy == "pinned" else None
+        self.cache = ExpertCache(self.store, self.expert_io, self.plan.expert_slots,
+                                 cfg.policy if cfg.engine == "k3serve" else "lru", self.stats,
+                                 slot_buffer=lambda _i: VirtualBuffer(self.store.expert_stride),
+                                 top_k=config.num_experts_per_token, prefetch=prefetch,
+                                 prefetch_max=cfg.prefetch_max, profile=profile)
+        self.prefetch_on = prefetch and self.cache.prefetch_max > 0
+        self.pinned = set(self.plan.pinned_layers)
+        self.streamed = list(self.plan.streamed_layers)
+        self.pending: tuple[int, float] | None = None  # (layer, time its weights are ready)
+        self.timeline = [LayerTime(l) for l in range(config.num_layers)]
+        self.measuring = False
+
+    # -- setup
+    def _build_store(self) -> VirtualStore:
+        cfg, config = self.cfg, self.config
+        dtype = "bf16" if cfg.engine == "c-engine" else cfg.trunk_dtype
+        orders = None
+        if cfg.layout != "natural":
+            sample = RoutingStream(self.routing, config.moe_layer_ids, cfg.seed + 7919)
+            token_sets: dict[int, list] = {l: [] for l in config.moe_layer_ids}
+            for _ in range(64):
+                step = sample.step(list(range(4)))
+                for l, rows in step.experts.items():
+                    token_sets[l].extend(rows.tolist())
+            orders = {l: layer_order(cfg.layout, config.num_experts, token_sets[l]) for l in config.moe_layer_ids}
+        return VirtualStore(config, orders, dtype, cfg.layout)
+
+    def _profile(self) -> Counter:
+        sample = RoutingStream(self.routing, self.config.moe_layer_ids, self.cfg.seed + 104729)
+        counts: Counter = Counter()
+        for _ in range(64):
+            for l, rows in sample.step([0]).experts.items():
+                counts.update((l, int(e)) for e in rows.ravel())
+        return counts
+
+    def _plan(self) -> BudgetPlan:
+        cfg, store = self.cfg, self.store
+        if cfg.engine == "c-engine":
+            layers = range(self.config.num_layers)
+            by_size = sorted(layers, key=lambda l: (-store.layers[l].float32_bytes, l))
+            pinned = sorted(by_size[:cfg.pinned_layers])
+            streamed = [l for l in layers if l not in pinned]
+            ring = max((store.layers[l].read_size for l in streamed), default=0)
+            slots = min(store.num_experts_total, cfg.cache_bytes // store.expert_stride)
+            if slots < self.config.num_experts_per_token:
+                raise BudgetError(f"cache of {format_size(cfg.cache_bytes)} holds {slots} experts, fewer than one "
+                                  f"token's {self.config.num_experts_per_token}")
+            return BudgetPlan(None if cfg.ram_bytes is None else cfg.ram_bytes, store.globals.size,
+                              tuple(pinned), sum(store.layers[l].float32_bytes for l in pinned), tuple(streamed),
+                              ring, int(slots), store.expert_stride)
+        try:
+            return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes)
+        except BudgetError as exc:
+            raise BudgetError(f"{exc} (simulated {self.config.num_layers}-layer model, trunk held as "
+                              f"{cfg.trunk_dtype})") from exc
+
+    # -- trunk, as StreamingSource.layer / _take_trunk / _peek_trunk do it
+    def _trunk_read(self, layer: int) -> float:
+        blob = self.store.layers[layer]
+        extent = Extent(blob.offset, VirtualBuffer(blob.read_size))
+        future = self.trunk_io.submit([extent])[id(extent)]
+        widen = 0.0
+        if self.cfg.engine == "k3serve":
+            widen = blob.float32_bytes / self.machine.compute.widen_bytes_per_s
+        return future.end + widen
+
+    def _next_streamed(self, layer: int) -> int | None:
+        if not self.streamed:
+            return None
+        later = [l for l in self.streamed if l > layer]
+        return later[0] if later else self.streamed[0]
+
+    def _take_trunk(self, layer: int) -> None:
+        if layer in self.pinned:
+            return
+        pending, self.pending = self.pending, None
+        before = self.clock.now
+        if pending is not None and pending[0] == layer:
+            self.clock.wait_until(pending[1])
+        else:
+            if pending is not None:
+                self.clock.wait_until(pending[1])  # the engine waits for a read-ahead it then drops
+            self.clock.wait_until(self._trunk_read(layer))
+        following = self._next_streamed(layer)
+        if following is not None:
+            self.pending = (following, self._trunk_read(following))
+        self._note(layer, trunk_wait=self.clock.now - before)
+
+    def _peek_trunk(self, layer: int) -> None:
+        if layer in self.pinned:
+            return
+        before = self.clock.now
+        if self.pending is None or self.pending[0] != layer:
+            self.pending = (layer, self._trunk_read(layer))
+        self.clock.wait_until(self.pending[1])
+        self._note(layer - 1, trunk_wait=self.clock.now - before)
+
+    def _note(self, layer: int, trunk_wait: float = 0.0, expert_wait: float = 0.0, compute: float = 0.0,
+              reads: float = 0.0) -> None:
+        if self.measuring:
+            t = self.timeline[layer]
+            t.trunk_wait_s += trunk_wait
+            t.expert_wait_s += expert_wait
+            t.compute_s += compute
+            t.expert_reads += reads
+
+    def _compute(self, layer: int, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self._note(layer, compute=seconds)
+
+    # -- one forward step over `positions` (the sequence of each position)
+    def step(self, positions: list[int], routing: StepRouting, logit_rows: int) -> None:
+        c, m = self.config, self.machine.compute
+        T = len(positions)
+        self.stats.steps += 1
+        self.stats.tokens += T
+        self.cache.begin_step()
+        for layer in range(c.num_layers):
+            self._take_trunk(layer)
+            blob = self.store.layers[layer]
+            attn_params = blob.attention_bytes / (4 if self._wide() else 2)
+            self._compute(layer, m.layer_overhead_s + T * m.attention_s_per_token_layer
+                          + m.dense_seconds(blob.attention_bytes, 2 * attn_params * T))
+            nxt = layer + 1
+            if self.prefetch_on and nxt < c.num_layers and not c.is_dense(nxt):
+                self._peek_trunk(nxt)
+                self.cache.prefetch(nxt, routing.guesses.get(nxt, []))
+            mlp_bytes = blob.float32_bytes - blob.attention_bytes
+            mlp_params = blob.params - attn_params
+            self._compute(layer, m.dense_seconds(mlp_bytes, 2 * mlp_params * T))
+            if c.is_dense(layer):
+                continue
+            rows = routing.experts[layer]  # [T, TOPK]
+            needed, counts = np.unique(rows, return_counts=True)
+            ids = [int(e) for e in needed]
+            rows_of = dict(zip(ids, (int(n) for n in counts)))
+            self.cache.release()
+            slots = self.cache.num_slots
+            for start in range(0, len(ids), slots):
+                group = ids[start:start + slots]
+                before_wait, before_reads = self.clock.io_wait, self.expert_io.counters.num_reads
+                self.cache.load(layer, group)
+                self._note(layer, expert_wait=self.clock.io_wait - before_wait,
+                           reads=self.expert_io.counters.num_reads - before_reads)
+                flops = sum(2 * 3 * c.moe_intermediate_size * c.latent_size * rows_of[e] for e in group)
+                self._compute(layer, m.expert_seconds(len(group) * self.store.expert_blob_size, flops))
+        head = self.store.globals.float32_bytes / 2  # embed and lm_head: the lm_head is half the globals
+        self._compute(c.num_layers - 1, m.dense_seconds(head, 2 * (head / (4 if self._wide() else 2)) * logit_rows))
+
+    def _wide(self) -> bool:
+        return self.cfg.engine == "k3serve" and self.cfg.trunk_dtype == "float32"
+
+    def load_weights(self) -> None:
+        """Globals and pinned layers, read once before the first step (as StreamingSource.__init__)."""
+        extents = [Extent(self.store.globals.offset, VirtualBuffer(self.store.globals.read_size))]
+        extents += [Extent(self.store.layers[l].offset, VirtualBuffer(self.store.layers[l].read_size))
+                    for l in self.plan.pinned_layers]
+        for extent in extents:
+            future = self.trunk_io.submit([extent])[id(extent)]
+            self.clock.wait_until(future.end)
+
+    def next_routing(self, positions: list[int]) -> StepRouting:
+        if self._replay is not None:
+            if not self._replay:
+                raise SimConfigError("the replayed trace has fewer steps than the simulation asks for")
+            return self._replay.pop(0)
+        return self.stream.step(positions)
+
+    def snapshot(self) -> tuple:
+        return (self.clock.now, self.clock.io_wait, self.clock.compute, self.expert_io.counters.bytes_read,
+                self.trunk_io.counters.bytes_read, self.expert_io.counters.num_reads + self.trunk_io.counters.num_reads,
+                self.stats.expert_requests, self.stats.expert_retained, self.stats.expert_prefetch_hits,
+                self.stats.prefetch_wasted, self.device.busy_seconds)
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run `cfg` and return per-token figures (decode steps after `warmup`, or every step with count_prefill)."""
+    run = _Run(cfg)
+    c = run.config
+    spec = cfg.speculative
+    decode_positions = [s for s in range(cfg.batch) for _ in range(spec + 1)]
+    replaying = cfg.replay is not None
+    if cfg.count_prefill:
+        run.measuring = True
+    start = run.snapshot()
+    run.load_weights()
+    if replaying:
+        steps_total = len(cfg.replay)
+        measure_from = 0 if cfg.count_prefill else min(cfg.warmup, steps_total - 1)
+        step_times = []
+        for i in range(steps_total):
+            if i == measure_from and not cfg.count_prefill:
+                run.measuring = True
+                start = run.snapshot()
+            routing = run.next_routing([])
+            t0 = run.clock.now
+            run.step([0] * routing.num_positions, routing, 1)
+            if run.measuring:
+                step_times.append(run.clock.now - t0)
+        tokens = float(sum(1 for _ in step_times))
+    else:
+        if cfg.prompt_tokens:
+            prompt_positions = [s for s in range(cfg.batch) for _ in range(cfg.prompt_tokens)]
+            run.step(prompt_positions, run.next_routing(prompt_positions), cfg.batch)
+        for _ in range(cfg.warmup if not cfg.count_prefill else 0):
+            run.step(decode_positions, run.next_routing(decode_positions), len(decode_positions))
+        if not cfg.count_prefill:
+            run.measuring = True
+            start = run.snapshot()
+        step_times = []
+        for _ in range(cfg.tokens):
+            t0 = run.clock.now
+            run.step(decode_positions, run.next_routing(decode_positions), len(decode_positions))
+            step_times.append(run.clock.now - t0)
+        tokens = cfg.batch * cfg.tokens * cfg.tokens_per_step
+        if cfg.count_prefill and cfg.prompt_tokens:
+            tokens += cfg.batch  # the prefill step yields each sequence's first token
+    end = run.snapshot()
+    d = [b - a for a, b in zip(start, end)]
+    seconds, io_wait, compute, expert_bytes, trunk_bytes, reads, requests, retained, pf_hits, wasted, busy = d
+    per = max(tokens, 1e-9)
+    steps_measured = max(len(step_times), 1)
+    for t in run.timeline:
+        for key in ("trunk_wait_s", "expert_wait_s", "compute_s", "expert_reads"):
+            setattr(t, key, getattr(t, key) / steps_measured)
+    best_expert_bw = max(run.machine.disk.bandwidth(run.store.expert_stride, q) for q in run.machine.disk.queue_depths)
+    best_trunk_bw = max(run.machine.disk.bandwidth(max(b.read_size for b in run.store.layers), q)
+                        for q in run.machine.disk.queue_depths)
+    floor_io = expert_bytes / best_expert_bw + trunk_bytes / best_trunk_bw
+    plan = run.plan
+    summary = (f"{cfg.engine}: {len(plan.pinned_layers)}/{c.num_layers} trunk layers pinned "
+               f"({format_size(plan.pinned_trunk_bytes)}), trunk buffers {format_size(plan.trunk_stream_bytes)}, "
+               f"{plan.expert_slots} expert slots ({format_size(plan.expert_cache_bytes)}), globals "
+               f"{format_size(plan.globals_bytes)}")
+    config_record = {k: v for k, v in asdict(cfg).items() if k not in ("machine", "store", "replay", "model",
+                                                                        "routing_model")}
+    config_record.update(machine=cfg.machine.name, routing_model=asdict(run.routing),
+                         model_layers=c.num_layers, model_experts=c.num_experts)
+    return SimResult(
+        config=config_record,
+        plan={"summary": summary, "pinned_layers": len(plan.pinned_layers), "expert_slots": plan.expert_slots,
+              "pinned_trunk_bytes": plan.pinned_trunk_bytes, "trunk_stream_bytes": plan.trunk_stream_bytes,
+              "expert_cache_bytes": plan.expert_cache_bytes, "globals_bytes": plan.globals_bytes,
+              "total_bytes": plan.total_bytes},
+        s_per_token=seconds / per, tok_per_s=per / seconds if seconds > 0 else math.inf,
+        bytes_per_token=(expert_bytes + trunk_bytes) / per, expert_bytes_per_token=expert_bytes / per,
+        trunk_bytes_per_token=trunk_bytes / per, reads_per_token=reads / per,
+        expert_requests_per_token=requests / per,
+        io_seconds_per_token=io_wait / per, compute_seconds_per_token=compute / per,
+        retention=retained / requests if requests else float("nan"),
+        prefetch_hit_share=pf_hits / requests if requests else 0.0,
+        prefetch_wasted_per_token=wasted / per,
+        device_busy_share=min(busy / seconds, 1.0) if seconds > 0 else 0.0,
+        floor_io_s_per_token=floor_io / per, floor_compute_s_per_token=compute / per,
+        step_seconds=step_times, timeline=run.timeline,
+        totals={"expert_bytes": run.expert_io.counters.bytes_read, "trunk_bytes": run.trunk_io.counters.bytes_read,
+                "num_reads": run.expert_io.counters.num_reads + run.trunk_io.counters.num_reads,
+                "expert_requests": run.stats.expert_requests, "tokens": tokens, "seconds": seconds},
+    )
+
+
+def replay_config(trace, machine: Machine, recall: float | None = None, seed: int = 0, **kwargs) -> SimConfig:
+    """A SimConfig that replays a recorded k3serve trace step by step (prefill steps included)."""
+    return SimConfig(machine=machine, replay=tuple(replay_steps(trace, recall, seed)), seed=seed, **kwargs)
+
+
+def minimum_ram(config: K3Config | None = None, trunk_dtype: str = "float32") -> int:
+    """The smallest --ram k3serve's budget splitter accepts for the model (one layer and top-k slots)."""
+    store = VirtualStore(config or full_k3_config(), trunk_dtype=trunk_dtype)
+    return minimum_budget_bytes(store)
+
+
+__all__ = ["SimConfig", "SimResult", "LayerTime", "VirtualStore", "simulate", "replay_config", "minimum_ram",
+           "default_routing", "ALIGNMENT"]

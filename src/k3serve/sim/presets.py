@@ -1,0 +1,91 @@
+"""Machine presets, each with the sources of its figures (docs/SIMULATOR.md explains every number).
+
+- `c-engine`: the machine kimi-k3-in-c published its K3 figures on (124 cores, a fast NVMe drive), with the
+  compute of the engine version that produced the memory ladder and the trunk-vs-cache split.
+- `c-engine-v1`: the same machine with its v1.0.0 compute ("the math per token about 8x lighter").
+- `laptop`: a commodity NVMe laptop (PCIe 4 TLC drive, 8 performance cores, dual-channel DDR5).
+- `this-machine`: this project's 2-core VM as measured by `k3serve sim probe-disk` / `probe-cpu`
+  (docs/sim/this-machine.json is the probe output; the numbers here are copied from it).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from k3serve.sim.machine import ComputeModel, DiskModel, Machine
+
+GB = 1e9
+MB = 1e6
+EXPERT = 17_547_264  # one K3 expert blob
+
+
+def c_engine(compute_seconds_per_token: float = 3.85, name: str = "c-engine") -> Machine:
+    """kimi-k3-in-c's machine. Disk: its run report reads 25.83 GB of 17.55 MB O_DIRECT expert reads in 5.06 s
+    (5,104 MB/s, queue depth up to 16); its two identical 8-token runs moved the same 374.99 GB of mixed trunk
+    and expert reads at 2,709 and 5,874 MB/s (the device, not the engine, varied 2.17x); large trunk reads are
+    set to 5.87 GB/s (the faster of the two). Compute: its steady decode step at 110 GB trunk / 13 GB cache
+    took 8.9 s with 5.06 s of expert reads, so 3.85 s of arithmetic for 108.81 GB of bf16 trunk and 25.83 GB
+    of experts: 32 GB/s over both (v1.0.0: 0.48 s, 8x lighter)."""
+    bytes_per_token = 108.81 * GB + 25.83 * GB
+    rate = bytes_per_token / compute_seconds_per_token
+    disk = DiskModel(
+        sizes=(4096, 1 << 20, EXPERT, 1 << 30),
+        queue_depths=(1, 4, 16),
+        throughput=((0.15 * GB, 0.55 * GB, 1.6 * GB),
+                    (1.0 * GB, 3.0 * GB, 4.5 * GB),
+                    (1.6 * GB, 4.0 * GB, 5.104 * GB),
+                    (5.874 * GB, 5.874 * GB, 5.874 * GB)),
+    )
+    compute = ComputeModel(dense_bytes_per_s=rate, dense_flops=4.0e12, expert_bytes_per_s=rate,
+                           expert_flops=4.0e12, attention_s_per_token_layer=0.0, layer_overhead_s=0.0,
+                           widen_bytes_per_s=20 * GB)
+    return Machine(name, disk, compute, "kimi-k3-in-c's published machine: 124 cores, fast NVMe",
+                   "openchat-ai/kimi-k3-in-c README (run reports, memory ladder, replication) and "
+                   "docs/notes/decode-walltime-budget.md")
+
+
+def c_engine_v1() -> Machine:
+    return c_engine(0.48, "c-engine-v1")
+
+
+def laptop() -> Machine:
+    """A commodity NVMe laptop: a PCIe 4 TLC drive (about 7 GB/s sequential reads, 60 MB/s of 4 KiB reads at
+    queue depth 1, 700 MB/s at 16), 8 performance cores and dual-channel DDR5 (about 60 GB/s; a decode matvec
+    reaches about half). Expert kernel: this machine's measured MXFP4 rate per core x 8 cores (probe-cpu)."""
+    disk = DiskModel(
+        sizes=(4096, 1 << 20, EXPERT, 1 << 30),
+        queue_depths=(1, 4, 16),
+        throughput=((0.06 * GB, 0.22 * GB, 0.7 * GB),
+                    (1.2 * GB, 3.5 * GB, 5.5 * GB),
+                    (2.0 * GB, 5.0 * GB, 6.2 * GB),
+                    (6.5 * GB, 6.8 * GB, 6.8 * GB)),
+    )
+    compute = ComputeModel(dense_bytes_per_s=30 * GB, dense_flops=1.0e12, expert_bytes_per_s=8 * GB,
+                           expert_flops=0.4e12, attention_s_per_token_layer=2e-4, layer_overhead_s=5e-4,
+                           widen_bytes_per_s=8 * GB)
+    return Machine("laptop", disk, compute, "commodity NVMe laptop (PCIe 4, 8 cores, DDR5)",
+                   "typical datasheet figures; kernel rates scaled from this machine's probe-cpu")
+
+
+def this_machine() -> Machine:
+    """This project's VM (2-core AMD EPYC, 24 GB, virtio disk), from `k3serve sim probe-disk /tmp/...` and
+    `k3serve sim probe-cpu` (docs/sim/this-machine.json)."""
+    disk = DiskModel(
+        sizes=(4096, 65536, 1 << 20, 4 << 20, 16 << 20),
+        queue_depths=(1, 4, 16),
+        throughput=((0.03 * GB, 0.09 * GB, 0.2 * GB),
+                    (0.3 * GB, 0.8 * GB, 1.2 * GB),
+                    (1.0 * GB, 1.6 * GB, 1.8 * GB),
+                    (1.4 * GB, 1.8 * GB, 1.9 * GB),
+                    (1.6 * GB, 1.9 * GB, 1.9 * GB)),
+    )
+    compute = ComputeModel(dense_bytes_per_s=8 * GB, dense_flops=60e9, expert_bytes_per_s=1.0 * GB,
+                           expert_flops=20e9, attention_s_per_token_layer=1e-4, layer_overhead_s=1e-3,
+                           widen_bytes_per_s=2 * GB)
+    return Machine("this-machine", disk, compute, "this project's 2-core VM (placeholder until probed)",
+                   "k3serve sim probe-disk / probe-cpu")
+
+
+PRESETS: dict[str, Callable[[], Machine]] = {
+    "c-engine": c_engine, "c-engine-v1": c_engine_v1, "laptop": laptop, "this-machine": this_machine,
+}
