@@ -14,49 +14,63 @@ RAM_LADDER = ("8G", "16G", "32G", "64G", "128G")
 
 
 def add_sim_commands(sim_sub) -> None:
+    from k3serve import cli_args
+
+    d = " (default: %(default)s)"
     k3 = sim_sub.add_parser("k3", help="simulate the full K3 (2.78T) through k3serve's streaming code on a machine")
-    k3.add_argument("--ram", default="32G", help="RAM budget for weights (e.g. 8G); 'unlimited' for none")
+    k3.add_argument("--ram", default="32G", help="RAM budget for weights, e.g. 8G, or 'unlimited'" + d)
     k3.add_argument("--machine", default="laptop",
-                    help="a preset (c-engine, c-engine-v1, laptop, this-machine) or a machine file (.json/.toml)")
-    k3.add_argument("--engine", choices=("k3serve", "c-engine"), default="k3serve")
-    k3.add_argument("--policy", default="lfu", help="expert cache policy: none, lru, lfu, s3fifo, pinned")
-    k3.add_argument("--prefetch", choices=("none", "next-layer"), default="next-layer")
-    k3.add_argument("--prefetch-max", type=int, default=None)
-    k3.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural")
-    k3.add_argument("--pin-trunk", default=None, help="cap on pinned trunk bytes (moves the trunk/cache split)")
-    k3.add_argument("--queue-depth", type=int, default=16)
+                    help="a preset (c-engine, c-engine-v1, laptop, this-machine) or a machine file (.json/.toml)" + d)
+    k3.add_argument("--engine", choices=("k3serve", "c-engine"), default="k3serve", help="engine profile" + d)
+    k3.add_argument("--policy", default="lfu", help="expert cache policy: none, lru, lfu, s3fifo, pinned" + d)
+    k3.add_argument("--prefetch", choices=("none", "next-layer"), default="next-layer", help="prefetch mode" + d)
+    k3.add_argument("--prefetch-max", type=cli_args.non_negative_int, default=None,
+                    help="guesses per layer (default: top-k)")
+    k3.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural",
+                    help="expert order on disk" + d)
+    k3.add_argument("--pin-trunk", type=cli_args.size, default=None,
+                    help="cap on pinned trunk bytes, moves the trunk/cache split (default: as much as fits)")
+    k3.add_argument("--queue-depth", type=cli_args.int_range(1, 1024), default=16, help="I/O queue depth" + d)
     k3.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="float32",
-                    help="how k3serve holds the trunk in RAM (float32 today; bf16 is a what-if)")
-    k3.add_argument("--batch", type=int, default=1)
-    k3.add_argument("--speculative", type=int, default=0, help="draft tokens per step (0: off)")
-    k3.add_argument("--acceptance", type=float, default=0.7, help="per-draft-token acceptance when speculating")
-    k3.add_argument("--tokens", type=int, default=4, help="decode steps measured")
-    k3.add_argument("--warmup", type=int, default=1, help="decode steps before measuring")
-    k3.add_argument("--routing", choices=("skewed", "flat"), default="skewed")
+                    help="how k3serve holds the trunk in RAM (float32 today; bf16 is a what-if)" + d)
+    k3.add_argument("--batch", type=cli_args.positive_int, default=1, help="sequences decoded together" + d)
+    k3.add_argument("--speculative", type=cli_args.non_negative_int, default=0,
+                    help="draft tokens per step, 0 = off" + d)
+    k3.add_argument("--acceptance", type=cli_args.float_range(0.0, 0.999), default=0.7,
+                    help="per-draft-token acceptance when speculating" + d)
+    k3.add_argument("--tokens", type=cli_args.positive_int, default=4, help="decode steps measured" + d)
+    k3.add_argument("--warmup", type=cli_args.non_negative_int, default=1, help="decode steps before measuring" + d)
+    k3.add_argument("--routing", choices=("skewed", "flat"), default="skewed", help="synthetic routing" + d)
     k3.add_argument("--routing-trace", type=Path, default=None,
-                    help="fit the skewed routing from this trace (k3serve routing-stats --trace-out)")
-    k3.add_argument("--recall", type=float, default=None, help="next-layer guess recall (default: measured 65%%)")
-    k3.add_argument("--c-pinned", type=int, default=None, help="c-engine: pinned layers")
-    k3.add_argument("--c-cache", default=None, help="c-engine: expert cache size")
-    k3.add_argument("--seed", type=int, default=0)
+                    help="fit the skewed routing from this trace, from routing-stats --trace-out (default: none)")
+    k3.add_argument("--recall", type=cli_args.float_range(0.0, 1.0), default=None,
+                    help="next-layer guess recall (default: the measured 65%%)")
+    k3.add_argument("--c-pinned", type=cli_args.non_negative_int, default=None,
+                    help="c-engine: pinned layers (default: none given)")
+    k3.add_argument("--c-cache", type=cli_args.size, default=None, help="c-engine: expert cache size (default: none given)")
+    k3.add_argument("--seed", type=cli_args.seed, default=0, help="routing seed" + d)
     k3.add_argument("--timeline", action="store_true", help="print the per-layer timeline")
-    k3.add_argument("--sweep", choices=("ram",), default=None, help="run the memory ladder 8..128G")
-    k3.add_argument("--plot", type=Path, default=None, help="with --sweep ram: write the ladder as SVG")
-    k3.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
+    k3.add_argument("--sweep", choices=("ram",), default=None, help="run the memory ladder 8..128G (default: off)")
+    k3.add_argument("--plot", type=cli_args.output_file, default=None,
+                    help="with --sweep ram: write the ladder as SVG (default: none)")
+    k3.add_argument("--json", type=cli_args.output_file, default=None, help="write the figures as JSON (default: none)")
 
     cal = sim_sub.add_parser("calibrate", help="the C engine's published K3 figures beside the simulator's")
-    cal.add_argument("--routing", choices=("flat", "skewed"), default="flat")
-    cal.add_argument("--json", type=Path, default=None)
+    cal.add_argument("--routing", choices=("flat", "skewed"), default="flat", help="synthetic routing" + d)
+    cal.add_argument("--json", type=cli_args.output_file, default=None, help="write the table as JSON (default: none)")
 
     disk = sim_sub.add_parser("probe-disk", help="O_DIRECT throughput by request size and queue depth")
     disk.add_argument("path", type=Path, help="a large existing file on the disk to measure")
-    disk.add_argument("--sizes", default="4K,64K,1M,4M,16M")
-    disk.add_argument("--queue-depths", default="1,4,16")
-    disk.add_argument("--seconds", type=float, default=0.3, help="per point (keep it short: the disk is shared)")
-    disk.add_argument("--out", type=Path, default=None, help="write a machine file (with --cpu-from)")
+    disk.add_argument("--sizes", default="4K,64K,1M,4M,16M", help="request sizes" + d)
+    disk.add_argument("--queue-depths", default="1,4,16", help="concurrent requests" + d)
+    disk.add_argument("--seconds", type=cli_args.float_range(0.01, 10.0), default=0.3,
+                      help="per point; keep it short, the disk is shared" + d)
+    disk.add_argument("--out", type=cli_args.output_file, default=None,
+                      help="write the disk table as JSON (default: none)")
 
     cpu = sim_sub.add_parser("probe-cpu", help="the engine's kernels in bytes/s and FLOP/s")
-    cpu.add_argument("--out", type=Path, default=None, help="write the compute table as JSON")
+    cpu.add_argument("--out", type=cli_args.output_file, default=None,
+                     help="write the compute table as JSON (default: none)")
 
 
 def _ram(text: str) -> int | None:
