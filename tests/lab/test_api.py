@@ -73,9 +73,9 @@ def test_bad_parameters_are_400s_naming_the_parameter(lab_client, body, param):
     assert error["param"] == param and param in error["message"]
 
 
-def test_a_module_level_check_is_a_failed_job_naming_the_parameter(lab_client):
-    job = lab_client.post("/lab/api/modules/mxfp4/run?wait=true", json={"cols": 33}).json()
-    assert job["status"] == "failed" and "cols" in job["error"]
+def test_a_rule_across_parameters_is_a_400_naming_the_parameter(lab_client):
+    response = lab_client.post("/lab/api/modules/mxfp4/run", json={"cols": 33})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "cols"
 
 
 def test_unknown_module_job_and_body(lab_client):
@@ -132,3 +132,9 @@ def test_mount_lab_adds_the_lab_to_another_app(lab_fixtures):
             assert client.get("/lab", follow_redirects=False).headers["location"] == "/lab/"
     finally:
         queue.close()
+
+
+def test_a_parameter_the_model_rules_out_fails_the_job_naming_it(lab_client):
+    job = lab_client.post("/lab/api/modules/coactivation/run?wait=true", json={"layer": 0}).json()  # layer 0 is dense
+    assert job["status"] == "failed" and "'layer'" in job["error"] and "result" not in job
+    assert lab_client.get("/lab/api/modules").status_code == 200  # the server is fine

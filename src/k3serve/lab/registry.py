@@ -12,6 +12,7 @@ exactly it came from (`Figure.source`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import pkgutil
@@ -161,6 +162,7 @@ class LabModule:
     params: tuple[Param, ...]
     kind: Kind
     run: Callable[..., LabResult]  # run(params, progress, cancel, lab) -> LabResult
+    check: Callable[[dict[str, Any]], None] | None = None  # rules across parameters; raises LabParamError
 
     def validate(self, raw: dict[str, Any] | None) -> dict[str, Any]:
         """Every declared parameter, defaults filled in; unknown or bad ones raise LabParamError naming them."""
@@ -170,7 +172,10 @@ class LabModule:
             if name not in known:
                 raise LabParamError(name, f"unknown for module {self.id!r}; its parameters are "
                                           f"{', '.join(known) or '(none)'}")
-        return {p.name: p.coerce(raw[p.name]) if p.name in raw else p.default for p in self.params}
+        params = {p.name: p.coerce(raw[p.name]) if p.name in raw else p.default for p in self.params}
+        if self.check is not None:
+            self.check(params)
+        return params
 
     def command(self, params: dict[str, Any], model: str | None = None) -> str:
         """The shell command that reproduces a run with these (validated) parameters."""
@@ -212,27 +217,24 @@ def result_json(module: LabModule, params: dict[str, Any], result: LabResult, se
             "related_commands": result.related_commands, "seconds": round(seconds, 3)}
 
 
-_registry: dict[str, LabModule] | None = None
-_registry_lock = threading.Lock()
+@functools.cache
+def _discover() -> tuple[LabModule, ...]:
+    from k3serve.lab import modules as package
+
+    found: list[LabModule] = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        if isinstance(getattr(module, "MODULE", None), LabModule):
+            found.append(module.MODULE)
+    ids = [m.id for m in found]
+    if len(set(ids)) != len(ids):
+        raise RuntimeError(f"two lab modules share an id: {sorted(ids)}")
+    return tuple(sorted(found, key=lambda m: (m.number, m.id)))
 
 
 def modules() -> dict[str, LabModule]:
     """Every module in k3serve/lab/modules (each file's `MODULE`), by id, in page order."""
-    global _registry
-    with _registry_lock:
-        if _registry is None:
-            from k3serve.lab import modules as package
-
-            found: list[LabModule] = []
-            for info in pkgutil.iter_modules(package.__path__):
-                module = importlib.import_module(f"{package.__name__}.{info.name}")
-                if isinstance(getattr(module, "MODULE", None), LabModule):
-                    found.append(module.MODULE)
-            ids = [m.id for m in found]
-            if len(set(ids)) != len(ids):
-                raise RuntimeError(f"two lab modules share an id: {sorted(ids)}")
-            _registry = {m.id: m for m in sorted(found, key=lambda m: (m.number, m.id))}
-        return _registry
+    return {m.id: m for m in _discover()}
 
 
 def get_module(module_id: str) -> LabModule:

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
 from k3serve.weights.bf16 import round_to_bf16
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
@@ -57,9 +57,6 @@ def relative_rms(x: np.ndarray, y: np.ndarray) -> float:
 
 def run(params, progress, cancel, lab) -> LabResult:
     rows, cols = params["rows"], params["cols"]
-    if cols % GROUP_SIZE:
-        from k3serve.lab.registry import LabParamError
-        raise LabParamError("cols", f"must be a multiple of the MXFP4 group size {GROUP_SIZE}, got {cols}")
     progress(0.1, "sampling the tensor")
     x, where = sample(params["distribution"], rows, cols, params["outlier_fraction"], params["seed"], lab)
     cancel.check()
@@ -116,6 +113,11 @@ def run(params, progress, cancel, lab) -> LabResult:
                             f"{bits['MXFP4']:.2f} bits."])
 
 
+def check(params) -> None:
+    if params["cols"] % GROUP_SIZE:
+        raise LabParamError("cols", f"must be a multiple of the MXFP4 group size {GROUP_SIZE}, got {params['cols']}")
+
+
 MODULE = LabModule(
     id="mxfp4", number=2, title="MXFP4: four bits per weight",
     summary="Quantize a tensor to MXFP4 and compare its error and size with bf16 and int8.",
@@ -130,4 +132,4 @@ MODULE = LabModule(
             Param("cols", "int", 1024, "columns (a multiple of 32)", min=32, max=16384),
             Param("outlier_fraction", "float", 0.0, "share of values multiplied by 20", min=0.0, max=0.2),
             Param("seed", "int", 0, "random seed", min=0, max=2**31 - 1)),
-    kind="measured", run=run)
+    kind="measured", run=run, check=check)
