@@ -65,6 +65,13 @@ def _drafters(args: argparse.Namespace, config, target):
     return DrafterFactory(target, draft_model)
 
 
+def _add_context_arg(parser: argparse.ArgumentParser) -> None:
+    from k3serve.config import DEFAULT_MAX_MODEL_LEN
+
+    parser.add_argument("--max-model-len", type=cli_args.positive_int, default=DEFAULT_MAX_MODEL_LEN,
+                        help="prompt + generated tokens allowed, as for serve (longer prompts are refused)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="k3serve", description="CPU inference for Kimi K3-family MoE models")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "starts with and let generation spell it out, e.g. '):' -> '):\\n'; composes with "
                           "--speculative: heal first, then speculate)")
     _add_speculative_args(gen)
+    _add_context_arg(gen)
 
     add_stream_args(gen)
 
@@ -99,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     logits.add_argument("--out", type=output_file, required=True, help="the .npy file to write")
     logits.add_argument("--mode", choices=("full", "incremental"), default="full",
                         help="one forward over all ids, or one forward per id")
+    _add_context_arg(logits)
     _add_precision_arg(logits)
     add_stream_args(logits)
 
@@ -150,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafters = _drafters(args, speculative, loaded.model)
     if args.prompt_ids is not None:
         tokens, report = generate(loaded.model, args.prompt_ids, params, stop_ids=loaded.stop_ids,
-                                  speculative=speculative, drafters=drafters)
+                                  speculative=speculative, drafters=drafters, max_context=args.max_model_len)
         print(",".join(str(t) for t in tokens))
         _print_report(loaded, report)
         return 0
@@ -182,7 +191,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _, report = generate(loaded.model, healing.prompt_ids if healing else prompt_ids, params,
                          stop_ids=loaded.stop_ids, on_token=emit, speculative=speculative, drafters=drafters,
-                         constraint=healing.allowed if healing else None)
+                         constraint=healing.allowed if healing else None, max_context=args.max_model_len)
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     _print_report(loaded, report)
@@ -197,7 +206,7 @@ def _print_report(loaded, report) -> None:
 
 def cmd_logits(args: argparse.Namespace) -> int:
     loaded = load_for_run(args, expert_precision=args.expert_precision)
-    logits = loaded.model.logits(args.ids, mode=args.mode)  # [T, V]
+    logits = loaded.model.logits(args.ids, mode=args.mode, max_context=args.max_model_len)  # [T, V]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.save(args.out, logits.astype(np.float32))
     print(f"wrote {args.out}: float32 {list(logits.shape)} ({args.mode})", file=sys.stderr)

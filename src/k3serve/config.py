@@ -22,6 +22,8 @@ from typing import Any
 from k3serve.errors import ConfigError
 
 MXFP4_GROUP_SIZE = 32
+# prompt + generated tokens of one sequence when the caller names no other limit (engine, generate, logits, serve)
+DEFAULT_MAX_MODEL_LEN = 4096
 
 # (field name, key in the nested release form, key in the flat test form)
 _KEYS: tuple[tuple[str, str, str], ...] = (

@@ -66,3 +66,20 @@ def http_status(exc: BaseException) -> int:
     if isinstance(exc, (RequestError, TokenizerError, UsageError, RecursionError, UnicodeError)):
         return 400
     return 500
+
+
+class ContextLengthError(RequestError):
+    """A prompt plus the tokens asked for does not fit the context. Every entry point (the engine, `generate`,
+    `logits`, the HTTP server) raises this one message, so a user meets the same words wherever they ask."""
+
+    def __init__(self, prompt_tokens: int, new_tokens: int, max_context: int) -> None:
+        wanted = f" and max_tokens asks for {new_tokens} more" if new_tokens > 0 else ""
+        super().__init__(f"this model's context holds {max_context} tokens, but the prompt has {prompt_tokens}"
+                         f"{wanted}")
+        self.prompt_tokens, self.new_tokens, self.max_context = prompt_tokens, new_tokens, max_context
+
+    @classmethod
+    def check(cls, prompt_tokens: int, new_tokens: int, max_context: int) -> None:
+        """Raise unless prompt_tokens + new_tokens <= max_context."""
+        if prompt_tokens + new_tokens > max_context:
+            raise cls(prompt_tokens, new_tokens, max_context)

@@ -230,3 +230,12 @@ def test_metrics_snapshot_reports_the_engine_state(tiny_model, drive):
     assert snap["ttft_seconds"]["count"] == 2 and snap["inter_token_latency_seconds"]["count"] == 4
     assert snap["requests_finished_length"] == 2 and snap["num_running"] == 0 and snap["queue_length"] == 0
     assert snap["kv_blocks_used"] == 0 and snap["state_slots_used"] == 0
+
+
+def test_context_refusal_is_the_servers_message(tiny_model):
+    from k3serve.errors import ContextLengthError
+
+    engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_model_len=32, max_seqs=2))
+    with pytest.raises(ContextLengthError, match="^this model's context holds 32 tokens, but the prompt has 32 and "
+                                                 "max_tokens asks for 5 more$"):
+        engine.add_request([5] * 32, SamplingParams(max_tokens=5))

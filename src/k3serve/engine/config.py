@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3serve.config import K3Config
+from k3serve.config import DEFAULT_MAX_MODEL_LEN, K3Config
 from k3serve.errors import ConfigError
 
 FLOAT32_BYTES = 4
@@ -23,7 +23,7 @@ class EngineConfig:
     kv_cache_bytes: int = 64 << 20  # MLA cache budget when num_blocks is None (allocated up front)
     max_batch_tokens: int = 2048  # tokens per forward step (prefill chunks + decodes)
     max_seqs: int = 64  # running sequences per step
-    max_model_len: int = 4096  # prompt + generated tokens of one sequence
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # prompt + generated tokens of one sequence
     enable_chunked_prefill: bool = True  # split long prompts across steps under max_batch_tokens
     enable_prefix_caching: bool = True
     num_state_checkpoints: int = 64  # KDA state checkpoints the prefix cache may hold

@@ -182,4 +182,5 @@ def _source_resident_experts(source) -> ResidentExperts:
 
 def resident_draft_model(target: K3Model, allowed: ResidentExperts | None = None) -> K3Model:
     """The target model with routing restricted to resident experts (or to `allowed`)."""
-    return K3Model(RestrictedRoutingSource(target.source, allowed), chunk_size=target.chunk_size)
+    return K3Model(RestrictedRoutingSource(target.source, allowed), chunk_size=target.chunk_size,
+                   attention_blocks=target.attention_blocks)

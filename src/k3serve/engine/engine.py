@@ -35,7 +35,7 @@ from k3serve.engine.speculative import (DrafterFactory, SequenceSpeculation, Spe
                                         verify)
 from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from k3serve.errors import RequestError
+from k3serve.errors import ContextLengthError, RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
 
 if TYPE_CHECKING:
@@ -136,11 +136,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must lie in 0..{vocab - 1}")
-        if len(prompt) >= self.max_context:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens but the context holds at most {self.max_context} "
-                "(prompt plus at least one generated token)"
-            )
+        if len(prompt) >= self.max_context:  # a longer max_tokens is cut to the context; one token must fit
+            raise ContextLengthError(len(prompt), params.max_tokens, self.max_context)
         if params.n > self.config.max_seqs:
             raise RequestError(f"n = {params.n} exceeds max_seqs = {self.config.max_seqs}")
         if not isinstance(tenant, str) or not tenant:

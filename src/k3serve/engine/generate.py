@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from k3serve.config import DEFAULT_MAX_MODEL_LEN
 from k3serve.engine.sampling import Sampler, SamplingParams, mask_logits
-from k3serve.errors import RequestError
+from k3serve.errors import ContextLengthError, RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
 
 if TYPE_CHECKING:
@@ -56,12 +57,15 @@ def peak_rss_bytes() -> int:
 def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
              stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
              speculative: SpeculativeConfig | None = None, drafters: DrafterFactory | None = None,
-             constraint: Callable[[list[int]], np.ndarray | None] | None = None) -> tuple[list[int], RunReport]:
+             constraint: Callable[[list[int]], np.ndarray | None] | None = None,
+             max_context: int = DEFAULT_MAX_MODEL_LEN) -> tuple[list[int], RunReport]:
     """Generate up to params.max_tokens tokens after `prompt_ids`; `on_token` sees each one as it is made.
     With `speculative`, drafts are verified in windows (engine/speculative.py): same greedy tokens.
-    `constraint(tokens so far)` may return the ids allowed next (token healing, engine/healing.py); None: any."""
+    `constraint(tokens so far)` may return the ids allowed next (token healing, engine/healing.py); None: any.
+    Raises `ContextLengthError` when the prompt plus max_tokens exceeds `max_context`, as the server does."""
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: give at least one token")
+    ContextLengthError.check(len(prompt_ids), params.max_tokens, max_context)
     if speculative is not None:
         from k3serve.engine.speculative import speculative_generate
 

@@ -20,9 +20,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from k3serve.config import K3Config
-from k3serve.errors import RequestError
+from k3serve.config import DEFAULT_MAX_MODEL_LEN, K3Config
+from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.attn_res import attn_res
+from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
 from k3serve.model.kda import DEFAULT_CHUNK_SIZE, kda_forward
 from k3serve.model.mla import mla_attend, mla_project
 from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward
@@ -86,10 +87,13 @@ def finish_batch(items: Sequence[ForwardItem], segments: list[tuple[int, int]], 
 class SingleSequenceMixin:
     """`logits` and `greedy` over one sequence, for any model with `new_cache()` and `forward(items)`."""
 
-    def logits(self, token_ids: Sequence[int], mode: str = "full") -> np.ndarray:
+    def logits(self, token_ids: Sequence[int], mode: str = "full",
+               max_context: int = DEFAULT_MAX_MODEL_LEN) -> np.ndarray:
         """Float32 logits [T, V] for every position: one forward over all ids ('full'), or a prefill of the first
-        id followed by one decode step per remaining id ('incremental')."""
+        id followed by one decode step per remaining id ('incremental'). Raises `ContextLengthError` for more than
+        `max_context` ids."""
         ids = np.asarray(token_ids, dtype=np.int64)
+        ContextLengthError.check(len(ids), 0, max_context)
         cache = self.new_cache()
         if mode == "full":
             return self.forward([ForwardItem(ids, cache, all_logits=True)]).logits[0]
@@ -98,8 +102,9 @@ class SingleSequenceMixin:
                                    for i in range(len(ids))])
         raise RequestError(f"unknown logits mode {mode!r}; use 'full' or 'incremental'")
 
-    def greedy(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+    def greedy(self, prompt: Sequence[int], num_tokens: int, max_context: int = DEFAULT_MAX_MODEL_LEN) -> list[int]:
         """Greedy continuation of `prompt` by prefill then one decode step per token."""
+        ContextLengthError.check(len(prompt), num_tokens, max_context)
         cache = self.new_cache()
         logits = self.forward([ForwardItem(np.asarray(prompt, dtype=np.int64), cache)]).logits[0][-1]
         out: list[int] = []
@@ -115,10 +120,14 @@ class K3Model(SingleSequenceMixin):
     """The K3 forward pass over a `WeightSource`. Stateless apart from its weights: all sequence state lives in
     the caches passed to `forward`."""
 
-    def __init__(self, source: WeightSource, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, source: WeightSource, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 attention_blocks: tuple[int, int] = (DEFAULT_QUERY_BLOCK, DEFAULT_KEY_BLOCK)) -> None:
+        if min(attention_blocks) < 1:
+            raise ConfigError(f"attention blocks (query, key) must be >= 1, got {attention_blocks}")
         self.source = source
         self.config: K3Config = source.config
         self.chunk_size = chunk_size
+        self.attention_blocks = attention_blocks  # MLA prefill tiles: memory O(T x key block)
         self._globals = source.global_weights()
 
     def new_cache(self) -> DenseSequenceCache:
@@ -184,5 +193,5 @@ class K3Model(SingleSequenceMixin):
         for (start, end), cache in zip(segments, caches):
             cache.mla_append(layer, rows[start:end])
             out[start:end] = mla_attend(self.config, w, q[start:end], cache.mla_rows(layer),
-                                        None if gate is None else gate[start:end])
+                                        None if gate is None else gate[start:end], *self.attention_blocks)
         return out

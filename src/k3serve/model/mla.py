@@ -10,6 +10,8 @@ Only [latent | k_rope] (KL + DR values) is cached per position. Attention runs o
 absorbing W_uk into the query and W_uv into the output:
     q_nope . (W_uk latent_j) = (W_uk^T q_nope) . latent_j,    sum_j p_j W_uv latent_j = W_uv (sum_j p_j latent_j)
 so no per-head key or value is ever expanded. The reference (model/reference.py) computes the expanded form.
+With the absorbed query [W_uk^T q_nope | q_rope] against the cached row [latent | k_rope], the scores are one
+product, and the softmax runs in tiles (model/causal_attention.py): prefill memory O(T x block), not O(T x N).
 
 Shapes: T new tokens, N cached positions (including the new ones), NA heads.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3serve.config import K3Config
+from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, causal_attention
 from k3serve.model.ops import rms_norm, sigmoid, softmax
 from k3serve.model.weights import MLAWeights
 
@@ -35,23 +38,36 @@ def mla_project(config: K3Config, w: MLAWeights, x: np.ndarray) -> tuple[np.ndar
     return q.reshape(x.shape[0], NA, DN + DR), rows, gate
 
 
-def mla_attend(config: K3Config, w: MLAWeights, q: np.ndarray, cache: np.ndarray,
-               gate: np.ndarray | None) -> np.ndarray:
+def mla_attend(config: K3Config, w: MLAWeights, q: np.ndarray, cache: np.ndarray, gate: np.ndarray | None,
+               query_block: int = DEFAULT_QUERY_BLOCK, key_block: int = DEFAULT_KEY_BLOCK) -> np.ndarray:
     """Attention of T new queries over N cached rows; the new tokens are the last T rows of the cache.
 
     q [T, NA, DN+DR], cache [N, KL+DR], gate [T, NA*DV] -> [T, H]."""
+    KL, DN, DR = config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim
+    T = q.shape[0]
+    q_latent = np.einsum("tad,adk->atk", q[:, :, :DN], w.w_uk)  # [NA, T, KL]
+    q_rope = q[:, :, DN:].transpose(1, 0, 2)  # [NA, T, DR]
+    absorbed = np.concatenate([q_latent, q_rope], axis=2)  # [NA, T, KL+DR], against cache rows [latent | k_rope]
+    out_latent = causal_attention(absorbed, cache, cache[:, :KL], 1.0 / np.sqrt(DN + DR),
+                                  query_block, key_block)  # [NA, T, KL]
+    attn = np.einsum("atk,avk->tav", out_latent, w.w_uv).reshape(T, -1)  # [T, NA*DV]
+    if gate is not None:
+        attn = attn * sigmoid(gate)
+    return attn @ w.o_proj.T
+
+
+def mla_attend_reference(config: K3Config, w: MLAWeights, q: np.ndarray, cache: np.ndarray,
+                         gate: np.ndarray | None) -> np.ndarray:
+    """The dense twin of `mla_attend`: the [NA, T, N] score matrix at once (memory O(T x N))."""
     KL, DN, DR = config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim
     T, N = q.shape[0], cache.shape[0]
     latent, k_rope = cache[:, :KL], cache[:, KL:]
     q_latent = np.einsum("tad,adk->atk", q[:, :, :DN], w.w_uk)  # [NA, T, KL]
     q_rope = q[:, :, DN:].transpose(1, 0, 2)  # [NA, T, DR]
     scores = (q_latent @ latent.T + q_rope @ k_rope.T) * np.float32(1.0 / np.sqrt(DN + DR))  # [NA, T, N]
-    # query t sits at position N - T + t and sees positions 0..N - T + t
     visible = np.arange(N)[None, :] <= (N - T + np.arange(T))[:, None]  # [T, N]
-    scores = np.where(visible[None], scores, -np.inf)
-    probs = softmax(scores, axis=-1)
-    out_latent = probs @ latent  # [NA, T, KL]
-    attn = np.einsum("atk,avk->tav", out_latent, w.w_uv).reshape(T, -1)  # [T, NA*DV]
+    probs = softmax(np.where(visible[None], scores, -np.inf), axis=-1)
+    attn = np.einsum("atk,avk->tav", probs @ latent, w.w_uv).reshape(T, -1)  # [T, NA*DV]
     if gate is not None:
         attn = attn * sigmoid(gate)
     return attn @ w.o_proj.T

@@ -30,7 +30,7 @@ from k3serve.engine.background import EngineRunner, RequestStream
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.request import FinishReason, RequestOutput
 from k3serve.engine.sampling import SamplingParams
-from k3serve.errors import RequestError
+from k3serve.errors import ContextLengthError, RequestError
 from k3serve.serve.chat import apply_chat_template
 from k3serve.serve.errors import MAX_BODY_BYTES, APIError, install_error_handlers, read_json_body
 from k3serve.serve.metrics import render_metrics
@@ -172,8 +172,7 @@ async def _serve(request: Request, state: ServerState, body, prompts: list[_Prom
         if len(prompt.ids) + max_tokens > state.engine.max_context:
             for stream in streams:
                 stream.abort()
-            raise APIError(400, f"this model's context holds {state.engine.max_context} tokens, but the prompt "
-                                f"has {len(prompt.ids)} and max_tokens asks for {max_tokens} more",
+            raise APIError(400, str(ContextLengthError(len(prompt.ids), max_tokens, state.engine.max_context)),
                            param="max_tokens", code="context_length_exceeded")
         try:
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,

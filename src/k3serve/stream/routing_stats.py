@@ -103,7 +103,7 @@ def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None) -> R
 
     config = model.config
     recorder = _RecordingSource(model.source, writer)
-    traced = K3Model(recorder, chunk_size=model.chunk_size)
+    traced = K3Model(recorder, chunk_size=model.chunk_size, attention_blocks=model.attention_blocks)
     reuse_pairs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     num_tokens = 0
     for seq in sequences:

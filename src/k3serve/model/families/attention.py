@@ -7,7 +7,8 @@ Per token, with NQ query heads sharing NKV key/value heads (group G = NQ / NKV),
     o_h = sum_j softmax_j(q_h . k_{g(h), j} / sqrt(hd)) v_{g(h), j}        g(h) = h // G, causal over j <= p
     out = W_o [o_1 .. o_NQ]                               (Qwen3-MoE)
     out = W_o ([o_1 .. o_NQ] * sigmoid(gate))             (Qwen3-Next: W_q yields [q_h | gate_h] per head)
-Keys are cached after norm and rotation: one row [k (NKV*hd) | v (NKV*hd)] per position.
+Keys are cached after norm and rotation: one row [k (NKV*hd) | v (NKV*hd)] per position. The softmax runs in
+tiles (model/causal_attention.py): prefill memory O(T x block), not O(T x N); `_attend_reference` is the dense twin.
 
 Shapes: T new tokens of a sequence, N cached positions (including the new ones).
 """
@@ -18,9 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, causal_attention,
+                                            causal_attention_reference)
 from k3serve.model.families.decoder import Batch
 from k3serve.model.families.rope import Rotary
-from k3serve.model.ops import rms_norm, sigmoid, softmax
+from k3serve.model.ops import rms_norm, sigmoid
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class GQAAttention:
     rotary: Rotary
     eps: float
     gated: bool
+    query_block: int = DEFAULT_QUERY_BLOCK
+    key_block: int = DEFAULT_KEY_BLOCK
 
     @property
     def row_width(self) -> int:
@@ -70,16 +75,22 @@ class GQAAttention:
             out = out * sigmoid(gate)
         return out @ self.weights.o_proj.T
 
-    def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
-        """q [T, NQ, hd] over cached rows [N, 2*NKV*hd]; the new tokens are the last T rows. -> [T, NQ*hd]."""
+    def _split(self, q: np.ndarray, cached: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q [T, NQ, hd], cached [N, 2*NKV*hd] -> grouped queries [NKV, G, T, hd], keys and values [NKV, 1, N, hd]."""
         NQ, NKV, hd = self.num_heads, self.num_kv_heads, self.head_dim
         T, N, G = q.shape[0], cached.shape[0], NQ // NKV
-        keys = cached[:, :NKV * hd].reshape(N, NKV, hd).transpose(1, 0, 2)  # [NKV, N, hd]
-        values = cached[:, NKV * hd:].reshape(N, NKV, hd).transpose(1, 0, 2)  # [NKV, N, hd]
-        grouped = q.reshape(T, NKV, G, hd).transpose(1, 2, 0, 3)  # [NKV, G, T, hd]
-        scores = (grouped @ keys[:, None].swapaxes(-1, -2)) * np.float32(hd ** -0.5)  # [NKV, G, T, N]
-        # query t sits at position N - T + t and sees positions 0 .. N - T + t
-        visible = np.arange(N)[None, :] <= (N - T + np.arange(T))[:, None]  # [T, N]
-        probs = softmax(np.where(visible, scores, -np.inf), axis=-1)
-        out = probs @ values[:, None]  # [NKV, G, T, hd]
-        return out.transpose(2, 0, 1, 3).reshape(T, NQ * hd)
+        keys = cached[:, :NKV * hd].reshape(N, NKV, hd).transpose(1, 0, 2)[:, None]  # [NKV, 1, N, hd]
+        values = cached[:, NKV * hd:].reshape(N, NKV, hd).transpose(1, 0, 2)[:, None]  # [NKV, 1, N, hd]
+        return q.reshape(T, NKV, G, hd).transpose(1, 2, 0, 3), keys, values
+
+    def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        """q [T, NQ, hd] over cached rows [N, 2*NKV*hd]; the new tokens are the last T rows. -> [T, NQ*hd]."""
+        grouped, keys, values = self._split(q, cached)
+        out = causal_attention(grouped, keys, values, self.head_dim ** -0.5, self.query_block, self.key_block)
+        return out.transpose(2, 0, 1, 3).reshape(q.shape[0], -1)  # [NKV, G, T, hd] -> [T, NQ*hd]
+
+    def _attend_reference(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        """The dense twin of `_attend` ([NKV, G, T, N] scores at once)."""
+        grouped, keys, values = self._split(q, cached)
+        out = causal_attention_reference(grouped, keys, values, self.head_dim ** -0.5)
+        return out.transpose(2, 0, 1, 3).reshape(q.shape[0], -1)

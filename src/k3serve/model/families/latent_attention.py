@@ -11,6 +11,7 @@ scale = 1/sqrt(DN + DR), times mscale^2 under YaRN with `mscale_all_dim` (DeepSe
 As in K3's MLA (k3serve.model.mla), only [latent | rotated k_rope] is cached per position and attention runs on
 the latent with W_uk absorbed into the query and W_uv into the output:
     q_nope . (W_uk latent_j) = (W_uk^T q_nope) . latent_j,     sum_j p_j W_uv latent_j = W_uv (sum_j p_j latent_j)
+and the softmax runs in tiles (model/causal_attention.py): prefill memory O(T x block), not O(T x N).
 
 Shapes: T new tokens of a sequence, N cached positions (including the new ones), NA heads.
 """
@@ -21,9 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, causal_attention,
+                                            causal_attention_reference)
 from k3serve.model.families.decoder import Batch
 from k3serve.model.families.rope import Rotary
-from k3serve.model.ops import rms_norm, softmax
+from k3serve.model.ops import rms_norm
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class LatentAttention:
     scale: float
     rotary: Rotary | None
     norm_eps: float  # of q_a_layernorm and kv_a_layernorm
+    query_block: int = DEFAULT_QUERY_BLOCK
+    key_block: int = DEFAULT_KEY_BLOCK
 
     @property
     def row_width(self) -> int:
@@ -80,15 +85,18 @@ class LatentAttention:
             out[start:end] = self._attend(q[start:end], cache.mla_rows(self.layer))
         return out @ w.o_proj.T
 
+    def _absorbed(self, q: np.ndarray) -> np.ndarray:
+        """q [T, NA, DN+DR] -> [W_uk^T q_nope | q_rope] [NA, T, KL+DR], against cached rows [latent | k_rope]."""
+        q_latent = np.einsum("tad,adk->atk", q[:, :, :self.nope_dim], self.weights.w_uk)  # [NA, T, KL]
+        return np.concatenate([q_latent, q[:, :, self.nope_dim:].transpose(1, 0, 2)], axis=2)
+
     def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
         """q [T, NA, DN+DR] over cached rows [N, KL+DR]; the new tokens are the last T rows. -> [T, NA*DV]."""
-        KL, DN = self.kv_lora_rank, self.nope_dim
-        T, N = q.shape[0], cached.shape[0]
-        latent, k_rope = cached[:, :KL], cached[:, KL:]
-        q_latent = np.einsum("tad,adk->atk", q[:, :, :DN], self.weights.w_uk)  # [NA, T, KL]
-        q_rope = q[:, :, DN:].transpose(1, 0, 2)  # [NA, T, DR]
-        scores = (q_latent @ latent.T + q_rope @ k_rope.T) * np.float32(self.scale)  # [NA, T, N]
-        visible = np.arange(N)[None, :] <= (N - T + np.arange(T))[:, None]  # [T, N]
-        probs = softmax(np.where(visible[None], scores, -np.inf), axis=-1)
-        out_latent = probs @ latent  # [NA, T, KL]
-        return np.einsum("atk,avk->tav", out_latent, self.weights.w_uv).reshape(T, -1)  # [T, NA*DV]
+        out_latent = causal_attention(self._absorbed(q), cached, cached[:, :self.kv_lora_rank], self.scale,
+                                      self.query_block, self.key_block)  # [NA, T, KL]
+        return np.einsum("atk,avk->tav", out_latent, self.weights.w_uv).reshape(q.shape[0], -1)  # [T, NA*DV]
+
+    def _attend_reference(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        """The dense twin of `_attend` ([NA, T, N] scores at once)."""
+        out_latent = causal_attention_reference(self._absorbed(q), cached, cached[:, :self.kv_lora_rank], self.scale)
+        return np.einsum("atk,avk->tav", out_latent, self.weights.w_uv).reshape(q.shape[0], -1)

@@ -1,0 +1,85 @@
+"""Causal softmax attention in tiles with an online softmax, so that prefill memory is O(T x block), never O(T^2).
+
+For queries q_t (t = 0..T-1, at positions N - T + t) over N keys k_j and values v_j:
+    o_t = sum_{j <= N-T+t} softmax_j(scale q_t . k_j) v_j
+computed over key blocks K_1, K_2, ... with a running maximum m, a running normaliser l and an unnormalised
+output acc (the online softmax of Milakov & Gimelshein 2018, as tiled in FlashAttention, Dao et al. 2022, sec. 3.1):
+    S_i   = scale Q K_i^T (masked causally)
+    m_i   = max(m_{i-1}, rowmax S_i)
+    l_i   = exp(m_{i-1} - m_i) l_{i-1} + rowsum exp(S_i - m_i)
+    acc_i = exp(m_{i-1} - m_i) acc_{i-1} + exp(S_i - m_i) V_i
+    o     = acc_last / l_last
+Queries are tiled too, and a query block only visits the key blocks it can see, so the causal upper triangle is
+never computed. The live memory is one [..., query block, key block] score tile plus the [..., T, DV] output.
+
+`causal_attention_reference` is the dense twin ([..., T, N] scores at once), kept for tests and for inputs small
+enough to fit one tile, where `causal_attention` calls it (so short prompts and decode steps are unchanged).
+
+Shapes: leading dims `...` broadcast between q, keys and values (heads, or KV groups and their query heads);
+T queries, N keys (the queries are the last T of them), D query/key width, DV value width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from k3serve.model.ops import softmax
+
+DEFAULT_QUERY_BLOCK = 256
+DEFAULT_KEY_BLOCK = 1024
+
+
+def causal_attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
+    """q [..., T, D], keys [..., N, D], values [..., N, DV] -> [..., T, DV] with the whole score matrix."""
+    T, N = q.shape[-2], keys.shape[-2]
+    scores = (q @ keys.swapaxes(-1, -2)) * np.float32(scale)  # [..., T, N]
+    # query t sits at position N - T + t and sees positions 0 .. N - T + t
+    visible = np.arange(N)[None, :] <= (N - T + np.arange(T))[:, None]  # [T, N]
+    return softmax(np.where(visible, scores, -np.inf), axis=-1) @ values
+
+
+def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float,
+                     query_block: int = DEFAULT_QUERY_BLOCK, key_block: int = DEFAULT_KEY_BLOCK) -> np.ndarray:
+    """As `causal_attention_reference`, in [query_block x key_block] tiles once T x N exceeds one tile."""
+    if query_block < 1 or key_block < 1:
+        raise ValueError(f"attention blocks must be >= 1, got {query_block} x {key_block}")
+    T, N = q.shape[-2], keys.shape[-2]
+    if T > N:
+        raise ValueError(f"{T} queries over {N} keys: the queries must be the last T of the keys")
+    if T * N <= query_block * key_block:
+        return causal_attention_reference(q, keys, values, scale)
+    lead = np.broadcast_shapes(q.shape[:-2], keys.shape[:-2], values.shape[:-2])
+    out = np.empty(lead + (T, values.shape[-1]), np.float32)  # [..., T, DV]
+    scaled = q * np.float32(scale)
+    first_position = N - T
+    for q_start in range(0, T, query_block):
+        q_end = min(q_start + query_block, T)
+        q_tile = scaled[..., q_start:q_end, :]  # [..., bq, D]
+        positions = first_position + np.arange(q_start, q_end)  # [bq]
+        last_visible = int(positions[-1])
+        running_max = normaliser = acc = None
+        for k_start in range(0, last_visible + 1, key_block):
+            k_end = min(k_start + key_block, last_visible + 1)
+            scores = q_tile @ keys[..., k_start:k_end, :].swapaxes(-1, -2)  # [..., bq, bk]
+            if k_end - 1 > positions[0]:  # the tile crosses the diagonal: mask the keys after each query
+                hidden = np.arange(k_start, k_end)[None, :] > positions[:, None]  # [bq, bk]
+                np.copyto(scores, np.float32(-np.inf), where=hidden)
+            tile_max = scores.max(axis=-1)  # [..., bq]
+            if running_max is None:  # key 0 is visible to every query: the first tile's maxima are finite
+                new_max = tile_max
+            else:
+                new_max = np.maximum(running_max, tile_max)
+            scores -= new_max[..., None]
+            p = np.exp(scores, out=scores)  # [..., bq, bk], in place: one tile of memory
+            tile_out = p @ values[..., k_start:k_end, :]  # [..., bq, DV]
+            if running_max is None:
+                normaliser, acc = p.sum(axis=-1), tile_out
+            else:
+                correction = np.exp(running_max - new_max)  # [..., bq]
+                normaliser *= correction
+                normaliser += p.sum(axis=-1)
+                acc *= correction[..., None]
+                acc += tile_out
+            running_max = new_max
+        out[..., q_start:q_end, :] = acc / normaliser[..., None]
+    return out
