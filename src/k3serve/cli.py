@@ -14,6 +14,7 @@ from k3serve import cli_args
 from k3serve.cli_args import Parser, output_file, positive_int
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
 from k3serve.lab.commands import add_lab_command
+from k3serve.serve.tenant_commands import add_tenant_args, add_tenants_command
 from k3serve.stream.commands import add_stream_args, add_subcommands, load_for_run
 
 
@@ -132,9 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
     _add_speculative_args(serve)
     add_stream_args(serve)
+    add_tenant_args(serve)
 
     STREAM_COMMANDS.update(add_subcommands(sub))  # pack, sim cache, coactivation
     LAB_COMMANDS.update(add_lab_command(sub))  # lab, lab run, lab list
+    COMMANDS.update(add_tenants_command(sub))  # tenants hash-key, tenants check
 
     storage = sub.add_parser("spec-storage", help="rollback storage per sequence: snapshots vs projection cache")
     storage.add_argument("--max-window", type=cli_args.int_range(1, 64), default=8,
@@ -261,12 +264,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from k3serve.engine.engine import LLMEngine
     from k3serve.model.k3 import K3Model
     from k3serve.serve.api import create_app
+    from k3serve.serve.tenant_commands import install_reload, registry_for_serve, warn_if_open
 
     config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                           max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
-                          max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache)
+                          max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
+                          scheduling=args.scheduling, output_cost=args.output_cost)
     speculative = _speculative_config(args)
+    tenants = registry_for_serve(args)  # a bad tenants file fails here, before the model loads
     listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here, before the model loads and before "serving"
+    warn_if_open(tenants, args.host)
     loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
     if not isinstance(loaded.model, K3Model):
         raise K3Error(f"{loaded.path} is a {loaded.model.config.model_type} checkpoint: the server runs K3 models "
@@ -277,7 +284,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        drafters=_drafters(args, speculative, loaded.model))
     name = args.served_model_name or loaded.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    app = create_app(engine, loaded.tokenizer, name, default_max_tokens=args.default_max_tokens)
+    tenants.on_reload = lambda config: engine.set_tenant_shares(config.shares())
+    install_reload(tenants)
+    app = create_app(engine, loaded.tokenizer, name, default_max_tokens=args.default_max_tokens, tenants=tenants)
     if not args.no_lab:  # the lab page beside the API, on its own run queue (k3serve.lab)
         from k3serve.lab.api import mount_lab
         from k3serve.lab.fixtures import LabFixtures

@@ -38,11 +38,13 @@ class RequestStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
         self.finished = False
+        self.last: RequestOutput | None = None  # the latest output put (its token counts give the usage)
 
     def put(self, output: RequestOutput) -> None:
         """Engine thread: append an output and wake the consumer."""
         with self._cond:
             self._items.append(output)
+            self.last = output
             self._cond.notify_all()
             loop, event = self._loop, self._event
         if loop is not None and event is not None:

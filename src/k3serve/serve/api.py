@@ -6,14 +6,16 @@ Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, wit
 engine failure of one request 500. A bad request never reaches the engine, a failing request never disturbs the
 others, and a client that goes away (streaming or not) cancels its request at the next engine step.
 
-Tenancy: the bearer token of a request names its tenant (hashed; no token = "anonymous"), and prefix-cache
-entries are salted by tenant and by the request's `cache_salt`, so tenants never share cached state.
+Tenancy (serve/tenants.py): with a tenants file, the bearer token must be one of a tenant's keys (else 401), and
+each request is checked against its tenant's caps (400 naming the cap) and quotas (429 with Retry-After and the
+x-ratelimit-* headers) before it reaches the engine. Without one, the bearer token only names the tenant (hashed;
+no token = "anonymous"). Prefix-cache entries are salted by tenant and by the request's `cache_salt`, so tenants
+never share cached state.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
@@ -28,6 +30,7 @@ from pydantic import ValidationError
 
 from k3serve.engine.background import EngineRunner, RequestStream
 from k3serve.engine.engine import LLMEngine
+from k3serve.engine.metrics import Counter
 from k3serve.engine.request import FinishReason, RequestOutput
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ContextLengthError, RequestError
@@ -36,6 +39,8 @@ from k3serve.serve.errors import MAX_BODY_BYTES, APIError, install_error_handler
 from k3serve.serve.metrics import render_metrics
 from k3serve.serve.openapi import declare_request_bodies
 from k3serve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from k3serve.serve.tenants import (AuthenticationError, CapExceeded, Lease, QuotaExceeded, TenantRegistry,
+                                   estimate_tokens)
 from k3serve.serve.text import TextTracker, stop_hook_for
 from k3serve.tokenizer import Tokenizer
 
@@ -53,8 +58,11 @@ class _Prompt:
 
 class ServerState:
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
-                 default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES,
+                 tenants: TenantRegistry | None = None) -> None:
         self.engine = engine
+        self.tenants = tenants if tenants is not None else TenantRegistry()
+        engine.set_tenant_shares(self.tenants.shares())
         self.default_max_tokens = default_max_tokens
         self.max_body_bytes = max_body_bytes
         self.runner = EngineRunner(engine)
@@ -64,13 +72,17 @@ class ServerState:
         metrics = engine.metrics
         self.requests_total = metrics.counter("http_requests_total", "HTTP requests received")
         self.request_errors = metrics.counter("http_request_errors_total", "HTTP requests answered with 4xx/5xx")
+        self.rejections = metrics.family(Counter, "tenant_rejections", "requests refused, per tenant and reason",
+                                         ("tenant", "reason"))
 
 
 def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
-               default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES,
+               tenants: TenantRegistry | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. The engine thread starts now and stops with the app. A chat request
-    without max_tokens generates at most `default_max_tokens`; a body over `max_body_bytes` is refused unread."""
-    state = ServerState(engine, tokenizer, model_name, default_max_tokens, max_body_bytes)
+    without max_tokens generates at most `default_max_tokens`; a body over `max_body_bytes` is refused unread.
+    `tenants`: API keys, caps and quotas (None: open, as without a tenants file)."""
+    state = ServerState(engine, tokenizer, model_name, default_max_tokens, max_body_bytes, tenants)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,7 +101,8 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        _authenticate(request, state)
         return JSONResponse({"object": "list", "data": [
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
              "max_model_len": state.engine.max_context}]})
@@ -128,6 +141,7 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
 
 async def _parse(request: Request, model: type, state: ServerState):
     state.requests_total.inc()
+    _authenticate(request, state)  # before the body: a client without a valid key learns nothing more
     data = await read_json_body(request, state.max_body_bytes)
     try:
         body = model.model_validate(data)
@@ -158,15 +172,69 @@ def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[_Prompt]:
     return [_Prompt(list(p)) for p in prompt]
 
 
-def _tenant(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    return "tenant-" + hashlib.sha256(token.encode()).hexdigest()[:16] if token else "anonymous"
+def _authenticate(request: Request, state: ServerState) -> str:
+    """The request's tenant (kept in `request.state.tenant`), or a 401."""
+    try:
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+    except AuthenticationError as exc:
+        state.rejections.labels("unknown", "unauthenticated").inc()
+        raise APIError(401, str(exc), code="invalid_api_key") from None
+    request.state.tenant = tenant
+    return tenant
+
+
+def _admit_tenant(state: ServerState, tenant: str, body, prompts: list[_Prompt], max_tokens: int,
+                  chat: bool) -> tuple[Lease, int]:
+    """Check the tenant's caps (400 naming the cap) and charge its quotas (429); returns the lease to release when
+    the request ends and max_tokens (a chat default shortened to the tenant's max_context)."""
+    config = state.tenants.tenant(tenant)
+    lengths = [len(p.ids) for p in prompts]
+    if chat and config is not None and config.max_context is not None \
+            and body.max_completion_tokens is None and body.max_tokens is None:
+        max_tokens = max(1, min(max_tokens, config.max_context - max(lengths)))
+    try:
+        state.tenants.check_caps(tenant, lengths, max_tokens, body.n, state.engine.share_capacity)
+        lease = state.tenants.admit(tenant, estimate_tokens(lengths, max_tokens, body.n))
+    except CapExceeded as exc:
+        state.rejections.labels(tenant, exc.cap).inc()
+        raise APIError(400, str(exc), param=exc.cap, code="tenant_cap_exceeded") from None
+    except QuotaExceeded as exc:
+        state.rejections.labels(tenant, exc.reason).inc()
+        raise APIError(429, str(exc), param=exc.reason, code="rate_limit_exceeded", headers=exc.headers) from None
+    return lease, max_tokens
+
+
+def _tokens_used(streams: list[RequestStream]) -> int:
+    """Prompt plus generated tokens of the outputs seen so far (what a finished request is charged)."""
+    total = 0
+    for stream in streams:
+        if stream.last is not None:
+            total += len(stream.last.prompt_token_ids) + sum(len(c.token_ids) for c in stream.last.outputs)
+    return total
+
+
+async def _release_after(events: AsyncIterator[str], lease: Lease, streams: list[RequestStream]
+                         ) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        lease.finish(_tokens_used(streams))
 
 
 async def _serve(request: Request, state: ServerState, body, prompts: list[_Prompt], max_tokens: int,
                  chat: bool):
-    tenant = _tenant(request)
+    tenant = request.state.tenant
+    lease, max_tokens = _admit_tenant(state, tenant, body, prompts, max_tokens, chat)
+    try:
+        return await _submit_and_answer(request, state, body, prompts, max_tokens, chat, tenant, lease)
+    except BaseException:
+        lease.finish()  # refused by the engine, or the client went away: nothing more will run
+        raise
+
+
+async def _submit_and_answer(request: Request, state: ServerState, body, prompts: list[_Prompt], max_tokens: int,
+                             chat: bool, tenant: str, lease: Lease):
     streams: list[RequestStream] = []
     for prompt in prompts:
         if len(prompt.ids) + max_tokens > state.engine.max_context:
@@ -187,13 +255,17 @@ async def _serve(request: Request, state: ServerState, body, prompts: list[_Prom
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream_events(state, body, streams, response_id, chat, include_usage),
-                                 media_type="text/event-stream")
+        events = _stream_events(state, body, streams, response_id, chat, include_usage)
+        return StreamingResponse(_release_after(events, lease, streams), media_type="text/event-stream",
+                                 headers=lease.headers)
     watcher = asyncio.create_task(_abort_on_disconnect(request, streams))
     try:
-        return await _complete(state, body, streams, response_id, chat)
+        response = await _complete(state, body, streams, response_id, chat)
     finally:
         watcher.cancel()
+    lease.finish(_tokens_used(streams))
+    response.headers.update(lease.headers)
+    return response
 
 
 async def _abort_on_disconnect(request: Request, streams: list[RequestStream]) -> None:

@@ -35,16 +35,19 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str | None = None,
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})  # e.g. Retry-After and x-ratelimit-* on a 429
         self.type = type_ or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
 def error_response(error: APIError) -> JSONResponse:
     body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
-    headers = {"Allow": error.allow} if getattr(error, "allow", None) else None
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    headers = dict(getattr(error, "headers", None) or {})
+    if getattr(error, "allow", None):
+        headers["Allow"] = error.allow
+    return JSONResponse(body, status_code=error.status, headers=headers or None)
 
 
 def api_error(exc: BaseException) -> APIError:

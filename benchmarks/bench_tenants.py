@@ -1,0 +1,103 @@
+"""Budget isolation between tenants on the embedded default model (engine/isolation.py).
+
+Tenant A floods: --flood requests live at once (prompt --flood-prompt tokens, --flood-max-tokens generated,
+each resubmitted as it finishes). Tenant B sends one short request (--light-prompt tokens, --light-max-tokens
+generated) every --interval seconds. For each round, three runs of --duration seconds alternate: B alone, A + B
+under fcfs, A + B under fair. Reported per mode (medians over rounds): B's TTFT p50 and p99, B's throughput, total
+throughput (positions through the model per second, prompt + generated: the engine's work, whoever it served;
+generated tokens per second too, which favours whichever policy serves the short requests). Targets: fair B p99
+<= 1.5 x alone; fair total throughput within 5% of fcfs. Ratios are taken per round, then the median.
+
+Prints the machine, one summary line, and a JSON record on the last line.
+
+    python benchmarks/bench_tenants.py [--rounds 3] [--duration 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+
+import numpy as np
+
+from k3serve.engine.isolation import IsolationConfig, run_isolation
+from k3serve.loading import load_model
+
+MODES = ("alone", "fcfs", "fair")
+FIELDS = ("light_ttft_p50", "light_ttft_p99", "light_tokens_per_s", "total_tokens_per_s", "computed_tokens_per_s",
+          "light_unserved", "light_requests")
+
+
+def machine() -> dict[str, object]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+            "load_average": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per run")
+    parser.add_argument("--flood", type=int, default=32)
+    parser.add_argument("--flood-prompt", type=int, default=192)
+    parser.add_argument("--flood-max-tokens", type=int, default=48)
+    parser.add_argument("--light-prompt", type=int, default=48)
+    parser.add_argument("--light-max-tokens", type=int, default=8)
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between B's requests")
+    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="1 round of 4 s with 8 flood requests")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.duration, args.flood = 1, 4.0, 8
+    config = IsolationConfig(num_flood=args.flood, flood_prompt_tokens=args.flood_prompt,
+                             flood_max_tokens=args.flood_max_tokens, light_prompt_tokens=args.light_prompt,
+                             light_max_tokens=args.light_max_tokens, light_interval_s=args.interval,
+                             duration_s=args.duration, max_batch_tokens=args.max_batch_tokens,
+                             max_seqs=max(64, args.flood + 32))
+    model = load_model(None).model
+    print(f"machine: {machine()}")
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for round_index in range(args.rounds):
+        for mode in MODES:
+            result = run_isolation(model, mode, config).as_dict()
+            runs[mode].append(result)
+            print(f"round {round_index + 1} {mode:5s}: B ttft p50 {result['light_ttft_p50'] * 1e3:7.1f} ms  "
+                  f"p99 {result['light_ttft_p99'] * 1e3:7.1f} ms  B {result['light_tokens_per_s']:6.1f} tok/s  "
+                  f"generated {result['total_tokens_per_s']:6.1f} tok/s  computed "
+                  f"{result['computed_tokens_per_s']:6.0f} tok/s  unserved {result['light_unserved']}")
+    medians = {mode: {f: statistics.median(r[f] for r in runs[mode]) for f in FIELDS} for mode in MODES}
+    # ratios per round (same conditions), then the median
+    ratios = {
+        "fair_p99_over_alone": statistics.median(f["light_ttft_p99"] / a["light_ttft_p99"]
+                                                 for f, a in zip(runs["fair"], runs["alone"])),
+        "fcfs_p99_over_alone": statistics.median(f["light_ttft_p99"] / a["light_ttft_p99"]
+                                                 for f, a in zip(runs["fcfs"], runs["alone"])),
+        "fair_p50_over_alone": statistics.median(f["light_ttft_p50"] / a["light_ttft_p50"]
+                                                 for f, a in zip(runs["fair"], runs["alone"])),
+        "fair_total_over_fcfs": statistics.median(f["computed_tokens_per_s"] / c["computed_tokens_per_s"]
+                                                  for f, c in zip(runs["fair"], runs["fcfs"])),
+        "fair_generated_over_fcfs": statistics.median(f["total_tokens_per_s"] / c["total_tokens_per_s"]
+                                                      for f, c in zip(runs["fair"], runs["fcfs"])),
+    }
+    targets = {"fair_p99_within_1.5x_alone": ratios["fair_p99_over_alone"] <= 1.5,
+               "fair_total_within_5pct_of_fcfs": ratios["fair_total_over_fcfs"] >= 0.95}
+    m = medians
+    print(f"summary: B p99 TTFT alone {m['alone']['light_ttft_p99'] * 1e3:.0f} ms, fcfs "
+          f"{m['fcfs']['light_ttft_p99'] * 1e3:.0f} ms ({ratios['fcfs_p99_over_alone']:.1f}x), fair "
+          f"{m['fair']['light_ttft_p99'] * 1e3:.0f} ms ({ratios['fair_p99_over_alone']:.2f}x); total computed "
+          f"tok/s fcfs {m['fcfs']['computed_tokens_per_s']:.0f}, fair {m['fair']['computed_tokens_per_s']:.0f} "
+          f"({ratios['fair_total_over_fcfs']:.3f}x); targets {targets}")
+    print(json.dumps({"benchmark": "tenants", "config": config.__dict__, "machine": machine(), "medians": medians,
+                      "ratios": ratios, "targets": targets, "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
