@@ -42,6 +42,7 @@ FAST_PARAMS = {
     "prefix_cache": {"system_tokens": 64, "requests": 3},
     "batching": {"max_concurrency": 2, "max_tokens": 3, "long_prompt_tokens": 64, "max_batch_tokens": 32},
     "speculative": {"tokens": 8, "repeats": 1, "excerpt_tokens": 32},
+    "full_scale": {"ladder": False, "tokens": 1},
     "tenants": {"seconds": 0.5, "flood_requests": 2, "flood_prompt_tokens": 32, "flood_max_tokens": 8},
 }
 
