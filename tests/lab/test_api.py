@@ -43,7 +43,8 @@ def test_every_module_runs_and_returns_the_documented_record(lab_client, fast_pa
     _finite_numbers(record)
     assert record["command"].startswith(f"k3serve lab run {module_id}")
     for name, value in fast.items():
-        assert f"--param {name}={value}" in record["command"]
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        assert f"--param {name}={text}" in record["command"]
     assert record["series"], "a module shows at least one figure"
     assert record["measured"] == any(f["measured"] for f in record["series"])
     for figure in record["series"]:

@@ -56,6 +56,8 @@ def _set(page, module: str, name: str, value: str) -> None:
     field = page.locator(f"#m-{module} [data-param='{name}']")
     if field.evaluate("e => e.tagName") == "SELECT":
         field.select_option(value)
+    elif field.get_attribute("type") == "checkbox":
+        field.set_checked(value.lower() == "true")
     else:
         field.fill(value)
 
