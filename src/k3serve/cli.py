@@ -287,7 +287,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tenants.on_reload = lambda config: engine.set_tenant_shares(config.shares())
     install_reload(tenants)
     app = create_app(engine, loaded.tokenizer, name, default_max_tokens=args.default_max_tokens, tenants=tenants)
-    if not args.no_lab:  # the lab page beside the API, on its own run queue (k3serve.lab)
+    if not args.no_lab and not tenants.open:  # the lab has no keys: never beside an API that requires them
+        print("k3serve: the lab is not mounted on a server with --tenants (it has no authentication); run "
+              "`k3serve lab` on loopback instead", file=sys.stderr)
+    elif not args.no_lab:  # the lab page beside the API, on its own run queue (k3serve.lab)
         from k3serve.lab.api import mount_lab
         from k3serve.lab.fixtures import LabFixtures
         from k3serve.weights.store import is_packed_store
