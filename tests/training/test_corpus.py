@@ -3,8 +3,8 @@ documents repeat a function of the given code (unchanged or with one comment lin
 
 from __future__ import annotations
 
-from k3serve.training.corpus import (COPY_NOTES, COPY_REQUESTS, HOLDOUT_EVERY, book_paragraphs, book_prose,
-                                     copy_documents, split)
+from k3serve.training.corpus import (COPY_NOTES, COPY_REQUESTS, EXTRA_CODE_SKIP_DIRS, HOLDOUT_EVERY, book_paragraphs,
+                                     book_prose, copy_documents, extra_code, extra_code_files, split)
 
 RUNNING = ("It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, when it\n"
            "was checked by a violent gust of wind which swept up the streets, rattling along the housetops, and\n"
@@ -33,6 +33,10 @@ def test_book_prose_thins_evenly(tmp_path):
     assert 20 <= len(thin) <= 30
     # spread across the whole book, not just its start
     assert int(thin[-1].split()[1].rstrip(".")) >= 90
+    # the left-out paragraphs (training-only extra prose) are exactly the rest: disjoint from the thinned set
+    rest = book_prose(sum(len(p) for p in full) // 4, path, left_out=True)
+    assert len(rest) + len(thin) == 100 and not set(rest) & set(thin)
+    assert book_prose(1 << 30, path, left_out=True) == []
 
 
 def test_split_is_deterministic_and_disjoint():
@@ -86,3 +90,18 @@ def test_revision_documents_repeat_a_function_exactly_or_with_one_note():
         assert first in MODULE.replace("\n    ", "\n") or all(line in MODULE for line in a[1:])
     assert copy_documents([MODULE], 1) == docs[:1]  # the byte cap stops after the first
     assert copy_documents(["not python ("], 1 << 20) == []
+
+
+def test_revision_documents_per_module_cap():
+    module = "\n\n".join(f"def f{i}(x):\n    y = x + {i}\n    return y * 2\n" for i in range(10))
+    assert len(copy_documents([module], 1 << 20)) == 4  # the default cap
+    assert len(copy_documents([module], 1 << 20, per_module=16)) == 10
+
+
+def test_extra_code_leaves_out_tests_and_vendored_code():
+    files = extra_code_files()  # the torch package is installed wherever training runs
+    assert files and files == sorted(files)
+    assert not any(EXTRA_CODE_SKIP_DIRS.intersection(f.parts[len(files[0].parts) - 1:-1]) for f in files)
+    texts = extra_code(200_000)
+    assert 200_000 <= sum(len(t.encode()) for t in texts) < 200_000 + max(len(t.encode()) for t in texts) + 1
+    assert extra_code(0) == []

@@ -13,6 +13,11 @@ An optional third stream (`--copy-bytes`, off by default) aims to teach copying 
 input-grounded speculative decoding relies on: "revision" documents made from *training* code only. Each holds a
 short function, a comment asking for it again, and the function again, either unchanged or with one comment
 line added (`copy_documents`). They are short enough that both copies fit in one training window.
+
+Two optional training-only streams add data without touching the held-out split (`--extra-code-bytes`,
+`--extra-prose`, both off by default): the .py files of the installed `torch` package (the version the `train`
+extra pins; tests and vendored code left out), and the book paragraphs that the thinning to `max_prose_bytes`
+left out (never the held-out ones, which come from the thinned set).
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ MIN_BOOK_PARAGRAPH_CHARS = 200
 DEFAULT_CODE_BYTES = 12_000_000
 DEFAULT_PROSE_BYTES = 4_000_000
 DEFAULT_COPY_BYTES = 0  # off: 2,000 steps with 0.87 MB of them did not teach copying (docs/MODEL.md)
-COPY_EVERY = 4  # one revision document after every COPY_EVERY-th training code document, while they last
+DEFAULT_COPY_PER_MODULE = 4  # functions per module made into revision documents
+DEFAULT_EXTRA_CODE_BYTES = 0
+EXTRA_CODE_PACKAGE = "torch"
+EXTRA_CODE_SKIP_DIRS = frozenset({"test", "tests", "testing", "_vendor", "vendor", "third_party"})
 COPY_MIN_LINES, COPY_MAX_LINES, COPY_MAX_BYTES = 3, 16, 600
 COPY_REQUESTS = (
     "# Copy of the function above, unchanged:",
@@ -54,6 +62,8 @@ class Corpus:
     num_prose_bytes: int
     prose_source: str
     num_copy_bytes: int = 0
+    num_extra_code_bytes: int = 0
+    num_extra_prose_bytes: int = 0
 
     @property
     def heldout(self) -> list[str]:
@@ -126,13 +136,41 @@ def book_paragraphs(text: str) -> list[str]:
     return out
 
 
-def book_prose(max_bytes: int, path: Path) -> list[str]:
-    """Paragraphs thinned evenly across all the books (not just the first ones) to about max_bytes."""
+def book_prose(max_bytes: int, path: Path, left_out: bool = False) -> list[str]:
+    """Paragraphs thinned evenly across all the books (not just the first ones) to about max_bytes; with
+    left_out=True, the paragraphs that the thinning drops instead."""
     paras = book_paragraphs(path.read_text(encoding="utf-8", errors="replace"))
     total = sum(len(p) + 1 for p in paras)
     if total > max_bytes:
-        paras = [p for i, p in enumerate(paras) if (i * max_bytes) // total != ((i + 1) * max_bytes) // total]
+        paras = [p for i, p in enumerate(paras)
+                 if ((i * max_bytes) // total != ((i + 1) * max_bytes) // total) != left_out]
+    elif left_out:
+        paras = []
     return [p + "\n" for p in paras]
+
+
+def extra_code_files() -> list[Path]:
+    """The installed EXTRA_CODE_PACKAGE's .py files in sorted path order, tests and vendored code left out."""
+    spec = importlib.util.find_spec(EXTRA_CODE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = Path(list(spec.submodule_search_locations)[0])
+    return [p for p in sorted(root.rglob("*.py"))
+            if not EXTRA_CODE_SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
+
+
+def extra_code(max_bytes: int) -> list[str]:
+    """Texts of extra_code_files() up to max_bytes (whole files; empty files skipped)."""
+    out: list[str] = []
+    total = 0
+    for path in extra_code_files():
+        if total >= max_bytes:
+            break
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            out.append(text)
+            total += len(text.encode())
+    return out
 
 
 def short_functions(source: str) -> list[list[str]]:
@@ -153,13 +191,14 @@ def short_functions(source: str) -> list[list[str]]:
     return out
 
 
-def copy_documents(code: list[str], max_bytes: int) -> list[str]:
-    """Revision documents (see the module docstring) from the given code documents, up to max_bytes: at most four
-    functions per module, dedented to column 0, the request and the added note chosen by a running count."""
+def copy_documents(code: list[str], max_bytes: int, per_module: int = DEFAULT_COPY_PER_MODULE) -> list[str]:
+    """Revision documents (see the module docstring) from the given code documents, up to max_bytes: at most
+    `per_module` functions per module, dedented to column 0, the request and the added note chosen by a running
+    count."""
     out: list[str] = []
     total = 0
     for doc in code:
-        for body in short_functions(doc)[:4]:
+        for body in short_functions(doc)[:per_module]:
             if total >= max_bytes:
                 return out
             indent = len(body[0]) - len(body[0].lstrip())
@@ -188,27 +227,36 @@ def split(stream: list[str]) -> tuple[list[str], list[str]]:
 
 
 def build_corpus(max_code_bytes: int = DEFAULT_CODE_BYTES, max_prose_bytes: int = DEFAULT_PROSE_BYTES,
-                 max_copy_bytes: int = DEFAULT_COPY_BYTES) -> Corpus:
+                 max_copy_bytes: int = DEFAULT_COPY_BYTES, copy_per_module: int = DEFAULT_COPY_PER_MODULE,
+                 extra_code_bytes: int = DEFAULT_EXTRA_CODE_BYTES, extra_prose: bool = False) -> Corpus:
+    """The documents. Revision documents and the extra streams (training only) come after the interleaved code and
+    prose, so the BPE, which is learned on the first bytes of the training split, does not depend on them."""
     code = list(stdlib_corpus(max_code_bytes))
     books = books_path()
+    more_prose: list[str] = []
     if books is not None:
         prose, prose_source = book_prose(max_prose_bytes, books), f"public-domain books ({BOOKS_PACKAGE} big.txt)"
+        if extra_prose:
+            more_prose = book_prose(max_prose_bytes, books, left_out=True)
     else:
         prose, prose_source = stdlib_prose(max_prose_bytes), "stdlib docstrings and comment blocks"
     train_code, heldout_code = split(code)
     train_prose, heldout_prose = split(prose)
+    more_code = extra_code(extra_code_bytes) if extra_code_bytes > 0 else []
     # interleave the streams in the training order: code, prose, code, ... (deterministic)
     ratio = max(1, len(train_prose) // max(len(train_code), 1))
-    copies = copy_documents(train_code, max_copy_bytes) if max_copy_bytes > 0 else []
+    copies = copy_documents(train_code + more_code, max_copy_bytes, copy_per_module) if max_copy_bytes > 0 else []
     mixed: list[str] = []
     for i, doc in enumerate(train_code):
         mixed.append(doc)
         mixed.extend(train_prose[i * ratio:(i + 1) * ratio])
-        if i % COPY_EVERY == COPY_EVERY - 1 and i // COPY_EVERY < len(copies):
-            mixed.append(copies[i // COPY_EVERY])
     mixed.extend(train_prose[len(train_code) * ratio:])
-    mixed.extend(copies[len(train_code) // COPY_EVERY:])
+    mixed.extend(copies)  # training samples random windows of the whole stream: every step sees all streams
+    mixed.extend(more_code)
+    mixed.extend(more_prose)
     return Corpus(train=mixed, heldout_code=heldout_code, heldout_prose=heldout_prose,
                   num_code_bytes=sum(len(d.encode()) for d in code),
                   num_prose_bytes=sum(len(d.encode()) for d in prose),
-                  prose_source=prose_source, num_copy_bytes=sum(len(d.encode()) for d in copies))
+                  prose_source=prose_source, num_copy_bytes=sum(len(d.encode()) for d in copies),
+                  num_extra_code_bytes=sum(len(d.encode()) for d in more_code),
+                  num_extra_prose_bytes=sum(len(d.encode()) for d in more_prose))

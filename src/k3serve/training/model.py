@@ -173,6 +173,23 @@ class KDAttention(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- MLA
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     explicit: bool | None = None) -> torch.Tensor:
+    """softmax(scale q k^T + causal mask) v; q, k [B, NA, T, DK], v [B, NA, T, DV] -> [B, NA, T, DV].
+
+    torch's fused CUDA kernels have a backward pass that is not deterministic, so under
+    torch.use_deterministic_algorithms on CUDA (train.py sets it) the product is written out (explicit=None
+    chooses; the two forms agree to rounding, tests/training/test_train.py)."""
+    if explicit is None:
+        explicit = q.is_cuda and torch.are_deterministic_algorithms_enabled()
+    if not explicit:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, NA, T, T]
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
 class GatedMLA(nn.Module):
     def __init__(self, config: K3Config) -> None:
         super().__init__()
@@ -198,8 +215,8 @@ class GatedMLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(kv_a[..., :KL])).reshape(B, T, NA, DN + DV)
         k_rope = kv_a[..., KL:].unsqueeze(2).expand(B, T, NA, DR)  # one rope key shared by all heads, never rotated
         k = torch.cat([kv[..., :DN], k_rope], -1)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), kv[..., DN:].transpose(1, 2),
-                                              is_causal=True, scale=1.0 / math.sqrt(DN + DR))  # [B, NA, T, DV]
+        attn = causal_attention(q.transpose(1, 2), k.transpose(1, 2), kv[..., DN:].transpose(1, 2),
+                                1.0 / math.sqrt(DN + DR))  # [B, NA, T, DV]
         attn = attn.transpose(1, 2).reshape(B, T, NA * DV)
         if self.g_proj is not None:
             attn = attn * torch.sigmoid(self.g_proj(x))

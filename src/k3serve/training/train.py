@@ -1,12 +1,18 @@
 """Train a small K3 from scratch on the offline corpus and export a servable checkpoint.
 
-    python -m k3serve.training.train --out DIR [--steps N] [--seconds S]
+    python -m k3serve.training.train --out DIR [--steps N] [--seconds S] [--device cuda]
 
 Steps: build the corpus (k3serve.training.corpus), train a 1024-token byte-level BPE on its training split, tokenize,
 train `K3ForTraining` with AdamW on seeded random windows (the same seed gives the same data order and weights),
 evaluate held-out loss against a unigram baseline, export (bf16 trunk, MXFP4 experts) into DIR with the tokenizer,
 and write DIR/SHA256SUMS (identical for identical seeds and arguments).
 DIR/train_log.json keeps the loss curve. Serve with `k3serve generate --model DIR`.
+
+On CUDA the run uses torch's deterministic algorithms, so the same command on the same kind of device (and
+torch version) reproduces the checkpoint. `--corpus-cache DIR` keeps the tokenizer and the token ids, so a
+machine whose Python has another standard library (the code corpus) can train on exactly this corpus.
+`--time-budget S` times the first steps and then fixes --steps so that the run takes about S seconds; the log
+records the number, and rerunning with that --steps (and the same --warmup) reproduces the run.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,27 +32,30 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from k3serve.config import K3Config
+from k3serve.config import K3Config, load_config
 from k3serve.tokenizer import DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKENS, DEFAULT_PATTERN, DEFAULT_SPECIAL_TOKENS, Tokenizer
 from k3serve.tokenizer_training import train_bpe, write_tokenizer
-from k3serve.training.corpus import (DEFAULT_CODE_BYTES, DEFAULT_COPY_BYTES, DEFAULT_PROSE_BYTES, build_corpus,
-                                     copy_documents)
-from k3serve.training.model import K3ForTraining, export, export_tensors, init_weights
+from k3serve.training.corpus import (DEFAULT_CODE_BYTES, DEFAULT_COPY_BYTES, DEFAULT_COPY_PER_MODULE,
+                                     DEFAULT_EXTRA_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus, copy_documents)
+from k3serve.training.model import K3ForTraining, export, export_tensors, init_weights, load_exported
 
 BPE_VOCAB_SIZE = 1024
 BPE_TRAIN_BYTES = 1_500_000  # the first bytes of the training split the BPE merges are learned on
 
 
-def training_config(tokenizer: Tokenizer) -> K3Config:
-    """8 layers (KKKM KKKM, layer 0 dense), 64 routed experts top-4 plus one shared, latent MoE, gated MLA."""
+def training_config(tokenizer: Tokenizer, hidden_size: int = 128, kda_heads: int = 4, mla_heads: int = 4,
+                    kv_lora_rank: int = 32, q_lora_rank: int = 64, dense_intermediate: int = 256) -> K3Config:
+    """8 layers (KKKM KKKM, layer 0 dense), 64 routed experts top-4 plus one shared, latent MoE, gated MLA.
+    The keywords widen the trunk (the routed experts work in the latent space and keep their size)."""
     return K3Config(
-        hidden_size=128, num_layers=8, vocab_size=tokenizer.vocab_size, rms_norm_eps=1e-5,
-        num_mla_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        hidden_size=hidden_size, num_layers=8, vocab_size=tokenizer.vocab_size, rms_norm_eps=1e-5,
+        num_mla_heads=mla_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
         v_head_dim=32, mla_use_output_gate=True, num_experts=64, num_experts_per_token=4, num_shared_experts=1,
         latent_size=64, moe_intermediate_size=64, routed_scaling_factor=1.0, moe_renormalize=True,
         latent_moe_use_norm=True, router_activation="sigmoid", num_expert_group=1, topk_group=1,
-        first_k_dense_replace=1, intermediate_size=256, attn_res_block_size=3, situ_beta=4.0,
-        situ_linear_beta=25.0, kda_num_heads=4, kda_head_dim=32, short_conv_kernel_size=4,
+        first_k_dense_replace=1, intermediate_size=dense_intermediate, attn_res_block_size=3, situ_beta=4.0,
+        situ_linear_beta=25.0, kda_num_heads=kda_heads, kda_head_dim=32, short_conv_kernel_size=4,
         gate_lower_bound=-5.0, full_attn_layers=(4, 8), kda_layers=(1, 2, 3, 5, 6, 7),
         bos_token_id=tokenizer.bos_id, eos_token_ids=tuple(tokenizer.eos_ids),
     )
@@ -88,38 +99,38 @@ def sha256_files(folder: Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m k3serve.training.train", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="output folder for the exported checkpoint")
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps (also the LR schedule length)")
-    parser.add_argument("--seconds", type=float, default=None, help="stop early after this much training time")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--eval-windows", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--code-bytes", type=int, default=DEFAULT_CODE_BYTES)
-    parser.add_argument("--prose-bytes", type=int, default=DEFAULT_PROSE_BYTES)
-    parser.add_argument("--copy-bytes", type=int, default=DEFAULT_COPY_BYTES,
-                        help="revision documents (a function, then the function again) meant to teach copying; "
-                             "0 (the default): none")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu (reproducible, the default), cuda, auto")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.ndarray, dict[str, np.ndarray], dict]:
+    """Corpus, BPE and token ids (written to / read from --corpus-cache when given). Writes the tokenizer into out.
+    Returns (tokenizer, training ids, held-out ids per kind, corpus summary)."""
+    corpus_args = {"code_bytes": args.code_bytes, "prose_bytes": args.prose_bytes, "copy_bytes": args.copy_bytes,
+                   "copy_per_module": args.copy_per_module, "extra_code_bytes": args.extra_code_bytes,
+                   "extra_prose": args.extra_prose, "bpe_vocab": BPE_VOCAB_SIZE, "bpe_bytes": BPE_TRAIN_BYTES}
+    cache = Path(args.corpus_cache) if args.corpus_cache else None
+    if cache is not None and (cache / "corpus.json").is_file():
+        meta = json.loads((cache / "corpus.json").read_text())
+        if meta["args"] != corpus_args:
+            raise SystemExit(f"error: --corpus-cache {cache} holds a corpus built with {meta['args']}, "
+                             f"not {corpus_args}")
+        for file in ("tiktoken.model", "tokenizer_config.json"):
+            shutil.copy(cache / file, out / file)
+        tokenizer = Tokenizer.from_dir(out)
+        with np.load(cache / "train.npz") as archive:
+            train_ids = archive["ids"].astype(np.int64)
+        heldout = {kind: np.load(cache / f"heldout_{kind}.npy").astype(np.int64) for kind in meta["heldout_kinds"]}
+        print(f"corpus: from the cache {cache} ({meta['summary']})")
+        return tokenizer, train_ids, heldout, meta["summary"]
 
-    corpus = build_corpus(args.code_bytes, args.prose_bytes, args.copy_bytes)
+    corpus = build_corpus(args.code_bytes, args.prose_bytes, args.copy_bytes, args.copy_per_module,
+                          args.extra_code_bytes, bool(args.extra_prose))
+    summary = {"train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout),
+               "code_bytes": corpus.num_code_bytes, "prose_bytes": corpus.num_prose_bytes,
+               "copy_bytes": corpus.num_copy_bytes, "extra_code_bytes": corpus.num_extra_code_bytes,
+               "extra_prose_bytes": corpus.num_extra_prose_bytes, "prose_source": corpus.prose_source,
+               "python": platform.python_version()}
     print(f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out documents; "
-          f"{corpus.num_code_bytes} code + {corpus.num_prose_bytes} prose + {corpus.num_copy_bytes} revision bytes "
-          f"({corpus.prose_source}; "
-          f"Python {platform.python_version()})")
+          f"{corpus.num_code_bytes} code + {corpus.num_prose_bytes} prose + {corpus.num_copy_bytes} revision + "
+          f"{corpus.num_extra_code_bytes} extra code + {corpus.num_extra_prose_bytes} extra prose bytes "
+          f"({corpus.prose_source}; Python {platform.python_version()})")
     bpe_text: list[str] = []
     remaining = BPE_TRAIN_BYTES
     for doc in corpus.train:
@@ -137,12 +148,86 @@ def main(argv: list[str] | None = None) -> int:
                "prose": encode_docs(tokenizer, corpus.heldout_prose)}
     if args.copy_bytes > 0:  # revision documents made from held-out code: does copying generalise?
         heldout["copy"] = encode_docs(tokenizer, copy_documents(corpus.heldout_code, args.copy_bytes))
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        for file in ("tiktoken.model", "tokenizer_config.json"):
+            shutil.copy(out / file, cache / file)
+        small = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int64
+        np.savez_compressed(cache / "train.npz", ids=train_ids.astype(small))
+        for kind, ids in heldout.items():
+            np.save(cache / f"heldout_{kind}.npy", ids.astype(small))
+        (cache / "corpus.json").write_text(json.dumps({"args": corpus_args, "heldout_kinds": list(heldout),
+                                                       "summary": summary}, indent=2) + "\n")
+    return tokenizer, train_ids, heldout, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3serve.training.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output folder for the exported checkpoint")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps (also the LR schedule length)")
+    parser.add_argument("--seconds", type=float, default=None, help="stop early after this much training time")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="time the first steps, then set --steps to fit about this many seconds of training")
+    parser.add_argument("--stop-step", type=int, default=None,
+                        help="stop after this step with the --steps schedule (reproduces a run cut by --seconds)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--eval-len", type=int, default=None, help="held-out window length (default: --seq-len)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine decays to lr * this")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(50, steps/10 + 1))")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--code-bytes", type=int, default=DEFAULT_CODE_BYTES)
+    parser.add_argument("--prose-bytes", type=int, default=DEFAULT_PROSE_BYTES)
+    parser.add_argument("--copy-bytes", type=int, default=DEFAULT_COPY_BYTES,
+                        help="revision documents (a function, then the function again) meant to teach copying; "
+                             "0 (the default): none")
+    parser.add_argument("--copy-per-module", type=int, default=DEFAULT_COPY_PER_MODULE,
+                        help="at most this many revision documents per module")
+    parser.add_argument("--extra-code-bytes", type=int, default=DEFAULT_EXTRA_CODE_BYTES,
+                        help="training-only code from the installed torch package's .py files (0: none)")
+    parser.add_argument("--extra-prose", type=int, default=0, choices=(0, 1),
+                        help="1: also train on the book paragraphs the thinning left out")
+    parser.add_argument("--corpus-cache", default=None, help="folder to keep (or reuse) the tokenized corpus in")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--kda-heads", type=int, default=4)
+    parser.add_argument("--mla-heads", type=int, default=4)
+    parser.add_argument("--kv-lora-rank", type=int, default=32)
+    parser.add_argument("--q-lora-rank", type=int, default=64)
+    parser.add_argument("--dense-intermediate", type=int, default=256)
+    parser.add_argument("--init-from", default=None,
+                        help="start from this exported checkpoint's weights (its config must match) instead of the "
+                             "seeded initialisation; the router biases come with it")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu (reproducible, the default), cuda, auto")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if device.type == "cuda":  # reproducible on the same kind of device
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    tokenizer, train_ids, heldout, corpus_summary = prepare_data(args, out)
     print(f"tokenizer: {tokenizer.vocab_size} tokens; {len(train_ids)} train / {len(heldout['code'])} held-out code / "
           f"{len(heldout['prose'])} held-out prose tokens ({time.perf_counter() - started:.0f} s)")
 
-    config = training_config(tokenizer)
+    config = training_config(tokenizer, args.hidden_size, args.kda_heads, args.mla_heads, args.kv_lora_rank,
+                             args.q_lora_rank, args.dense_intermediate)
     model = K3ForTraining(config)
     init_weights(model, args.seed)
+    if args.init_from is not None:
+        if load_config(args.init_from) != config:
+            raise SystemExit(f"error: --init-from {args.init_from} has another config than this run's")
+        load_exported(model, args.init_from)
     model.to(device)
     tensors, dtypes = export_tensors(model)
     size_mb = sum(a.size * (2 if dtypes[n] == "BF16" else 4 if dtypes[n] == "F32" else 1)
@@ -152,14 +237,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{num_params / 1e6:.2f} M parameters, export {size_mb:.1f} MB")
 
     L = args.seq_len + 1
+    EL = (args.eval_len or args.seq_len) + 1
     rng = np.random.default_rng(args.seed)
     eval_windows, baselines = {}, {}
     for kind, ids in heldout.items():
-        if len(ids) < L:
-            raise SystemExit(f"error: the held-out {kind} split has {len(ids)} tokens, fewer than one window of {L}; "
-                             "raise --code-bytes/--prose-bytes or lower --seq-len")
-        eval_starts = np.linspace(0, len(ids) - L, args.eval_windows).astype(np.int64)
-        eval_windows[kind] = torch.from_numpy(np.stack([ids[s:s + L] for s in eval_starts])).to(device)
+        if len(ids) < EL:
+            raise SystemExit(f"error: the held-out {kind} split has {len(ids)} tokens, fewer than one window of {EL}; "
+                             "raise --code-bytes/--prose-bytes or lower --eval-len/--seq-len")
+        eval_starts = np.linspace(0, len(ids) - EL, args.eval_windows).astype(np.int64)
+        eval_windows[kind] = torch.from_numpy(np.stack([ids[s:s + EL] for s in eval_starts])).to(device)
         baselines[kind] = unigram_loss(train_ids, ids, config.vocab_size)
     print("held-out unigram baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in baselines.items()) + " nats/token")
 
@@ -171,22 +257,27 @@ def main(argv: list[str] | None = None) -> int:
         (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95))
-    warmup = min(50, args.steps // 10 + 1)
+    warmup = args.warmup if args.warmup is not None else min(50, args.steps // 10 + 1)
+    timing_steps = min(50, warmup) if args.time_budget is not None else 0
+    steps = args.steps if not timing_steps else 1 << 62  # with --time-budget: set after timing_steps
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return args.lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        progress = (step - warmup) / max(1, steps - warmup)
+        floor = args.min_lr_ratio
+        return args.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     log: list[dict] = []
     first = evaluate()
     log.append({"step": 0, "heldout_loss": first, "seconds": 0.0})
-    print("step     0  held-out " + " ".join(f"{k} {v:.3f}" for k, v in first.items()))
+    print("step     0  held-out " + " ".join(f"{k} {v:.3f}" for k, v in first.items()), flush=True)
     train_started = time.perf_counter()
     step = 0
     running = 0.0
-    for step in range(1, args.steps + 1):
+    timed_from = None
+    while step < steps:
+        step += 1
         starts = rng.integers(0, len(train_ids) - L, size=args.batch_size)
         batch = torch.from_numpy(np.stack([train_ids[s:s + L] for s in starts])).to(device)
         for group in optimizer.param_groups:
@@ -200,7 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         model.update_router_bias(1e-3)
         running += loss.item()
         elapsed = time.perf_counter() - train_started
-        done = step == args.steps or (args.seconds is not None and elapsed >= args.seconds)
+        if timing_steps and step == timing_steps // 5:
+            timed_from = (step, elapsed)
+        if timing_steps and step == timing_steps:  # fix the schedule's length (only the warm-up has run so far)
+            per_step = (elapsed - timed_from[1]) / (step - timed_from[0])
+            per_step *= 1.0 + 1.0 / args.eval_every * 4  # the held-out evaluations
+            steps = max(step + 1, int((args.time_budget - elapsed) / per_step) + step)
+            steps = max(timing_steps + 1, steps // 100 * 100)
+            print(f"time budget {args.time_budget:.0f} s at {per_step:.3f} s/step: --steps {steps} "
+                  f"(rerun with --steps {steps} --warmup {warmup})", flush=True)
+        done = (step == steps or (args.seconds is not None and elapsed >= args.seconds)
+                or (args.stop_step is not None and step >= args.stop_step))
         if step % args.eval_every == 0 or done:
             loads = torch.stack([m.last_load.float() for m in model.moe_layers()])  # [layers, NE]
             imbalance = float((loads.max(1).values / loads.mean(1)).mean())
@@ -218,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     model.to("cpu")
     export(model, config, out, tokenizer_dir=None)
     (out / "train_log.json").write_text(json.dumps({
-        "args": vars(args), "unigram_baseline": baselines, "prose_source": corpus.prose_source, "steps": step,
-        "device": str(device), "torch": torch.__version__,
+        "args": vars(args), "unigram_baseline": baselines, "corpus": corpus_summary,
+        "prose_source": corpus_summary["prose_source"], "steps": step, "schedule_steps": steps, "warmup": warmup,
+        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
+        platform.processor() or platform.machine(), "torch": torch.__version__, "parameters": num_params,
         "seconds_per_step": (time.perf_counter() - train_started) / max(step, 1),
         "train_tokens": int(len(train_ids)), "heldout_tokens": {k: int(len(v)) for k, v in heldout.items()},
         "curve": log}, indent=2) + "\n")
