@@ -148,7 +148,7 @@ async def _parse(request: Request, model: type, state: ServerState):
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(part) for part in first.get("loc", ()))
-        message = first.get("msg", "invalid request")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "extra_forbidden":
             message = f"unknown field '{param}'"
         raise APIError(400, f"{message} ({param})" if param else message, param=param or None) from None
