@@ -108,3 +108,14 @@ def test_a_failing_module_fails_its_job_only(queue):
 def test_bad_parameters_are_refused_before_queueing(queue):
     with pytest.raises(LabParamError):
         queue.submit(_module("p", lambda *a: _result(0)), {"x": -1})
+
+
+def test_the_result_cache_is_bounded(queue, monkeypatch):
+    import k3serve.lab.jobs as jobs
+
+    monkeypatch.setattr(jobs, "MAX_CACHED_RESULTS", 2)
+    module = _module("bounded", lambda p, progress, cancel, lab: _result(p["x"]))
+    for x in (1, 2, 3):
+        assert queue.submit(module, {"x": x}).done_event.wait(5)
+    assert not queue.submit(module, {"x": 1}).cached  # evicted: measured again
+    assert queue.submit(module, {"x": 3}).cached

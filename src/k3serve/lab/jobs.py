@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 MAX_KEPT_JOBS = 256  # finished jobs kept for polling; the oldest go first
+MAX_CACHED_RESULTS = 256  # results kept for identical parameters; the least recently asked go first
 
 
 @dataclass
@@ -55,7 +56,7 @@ class RunQueue:
         self._wake = threading.Condition(self._lock)
         self._queue: deque[Job] = deque()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._results: dict[str, dict] = {}  # key -> result record
+        self._results: OrderedDict[str, dict] = OrderedDict()  # key -> result record, least recently used first
         self._active: dict[str, Job] = {}  # key -> queued or running job
         self._running: Job | None = None
         self._closed = False
@@ -70,6 +71,7 @@ class RunQueue:
             if self._closed:
                 raise RuntimeError("the lab's run queue is closed")
             if not rerun and key in self._results:
+                self._results.move_to_end(key)
                 job = self._new_job(module, params, key)
                 job.status, job.progress, job.message, job.cached = "done", 1.0, "cached result", True
                 job.result = self._results[key]
@@ -188,4 +190,7 @@ class RunQueue:
         with self._lock:
             job.result = record
             self._results[job.key] = record
+            self._results.move_to_end(job.key)
+            while len(self._results) > MAX_CACHED_RESULTS:
+                self._results.popitem(last=False)
             self._finish(job, "done", f"done in {record['seconds']:.1f} s")

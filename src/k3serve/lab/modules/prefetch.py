@@ -36,7 +36,6 @@ def run(params, progress, cancel, lab) -> LabResult:
     wasted = runs["next-layer"].measurement.decode.prefetch_wasted
     source = (f"{lab.model_name} (experts widened {params['experts']}) streamed under {format_size(budget)}, "
               f"{params['io']} reads, decode of {len(prompts)} held-out prompts x {params['tokens']} tokens")
-    keys = ["prefetch_hit_pct", "retention_pct"]
     figures = [
         Figure("Where expert requests were served", "bar", True, source,
                [{"name": name, "x": ["retained (resident before the step)", "prefetched this step", "demand read"],
@@ -47,7 +46,6 @@ def run(params, progress, cancel, lab) -> LabResult:
                  "y": [s["ms_per_token"], s["io_wait_ms_per_token"], s["expert_bytes_per_token"] / 102400]}
                 for name, s in (("prefetch off", off), ("next-layer prefetch", on))]),
     ]
-    del keys
     labels = {"ms_per_token": "ms per decoded token", "prefetch_hit_pct": "requests served by a prefetch (%)",
               "retention_pct": "retained (%)", "demand_misses_per_token": "demand reads per token",
               "expert_bytes_per_token": "expert bytes read per token (guesses included)",
