@@ -78,11 +78,11 @@ def test_prompts_past_the_context_are_refused_by_generate_and_logits(tiny_dir, t
     ids = ",".join(["5"] * 5000)  # past the default 4096, as the server counts it
     expected = "k3serve: error: this model's context holds 4096 tokens, but the prompt has 5000"
     assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", ids, "--max-tokens", "4"]) == 2
-    assert expected + " and max_tokens asks for 4 more" in capsys.readouterr().err
+    assert expected + " and --max-tokens asks for 4 more" in capsys.readouterr().err  # the flag, as typed
     assert main(["logits", "--model", str(tiny_dir), "--ids", ids, "--out", str(tmp_path / "l.npy")]) == 2
     assert expected in capsys.readouterr().err
     assert not (tmp_path / "l.npy").exists()
     # a larger context is the user's choice
     assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", "5,6,7", "--max-tokens", "4",
                  "--max-model-len", "6"]) == 2
-    assert "context holds 6 tokens, but the prompt has 3 and max_tokens asks for 4 more" in capsys.readouterr().err
+    assert "context holds 6 tokens, but the prompt has 3 and --max-tokens asks for 4 more" in capsys.readouterr().err

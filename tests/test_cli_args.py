@@ -209,3 +209,9 @@ def test_a_lone_surrogate_prompt_names_its_position(capsys):
     assert main(["generate", "--prompt", "abc d\udcffe", "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "at character 5" in err and err.count("\n") == 1
+
+
+def test_a_prompt_that_does_not_fit_names_the_flag(capsys):
+    assert main(["generate", "--prompt-ids", "1,2,3", "--max-tokens", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens asks for 1000000 more" in err and err.count("\n") == 1

@@ -272,7 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           scheduling=args.scheduling, output_cost=args.output_cost)
     speculative = _speculative_config(args)
     tenants = registry_for_serve(args)  # a bad tenants file fails here, before the model loads
-    listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here, before the model loads and before "serving"
+    listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here: before loading, before "serving"
     warn_if_open(tenants, args.host)
     loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
     if not isinstance(loaded.model, K3Model):
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code(exc)
         assert code is not None
         sys.stdout.flush()
-        print(f"k3serve: error: {user_message(exc)}", file=sys.stderr)
+        print(f"k3serve: error: {user_message(exc, cli=True)}", file=sys.stderr)
         return code
 
 

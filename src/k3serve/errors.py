@@ -40,8 +40,11 @@ def unencodable_text_error(text: str) -> TokenizerError:
     return TokenizerError(f"text is not encodable as UTF-8{where}")
 
 
-def user_message(exc: BaseException) -> str:
-    """The one-line text shown to the user for `exc` (without the `k3serve: error:` prefix)."""
+def user_message(exc: BaseException, cli: bool = False) -> str:
+    """The one-line text shown to the user for `exc` (without the `k3serve: error:` prefix); `cli` names limits by
+    their command-line flags."""
+    if cli and isinstance(exc, ContextLengthError):
+        return exc.text("--max-tokens")
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     if isinstance(exc, OSError) and exc.filename is not None:
@@ -73,10 +76,13 @@ class ContextLengthError(RequestError):
     `logits`, the HTTP server) raises this one message, so a user meets the same words wherever they ask."""
 
     def __init__(self, prompt_tokens: int, new_tokens: int, max_context: int) -> None:
-        wanted = f" and max_tokens asks for {new_tokens} more" if new_tokens > 0 else ""
-        super().__init__(f"this model's context holds {max_context} tokens, but the prompt has {prompt_tokens}"
-                         f"{wanted}")
         self.prompt_tokens, self.new_tokens, self.max_context = prompt_tokens, new_tokens, max_context
+        super().__init__(self.text())
+
+    def text(self, max_tokens_name: str = "max_tokens") -> str:
+        """The message, naming the limit as the user spelled it (`max_tokens` over HTTP, `--max-tokens` in a shell)."""
+        wanted = f" and {max_tokens_name} asks for {self.new_tokens} more" if self.new_tokens > 0 else ""
+        return f"this model's context holds {self.max_context} tokens, but the prompt has {self.prompt_tokens}{wanted}"
 
     @classmethod
     def check(cls, prompt_tokens: int, new_tokens: int, max_context: int) -> None:

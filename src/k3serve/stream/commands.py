@@ -23,7 +23,8 @@ _STREAM_FLAGS = ("ram_budget", "io", "queue_depth", "cache", "cache_profile", "p
 
 def add_stream_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("streaming (any of these reads the model from a packed store)")
-    g.add_argument("--ram-budget", type=cli_args.size, default=None, help="cap on all weight memory, e.g. 8G, 512M (default: none)")
+    g.add_argument("--ram-budget", type=cli_args.size, default=None,
+                   help="cap on all weight memory, e.g. 8G, 512M (default: none)")
     g.add_argument("--io", choices=IO_MODES, default=None, help="mmap (naive), pread or direct (O_DIRECT); "
                                                                   "default pread")
     g.add_argument("--queue-depth", type=cli_args.int_range(1, 1024), default=None,
@@ -35,8 +36,8 @@ def add_stream_args(parser: argparse.ArgumentParser) -> None:
                    help=f"next-layer router prefetch (default: {StreamOptions().prefetch})")
     g.add_argument("--prefetch-max", type=cli_args.non_negative_int, default=None,
                    help="guesses per layer (default: top-k)")
-    g.add_argument("--pin-trunk", type=cli_args.size, default=None, help="cap on the budget given to pinned trunk layers (e.g. 0, 2G); "
-                                                     "default: as much as fits")
+    g.add_argument("--pin-trunk", type=cli_args.size, default=None,
+                   help="cap on the budget given to pinned trunk layers (e.g. 0, 2G); default: as much as fits")
     g.add_argument("--trace-out", type=cli_args.output_file, default=None,
                    help="record every (token, layer, expert) request to this file (default: none)")
 
