@@ -10,7 +10,7 @@ OSDI 2024, section 4), so `/metrics` shows it whichever policy runs:
     c_u  = max(c_u, min_{v in A} c_v)   when u becomes active (A: tenants with queued or running sequences; with A
                                    empty, the largest counter), so an idle tenant banks no credit
 
-- `fcfs`: the oldest waiting sequence first; preempt the newest running one.
+- `fcfs`: the oldest waiting sequence first; preempt the most recently admitted running one.
 - `fair` (VTC): admit from the active tenant with the smallest counter (its oldest sequence). It is
   work-conserving: a tenant that cannot use capacity never holds it back from the others. Running prefill chunks
   of tenants whose counter is above the smallest waiting counter go after the admissions in the step's token
@@ -138,10 +138,12 @@ class SchedulingPolicy:
                ) -> Sequence:
         """The running sequence to preempt when memory runs out: over-share tenants first (most over), then the
         policy's victim order. `limits`: tenant -> (max seqs, max blocks)."""
-        return max(running, key=lambda s: (_over_share(s.request.tenant, usage, limits), self._victim_key(s)))
+        order = {id(seq): index for index, seq in enumerate(running)}  # admission order: the last is the newest
+        return max(running, key=lambda s: (_over_share(s.request.tenant, usage, limits), self._victim_key(s),
+                                           order[id(s)]))
 
     def _victim_key(self, seq: Sequence) -> tuple:
-        return (seq.seq_id,)  # the newest
+        return ()  # FCFS: the most recently admitted
 
     def displaces(self, waiting: Sequence, running: list[Sequence], usage: dict[str, TenantUsage],
                   limits: dict[str, tuple[int, int]]) -> Sequence | None:
@@ -161,7 +163,7 @@ class FairPolicy(SchedulingPolicy):
         return (self.counter(tenant),)
 
     def _victim_key(self, seq: Sequence) -> tuple:
-        return (self.counter(seq.request.tenant), seq.seq_id)  # the largest counter's newest
+        return (self.counter(seq.request.tenant),)  # the largest counter's most recently admitted
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -171,7 +173,7 @@ class PriorityPolicy(SchedulingPolicy):
         return (-self.share(tenant).priority, self.counter(tenant))
 
     def _victim_key(self, seq: Sequence) -> tuple:
-        return (-self.share(seq.request.tenant).priority, self.counter(seq.request.tenant), seq.seq_id)
+        return (-self.share(seq.request.tenant).priority, self.counter(seq.request.tenant))
 
     def displaces(self, waiting: Sequence, running: list[Sequence], usage: dict[str, TenantUsage],
                   limits: dict[str, tuple[int, int]]) -> Sequence | None:
