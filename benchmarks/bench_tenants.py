@@ -10,7 +10,10 @@ generated tokens per second too, which favours whichever policy serves the short
 
 Prints the machine, one summary line, and a JSON record on the last line.
 
-    python benchmarks/bench_tenants.py [--rounds 3] [--duration 20] [--quick]
+    python benchmarks/bench_tenants.py [--rounds 3] [--duration 20] [--clock wall|model] [--quick]
+
+With --clock model the engine runs every forward for real but time is a virtual clock advanced per step by a
+cost calibrated once (fixed + per position), so the figures do not depend on other load on the machine.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def main() -> None:
     parser.add_argument("--light-max-tokens", type=int, default=8)
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between B's requests")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--clock", choices=("wall", "model"), default="wall",
+                        help="wall: real time; model: a virtual clock advanced by a calibrated cost per step "
+                             "(fixed + per position), immune to other load on the machine")
+    parser.add_argument("--step-cost", default=None,
+                        help="model clock: FIXED_MS,PER_POSITION_US instead of calibrating (calibration is only "
+                             "meaningful on an idle machine)")
     parser.add_argument("--quick", action="store_true", help="1 round of 4 s with 8 flood requests")
     args = parser.parse_args()
     if args.quick:
@@ -61,8 +70,18 @@ def main() -> None:
                              flood_max_tokens=args.flood_max_tokens, light_prompt_tokens=args.light_prompt,
                              light_max_tokens=args.light_max_tokens, light_interval_s=args.interval,
                              duration_s=args.duration, max_batch_tokens=args.max_batch_tokens,
-                             max_seqs=max(64, args.flood + 32))
+                             max_seqs=max(64, args.flood + 32), clock=args.clock)
     model = load_model(None).model
+    if args.clock == "model":
+        from k3serve.engine.isolation import calibrate_step_cost
+
+        if args.step_cost is not None:
+            fixed_ms, per_us = (float(v) for v in args.step_cost.split(","))
+            cost = (fixed_ms / 1e3, per_us / 1e6)
+        else:
+            cost = calibrate_step_cost(model, args.max_batch_tokens)
+        print(f"step cost model: {cost[0] * 1e3:.2f} ms + {cost[1] * 1e6:.1f} us per position")
+        config = IsolationConfig(**{**config.__dict__, "step_cost": cost})
     print(f"machine: {machine()}")
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for round_index in range(args.rounds):

@@ -6,6 +6,11 @@ A keeps `num_flood` long requests live (resubmitting each as it finishes); B sub
 counts. The engine is driven directly on this thread, for `duration_s` per run. B's requests still without a
 first token when a run ends count with their wait so far (a lower bound), so starvation shows as a long tail
 rather than as missing samples. Used by `benchmarks/bench_tenants.py` and the lab.
+
+With `clock="model"` the same engine runs the same forwards, but time is virtual: each step advances the clock by
+    t_step = fixed + per_token * (positions in the step)
+with (fixed, per_token) calibrated once from the fastest of a few timed forwards (`calibrate_step_cost`). The
+scheduling decisions are real; only the clock is a model, so results do not depend on what else the machine runs.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from k3serve.engine.engine import LLMEngine
 from k3serve.engine.metrics import _quantile
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
-from k3serve.model.k3 import K3Model
+from k3serve.model.k3 import ForwardItem, K3Model
 
 FLOOD, LIGHT = "A", "B"
 
@@ -39,6 +44,8 @@ class IsolationConfig:
     max_batch_tokens: int = 256
     max_seqs: int = 64
     seed: int = 0
+    clock: str = "wall"  # wall: real time; model: each step advances a virtual clock by fixed + per_token x tokens
+    step_cost: tuple[float, float] | None = None  # (fixed s, s per token) for the model clock; None = calibrate
 
     def __post_init__(self) -> None:
         for name in ("num_flood", "flood_prompt_tokens", "flood_max_tokens", "light_prompt_tokens",
@@ -50,6 +57,8 @@ class IsolationConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"IsolationConfig.{name} must be a positive number, got {value!r}")
+        if self.clock not in ("wall", "model"):
+            raise ConfigError(f"IsolationConfig.clock must be wall or model, got {self.clock!r}")
         if self.max_seqs <= self.num_flood:
             raise ConfigError("IsolationConfig.max_seqs must leave seats for B beside A's num_flood requests")
 
@@ -100,12 +109,21 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
     light_arrival: dict[str, float] = {}
     light_ttft: dict[str, float] = {}
     generated = {FLOOD: 0, LIGHT: 0}
-    computed_before = engine.metrics.counter("computed_tokens").value
-    start = time.perf_counter()
+    computed = engine.metrics.counter("computed_tokens")
+    computed_before = computed.value
+    virtual = [0.0]
+    if config.clock == "model":
+        fixed, per_token = config.step_cost if config.step_cost is not None else calibrate_step_cost(model)
+
+        def clock() -> float:
+            return virtual[0]
+    else:
+        clock = time.perf_counter
+    start = clock()
     end = start + config.duration_s
     next_light = start
     while True:
-        now = time.perf_counter()
+        now = clock()
         if now >= end:
             break
         while mode != "alone" and flood_live < config.num_flood:
@@ -117,22 +135,47 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
             light_arrival[engine.enqueue(request)] = next_light
             next_light += config.light_interval_s
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(next_light, end) - time.perf_counter()))
+            if config.clock == "model":
+                virtual[0] = min(next_light, end)
+            else:
+                time.sleep(max(0.0, min(next_light, end) - time.perf_counter()))
             continue
-        for out in engine.step():
+        positions_before = computed.value
+        outputs = engine.step()
+        if config.clock == "model":
+            virtual[0] += fixed + per_token * (computed.value - positions_before)
+        done = clock()
+        for out in outputs:
             tenant = LIGHT if out.request_id in light_arrival else FLOOD
             generated[tenant] += sum(len(c.new_token_ids) for c in out.outputs)
-            if tenant == LIGHT and out.ttft_seconds is not None:
-                light_ttft.setdefault(out.request_id, out.ttft_seconds)
+            if tenant == LIGHT and out.outputs[0].token_ids and out.request_id not in light_ttft:
+                light_ttft[out.request_id] = done - light_arrival[out.request_id]
             if tenant == FLOOD and out.finished:
                 flood_live -= 1
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     waits = [light_ttft.get(rid, elapsed + start - arrival) for rid, arrival in light_arrival.items()]
     waits.sort()
-    computed = engine.metrics.counter("computed_tokens").value - computed_before
+    positions = computed.value - computed_before
     return IsolationResult(mode, _quantile(waits, 0.5), _quantile(waits, 0.99), len(waits),
                            len(waits) - len(light_ttft), generated[LIGHT] / elapsed,
-                           (generated[LIGHT] + generated[FLOOD]) / elapsed, computed / elapsed, elapsed)
+                           (generated[LIGHT] + generated[FLOOD]) / elapsed, positions / elapsed, elapsed)
+
+
+def calibrate_step_cost(model: K3Model, num_tokens: int = 256, repeats: int = 5) -> tuple[float, float]:
+    """(fixed seconds, seconds per position) of one forward, from the fastest of `repeats` timed forwards of 1
+    and of `num_tokens` positions (the fastest is the least disturbed by other work on the machine)."""
+    def fastest(length: int) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            cache = model.new_cache()
+            started = time.perf_counter()
+            model.forward([ForwardItem(np.arange(1, length + 1, dtype=np.int64) % model.config.vocab_size, cache)])
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    one, many = fastest(1), fastest(num_tokens)
+    per_token = max(many - one, 0.0) / (num_tokens - 1)
+    return max(one - per_token, 0.0), per_token
 
 
 def compare_isolation(model: K3Model | None = None, config: IsolationConfig | None = None,
