@@ -84,17 +84,51 @@ def test_batch_and_thread_count_do_not_change_bits() -> None:
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(37, 3584), (5, 96)])
-def test_serial_and_parallel_paths_give_the_same_bits(rows: int, cols: int) -> None:
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+def test_serial_and_parallel_paths_give_the_same_bits(rows: int, cols: int, isa: str) -> None:
     rng = np.random.default_rng(rows)
     packed, scales = _random_mxfp4(rng, rows, cols, num_nan_scales=2)
     x = rng.standard_normal((3, cols)).astype(np.float32)
+    xp = np.empty_like(x)
+    kernels.permute_groups(x, xp)
     outputs = []
-    for kernel in (kernels._mxfp4_matmul_serial, kernels._mxfp4_matmul_parallel):
+    for kernel in (kernels._matmul_serial, kernels._matmul_parallel):
         out = np.empty((3, rows), dtype=np.float32)
-        kernel(packed, scales, x, kernels._NIBBLE_VALUES, kernels._SCALE_VALUES, out)
+        kernel(packed, scales, xp, kernels._HALF_SCALES, kernels.ISA_CODES[isa], out)
         outputs.append(out)
     assert np.array_equal(outputs[0], outputs[1])
-    assert np.array_equal(outputs[0], mxfp4_matmul(packed, scales, x))
+    assert np.array_equal(outputs[0], mxfp4_matmul(packed, scales, x, isa=isa))
+
+
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+@pytest.mark.parametrize(("rows", "cols", "num_tokens"), [(1, 32, 1), (37, 96, 3), (64, 2048, 2)])
+def test_every_instruction_set_matches_reference(isa: str, rows: int, cols: int, num_tokens: int) -> None:
+    """The AVX-512, AVX2 and portable row dots (whichever this CPU has) against the numpy twin, NaN scales too."""
+    rng = np.random.default_rng(rows * cols + num_tokens)
+    packed, scales = _random_mxfp4(rng, rows, cols, num_nan_scales=max(1, rows // 7))
+    x = rng.standard_normal((num_tokens, cols)).astype(np.float32)
+    got = mxfp4_matmul(packed, scales, x, isa=isa)
+    error = _relative_rms(got, mxfp4_matmul_reference(packed, scales, x))
+    assert error < 1e-5, f"{isa}: relative RMS error {error:.3e}"
+    exact_packed = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)
+    exact_scales = np.full((rows, cols // 32), 128, dtype=np.uint8)
+    exact_x = rng.integers(-8, 9, size=(num_tokens, cols)).astype(np.float32)
+    assert np.array_equal(mxfp4_matmul(exact_packed, exact_scales, exact_x, isa=isa),
+                          mxfp4_matmul_reference(exact_packed, exact_scales, exact_x))
+
+
+def test_permute_groups_puts_even_then_odd() -> None:
+    x = np.arange(64, dtype=np.float32)[None]  # [1, 64]
+    out = np.empty_like(x)
+    kernels.permute_groups(x, out)
+    expected = np.concatenate([np.r_[0:32:2, 1:32:2], np.r_[32:64:2, 33:64:2]]).astype(np.float32)
+    assert np.array_equal(out[0], expected)
+
+
+def test_unknown_instruction_set_is_refused() -> None:
+    packed, scales = _random_mxfp4(np.random.default_rng(0), 2, 32)
+    with pytest.raises(ValueError, match="not available"):
+        mxfp4_matmul(packed, scales, np.ones((1, 32), np.float32), isa="neon")
 
 
 def test_zero_tokens_and_non_contiguous_input() -> None:
@@ -144,11 +178,12 @@ def test_fused_expert_forward_matches_numpy_twin(latent, inter, tokens):
     z = rng.normal(size=(tokens, latent)).astype(np.float32)
     hidden = situ_glu(mxfp4_matmul_reference(*w1, z), mxfp4_matmul_reference(*w3, z), 4.0, 25.0)
     expected = mxfp4_matmul_reference(*w2, hidden)
-    got = mxfp4_expert_forward(w1, w3, w2, z, 4.0, 25.0)
-    error = float(np.sqrt(np.mean((got - expected) ** 2) / np.mean(expected ** 2)))
-    assert error < 1e-5, f"relative RMS {error:.2e} (parallel path: {inter * latent >= PARALLEL_MIN_WEIGHTS})"
-    # a token's result does not depend on the other tokens in the call
-    np.testing.assert_array_equal(mxfp4_expert_forward(w1, w3, w2, z[:1], 4.0, 25.0), got[:1])
+    for isa in kernels.AVAILABLE_ISAS:
+        got = mxfp4_expert_forward(w1, w3, w2, z, 4.0, 25.0, isa=isa)
+        error = float(np.sqrt(np.mean((got - expected) ** 2) / np.mean(expected ** 2)))
+        assert error < 1e-5, f"{isa}: relative RMS {error:.2e} (parallel: {inter * latent >= PARALLEL_MIN_WEIGHTS})"
+        # a token's result does not depend on the other tokens in the call
+        np.testing.assert_array_equal(mxfp4_expert_forward(w1, w3, w2, z[:1], 4.0, 25.0, isa=isa), got[:1])
 
 
 def test_experts_spread_over_cores_give_the_same_bits_as_one_by_one():
@@ -173,3 +208,47 @@ def test_experts_spread_over_cores_give_the_same_bits_as_one_by_one():
     together = np.zeros_like(one_by_one)
     mxfp4_experts_accumulate(experts, z, tokens, starts, ends, weights, 4.0, 25.0, together)
     np.testing.assert_array_equal(together, one_by_one)
+
+
+@pytest.mark.parametrize("latent,inter", [(64, 96), (512, 384)])
+def test_stacked_layer_call_matches_numpy_twin_and_threads(latent, inter):
+    """One call for a layer's active experts (serial and parallel sizes) equals the numpy form per (token,
+    expert), gives the same bits as one call per expert, and does not depend on the thread count."""
+    from k3serve.model.kernels import mxfp4_experts_accumulate_stacked, mxfp4_experts_run, stack_expert
+    from k3serve.model.ops import situ_glu
+    from k3serve.weights.mxfp4 import quantize_mxfp4
+
+    rng = np.random.default_rng(latent)
+    num_experts, num_tokens = 6, 5
+    mats = [[quantize_mxfp4((s * rng.normal(size=shape)).astype(np.float32)) for s, shape in
+             ((2.0, (inter, latent)), (20.0, (inter, latent)), (0.1, (latent, inter)))] for _ in range(num_experts)]
+    stacked = tuple(np.stack([m[i][part] for m in mats]) for i in range(3) for part in range(2))
+    expert_ids = np.array([1, 4, 5], np.int64)
+    groups = [np.array([0, 2, 3]), np.array([1]), np.array([0, 1, 2, 3, 4])]
+    tokens = np.concatenate(groups).astype(np.int64)
+    ends = np.cumsum([len(g) for g in groups]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    z = rng.normal(size=(num_tokens, latent)).astype(np.float32)
+    weights = rng.uniform(size=len(tokens)).astype(np.float32)
+    got = mxfp4_experts_run(stacked, expert_ids, z, tokens, starts, ends, 4.0, 25.0)
+    for k, e in enumerate(expert_ids):
+        w1, w3, w2 = mats[e]
+        zk = z[tokens[starts[k]:ends[k]]]
+        want = mxfp4_matmul_reference(*w2, situ_glu(mxfp4_matmul_reference(*w1, zk),
+                                                    mxfp4_matmul_reference(*w3, zk), 4.0, 25.0))
+        assert _relative_rms(got[starts[k]:ends[k]], want) < 1e-5
+    together = np.zeros((num_tokens, latent), np.float32)
+    mxfp4_experts_accumulate_stacked(stacked, expert_ids, z, tokens, starts, ends, weights, 4.0, 25.0, together)
+    one_by_one = np.zeros_like(together)
+    for k, e in enumerate(expert_ids):
+        mxfp4_experts_accumulate_stacked(stack_expert(*mats[e]), np.zeros(1, np.int64), z, tokens[starts[k]:ends[k]],
+                                         np.zeros(1, np.int64), np.array([ends[k] - starts[k]]),
+                                         weights[starts[k]:ends[k]], 4.0, 25.0, one_by_one)
+    np.testing.assert_array_equal(together, one_by_one)
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        single_thread = mxfp4_experts_run(stacked, expert_ids, z, tokens, starts, ends, 4.0, 25.0)
+    finally:
+        numba.set_num_threads(previous)
+    np.testing.assert_array_equal(single_thread, got)

@@ -147,6 +147,7 @@ class K3Model(SingleSequenceMixin):
         begin_step = getattr(self.source, "begin_step", None)
         prefetch_hint = getattr(self.source, "prefetch_hint", None)
         note_routing = getattr(self.source, "note_routing", None)
+        stacked_experts = getattr(self.source, "stacked_experts", None)
         if begin_step is not None:
             begin_step(int(ids.shape[0]))
         h = self._globals.embed[ids]  # [T, H]
@@ -170,7 +171,8 @@ class K3Model(SingleSequenceMixin):
             if prefetch_hint is not None:
                 prefetch_hint(layer, h)
             if isinstance(w.mlp, MoEWeights):
-                m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: self.source.experts(l, ids))
+                m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: self.source.experts(l, ids),
+                                         stacked=None if stacked_experts is None else stacked_experts(layer))
                 if keep_routing:
                     result.routing[layer] = routing
                 if on_routing is not None:

@@ -1,259 +1,264 @@
 """Hot loops: the fused MXFP4 dequantize-and-multiply of the routed experts, with its slow numpy twin.
 
 Shape letters: T = tokens (rows of x), R = weight rows (outputs), C = weight columns (inputs), G = C / 32 scale
-groups per row, RB = weight rows decoded per tile.
+groups per row, E = stacked experts, K = experts active in one call, N = (token, expert) pairs, LT = latent,
+MI = expert intermediate.
 
-    y[t, r] = sum_c x[t, c] * W[r, c],   W[r, c] = E2M1[nibble(r, c)] * 2^(scales[r, c // 32] - 127)
+    y[t, r] = sum_g m[r, g] * sum_{k < 32} V[nibble(r, 32 g + k)] * x[t, 32 g + k]
+    V = 2 * E2M1 = {0, 1, 2, 3, 4, 6, 8, 12, -0, ..., -12},   m[r, g] = 2^(scales[r, g] - 127) / 2  (byte 255 -> 0)
 
-(K3_SPEC section 4; `k3serve.weights.mxfp4` defines the format.) The fused kernel never builds the float
-matrix: each parallel task decodes RB rows into a small float32 tile (RB * C * 4 bytes, L2-resident) through a
-16-entry nibble table and one power-of-two multiplier per group, and then applies that tile to all T tokens,
-so every weight byte is decoded once per call however large T is. Decoding is exact (a power of two times a
-two-bit mantissa), so the only rounding is in the dot products.
+(K3_SPEC section 4; `k3serve.weights.mxfp4` defines the format.) Nothing builds the float matrix. One compiled
+routine, the row dot, computes one y[t, r] straight from the row's packed bytes:
 
-Determinism. Work is split over weight rows only, and every output y[t, r] is one dot product of a decoded
-row with x[t], always computed by the same compiled loop. The result therefore depends neither on the number of
-threads nor on T or on the other tokens in the batch (a token gets the same bits alone or batched). The dot
-loop is compiled with LLVM's `reassoc` flag only, so that it can be vectorized: its summation order is fixed by
-the compiled code (it may differ between CPUs with different vector widths), and NaN/inf semantics and
-rounding of each product are unchanged (no fast-math NaN assumptions, no FMA contraction). Small matrices run
-the same tile code on one thread (no pool wake-up); the serial and parallel paths give identical bits.
+- Group order. A byte holds element 2j (low nibble) and 2j+1 (high nibble), so each group of 32 inputs is first
+  permuted to [16 even | 16 odd] (`permute_groups`, once per call, O(T C)); the 16 low nibbles of a group then
+  meet the 16 even inputs lane by lane, the 16 high nibbles the 16 odd ones.
+- Decode. The nibble indexes a 16-entry float table held in a vector register (`vpermd` on AVX-512, one
+  instruction per 16 weights; `vpermps` on 8 lanes plus a sign flip on AVX2). Products and sums are exact until
+  the dot products: V * m is a power-of-two multiple of a 4-bit integer.
+- Arithmetic, per group: t = V_lo * x_even + V_hi * x_odd (one multiply, one FMA, lane-wise), acc = t * m + acc
+  (FMA), then a fixed pairwise sum of the lanes. This order is written out in LLVM IR (`numba.extending.
+  intrinsic`), so it does not depend on the compiler's vectorizer, on T, on the other tokens or on the threads.
 
-TODO: at T = 1 the scalar nibble decode (~1.5 cycles per byte) is the bottleneck, not memory; numba does not
-vectorize the table lookups. A SIMD decode (or int8 activations) is the next step if experts stay compute bound.
+The instruction set is chosen once per process (`ISA`): "avx512", "avx2", or "portable" (plain numba, a
+float-arithmetic decode the compiler vectorizes by itself; no hand-written SIMD). Every kernel takes the choice
+as an argument, so tests run all the paths the host supports against the numpy twin. A given process and CPU
+always compute the same bits; different instruction sets round differently (float32 summation order).
+
+Work is split over weight rows (and over experts); every output is one row dot, so the result is independent of
+the number of threads. The routed experts of one layer run as one compiled call (`mxfp4_experts_accumulate`):
+stage 1 computes w1 and w3 rows together and applies SiTU-GLU to the pair (writing the hidden vector straight
+into the permuted group order), stage 2 multiplies by w2, both spread over the cores across (expert, row block).
+
+TODO: prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode is one
+instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core import config as numba_config
+from numba.extending import intrinsic
 
 from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32
 
+logger = logging.getLogger(__name__)
+
 GROUP_SIZE = 32
 BYTES_PER_GROUP = GROUP_SIZE // 2
-TILE_ROWS = 8  # RB: 8 rows of the full-model expert (C = 3584) decode to a 112 KiB tile
-# Below this many weights (R * C) one thread is faster than waking the pool (the tiny model's 64x64 and
-# 128x128 experts take microseconds); both paths run the same tile code and give the same bits.
+ROWS_PER_TASK = 16  # weight rows one parallel task computes (for every token routed to it)
+# Below this many weights (K * R * C) one thread is faster than waking the pool (the tiny model's 64x64
+# experts take microseconds); both paths run the same row dot and give the same bits.
 PARALLEL_MIN_WEIGHTS = 2**17
 
-_NIBBLE_VALUES = np.ascontiguousarray(E2M1_VALUES, dtype=np.float32)  # [16]
-_SCALE_VALUES = scale_bytes_to_f32(np.arange(256, dtype=np.uint8))  # [256], byte 255 -> 0
+ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+
+_DOUBLED_E2M1 = (2.0 * E2M1_VALUES).astype(np.float32)  # [16] V, exact integers
+_HALF_SCALES = (scale_bytes_to_f32(np.arange(256, dtype=np.uint8)) * np.float32(0.5)).astype(np.float32)  # [256]
 
 
-@njit(cache=True, fastmath={"reassoc"})
-def _dot(w: np.ndarray, x: np.ndarray) -> np.float32:
-    """sum_k w[k] * x[k] in float32; `reassoc` lets LLVM vectorize the sum in a fixed, compiled order."""
+def _host_features() -> set[str]:
+    """CPU features numba compiles for: the host's, unless numba was told to target another CPU."""
+    if numba_config.CPU_NAME is not None or numba_config.CPU_FEATURES is not None:
+        return set()
+    import llvmlite.binding as llvm
+
+    return {name for name, present in llvm.get_host_cpu_features().items() if present}
+
+
+_FEATURES = _host_features()
+AVAILABLE_ISAS: tuple[str, ...] = tuple(
+    name for name, needs in (("portable", ()), ("avx2", ("avx2", "fma")), ("avx512", ("avx512f", "fma")))
+    if all(feature in _FEATURES for feature in needs)
+)
+ISA: str = os.environ.get("K3SERVE_MXFP4_ISA", AVAILABLE_ISAS[-1])  # debug toggle: force a slower path
+if ISA not in AVAILABLE_ISAS:
+    raise RuntimeError(f"K3SERVE_MXFP4_ISA={ISA!r} is not available on this CPU (available: {AVAILABLE_ISAS})")
+
+
+# ------------------------------------------------------------------------------------------- the row dot
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I8 = ir.IntType(8)
+
+
+def _vector(element: ir.Type, count: int) -> ir.VectorType:
+    return ir.VectorType(element, count)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
+    undef = ir.Constant(_vector(value.type, count), ir.Undefined)
+    first = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(first, undef, ir.Constant(_vector(_I32, count), [0] * count))
+
+
+def _pairwise_sum(builder: ir.IRBuilder, v: ir.Value, count: int) -> ir.Value:
+    """Sum of the lanes as a fixed tree: (lanes [0, n/2) + lanes [n/2, n)) recursively."""
+    while count > 1:
+        half = count // 2
+        low = builder.shuffle_vector(v, v, ir.Constant(_vector(_I32, half), list(range(half))))
+        high = builder.shuffle_vector(v, v, ir.Constant(_vector(_I32, half), list(range(half, count))))
+        v, count = builder.fadd(low, high), half
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vector_type: ir.VectorType, align: int):
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), vector_type.as_pointer()), align=align)
+
+
+def _row_dot_codegen(lanes: int):
+    """IR of the row dot with `lanes` float32 lanes (16: AVX-512 vpermd, 8: AVX2 vpermps and a sign flip)."""
+
+    def codegen(context, builder, signature, args):
+        prow_t, srow_t, x_t, half_t = signature.args
+        prow = context.make_array(prow_t)(context, builder, args[0])
+        srow = context.make_array(srow_t)(context, builder, args[1])
+        x = context.make_array(x_t)(context, builder, args[2])
+        half_scales = context.make_array(half_t)(context, builder, args[3])
+        (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
+        module = builder.module
+        vf, vi, vb = _vector(_F32, lanes), _vector(_I32, lanes), _vector(_I8, lanes)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        if lanes == 16:
+            permute = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vi]),
+                                                     "llvm.x86.avx512.permvar.sf.512")
+            table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1])
+        else:
+            permute = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx2.permps")
+            table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1[:8]])
+        sign_mask = ir.Constant(vi, [8] * lanes)
+        sign_shift = ir.Constant(vi, [28] * lanes)
+
+        def lookup(nibbles):  # vi in 0..15 (upper bits ignored) -> vf V[nibble]
+            values = builder.call(permute, [table, nibbles])
+            if lanes == 16:
+                return values
+            sign = builder.shl(builder.and_(nibbles, sign_mask), sign_shift)
+            return builder.bitcast(builder.xor(builder.bitcast(values, vi), sign), vf)
+
+        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+        index_type = ir.IntType(64)
+        with cgutils.for_range(builder, num_groups) as loop:
+            group = loop.index
+            byte_base = builder.mul(group, ir.Constant(index_type, BYTES_PER_GROUP))
+            x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
+            scale_byte = builder.load(builder.gep(srow.data, [group]))
+            multiplier = builder.load(builder.gep(half_scales.data, [builder.zext(scale_byte, index_type)]))
+            acc = builder.load(acc_slot)
+            for part in range(BYTES_PER_GROUP // lanes):  # 1 part of 16 lanes, or 2 parts of 8
+                offset = part * lanes
+                packed = builder.zext(_load(builder, prow.data, builder.add(byte_base, ir.Constant(index_type, offset)),
+                                            vb, 1), vi)
+                low = lookup(packed)
+                high = lookup(builder.lshr(packed, ir.Constant(vi, [4] * lanes)))
+                x_even = _load(builder, x.data, builder.add(x_base, ir.Constant(index_type, offset)), vf, 4)
+                x_odd = _load(builder, x.data, builder.add(x_base, ir.Constant(index_type, BYTES_PER_GROUP + offset)),
+                              vf, 4)
+                pair = builder.call(fma, [high, x_odd, builder.fmul(low, x_even)])
+                acc = builder.call(fma, [pair, _splat(builder, multiplier, lanes), acc])
+            builder.store(acc, acc_slot)
+        return _pairwise_sum(builder, builder.load(acc_slot), lanes)
+
+    return codegen
+
+
+def _unavailable_codegen(context, builder, signature, args):
+    # never executed: kernels route around an instruction set the host lacks (see `_row_dot`)
+    return ir.Constant(_F32, float("nan"))
+
+
+@intrinsic
+def _row_dot_avx512(typingctx, prow, srow, x, half_scales):
+    """sum_c W[r, c] x[c] for one MXFP4 row: prow u8 [C/2], srow u8 [G], x f32 [C] permuted, 16 lanes."""
+    codegen = _row_dot_codegen(16) if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(prow, srow, x, half_scales), codegen
+
+
+@intrinsic
+def _row_dot_avx2(typingctx, prow, srow, x, half_scales):
+    """The same row dot on 8 lanes (AVX2)."""
+    codegen = _row_dot_codegen(8) if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(prow, srow, x, half_scales), codegen
+
+
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
+def _row_dot_portable(prow: np.ndarray, srow: np.ndarray, x: np.ndarray, half_scales: np.ndarray) -> np.float32:
+    """The row dot in plain numba: V[n] from float arithmetic (|V| for n & 7 = m is m + max(m - 4, 0) +
+    2 max(m - 6, 0)), which the compiler vectorizes without a table lookup."""
     total = np.float32(0.0)
-    for k in range(w.shape[0]):
-        total += w[k] * x[k]
+    for group in range(srow.shape[0]):
+        byte_base = group * BYTES_PER_GROUP
+        x_base = group * GROUP_SIZE
+        partial = np.float32(0.0)
+        for j in range(BYTES_PER_GROUP):
+            byte = np.float32(prow[byte_base + j])
+            high = np.floor(byte * np.float32(0.0625))
+            low = byte - np.float32(16.0) * high
+            partial += _nibble_value(low) * x[x_base + j] + _nibble_value(high) * x[x_base + BYTES_PER_GROUP + j]
+        total += partial * half_scales[srow[group]]
     return total
 
 
-@njit(cache=True, fastmath=False)
-def _matmul_tile(
-    packed: np.ndarray,  # u8 [R, C/2]
-    scales: np.ndarray,  # u8 [R, G]
-    x: np.ndarray,  # f32 [T, C], C-contiguous
-    nibble_values: np.ndarray,  # f32 [16]
-    scale_values: np.ndarray,  # f32 [256]
-    out: np.ndarray,  # f32 [T, R]
-    tile: int,
-    decoded: np.ndarray,  # f32 [RB, C] scratch
-) -> None:
-    """Decode weight rows [tile * RB, tile * RB + RB) into `decoded`, then write out[:, those rows]."""
-    num_rows = packed.shape[0]
-    num_groups = scales.shape[1]
-    row_start = tile * TILE_ROWS
-    tile_rows = min(TILE_ROWS, num_rows - row_start)
-    for local_row in range(tile_rows):
-        row = row_start + local_row
-        for group in range(num_groups):
-            multiplier = scale_values[scales[row, group]]
-            col = group * GROUP_SIZE
-            byte_index = group * BYTES_PER_GROUP
+@njit(inline="always", fastmath={"reassoc", "contract", "nsz"})
+def _nibble_value(nibble: np.float32) -> np.float32:
+    negative = nibble >= np.float32(8.0)
+    m = nibble - np.float32(8.0) if negative else nibble
+    magnitude = m + max(m - np.float32(4.0), np.float32(0.0)) + np.float32(2.0) * max(m - np.float32(6.0),
+                                                                                     np.float32(0.0))
+    return -magnitude if negative else magnitude
+
+
+@njit(inline="always")
+def _row_dot(prow: np.ndarray, srow: np.ndarray, x: np.ndarray, half_scales: np.ndarray, isa: int) -> np.float32:
+    if isa == 2:
+        return _row_dot_avx512(prow, srow, x, half_scales)
+    if isa == 1:
+        return _row_dot_avx2(prow, srow, x, half_scales)
+    return _row_dot_portable(prow, srow, x, half_scales)
+
+
+# ------------------------------------------------------------------------------------------- matmul
+@njit(cache=True)
+def permute_groups(x: np.ndarray, out: np.ndarray) -> None:
+    """out[t, 32 g + 16 p + j] = x[t, 32 g + 2 j + p]: each group of 32 as [16 even | 16 odd]. x, out [T, C]."""
+    for t in range(x.shape[0]):
+        for base in range(0, x.shape[1], GROUP_SIZE):
             for j in range(BYTES_PER_GROUP):
-                byte = packed[row, byte_index + j]
-                decoded[local_row, col + 2 * j] = nibble_values[byte & 15] * multiplier
-                decoded[local_row, col + 2 * j + 1] = nibble_values[byte >> 4] * multiplier
-    for token in range(x.shape[0]):
-        x_row = x[token]  # [C]
-        for local_row in range(tile_rows):
-            out[token, row_start + local_row] = _dot(decoded[local_row], x_row)
+                out[t, base + j] = x[t, base + 2 * j]
+                out[t, base + BYTES_PER_GROUP + j] = x[t, base + 2 * j + 1]
 
 
-@njit(cache=True, parallel=True, fastmath=False)
-def _mxfp4_matmul_parallel(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    x: np.ndarray,
-    nibble_values: np.ndarray,
-    scale_values: np.ndarray,
-    out: np.ndarray,
-) -> None:
-    num_tiles = (packed.shape[0] + TILE_ROWS - 1) // TILE_ROWS
-    for tile in prange(num_tiles):
-        decoded = np.empty((TILE_ROWS, 2 * packed.shape[1]), dtype=np.float32)  # [RB, C]
-        _matmul_tile(packed, scales, x, nibble_values, scale_values, out, tile, decoded)
+@njit(inline="always")
+def _permuted_index(i: int) -> int:
+    """Where element i of a vector goes under `permute_groups`."""
+    return (i // GROUP_SIZE) * GROUP_SIZE + (i % 2) * BYTES_PER_GROUP + (i % GROUP_SIZE) // 2
 
 
-@njit(cache=True, fastmath=False)
-def _mxfp4_matmul_serial(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    x: np.ndarray,
-    nibble_values: np.ndarray,
-    scale_values: np.ndarray,
-    out: np.ndarray,
-) -> None:
-    num_tiles = (packed.shape[0] + TILE_ROWS - 1) // TILE_ROWS
-    decoded = np.empty((TILE_ROWS, 2 * packed.shape[1]), dtype=np.float32)  # [RB, C]
-    for tile in range(num_tiles):
-        _matmul_tile(packed, scales, x, nibble_values, scale_values, out, tile, decoded)
+@njit(inline="always")
+def _matmul_task(packed, scales, xp, half_scales, isa, out, task):
+    row_end = min(packed.shape[0], (task + 1) * ROWS_PER_TASK)
+    for row in range(task * ROWS_PER_TASK, row_end):
+        for t in range(xp.shape[0]):
+            out[t, row] = _row_dot(packed[row], scales[row], xp[t], half_scales, isa)
 
 
-@njit(cache=True, fastmath=False)
-def _situ_glu_inplace(gate: np.ndarray, up: np.ndarray, beta: np.float32, linear_beta: np.float32) -> None:
-    """gate <- beta tanh(gate/beta) sigmoid(gate) linear_beta tanh(up/linear_beta), elementwise, [T, MI]."""
-    for t in range(gate.shape[0]):
-        for i in range(gate.shape[1]):
-            g = gate[t, i]
-            sig = np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
-            gate[t, i] = beta * np.tanh(g / beta) * sig * (linear_beta * np.tanh(up[t, i] / linear_beta))
+@njit(cache=True, parallel=True)
+def _matmul_parallel(packed, scales, xp, half_scales, isa, out):
+    """out [T, R] = x W^T; packed u8 [R, C/2], scales u8 [R, G], xp f32 [T, C] permuted."""
+    for task in prange((packed.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _matmul_task(packed, scales, xp, half_scales, isa, out, task)
 
 
-@njit(cache=True, fastmath=False)
-def _expert_forward_serial(
-    w1_packed: np.ndarray, w1_scales: np.ndarray,  # u8 [MI, LT/2], [MI, LT/32]
-    w3_packed: np.ndarray, w3_scales: np.ndarray,  # u8 [MI, LT/2], [MI, LT/32]
-    w2_packed: np.ndarray, w2_scales: np.ndarray,  # u8 [LT, MI/2], [LT, MI/32]
-    z: np.ndarray,  # f32 [T, LT]
-    beta: np.float32, linear_beta: np.float32,
-    nibble_values: np.ndarray, scale_values: np.ndarray,
-    out: np.ndarray,  # f32 [T, LT]
-) -> None:
-    num_tokens = z.shape[0]
-    gate = np.empty((num_tokens, w1_packed.shape[0]), dtype=np.float32)  # [T, MI]
-    up = np.empty((num_tokens, w3_packed.shape[0]), dtype=np.float32)  # [T, MI]
-    _mxfp4_matmul_serial(w1_packed, w1_scales, z, nibble_values, scale_values, gate)
-    _mxfp4_matmul_serial(w3_packed, w3_scales, z, nibble_values, scale_values, up)
-    _situ_glu_inplace(gate, up, beta, linear_beta)
-    _mxfp4_matmul_serial(w2_packed, w2_scales, gate, nibble_values, scale_values, out)
-
-
-def mxfp4_expert_forward(
-    w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray], w2: tuple[np.ndarray, np.ndarray],
-    z: np.ndarray, beta: float, linear_beta: float,
-) -> np.ndarray:
-    """One routed expert, w2 SiTU-GLU(w1 z, w3 z), each matrix given as (packed, scales). z [T, LT] -> [T, LT].
-
-    Small experts run as one compiled call (three fused matmuls and the activation, no Python in between);
-    large ones use the parallel matmul three times. The path depends only on the expert's shape, so a given
-    model always computes the same bits."""
-    z = np.ascontiguousarray(z, dtype=np.float32)
-    (p1, s1), (p3, s3), (p2, s2) = w1, w3, w2
-    rows, cols = _check_operands(p1, s1, z)
-    if rows * cols >= PARALLEL_MIN_WEIGHTS:
-        gate = mxfp4_matmul(p1, s1, z)
-        up = mxfp4_matmul(p3, s3, z)
-        _situ_glu_inplace(gate, up, np.float32(beta), np.float32(linear_beta))
-        return mxfp4_matmul(p2, s2, gate)
-    _check_operands(p3, s3, z)
-    out = np.empty((z.shape[0], p2.shape[0]), dtype=np.float32)  # [T, LT]
-    if z.shape[0]:
-        _expert_forward_serial(p1, s1, p3, s3, p2, s2, z, np.float32(beta), np.float32(linear_beta),
-                               _NIBBLE_VALUES, _SCALE_VALUES, out)
-    return out
-
-
-@njit(cache=True, fastmath=False)
-def _expert_accumulate_serial(
-    w1_packed: np.ndarray, w1_scales: np.ndarray,
-    w3_packed: np.ndarray, w3_scales: np.ndarray,
-    w2_packed: np.ndarray, w2_scales: np.ndarray,
-    z: np.ndarray,  # f32 [T, LT] latent of every token in the batch
-    tokens: np.ndarray,  # i64 [n] the rows of z routed to this expert, ascending
-    token_weights: np.ndarray,  # f32 [n] their mixing weights
-    beta: np.float32, linear_beta: np.float32,
-    nibble_values: np.ndarray, scale_values: np.ndarray,
-    mixed: np.ndarray,  # f32 [T, LT], accumulated in place
-) -> None:
-    num_routed = tokens.shape[0]
-    gathered = np.empty((num_routed, z.shape[1]), dtype=np.float32)  # [n, LT]
-    for i in range(num_routed):
-        gathered[i] = z[tokens[i]]
-    out = np.empty((num_routed, w2_packed.shape[0]), dtype=np.float32)  # [n, LT]
-    _expert_forward_serial(w1_packed, w1_scales, w3_packed, w3_scales, w2_packed, w2_scales, gathered,
-                           beta, linear_beta, nibble_values, scale_values, out)
-    for i in range(num_routed):
-        weight = token_weights[i]
-        for j in range(out.shape[1]):
-            mixed[tokens[i], j] += weight * out[i, j]
-
-
-@njit(cache=True, parallel=True, fastmath=False)
-def _experts_parallel(
-    w1_packed: np.ndarray, w1_scales: np.ndarray,  # u8 [E, MI, LT/2], [E, MI, LT/32] stacked experts
-    w3_packed: np.ndarray, w3_scales: np.ndarray,
-    w2_packed: np.ndarray, w2_scales: np.ndarray,  # u8 [E, LT, MI/2], [E, LT, MI/32]
-    z: np.ndarray,  # f32 [T, LT]
-    tokens: np.ndarray,  # i64 [N] token rows grouped by expert (expert e owns starts[e]:ends[e])
-    starts: np.ndarray, ends: np.ndarray,  # i64 [E]
-    beta: np.float32, linear_beta: np.float32,
-    nibble_values: np.ndarray, scale_values: np.ndarray,
-    out: np.ndarray,  # f32 [N, LT] row i = the expert's output for tokens[i]
-) -> None:
-    for e in prange(starts.shape[0]):
-        begin, end = starts[e], ends[e]
-        gathered = np.empty((end - begin, z.shape[1]), dtype=np.float32)  # [n, LT]
-        for i in range(end - begin):
-            gathered[i] = z[tokens[begin + i]]
-        _expert_forward_serial(w1_packed[e], w1_scales[e], w3_packed[e], w3_scales[e], w2_packed[e], w2_scales[e],
-                               gathered, beta, linear_beta, nibble_values, scale_values, out[begin:end])
-
-
-@njit(cache=True, fastmath=False)
-def _accumulate_rows(out: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, mixed: np.ndarray) -> None:
-    """mixed[tokens[i]] += token_weights[i] * out[i], in row order (experts ascending, as the serial path)."""
-    for i in range(tokens.shape[0]):
-        weight = token_weights[i]
-        for j in range(out.shape[1]):
-            mixed[tokens[i], j] += weight * out[i, j]
-
-
-def mxfp4_experts_accumulate(
-    experts: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]],
-    z: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, token_weights: np.ndarray,
-    beta: float, linear_beta: float, mixed: np.ndarray,
-) -> None:
-    """Several small routed experts of one layer at once, spread over the cores: expert k owns rows
-    starts[k]:ends[k] of `tokens` / `token_weights`. Bit-identical to calling `mxfp4_expert_accumulate` per expert
-    in the given order: each expert's rows are computed by the same serial code, and the weighted sums are added
-    afterwards in that order."""
-    z = np.ascontiguousarray(z, dtype=np.float32)
-    stacked = [np.stack([expert[m][part] for expert in experts]) for m in range(3) for part in range(2)]
-    out = np.empty((tokens.shape[0], stacked[4].shape[1]), dtype=np.float32)  # [N, LT]
-    _experts_parallel(*stacked, z, tokens, starts, ends, np.float32(beta), np.float32(linear_beta),
-                      _NIBBLE_VALUES, _SCALE_VALUES, out)
-    _accumulate_rows(out, tokens, token_weights, mixed)
-
-
-def mxfp4_expert_accumulate(
-    w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray], w2: tuple[np.ndarray, np.ndarray],
-    z: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, beta: float, linear_beta: float,
-    mixed: np.ndarray,
-) -> None:
-    """mixed[tokens] += token_weights * expert(z[tokens]) for one routed expert, in one compiled call for small
-    experts. Each token's result is the same bits as `mxfp4_expert_forward` on that token alone, weighted and
-    added in float32, so the batch composition never changes a token's output."""
-    (p1, s1), (p3, s3), (p2, s2) = w1, w3, w2
-    rows, cols = check_mxfp4_shapes(p1, s1)
-    if rows * cols >= PARALLEL_MIN_WEIGHTS or not (z.flags.c_contiguous and mixed.flags.c_contiguous):
-        y = mxfp4_expert_forward(w1, w3, w2, z[tokens], beta, linear_beta)
-        mixed[tokens] += token_weights[:, None] * y
-        return
-    _expert_accumulate_serial(p1, s1, p3, s3, p2, s2, z, tokens, token_weights, np.float32(beta),
-                              np.float32(linear_beta), _NIBBLE_VALUES, _SCALE_VALUES, mixed)
+@njit(cache=True)
+def _matmul_serial(packed, scales, xp, half_scales, isa, out):
+    for task in range((packed.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _matmul_task(packed, scales, xp, half_scales, isa, out, task)
 
 
 def _check_operands(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tuple[int, int]:
@@ -263,14 +268,20 @@ def _check_operands(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tu
     return rows, cols
 
 
-def mxfp4_matmul(
-    packed: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None
-) -> np.ndarray:
+def _isa_code(isa: str | None) -> int:
+    name = ISA if isa is None else isa
+    if name not in AVAILABLE_ISAS:
+        raise ValueError(f"instruction set {name!r} is not available here (available: {AVAILABLE_ISAS})")
+    return ISA_CODES[name]
+
+
+def mxfp4_matmul(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
+                 isa: str | None = None) -> np.ndarray:
     """x @ dequantize_mxfp4(packed, scales).T without building the float matrix.
 
     packed u8 [R, C/2], scales u8 [R, C/32], x float32 [T, C] (other layouts/dtypes are converted) -> [T, R].
-    `out`, if given, must be a C-contiguous float32 [T, R] array and is filled and returned.
-    """
+    `out`, if given, must be a C-contiguous float32 [T, R] array and is filled and returned. `isa` picks the
+    instruction set (default: the best this CPU has)."""
     packed = np.ascontiguousarray(packed)
     scales = np.ascontiguousarray(scales)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -284,8 +295,11 @@ def mxfp4_matmul(
         )
     if num_tokens == 0 or rows == 0:
         return out
-    kernel = _mxfp4_matmul_parallel if rows * cols >= PARALLEL_MIN_WEIGHTS else _mxfp4_matmul_serial
-    kernel(packed, scales, x, _NIBBLE_VALUES, _SCALE_VALUES, out)
+    code = _isa_code(isa)
+    xp = np.empty_like(x)  # [T, C]
+    permute_groups(x, xp)
+    kernel = _matmul_parallel if rows * cols >= PARALLEL_MIN_WEIGHTS else _matmul_serial
+    kernel(packed, scales, xp, _HALF_SCALES, code, out)
     return out
 
 
@@ -296,18 +310,185 @@ def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray
     return x @ dequantize_mxfp4(packed, scales).T  # [T, R]
 
 
+# ------------------------------------------------------------------------------------------- routed experts
+@njit(inline="always", fastmath=False)
+def _situ_glu(gate: np.float32, up: np.float32, beta: np.float32, linear_beta: np.float32) -> np.float32:
+    """beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta) (K3_SPEC SiTU-GLU)."""
+    sig = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
+    return beta * np.tanh(gate / beta) * sig * (linear_beta * np.tanh(up / linear_beta))
+
+
+@njit(inline="always", fastmath=False)
+def _silu_glu(gate: np.float32, up: np.float32) -> np.float32:
+    """SiLU(gate) * up = gate sigmoid(gate) up (the families' experts)."""
+    return gate / (np.float32(1.0) + np.exp(-gate)) * up
+
+
+ACTIVATIONS = {"situ": 0, "silu": 1}
+
+
+@njit(inline="always")
+def _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, beta, linear_beta, activation,
+                  half_scales, isa, hidden, task, blocks):
+    k = task // blocks
+    e = expert_ids[k]
+    row_end = min(w1p.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
+    for row in range((task % blocks) * ROWS_PER_TASK, row_end):
+        column = _permuted_index(row)
+        for n in range(starts[k], ends[k]):
+            z_row = zp[tokens[n]]
+            gate = _row_dot(w1p[e, row], w1s[e, row], z_row, half_scales, isa)
+            up = _row_dot(w3p[e, row], w3s[e, row], z_row, half_scales, isa)
+            if activation == 0:
+                hidden[n, column] = _situ_glu(gate, up, beta, linear_beta)
+            else:
+                hidden[n, column] = _silu_glu(gate, up)
+
+
+@njit(inline="always")
+def _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks):
+    k = task // blocks
+    e = expert_ids[k]
+    row_end = min(w2p.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
+    for row in range((task % blocks) * ROWS_PER_TASK, row_end):
+        for n in range(starts[k], ends[k]):
+            out[n, row] = _row_dot(w2p[e, row], w2s[e, row], hidden[n], half_scales, isa)
+
+
+@njit(cache=True, parallel=True)
+def _experts_parallel(w1p, w1s, w3p, w3s, w2p, w2s, expert_ids, zp, tokens, starts, ends, beta, linear_beta,
+                      activation, half_scales, isa, hidden, out):
+    """Stage 1 over (expert, w1/w3 row block), stage 2 over (expert, w2 row block); see `mxfp4_experts_run`."""
+    blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, beta, linear_beta, activation,
+                      half_scales, isa, hidden, task, blocks)
+    blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks)
+
+
+@njit(cache=True)
+def _experts_serial(w1p, w1s, w3p, w3s, w2p, w2s, expert_ids, zp, tokens, starts, ends, beta, linear_beta,
+                    activation, half_scales, isa, hidden, out):
+    blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in range(expert_ids.shape[0] * blocks):
+        _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, beta, linear_beta, activation,
+                      half_scales, isa, hidden, task, blocks)
+    blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in range(expert_ids.shape[0] * blocks):
+        _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks)
+
+
+@njit(cache=True, fastmath=False)
+def _accumulate_rows(out: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, mixed: np.ndarray) -> None:
+    """mixed[tokens[i]] += token_weights[i] * out[i], in row order (experts ascending)."""
+    for i in range(tokens.shape[0]):
+        weight = token_weights[i]
+        for j in range(out.shape[1]):
+            mixed[tokens[i], j] += weight * out[i, j]
+
+
+StackedExperts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
+                      starts: np.ndarray, ends: np.ndarray, beta: float, linear_beta: float,
+                      isa: str | None = None, activation: str = "situ") -> np.ndarray:
+    """y[n] = w2_e SiTU-GLU(w1_e z[tokens[n]], w3_e z[tokens[n]]) for every routed (token, expert) pair, in one
+    compiled call. stacked = (w1 packed, w1 scales, w3 packed, w3 scales, w2 packed, w2 scales), each [E, ...]
+    (u8 [E, MI, LT/2], [E, MI, LT/32], ..., [E, LT, MI/2], [E, LT, MI/32]); expert_ids [K] index E; expert k owns
+    rows starts[k]:ends[k] of tokens [N]. z [T, LT] -> y [N, LT]. Each y[n] is the same bits whatever the other
+    tokens, experts and threads of the call. activation "silu" computes SiLU(w1 z) * (w3 z) instead (beta and
+    linear_beta unused)."""
+    w1p, w1s, w3p, w3s, w2p, w2s = stacked
+    num_inner, latent = w1p.shape[1], 2 * w1p.shape[2]
+    z = np.ascontiguousarray(z, dtype=np.float32)
+    if z.ndim != 2 or z.shape[1] != latent or w2p.shape[1] != latent or 2 * w2p.shape[2] != num_inner:
+        raise ValueError(f"experts [{num_inner}, {latent}] / [{w2p.shape[1]}, {2 * w2p.shape[2]}] do not fit z "
+                         f"{z.shape}")
+    code = _isa_code(isa)
+    zp = np.empty_like(z)  # [T, LT]
+    permute_groups(z, zp)
+    hidden = np.empty((tokens.shape[0], num_inner), np.float32)  # [N, MI] permuted
+    out = np.empty((tokens.shape[0], latent), np.float32)  # [N, LT]
+    if tokens.shape[0] == 0:
+        return out
+    parallel = expert_ids.shape[0] * num_inner * latent >= PARALLEL_MIN_WEIGHTS
+    kernel = _experts_parallel if parallel else _experts_serial
+    kernel(w1p, w1s, w3p, w3s, w2p, w2s, np.ascontiguousarray(expert_ids, dtype=np.int64), zp,
+           np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64),
+           np.ascontiguousarray(ends, dtype=np.int64), np.float32(beta), np.float32(linear_beta),
+           ACTIVATIONS[activation], _HALF_SCALES, code, hidden, out)
+    return out
+
+
+def mxfp4_experts_accumulate_stacked(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray,
+                                     tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                                     token_weights: np.ndarray, beta: float, linear_beta: float,
+                                     mixed: np.ndarray, isa: str | None = None) -> None:
+    """mixed[tokens[n]] += token_weights[n] * y[n] (`mxfp4_experts_run`), added in n order."""
+    out = mxfp4_experts_run(stacked, expert_ids, z, tokens, starts, ends, beta, linear_beta, isa)
+    _accumulate_rows(out, np.ascontiguousarray(tokens, dtype=np.int64),
+                     np.ascontiguousarray(token_weights, dtype=np.float32), mixed)
+
+
+def stack_expert(w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray],
+                 w2: tuple[np.ndarray, np.ndarray]) -> StackedExperts:
+    """One expert as a stack of one (views, no copy)."""
+    return tuple(np.ascontiguousarray(a)[None] for a in (*w1, *w3, *w2))  # type: ignore[return-value]
+
+
+def mxfp4_expert_forward(
+    w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray], w2: tuple[np.ndarray, np.ndarray],
+    z: np.ndarray, beta: float, linear_beta: float, isa: str | None = None,
+) -> np.ndarray:
+    """One routed expert, w2 SiTU-GLU(w1 z, w3 z), each matrix given as (packed, scales). z [T, LT] -> [T, LT]."""
+    z = np.ascontiguousarray(z, dtype=np.float32)
+    _check_operands(*w1, z)
+    num_tokens = z.shape[0]
+    return mxfp4_experts_run(stack_expert(w1, w3, w2), np.zeros(1, np.int64), z, np.arange(num_tokens),
+                             np.zeros(1, np.int64), np.full(1, num_tokens, np.int64), beta, linear_beta, isa)
+
+
+def mxfp4_expert_accumulate(
+    w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray], w2: tuple[np.ndarray, np.ndarray],
+    z: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, beta: float, linear_beta: float,
+    mixed: np.ndarray,
+) -> None:
+    """mixed[tokens] += token_weights * expert(z[tokens]) for one routed expert, in one compiled call."""
+    mxfp4_experts_accumulate_stacked(stack_expert(w1, w3, w2), np.zeros(1, np.int64), z, tokens,
+                                     np.zeros(1, np.int64), np.full(1, len(tokens), np.int64), token_weights,
+                                     beta, linear_beta, mixed)
+
+
+def mxfp4_experts_accumulate(
+    experts: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]],
+    z: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, token_weights: np.ndarray,
+    beta: float, linear_beta: float, mixed: np.ndarray,
+) -> None:
+    """Several routed experts given one by one (copied into a stack; callers holding a stacked layer use
+    `mxfp4_experts_accumulate_stacked`). Bit-identical to `mxfp4_expert_accumulate` per expert in order."""
+    stacked = tuple(np.stack([expert[m][part] for expert in experts]) for m in range(3) for part in range(2))
+    mxfp4_experts_accumulate_stacked(stacked, np.arange(len(experts)), z, tokens, starts, ends,  # type: ignore
+                                     token_weights, beta, linear_beta, mixed)
+
+
 def warmup() -> None:
-    """Compile (or load from numba's cache) every kernel of this module on tiny inputs."""
+    """Compile (or load from numba's cache) every kernel of this module on tiny inputs, for this CPU's ISA."""
     packed = np.zeros((3, BYTES_PER_GROUP), dtype=np.uint8)  # [3, 16]
     scales = np.full((3, 1), 127, dtype=np.uint8)  # [3, 1]
     x = np.ones((2, GROUP_SIZE), dtype=np.float32)  # [2, 32]
     out = np.empty((2, 3), dtype=np.float32)  # [2, 3]
-    for kernel in (_mxfp4_matmul_serial, _mxfp4_matmul_parallel):
-        kernel(packed, scales, x, _NIBBLE_VALUES, _SCALE_VALUES, out)
+    for kernel in (_matmul_serial, _matmul_parallel):
+        kernel(packed, scales, x, _HALF_SCALES, ISA_CODES[ISA], out)
     square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] matrix
-    mxfp4_expert_forward(square, square, square, np.ones((2, 32), np.float32), 4.0, 25.0)
-    mxfp4_expert_accumulate(square, square, square, np.ones((2, 32), np.float32), np.array([1], np.int64),
-                            np.ones(1, np.float32), 4.0, 25.0, np.zeros((2, 32), np.float32))
-    mxfp4_experts_accumulate([(square, square, square)] * 2, np.ones((2, 32), np.float32),
-                             np.array([0, 1], np.int64), np.array([0, 1], np.int64), np.array([1, 2], np.int64),
-                             np.ones(2, np.float32), 4.0, 25.0, np.zeros((2, 32), np.float32))
+    stacked = stack_expert(square, square, square)
+    one = np.zeros(1, np.int64)
+    args = (np.ones((2, 32), np.float32), np.zeros(2, np.int64), one, np.full(1, 2, np.int64), np.float32(4.0),
+            np.float32(25.0), 0, _HALF_SCALES, ISA_CODES[ISA], np.empty((2, 32), np.float32),
+            np.empty((2, 32), np.float32))
+    for kernel in (_experts_serial, _experts_parallel):
+        kernel(*stacked, one, *args)
+    _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
+    permute_groups(x, np.empty_like(x))

@@ -19,8 +19,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.kernels import (PARALLEL_MIN_WEIGHTS, mxfp4_expert_accumulate, mxfp4_expert_forward,
-                                   mxfp4_experts_accumulate)
+from k3serve.model.kernels import (StackedExperts, mxfp4_expert_forward, mxfp4_experts_accumulate_stacked,
+                                   stack_expert)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
 
@@ -69,8 +69,10 @@ ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]
 
 
 def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: ExpertFetch,
-                routing: Routing | None = None) -> tuple[np.ndarray, Routing]:
-    """x [T, H] -> (out [T, H], routing). `fetch_experts(ids)` returns the MXFP4 weights of those experts."""
+                routing: Routing | None = None, stacked: StackedExperts | None = None) -> tuple[np.ndarray, Routing]:
+    """x [T, H] -> (out [T, H], routing). `fetch_experts(ids)` returns the MXFP4 weights of those experts;
+    `stacked`, when the source holds the layer's experts as [NE, ...] arrays, lets one compiled call run them
+    all (the same bits as one call per expert)."""
     if routing is None:
         routing = route(config, w, x)
     T = x.shape[0]
@@ -82,21 +84,21 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     ends = np.append(starts[1:], len(flat))
     tokens_by_expert = (order // top_k).astype(np.int64)
     weights_by_expert = np.ascontiguousarray(routing.weights.ravel()[order])
-    experts = fetch_experts([int(e) for e in needed])
     mixed = np.zeros((T, config.latent_size), np.float32)  # [T, LT]
-    small = config.moe_intermediate_size * config.latent_size < PARALLEL_MIN_WEIGHTS
-    if small and len(needed) > 1 and isinstance(experts, dict):
-        # all resident at once (a lazy mapping may reuse a slot for the next expert): spread over the cores
-        matrices = [((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales), (e.w2_packed, e.w2_scales))
-                    for e in (experts[int(expert)] for expert in needed)]
-        mxfp4_experts_accumulate(matrices, z, tokens_by_expert, starts.astype(np.int64), ends.astype(np.int64),
-                                 weights_by_expert, config.situ_beta, config.situ_linear_beta, mixed)
-    else:  # one expert at a time, ascending id (large experts parallelise inside each matmul)
+    beta, linear_beta = config.situ_beta, config.situ_linear_beta
+    if stacked is not None:  # every expert of the layer in one call, spread over the cores
+        mxfp4_experts_accumulate_stacked(stacked, needed.astype(np.int64), z, tokens_by_expert,
+                                         starts.astype(np.int64), ends.astype(np.int64), weights_by_expert, beta,
+                                         linear_beta, mixed)
+    else:  # one call per expert, ascending id (a lazy mapping may reuse a slot for the next expert)
+        experts = fetch_experts([int(e) for e in needed])
+        single = np.zeros(1, np.int64)
         for expert, start, end in zip(needed, starts, ends):
             e = experts[int(expert)]
-            mxfp4_expert_accumulate((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales),
-                                    (e.w2_packed, e.w2_scales), z, tokens_by_expert[start:end],
-                                    weights_by_expert[start:end], config.situ_beta, config.situ_linear_beta, mixed)
+            one = stack_expert((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales), (e.w2_packed, e.w2_scales))
+            mxfp4_experts_accumulate_stacked(one, single, z, tokens_by_expert[start:end], single,
+                                             np.full(1, end - start, np.int64), weights_by_expert[start:end],
+                                             beta, linear_beta, mixed)
     if config.latent_moe_use_norm:
         mixed = rms_norm(mixed, w.latent_norm, config.rms_norm_eps)
     out = mixed @ w.latent_up.T  # [T, H]

@@ -1,13 +1,22 @@
-"""The resident weight source: everything in RAM, trunk as float32 and experts as their MXFP4 bytes."""
+"""The resident weight source: everything in RAM, trunk as float32 and experts as their MXFP4 bytes.
+
+The routed experts of each MoE layer are held stacked, one [NE, ...] array per matrix part, so that one compiled
+call runs every active expert of a layer (`stacked_experts`); `experts()` hands out views into those stacks.
+"""
 
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from k3serve.config import K3Config
-from k3serve.weights.checkpoint import Checkpoint
+from k3serve.model.kernels import StackedExperts
 from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, build_expert, build_globals,
                                    build_layer)
+from k3serve.weights.checkpoint import Checkpoint
+
+_PARTS = ("w1_packed", "w1_scales", "w3_packed", "w3_scales", "w2_packed", "w2_scales")
 
 
 class ResidentSource:
@@ -18,11 +27,20 @@ class ResidentSource:
         read = checkpoint.read
         self._globals = build_globals(read)
         self._layers = [build_layer(self.config, layer, read) for layer in range(self.config.num_layers)]
-        self._experts: dict[tuple[int, int], ExpertWeights] = {
-            (layer, expert): build_expert(layer, expert, read)
-            for layer in self.config.moe_layer_ids
-            for expert in range(self.config.num_experts)
-        }
+        self._stacks: dict[int, StackedExperts] = {}
+        self._experts: dict[tuple[int, int], ExpertWeights] = {}
+        for layer in self.config.moe_layer_ids:
+            stack: list[np.ndarray] = []
+            for expert in range(self.config.num_experts):
+                weights = build_expert(layer, expert, read)
+                if not stack:  # [NE, rows, bytes] per part, filled expert by expert (no second copy)
+                    stack = [np.empty((self.config.num_experts, *getattr(weights, part).shape), np.uint8)
+                             for part in _PARTS]
+                for array, part in zip(stack, _PARTS):
+                    array[expert] = getattr(weights, part)
+            self._stacks[layer] = tuple(stack)  # type: ignore[assignment]
+            for expert in range(self.config.num_experts):
+                self._experts[(layer, expert)] = ExpertWeights(*(array[expert] for array in stack))
 
     def global_weights(self) -> GlobalWeights:
         return self._globals
@@ -33,8 +51,13 @@ class ResidentSource:
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         return {e: self._experts[(layer, e)] for e in expert_ids}
 
+    def stacked_experts(self, layer: int) -> StackedExperts:
+        """The layer's routed experts as (w1 packed, w1 scales, w3 packed, w3 scales, w2 packed, w2 scales),
+        each [NE, ...] (k3serve.model.kernels.mxfp4_experts_run)."""
+        return self._stacks[layer]
+
     @property
     def nbytes(self) -> int:
         trunk = sum(layer.nbytes for layer in self._layers)
         trunk += sum(a.nbytes for a in vars(self._globals).values())
-        return trunk + sum(e.nbytes for e in self._experts.values())
+        return trunk + sum(array.nbytes for stack in self._stacks.values() for array in stack)

@@ -19,11 +19,12 @@ from typing import Callable, Protocol
 import numpy as np
 
 from k3serve.errors import ConfigError
-from k3serve.model.kernels import mxfp4_matmul
+from k3serve.model.kernels import mxfp4_experts_run, mxfp4_matmul, stack_expert
 from k3serve.model.ops import silu
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 EXPERT_PRECISIONS = ("native", "mxfp4", "int8")
+_ZERO = np.zeros(1, np.int64)
 PRECISION_ALIASES = {"bf16": "native"}
 
 
@@ -106,6 +107,11 @@ class QuantizedExpert:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if isinstance(self.gate, MXFP4Matrix):  # one fused call: w1 and w3 rows together, SiLU-GLU, then w2
+            stacked = stack_expert(*((m.packed, m.scales) for m in (self.gate, self.up, self.down)))
+            n = x.shape[0]
+            return mxfp4_experts_run(stacked, _ZERO, x, np.arange(n), _ZERO, np.full(1, n, np.int64), 0.0, 0.0,
+                                     activation="silu")
         hidden = silu(self.gate.matmul(x)) * self.up.matmul(x)  # [n, I]
         return self.down.matmul(np.ascontiguousarray(hidden))
 
