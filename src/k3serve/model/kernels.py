@@ -474,6 +474,124 @@ def mxfp4_experts_accumulate(
                                      token_weights, beta, linear_beta, mixed)
 
 
+# ------------------------------------------------------------------------------------------- bf16 / int8 experts
+# The families' experts at "native" (bf16) and "int8" precision, multiplied from the stored bytes: bf16 as
+# uint16 (widened lane by lane, value = bits << 16, exact), int8 as int8 with one float32 scale per row. Same row
+# dot structure as MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum, a scalar tail, in portable LLVM IR.
+DENSE_LANES = 16
+
+
+def _dense_row_dot_codegen(kind: str):
+    def codegen(context, builder, signature, args):
+        w_t, x_t = signature.args
+        w = context.make_array(w_t)(context, builder, args[0])
+        x = context.make_array(x_t)(context, builder, args[1])
+        (length,) = cgutils.unpack_tuple(builder, w.shape, 1)
+        lanes = DENSE_LANES
+        vf = _vector(_F32, lanes)
+        vi = _vector(_I32, lanes)
+        stored = _vector(ir.IntType(16) if kind == "bf16" else _I8, lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+
+        def widen(value, vector: bool):
+            if kind == "bf16":
+                wide = builder.zext(value, vi if vector else _I32)
+                shifted = builder.shl(wide, ir.Constant(vi, [16] * lanes) if vector else ir.Constant(_I32, 16))
+                return builder.bitcast(shifted, vf if vector else _F32)
+            return builder.sitofp(value, vf if vector else _F32)
+
+        index_type = length.type
+        chunks = builder.udiv(length, ir.Constant(index_type, lanes))
+        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+        with cgutils.for_range(builder, chunks) as loop:
+            base = builder.mul(loop.index, ir.Constant(index_type, lanes))
+            weights = widen(_load(builder, w.data, base, stored, 1), True)
+            inputs = _load(builder, x.data, base, vf, 4)
+            builder.store(builder.call(fma, [weights, inputs, builder.load(acc_slot)]), acc_slot)
+        total_slot = cgutils.alloca_once_value(builder, _pairwise_sum(builder, builder.load(acc_slot), lanes))
+        tail_start = builder.mul(chunks, ir.Constant(index_type, lanes))
+        with cgutils.for_range(builder, builder.sub(length, tail_start)) as loop:
+            i = builder.add(tail_start, loop.index)
+            product = builder.fmul(widen(builder.load(builder.gep(w.data, [i])), False),
+                                   builder.load(builder.gep(x.data, [i])))
+            builder.store(builder.fadd(builder.load(total_slot), product), total_slot)
+        return builder.load(total_slot)
+
+    return codegen
+
+
+@intrinsic
+def _dense_row_dot(typingctx, w_row, x):
+    """sum_c w[c] x[c]; w_row bf16 bits (uint16) or int8 [C], x float32 [C]."""
+    if w_row.dtype == types.uint16:
+        return types.float32(w_row, x), _dense_row_dot_codegen("bf16")
+    if w_row.dtype == types.int8:
+        return types.float32(w_row, x), _dense_row_dot_codegen("int8")
+    return None
+
+
+@njit(inline="always")
+def _dense_gate_up_row(gate_up, gate_up_scales, x, hidden, row):
+    width = hidden.shape[1]
+    for t in range(x.shape[0]):
+        gate = _dense_row_dot(gate_up[row], x[t]) * gate_up_scales[row]
+        up = _dense_row_dot(gate_up[width + row], x[t]) * gate_up_scales[width + row]
+        hidden[t, row] = _silu_glu(gate, up)
+
+
+@njit(inline="always")
+def _dense_down_row(down, down_scales, hidden, out, row):
+    for t in range(hidden.shape[0]):
+        out[t, row] = _dense_row_dot(down[row], hidden[t]) * down_scales[row]
+
+
+@njit(cache=True, parallel=True)
+def _dense_expert_parallel(gate_up, gate_up_scales, down, down_scales, x, hidden, out):
+    """out [T, H] = down SiLU-GLU(gate_up x); gate_up [2I, H], down [H, I] (uint16 bf16 bits or int8), per-row
+    float32 scales (ones for bf16); hidden [T, I] scratch."""
+    for row in prange(hidden.shape[1]):
+        _dense_gate_up_row(gate_up, gate_up_scales, x, hidden, row)
+    for row in prange(out.shape[1]):
+        _dense_down_row(down, down_scales, hidden, out, row)
+
+
+@njit(cache=True)
+def _dense_expert_serial(gate_up, gate_up_scales, down, down_scales, x, hidden, out):
+    for row in range(hidden.shape[1]):
+        _dense_gate_up_row(gate_up, gate_up_scales, x, hidden, row)
+    for row in range(out.shape[1]):
+        _dense_down_row(down, down_scales, hidden, out, row)
+
+
+def dense_expert_forward(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray,
+                         down_scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """One SiLU-GLU expert from bf16 bits (uint16) or int8 weights in one compiled call: x [T, H] -> [T, H].
+    gate_up [2I, H] (gate rows then up rows), down [H, I], scales float32 [2I] and [H] multiply each row's dot."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    width, hidden_size = down.shape[1], down.shape[0]
+    if gate_up.shape != (2 * width, hidden_size) or x.ndim != 2 or x.shape[1] != hidden_size:
+        raise ValueError(f"expert gate_up {gate_up.shape} / down {down.shape} do not fit x {x.shape}")
+    hidden = np.empty((x.shape[0], width), np.float32)  # [T, I]
+    out = np.empty((x.shape[0], hidden_size), np.float32)  # [T, H]
+    if x.shape[0]:
+        kernel = _dense_expert_parallel if gate_up.size >= PARALLEL_MIN_WEIGHTS else _dense_expert_serial
+        kernel(gate_up, gate_up_scales, down, down_scales, x, hidden, out)
+    return out
+
+
+def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray,
+                           down_scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The numpy twin of `dense_expert_forward`: widen to float32, then matmuls."""
+    def widen(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        values = (w.astype(np.uint32) << 16).view(np.float32) if w.dtype == np.uint16 else w.astype(np.float32)
+        return values * scales[:, None]
+
+    h = np.asarray(x, np.float32) @ widen(gate_up, gate_up_scales).T  # [T, 2I]
+    width = down.shape[1]
+    gate = h[:, :width]
+    return (gate / (1 + np.exp(-gate)) * h[:, width:]) @ widen(down, down_scales).T
+
+
 def warmup() -> None:
     """Compile (or load from numba's cache) every kernel of this module on tiny inputs, for this CPU's ISA."""
     packed = np.zeros((3, BYTES_PER_GROUP), dtype=np.uint8)  # [3, 16]
@@ -492,3 +610,8 @@ def warmup() -> None:
         kernel(*stacked, one, *args)
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
+    for dtype in (np.uint16, np.int8):
+        gate_up, down = np.zeros((64, 32), dtype), np.zeros((32, 32), dtype)  # I = 32, H = 32
+        for kernel in (_dense_expert_serial, _dense_expert_parallel):
+            kernel(gate_up, np.ones(64, np.float32), down, np.ones(32, np.float32), x, np.empty((2, 32), np.float32),
+                   np.empty((2, 32), np.float32))
