@@ -273,3 +273,19 @@ def test_dense_expert_matches_numpy_twin(dtype, hidden, inner, tokens):
     got = dense_expert_forward(*args, x)
     assert _relative_rms(got, dense_expert_reference(*args, x)) < 1e-5
     np.testing.assert_array_equal(dense_expert_forward(*args, x[:1]), got[:1])
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_linear_on_bf16_bits_matches_float32(tokens):
+    """A trunk matrix kept as bf16 bits gives the float32 product (kernel below 32 tokens, BLAS above)."""
+    from k3serve.model.kernels import linear
+    from k3serve.model.weights import keep_bf16
+
+    rng = np.random.default_rng(tokens)
+    w = rng.standard_normal((300, 129)).astype(np.float32)
+    w_bf16 = ((w.view(np.uint32) + np.uint32(0x8000)) & np.uint32(0xFFFF0000)).view(np.float32)
+    bits = keep_bf16(w_bf16)
+    assert bits.dtype == np.uint16 and keep_bf16(w).dtype == np.float32  # only exact bf16 values are kept so
+    x = rng.standard_normal((tokens, 129)).astype(np.float32)
+    assert _relative_rms(linear(x, bits), x @ w_bf16.T) < 1e-6
+    np.testing.assert_array_equal(linear(x, w), x @ w.T)

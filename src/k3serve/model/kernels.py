@@ -579,6 +579,43 @@ def dense_expert_forward(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: 
     return out
 
 
+@njit(cache=True, parallel=True)
+def _bf16_matmul_parallel(w, x, out):
+    """out [T, R] = x w^T, w bf16 bits u16 [R, C]."""
+    for row in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            out[t, row] = _dense_row_dot(w[row], x[t])
+
+
+@njit(cache=True)
+def _bf16_matmul_serial(w, x, out):
+    for row in range(w.shape[0]):
+        for t in range(x.shape[0]):
+            out[t, row] = _dense_row_dot(w[row], x[t])
+
+
+BF16_KERNEL_MAX_TOKENS = 32  # from this many tokens on, BLAS on a transient float32 copy is faster
+
+
+def widen_bf16(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) -> float32, exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, C] @ w.T for w float32 [R, C] (BLAS), or w bf16 bits uint16 [R, C] kept as bf16: the bf16 row-dot
+    kernel for a few tokens, BLAS on a transient float32 copy of w for BF16_KERNEL_MAX_TOKENS or more. -> [T, R]"""
+    if w.dtype != np.uint16:
+        return x @ w.T
+    if x.shape[0] >= BF16_KERNEL_MAX_TOKENS:
+        return x @ widen_bf16(w).T
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)  # [T, R]
+    kernel = _bf16_matmul_parallel if w.size >= PARALLEL_MIN_WEIGHTS else _bf16_matmul_serial
+    kernel(w, x, out)
+    return out
+
+
 def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray,
                            down_scales: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The numpy twin of `dense_expert_forward`: widen to float32, then matmuls."""
@@ -610,6 +647,8 @@ def warmup() -> None:
         kernel(*stacked, one, *args)
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
+    for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
+        kernel(np.zeros((3, 32), np.uint16), x, out)
     for dtype in (np.uint16, np.int8):
         gate_up, down = np.zeros((64, 32), dtype), np.zeros((32, 32), dtype)  # I = 32, H = 32
         for kernel in (_dense_expert_serial, _dense_expert_parallel):

@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.kernels import (StackedExperts, mxfp4_expert_forward, mxfp4_experts_accumulate_stacked,
+from k3serve.model.kernels import (StackedExperts, linear, mxfp4_expert_forward, mxfp4_experts_accumulate_stacked,
                                    stack_expert)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
@@ -76,7 +76,7 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     if routing is None:
         routing = route(config, w, x)
     T = x.shape[0]
-    z = np.ascontiguousarray(x @ w.latent_down.T)  # [T, LT]
+    z = np.ascontiguousarray(linear(x, w.latent_down))  # [T, LT]
     top_k = routing.expert_ids.shape[1]
     flat = routing.expert_ids.ravel()  # [T*TOPK]
     order = np.argsort(flat, kind="stable")  # by expert, tokens ascending within each expert
@@ -101,7 +101,7 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
                                              beta, linear_beta, mixed)
     if config.latent_moe_use_norm:
         mixed = rms_norm(mixed, w.latent_norm, config.rms_norm_eps)
-    out = mixed @ w.latent_up.T  # [T, H]
+    out = linear(mixed, w.latent_up)  # [T, H]
     if w.shared_gate_up is not None:
         out += _glu_mlp(config, w.shared_gate_up, w.shared_down, x)
     return out, routing
@@ -113,6 +113,6 @@ def dense_mlp_forward(config: K3Config, w: DenseMLPWeights, x: np.ndarray) -> np
 
 def _glu_mlp(config: K3Config, gate_up: np.ndarray, down: np.ndarray, x: np.ndarray) -> np.ndarray:
     """down(SiTU-GLU(gate x, up x)) with gate and up stacked in one [2I, H] matrix."""
-    h = x @ gate_up.T  # [T, 2I]
+    h = linear(x, gate_up)  # [T, 2I]
     width = gate_up.shape[0] // 2
-    return situ_glu(h[:, :width], h[:, width:], config.situ_beta, config.situ_linear_beta) @ down.T
+    return linear(situ_glu(h[:, :width], h[:, width:], config.situ_beta, config.situ_linear_beta), down)

@@ -1,8 +1,10 @@
 """Weight containers the model computes with, and the `WeightSource` seam it reads them through.
 
 The model never knows where bytes come from: a resident source holds everything in RAM, a streaming source
-(k3serve.stream) reads through a cache under a budget. Trunk weights arrive as float32 arrays, routed experts as
-their MXFP4 bytes (multiplied directly by the fused kernels, never expanded).
+(k3serve.stream) reads through a cache under a budget. Trunk weights arrive as float32 arrays, except the big
+MLP matrices (latent down/up, shared experts, dense MLP), which stay bf16 (uint16 bits, multiplied by
+`k3serve.model.kernels.linear`) when the checkpoint stores them as bf16; routed experts arrive as their MXFP4
+bytes (multiplied directly by the fused kernels, never expanded).
 
 Fused projection matrices (several [out, H] matrices stacked so one GEMM serves them all) are built once when a
 layer is assembled, from the released tensors.
@@ -44,19 +46,19 @@ class MLAWeights:
 
 @dataclass(frozen=True)
 class DenseMLPWeights:
-    gate_up: np.ndarray  # [2*DI, H]
-    down: np.ndarray  # [H, DI]
+    gate_up: np.ndarray  # [2*DI, H] float32, or bf16 bits (uint16)
+    down: np.ndarray  # [H, DI] float32, or bf16 bits
 
 
 @dataclass(frozen=True)
 class MoEWeights:
     router: np.ndarray  # [NE, H]
     router_bias: np.ndarray  # [NE] selection-only correction bias
-    latent_down: np.ndarray  # [LT, H]
-    latent_up: np.ndarray  # [H, LT]
+    latent_down: np.ndarray  # [LT, H] float32, or bf16 bits (uint16)
+    latent_up: np.ndarray  # [H, LT] float32, or bf16 bits
     latent_norm: np.ndarray  # [LT]
-    shared_gate_up: np.ndarray | None  # [2*SI, H]
-    shared_down: np.ndarray | None  # [H, SI]
+    shared_gate_up: np.ndarray | None  # [2*SI, H] float32, or bf16 bits
+    shared_down: np.ndarray | None  # [H, SI] float32, or bf16 bits
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,15 @@ class WeightSource(Protocol):
 TensorReader = Callable[[str], np.ndarray]
 
 
+def keep_bf16(w: np.ndarray) -> np.ndarray:
+    """float32 values that are all bf16 (low 16 bits zero) -> their bf16 bits (uint16); others unchanged."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    bits = w.view(np.uint32)
+    if w.size and not np.any(bits & np.uint32(0xFFFF)):
+        return (bits >> 16).astype(np.uint16)
+    return w
+
+
 def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeights:
     """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array."""
     p = names.layer_prefix(layer)
@@ -162,8 +173,8 @@ def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeight
     if config.is_dense(layer):
         m = f"{p}mlp."
         mlp = DenseMLPWeights(
-            gate_up=np.ascontiguousarray(np.concatenate([f32(f"{m}gate_proj.weight"), f32(f"{m}up_proj.weight")])),
-            down=f32(f"{m}down_proj.weight"),
+            gate_up=keep_bf16(np.concatenate([f32(f"{m}gate_proj.weight"), f32(f"{m}up_proj.weight")])),
+            down=keep_bf16(f32(f"{m}down_proj.weight")),
         )
     else:
         m = names.moe_prefix(layer)
@@ -171,13 +182,13 @@ def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeight
         mlp = MoEWeights(
             router=f32(f"{m}gate.weight"),
             router_bias=f32(f"{m}gate.e_score_correction_bias"),
-            latent_down=f32(f"{m}routed_expert_down_proj.weight"),
-            latent_up=f32(f"{m}routed_expert_up_proj.weight"),
+            latent_down=keep_bf16(f32(f"{m}routed_expert_down_proj.weight")),
+            latent_up=keep_bf16(f32(f"{m}routed_expert_up_proj.weight")),
             latent_norm=f32(f"{m}routed_expert_norm.weight"),
-            shared_gate_up=np.ascontiguousarray(np.concatenate(
+            shared_gate_up=keep_bf16(np.concatenate(
                 [f32(f"{m}shared_experts.gate_proj.weight"), f32(f"{m}shared_experts.up_proj.weight")]
             )) if has_shared else None,
-            shared_down=f32(f"{m}shared_experts.down_proj.weight") if has_shared else None,
+            shared_down=keep_bf16(f32(f"{m}shared_experts.down_proj.weight")) if has_shared else None,
         )
     return LayerWeights(
         input_norm=f32(f"{p}input_layernorm.weight"),
