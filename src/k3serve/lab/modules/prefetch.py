@@ -29,6 +29,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                 "demand_misses_per_token": m.decode.expert_misses / steps,
                 "expert_bytes_per_token": m.decode.expert_bytes_read / steps,
                 "wasted_guesses_per_token": m.decode.prefetch_wasted / steps,
+                "wasted_bytes_per_token": m.decode.prefetch_wasted * store.expert_blob_size / steps,
                 "io_wait_ms_per_token": 1e3 * m.decode.io_wait_seconds / steps}
 
     on, off = summary(runs["next-layer"]), summary(runs["none"])
@@ -49,7 +50,8 @@ def run(params, progress, cancel, lab) -> LabResult:
     labels = {"ms_per_token": "ms per decoded token", "prefetch_hit_pct": "requests served by a prefetch (%)",
               "retention_pct": "retained (%)", "demand_misses_per_token": "demand reads per token",
               "expert_bytes_per_token": "expert bytes read per token (guesses included)",
-              "wasted_guesses_per_token": "wasted guesses per token", "io_wait_ms_per_token": "I/O wait ms per token"}
+              "wasted_guesses_per_token": "wasted guesses per token",
+              "wasted_bytes_per_token": "bytes of wasted guesses per token", "io_wait_ms_per_token": "I/O wait ms per token"}
     progress(1.0, "done")
     same = runs["none"].measurement.outputs == runs["next-layer"].measurement.outputs
     return LabResult(on, off, figures, labels, metrics_name="next-layer prefetch", baseline_name="prefetch off",
