@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streamed or not), /v1/models,
-/health and /metrics, over one `EngineRunner`.
+/health and /metrics, over one `ServingBackend` (serve/backend.py): one engine in this process, or replicas on Ray
+behind a router (k3serve.cluster).
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with the status mapped in one place
 (`serve/errors.py`): bad input 400, unknown model or path 404, wrong method 405, a body over the size cap 413,
@@ -28,12 +29,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from k3serve.engine.background import EngineRunner, RequestStream
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.metrics import Counter
 from k3serve.engine.request import FinishReason, RequestOutput
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ContextLengthError, RequestError
+from k3serve.serve.backend import LocalBackend, OutputStream, ServingBackend
 from k3serve.serve.chat import apply_chat_template
 from k3serve.serve.errors import MAX_BODY_BYTES, APIError, install_error_handlers, read_json_body
 from k3serve.serve.metrics import render_metrics
@@ -41,7 +42,7 @@ from k3serve.serve.openapi import declare_request_bodies
 from k3serve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from k3serve.serve.tenants import (AuthenticationError, CapExceeded, Lease, QuotaExceeded, TenantRegistry,
                                    estimate_tokens)
-from k3serve.serve.text import TextTracker, stop_hook_for
+from k3serve.serve.text import TextTracker
 from k3serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,37 +58,38 @@ class _Prompt:
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
+    def __init__(self, backend: ServingBackend, tokenizer: Tokenizer, model_name: str,
                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES,
                  tenants: TenantRegistry | None = None) -> None:
-        self.engine = engine
+        self.backend = backend
         self.tenants = tenants if tenants is not None else TenantRegistry()
-        engine.set_tenant_shares(self.tenants.shares())
+        backend.set_tenant_shares(self.tenants.shares())
         self.default_max_tokens = default_max_tokens
         self.max_body_bytes = max_body_bytes
-        self.runner = EngineRunner(engine)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.created = int(time.time())
-        metrics = engine.metrics
+        metrics = backend.metrics
         self.requests_total = metrics.counter("http_requests_total", "HTTP requests received")
         self.request_errors = metrics.counter("http_request_errors_total", "HTTP requests answered with 4xx/5xx")
         self.rejections = metrics.family(Counter, "tenant_rejections", "requests refused, per tenant and reason",
                                          ("tenant", "reason"))
 
 
-def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
+def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_name: str,
                default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, max_body_bytes: int = MAX_BODY_BYTES,
                tenants: TenantRegistry | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`. The engine thread starts now and stops with the app. A chat request
-    without max_tokens generates at most `default_max_tokens`; a body over `max_body_bytes` is refused unread.
-    `tenants`: API keys, caps and quotas (None: open, as without a tenants file)."""
-    state = ServerState(engine, tokenizer, model_name, default_max_tokens, max_body_bytes, tenants)
+    """The FastAPI app serving `engine` (an LLMEngine, run on a thread that starts now, or any `ServingBackend`),
+    stopped with the app. A chat request without max_tokens generates at most `default_max_tokens`; a body over
+    `max_body_bytes` is refused unread. `tenants`: API keys, caps and quotas (None: open, as without a tenants
+    file)."""
+    backend = LocalBackend(engine, tokenizer) if isinstance(engine, LLMEngine) else engine
+    state = ServerState(backend, tokenizer, model_name, default_max_tokens, max_body_bytes, tenants)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        state.runner.shutdown()
+        state.backend.shutdown()
 
     app = FastAPI(title="k3serve", lifespan=lifespan)
     app.state.k3 = state
@@ -96,7 +98,7 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not state.runner.alive:
+        if not state.backend.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -105,11 +107,11 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
         _authenticate(request, state)
         return JSONResponse({"object": "list", "data": [
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
-             "max_model_len": state.engine.max_context}]})
+             "max_model_len": state.backend.max_context}]})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        body, content_type = render_metrics(state.engine.metrics)
+        body, content_type = render_metrics(state.backend.metrics)
         return PlainTextResponse(body, media_type=content_type)
 
     @app.post("/v1/completions")
@@ -131,7 +133,7 @@ def create_app(engine: LLMEngine, tokenizer: Tokenizer, model_name: str,
             raise APIError(400, str(exc), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # a default cap, never more than the context leaves
-            max_tokens = max(min(state.default_max_tokens, state.engine.max_context - len(ids)), 1)
+            max_tokens = max(min(state.default_max_tokens, state.backend.max_context - len(ids)), 1)
         return await _serve(request, state, body, [_Prompt(ids)], max_tokens, chat=True)
 
     declare_request_bodies(app, {"/v1/completions": CompletionRequest,
@@ -193,7 +195,7 @@ def _admit_tenant(state: ServerState, tenant: str, body, prompts: list[_Prompt],
             and body.max_completion_tokens is None and body.max_tokens is None:
         max_tokens = max(1, min(max_tokens, config.max_context - max(lengths)))
     try:
-        state.tenants.check_caps(tenant, lengths, max_tokens, body.n, state.engine.share_capacity)
+        state.tenants.check_caps(tenant, lengths, max_tokens, body.n, state.backend.share_capacity)
         lease = state.tenants.admit(tenant, estimate_tokens(lengths, max_tokens, body.n))
     except CapExceeded as exc:
         state.rejections.labels(tenant, exc.cap).inc()
@@ -204,7 +206,7 @@ def _admit_tenant(state: ServerState, tenant: str, body, prompts: list[_Prompt],
     return lease, max_tokens
 
 
-def _tokens_used(streams: list[RequestStream]) -> int:
+def _tokens_used(streams: list[OutputStream]) -> int:
     """Prompt plus generated tokens of the outputs seen so far (what a finished request is charged)."""
     total = 0
     for stream in streams:
@@ -213,7 +215,7 @@ def _tokens_used(streams: list[RequestStream]) -> int:
     return total
 
 
-async def _release_after(events: AsyncIterator[str], lease: Lease, streams: list[RequestStream]
+async def _release_after(events: AsyncIterator[str], lease: Lease, streams: list[OutputStream]
                          ) -> AsyncIterator[str]:
     try:
         async for event in events:
@@ -235,19 +237,19 @@ async def _serve(request: Request, state: ServerState, body, prompts: list[_Prom
 
 async def _submit_and_answer(request: Request, state: ServerState, body, prompts: list[_Prompt], max_tokens: int,
                              chat: bool, tenant: str, lease: Lease):
-    streams: list[RequestStream] = []
+    streams: list[OutputStream] = []
     for prompt in prompts:
-        if len(prompt.ids) + max_tokens > state.engine.max_context:
+        if len(prompt.ids) + max_tokens > state.backend.max_context:
             for stream in streams:
                 stream.abort()
-            raise APIError(400, str(ContextLengthError(len(prompt.ids), max_tokens, state.engine.max_context)),
+            raise APIError(400, str(ContextLengthError(len(prompt.ids), max_tokens, state.backend.max_context)),
                            param="max_tokens", code="context_length_exceeded")
         try:
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos)
-            streams.append(state.runner.submit(prompt.ids, params, tenant=tenant, cache_salt=body.cache_salt,
-                                               stop_hook=stop_hook_for(state.tokenizer, body.stop),
-                                               speculative=_speculative_choice(state.engine, body.speculative)))
+            streams.append(state.backend.submit(prompt.ids, params, tenant=tenant, cache_salt=body.cache_salt,
+                                                stop=body.stop,
+                                                speculative=_speculative_choice(state.backend, body.speculative)))
         except RequestError as exc:
             for stream in streams:
                 stream.abort()
@@ -268,7 +270,7 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
     return response
 
 
-async def _abort_on_disconnect(request: Request, streams: list[RequestStream]) -> None:
+async def _abort_on_disconnect(request: Request, streams: list[OutputStream]) -> None:
     """A non-streaming request's client hung up: abort its sequences (freed at the engine's next step). The body
     is read already, so the next ASGI message is the disconnect."""
     while True:
@@ -280,7 +282,7 @@ async def _abort_on_disconnect(request: Request, streams: list[RequestStream]) -
             return
 
 
-def _speculative_choice(engine, choice):
+def _speculative_choice(backend: ServingBackend, choice):
     """The request's `speculative` field -> what `LLMEngine.add_request` takes (a drafter name keeps the server's
     other speculation settings)."""
     if not isinstance(choice, str):
@@ -289,7 +291,7 @@ def _speculative_choice(engine, choice):
 
     from k3serve.engine.speculative import SpeculativeConfig
 
-    base = engine.speculative if engine.speculative is not None else SpeculativeConfig()
+    base = backend.speculative if backend.speculative is not None else SpeculativeConfig()
     return dataclasses.replace(base, drafter=choice)
 
 
@@ -302,7 +304,7 @@ def _finish_reason(reason: FinishReason | None, tracker: TextTracker) -> str | N
             FinishReason.ERROR: "error"}[reason]
 
 
-async def _complete(state: ServerState, body, streams: list[RequestStream], response_id: str, chat: bool):
+async def _complete(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool):
     choices: list[dict] = []
     prompt_tokens = completion_tokens = 0
     try:
@@ -337,7 +339,7 @@ async def _complete(state: ServerState, body, streams: list[RequestStream], resp
     })
 
 
-async def _stream_events(state: ServerState, body, streams: list[RequestStream], response_id: str, chat: bool,
+async def _stream_events(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool,
                          include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"

@@ -1,0 +1,89 @@
+"""What the HTTP API serves from: the `ServingBackend` protocol, and `LocalBackend`, one engine in this process.
+
+The API (serve/api.py) knows only this protocol, so one app serves a single engine (`k3serve serve`) or replicas
+behind a router (`k3serve cluster`, k3serve.cluster.backend). A backend takes validated requests and returns
+`OutputStream`s: async iterables of `RequestOutput`, ending with the one whose `finished` is True.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Protocol, runtime_checkable
+
+from k3serve.engine.background import EngineRunner, RequestStream
+from k3serve.engine.engine import LLMEngine
+from k3serve.engine.fairness import TenantShare
+from k3serve.engine.metrics import MetricsRegistry
+from k3serve.engine.request import RequestOutput
+from k3serve.engine.sampling import SamplingParams
+from k3serve.serve.text import stop_hook_for
+from k3serve.tokenizer import Tokenizer
+
+
+@runtime_checkable
+class OutputStream(Protocol):
+    """The outputs of one request. `last` is the latest output received (its token counts give the usage)."""
+
+    finished: bool
+    last: RequestOutput | None
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self) -> None:
+        """Cancel the request (the client went away); a final output with reason 'abort' may follow."""
+
+
+@runtime_checkable
+class ServingBackend(Protocol):
+    """Engines behind the API. `max_context`: prompt + generated tokens allowed; `speculative`: the default
+    SpeculativeConfig (None: off); `metrics`: the registry /metrics renders."""
+
+    max_context: int
+    speculative: object | None
+    metrics: MetricsRegistry
+
+    @property
+    def alive(self) -> bool:
+        """False when requests can no longer be served (/health answers 503)."""
+
+    def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
+               cache_salt: str | None, stop: list[str], speculative) -> OutputStream:
+        """Queue a request; raises `RequestError` at once if it is invalid. `stop`: stop strings (the backend
+        checks them with its own tokenizer)."""
+
+    def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None: ...
+
+    def share_capacity(self, kv_share: float) -> tuple[int, int]:
+        """(running sequences, cached positions) a KV share allows (LLMEngine.share_capacity)."""
+
+    def shutdown(self) -> None: ...
+
+
+class LocalBackend:
+    """One `LLMEngine` on its background thread (`EngineRunner`), in this process."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer) -> None:
+        self.engine = engine
+        self.runner = EngineRunner(engine)
+        self._tokenizer = tokenizer
+        self.max_context = engine.max_context
+        self.speculative = engine.speculative
+        self.metrics = engine.metrics
+
+    @property
+    def alive(self) -> bool:
+        return self.runner.alive
+
+    def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
+               cache_salt: str | None, stop: list[str], speculative) -> RequestStream:
+        return self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
+                                  stop_hook=stop_hook_for(self._tokenizer, stop), speculative=speculative)
+
+    def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
+        self.engine.set_tenant_shares(shares)
+
+    def share_capacity(self, kv_share: float) -> tuple[int, int]:
+        return self.engine.share_capacity(kv_share)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
