@@ -12,6 +12,7 @@ import numpy as np
 
 from k3serve import cli_args
 from k3serve.cli_args import Parser, output_file, positive_int
+from k3serve.cluster.commands import add_cluster_args, run_cluster
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
 from k3serve.lab.commands import add_lab_command
 from k3serve.serve.tenant_commands import add_tenant_args, add_tenants_command
@@ -117,23 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=cli_args.seed, default=0, help="random seed of the weights")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    _add_model_arg(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=cli_args.port, default=8000, help="TCP port to listen on")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
-    serve.add_argument("--max-seqs", type=positive_int, default=64, help="sequences running at once")
-    serve.add_argument("--max-model-len", type=positive_int, default=4096,
-                       help="prompt + generated tokens per sequence")
-    serve.add_argument("--block-size", type=positive_int, default=16, help="positions per paged MLA cache block")
-    serve.add_argument("--kv-cache-mib", type=positive_int, default=256, help="memory for the paged MLA cache")
-    serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
-    serve.add_argument("--default-max-tokens", type=positive_int, default=1024,
-                       help="tokens a chat request without max_tokens may generate at most")
+    _add_serve_args(serve)
     serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
-    _add_speculative_args(serve)
-    add_stream_args(serve)
-    add_tenant_args(serve)
+
+    cluster = sub.add_parser("cluster", help="the server over N engine replicas on Ray, behind a router "
+                                             "(docs/CLUSTER.md; needs the cluster extra)")
+    _add_serve_args(cluster)
+    add_cluster_args(cluster)
 
     STREAM_COMMANDS.update(add_subcommands(sub))  # pack, sim cache, coactivation
     LAB_COMMANDS.update(add_lab_command(sub))  # lab, lab run, lab list
@@ -149,6 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--full-k3", action="store_true", help="describe the full Kimi K3 shapes instead")
     cli_args.add_verbose_everywhere(parser)
     return parser
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """The options `serve` and `cluster` share: the model, the listener, the engine, speculation, streaming and
+    tenants."""
+    _add_model_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=cli_args.port, default=8000, help="TCP port to listen on")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
+    serve.add_argument("--max-seqs", type=positive_int, default=64, help="sequences running at once")
+    serve.add_argument("--max-model-len", type=positive_int, default=4096,
+                       help="prompt + generated tokens per sequence")
+    serve.add_argument("--block-size", type=positive_int, default=16, help="positions per paged MLA cache block")
+    serve.add_argument("--kv-cache-mib", type=positive_int, default=256, help="memory for the paged MLA cache")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    serve.add_argument("--default-max-tokens", type=positive_int, default=1024,
+                       help="tokens a chat request without max_tokens may generate at most")
+    _add_speculative_args(serve)
+    add_stream_args(serve)
+    add_tenant_args(serve)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -257,19 +269,36 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_config(args: argparse.Namespace):
+    from k3serve.engine.config import EngineConfig
+
+    return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
+                        max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
+                        scheduling=args.scheduling, output_cost=args.output_cost)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """`serve` over replicas on Ray (k3serve.cluster): every argument is checked before Ray or a model starts."""
+    from k3serve.serve.tenant_commands import install_reload, registry_for_serve, warn_if_open
+
+    config = _engine_config(args)
+    speculative = _speculative_config(args)
+    tenants = registry_for_serve(args)
+    listener = cli_args.bind_listener(args.host, args.port)
+    warn_if_open(tenants, args.host)
+    return run_cluster(args, config, speculative, tenants, listener, install_reload)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
     from k3serve.model.k3 import K3Model
     from k3serve.serve.api import create_app
     from k3serve.serve.tenant_commands import install_reload, registry_for_serve, warn_if_open
 
-    config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
-                          max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
-                          max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
-                          scheduling=args.scheduling, output_cost=args.output_cost)
+    config = _engine_config(args)
     speculative = _speculative_config(args)
     tenants = registry_for_serve(args)  # a bad tenants file fails here, before the model loads
     listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here: before loading, before "serving"
@@ -312,7 +341,7 @@ def cmd_spec_storage(args: argparse.Namespace) -> int:
 
 STREAM_COMMANDS: dict = {}  # pack, sim, coactivation (k3serve.stream.commands)
 LAB_COMMANDS: dict = {}  # lab (k3serve.lab.commands)
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "logits": cmd_logits, "make-tiny": cmd_make_tiny,
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "cluster": cmd_cluster, "logits": cmd_logits, "make-tiny": cmd_make_tiny,
             "info": cmd_info, "spec-storage": cmd_spec_storage}
 
 

@@ -1,0 +1,288 @@
+"""`ClusterBackend`: N engine replicas (Ray actors) behind a router, as one `ServingBackend` for the HTTP API.
+
+Faults. A replica that dies (its actor killed, its process gone) fails the calls in flight with a Ray actor error.
+A request that has streamed no token yet is sent again to another healthy replica; one that has streamed tokens
+ends with an error output naming the replica (the client's text cannot be continued elsewhere without repeating
+it). The router stops choosing the replica at once; Ray restarts it (`max_restarts`), and a monitor thread puts it
+back once it answers again, with its entries in the radix tree forgotten (its cache restarted empty). No request
+waits on a dead replica, and /health stays healthy while any replica is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+from k3serve.cluster.replica import EngineReplica
+from k3serve.cluster.spec import SINGLE_THREAD_ENV, ReplicaInfo, ReplicaSpec
+from k3serve.cluster.router import Route, Router, RouterConfig
+from k3serve.engine.fairness import TenantShare
+from k3serve.engine.metrics import Counter, Gauge, MetricsRegistry
+from k3serve.engine.request import CompletionOutput, FinishReason, RequestOutput
+from k3serve.engine.sampling import SamplingParams
+from k3serve.errors import ContextLengthError, K3Error, RequestError
+
+logger = logging.getLogger(__name__)
+
+REPLICA_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+MONITOR_INTERVAL_SECONDS = 0.5
+START_TIMEOUT_SECONDS = 600.0
+
+
+class ClusterBackend:
+    """Starts `num_replicas` replicas of `spec` (Ray must be initialised) and routes requests to them."""
+
+    def __init__(self, spec: ReplicaSpec, num_replicas: int, router: RouterConfig, max_restarts: int = 3,
+                 max_attempts: int | None = None) -> None:
+        self.spec = spec
+        self.speculative = spec.speculative
+        self.metrics = MetricsRegistry()
+        self.max_attempts = max_attempts if max_attempts is not None else num_replicas
+        options = dict(num_cpus=1, max_restarts=max_restarts, max_task_retries=0,
+                       runtime_env={"env_vars": SINGLE_THREAD_ENV})
+        self.actors = [EngineReplica.options(**options).remote(spec, i) for i in range(num_replicas)]
+        try:
+            self.infos: list[ReplicaInfo] = ray.get([a.info.remote() for a in self.actors],
+                                                    timeout=START_TIMEOUT_SECONDS)
+        except REPLICA_ERRORS as exc:
+            self._kill_all()
+            raise K3Error(f"a replica failed to start: {exc}") from None
+        first = self.infos[0]
+        self.max_context = first.max_context
+        self.model_name = first.model_name
+        self.router = Router(router if router.block_size == first.block_size else
+                             RouterConfig(**{**router.__dict__, "block_size": first.block_size}), num_replicas)
+        self._capacity: dict[float, tuple[int, int]] = {}
+        self.generation = [0] * num_replicas  # incarnations: a failure seen by a request sent to an older one is old news
+        self._stopping = threading.Event()
+        m = self.metrics
+        self._m_load = m.family(Gauge, "replica_load", "requests in flight, per replica", ("replica",))
+        self._m_healthy = m.family(Gauge, "replica_healthy", "1 while the router sends to the replica", ("replica",))
+        self._m_prompt = m.family(Counter, "replica_prompt_tokens", "prompt tokens served, per replica",
+                                  ("replica",))
+        self._m_cached = m.family(Counter, "replica_cached_prompt_tokens",
+                                  "prompt tokens served by the replica's prefix cache", ("replica",))
+        self._m_hit_rate = m.family(Gauge, "replica_prefix_hit_rate",
+                                    "cached / all prompt tokens served, per replica", ("replica",))
+        self._m_decisions = m.family(Counter, "router_decisions", "routing decisions, per reason", ("reason",))
+        self._m_failures = m.family(Counter, "replica_failures", "replica deaths seen by the front", ("replica",))
+        self._m_retries = m.counter("router_retries_total", "requests sent again after their replica died")
+        self._m_lost = m.counter("router_lost_streams_total",
+                                 "streamed requests ended with an error because their replica died")
+        self._m_prefix_hit = m.counter("cluster_prefix_hit_tokens_total", "prompt tokens served from a prefix cache")
+        self._m_prefix_all = m.counter("cluster_prompt_tokens_total", "prompt tokens served")
+        self._m_cluster_hit_rate = m.gauge("cluster_prefix_hit_rate", "cached / all prompt tokens, all replicas")
+        for replica in range(num_replicas):
+            self._publish(replica)
+        self._monitor = threading.Thread(target=self._watch, name="k3serve-cluster-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- ServingBackend ---------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return not self._stopping.is_set() and any(self.router.healthy)
+
+    def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
+               cache_salt: str | None, stop: list[str], speculative) -> ClusterStream:
+        prompt = self._validate(prompt_token_ids, params)
+        stream = ClusterStream(self, prompt, params, tenant, cache_salt, stop, speculative)
+        stream.start(frozenset())
+        return stream
+
+    def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
+        ray.get([a.set_tenant_shares.remote(shares) for a in self.actors])
+
+    def share_capacity(self, kv_share: float) -> tuple[int, int]:
+        if kv_share not in self._capacity:  # every replica has the same engine configuration
+            self._capacity[kv_share] = ray.get(self.actors[0].share_capacity.remote(kv_share))
+        return self._capacity[kv_share]
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._monitor.join(5)
+        self._kill_all()
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _kill_all(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+    def _validate(self, prompt_token_ids: Iterable[int], params: SamplingParams) -> list[int]:
+        """The checks a replica's engine makes at once (LLMEngine.make_request), made here as well so that a bad
+        request is refused before it is routed; the replica checks again."""
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise RequestError("the prompt must be token ids (tokenize text first)")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise RequestError("the prompt is empty: give at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise RequestError("prompt token ids must be integers")
+        vocab = self.infos[0].vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must lie in 0..{vocab - 1}")
+        if len(prompt) >= self.max_context:
+            raise ContextLengthError(len(prompt), params.max_tokens, self.max_context)
+        if params.n > self.infos[0].max_seqs:
+            raise RequestError(f"n = {params.n} exceeds max_seqs = {self.infos[0].max_seqs}")
+        return prompt
+
+    def _route(self, stream: ClusterStream, exclude: frozenset[int]) -> Route | None:
+        route = self.router.choose(stream.prompt, stream.tenant, stream.cache_salt, exclude)
+        if route is not None:
+            self._m_decisions.labels(route.reason).inc()
+            self._publish(route.replica)
+        return route
+
+    def _finished(self, replica: int, output: RequestOutput | None) -> None:
+        self.router.end(replica)
+        self._publish(replica)
+        if output is not None and output.error is None:
+            label = str(replica)
+            prompt, cached = len(output.prompt_token_ids), output.num_cached_tokens
+            self._m_prompt.labels(label).inc(prompt)
+            self._m_cached.labels(label).inc(cached)
+            self._m_prefix_all.inc(prompt)
+            self._m_prefix_hit.inc(cached)
+            served = self._m_prompt.labels(label).value
+            self._m_hit_rate.labels(label).set(self._m_cached.labels(label).value / served if served else 0.0)
+            total = self._m_prefix_all.value
+            self._m_cluster_hit_rate.set(self._m_prefix_hit.value / total if total else 0.0)
+
+    def _failed(self, replica: int, generation: int, exc: BaseException) -> None:
+        if generation != self.generation[replica]:
+            return  # this request was sent before the last restart: the death is counted already
+        if self.router.healthy[replica]:
+            logger.warning("replica %d died (%s); routing around it until Ray restarts it", replica,
+                           type(exc).__name__)
+            self._m_failures.labels(str(replica)).inc()
+        self.router.mark_down(replica)
+        self._publish(replica)
+
+    def _publish(self, replica: int) -> None:
+        label = str(replica)
+        self._m_load.labels(label).set(self.router.load[replica])
+        self._m_healthy.labels(label).set(1.0 if self.router.healthy[replica] else 0.0)
+
+    def _watch(self) -> None:
+        """Put restarted replicas back: a replica marked down is probed until Ray has restarted it."""
+        while not self._stopping.wait(MONITOR_INTERVAL_SECONDS):
+            for replica, actor in enumerate(self.actors):
+                if self.router.healthy[replica]:
+                    continue
+                try:
+                    info = ray.get(actor.info.remote(), timeout=MONITOR_INTERVAL_SECONDS * 4)
+                except (GetTimeoutError, *REPLICA_ERRORS):
+                    continue  # still restarting (or out of restarts: it stays out)
+                logger.warning("replica %d is back (pid %d)", replica, info.pid)
+                self.generation[replica] += 1
+                self.router.mark_up(replica, restarted=True)
+                self._publish(replica)
+
+
+class ClusterStream:
+    """One request's outputs from its replica, sent again elsewhere if the replica dies before any token."""
+
+    def __init__(self, backend: ClusterBackend, prompt: list[int], params: SamplingParams, tenant: str,
+                 cache_salt: str | None, stop: list[str], speculative) -> None:
+        self.request_id = uuid.uuid4().hex
+        self.backend = backend
+        self.prompt, self.params, self.tenant, self.cache_salt = prompt, params, tenant, cache_salt
+        self.stop, self.speculative = stop, speculative
+        self.finished = False
+        self.last: RequestOutput | None = None
+        self.route: Route | None = None
+        self._generator = None
+        self._counted = False  # the current route's load is counted in the router
+        self._aborted = False
+        self._tried: set[int] = set()
+
+    def start(self, exclude: frozenset[int]) -> bool:
+        """Send the request to a replica not in `exclude`; False when no healthy replica is left."""
+        route = self.backend._route(self, exclude)
+        if route is None:
+            return False
+        self.route, self._counted = route, True
+        self._generation = self.backend.generation[route.replica]
+        self._tried.add(route.replica)
+        actor = self.backend.actors[route.replica]
+        self._generator = actor.generate.options(num_returns="streaming").remote(
+            self.prompt, self.params, self.tenant, self.cache_salt, self.stop, self.speculative)
+        return True
+
+    def _release(self, output: RequestOutput | None) -> None:
+        if self._counted:
+            self._counted = False
+            self.backend._finished(self.route.replica, output)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            if self._generator is None:
+                yield self._end("no healthy replica is left to serve the request")
+                return
+            streamed = False
+            try:
+                async for ref in self._generator:
+                    output: RequestOutput = await ref
+                    streamed = streamed or any(c.token_ids for c in output.outputs)
+                    self.last = output
+                    if output.finished:
+                        self.finished = True
+                        self._release(output)
+                    yield output
+                    if output.finished:
+                        return
+                yield self._end("the replica ended the request without a final output")  # cancelled
+                return
+            except REPLICA_ERRORS as exc:
+                replica = self.route.replica
+                self.backend._failed(replica, self._generation, exc)
+                self._release(None)
+                if self._aborted:
+                    yield self._end("aborted")
+                    return
+                if streamed:
+                    self.backend._m_lost.inc()
+                    yield self._end(f"replica {replica} died after streaming tokens; the request cannot continue "
+                                    "elsewhere without repeating them")
+                    return
+                if len(self._tried) >= self.backend.max_attempts or not self.start(frozenset(self._tried)):
+                    self._generator = None
+                    yield self._end(f"replica {replica} died and no other replica could take the request")
+                    return
+                self.backend._m_retries.inc()
+                logger.info("request %s sent again to replica %d", self.request_id, self.route.replica)
+            finally:
+                if self._aborted or self.finished:
+                    self._release(self.last if self.finished else None)
+
+    def _end(self, message: str) -> RequestOutput:
+        """The final error output after the request could not finish."""
+        self.finished = True
+        self._release(None)
+        previous = self.last.outputs if self.last is not None else []
+        tokens = {c.index: c.token_ids for c in previous}
+        outputs = [CompletionOutput(i, tokens.get(i, []), [], FinishReason.ERROR) for i in range(self.params.n)]
+        final = RequestOutput(self.request_id, self.prompt, outputs, finished=True, error=message)
+        self.last = final
+        return final
+
+    def abort(self) -> None:
+        if self.finished or self._aborted:
+            return
+        self._aborted = True
+        if self._generator is not None:
+            try:
+                ray.cancel(self._generator)
+            except Exception:  # noqa: BLE001 - already finished or its replica is gone: nothing left to cancel
+                logger.debug("cancel of %s failed", self.request_id, exc_info=True)
+        self._release(None)

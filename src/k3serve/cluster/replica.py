@@ -1,0 +1,76 @@
+"""One engine replica as a Ray actor: its own model source (resident, or streamed under its RAM budget), its own
+`LLMEngine` on a background thread, and one thread for the math (each actor holds one CPU).
+
+`generate` is a streaming actor method: it yields the request's `RequestOutput`s as the engine produces them. The
+front cancels it (`ray.cancel`) when the client goes away, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import AsyncIterator
+
+import ray
+
+from k3serve.cluster.spec import ReplicaInfo, ReplicaSpec
+from k3serve.engine.fairness import TenantShare
+from k3serve.engine.request import RequestOutput
+from k3serve.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+@ray.remote
+class EngineReplica:
+    def __init__(self, spec: ReplicaSpec, index: int) -> None:
+        from threadpoolctl import threadpool_limits
+
+        from k3serve.engine.background import EngineRunner
+        from k3serve.engine.engine import LLMEngine
+        from k3serve.errors import K3Error
+        from k3serve.loading import load_model
+        from k3serve.model.k3 import K3Model
+
+        threadpool_limits(limits=1)
+        loaded = load_model(spec.model, stream=spec.stream)
+        if not isinstance(loaded.model, K3Model):
+            raise K3Error(f"{loaded.path} is not a K3 checkpoint: the cluster runs K3 models only")
+        drafters = None
+        if spec.speculative is not None:
+            from k3serve.engine.speculative import DrafterFactory
+
+            draft = load_model(spec.draft_model).model if spec.draft_model is not None else None
+            drafters = DrafterFactory(loaded.model, draft)
+        self.engine = LLMEngine(loaded.model, spec.engine, stop_ids=loaded.stop_ids, speculative=spec.speculative,
+                                drafters=drafters)
+        self.runner = EngineRunner(self.engine)
+        self.tokenizer = loaded.tokenizer
+        self.info_ = ReplicaInfo(index=index, pid=os.getpid(), model_name=loaded.name,
+                                 vocab_size=loaded.model.config.vocab_size, max_context=self.engine.max_context,
+                                 max_seqs=spec.engine.max_seqs, block_size=spec.engine.block_size)
+        logger.info("replica %d ready (pid %d)", index, os.getpid())
+
+    def info(self) -> ReplicaInfo:
+        return self.info_
+
+    def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
+        self.engine.set_tenant_shares(shares)
+
+    def share_capacity(self, kv_share: float) -> tuple[int, int]:
+        return self.engine.share_capacity(kv_share)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
+                       cache_salt: str | None, stop: list[str], speculative) -> AsyncIterator[RequestOutput]:
+        from k3serve.serve.text import stop_hook_for
+
+        stream = self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
+                                    stop_hook=stop_hook_for(self.tokenizer, stop), speculative=speculative)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:  # cancelled by the front: the client went away
+                stream.abort()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -1,0 +1,157 @@
+"""Two replicas on a local Ray behind the HTTP API: the same answers as one process, the cache-aware router
+sending a conversation back to its replica, and a replica killed mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from k3serve.engine.generate import generate
+from k3serve.engine.sampling import SamplingParams
+from k3serve.loading import load_model
+
+MODEL = "k3-cluster-test"  # as in conftest.py
+MAX_MODEL_LEN = 512
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens of one process (the embedded model, resident)."""
+    loaded = load_model(None)
+
+    def run(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+        tokens, _ = generate(loaded.model, prompt, params, stop_ids=loaded.stop_ids, max_context=MAX_MODEL_LEN)
+        return tokens
+
+    return run
+
+
+async def _collect(stream, timeout: float = 120.0):
+    async def run():
+        outputs = [output async for output in stream]
+        return outputs[-1]
+    return await asyncio.wait_for(run(), timeout)
+
+
+def _submit(backend, prompt, params=GREEDY, tenant="t"):
+    return backend.submit(prompt, params, tenant=tenant, cache_salt=None, stop=[], speculative=None)
+
+
+def _metric(url: str, line_start: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_the_front_answers_like_one_process(front, reference):
+    url, _, tokenizer = front
+    client = OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
+    prompt = "def fibonacci(n):"
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    expected = reference(ids)
+    stop_ids = set(load_model(None).stop_ids)
+    expected_text = tokenizer.decode([t for t in expected if t not in stop_ids and not tokenizer.is_special(t)])
+    for _ in range(2):  # both replicas (the second request matches no whole block: least-load sends it elsewhere)
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert answer.choices[0].text == expected_text
+    chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=6, temperature=0, stream=True)
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert _metric(url, 'k3serve_router_decisions_total{reason="no_match"}') >= 2
+    assert _metric(url, 'k3serve_replica_load{replica="0"}') == 0.0
+
+
+def test_a_conversation_goes_back_to_its_replica_and_hits_its_cache(front, reference):
+    url, backend, _ = front
+
+    async def scenario():
+        turn1 = list(range(200, 280))  # 80 tokens: 5 whole blocks
+        first = _submit(backend, turn1)
+        out1 = await _collect(first)
+        turn2 = turn1 + out1.outputs[0].token_ids + list(range(300, 320))
+        second = _submit(backend, turn2)
+        out2 = await _collect(second)
+        return first, second, out2, turn2
+
+    first, second, out2, turn2 = asyncio.run(scenario())
+    assert second.route.replica == first.route.replica and second.route.reason == "prefix_match"
+    assert out2.num_cached_tokens >= 80  # the replica's prefix cache served the first turn
+    assert out2.outputs[0].token_ids == reference(turn2)  # a cache hit changes nothing
+    assert _metric(url, "k3serve_cluster_prefix_hit_rate") > 0
+
+
+def test_bad_requests_are_refused_before_routing(front):
+    url, backend, _ = front
+    from k3serve.errors import RequestError
+
+    for prompt in ([], [10**6], ["a"]):
+        with pytest.raises(RequestError):
+            _submit(backend, prompt)
+    response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5000], "max_tokens": 2})
+    assert response.status_code == 400 and "0..1031" in response.json()["error"]["message"]
+    assert sum(backend.router.load) == 0
+
+
+def test_a_killed_replica_fails_over_and_comes_back(front, reference, local_ray):
+    url, backend, _ = front
+    ray = local_ray
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        streams = [_submit(backend, list(range(10 + 40 * i, 50 + 40 * i)), long) for i in range(4)]
+        iterators = [s.__aiter__() for s in streams]
+        for iterator in iterators:  # every request has streamed its first token
+            output = await asyncio.wait_for(iterator.__anext__(), 60)
+            assert output.outputs[0].token_ids
+        victim = streams[0].route.replica
+        assert {s.route.replica for s in streams} == {0, 1}
+        ray.kill(backend.actors[victim], no_restart=False)
+        # a new request on the dying replica, before the front has seen it die: it must be sent elsewhere
+        retried = _submit(backend, list(range(10, 50)) + [7] * 40, GREEDY)  # prefix of streams[0]: the victim
+        assert retried.route.replica == victim
+        health = await asyncio.to_thread(httpx.get, url + "/health")
+
+        async def drain(iterator):
+            last = None
+            async for output in iterator:
+                last = output
+            return last
+
+        finals = await asyncio.wait_for(asyncio.gather(*(drain(it) for it in iterators)), 180)
+        retried_final = await _collect(retried)
+        return streams, finals, retried, retried_final, victim, health
+
+    streams, finals, retried, retried_final, victim, health = asyncio.run(scenario())
+    assert health.status_code == 200
+    for stream, final in zip(streams, finals):
+        assert final.finished
+        if stream.route.replica == victim:
+            assert final.error is not None and f"replica {victim} died" in final.error
+        else:
+            assert final.error is None and len(final.outputs[0].token_ids) == 400
+    assert retried_final.error is None and retried.route.replica != victim
+    assert retried_final.outputs[0].token_ids == reference(list(range(10, 50)) + [7] * 40)
+    assert _metric(url, "k3serve_router_retries_total") >= 1
+    assert _metric(url, f'k3serve_replica_failures_total{{replica="{victim}"}}') == 1
+    assert sum(backend.router.load) == 0  # every request's load was released
+    deadline = time.time() + 120  # Ray restarts the actor; the monitor puts it back
+    while not backend.router.healthy[victim]:
+        assert time.time() < deadline, "the killed replica did not come back"
+        time.sleep(0.5)
+    assert _metric(url, f'k3serve_replica_healthy{{replica="{victim}"}}') == 1.0
+
+    async def after_restart():  # both replicas serve again (distinct prompts spread over the least loaded)
+        streams = [_submit(backend, list(range(400 + 50 * i, 420 + 50 * i)), GREEDY) for i in range(2)]
+        return streams, await asyncio.gather(*(_collect(s) for s in streams))
+
+    streams, answers = asyncio.run(after_restart())
+    assert {s.route.replica for s in streams} == {0, 1} and all(a.error is None for a in answers)
