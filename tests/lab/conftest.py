@@ -43,6 +43,7 @@ FAST_PARAMS = {
     "batching": {"max_concurrency": 2, "max_tokens": 3, "long_prompt_tokens": 64, "max_batch_tokens": 32},
     "speculative": {"tokens": 8, "repeats": 1, "excerpt_tokens": 32},
     "full_scale": {"ladder": False, "tokens": 1},
+    "cluster_routing": {"requests": 4, "prefix_tokens": 32, "replicas": 2, "wave": 2},
     "tenants": {"seconds": 0.5, "flood_requests": 2, "flood_prompt_tokens": 32, "flood_max_tokens": 8},
 }
 
