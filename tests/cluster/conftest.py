@@ -1,4 +1,4 @@
-"""One local Ray (2 CPUs) and one 2-replica cluster for the whole test session; both stopped at its end.
+"""One local Ray (3 logical CPUs) and one 2-replica cluster for the whole test session; both stopped at its end.
 
 Without the cluster extra these tests skip, except under CI (CI=true, `.ci/run` installs the extra), where a
 missing Ray fails them.
@@ -36,7 +36,7 @@ def local_ray():
 
     from k3serve.cluster.runtime import start_ray
 
-    start_ray(None, num_cpus=2, replicas=2)
+    start_ray(None, num_cpus=3, replicas=2)  # 3 logical CPUs: the front's 2 replicas and one streaming replica
     yield ray
     ray.shutdown()
 

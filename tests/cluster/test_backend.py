@@ -12,10 +12,9 @@ from openai import OpenAI
 
 from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
-from k3serve.loading import load_model
+from k3serve.loading import default_model_dir, load_model
 
-MODEL = "k3-cluster-test"  # as in conftest.py
-MAX_MODEL_LEN = 512
+from .conftest import ENGINE, MAX_MODEL_LEN, MODEL
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -155,3 +154,26 @@ def test_a_killed_replica_fails_over_and_comes_back(front, reference, local_ray)
 
     streams, answers = asyncio.run(after_restart())
     assert {s.route.replica for s in streams} == {0, 1} and all(a.error is None for a in answers)
+
+
+def test_a_replica_streaming_under_a_ram_budget_answers_like_one_process(local_ray, reference, tmp_path):
+    from k3serve.cluster.backend import ClusterBackend
+    from k3serve.cluster.router import RouterConfig
+    from k3serve.cluster.spec import ReplicaSpec
+    from k3serve.stream.source import StreamOptions
+    from k3serve.weights.pack import pack_checkpoint
+
+    packed = tmp_path / "packed"
+    pack_checkpoint(default_model_dir(), packed)
+    spec = ReplicaSpec(model=packed, stream=StreamOptions(ram_budget=4 << 20), engine=ENGINE, speculative=None)
+    backend = ClusterBackend(spec, 1, RouterConfig(policy="least-load"))  # its own store, its own 4 MiB budget
+    try:
+        prompts = [list(range(10, 40)), list(range(600, 650))]
+        finals = asyncio.run(asyncio.wait_for(_both(backend, prompts), 120))
+    finally:
+        backend.shutdown()
+    assert [f.outputs[0].token_ids for f in finals] == [reference(p) for p in prompts]
+
+
+async def _both(backend, prompts):
+    return await asyncio.gather(*(_collect(_submit(backend, p)) for p in prompts))
