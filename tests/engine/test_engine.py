@@ -184,6 +184,7 @@ class _PoisonedModel:
 
     def __init__(self, model, poison: int) -> None:
         self.model, self.poison, self.config = model, poison, model.config
+        self.cache_layout = model.cache_layout
 
     def forward(self, items, **kwargs):
         if any(self.poison in item.token_ids for item in items):

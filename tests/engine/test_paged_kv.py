@@ -10,7 +10,7 @@ from k3serve.engine.paged_kv import BlockPool
 
 
 def _pool(num_blocks: int = 4) -> BlockPool:
-    return BlockPool(num_blocks, block_size=2, num_mla_layers=3, width=5)
+    return BlockPool(num_blocks, block_size=2, num_layers=3, width=5)
 
 
 def test_allocate_release_and_exhaustion():

@@ -48,7 +48,7 @@ def test_a_hit_gives_the_same_logits_as_a_miss(tiny_model, drive, prompt_len):
     scheduler.prefix_cache.extend_hashes(root, tokens, hashes, len(tokens) // 4)
     match = scheduler.prefix_cache.match(root, tokens, hashes)
     assert match.num_tokens == prompt_len and len(match.block_ids) == prompt_len // 4
-    cache = PagedSequenceCache(tiny_model.config, scheduler.blocks, scheduler.states)
+    cache = PagedSequenceCache(scheduler.blocks, scheduler.states)
     scheduler.prefix_cache.restore(match, cache)
     assert cache.num_tokens == prompt_len
     rest = np.asarray(tokens[prompt_len:])

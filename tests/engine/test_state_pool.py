@@ -7,12 +7,13 @@ import pytest
 
 from k3serve.config import tiny_config
 from k3serve.engine.errors import IntegrityError, PoolExhaustedError
-from k3serve.engine.state_pool import KDAStatePool
+from k3serve.engine.state_pool import StatePool
+from k3serve.model.k3 import k3_cache_layout
 
 
 def test_slots_are_zeroed_copied_and_accounted():
     config = tiny_config()
-    pool = KDAStatePool(config, 2)
+    pool = StatePool(k3_cache_layout(config), 2)
     layer = config.kda_layer_ids[1]
     a = pool.allocate()
     state = np.full((config.kda_num_heads, config.kda_head_dim, config.kda_head_dim), 3.0, np.float32)

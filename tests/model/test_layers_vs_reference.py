@@ -14,7 +14,8 @@ from k3serve.model.attn_res import attn_res
 from k3serve.model.kda import kda_forward
 from k3serve.model.mla import mla_attend, mla_project
 from k3serve.model.moe import moe_forward
-from k3serve.model.state import DenseSequenceCache
+from k3serve.model.cache import DenseSequenceCache
+from k3serve.model.k3 import k3_cache_layout
 from k3serve.weights import names
 from k3serve.weights.checkpoint import Checkpoint
 
@@ -59,7 +60,7 @@ def test_kda_layer_matches_reference(tiny_model, checkpoint, T):
                             gate_lower_bound=config.gate_lower_bound, eps=config.rms_norm_eps)
         expected.append(step.output)
         state = step.state
-    cache = DenseSequenceCache(config)
+    cache = DenseSequenceCache(k3_cache_layout(config))
     w = tiny_model.source.layer(layer).attention
     cut = _split(T)
     got = [kda_forward(config, w, x[:cut], [(0, cut)], [cache], layer)]
@@ -68,7 +69,7 @@ def test_kda_layer_matches_reference(tiny_model, checkpoint, T):
     error = _relative_rms(np.concatenate(got), np.stack(expected))
     print(f"KDA T={T} relative RMS {error:.2e}")
     assert error < RTOL, f"KDA T={T}: relative RMS {error:.2e}"
-    final_state, _ = cache.kda_state(layer)
+    final_state, _ = cache.recurrent_state(layer)
     assert _relative_rms(final_state, state.recurrent) < RTOL
 
 
@@ -86,7 +87,7 @@ def test_mla_layer_matches_reference(tiny_model, checkpoint, T):
                             use_output_gate=config.mla_use_output_gate, eps=config.rms_norm_eps)
         expected.append(step.output)
         mla_cache = step.cache
-    cache = DenseSequenceCache(config)
+    cache = DenseSequenceCache(k3_cache_layout(config))
     w = tiny_model.source.layer(layer).attention
     got = []
     cut = _split(T)
@@ -94,12 +95,12 @@ def test_mla_layer_matches_reference(tiny_model, checkpoint, T):
         if start == end:
             continue
         q, rows, gate = mla_project(config, w, x[start:end])
-        cache.mla_append(layer, rows)
-        got.append(mla_attend(config, w, q, cache.mla_rows(layer), gate))
+        cache.append_rows(layer, rows)
+        got.append(mla_attend(config, w, q, cache.attention_rows(layer), gate))
     error = _relative_rms(np.concatenate(got), np.stack(expected))
     print(f"MLA T={T} relative RMS {error:.2e}")
     assert error < RTOL, f"MLA T={T}: relative RMS {error:.2e}"
-    cached = cache.mla_rows(layer)
+    cached = cache.attention_rows(layer)
     assert np.allclose(cached[:, :config.kv_lora_rank], np.stack(mla_cache.latents), rtol=1e-5, atol=1e-6)
     assert np.allclose(cached[:, config.kv_lora_rank:], np.stack(mla_cache.k_ropes), rtol=1e-5, atol=1e-6)
 

@@ -7,7 +7,7 @@ import pytest
 
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
-from k3serve.engine.state_pool import KDAStatePool
+from k3serve.engine.state_pool import StatePool
 from k3serve.model.k3 import ForwardItem
 from k3serve.model.rollback import (KIMI_LINEAR_SHAPES, RecurrentShapes, RollbackCache, rollback_storage)
 from k3serve.config import full_k3_config
@@ -22,7 +22,7 @@ def _prefilled(model, cache):
 
 
 def _kda_states(model, cache):
-    return {l: tuple(a.copy() for a in cache.kda_state(l)) for l in model.config.kda_layer_ids}
+    return {l: tuple(a.copy() for a in cache.recurrent_state(l)) for l in model.config.kda_layer_ids}
 
 
 @pytest.mark.parametrize("num_kept", range(1, len(WINDOW) + 1))
@@ -48,7 +48,7 @@ def test_snapshot_and_projection_restore_the_same_state(tiny_model, num_kept):
         np.testing.assert_allclose(proj[layer][0], expected[layer][0], rtol=0, atol=1e-4)  # chunked vs step bits
         np.testing.assert_allclose(proj[layer][1], expected[layer][1], rtol=0, atol=1e-4)  # batched matmul bits
     for layer in model.config.mla_layer_ids:
-        np.testing.assert_allclose(restored["projection"][1].mla_rows(layer), plain.mla_rows(layer), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(restored["projection"][1].attention_rows(layer), plain.attention_rows(layer), rtol=0, atol=1e-4)
     # and the next step's logits agree
     nxt = np.array([101])
     got = model.forward([ForwardItem(nxt, restored["projection"][1].inner)]).logits[0]
@@ -60,8 +60,8 @@ def test_snapshot_and_projection_restore_the_same_state(tiny_model, num_kept):
 def test_rollback_on_paged_cache_frees_the_rejected_blocks(tiny_model, method):
     config = tiny_model.config
     blocks = BlockPool(16, 4, len(config.mla_layer_ids), config.mla_cache_width)
-    states = KDAStatePool(config, 2)
-    inner = PagedSequenceCache(config, blocks, states)
+    states = StatePool(tiny_model.cache_layout, 2)
+    inner = PagedSequenceCache(blocks, states)
     _prefilled(tiny_model, inner)  # 11 positions: 3 blocks of 4
     inner.reserve(len(WINDOW))  # up to 17 positions: 5 blocks
     assert len(inner.block_table) == 5
@@ -76,7 +76,7 @@ def test_rollback_on_paged_cache_frees_the_rejected_blocks(tiny_model, method):
     for token in WINDOW[:2]:
         tiny_model.forward([ForwardItem(np.array([token]), dense)])
     for layer in config.kda_layer_ids:
-        np.testing.assert_allclose(inner.kda_state(layer)[0], dense.kda_state(layer)[0], atol=1e-5)
+        np.testing.assert_allclose(inner.recurrent_state(layer)[0], dense.recurrent_state(layer)[0], atol=1e-5)
 
 
 def test_storage_ratio_matches_the_kimi_linear_arithmetic():

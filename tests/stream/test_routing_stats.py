@@ -6,7 +6,6 @@ import numpy as np
 
 from k3serve.cli import main
 from k3serve.model.k3 import ForwardItem
-from k3serve.model.state import DenseSequenceCache
 from k3serve.model.moe import guess_next_layer
 from k3serve.stream.routing_stats import _overlap, _skew, measure_routing
 from k3serve.stream.trace import TraceWriter, read_trace, trace_meta
@@ -33,7 +32,7 @@ def test_measure_routing_matches_the_forward_pass_and_its_trace(tiny_model, tmp_
     # the same routing, straight from the model, gives the same reuse and skew
     routed = {}
     for seq in seqs:
-        result = tiny_model.forward([ForwardItem(np.array(seq), DenseSequenceCache(config))], keep_routing=True)
+        result = tiny_model.forward([ForwardItem(np.array(seq), tiny_model.new_cache())], keep_routing=True)
         for layer, r in result.routing.items():
             routed.setdefault(layer, []).append(r.expert_ids)
     trace = read_trace(tmp_path / "t.trace").token_sets()

@@ -1,36 +1,35 @@
 """The engine configuration: one frozen dataclass built at the entry point and passed down.
 
-Memory for the MLA latent cache is a pool of `num_blocks` blocks of `block_size` positions; give either
-`num_blocks` or `kv_cache_bytes` (the number of blocks is then derived from the model's shapes). The KDA state pool
-has one slot per running sequence (`max_seqs` by default); the prefix cache keeps up to `num_state_checkpoints`
-KDA state checkpoints beside the cached MLA blocks.
+Memory for the attention rows is a pool of `num_blocks` blocks of `block_size` positions; give either
+`num_blocks` or `kv_cache_bytes` (the number of blocks is then derived from the model's `CacheLayout`). The
+recurrent state pool has one slot per running sequence (`max_seqs` by default); the prefix cache keeps up to
+`num_state_checkpoints` state checkpoints beside the cached attention blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3serve.config import DEFAULT_MAX_MODEL_LEN, K3Config
+from k3serve.config import DEFAULT_MAX_MODEL_LEN
 from k3serve.errors import ConfigError
-
-FLOAT32_BYTES = 4
+from k3serve.model.cache import CacheLayout
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16  # positions per MLA cache block
-    num_blocks: int | None = None  # MLA cache blocks; None = derive from kv_cache_bytes
-    kv_cache_bytes: int = 64 << 20  # MLA cache budget when num_blocks is None (allocated up front)
+    block_size: int = 16  # positions per attention cache block
+    num_blocks: int | None = None  # attention cache blocks; None = derive from kv_cache_bytes
+    kv_cache_bytes: int = 64 << 20  # attention cache budget when num_blocks is None (allocated up front)
     max_batch_tokens: int = 2048  # tokens per forward step (prefill chunks + decodes)
     max_seqs: int = 64  # running sequences per step
     max_model_len: int = DEFAULT_MAX_MODEL_LEN  # prompt + generated tokens of one sequence
     enable_chunked_prefill: bool = True  # split long prompts across steps under max_batch_tokens
     enable_prefix_caching: bool = True
-    num_state_checkpoints: int = 64  # KDA state checkpoints the prefix cache may hold
+    num_state_checkpoints: int = 64  # recurrent state checkpoints the prefix cache may hold
     checkpoint_partial_blocks: bool = True  # checkpoints at any position (tail rows kept in the checkpoint);
     # False = only at block boundaries (like vLLM's 'align' mode), which cannot hit below one block
     checkpoint_every_blocks: int = 0  # also checkpoint every N full blocks of prefill (0 = never)
-    num_state_slots: int | None = None  # KDA state slots; None = max_seqs
+    num_state_slots: int | None = None  # recurrent state slots; None = max_seqs
     admission_watermark: float = 0.01  # fraction of blocks (at least one) left free when admitting a sequence,
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
     scheduling: str = "fcfs"  # between tenants: fcfs, fair (Virtual Token Counter) or priority (engine/fairness.py)
@@ -65,25 +64,26 @@ class EngineConfig:
         if self.num_state_slots is not None and self.num_state_slots < self.max_seqs:
             raise ConfigError(
                 f"num_state_slots ({self.num_state_slots}) is below max_seqs ({self.max_seqs}): every running "
-                "sequence holds one KDA state slot"
+                "sequence holds one state slot"
             )
 
     @property
     def state_slots(self) -> int:
         return self.num_state_slots if self.num_state_slots is not None else self.max_seqs
 
-    def block_bytes(self, model: K3Config) -> int:
-        """Bytes of one block: block_size positions x every MLA layer x (KL + DR) float32 values."""
-        return self.block_size * len(model.mla_layer_ids) * model.mla_cache_width * FLOAT32_BYTES
+    def block_bytes(self, layout: CacheLayout) -> int:
+        """Bytes of one block: block_size positions x every attention layer x W float32 values."""
+        return self.block_size * layout.position_bytes
 
-    def resolve_num_blocks(self, model: K3Config) -> int:
+    def resolve_num_blocks(self, layout: CacheLayout) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        if not model.mla_layer_ids:
-            return 1
-        blocks = self.kv_cache_bytes // self.block_bytes(model)
+        if not layout.attention_layers:
+            # rows take no memory: blocks only count positions, enough for every seat at full length
+            return self.max_seqs * -(-self.max_model_len // self.block_size)
+        blocks = self.kv_cache_bytes // self.block_bytes(layout)
         if blocks < 1:
             raise ConfigError(
-                f"kv_cache_bytes = {self.kv_cache_bytes} holds no block of {self.block_bytes(model)} bytes"
+                f"kv_cache_bytes = {self.kv_cache_bytes} holds no block of {self.block_bytes(layout)} bytes"
             )
         return blocks

@@ -109,7 +109,8 @@ class ModelDrafter(Drafter):
             self._logits = self.model.forward([ForwardItem(new, self.cache)]).logits[0][-1]
             self.num_fed = len(context)
         logits = self._logits
-        checkpoint = {l: tuple(a.copy() for a in self.cache.kda_state(l)) for l in self.model.config.kda_layer_ids}
+        checkpoint = {l: tuple(a.copy() for a in self.cache.recurrent_state(l))
+                      for l in self.cache.layout.recurrent_layers}
         tokens: list[int] = []
         probs: list[np.ndarray] | None = None if sampler.params.greedy else []
         for i in range(max_tokens):
@@ -124,7 +125,7 @@ class ModelDrafter(Drafter):
                 logits = self.model.forward([ForwardItem(np.array([token]), self.cache)]).logits[0][-1]
         # back to the confirmed position: the drafts are not confirmed
         for layer, (state, tail) in checkpoint.items():
-            self.cache.set_kda_state(layer, state, tail)
+            self.cache.set_recurrent_state(layer, state, tail)
         self.cache.truncate(self.num_fed)
         return Draft(tokens, probs)
 

@@ -60,7 +60,7 @@ class LLMEngine:
         self.config = config if config is not None else EngineConfig()
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.stop_ids = frozenset(self.model_config.eos_token_ids if stop_ids is None else stop_ids)
-        self.scheduler = Scheduler(self.config, self.model_config, self.metrics)
+        self.scheduler = Scheduler(self.config, model.cache_layout, self.metrics)
         self.max_context = min(self.config.max_model_len, self.scheduler.capacity_tokens)
         self._lock = threading.Lock()
         self._incoming: list[Request] = []
@@ -89,11 +89,11 @@ class LLMEngine:
         self._m_spec_accepted = m.counter("spec_accepted_tokens", "draft tokens accepted")
         self._g = {name: m.gauge(name, help) for name, help in (
             ("queue_length", "sequences waiting"), ("num_running", "sequences running"),
-            ("kv_blocks_used", "MLA blocks referenced by running sequences"), ("kv_blocks_total", "MLA blocks"),
-            ("kv_block_usage", "fraction of MLA blocks referenced"), ("kv_blocks_cached", "unreferenced prefix blocks"),
+            ("kv_blocks_used", "attention blocks referenced by running sequences"), ("kv_blocks_total", "attention blocks"),
+            ("kv_block_usage", "fraction of attention blocks referenced"), ("kv_blocks_cached", "unreferenced prefix blocks"),
             ("kv_waste_fraction", "allocated but unfilled positions in running sequences' blocks"),
-            ("state_slots_used", "KDA state slots in use"), ("state_slots_total", "KDA state slots"),
-            ("prefix_cache_checkpoints", "KDA checkpoints held"),
+            ("state_slots_used", "recurrent state slots in use"), ("state_slots_total", "recurrent state slots"),
+            ("prefix_cache_checkpoints", "state checkpoints held"),
             ("prefix_cache_hit_rate", "positions restored / positions looked up"),
         )}
         self._g["kv_blocks_total"].set(self.scheduler.blocks.num_blocks)

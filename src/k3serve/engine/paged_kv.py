@@ -1,15 +1,15 @@
-"""Paged memory for the MLA layers: a pool of fixed-size blocks of cache rows, shared by reference count.
+"""Paged memory for the attention layers: a pool of fixed-size blocks of cache rows, shared by reference count.
 
-Every MLA layer caches, per position, the normed latent plus k_rope (W = KL + DR values). A block holds
-`block_size` positions of every MLA layer, so one block id in a sequence's block table addresses the same positions
-in all MLA layers. A block is in exactly one of three states:
+Every attention layer caches one row per position (W values, from the model's `CacheLayout`: the normed latent plus
+k_rope for MLA, keys and values for GQA). A block holds `block_size` positions of every attention layer, so one
+block id in a sequence's block table addresses the same positions in all attention layers. A block is in exactly one of three states:
     free       ref count 0, no hash                        (reusable at once)
     cached     ref count 0, hash registered, LRU ordered   (holds a reusable prefix; evicted when space runs out)
     in use     ref count >= 1                              (in one or more block tables; may also be hashed)
 A full block's content is immutable, so several sequences may share it; a partial block that is shared (a forked
 sequence) is copied before it is written (copy-on-write, see `paged_cache.PagedSequenceCache`).
 
-Shapes: LM MLA layers, NB blocks, BS block size, W = KL + DR.
+Shapes: LA attention layers, NB blocks, BS block size, W row width.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ EvictionListener = Callable[[bytes], None]
 
 
 class BlockPool:
-    """Blocks of MLA cache rows with reference counts and a hash index of cached (reusable) blocks."""
+    """Blocks of attention cache rows with reference counts and a hash index of cached (reusable) blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_mla_layers: int, width: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_layers: int, width: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.storage = np.empty((max(num_mla_layers, 1), num_blocks, block_size, width), np.float32)  # [LM,NB,BS,W]
+        self.storage = np.empty((max(num_layers, 1), num_blocks, block_size, width), np.float32)  # [LA,NB,BS,W]
         self.storage.fill(0.0)  # touch every page now: no page faults (or huge-page zeroing) in the decode path
         self.ref_counts = np.zeros(num_blocks, np.int32)  # [NB]
         self._free: deque[int] = deque(range(num_blocks))
@@ -70,7 +70,7 @@ class BlockPool:
             block, _ = self._cached.popitem(last=False)
             self._unregister(block)
         else:
-            raise PoolExhaustedError(f"all {self.num_blocks} MLA cache blocks are in use")
+            raise PoolExhaustedError(f"all {self.num_blocks} attention cache blocks are in use")
         self.ref_counts[block] = 1
         return block
 

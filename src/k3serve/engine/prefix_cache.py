@@ -1,15 +1,17 @@
-"""Prefix caching for a hybrid model: MLA blocks by chained hash, KDA state by checkpoint at exact positions.
+"""Prefix caching for a hybrid model: attention blocks by chained hash, recurrent state by checkpoint at exact
+positions. Built from the model's `CacheLayout`: MLA and GQA rows alike, KDA and DeltaNet states alike.
 
-MLA rows of a position depend only on the tokens up to it, so a full block can be reused by any sequence that
+Attention rows of a position depend only on the tokens up to it, so a full block can be reused by any sequence that
 starts with the same tokens: block j is keyed by
     h_j = H(h_{j-1}, tokens of block j),    h_{-1} = H("root", tenant, cache_salt)
-(blake2b, 128 bits), so tenants and salts never share an entry. A KDA recurrent state, though, summarises the whole
+(blake2b, 128 bits), so tenants and salts never share an entry. A recurrent state, though, summarises the whole
 prefix and exists only at the position where it was taken. So a hit at position p needs BOTH
-    - the MLA blocks covering [0, p): the full blocks 0 .. p//BS - 1 in the block pool's hash index, and the
+    - the attention blocks covering [0, p): the full blocks 0 .. p//BS - 1 in the block pool's hash index, and the
       p % BS rows of the partial block after them, which the checkpoint keeps itself (its "tail"), and
-    - a KDA checkpoint taken at exactly p, keyed by (h_{p//BS - 1}, the tokens after that block).
+    - a state checkpoint taken at exactly p, keyed by (h_{p//BS - 1}, the tokens after that block).
 The usable hit is the longest such p with p <= len(tokens) - 1: at least one token is always computed, since its
-logits are needed.
+logits are needed. A model without recurrent layers (pure attention) also hits at every block boundary covered by
+cached blocks, without a checkpoint.
 
 Which positions get a checkpoint (admission, after Marconi, MLSys'25): only where reuse is likely
     - branch points: where a new sequence leaves the cached token tree (a prefix shared by two requests is likely
@@ -22,7 +24,7 @@ a hit, never referenced, so every one is evictable). With `checkpoint_partial_bl
 taken at block boundaries (as vLLM's 'align' mode does); prompts that fit in one block can then never hit, which
 the cache reports with a warning and the `prefix_cache_cannot_hit` flag rather than silently.
 
-Shapes: LM MLA layers, BS block size, W = KL + DR, NC checkpoint slots.
+Shapes: LA attention layers, BS block size, W row width, NC checkpoint slots.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3serve.config import K3Config
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
-from k3serve.engine.state_pool import KDAStatePool
+from k3serve.engine.state_pool import StatePool
+from k3serve.model.cache import CacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
 
 @dataclass
 class StateCheckpoint:
-    """A KDA state saved at `position`, plus the MLA rows of the partial block before it (slot's tail rows)."""
+    """A recurrent state saved at `position`, plus the attention rows of the partial block before it (the slot's
+    tail rows)."""
 
     slot: int
     parent: bytes  # chain hash of the last full block before `position` (the root hash if none)
@@ -76,22 +79,23 @@ class PrefixMatch:
     block_ids: list[int]  # the full blocks covering [0, p - p % BS)
     checkpoint: StateCheckpoint | None
     branch_point: int | None  # where this sequence leaves a path the cache has seen (None: no such path)
-    num_mla_tokens: int  # positions covered by cached MLA blocks alone (what a pure-attention model would reuse)
+    num_block_tokens: int  # positions covered by cached attention blocks alone (what a pure-attention model reuses)
 
 
 class PrefixCache:
-    """Block hashes in the `BlockPool`, KDA checkpoints in a slot pool of their own, and the match logic."""
+    """Block hashes in the `BlockPool`, state checkpoints in a slot pool of their own, and the match logic."""
 
-    def __init__(self, engine: EngineConfig, model: K3Config, blocks: BlockPool, metrics: MetricsRegistry) -> None:
+    def __init__(self, engine: EngineConfig, layout: CacheLayout, blocks: BlockPool, metrics: MetricsRegistry
+                 ) -> None:
         self.config = engine
         self.block_size = engine.block_size
         self.blocks = blocks
         self.metrics = metrics
-        self.store = KDAStatePool(model, engine.num_state_checkpoints)
-        LM = max(len(model.mla_layer_ids), 1)
-        self.num_mla_layers = len(model.mla_layer_ids)
-        self.tails = np.zeros((engine.num_state_checkpoints, LM, engine.block_size, model.mla_cache_width),
-                              np.float32)  # [NC, LM, BS, W]
+        self.store = StatePool(layout, engine.num_state_checkpoints)
+        self.num_attention_layers = len(layout.attention_layers)
+        self.needs_state = bool(layout.recurrent_layers)  # False: full cached blocks alone are a hit
+        self.tails = np.zeros((engine.num_state_checkpoints, max(self.num_attention_layers, 1), engine.block_size,
+                               layout.row_width), np.float32)  # [NC, LA, BS, W]
         self._lru: OrderedDict[int, StateCheckpoint] = OrderedDict()  # slot -> checkpoint, least recent first
         self._index: dict[bytes, dict[tuple[int, ...], StateCheckpoint]] = {}  # parent hash -> tail -> checkpoint
         self._children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child block hash -> tokens
@@ -102,18 +106,19 @@ class PrefixCache:
         self._m_hits = metrics.counter("prefix_cache_hits", "lookups that restored at least one position")
         self._m_query_tokens = metrics.counter("prefix_cache_query_tokens", "tokens of the sequences looked up")
         self._m_hit_tokens = metrics.counter("prefix_cache_hit_tokens", "positions restored (tokens saved)")
-        self._m_mla_tokens = metrics.counter(
-            "prefix_cache_mla_only_tokens", "positions whose MLA blocks were cached, with or without a KDA state")
-        self._m_saved = metrics.counter("prefix_cache_checkpoints_saved", "KDA checkpoints admitted")
-        self._m_evicted = metrics.counter("prefix_cache_checkpoints_evicted", "KDA checkpoints evicted or dropped")
+        self._m_block_tokens = metrics.counter(
+            "prefix_cache_block_only_tokens",
+            "positions whose attention blocks were cached, with or without a recurrent state")
+        self._m_saved = metrics.counter("prefix_cache_checkpoints_saved", "state checkpoints admitted")
+        self._m_evicted = metrics.counter("prefix_cache_checkpoints_evicted", "state checkpoints evicted or dropped")
         self._m_cannot_hit = metrics.counter(
             "prefix_cache_unhittable_requests", "requests that can never hit under the current settings")
         self._m_flag = metrics.gauge(
             "prefix_cache_cannot_hit", "1 when hybrid prefix caching is enabled but cannot hit (see the log)")
-        if engine.enable_prefix_caching and engine.num_state_checkpoints == 0 and model.kda_layer_ids:
+        if engine.enable_prefix_caching and engine.num_state_checkpoints == 0 and self.needs_state:
             logger.warning(
-                "prefix caching is enabled but num_state_checkpoints = 0: MLA blocks are cached, but without a KDA "
-                "state checkpoint this hybrid model can never reuse them, so every request misses"
+                "prefix caching is enabled but num_state_checkpoints = 0: attention blocks are cached, but without "
+                "a recurrent state checkpoint this hybrid model can never reuse them, so every request misses"
             )
             self._m_flag.set(1)
 
@@ -149,8 +154,9 @@ class PrefixCache:
             if hit is not None:
                 break
         branch = self._branch_point(root, tokens, hashes, len(matched))
-        if hit is None:
-            return PrefixMatch(0, [], None, branch, len(matched) * BS)
+        block_hit = 0 if self.needs_state else min(len(matched), limit // BS) * BS
+        if hit is None or block_hit > hit.position:  # pure attention: the cached blocks alone are a hit
+            return PrefixMatch(block_hit, matched[: block_hit // BS], None, branch, len(matched) * BS)
         return PrefixMatch(hit.position, matched[: hit.position // BS], hit, branch, len(matched) * BS)
 
     def _branch_point(self, root: bytes, tokens: list[int], hashes: list[bytes], num_matched: int) -> int | None:
@@ -180,8 +186,8 @@ class PrefixCache:
         sequence could never hit under the current settings."""
         self._m_queries.inc()
         self._m_query_tokens.inc(num_tokens)
-        self._m_mla_tokens.inc(min(match.num_mla_tokens, num_tokens - 1))
-        if not self.config.checkpoint_partial_blocks and num_tokens - 1 < self.block_size:
+        self._m_block_tokens.inc(min(match.num_block_tokens, num_tokens - 1))
+        if self.needs_state and not self.config.checkpoint_partial_blocks and num_tokens - 1 < self.block_size:
             self._report_cannot_hit(num_tokens)
 
     def _report_cannot_hit(self, length: int) -> None:
@@ -190,36 +196,37 @@ class PrefixCache:
         if self._num_cannot_hit % WARN_EVERY == 0:
             logger.warning(
                 "hybrid prefix caching cannot hit: a %d-token sequence is shorter than block_size + 1 = %d and "
-                "checkpoint_partial_blocks is off, so no KDA checkpoint can ever serve it (%d such requests so far); "
+                "checkpoint_partial_blocks is off, so no state checkpoint can ever serve it (%d such requests so far); "
                 "lower block_size or enable checkpoint_partial_blocks",
                 length, self.block_size + 1, self._num_cannot_hit + 1,
             )
         self._num_cannot_hit += 1
 
     def restore(self, match: PrefixMatch, cache: PagedSequenceCache) -> None:
-        """Load a hit into an empty cache: share the full blocks, write the tail rows, copy the KDA state."""
-        checkpoint = match.checkpoint
-        if checkpoint is None:
+        """Load a hit into an empty cache: share the full blocks, write the tail rows, copy the recurrent state."""
+        if match.num_tokens == 0:
             return
         for block in match.block_ids:
             self.blocks.acquire(block)
         cache.adopt_prefix(match.block_ids, len(match.block_ids) * self.block_size)
-        cache.write_rows(self.tails[checkpoint.slot, : self.num_mla_layers, : len(checkpoint.tail)])
-        cache.states.copy_slot(checkpoint.slot, cache.slot, source_pool=self.store)
-        checkpoint.num_hits += 1
-        self._lru.move_to_end(checkpoint.slot)
+        checkpoint = match.checkpoint
+        if checkpoint is not None:
+            cache.write_rows(self.tails[checkpoint.slot, : self.num_attention_layers, : len(checkpoint.tail)])
+            cache.states.copy_slot(checkpoint.slot, cache.slot, source_pool=self.store)
+            checkpoint.num_hits += 1
+            self._lru.move_to_end(checkpoint.slot)
         self._m_hits.inc()
         self._m_hit_tokens.inc(match.num_tokens)
 
     def blocks_to_take(self, match: PrefixMatch) -> int:
         """Pool blocks a restore removes from what allocation can use (cached blocks it revives)."""
-        if match.checkpoint is None:
+        if match.num_tokens == 0:
             return 0
         return sum(self.blocks.is_cached(block) for block in match.block_ids)
 
     # ---- admission ------------------------------------------------------------------------------------------
     def plan_checkpoints(self, match: PrefixMatch, num_prompt_tokens: int, num_tokens: int) -> list[int]:
-        """Positions past the hit where this sequence should save its KDA state (see the module docstring)."""
+        """Positions past the hit where this sequence should save its state (see the module docstring)."""
         if self.config.num_state_checkpoints == 0:
             return []
         BS = self.block_size
@@ -246,7 +253,7 @@ class PrefixCache:
 
     def save_checkpoint(self, root: bytes, tokens: list[int], hashes: list[bytes],
                         cache: PagedSequenceCache) -> bool:
-        """Save the KDA state of `cache` at its current position (its full blocks must be registered)."""
+        """Save the recurrent state of `cache` at its current position (its full blocks must be registered)."""
         BS, position = self.block_size, cache.num_tokens
         if self.config.num_state_checkpoints == 0 or position == 0:
             return False
@@ -266,7 +273,7 @@ class PrefixCache:
             self._drop(next(iter(self._lru.values())))
         slot = self.store.allocate()
         self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
-        self.tails[slot, : self.num_mla_layers, : len(tail)] = cache.tail_rows(position)
+        self.tails[slot, : self.num_attention_layers, : len(tail)] = cache.tail_rows(position)
         checkpoint = StateCheckpoint(slot, parent, tail, position)
         self._lru[slot] = checkpoint
         self._index.setdefault(parent, {})[tail] = checkpoint

@@ -2,7 +2,7 @@
 
 A `Request` is what a client asked for: a prompt, sampling parameters, `n` completions, a tenant and cache salt.
 It runs as `n` `Sequence`s. With n > 1 only the first one prefills the prompt; when its prompt is done the others
-fork from it (sharing every MLA block, copy-on-write, with a copy of the KDA state), so the prompt is computed once.
+fork from it (sharing every attention block, copy-on-write, with a copy of the recurrent state), so the prompt is computed once.
 
 A sequence's tokens are the prompt then the generated ones; `num_computed_tokens` of them have been through the
 model. A step schedules some of the rest; when all are computed, the last position's logits give a new token.
@@ -28,7 +28,7 @@ server's stop strings go here: it detokenizes, looks for the string, and trims t
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no memory (new, or preempted and to be recomputed)
-    RUNNING = "running"  # holds a block table and a KDA state slot
+    RUNNING = "running"  # holds a block table and a state slot
     FINISHED = "finished"
 
 
@@ -106,7 +106,7 @@ class Sequence:
         self.cache: PagedSequenceCache | None = None
         self.block_hashes: list[bytes] = []  # chain hashes of full blocks, grown as blocks fill
         self.num_registered_blocks = 0  # blocks of the block table indexed in the prefix cache
-        self.checkpoint_targets: list[int] = []  # positions at which to save the KDA state
+        self.checkpoint_targets: list[int] = []  # positions at which to save the recurrent state
         self.finish_reason: FinishReason | None = None
         self.num_emitted = 0  # generated tokens already streamed
         self.num_preemptions = 0

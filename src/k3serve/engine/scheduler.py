@@ -3,7 +3,7 @@
 Every step has a token budget (`max_batch_tokens`) and a seat limit (`max_seqs`). A sequence asks for the tokens
 it has not computed yet: one for a decode, up to the whole rest of the prompt for a prefill. Chunked prefill cuts
 a prefill to what fits in the budget, so long prompts share steps with decodes instead of stalling them. Chunks
-also stop at the sequence's next KDA checkpoint position, since a recurrent state can only be saved at the end of
+also stop at the sequence's next state checkpoint position, since a recurrent state can only be saved at the end of
 a forward.
 
 Order (the policy between tenants, engine/fairness.py, picks the sequences; with `fcfs` this is first come first
@@ -27,7 +27,6 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from k3serve.config import K3Config
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.fairness import TenantUsage, make_policy
@@ -37,7 +36,8 @@ from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
 from k3serve.engine.prefix_cache import PrefixCache, PrefixMatch
 from k3serve.engine.request import Sequence, SequenceStatus
-from k3serve.engine.state_pool import KDAStatePool
+from k3serve.engine.state_pool import StatePool
+from k3serve.model.cache import CacheLayout
 
 
 @dataclass
@@ -70,13 +70,13 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting queue, running set, and the memory they hold (blocks, state slots, prefix cache)."""
 
-    def __init__(self, config: EngineConfig, model_config: K3Config, metrics: MetricsRegistry) -> None:
+    def __init__(self, config: EngineConfig, layout: CacheLayout, metrics: MetricsRegistry) -> None:
         self.config = config
-        self.model_config = model_config
-        self.blocks = BlockPool(config.resolve_num_blocks(model_config), config.block_size,
-                                len(model_config.mla_layer_ids), model_config.mla_cache_width)
-        self.states = KDAStatePool(model_config, config.state_slots)
-        self.prefix_cache = PrefixCache(config, model_config, self.blocks, metrics) \
+        self.layout = layout
+        self.blocks = BlockPool(config.resolve_num_blocks(layout), config.block_size, len(layout.attention_layers),
+                                layout.row_width)
+        self.states = StatePool(layout, config.state_slots)
+        self.prefix_cache = PrefixCache(config, layout, self.blocks, metrics) \
             if config.enable_prefix_caching else None
         self.watermark_blocks = max(1, int(config.admission_watermark * self.blocks.num_blocks)) \
             if config.admission_watermark > 0 else 0
@@ -111,7 +111,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, save_state: bool) -> None:
-        """Take a sequence out (finished, aborted or failed) and free its memory; with `save_state` its KDA state
+        """Take a sequence out (finished, aborted or failed) and free its memory; with `save_state` its state
         after the last computed token is offered to the prefix cache (the next turn of a conversation hits)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -141,7 +141,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """Start `child` as a copy of running `parent` (shared blocks, copied KDA state). False when no seat or
+        """Start `child` as a copy of running `parent` (shared blocks, copied recurrent state). False when no seat or
         state slot is free; the caller then queues the child to prefill on its own."""
         if parent.cache is None or len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0:
             return False
@@ -314,7 +314,7 @@ class Scheduler:
             seq.checkpoint_targets = []
             return 0
         self.waiting.remove(seq)
-        cache = PagedSequenceCache(self.model_config, self.blocks, self.states)
+        cache = PagedSequenceCache(self.blocks, self.states)
         if match is not None:
             first_admission = seq.num_preemptions == 0 and not seq.suspect
             if first_admission:
@@ -322,7 +322,7 @@ class Scheduler:
             self.prefix_cache.restore(match, cache)
             if first_admission and seq.index == 0:
                 seq.request.num_cached_tokens = match.num_tokens
-            seq.num_registered_blocks = len(match.block_ids) if match.checkpoint is not None else 0
+            seq.num_registered_blocks = len(match.block_ids)
         if seq.num_preemptions == 0 and not seq.suspect:  # first admission: the tenant is charged its prompt
             self.policy.charge_prompt(seq.request.tenant, seq.num_tokens - start)
             if seq.index == 0:

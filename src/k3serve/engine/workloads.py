@@ -15,7 +15,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
-from k3serve.model.k3 import ForwardResult
+from k3serve.model.k3 import ForwardResult, k3_cache_layout
 
 
 class WasteMeter:
@@ -68,6 +68,7 @@ class ZeroRowsModel:
 
     def __init__(self, config, seed: int = 0) -> None:
         self.config = config
+        self.cache_layout = k3_cache_layout(config)
         self._rng = np.random.default_rng(seed)
 
     def forward(self, items, **kwargs) -> ForwardResult:
@@ -75,8 +76,8 @@ class ZeroRowsModel:
         logits = []
         for item in items:
             t = len(item.token_ids)
-            for layer in c.mla_layer_ids:
-                item.cache.mla_append(layer, np.zeros((t, c.mla_cache_width), np.float32))
+            for layer, width in self.cache_layout.row_widths.items():
+                item.cache.append_rows(layer, np.zeros((t, width), np.float32))
             item.cache.advance(t)
             logits.append(self._rng.standard_normal((1, c.vocab_size)).astype(np.float32))
         return ForwardResult(logits=logits)

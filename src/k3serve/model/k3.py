@@ -28,7 +28,7 @@ from k3serve.model.kda import DEFAULT_CHUNK_SIZE, kda_forward
 from k3serve.model.mla import mla_attend, mla_project
 from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward
 from k3serve.model.ops import rms_norm
-from k3serve.model.state import DenseSequenceCache, SequenceCache
+from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 from k3serve.model.weights import KDAWeights, MLAWeights, MoEWeights, WeightSource
 
 
@@ -84,6 +84,15 @@ def finish_batch(items: Sequence[ForwardItem], segments: list[tuple[int, int]], 
     return result
 
 
+def k3_cache_layout(config: K3Config) -> CacheLayout:
+    """K3's per-sequence state: MLA layers cache [latent KL | k_rope DR] rows; KDA layers keep S [NH, D, D] and the
+    conv tail of q, k, v [K-1, 3P]."""
+    state = (config.kda_num_heads, config.kda_head_dim, config.kda_head_dim)
+    tail = (config.short_conv_kernel_size - 1, 3 * config.kda_proj_size)
+    return CacheLayout(row_widths={l: config.mla_cache_width for l in config.mla_layer_ids},
+                       recurrent_shapes={l: (state, tail) for l in config.kda_layer_ids})
+
+
 class SingleSequenceMixin:
     """`logits` and `greedy` over one sequence, for any model with `new_cache()` and `forward(items)`."""
 
@@ -130,8 +139,12 @@ class K3Model(SingleSequenceMixin):
         self.attention_blocks = attention_blocks  # MLA prefill tiles: memory O(T x key block)
         self._globals = source.global_weights()
 
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return k3_cache_layout(self.config)
+
     def new_cache(self) -> DenseSequenceCache:
-        return DenseSequenceCache(self.config)
+        return DenseSequenceCache(self.cache_layout)
 
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None) -> ForwardResult:
@@ -193,7 +206,7 @@ class K3Model(SingleSequenceMixin):
         q, rows, gate = mla_project(self.config, w, x)
         out = np.empty((x.shape[0], self.config.hidden_size), np.float32)
         for (start, end), cache in zip(segments, caches):
-            cache.mla_append(layer, rows[start:end])
-            out[start:end] = mla_attend(self.config, w, q[start:end], cache.mla_rows(layer),
+            cache.append_rows(layer, rows[start:end])
+            out[start:end] = mla_attend(self.config, w, q[start:end], cache.attention_rows(layer),
                                         None if gate is None else gate[start:end], *self.attention_blocks)
         return out

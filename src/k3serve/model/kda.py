@@ -28,7 +28,8 @@ import numpy as np
 
 from k3serve.config import K3Config
 from k3serve.model.ops import l2_normalize, rms_norm, sigmoid, silu
-from k3serve.model.state import SequenceCache
+from k3serve.model.cache import SequenceCache
+from k3serve.model.replay import DeltaRuleWindow
 from k3serve.model.weights import KDAWeights
 
 DEFAULT_CHUNK_SIZE = 32
@@ -44,6 +45,11 @@ class KDAInputs:
     g: np.ndarray  # [T, NH, D] log decay, in (lower_bound, 0]
     beta: np.ndarray  # [T, NH]
     conv_inputs: np.ndarray | None = None  # [T, 3P] pre-conv q, k, v (speculative rollback rebuilds the conv tail)
+
+    def window(self, state: np.ndarray, conv_tail: np.ndarray) -> DeltaRuleWindow:
+        """This segment's record for rollback, starting from (state, conv_tail); needs `conv_inputs`."""
+        assert self.conv_inputs is not None, "a rollback window needs the pre-conv inputs"
+        return DeltaRuleWindow(state, conv_tail, self.k, self.v, self.g, self.beta, self.conv_inputs)
 
 
 def causal_conv(x: np.ndarray, tail: np.ndarray, taps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +105,7 @@ def kda_forward(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
     """A KDA layer over a batch: x [T, H] -> [T, H], reading and writing each sequence's state.
 
     Single-token segments (decode) advance together in one batched step; longer ones (prefill) run chunked."""
-    states = [cache.kda_state(layer) for cache in caches]
+    states = [cache.recurrent_state(layer) for cache in caches]
     inputs, out_gate, new_tails = kda_prepare(config, w, x, segments, [tail for _, tail in states])
     o = np.empty_like(inputs.v)  # [T, NH, D]
     decode = [i for i, (start, end) in enumerate(segments) if end - start == 1]
@@ -109,14 +115,14 @@ def kda_forward(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
             inputs.q[rows], inputs.k[rows], inputs.v[rows], inputs.g[rows], inputs.beta[rows],
             np.stack([states[i][0] for i in decode]))
         for j, i in enumerate(decode):
-            caches[i].set_kda_state(layer, new_states[j], new_tails[i])
+            caches[i].set_recurrent_state(layer, new_states[j], new_tails[i])
     for i, (start, end) in enumerate(segments):
         if end - start > 1:
             part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")),
                              conv_inputs=inputs.conv_inputs[start:end])
             o[start:end], new_state = kda_chunked(part, states[i][0], chunk_size)
-            caches[i].record_kda_window(layer, states[i][0], states[i][1], part)  # before the state is replaced
-            caches[i].set_kda_state(layer, new_state, new_tails[i])
+            caches[i].record_window(layer, part.window(*states[i]))  # before the state is replaced
+            caches[i].set_recurrent_state(layer, new_state, new_tails[i])
     return kda_finish(config, w, o, out_gate)
 
 

@@ -4,8 +4,8 @@ A verify forward feeds one window of T = 1 + k positions (the last confirmed tok
 segment. Verification then keeps the first n positions, 1 <= n <= T, and the state must be the one after exactly
 those n positions, as if the rejected ones had never been fed.
 
-MLA layers: truncate the cached rows (the block table) to the kept positions.
-KDA layers, two methods (per layer, with S [NH, D, D] and the conv tail [K-1, 3P]):
+Attention layers (MLA, GQA): truncate the cached rows (the block table) to the kept positions.
+Recurrent layers (KDA, gated DeltaNet), two methods (per layer, with S [NH, D, D] and the conv tail [K-1, 3P]):
     snapshot    keep S_t and the conv tail after every position t = 1..T of the window: T states.
                 Rollback to n: copy S_n back.
     projection  keep S_0 (one checkpoint, the state before the window) and, per position, the vectors the delta
@@ -17,8 +17,8 @@ Storage per KDA layer: snapshot T (NH D^2 + (K-1) 3P); projection NH D^2 + (K-1)
 tends to T as D grows (ReplaySSM, mlx-lm #1821 use the same idea; see `rollback_storage`).
 
 NOTE: the verify forward itself runs the chunked form and only yields the end state; the snapshot method computes
-the per-position states from the recorded vectors (a fused kernel would write them out as it goes), so its capture
-time here includes that recurrence.
+the per-position states from the recorded vectors (model/replay.py; a fused kernel would write them out as it
+goes), so its capture time here includes that recurrence.
 
 Shapes: T window positions, n kept positions, NH heads, D head dim, P = NH * D, K conv kernel.
 """
@@ -32,66 +32,30 @@ import numpy as np
 
 from k3serve.config import K3Config
 from k3serve.errors import RequestError
-from k3serve.model.kda import KDAInputs
-from k3serve.model.state import SequenceCache
+from k3serve.model.cache import CacheLayout, RecurrentWindow, SequenceCache
 
 RollbackMethod = Literal["snapshot", "projection"]
 ROLLBACK_METHODS: tuple[str, ...] = ("snapshot", "projection")
 
 
-def kda_state_trajectory(k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
-                         num_steps: int | None = None, keep_all: bool = False) -> np.ndarray:
-    """Replay the delta rule from `state` [NH, D, D] over the first `num_steps` of k, v, g [T, NH, D], beta [T, NH].
-
-    Returns the final state [NH, D, D], or with `keep_all` every intermediate state [n, NH, D, D]. Same operations,
-    in the same order, as `kda.kda_step_batch` for one sequence."""
-    n = k.shape[0] if num_steps is None else num_steps
-    S = state.astype(np.float32, copy=True)
-    states = np.empty((n,) + S.shape, np.float32) if keep_all else None
-    for t in range(n):
-        S = S * np.exp(g[t])[..., None]
-        u = np.einsum("hij,hi->hj", S, k[t])  # [NH, D]
-        S += k[t][..., None] * (beta[t][..., None] * (v[t] - u))[..., None, :]
-        if states is not None:
-            states[t] = S
-    return states if states is not None else S
-
-
-def conv_tail_after(tail: np.ndarray, conv_inputs: np.ndarray, num_steps: int) -> np.ndarray:
-    """The conv tail [K-1, 3P] after feeding the first `num_steps` rows of conv_inputs [T, 3P] to `tail`."""
-    full = np.concatenate([tail, conv_inputs[:num_steps]], axis=0)
-    return full[full.shape[0] - tail.shape[0]:].copy()
-
-
 @dataclass
-class _SnapshotRecord:
-    states: np.ndarray  # [T, NH, D, D] state after each window position
-    tails: np.ndarray  # [T, K-1, 3P]
+class _Snapshots:
+    states: np.ndarray  # [T, ...] state after each window position
+    tails: np.ndarray  # [T, K-1, C]
 
     @property
     def nbytes(self) -> int:
         return self.states.nbytes + self.tails.nbytes
 
-
-@dataclass
-class _ProjectionRecord:
-    state: np.ndarray  # [NH, D, D] checkpoint: the state before the window
-    tail: np.ndarray  # [K-1, 3P]
-    k: np.ndarray  # [T, NH, D]
-    v: np.ndarray  # [T, NH, D]
-    g: np.ndarray  # [T, NH, D]
-    beta: np.ndarray  # [T, NH]
-    conv_inputs: np.ndarray  # [T, 3P]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.state, self.tail, self.k, self.v, self.g, self.beta, self.conv_inputs))
+    def state_after(self, num_kept: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.states[num_kept - 1].copy(), self.tails[num_kept - 1].copy()
 
 
 class RollbackCache(SequenceCache):
     """Wraps a sequence's cache for one verify forward and can take it back to any kept length afterwards.
 
-    Usage: `begin_window()`, one forward with this object as the item's cache, then `commit(n)`."""
+    Usage: `begin_window()`, one forward with this object as the item's cache, then `commit(n)`. It knows no
+    layer's internals: each recurrent layer hands it a `RecurrentWindow` (model/cache.py) that rebuilds the state."""
 
     def __init__(self, inner: SequenceCache, method: RollbackMethod = "projection") -> None:
         if method not in ROLLBACK_METHODS:
@@ -99,7 +63,7 @@ class RollbackCache(SequenceCache):
         self.inner = inner
         self.method = method
         self._start: int | None = None
-        self._records: dict[int, _SnapshotRecord | _ProjectionRecord] = {}
+        self._records: dict[int, _Snapshots | RecurrentWindow] = {}
 
     # ---- the window -----------------------------------------------------------------------------------------
     def begin_window(self) -> None:
@@ -123,57 +87,44 @@ class RollbackCache(SequenceCache):
         if not 1 <= num_kept <= T:
             raise RequestError(f"a window of {T} positions cannot keep {num_kept}")
         if num_kept < T:
-            if len(self._records) != len(self.inner_kda_layers()):
-                raise RequestError("the window was not recorded by every KDA layer (was it a one-token window?)")
+            if set(self._records) != set(self.layout.recurrent_layers):
+                raise RequestError("the window was not recorded by every recurrent layer (was it a one-token "
+                                   "window?)")
             for layer, record in self._records.items():
-                state, tail = self._restored(record, num_kept)
-                self.inner.set_kda_state(layer, state, tail)
+                state, tail = record.state_after(num_kept)
+                self.inner.set_recurrent_state(layer, state, tail)
             self.inner.truncate(self._start + num_kept)
         self._start = None
         self._records = {}
 
-    def inner_kda_layers(self) -> tuple[int, ...]:
-        config: K3Config | None = getattr(self.inner, "config", None)
-        return tuple(self._records) if config is None else config.kda_layer_ids
-
-    @staticmethod
-    def _restored(record: _SnapshotRecord | _ProjectionRecord, num_kept: int) -> tuple[np.ndarray, np.ndarray]:
-        if isinstance(record, _SnapshotRecord):
-            return record.states[num_kept - 1].copy(), record.tails[num_kept - 1].copy()
-        state = kda_state_trajectory(record.k, record.v, record.g, record.beta, record.state, num_kept)
-        return state, conv_tail_after(record.tail, record.conv_inputs, num_kept)
-
     # ---- SequenceCache: record, otherwise pass through --------------------------------------------------------
-    def record_kda_window(self, layer: int, state: np.ndarray, conv_tail: np.ndarray, inputs: KDAInputs) -> None:
+    def record_window(self, layer: int, window: RecurrentWindow) -> None:
         if self._start is None:
             return  # not inside a window (e.g. a prefill through the wrapper): nothing to roll back
-        if inputs.conv_inputs is None:
-            raise RequestError("KDA inputs without conv inputs cannot be rolled back")
         if self.method == "snapshot":
-            states = kda_state_trajectory(inputs.k, inputs.v, inputs.g, inputs.beta, state, keep_all=True)
-            T = inputs.k.shape[0]
-            tails = np.stack([conv_tail_after(conv_tail, inputs.conv_inputs, n) for n in range(1, T + 1)])
-            self._records[layer] = _SnapshotRecord(states, tails)
+            self._records[layer] = _Snapshots(*window.all_states())
         else:
-            self._records[layer] = _ProjectionRecord(
-                state.copy(), conv_tail.copy(), inputs.k.copy(), inputs.v.copy(), inputs.g.copy(),
-                inputs.beta.copy(), np.array(inputs.conv_inputs, np.float32))
+            self._records[layer] = window.detached()
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self.inner.layout
 
     @property
     def num_tokens(self) -> int:
         return self.inner.num_tokens
 
-    def kda_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.inner.kda_state(layer)
+    def recurrent_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.recurrent_state(layer)
 
-    def set_kda_state(self, layer: int, state: np.ndarray, conv_tail: np.ndarray) -> None:
-        self.inner.set_kda_state(layer, state, conv_tail)
+    def set_recurrent_state(self, layer: int, state: np.ndarray, conv_tail: np.ndarray) -> None:
+        self.inner.set_recurrent_state(layer, state, conv_tail)
 
-    def mla_append(self, layer: int, rows: np.ndarray) -> None:
-        self.inner.mla_append(layer, rows)
+    def append_rows(self, layer: int, rows: np.ndarray) -> None:
+        self.inner.append_rows(layer, rows)
 
-    def mla_rows(self, layer: int) -> np.ndarray:
-        return self.inner.mla_rows(layer)
+    def attention_rows(self, layer: int) -> np.ndarray:
+        return self.inner.attention_rows(layer)
 
     def advance(self, num_new_tokens: int) -> None:
         self.inner.advance(num_new_tokens)

@@ -21,7 +21,6 @@ from typing import Sequence
 import numpy as np
 
 from k3serve.model.moe import guess_next_layer
-from k3serve.model.state import DenseSequenceCache
 from k3serve.stream.trace import TracedSource
 
 
@@ -111,7 +110,7 @@ def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None) -> R
         if len(ids) == 0:
             continue
         before = {l: len(v) for l, v in recorder.actual.items()}
-        traced.forward([ForwardItem(ids, DenseSequenceCache(config))])
+        traced.forward([ForwardItem(ids, traced.new_cache())])
         num_tokens += len(ids)
         for layer, rows in recorder.actual.items():
             if len(rows) > before.get(layer, 0) and len(ids) > 1:

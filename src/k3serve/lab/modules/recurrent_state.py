@@ -34,8 +34,8 @@ def measured_cache_bytes(lab, context: int) -> dict[str, float]:
     from k3serve.model.k3 import ForwardItem
 
     model.forward([ForwardItem(np.asarray(window, np.int64), cache)])
-    kda = sum(sum(a.nbytes for a in cache.kda_state(l)) for l in model.config.kda_layer_ids)
-    mla = sum(cache.mla_rows(l).nbytes for l in model.config.mla_layer_ids)
+    kda = sum(sum(a.nbytes for a in cache.recurrent_state(l)) for l in cache.layout.recurrent_layers)
+    mla = sum(cache.attention_rows(l).nbytes for l in cache.layout.attention_layers)
     return {"kda_state_bytes": float(kda), "mla_latent_bytes": float(mla), "tokens": float(len(window))}
 
 

@@ -8,11 +8,10 @@ expert). Each is checked against the transformers implementation on tiny random 
 
 from __future__ import annotations
 
-from k3serve.model.families.cache import CacheLayout, FamilyCache
 from k3serve.model.families.decoder import DecoderConfig, FamilyModel
 from k3serve.model.families.experts import EXPERT_PRECISIONS
 from k3serve.model.families.loading import (SUPPORTED_MODEL_TYPES, is_family_checkpoint, load_family,
                                             read_family_config)
 
-__all__ = ["CacheLayout", "DecoderConfig", "EXPERT_PRECISIONS", "FamilyCache", "FamilyModel",
+__all__ = ["DecoderConfig", "EXPERT_PRECISIONS", "FamilyModel",
            "SUPPORTED_MODEL_TYPES", "is_family_checkpoint", "load_family", "read_family_config"]

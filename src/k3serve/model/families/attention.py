@@ -69,8 +69,8 @@ class GQAAttention:
         rows = np.concatenate([k.reshape(T, NKV * hd), v], axis=1)  # [T, 2*NKV*hd]
         out = np.empty((T, NQ * hd), np.float32)
         for (start, end), cache in zip(batch.segments, batch.caches):
-            cache.mla_append(self.layer, rows[start:end])
-            out[start:end] = self._attend(q[start:end], cache.mla_rows(self.layer))
+            cache.append_rows(self.layer, rows[start:end])
+            out[start:end] = self._attend(q[start:end], cache.attention_rows(self.layer))
         if gate is not None:
             out = out * sigmoid(gate)
         return out @ self.weights.o_proj.T

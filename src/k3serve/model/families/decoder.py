@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import numpy as np
 
 from k3serve.errors import ConfigError
-from k3serve.model.families.cache import CacheLayout, FamilyCache
 from k3serve.model.k3 import (ForwardItem, ForwardResult, RoutingObserver, SingleSequenceMixin, finish_batch,
                               flatten_items, logit_rows)
 from k3serve.model.moe import Routing
 from k3serve.model.ops import rms_norm
-from k3serve.model.state import SequenceCache
+from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 
 if TYPE_CHECKING:
     from k3serve.model.families.experts import ExpertStore
@@ -116,8 +115,8 @@ class FamilyModel(SingleSequenceMixin):
     def expert_precision(self) -> str:
         return self.experts.precision if self.experts is not None else "native"
 
-    def new_cache(self) -> FamilyCache:
-        return FamilyCache(self.cache_layout)
+    def new_cache(self) -> DenseSequenceCache:
+        return DenseSequenceCache(self.cache_layout)
 
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None) -> ForwardResult:

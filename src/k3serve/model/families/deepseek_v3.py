@@ -20,7 +20,7 @@ import numpy as np
 
 from k3serve.model.families.build import (MLA_INNER_NORM_EPS, check_supported_basics, common_keys, embeddings,
                                           expert_reader, glu)
-from k3serve.model.families.cache import CacheLayout
+from k3serve.model.cache import CacheLayout
 from k3serve.model.families.decoder import DecoderConfig, FamilyModel, assemble_model, pre_norm_layer
 from k3serve.model.families.experts import ExpertStore
 from k3serve.model.families.hf_config import HFConfig
@@ -167,15 +167,15 @@ def build(config: DeepseekV3Config, reader: TensorReader, precision: str, chunk_
     store = ExpertStore(expert_reader(reader, lambda l: f"model.layers.{l}.mlp.",
                                       ("gate_proj", "up_proj", "down_proj"), H, config.moe_intermediate_size),
                         precision)
-    layers, layout = [], CacheLayout()
+    layers, row_widths, recurrent_shapes = [], {}, {}
     for l in range(config.num_layers):
         p = f"model.layers.{l}."
         mixer = build_mla(reader, config, config, l, rotary, config.softmax_scale)
-        layout.row_widths[l] = mixer.row_width
+        row_widths[l] = mixer.row_width
         if config.mlp_kinds[l] == "moe":
             mlp: MoEBlock | DenseMLP = build_grouped_moe(reader, config, config, l, f"{p}mlp.", store)
         else:
             mlp = DenseMLP(glu(reader, (f"{p}mlp.",), H, config.intermediate_size))
         layers.append(pre_norm_layer(reader, p, H, mixer, mlp))
     embed, lm_head = embeddings(reader, config.vocab_size, H, config.tie_word_embeddings)
-    return assemble_model(reader, config, layers, layout, store, embed, lm_head)
+    return assemble_model(reader, config, layers, CacheLayout(row_widths, recurrent_shapes), store, embed, lm_head)

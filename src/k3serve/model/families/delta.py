@@ -45,7 +45,7 @@ def _conv_segments(mixed: np.ndarray, taps: np.ndarray, batch: Batch, layer: int
     out = np.empty_like(mixed)
     new_tails = []
     for (start, end), cache in zip(batch.segments, batch.caches):
-        out[start:end], tail = causal_conv(mixed[start:end], cache.kda_state(layer)[1], taps)
+        out[start:end], tail = causal_conv(mixed[start:end], cache.recurrent_state(layer)[1], taps)
         new_tails.append(tail)
     return silu(out), new_tails
 
@@ -53,19 +53,21 @@ def _conv_segments(mixed: np.ndarray, taps: np.ndarray, batch: Batch, layer: int
 def _run_recurrence(inputs: KDAInputs, batch: Batch, layer: int, new_tails: list, chunk_size: int) -> np.ndarray:
     """The delta rule over every sequence of the batch; writes each new state and conv tail. -> o [T, NH, Dv]."""
     o = np.empty(inputs.v.shape, np.float32)
-    states = [cache.kda_state(layer)[0] for cache in batch.caches]
+    states = [cache.recurrent_state(layer) for cache in batch.caches]
     decode = [i for i, (start, end) in enumerate(batch.segments) if end - start == 1]
     if decode:
         rows = np.array([batch.segments[i][0] for i in decode])
         o[rows], new_states = kda_step_batch(inputs.q[rows], inputs.k[rows], inputs.v[rows], inputs.g[rows],
-                                             inputs.beta[rows], np.stack([states[i] for i in decode]))
+                                             inputs.beta[rows], np.stack([states[i][0] for i in decode]))
         for j, i in enumerate(decode):
-            batch.caches[i].set_kda_state(layer, new_states[j], new_tails[i])
+            batch.caches[i].set_recurrent_state(layer, new_states[j], new_tails[i])
     for i, (start, end) in enumerate(batch.segments):
         if end - start > 1:
-            part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")))
-            o[start:end], new_state = kda_chunked(part, states[i], chunk_size)
-            batch.caches[i].set_kda_state(layer, new_state, new_tails[i])
+            part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")),
+                             conv_inputs=inputs.conv_inputs[start:end])
+            o[start:end], new_state = kda_chunked(part, states[i][0], chunk_size)
+            batch.caches[i].record_window(layer, part.window(*states[i]))  # before the state is replaced
+            batch.caches[i].set_recurrent_state(layer, new_state, new_tails[i])
     return o
 
 
@@ -106,7 +108,7 @@ class KimiDeltaAttention:
         f_a, g_a, b = proj[:, 3 * P:3 * P + D], proj[:, 3 * P + D:3 * P + 2 * D], proj[:, 3 * P + 2 * D:]
         z = (f_a @ w.f_b.T + w.dt_bias).reshape(T, NH, D)
         g = -w.a_exp[None, :, None] * softplus(z)  # [T, NH, D], <= 0
-        inputs = KDAInputs(q=q, k=k, v=v, g=g.astype(np.float32), beta=sigmoid(b))
+        inputs = KDAInputs(q=q, k=k, v=v, g=g.astype(np.float32), beta=sigmoid(b), conv_inputs=proj[:, :3 * P])
         o = _run_recurrence(inputs, batch, self.layer, new_tails, self.chunk_size)  # [T, NH, D]
         gate = (g_a @ w.g_b.T).reshape(T, NH, D)
         return (rms_norm(o, w.o_norm, self.eps) * sigmoid(gate)).reshape(T, P) @ w.o_proj.T
@@ -155,6 +157,6 @@ class GatedDeltaNet:
         b, a = proj[:, C + NVH * Dv:C + NVH * Dv + NVH], proj[:, C + NVH * Dv + NVH:]  # [T, NVH] each
         g = -w.a_exp * softplus(a + w.dt_bias)  # [T, NVH]
         g = np.repeat(g[:, :, None], Dk, axis=2).astype(np.float32)  # equal decay on every key channel
-        inputs = KDAInputs(q=q, k=k, v=v, g=g, beta=sigmoid(b))
+        inputs = KDAInputs(q=q, k=k, v=v, g=g, beta=sigmoid(b), conv_inputs=proj[:, :C])
         o = _run_recurrence(inputs, batch, self.layer, new_tails, self.chunk_size)  # [T, NVH, Dv]
         return (rms_norm(o, w.norm, self.eps) * silu(z)).reshape(T, NVH * Dv) @ w.out_proj.T

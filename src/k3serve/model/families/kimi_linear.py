@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3serve.model.families.build import check_supported_basics, common_keys, embeddings, expert_reader, glu
-from k3serve.model.families.cache import CacheLayout
+from k3serve.model.cache import CacheLayout
 from k3serve.model.families.decoder import DecoderConfig, FamilyModel, assemble_model, pre_norm_layer
 from k3serve.model.families.deepseek_v3 import MLAConfig, build_grouped_moe, build_mla, read_mla_config
 from k3serve.model.families.delta import KimiDeltaAttention, KimiDeltaWeights
@@ -116,15 +116,15 @@ def build(config: KimiLinearConfig, reader: TensorReader, precision: str, chunk_
     store = ExpertStore(expert_reader(reader, lambda l: _moe_prefix(reader, l), ("w1", "w3", "w2"), H,
                                       config.moe_intermediate_size), precision)
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    layers, layout = [], CacheLayout()
+    layers, row_widths, recurrent_shapes = [], {}, {}
     for l in range(config.num_layers):
         p = f"model.layers.{l}."
         if config.layer_kinds[l] == "mla":
             mixer: KimiDeltaAttention | LatentAttention = build_mla(reader, config, config, l, rotary=None, scale=scale)
-            layout.row_widths[l] = mixer.row_width
+            row_widths[l] = mixer.row_width
         else:
             mixer = build_kda(reader, config, l, chunk_size)
-            layout.recurrent_shapes[l] = mixer.state_shapes()
+            recurrent_shapes[l] = mixer.state_shapes()
         if config.mlp_kinds[l] == "moe":
             mlp: MoEBlock | DenseMLP = build_grouped_moe(reader, config, config, l, _moe_prefix(reader, l), store)
         else:
@@ -132,4 +132,4 @@ def build(config: KimiLinearConfig, reader: TensorReader, precision: str, chunk_
             mlp = DenseMLP(glu(reader, (f"{p}mlp.", f"{p}block_sparse_moe."), H, config.intermediate_size))
         layers.append(pre_norm_layer(reader, p, H, mixer, mlp))
     embed, lm_head = embeddings(reader, config.vocab_size, H, config.tie_word_embeddings)
-    return assemble_model(reader, config, layers, layout, store, embed, lm_head)
+    return assemble_model(reader, config, layers, CacheLayout(row_widths, recurrent_shapes), store, embed, lm_head)

@@ -81,8 +81,8 @@ class LatentAttention:
         rows = np.concatenate([latent, k_rope], axis=1)  # [T, KL+DR]
         out = np.empty((T, NA * self.value_dim), np.float32)
         for (start, end), cache in zip(batch.segments, batch.caches):
-            cache.mla_append(self.layer, rows[start:end])
-            out[start:end] = self._attend(q[start:end], cache.mla_rows(self.layer))
+            cache.append_rows(self.layer, rows[start:end])
+            out[start:end] = self._attend(q[start:end], cache.attention_rows(self.layer))
         return out @ w.o_proj.T
 
     def _absorbed(self, q: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from k3serve.model.families.attention import GQAAttention, GQAWeights
 from k3serve.model.families.build import check_supported_basics, common_keys, embeddings, expert_reader, glu
-from k3serve.model.families.cache import CacheLayout
+from k3serve.model.cache import CacheLayout
 from k3serve.model.families.decoder import DecoderConfig, FamilyModel, assemble_model, pre_norm_layer
 from k3serve.model.families.experts import ExpertStore
 from k3serve.model.families.hf_config import HFConfig
@@ -117,11 +117,11 @@ def build(config: Qwen3MoeConfig, reader: TensorReader, precision: str, chunk_si
     store = ExpertStore(expert_reader(reader, lambda l: f"model.layers.{l}.mlp.",
                                       ("gate_proj", "up_proj", "down_proj"), H, config.moe_intermediate_size),
                         precision)
-    layers, layout = [], CacheLayout()
+    layers, row_widths, recurrent_shapes = [], {}, {}
     for l in range(config.num_layers):
         p = f"model.layers.{l}."
         mixer = build_gqa(reader, config, config, l, rotary, gated=False, norm_offset=0.0)
-        layout.row_widths[l] = mixer.row_width
+        row_widths[l] = mixer.row_width
         if config.mlp_kinds[l] == "moe":
             mlp = MoEBlock(layer=l, router=softmax_router(reader, config, config, l), experts=store,
                            shared=None, shared_gate=None)
@@ -129,4 +129,4 @@ def build(config: Qwen3MoeConfig, reader: TensorReader, precision: str, chunk_si
             mlp = DenseMLP(glu(reader, (f"{p}mlp.",), H, config.intermediate_size))
         layers.append(pre_norm_layer(reader, p, H, mixer, mlp))
     embed, lm_head = embeddings(reader, config.vocab_size, H, config.tie_word_embeddings)
-    return assemble_model(reader, config, layers, layout, store, embed, lm_head)
+    return assemble_model(reader, config, layers, CacheLayout(row_widths, recurrent_shapes), store, embed, lm_head)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3serve.model.families.build import check_supported_basics, common_keys, embeddings, expert_reader, glu
-from k3serve.model.families.cache import CacheLayout
+from k3serve.model.cache import CacheLayout
 from k3serve.model.families.decoder import DecoderConfig, DecoderLayer, FamilyModel
 from k3serve.model.families.delta import GatedDeltaNet, GatedDeltaWeights
 from k3serve.model.families.experts import ExpertStore
@@ -104,15 +104,15 @@ def build(config: Qwen3NextConfig, reader: TensorReader, precision: str, chunk_s
     store = ExpertStore(expert_reader(reader, lambda l: f"model.layers.{l}.mlp.",
                                       ("gate_proj", "up_proj", "down_proj"), H, config.moe_intermediate_size),
                         precision)
-    layers, layout = [], CacheLayout()
+    layers, row_widths, recurrent_shapes = [], {}, {}
     for l in range(config.num_layers):
         p = f"model.layers.{l}."
         if config.layer_kinds[l] == "attention":
             mixer = build_gqa(reader, config, config, l, rotary, gated=True, norm_offset=1.0)
-            layout.row_widths[l] = mixer.row_width
+            row_widths[l] = mixer.row_width
         else:
             mixer = build_gated_deltanet(reader, config, l, chunk_size)
-            layout.recurrent_shapes[l] = mixer.state_shapes()
+            recurrent_shapes[l] = mixer.state_shapes()
         if config.mlp_kinds[l] == "moe":
             mlp = MoEBlock(layer=l, router=softmax_router(reader, config, config, l), experts=store,
                            shared=glu(reader, (f"{p}mlp.shared_expert.",), H, config.shared_expert_intermediate_size),
@@ -124,5 +124,5 @@ def build(config: Qwen3NextConfig, reader: TensorReader, precision: str, chunk_s
             post_attention_norm=reader.f32(f"{p}post_attention_layernorm.weight", shape=(H,)) + one,
             mixer=mixer, mlp=mlp))
     embed, lm_head = embeddings(reader, config.vocab_size, H, config.tie_word_embeddings)
-    return FamilyModel(config, embed, layers, reader.f32("model.norm.weight", shape=(H,)) + one, lm_head, layout,
-                       store)
+    return FamilyModel(config, embed, layers, reader.f32("model.norm.weight", shape=(H,)) + one, lm_head,
+                       CacheLayout(row_widths, recurrent_shapes), store)
