@@ -304,11 +304,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here: before loading, before "serving"
     warn_if_open(tenants, args.host)
     loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
-    if not isinstance(loaded.model, K3Model):
-        raise K3Error(f"{loaded.path} is a {loaded.model.config.model_type} checkpoint: the server runs K3 models "
-                      "only for now (use generate or logits for the other families)")
     if loaded.tokenizer is None:
-        raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model): the server needs one")
+        raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
+                      "one")
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative,
                        drafters=_drafters(args, speculative, loaded.model))
     name = args.served_model_name or loaded.name
@@ -324,7 +322,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from k3serve.lab.fixtures import LabFixtures
         from k3serve.weights.store import is_packed_store
 
-        mount_lab(app, LabFixtures(args.model if args.model and not is_packed_store(args.model) else None))
+        lab_model = args.model if args.model and isinstance(loaded.model, K3Model) \
+            and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
+        mount_lab(app, LabFixtures(lab_model))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     return 0
@@ -332,7 +332,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_spec_storage(args: argparse.Namespace) -> int:
-    from k3serve.engine.speculative import storage_report
+    from k3serve.engine.spec_storage import storage_report
 
     lines, record = storage_report(args.max_window)
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))

@@ -23,7 +23,7 @@ import numpy as np
 from k3serve.engine.sampling import Sampler
 from k3serve.errors import RequestError
 from k3serve.model.k3 import ForwardItem, K3Model
-from k3serve.model.weights import LayerWeights, MoEWeights
+from k3serve.model.weights import ForwardingSource, LayerWeights, MoEWeights, WeightSource
 
 DRAFTERS: tuple[str, ...] = ("ngram", "resident", "model")
 
@@ -137,25 +137,32 @@ class ModelDrafter(Drafter):
 ResidentExperts = Callable[[int], "set[int] | frozenset[int] | None"]
 
 
-class RestrictedRoutingSource:
+class RestrictedRoutingSource(ForwardingSource):
     """A weight source whose routers may only choose among allowed experts per layer.
 
-    Wraps another source; `allowed(layer)` gives the allowed expert ids (None = all). Disallowed experts get a
-    router bias of -inf, so top-k selection skips them; mixing weights still come from the unbiased scores of the
-    chosen experts, exactly as in the unrestricted router. Layers with fewer than TOPK allowed experts run
-    unrestricted (the draft would otherwise be undefined)."""
+    Wraps another source; `allowed(layer)` gives the allowed expert ids (None = the source's resident experts, all
+    for a resident source). Disallowed experts get a router bias of -inf, so top-k selection skips them; mixing
+    weights still come from the unbiased scores of the chosen experts, exactly as in the unrestricted router.
+    Layers with fewer than TOPK allowed experts run unrestricted (the draft would otherwise be undefined).
+    A draft's forwards are not the target's steps: they neither prefetch (no disk reads) nor enter step counters
+    or routing traces."""
 
-    def __init__(self, source, allowed: ResidentExperts | None = None) -> None:
-        self.source = source
-        self.config = source.config
-        self.allowed = allowed if allowed is not None else _source_resident_experts(source)
+    def __init__(self, source: WeightSource, allowed: ResidentExperts | None = None) -> None:
+        super().__init__(source)
+        self.allowed = allowed if allowed is not None else source.resident_experts
         self._cache: dict[tuple[int, frozenset[int]], LayerWeights] = {}
 
-    def global_weights(self):
-        return self.source.global_weights()
+    def begin_step(self, num_tokens: int) -> None:
+        pass
+
+    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
+        pass
+
+    def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
+        pass
 
     def layer(self, layer: int) -> LayerWeights:
-        weights = self.source.layer(layer)
+        weights = self.inner.layer(layer)
         allowed = self.allowed(layer)
         if allowed is None or not isinstance(weights.mlp, MoEWeights) \
                 or len(allowed) < self.config.num_experts_per_token or len(allowed) >= self.config.num_experts:
@@ -170,15 +177,6 @@ class RestrictedRoutingSource:
             self._cache = {k: v for k, v in self._cache.items() if k[0] != layer}  # one entry per layer
             self._cache[key] = cached
         return cached
-
-    def experts(self, layer: int, expert_ids):
-        return self.source.experts(layer, expert_ids)
-
-
-def _source_resident_experts(source) -> ResidentExperts:
-    """The source's `resident_experts(layer) -> set | None` if it has one; a source without it holds everything."""
-    method = getattr(source, "resident_experts", None)
-    return method if method is not None else (lambda layer: None)
 
 
 def resident_draft_model(target: K3Model, allowed: ResidentExperts | None = None) -> K3Model:

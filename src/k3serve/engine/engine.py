@@ -13,6 +13,7 @@ step, and one that fails alone is failed with an error output. The engine keeps 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -30,9 +31,9 @@ from k3serve.engine.metrics import Counter, Gauge, Histogram, MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
 from k3serve.engine.drafters import Draft
-from k3serve.engine.sampling import Sampler, SamplingParams
-from k3serve.engine.speculative import (DrafterFactory, SequenceSpeculation, SpeculativeConfig, num_to_emit,
-                                        verify)
+from k3serve.engine.sampling import Sampler, SamplingParams, validate_prompt
+from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, SpeculativeConfig
+from k3serve.engine.verification import num_to_emit, verify
 from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.errors import ContextLengthError, RequestError
@@ -111,12 +112,13 @@ class LLMEngine:
                     request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
                     stop_hook: StopHook | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    speculative: SpeculativeConfig | bool | None = None) -> str:
+                    speculative: SpeculativeConfig | bool | str | None = None) -> str:
         """Queue a request and return its id. Raises `RequestError` (and queues nothing) if it is invalid.
 
         `on_output` is called from the engine thread with every `RequestOutput` of this request (streaming);
         `stop_hook` sees each completion's generated ids after every token and may finish it. `speculative`:
-        None = the engine's default, False = off, True = the default or `SpeculativeConfig()`, or a config."""
+        None = the engine's default, False = off, True = the default or `SpeculativeConfig()`, a drafter name =
+        that default with this drafter, or a config."""
         return self.enqueue(self.make_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
                                                cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output,
                                                speculative=speculative))
@@ -125,10 +127,10 @@ class LLMEngine:
                      request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
                      stop_hook: StopHook | None = None,
                      on_output: Callable[[RequestOutput], None] | None = None,
-                     speculative: SpeculativeConfig | bool | None = None) -> Request:
+                     speculative: SpeculativeConfig | bool | str | None = None) -> Request:
         """Validate and build a request without queueing it (`add_request` = this + queueing). Raises
         `RequestError`. The id is checked for duplicates, and assigned if None, when it is queued."""
-        prompt = self._validate_prompt(prompt_token_ids)
+        prompt = validate_prompt(prompt_token_ids, self.model_config.vocab_size)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
@@ -149,9 +151,8 @@ class LLMEngine:
                 raise RequestError(f"{name} must be callable")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_ids))
         request = Request(request_id or "", prompt, params, tenant, cache_salt, root_hash(tenant, cache_salt),
-                          frozenset(stops), stop_hook, on_output)
+                          params.stop_set(self.stop_ids), stop_hook, on_output)
         request.speculative = self._speculative_for(speculative)
         max_total = min(len(prompt) + params.max_tokens, self.max_context)
         for index in range(params.n):
@@ -160,17 +161,21 @@ class LLMEngine:
         request.pending_forks = request.sequences[1:]
         return request
 
-    def _speculative_for(self, choice: SpeculativeConfig | bool | None) -> SpeculativeConfig | None:
+    def _speculative_for(self, choice: SpeculativeConfig | bool | str | None) -> SpeculativeConfig | None:
+        """A request's speculation, resolved once against the engine's default (see `add_request`)."""
         if choice is None:
             return self.speculative
         if choice is False:
             return None
+        default = self.speculative if self.speculative is not None else SpeculativeConfig()
         if choice is True:
-            return self.speculative if self.speculative is not None else SpeculativeConfig()
+            return default
+        if isinstance(choice, str):
+            choice = dataclasses.replace(default, drafter=choice)  # SpeculativeConfig checks the name
         if not isinstance(choice, SpeculativeConfig):
-            raise RequestError(f"speculative must be a SpeculativeConfig or a bool, got {type(choice).__name__}")
-        if choice.drafter == "model" and self.drafters.draft_model is None:
-            raise RequestError("drafter 'model' needs a draft model, and this engine has none")
+            raise RequestError(f"speculative must be a SpeculativeConfig, a drafter name or a bool, got "
+                               f"{type(choice).__name__}")
+        self.drafters.check(choice)
         return choice
 
     def enqueue(self, request: Request) -> str:
@@ -204,23 +209,6 @@ class LLMEngine:
         run while its tenant runs nothing else."""
         max_seqs, max_blocks = self.scheduler.share_limits(kv_share)
         return max_seqs, max_blocks * self.config.block_size
-
-    def _validate_prompt(self, prompt_token_ids: Iterable[int]) -> list[int]:
-        if isinstance(prompt_token_ids, (str, bytes)):
-            raise RequestError("the prompt must be token ids (tokenize text first)")
-        try:
-            raw = list(prompt_token_ids)
-        except TypeError:
-            raise RequestError("the prompt must be a sequence of integer token ids") from None
-        if not raw:
-            raise RequestError("the prompt is empty: give at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in raw):
-            raise RequestError("prompt token ids must be integers")
-        prompt = [int(t) for t in raw]
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}")
-        return prompt
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone). Takes effect at the next step; unknown or finished ids are ignored."""
@@ -284,9 +272,8 @@ class LLMEngine:
             spec = self._speculation.get(seq.seq_id)
             if spec is None:
                 spec = self._speculation[seq.seq_id] = SequenceSpeculation(config, self.drafters.create(config))
-            room = min(seq.request.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
             try:
-                draft = spec.propose(seq.token_ids, room, seq.sampler)
+                draft = spec.propose(seq.token_ids, seq.num_remaining_tokens, seq.sampler)
             except Exception:  # noqa: BLE001 - a drafter's failure costs speculation, not the request
                 logger.exception("drafter failed for %s; it decodes without drafts", seq)
                 seq.request.speculative = None
@@ -358,8 +345,7 @@ class LLMEngine:
         full = self._drafts.pop(seq.seq_id)
         draft = Draft(full.tokens[:k], None if full.probs is None else full.probs[:k])
         result = verify(logits, draft, seq.sampler)
-        room = min(request.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
-        m = num_to_emit(result.tokens, seq.num_output_tokens, room, request.stop_ids, request.stop_hook,
+        m = num_to_emit(result.tokens, seq.num_output_tokens, seq.num_remaining_tokens, request.stop_ids, request.stop_hook,
                         seq.output_token_ids)
         window.commit(m)  # the last confirmed token and the first m - 1 emitted ones stay in the state
         kept = result.tokens[:m - 1]
@@ -393,7 +379,7 @@ class LLMEngine:
         reason = None
         if token in request.stop_ids:
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= seq.max_total_tokens:
+        elif seq.num_remaining_tokens <= 0:
             reason = FinishReason.LENGTH
         elif request.stop_hook is not None and request.stop_hook(seq.output_token_ids):
             reason = FinishReason.STOP

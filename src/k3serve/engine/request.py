@@ -127,6 +127,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens this sequence may still generate: under both max_tokens and the context limit."""
+        return min(self.request.params.max_tokens - self.num_output_tokens, self.max_total_tokens - self.num_tokens)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

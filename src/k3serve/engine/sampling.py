@@ -8,6 +8,7 @@ with the request's own seeded generator, so a seeded request gives the same toke
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def stop_set(self, eos_ids: Iterable[int]) -> frozenset[int]:
+        """The ids that end a completion: `stop_token_ids` always, the model's end-of-sequence ids unless
+        `ignore_eos`. The one rule for the engine and single-sequence generation alike."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_ids))
+
+
+def validate_prompt(prompt_token_ids: Iterable[int], vocab_size: int) -> list[int]:
+    """The prompt as a list of ints, or `RequestError`: not token ids, empty, or outside 0..vocab_size - 1."""
+    if isinstance(prompt_token_ids, (str, bytes)):
+        raise RequestError("the prompt must be token ids (tokenize text first)")
+    try:
+        raw = list(prompt_token_ids)
+    except TypeError:
+        raise RequestError("the prompt must be a sequence of integer token ids") from None
+    if not raw:
+        raise RequestError("the prompt is empty: give at least one token")
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in raw):
+        raise RequestError("prompt token ids must be integers")
+    prompt = [int(t) for t in raw]
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise RequestError(f"prompt token ids must lie in 0..{vocab_size - 1}")
+    return prompt
 
 
 def mask_logits(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:

@@ -9,7 +9,9 @@ position (row i predicts the token after position i). Verification walks the dra
                draft's; on rejection draw from norm(max(0, p_i - q_i)) and stop; when all are accepted draw from
                p_k. Every emitted token then has exactly the target's distribution. A deterministic drafter (n-gram)
                has q = one-hot, so acceptance is p_i(d) and the residual is p_i with d removed.
-The state then keeps the first n = accepted + 1 positions (model/rollback.py).
+The state then keeps the first n = accepted + 1 positions (model/rollback.py). This module holds what a sequence
+speculates with (the config, its drafter, the adaptive length); `verification.py` decides what a window keeps,
+`speculative_generate.py` runs one sequence, `spec_storage.py` reports rollback storage.
 
 The draft length adapts per sequence (`AdaptiveDraftLength`): from the recent acceptance rate a it picks the k
 that maximises expected tokens per window (1 - a^(k+1)) / (1 - a) over the window's relative cost 1 + c k, and
@@ -20,21 +22,15 @@ Shapes: T window positions, k drafts, V vocabulary.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
-
-import numpy as np
+from typing import Sequence
 
 from k3serve.engine.drafters import (DRAFTERS, Draft, Drafter, ModelDrafter, NGramDrafter, ResidentExperts,
                                      resident_draft_model)
-from k3serve.engine.sampling import Sampler, SamplingParams, mask_logits
+from k3serve.engine.sampling import Sampler
 from k3serve.errors import RequestError
-from k3serve.model.k3 import ForwardItem, K3Model
-from k3serve.model.rollback import ROLLBACK_METHODS, RollbackCache
-
-if TYPE_CHECKING:  # generate.py imports this module lazily; a runtime import here would be circular
-    from k3serve.engine.generate import RunReport
+from k3serve.model.k3 import K3Model
+from k3serve.model.rollback import ROLLBACK_METHODS
 
 
 @dataclass(frozen=True)
@@ -71,15 +67,22 @@ class DrafterFactory:
         self._resident: K3Model | None = None
         self._allowed = allowed_experts
 
+    def check(self, config: SpeculativeConfig) -> None:
+        """`RequestError` if this factory cannot make `config`'s drafter (checked when a request is made)."""
+        if config.drafter == "resident" and not isinstance(self.target, K3Model):
+            raise RequestError(f"drafter 'resident' restricts a K3 model's routing to its cached experts; this "
+                               f"{self.target.config.model_type} model holds every expert: use 'ngram' or 'model'")
+        if config.drafter == "model" and self.draft_model is None:
+            raise RequestError("drafter 'model' needs a draft model, and this engine has none (--draft-model)")
+
     def create(self, config: SpeculativeConfig) -> Drafter:
+        self.check(config)
         if config.drafter == "ngram":
             return NGramDrafter(config.max_ngram, config.min_ngram)
         if config.drafter == "resident":
             if self._resident is None:
                 self._resident = resident_draft_model(self.target, self._allowed)
             return ModelDrafter(self._resident)
-        if self.draft_model is None:
-            raise RequestError("drafter 'model' needs a draft model (--draft-model)")
         if self.draft_model.config.vocab_size != self.target.config.vocab_size:
             raise RequestError("the draft model's vocabulary differs from the target's")
         return ModelDrafter(self.draft_model)
@@ -128,41 +131,6 @@ class AdaptiveDraftLength:
 
 
 @dataclass
-class Verification:
-    tokens: list[int]  # accepted drafts then one token from the target: length num_accepted + 1
-    num_accepted: int
-
-
-def verify(logits: np.ndarray, draft: Draft, sampler: Sampler) -> Verification:
-    """logits [T, V] of the window (T = len(draft) + 1) -> the tokens to emit."""
-    k = len(draft)
-    if logits.shape[0] != k + 1:
-        raise RequestError(f"{logits.shape[0]} logit rows for {k} drafts")
-    if sampler.params.greedy:
-        target = np.argmax(logits, axis=1)  # [T]
-        a = 0
-        while a < k and draft.tokens[a] == int(target[a]):
-            a += 1
-        return Verification(list(draft.tokens[:a]) + [int(target[a])], a)
-    rng = sampler.rng
-    for i, d in enumerate(draft.tokens):
-        p = sampler.probabilities(logits[i])  # [V]
-        q_d = 1.0 if draft.probs is None else float(draft.probs[i][d])
-        if q_d > 0 and rng.random() < min(1.0, p[d] / q_d):
-            continue
-        if draft.probs is None:
-            residual = p.copy()
-            residual[d] = 0.0
-        else:
-            residual = np.maximum(p - draft.probs[i], 0.0)
-        total = residual.sum()
-        residual = p if total <= 0 else residual / total
-        return Verification(list(draft.tokens[:i]) + [int(rng.choice(residual.shape[0], p=residual))], i)
-    p = sampler.probabilities(logits[k])
-    return Verification(list(draft.tokens) + [int(rng.choice(p.shape[0], p=p))], k)
-
-
-@dataclass
 class SpeculationStats:
     windows: int = 0
     drafted: int = 0
@@ -202,135 +170,3 @@ class SequenceSpeculation:
         s.drafted += num_drafted
         s.accepted += num_accepted
         s.emitted += num_emitted
-
-
-def num_to_emit(tokens: Sequence[int], num_output_tokens: int, room: int, stop_ids: set[int] | frozenset[int],
-                stop_hook: Callable[[list[int]], bool] | None = None, output: Sequence[int] = ()) -> int:
-    """How many of a window's tokens to emit before a stop id, the length limit (`room`) or the stop hook."""
-    m = 0
-    for token in tokens:
-        m += 1
-        if token in stop_ids or m >= room:
-            break
-        if stop_hook is not None and stop_hook(list(output) + list(tokens[:m])):
-            break
-    return m
-
-
-def speculative_generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
-                         spec: SpeculativeConfig, stop_ids: Sequence[int] = (),
-                         on_token: Callable[[int], None] | None = None,
-                         drafters: DrafterFactory | None = None,
-                         constraint: Callable[[list[int]], np.ndarray | None] | None = None
-                         ) -> tuple[list[int], RunReport]:
-    """`generate` with speculation: same tokens under greedy, same distribution under sampling.
-    While `constraint(tokens so far)` returns allowed ids (token healing spelling the prompt's tail out again),
-    steps are plain one-token windows sampled under the mask; speculation starts once it returns None."""
-    from k3serve.engine.generate import RunReport, peak_rss_bytes
-
-    if len(prompt_ids) == 0:
-        raise RequestError("the prompt is empty: give at least one token")
-    sampler = Sampler(params)
-    stops = set() if params.ignore_eos else set(stop_ids) | set(params.stop_token_ids)
-    factory = drafters if drafters is not None else DrafterFactory(model)
-    speculation = SequenceSpeculation(spec, factory.create(spec))
-    cache = RollbackCache(model.new_cache(), spec.rollback)
-    started = time.perf_counter()
-    logits = model.forward([ForwardItem(np.asarray(prompt_ids, dtype=np.int64), cache)]).logits[0][-1]
-    prefill_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    context = list(prompt_ids)
-    tokens = [sampler.sample(mask_logits(logits, constraint([]) if constraint is not None else None))]
-    context.append(tokens[0])
-    if on_token is not None:
-        on_token(tokens[0])
-    finish = "stop" if tokens[0] in stops else "length"
-    while tokens[-1] not in stops and len(tokens) < params.max_tokens:
-        allowed = constraint(tokens) if constraint is not None else None
-        if allowed is not None:  # healing: one plain step under the mask, no drafts
-            cache.begin_window()
-            logits = model.forward([ForwardItem(np.asarray(context[-1:], dtype=np.int64), cache)]).logits[0][-1]
-            cache.commit(1)
-            tokens.append(sampler.sample(mask_logits(logits, allowed)))
-            context.append(tokens[-1])
-            if on_token is not None:
-                on_token(tokens[-1])
-            finish = "stop" if tokens[-1] in stops else finish
-            continue
-        room = params.max_tokens - len(tokens)
-        draft = speculation.propose(context, room, sampler)
-        cache.begin_window()
-        window = np.asarray([context[-1]] + draft.tokens, dtype=np.int64)
-        logits_all = model.forward([ForwardItem(window, cache, all_logits=True)]).logits[0]  # [T, V]
-        result = verify(logits_all, draft, sampler)
-        m = num_to_emit(result.tokens, len(tokens), room, stops)
-        speculation.stats.recorded_bytes += cache.recorded_bytes
-        rollback_started = time.perf_counter()
-        cache.commit(m)  # positions kept: x0 and the first m - 1 emitted tokens
-        speculation.stats.rollback_seconds += time.perf_counter() - rollback_started
-        speculation.record(len(draft), result.num_accepted, m)
-        for token in result.tokens[:m]:
-            tokens.append(token)
-            context.append(token)
-            if on_token is not None:
-                on_token(token)
-        if tokens[-1] in stops:
-            finish = "stop"
-    speculation.drafter.release()
-    decode_seconds = time.perf_counter() - started
-    report = RunReport(len(prompt_ids), len(tokens), prefill_seconds, decode_seconds, peak_rss_bytes(), finish)
-    report.extra_lines = speculation.stats.lines()
-    report.speculation = speculation.stats  # type: ignore[attr-defined]
-    return tokens, report
-
-
-# ---- spec-storage ---------------------------------------------------------------------------------------------
-PRECISIONS = {"fp32": 4, "bf16": 2}
-
-
-def storage_report(max_window: int = 8) -> tuple[list[str], dict]:
-    """Rollback bytes per sequence for the full K3, Kimi Linear and the embedded model, windows 1..max_window."""
-    from k3serve.config import full_k3_config, load_config
-    from k3serve.loading import default_model_dir
-    from k3serve.model.rollback import KIMI_LINEAR_SHAPES, RecurrentShapes, rollback_storage
-
-    models = [RecurrentShapes.of("Kimi K3 (full)", full_k3_config()), KIMI_LINEAR_SHAPES]
-    try:
-        models.append(RecurrentShapes.of("embedded default", load_config(default_model_dir())))
-    except Exception as exc:  # noqa: BLE001 - the table is still useful without it
-        models.append(RecurrentShapes("embedded default (unavailable: " + str(exc)[:40] + ")", 0, 1, 1, 0))
-    lines: list[str] = []
-    record: dict = {"models": []}
-    for shapes in models:
-        lines.append(f"== {shapes.name}: {shapes.num_kda_layers} KDA layers, {shapes.num_heads} heads x "
-                     f"{shapes.head_dim}, conv {shapes.conv_kernel}")
-        entry: dict = {"name": shapes.name, "num_kda_layers": shapes.num_kda_layers, "heads": shapes.num_heads,
-                       "head_dim": shapes.head_dim, "rows": []}
-        if shapes.num_kda_layers == 0:
-            record["models"].append(entry)
-            continue
-        lines.append(f"{'T':>2} {'accounting':>10} {'prec':>4} {'snapshot MiB':>13} {'projection MiB':>15} "
-                     f"{'ratio':>6} {'proj/snap':>9}")
-        first_four: dict[str, int | None] = {}
-        for accounting in ("anchor", "k3serve"):
-            for precision, width in PRECISIONS.items():
-                first_four[f"{accounting}/{precision}"] = None
-                for window in range(1, max_window + 1):
-                    s = rollback_storage(shapes, window, width, accounting)
-                    lines.append(f"{window:>2} {accounting:>10} {precision:>4} {s.snapshot_bytes / 2**20:>13.3f} "
-                                 f"{s.projection_bytes / 2**20:>15.3f} {s.ratio:>6.2f} "
-                                 f"{s.projection_bytes / s.snapshot_bytes:>9.1%}")
-                    entry["rows"].append({"window": window, "accounting": accounting, "precision": precision,
-                                          "snapshot_bytes": s.snapshot_bytes, "projection_bytes": s.projection_bytes,
-                                          "ratio": s.ratio})
-                    if s.ratio >= 4 and first_four[f"{accounting}/{precision}"] is None:
-                        first_four[f"{accounting}/{precision}"] = window
-        entry["first_window_at_4_to_1"] = first_four
-        for key, window in first_four.items():
-            lines.append(f"   ratio >= 4:1 first at T = {window} ({key})" if window is not None
-                         else f"   ratio never reaches 4:1 for T <= {max_window} ({key})")
-        record["models"].append(entry)
-    lines.append("anchor = S per snapshot vs checkpoint + T x (k, u, g) [the public estimate]; k3serve = what "
-                 "RollbackCache keeps (conv tails, beta and the 3P pre-conv inputs too). The ratio does not depend "
-                 "on the precision when state and vectors share one; it tends to T as D grows.")
-    return lines, record

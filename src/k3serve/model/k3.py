@@ -156,13 +156,8 @@ class K3Model(SingleSequenceMixin):
         eps = c.rms_norm_eps
         result = ForwardResult(logits=[], segments=segments)
 
-        # optional hooks of a streaming source (k3serve.stream): step boundaries, next-layer prefetch, traces
-        begin_step = getattr(self.source, "begin_step", None)
-        prefetch_hint = getattr(self.source, "prefetch_hint", None)
-        note_routing = getattr(self.source, "note_routing", None)
-        stacked_experts = getattr(self.source, "stacked_experts", None)
-        if begin_step is not None:
-            begin_step(int(ids.shape[0]))
+        source = self.source
+        source.begin_step(int(ids.shape[0]))  # capabilities a streaming source uses (model/weights.py)
         h = self._globals.embed[ids]  # [T, H]
         stack: list[np.ndarray] = []
         pref: np.ndarray | None = h
@@ -181,17 +176,15 @@ class K3Model(SingleSequenceMixin):
             pref = a if pref is None else pref + a
             h = attn_res(stack + [pref], w.mlp_res_query, eps)
             x = rms_norm(h, w.post_attention_norm, eps)
-            if prefetch_hint is not None:
-                prefetch_hint(layer, h)
+            source.prefetch_hint(layer, h)
             if isinstance(w.mlp, MoEWeights):
                 m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: self.source.experts(l, ids),
-                                         stacked=None if stacked_experts is None else stacked_experts(layer))
+                                         stacked=source.stacked_experts(layer))
                 if keep_routing:
                     result.routing[layer] = routing
                 if on_routing is not None:
                     on_routing(layer, routing, segments)
-                if note_routing is not None:
-                    note_routing(layer, routing.expert_ids)
+                source.note_routing(layer, routing.expert_ids)
             else:
                 m = dense_mlp_forward(c, w.mlp, x)
             pref = pref + m

@@ -12,14 +12,14 @@ import numpy as np
 
 from k3serve.config import K3Config
 from k3serve.model.kernels import StackedExperts
-from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, build_expert, build_globals,
-                                   build_layer)
+from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_expert,
+                                   build_globals, build_layer)
 from k3serve.weights.checkpoint import Checkpoint
 
 _PARTS = ("w1_packed", "w1_scales", "w3_packed", "w3_scales", "w2_packed", "w2_scales")
 
 
-class ResidentSource:
+class ResidentSource(WeightSource):
     """Loads a whole checkpoint into memory at construction. The baseline every streaming source must match."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:

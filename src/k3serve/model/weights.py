@@ -12,8 +12,9 @@ layer is assembled, from the released tensors.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -104,18 +105,107 @@ class ExpertWeights:
         return sum(a.nbytes for a in vars(self).values())
 
 
-class WeightSource(Protocol):
-    """Where the model gets its weights. Implementations must return identical values for identical requests."""
+class WeightSource(ABC):
+    """Where the model gets its weights. Implementations must return identical values for identical requests.
+
+    Three methods are required. The optional capabilities below have the defaults of a source that holds
+    everything in RAM; a source overrides the ones it offers (the streaming source: all of them), and the model,
+    the engine and the reports call them without probing."""
 
     config: K3Config
+    plan: Any = None  # a streaming source's RAM budget plan (stream/budget.py); None when everything is resident
 
+    @abstractmethod
     def global_weights(self) -> GlobalWeights: ...
 
+    @abstractmethod
     def layer(self, layer: int) -> LayerWeights: ...
 
+    @abstractmethod
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         """The requested experts. A plain dict means every value stays valid at once; any other Mapping may load
         lazily and reuse memory, so its values are read in ascending id order, each before the next lookup."""
+
+    # ---- optional capabilities --------------------------------------------------------------------------------
+    def begin_step(self, num_tokens: int) -> None:
+        """A forward over `num_tokens` positions starts (step boundaries for traces and counters)."""
+
+    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
+        """hidden [T, H], the input of `layer`'s MLP norm: the next layer's experts may be read ahead."""
+
+    def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
+        """expert_ids [T, TOPK] that `layer` routed to (routing traces)."""
+
+    def resident_experts(self, layer: int) -> set[int] | None:
+        """Experts of `layer` in RAM now (a cache-resident draft routes among them); None = all of them."""
+        return None
+
+    def stacked_experts(self, layer: int) -> Any:
+        """Every expert of `layer` stacked for one compiled call (model/kernels.py `StackedExperts`); None when
+        the source hands experts out one by one."""
+        return None
+
+    def stream_stats(self) -> Any:
+        """Counters of the bytes read and the cache (stream/source.py `StreamStats`); None when nothing streams."""
+        return None
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    def check_integrity(self) -> None:
+        """Internal tables consistent (tests call this after steps)."""
+
+    def close(self) -> None:
+        """Release threads and files."""
+
+
+class ForwardingSource(WeightSource):
+    """A source that wraps another and forwards everything, capabilities included; a wrapper subclasses it and
+    overrides only what it changes, so no capability is ever lost on the way."""
+
+    def __init__(self, inner: WeightSource) -> None:
+        self.inner = inner
+        self.config = inner.config
+
+    @property
+    def plan(self) -> Any:  # type: ignore[override]
+        return self.inner.plan
+
+    def global_weights(self) -> GlobalWeights:
+        return self.inner.global_weights()
+
+    def layer(self, layer: int) -> LayerWeights:
+        return self.inner.layer(layer)
+
+    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        return self.inner.experts(layer, expert_ids)
+
+    def begin_step(self, num_tokens: int) -> None:
+        self.inner.begin_step(num_tokens)
+
+    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
+        self.inner.prefetch_hint(layer, hidden)
+
+    def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
+        self.inner.note_routing(layer, expert_ids)
+
+    def resident_experts(self, layer: int) -> set[int] | None:
+        return self.inner.resident_experts(layer)
+
+    def stacked_experts(self, layer: int) -> Any:
+        return self.inner.stacked_experts(layer)
+
+    def stream_stats(self) -> Any:
+        return self.inner.stream_stats()
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def check_integrity(self) -> None:
+        self.inner.check_integrity()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 TensorReader = Callable[[str], np.ndarray]

@@ -249,7 +249,7 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
                                     max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos)
             streams.append(state.backend.submit(prompt.ids, params, tenant=tenant, cache_salt=body.cache_salt,
                                                 stop=body.stop,
-                                                speculative=_speculative_choice(state.backend, body.speculative)))
+                                                speculative=body.speculative))
         except RequestError as exc:
             for stream in streams:
                 stream.abort()
@@ -280,19 +280,6 @@ async def _abort_on_disconnect(request: Request, streams: list[OutputStream]) ->
                 if not stream.finished:
                     stream.abort()
             return
-
-
-def _speculative_choice(backend: ServingBackend, choice):
-    """The request's `speculative` field -> what `LLMEngine.add_request` takes (a drafter name keeps the server's
-    other speculation settings)."""
-    if not isinstance(choice, str):
-        return choice
-    import dataclasses
-
-    from k3serve.engine.speculative import SpeculativeConfig
-
-    base = backend.speculative if backend.speculative is not None else SpeculativeConfig()
-    return dataclasses.replace(base, drafter=choice)
 
 
 def _finish_reason(reason: FinishReason | None, tracker: TextTracker) -> str | None:

@@ -8,7 +8,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from k3serve.default_model import DEFAULT_MODEL_NAME, cache_root, default_model_dir, verify_checksums
 from k3serve.errors import CheckpointError
+from k3serve.loaded import LoadedModel, configure_threads
 from k3serve.stream.source import StreamingSource, StreamOptions
 from k3serve.weights.store import PackedStore, is_packed_store
 
@@ -16,8 +18,6 @@ logger = logging.getLogger(__name__)
 
 
 def default_packed_dir() -> Path:
-    from k3serve.loading import DEFAULT_MODEL_NAME, cache_root, default_model_dir, verify_checksums
-
     source = default_model_dir()
     target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{verify_checksums(source)[:12]}-packed"
     if is_packed_store(target):
@@ -42,7 +42,6 @@ def default_packed_dir() -> Path:
 
 def load_streaming(path: str | Path | None, options: StreamOptions):
     """A `LoadedModel` whose K3Model reads through a `StreamingSource`."""
-    from k3serve.loading import LoadedModel, configure_threads
     from k3serve.model.k3 import K3Model
     from k3serve.model.kernels import warmup as warmup_kernels
     from k3serve.tokenizer import Tokenizer

@@ -73,9 +73,10 @@ class _RecordingSource(TracedSource):
 
     def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
         nxt = layer + 1
-        if nxt >= self.config.num_layers or self.config.is_dense(nxt):
-            return
-        self.predicted.setdefault(nxt, []).append(guess_next_layer(self.config, self.inner.layer(nxt), hidden)[0])
+        if nxt < self.config.num_layers and not self.config.is_dense(nxt):
+            self.predicted.setdefault(nxt, []).append(
+                guess_next_layer(self.config, self.inner.layer(nxt), hidden)[0])
+        super().prefetch_hint(layer, hidden)
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         self.actual.setdefault(layer, []).append(np.array(expert_ids))

@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from k3serve.errors import K3Error
-from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, build_globals, build_layer)
+from k3serve.model.weights import ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_globals, build_layer
 from k3serve.stream.budget import BudgetPlan, format_size, plan_budget
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache, StoreCorruptError
@@ -133,7 +133,7 @@ def _aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
 
 
-class StreamingSource:
+class StreamingSource(WeightSource):
     def __init__(self, store: PackedStore, options: StreamOptions = StreamOptions()) -> None:
         self.store = store
         self.options = options

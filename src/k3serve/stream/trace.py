@@ -21,6 +21,7 @@ from typing import IO, Mapping, Sequence
 import numpy as np
 
 from k3serve.errors import K3Error
+from k3serve.model.weights import ForwardingSource, WeightSource
 
 TRACE_MAGIC = "# k3serve-trace 1 "
 
@@ -134,35 +135,24 @@ def check_trace_model(trace: Trace, config, path: str | Path, flag: str) -> None
                              f"trace and {model[key]} in this model")
 
 
-class TracedSource:
+class TracedSource(ForwardingSource):
     """Wraps any weight source and records its routing (for --trace-out on a resident model); with no writer it
-    only forwards (a base for other recorders)."""
+    only forwards (a base for other recorders). Everything else, capabilities included, goes to the inner source."""
 
-    def __init__(self, inner, writer: TraceWriter | None) -> None:
-        self.inner = inner
-        self.config = inner.config
+    def __init__(self, inner: WeightSource, writer: TraceWriter | None) -> None:
+        super().__init__(inner)
         self.writer = writer
         self._step = -1
         self._next_token = 0
         self._step_first_token = 0
 
-    def global_weights(self):
-        return self.inner.global_weights()
-
-    def layer(self, layer: int):
-        return self.inner.layer(layer)
-
-    def experts(self, layer: int, expert_ids: Sequence[int]):
-        return self.inner.experts(layer, expert_ids)
-
     def begin_step(self, num_tokens: int) -> None:
         self._step += 1
         self._step_first_token = self._next_token
         self._next_token += num_tokens
+        self.inner.begin_step(num_tokens)
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         if self.writer is not None:
             self.writer.write(self._step, self._step_first_token, layer, expert_ids)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+        self.inner.note_routing(layer, expert_ids)
