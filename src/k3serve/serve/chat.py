@@ -1,15 +1,23 @@
-"""The chat template of k3serve's models, in the style of the Kimi family:
+"""Chat templates: the checkpoint's own, or k3serve's built-in one in the style of the Kimi family.
+
+A family checkpoint (Hugging Face `tokenizer.json`) carries its template as jinja in `tokenizer_config.json` or
+`chat_template.jinja`; it is rendered in a sandbox with `messages`, `add_generation_prompt=True`, `bos_token` and
+`eos_token`, and the text is tokenized with its special tokens recognised (the template writes the BOS itself).
+Otherwise the built-in template over the tokenizer's special tokens:
 
     <|im_system|>system<|im_middle|>You are ...<|im_end|><|im_user|>user<|im_middle|>Hi<|im_end|>
     <|im_assistant|>assistant<|im_middle|>
 
-The model stops at <|im_end|> (one of its end-of-sequence tokens). A checkpoint whose tokenizer lacks these
-special tokens has no chat template, and /v1/chat/completions answers 400 for it.
+The model stops at <|im_end|> (one of its end-of-sequence tokens). A tokenizer with neither has no chat template,
+and /v1/chat/completions answers 400 for it.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from k3serve.errors import RequestError
+from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.tokenizer import Tokenizer
 
 _ROLE_TOKENS = {"system": "<|im_system|>", "developer": "<|im_system|>", "user": "<|im_user|>",
@@ -17,13 +25,50 @@ _ROLE_TOKENS = {"system": "<|im_system|>", "developer": "<|im_system|>", "user":
 _MIDDLE, _END = "<|im_middle|>", "<|im_end|>"
 
 
-def has_chat_template(tokenizer: Tokenizer) -> bool:
+def _checkpoint_template(tokenizer: Tokenizer | HFTokenizer) -> str | None:
+    return tokenizer.chat_template if isinstance(tokenizer, HFTokenizer) else None
+
+
+def has_chat_template(tokenizer: Tokenizer | HFTokenizer) -> bool:
     needed = set(_ROLE_TOKENS.values()) | {_MIDDLE, _END}
-    return needed <= set(tokenizer.special_tokens)
+    return _checkpoint_template(tokenizer) is not None or needed <= set(tokenizer.special_tokens)
 
 
-def apply_chat_template(tokenizer: Tokenizer, messages: list[tuple[str, str]]) -> list[int]:
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(template)
+
+
+def _render(tokenizer: HFTokenizer, template: str, messages: list[tuple[str, str]]) -> list[int]:
+    from jinja2 import TemplateError
+
+    def token_text(token_id: int | None) -> str:
+        return "" if token_id is None else tokenizer.id_to_bytes(token_id).decode("utf-8", "replace")
+
+    try:
+        text = _compile(template).render(
+            messages=[{"role": "system" if role == "developer" else role, "content": content}
+                      for role, content in messages],
+            add_generation_prompt=True, bos_token=token_text(tokenizer.bos_id),
+            eos_token=token_text(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
+    except TemplateError as exc:
+        raise RequestError(f"the model's chat template refused these messages: {exc}") from exc
+    return list(tokenizer.encode(text, allow_special=True))
+
+
+def apply_chat_template(tokenizer: Tokenizer | HFTokenizer, messages: list[tuple[str, str]]) -> list[int]:
     """(role, text) pairs -> prompt ids ending with the assistant header, ready to generate the reply."""
+    template = _checkpoint_template(tokenizer)
+    if template is not None:
+        return _render(tokenizer, template, messages)
     if not has_chat_template(tokenizer):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions")
     special = tokenizer.special_tokens
