@@ -95,3 +95,57 @@ def test_cli_rejection_exits_nonzero_with_message(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "full_attn_layers" in result.stderr
+
+
+# ---- the released keys other engines read (K3_SPEC section 2; llama.cpp's converter needs them) ----------------
+def test_written_configs_carry_the_released_interop_keys(tmp_path):
+    from k3serve.weights.synthetic import write_random_checkpoint
+
+    write_random_checkpoint(tiny_config(), tmp_path, seed=0)  # what make-tiny and the training export write
+    raw = json.loads((tmp_path / "config.json").read_text())
+    text = raw["text_config"]
+    assert raw["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert text["hidden_act"] == "situ" and text["mla_use_nope"] is True
+    assert text["num_key_value_heads"] == text["num_attention_heads"]
+    assert text["max_position_embeddings"] == tiny_config().max_position_embeddings
+    assert load_config(tmp_path) == tiny_config()
+
+
+def test_configs_without_the_interop_keys_still_read():
+    old = tiny_config().to_dict(interop=False)
+    assert "hidden_act" not in old["text_config"] and old["architectures"] == ["KimiK3ForCausalLM"]
+    assert K3Config.from_dict(old) == tiny_config()
+    released = tiny_config().to_dict()
+    released["text_config"]["max_position_embeddings"] = 262144
+    assert K3Config.from_dict(released).max_position_embeddings == 262144
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_act", "silu", "hidden_act.*situ"),
+    ("mla_use_nope", False, "mla_use_nope"),
+    ("num_key_value_heads", 1, "num_key_value_heads"),
+    ("max_position_embeddings", 0, "max_position_embeddings"),
+])
+def test_interop_keys_that_contradict_k3_are_refused(key, value, message):
+    raw = tiny_config().to_dict()
+    raw["text_config"][key] = value
+    with pytest.raises(ConfigError, match=message):
+        K3Config.from_dict(raw)
+
+
+def test_widening_writes_the_released_keys(tmp_path):
+    from k3serve.weights.synthetic import write_random_checkpoint
+    from k3serve.weights.widen import widen_experts
+
+    src = tmp_path / "src"
+    old = tiny_config()
+    write_random_checkpoint(old, src, seed=0)
+    raw = json.loads((src / "config.json").read_text())
+    for key in ("hidden_act", "mla_use_nope", "num_key_value_heads", "max_position_embeddings"):
+        del raw["text_config"][key]  # a checkpoint written before the keys existed
+    (src / "config.json").write_text(json.dumps(raw))
+    widen_experts(src, tmp_path / "wide", inner=2)
+    wide = json.loads((tmp_path / "wide" / "config.json").read_text())
+    assert wide["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert wide["text_config"]["hidden_act"] == "situ"
+    assert wide["text_config"]["moe_intermediate_size"] == 2 * old.moe_intermediate_size

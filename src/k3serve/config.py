@@ -111,6 +111,8 @@ class K3Config:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     model_type: str = "kimi_k3"
+    # K3 has no positional encoding: this bounds nothing here, but other engines size their context from it
+    max_position_embeddings: int = DEFAULT_MAX_MODEL_LEN
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -153,6 +155,10 @@ class K3Config:
             raise ConfigError(
                 f"first_k_dense_replace ({self.first_k_dense_replace}) exceeds num_hidden_layers ({self.num_layers})"
             )
+        if isinstance(self.max_position_embeddings, bool) or not isinstance(self.max_position_embeddings, int) \
+                or self.max_position_embeddings < 1:
+            raise ConfigError(
+                f"max_position_embeddings must be a positive integer, got {self.max_position_embeddings!r}")
         for token_id in ([self.bos_token_id] if self.bos_token_id is not None else []) + list(self.eos_token_ids):
             if not 0 <= token_id < self.vocab_size:
                 raise ConfigError(f"special token id {token_id} is outside the vocabulary (size {self.vocab_size})")
@@ -288,10 +294,13 @@ class K3Config:
         eos_ids = tuple(dict.fromkeys(list(eos_ids) + list(extra_stop)))
         model_type = text.get("model_type", raw.get("model_type", "kimi_k3")) if nested else raw.get("model_type", "kimi_k3")
         _check_quantization(raw.get("quantization_config", text.get("quantization_config") if nested else None))
-        return cls(**values, bos_token_id=bos, eos_token_ids=eos_ids, model_type=model_type)
+        extra = _check_interop_keys(raw, text if nested else raw, values["num_mla_heads"])
+        return cls(**values, bos_token_id=bos, eos_token_ids=eos_ids, model_type=model_type, **extra)
 
-    def to_dict(self, nested: bool = True) -> dict[str, Any]:
-        """The config.json form: the released nested layout, or the flat test layout."""
+    def to_dict(self, nested: bool = True, interop: bool = True) -> dict[str, Any]:
+        """The config.json form: the released nested layout, or the flat test layout. With `interop` (what every
+        writer uses) it carries the released keys other engines rely on (INTEROP_KEYS; llama.cpp's converter reads
+        them); without, the form packed stores were fingerprinted with."""
         fields = asdict(self)
         body: dict[str, Any] = {}
         linear: dict[str, Any] = {}
@@ -309,6 +318,9 @@ class K3Config:
             if len(self.eos_token_ids) > 1:
                 body["extra_stop_token_ids"] = list(self.eos_token_ids[1:])
         body["model_type"] = self.model_type
+        if interop:
+            body.update(hidden_act="situ", mla_use_nope=True, num_key_value_heads=self.num_mla_heads,
+                        max_position_embeddings=self.max_position_embeddings)
         quant = {
             "quant_method": "compressed-tensors",
             "format": "mxfp4-pack-quantized",
@@ -319,8 +331,37 @@ class K3Config:
         if not nested:
             return {**body, "quantization_config": quant}
         body["linear_attn_config"] = linear
-        return {"architectures": ["KimiK3ForCausalLM"], "model_type": self.model_type, "text_config": body,
+        architecture = RELEASED_ARCHITECTURE if interop else "KimiK3ForCausalLM"
+        return {"architectures": [architecture], "model_type": self.model_type, "text_config": body,
                 "quantization_config": quant}
+
+
+RELEASED_ARCHITECTURE = "KimiK3ForConditionalGeneration"
+INTEROP_KEYS = ("architectures", "hidden_act", "mla_use_nope", "num_key_value_heads", "max_position_embeddings")
+
+
+def _check_interop_keys(root: dict[str, Any], text: dict[str, Any], num_heads: int) -> dict[str, Any]:
+    """The released keys other engines need (K3_SPEC section 2) are optional here, but when present they must
+    describe K3: SiTU, nope-only MLA, one KV head per attention head. Returns the K3Config fields they set."""
+    def find(key: str) -> Any:
+        return text[key] if key in text else root.get(key)
+
+    architectures = root.get("architectures")
+    if architectures is not None and (not isinstance(architectures, list)
+                                      or not all(isinstance(a, str) for a in architectures)):
+        raise ConfigError(f"config key 'architectures' must be a list of names, got {architectures!r}")
+    act = find("hidden_act")
+    if act is not None and act != "situ":
+        raise ConfigError(f"config key 'hidden_act' is {act!r}; K3's experts and MLPs use 'situ'")
+    nope = find("mla_use_nope")
+    if nope is not None and nope is not True:
+        raise ConfigError(f"config key 'mla_use_nope' is {nope!r}; K3's MLA has no rotary part (true)")
+    kv_heads = find("num_key_value_heads")
+    if kv_heads is not None and kv_heads != num_heads:
+        raise ConfigError(f"config key 'num_key_value_heads' is {kv_heads!r}; K3's MLA has one per attention head "
+                          f"({num_heads})")
+    context = find("max_position_embeddings")
+    return {} if context is None else {"max_position_embeddings": context}
 
 
 def _check_quantization(quant: Any) -> None:

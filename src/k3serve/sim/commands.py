@@ -80,7 +80,7 @@ def _ram(text: str) -> int | None:
 def _sim_config(args: argparse.Namespace, ram: int | None):
     from k3serve.config import full_k3_config
     from k3serve.sim.full import SimConfig
-    from k3serve.sim.machine import resolve_machine
+    from k3serve.sim.presets import resolve_machine
     from k3serve.sim.routing import fit_routing
     from k3serve.stream.trace import read_trace
 

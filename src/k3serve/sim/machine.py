@@ -179,15 +179,3 @@ def load_machine(path: str | Path) -> Machine:
 
 def save_machine(machine: Machine, path: str | Path) -> None:
     Path(path).write_text(json.dumps(machine.to_dict(), indent=1) + "\n")
-
-
-def resolve_machine(name_or_path: str | Path) -> Machine:
-    """A preset name (see `k3serve.sim.presets`) or a machine file."""
-    from k3serve.sim.presets import PRESETS
-
-    key = str(name_or_path)
-    if key in PRESETS:
-        return PRESETS[key]()
-    if Path(key).exists():
-        return load_machine(key)
-    raise MachineError(f"no machine preset or file {key!r}; presets: {', '.join(sorted(PRESETS))}")

@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
-from k3serve.sim.machine import ComputeModel, DiskModel, Machine
+from k3serve.sim.machine import ComputeModel, DiskModel, Machine, MachineError, load_machine
 
 GB = 1e9
 MB = 1e6
@@ -89,3 +90,13 @@ def this_machine() -> Machine:
 PRESETS: dict[str, Callable[[], Machine]] = {
     "c-engine": c_engine, "c-engine-v1": c_engine_v1, "laptop": laptop, "this-machine": this_machine,
 }
+
+
+def resolve_machine(name_or_path: str | Path) -> Machine:
+    """A preset name (see PRESETS) or a machine file."""
+    key = str(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]()
+    if Path(key).exists():
+        return load_machine(key)
+    raise MachineError(f"no machine preset or file {key!r}; presets: {', '.join(sorted(PRESETS))}")

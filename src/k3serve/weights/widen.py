@@ -17,6 +17,7 @@ float32 rounding and greedy tokens normally agree exactly (tests/weights/test_wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -90,11 +91,9 @@ def widen_experts(src: str | Path, out: str | Path, inner: int = 1, latent: int 
         tensors[name] = array
     out.mkdir(parents=True, exist_ok=True)
     save_sharded(out, tensors, dtypes, max_shard_bytes=max_shard_bytes)
-    raw = json.loads((src / "config.json").read_text())
-    text = raw.get("text_config", raw)
-    text["moe_intermediate_size"] = config.moe_intermediate_size * inner
-    text["routed_expert_hidden_size"] = config.latent_size * latent
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    widened = dataclasses.replace(config, moe_intermediate_size=config.moe_intermediate_size * inner,
+                                  latent_size=config.latent_size * latent)
+    (out / "config.json").write_text(json.dumps(widened.to_dict(nested=True), indent=2) + "\n")
     for extra in ("tiktoken.model", "tokenizer_config.json", "tokenizer.json"):
         if (src / extra).exists():
             shutil.copy(src / extra, out / extra)

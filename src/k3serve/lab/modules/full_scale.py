@@ -9,7 +9,7 @@ from k3serve.config import full_k3_config
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.sim.calibrate import LADDER, c_engine_run
 from k3serve.sim.full import SimConfig, simulate
-from k3serve.sim.machine import resolve_machine
+from k3serve.sim.presets import resolve_machine
 from k3serve.sim.presets import PRESETS
 from k3serve.stream.budget import BudgetError
 
