@@ -12,10 +12,13 @@ import pytest
 
 from k3serve.errors import TokenizerError
 from k3serve.tokenizer import (
-    DEFAULT_PATTERN, DEFAULT_SPECIAL_TOKENS, Tokenizer, default_tokenizer_dir, merge_piece_heap,
+    DEFAULT_PATTERN, DEFAULT_SPECIAL_TOKENS, Tokenizer, merge_piece_heap,
     merge_piece_reference,
 )
 from k3serve.tokenizer_training import train_bpe, write_tokenizer
+
+# the stdlib-trained BPE (a test fixture; the shipped model carries its own tokenizer)
+STDLIB_TOKENIZER = Path(__file__).resolve().parents[0] / "fixtures" / "stdlib_tokenizer"
 
 LENGTHS = (0, 1, 2, 15, 63, 300, 2000)
 SINGLE_BYTES = [bytes([byte]) for byte in range(256)]
@@ -42,7 +45,7 @@ class Walker:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(default_tokenizer_dir())
+    return Tokenizer.from_dir(STDLIB_TOKENIZER)
 
 
 def random_text(rng: random.Random, length: int) -> str:
@@ -84,7 +87,7 @@ def test_asset_loads_with_k3_layout(tokenizer: Tokenizer) -> None:
     assert tokenizer.eos_ids == (1025, 1026)
     assert tokenizer.pattern == DEFAULT_PATTERN
     assert tokenizer.chat_template is None
-    config = json.loads((default_tokenizer_dir() / "tokenizer_config.json").read_text())
+    config = json.loads((STDLIB_TOKENIZER / "tokenizer_config.json").read_text())
     assert "k3serve.tokenizer_training" in config["source"]
 
 
@@ -130,7 +133,7 @@ def test_lone_surrogate_text_is_rejected(tokenizer: Tokenizer) -> None:
 
 def test_encode_100kb_is_fast(tokenizer: Tokenizer) -> None:
     text = (SAMPLE_CODE + random_text(random.Random(7), 200)) * 200  # ~100 KB
-    fresh = Tokenizer.from_dir(default_tokenizer_dir())
+    fresh = Tokenizer.from_dir(STDLIB_TOKENIZER)
     started = time.perf_counter()
     ids = fresh.encode(text)
     assert time.perf_counter() - started < 2.0

@@ -4,12 +4,17 @@ their position."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3serve.errors import TokenizerError
-from k3serve.tokenizer import Tokenizer, default_tokenizer_dir
+from k3serve.tokenizer import Tokenizer
+
+# the stdlib-trained BPE (a test fixture; the shipped model carries its own tokenizer)
+STDLIB_TOKENIZER = Path(__file__).resolve().parents[0] / "fixtures" / "stdlib_tokenizer"
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -17,7 +22,7 @@ SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(default_tokenizer_dir())
+    return Tokenizer.from_dir(STDLIB_TOKENIZER)
 
 
 @SETTINGS

@@ -67,11 +67,6 @@ _MAX_CACHED_PIECE_BYTES = 256
 _DEFAULT_CACHE_SIZE = 1 << 16
 
 
-def default_tokenizer_dir() -> Path:
-    """The folder of the tokenizer shipped with k3serve (1024 base tokens + 8 specials, trained on stdlib source)."""
-    return Path(__file__).resolve().parent / "assets" / "default_tokenizer"
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # BPE merge: a slow reference and a heap-based fast path that must agree exactly.
 

@@ -3,17 +3,22 @@ into any chunks, equals the whole text cut at the first stop string, and never s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3serve.serve.text import TextTracker, find_stop
-from k3serve.tokenizer import Tokenizer, default_tokenizer_dir
+from k3serve.tokenizer import Tokenizer
+
+# the stdlib-trained BPE (a test fixture; the shipped model carries its own tokenizer)
+STDLIB_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "stdlib_tokenizer"
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(default_tokenizer_dir())
+    return Tokenizer.from_dir(STDLIB_TOKENIZER)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None,
