@@ -417,3 +417,42 @@ def test_generate_prompt_on_a_family_checkpoint_with_tokenizer_json(qwen_loaded,
     assert len(tokens) == 12
     stops = set(loaded.stop_ids)
     assert stdout.getvalue() == ours.decode([t for t in tokens if t not in stops]) + "\n"
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_serve_a_family_checkpoint_with_its_own_chat_template(qwen_loaded, qwen_style, tmp_path):
+    """`serve` runs a family model: the chat prompt is the checkpoint's jinja template, rendered and tokenized with
+    its special tokens; the completion is the model's greedy continuation of exactly those ids."""
+    sys.path.insert(0, str(Path(__file__).parent / "model" / "families"))
+    import _hf_tiny
+    from fastapi.testclient import TestClient
+
+    from k3serve.engine.config import EngineConfig
+    from k3serve.engine.engine import LLMEngine
+    from k3serve.loading import load_model
+    from k3serve.serve.api import create_app
+
+    ours, _ = qwen_loaded
+    _hf_tiny.build_tiny("qwen3_moe", tmp_path, vocab_size=ours.vocab_size, eos_token_id=ours.special_tokens[
+        "<|endoftext|>"])
+    save(qwen_style, tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>",
+                                                                "chat_template": CHATML}))
+    loaded = load_model(tmp_path)
+    engine = LLMEngine(loaded.model, EngineConfig(block_size=4, num_blocks=256, max_model_len=256),
+                       stop_ids=loaded.stop_ids)
+    with TestClient(create_app(engine, loaded.tokenizer, "tiny-qwen")) as client:
+        response = client.post("/v1/chat/completions", json={
+            "model": "tiny-qwen", "messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "def main():"}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    prompt = ours.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef main():<|im_end|>\n"
+                         "<|im_start|>assistant\n", allow_special=True)
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    expected = loaded.model.greedy(prompt, 6)  # ignore_eos: all six, special ones not shown as text
+    assert body["choices"][0]["message"]["content"] == ours.decode([t for t in expected if not ours.is_special(t)])
