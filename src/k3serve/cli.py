@@ -309,6 +309,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       "one")
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative,
                        drafters=_drafters(args, speculative, loaded.model))
+    if speculative is not None:
+        engine.drafters.check(speculative)  # e.g. the resident drafter on a family model: refuse at start
     name = args.served_model_name or loaded.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
     tenants.on_reload = lambda config: engine.set_tenant_shares(config.shares())
