@@ -156,6 +156,9 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     if args.out.resolve() == args.src.resolve():
         raise UsageError(f"pack would write into its source checkpoint {args.src}: give another output folder")
+    from k3serve.stream.loading import refuse_family
+
+    refuse_family(args.src, "pack")
     token_sets = None
     if args.trace:  # checked against the source model before anything is written
         trace = read_trace(args.trace)

@@ -40,6 +40,17 @@ def default_packed_dir() -> Path:
     return target
 
 
+def refuse_family(folder: Path, what: str) -> None:
+    """A clear error for a family checkpoint (Kimi Linear, DeepSeek-V3, Qwen3-MoE, Qwen3-Next): the packed store
+    and the streaming source hold K3's tensors only."""
+    from k3serve.model.families import is_family_checkpoint, read_family_config
+
+    if is_family_checkpoint(folder):
+        model_type = read_family_config(folder).model_type
+        raise CheckpointError(f"{folder} is a {model_type} checkpoint: {what} is built for K3 checkpoints only for "
+                              "now; run it resident (without --ram-budget and the other streaming options)")
+
+
 def load_streaming(path: str | Path | None, options: StreamOptions):
     """A `LoadedModel` whose K3Model reads through a `StreamingSource`."""
     from k3serve.model.k3 import K3Model
@@ -48,6 +59,7 @@ def load_streaming(path: str | Path | None, options: StreamOptions):
 
     folder = Path(path) if path is not None else default_packed_dir()
     if not is_packed_store(folder):
+        refuse_family(folder, "streaming (--ram-budget, --io, --cache, --prefetch, --trace-out)")
         raise CheckpointError(
             f"{folder} is not a packed store; streaming options (--ram-budget, --io, --cache, --prefetch, "
             f"--trace-out) read a packed store: run `k3serve pack {folder} PACKED_DIR` and pass --model PACKED_DIR")
