@@ -37,6 +37,7 @@ from k3serve.engine.verification import num_to_emit, verify
 from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.errors import ContextLengthError, RequestError
+from k3serve.model.families import FamilyModel
 from k3serve.model.k3 import ForwardItem, K3Model
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Continuous batching over one `K3Model`. `add_request` and `abort` may be called from any thread; `step`
+    """Continuous batching over one model (`K3Model` or any family's `FamilyModel`: the pools follow its
+    `cache_layout`). `add_request` and `abort` may be called from any thread; `step`
     from one thread at a time (the engine loop)."""
 
     def __init__(self, model: K3Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
@@ -504,9 +506,9 @@ def _request_reason(request: Request) -> FinishReason:
 class LLM:
     """Offline generation over an `LLMEngine`: submit a list of prompts, step until all are done."""
 
-    def __init__(self, model: K3Model | LoadedModel | str | Path | None = None,
+    def __init__(self, model: K3Model | FamilyModel | LoadedModel | str | Path | None = None,
                  config: EngineConfig | None = None) -> None:
-        if isinstance(model, K3Model):
+        if isinstance(model, (K3Model, FamilyModel)):
             self.tokenizer = None
             self.engine = LLMEngine(model, config)
             return
