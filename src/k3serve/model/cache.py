@@ -66,11 +66,6 @@ class CacheLayout:
         """Bytes one position takes in the paged pool, over every attention layer."""
         return len(self.row_widths) * self.row_width * FLOAT32_BYTES
 
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of every recurrent layer's state and conv tail for one sequence."""
-        return sum((int(np.prod(s)) + int(np.prod(t))) * FLOAT32_BYTES for s, t in self.recurrent_shapes.values())
-
 
 class RecurrentWindow(Protocol):
     """What a recurrent layer records about one multi-token segment, enough to rebuild its state after any prefix

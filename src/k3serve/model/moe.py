@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.kernels import (StackedExperts, linear, mxfp4_expert_forward, mxfp4_experts_accumulate_stacked,
+from k3serve.model.kernels import (StackedExperts, linear, mxfp4_experts_accumulate_stacked,
                                    stack_expert)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
@@ -57,12 +57,6 @@ def guess_next_layer(config: K3Config, next_layer: LayerWeights, hidden: np.ndar
     x = rms_norm(hidden, next_layer.post_attention_norm, config.rms_norm_eps)
     scores = sigmoid(x @ next_layer.mlp.router.T)
     return route_scores(config, scores, next_layer.mlp.router_bias).expert_ids, scores + next_layer.mlp.router_bias
-
-
-def expert_forward(config: K3Config, e: ExpertWeights, z: np.ndarray) -> np.ndarray:
-    """One routed expert on the latent rows routed to it: z [n, LT] -> [n, LT]."""
-    return mxfp4_expert_forward((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales),
-                                (e.w2_packed, e.w2_scales), z, config.situ_beta, config.situ_linear_beta)
 
 
 ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]
