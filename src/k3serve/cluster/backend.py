@@ -88,7 +88,10 @@ class ClusterBackend:
         return not self._stopping.is_set() and any(self.router.healthy)
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative) -> ClusterStream:
+               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> ClusterStream:
+        if grammar is not None:  # a compiled grammar holds a native tokenizer: it does not travel to the actors
+            raise RequestError("response_format and forced tool calls are not served by a cluster yet; use one "
+                               "server (k3serve serve)")
         prompt = self._validate(prompt_token_ids, params)
         stream = ClusterStream(self, prompt, params, tenant, cache_salt, stop, speculative)
         stream.start(frozenset())

@@ -110,14 +110,14 @@ class EngineRunner:
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
-               stop_hook: StopHook | None = None, speculative=None) -> RequestStream:
+               stop_hook: StopHook | None = None, speculative=None, grammar=None) -> RequestStream:
         """Queue a request; raises `RequestError` at once if it is invalid."""
         if self._stopping:
             raise RuntimeError("the engine runner is shut down")
         stream = RequestStream(self)
         stream.request_id = self.engine.add_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
                                                     cache_salt=cache_salt, stop_hook=stop_hook,
-                                                    on_output=stream.put, speculative=speculative)
+                                                    on_output=stream.put, speculative=speculative, grammar=grammar)
         self._wake.set()
         return stream
 

@@ -31,7 +31,7 @@ from k3serve.engine.metrics import Counter, Gauge, Histogram, MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
 from k3serve.engine.drafters import Draft
-from k3serve.engine.sampling import Sampler, SamplingParams, validate_prompt
+from k3serve.engine.sampling import Sampler, SamplingParams, token_logprob, validate_prompt
 from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, SpeculativeConfig
 from k3serve.engine.verification import num_to_emit, verify
 from k3serve.model.rollback import RollbackCache
@@ -41,6 +41,7 @@ from k3serve.model.families import FamilyModel
 from k3serve.model.k3 import ForwardItem, K3Model
 
 if TYPE_CHECKING:
+    from k3serve.engine.constraints import Grammar
     from k3serve.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -114,22 +115,25 @@ class LLMEngine:
                     request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
                     stop_hook: StopHook | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    speculative: SpeculativeConfig | bool | str | None = None) -> str:
+                    speculative: SpeculativeConfig | bool | str | None = None, grammar: Grammar | None = None
+                    ) -> str:
         """Queue a request and return its id. Raises `RequestError` (and queues nothing) if it is invalid.
 
         `on_output` is called from the engine thread with every `RequestOutput` of this request (streaming);
         `stop_hook` sees each completion's generated ids after every token and may finish it. `speculative`:
         None = the engine's default, False = off, True = the default or `SpeculativeConfig()`, a drafter name =
-        that default with this drafter, or a config."""
+        that default with this drafter, or a config. `grammar` (engine/constraints.py) constrains every
+        completion's tokens."""
         return self.enqueue(self.make_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
                                                cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output,
-                                               speculative=speculative))
+                                               speculative=speculative, grammar=grammar))
 
     def make_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
                      stop_hook: StopHook | None = None,
                      on_output: Callable[[RequestOutput], None] | None = None,
-                     speculative: SpeculativeConfig | bool | str | None = None) -> Request:
+                     speculative: SpeculativeConfig | bool | str | None = None,
+                     grammar: Grammar | None = None) -> Request:
         """Validate and build a request without queueing it (`add_request` = this + queueing). Raises
         `RequestError`. The id is checked for duplicates, and assigned if None, when it is queued."""
         prompt = validate_prompt(prompt_token_ids, self.model_config.vocab_size)
@@ -159,7 +163,8 @@ class LLMEngine:
         max_total = min(len(prompt) + params.max_tokens, self.max_context)
         for index in range(params.n):
             rng = np.random.default_rng([params.seed, index]) if index and params.seed is not None else None
-            request.sequences.append(Sequence(next(self._seq_ids), request, index, Sampler(params, rng), max_total))
+            sampler = Sampler(params, rng, None if grammar is None else grammar.constraint())
+            request.sequences.append(Sequence(next(self._seq_ids), request, index, sampler, max_total))
         request.pending_forks = request.sequences[1:]
         return request
 
@@ -338,7 +343,7 @@ class LLMEngine:
                 else:
                     self.scheduler.add(child)  # no seat or slot now: it will prefill the prompt itself
         for target, token in sampled:
-            self._append(target, token, now)
+            self._append(target, token, now, logits)
 
     def _after_verify(self, scheduled: ScheduledSequence, logits: np.ndarray, window: RollbackCache, now: float,
                       touched: dict[str, Request]) -> None:
@@ -360,13 +365,17 @@ class LLMEngine:
         self._m_spec_drafted.inc(k)
         self._m_spec_accepted.inc(result.num_accepted)
         touched[request.request_id] = request
-        for token in result.tokens[:m]:
-            self._append(seq, token, now)
+        for row, token in enumerate(result.tokens[:m]):
+            self._append(seq, token, now, logits[row])
             if seq.is_finished:
                 break
 
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, now: float, logits: np.ndarray) -> None:
+        """Add a sampled token (from logits [V]) to the sequence: grammar, logprobs, counters, stop conditions."""
         request = seq.request
+        seq.sampler.accept(token)
+        if request.params.logprobs is not None:
+            seq.logprobs.append(token_logprob(logits, token, request.params.logprobs))
         seq.token_ids.append(token)
         self._m_generated.inc()
         self._t_generated.labels(request.tenant).inc()
@@ -446,7 +455,8 @@ class LLMEngine:
             for seq in request.sequences:
                 generated = seq.output_token_ids
                 completions.append(CompletionOutput(seq.index, generated, generated[seq.num_emitted:],
-                                                    seq.finish_reason))
+                                                    seq.finish_reason,
+                                                    None if request.params.logprobs is None else list(seq.logprobs)))
                 seq.num_emitted = len(generated)
             ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
             out = RequestOutput(request.request_id, list(request.prompt_token_ids), completions, request.finished,

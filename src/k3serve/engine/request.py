@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from k3serve.engine.paged_cache import PagedSequenceCache
-from k3serve.engine.sampling import Sampler, SamplingParams
+from k3serve.engine.sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from k3serve.engine.speculative import SpeculativeConfig
@@ -47,6 +47,7 @@ class CompletionOutput:
     token_ids: list[int]  # every generated token so far
     new_token_ids: list[int]  # the tokens generated since the previous output of this request
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -111,6 +112,7 @@ class Sequence:
         self.num_emitted = 0  # generated tokens already streamed
         self.num_preemptions = 0
         self.suspect = False  # its last batched forward failed: run it alone until it succeeds
+        self.logprobs: list[TokenLogprob] = []  # one per generated token when the request asked for logprobs
         self.last_token_time: float | None = None
         self.draft_tokens: list[int] = []  # speculative drafts for this step, verified after the last token
 

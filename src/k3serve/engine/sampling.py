@@ -10,10 +10,35 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from k3serve.errors import RequestError
+
+if TYPE_CHECKING:
+    from k3serve.engine.constraints import TokenConstraint
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of the raw logits, before temperature,
+    filters or a grammar, as vLLM reports by default) and the `top` most likely tokens with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """logits [V] -> the TokenLogprob of `token` with the `top` most likely ids (highest first, lowest id on ties)."""
+    shifted = logits.astype(np.float64) - np.max(logits)
+    logprobs = shifted - np.log(np.sum(np.exp(shifted)))  # [V]
+    best = np.argsort(-logprobs, kind="stable")[:top] if top else np.empty(0, dtype=np.int64)
+    return TokenLogprob(int(token), float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in best))
 
 
 @dataclass(frozen=True)
@@ -26,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1  # completions per request (the engine forks them from one prefill)
+    logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
@@ -46,6 +72,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple) or any(
                 isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be a tuple of non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -88,9 +117,20 @@ class Sampler:
     """Draws tokens for one sequence. Holds that sequence's random generator (by default seeded with
     `params.seed`; the engine passes its own for the 2nd..nth completion of a seeded request)."""
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator | None = None) -> None:
+    def __init__(self, params: SamplingParams, rng: np.random.Generator | None = None,
+                 constraint: TokenConstraint | None = None) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed) if rng is None else rng
+        self.constraint = constraint  # a grammar (engine/constraints.py): masks every draw, advances on accept
+
+    def masked(self, logits: np.ndarray) -> np.ndarray:
+        """logits [V] with what the grammar forbids next at -inf (unchanged without a grammar)."""
+        return logits if self.constraint is None else self.constraint.mask(logits)
+
+    def accept(self, token: int) -> None:
+        """The sequence took `token`: advance the grammar."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
 
     @property
     def rng(self) -> np.random.Generator:
@@ -98,9 +138,9 @@ class Sampler:
         return self._rng
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
-        """The distribution sampling draws from, after temperature, top-k and top-p. logits [V] -> [V]."""
+        """The distribution sampling draws from, after the grammar, temperature, top-k and top-p. [V] -> [V]."""
         p = self.params
-        scaled = logits.astype(np.float64) / p.temperature
+        scaled = self.masked(logits).astype(np.float64) / p.temperature
         if p.top_k and p.top_k < scaled.shape[0]:
             kth = np.partition(scaled, -p.top_k)[-p.top_k]
             scaled = np.where(scaled >= kth, scaled, -np.inf)
@@ -116,7 +156,8 @@ class Sampler:
         return probs
 
     def sample(self, logits: np.ndarray) -> int:
+        """One token from logits [V] (the grammar's mask applied; the grammar is not advanced: see `accept`)."""
         if self.params.greedy:
-            return int(np.argmax(logits))
+            return int(np.argmax(self.masked(logits)))
         probs = self.probabilities(logits)
         return int(self._rng.choice(probs.shape[0], p=probs))

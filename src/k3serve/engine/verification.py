@@ -31,17 +31,40 @@ def verify(logits: np.ndarray, draft: Draft, sampler: Sampler) -> Verification:
     k = len(draft)
     if logits.shape[0] != k + 1:
         raise RequestError(f"{logits.shape[0]} logit rows for {k} drafts")
-    if sampler.params.greedy:
-        target = np.argmax(logits, axis=1)  # [T]
-        a = 0
-        while a < k and draft.tokens[a] == int(target[a]):
-            a += 1
-        return Verification(list(draft.tokens[:a]) + [int(target[a])], a)
+    # with a grammar, row i is masked by the grammar after the drafts before it: advance through the accepted
+    # drafts tentatively, then roll back (the engine advances it for real on the tokens it emits)
+    constraint = sampler.constraint
+    advanced = 0
+    try:
+        if sampler.params.greedy:
+            a = 0
+            while True:
+                target = int(np.argmax(sampler.masked(logits[a])))
+                if a == k or draft.tokens[a] != target:
+                    return Verification(list(draft.tokens[:a]) + [target], a)
+                if constraint is not None:
+                    constraint.accept(target)
+                    advanced += 1
+                a += 1
+        result = _verify_sampled(logits, draft, sampler)
+        advanced = result.num_accepted if constraint is not None else 0
+        return result
+    finally:
+        if advanced:
+            constraint.rollback(advanced)
+
+
+def _verify_sampled(logits: np.ndarray, draft: Draft, sampler: Sampler) -> Verification:
+    """Rejection sampling over the window (accepted drafts advance the grammar; `verify` rolls it back)."""
+    k = len(draft)
     rng = sampler.rng
+    constraint = sampler.constraint
     for i, d in enumerate(draft.tokens):
         p = sampler.probabilities(logits[i])  # [V]
         q_d = 1.0 if draft.probs is None else float(draft.probs[i][d])
         if q_d > 0 and rng.random() < min(1.0, p[d] / q_d):
+            if constraint is not None:
+                constraint.accept(d)
             continue
         if draft.probs is None:
             residual = p.copy()

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
+from k3serve.engine.constraints import Grammar
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.metrics import Counter
 from k3serve.engine.request import FinishReason, RequestOutput
@@ -39,7 +40,9 @@ from k3serve.serve.chat import apply_chat_template
 from k3serve.serve.errors import MAX_BODY_BYTES, APIError, install_error_handlers, read_json_body
 from k3serve.serve.metrics import render_metrics
 from k3serve.serve.openapi import declare_request_bodies
-from k3serve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from k3serve.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from k3serve.serve.structured import (OutputPlan, chat_logprobs, completion_logprobs, parse_tool_calls,
+                                      plan_output)
 from k3serve.serve.tenants import (AuthenticationError, CapExceeded, Lease, QuotaExceeded, TenantRegistry,
                                    estimate_tokens)
 from k3serve.serve.text import TextTracker
@@ -124,8 +127,10 @@ def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_n
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, state)
+        plan, grammar = _chat_output(state, body)
         try:
-            messages = [(m.role, m.text()) for m in body.messages]
+            messages = ([("system", plan.tool_prompt)] if plan.tool_prompt else []) \
+                + [(m.role, m.text()) for m in body.messages]
             ids = apply_chat_template(state.tokenizer, messages)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
@@ -134,14 +139,46 @@ def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_n
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # a default cap, never more than the context leaves
             max_tokens = max(min(state.default_max_tokens, state.backend.max_context - len(ids)), 1)
-        return await _serve(request, state, body, [_Prompt(ids)], max_tokens, chat=True)
+        return await _serve(request, state, body, [_Prompt(ids)], max_tokens, chat=True, plan=plan,
+                            grammar=grammar)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template, to token ids."""
+        body = await _parse(request, TokenizeRequest, state, model_optional=True)
+        try:
+            if body.messages is not None:
+                ids = apply_chat_template(state.tokenizer, [(m.role, m.text()) for m in body.messages])
+                if not body.add_generation_prompt:  # drop the assistant header: <|im_assistant|>assistant<|im_middle|>
+                    ids = ids[:len(ids) - len(state.tokenizer.encode("assistant")) - 2]
+            else:
+                ids = state.tokenizer.encode(body.prompt)
+                if body.add_special_tokens and state.tokenizer.bos_id is not None:
+                    ids = [state.tokenizer.bos_id] + ids
+        except (RequestError, ValueError) as exc:
+            raise APIError(400, str(exc)) from None
+        strs = [state.tokenizer.id_to_bytes(t).decode("utf-8", errors="replace") for t in ids] \
+            if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": state.backend.max_context, "tokens": ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """vLLM's /detokenize: token ids to text."""
+        body = await _parse(request, DetokenizeRequest, state, model_optional=True)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range 0..{vocab - 1}", param="tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
 
     declare_request_bodies(app, {"/v1/completions": CompletionRequest,
-                                 "/v1/chat/completions": ChatCompletionRequest})
+                                 "/v1/chat/completions": ChatCompletionRequest,
+                                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app
 
 
-async def _parse(request: Request, model: type, state: ServerState):
+async def _parse(request: Request, model: type, state: ServerState, model_optional: bool = False):
     state.requests_total.inc()
     _authenticate(request, state)  # before the body: a client without a valid key learns nothing more
     data = await read_json_body(request, state.max_body_bytes)
@@ -154,7 +191,7 @@ async def _parse(request: Request, model: type, state: ServerState):
         if first.get("type") == "extra_forbidden":
             message = f"unknown field '{param}'"
         raise APIError(400, f"{message} ({param})" if param else message, param=param or None) from None
-    if body.model != state.model_name:
+    if body.model != state.model_name and not (model_optional and body.model is None):
         raise APIError(404, f"the model '{body.model}' does not exist; this server has '{state.model_name}'",
                        param="model", code="model_not_found")
     return body
@@ -224,19 +261,45 @@ async def _release_after(events: AsyncIterator[str], lease: Lease, streams: list
         lease.finish(_tokens_used(streams))
 
 
+def _chat_output(state: ServerState, body) -> tuple[OutputPlan, Grammar | None]:
+    """A chat request's output plan (response_format, tools) and the grammar that enforces it, if any."""
+    try:
+        plan = plan_output(None if body.response_format is None else
+                           {"type": body.response_format.type,
+                            "json_schema": None if body.response_format.json_schema is None else
+                            body.response_format.json_schema.model_dump(by_alias=True)},
+                           None if body.tools is None else [tool.model_dump() for tool in body.tools],
+                           body.tool_choice if isinstance(body.tool_choice, (str, type(None)))
+                           else body.tool_choice.model_dump(), body.parallel_tool_calls)
+        grammar = None if plan.schema is None else Grammar.from_json_schema(
+            plan.schema, state.tokenizer)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param="tools" if body.tools else "response_format") from None
+    return plan, grammar
+
+
+def _logprob_count(body, chat: bool) -> int | None:
+    """How many top alternatives each generated token reports (None: no logprobs)."""
+    if chat:
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
 async def _serve(request: Request, state: ServerState, body, prompts: list[_Prompt], max_tokens: int,
-                 chat: bool):
+                 chat: bool, plan: OutputPlan | None = None, grammar: Grammar | None = None):
     tenant = request.state.tenant
     lease, max_tokens = _admit_tenant(state, tenant, body, prompts, max_tokens, chat)
     try:
-        return await _submit_and_answer(request, state, body, prompts, max_tokens, chat, tenant, lease)
+        return await _submit_and_answer(request, state, body, prompts, max_tokens, chat, tenant, lease, plan,
+                                        grammar)
     except BaseException:
         lease.finish()  # refused by the engine, or the client went away: nothing more will run
         raise
 
 
 async def _submit_and_answer(request: Request, state: ServerState, body, prompts: list[_Prompt], max_tokens: int,
-                             chat: bool, tenant: str, lease: Lease):
+                             chat: bool, tenant: str, lease: Lease, plan: OutputPlan | None = None,
+                             grammar: Grammar | None = None):
     streams: list[OutputStream] = []
     for prompt in prompts:
         if len(prompt.ids) + max_tokens > state.backend.max_context:
@@ -246,10 +309,11 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
                            param="max_tokens", code="context_length_exceeded")
         try:
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                    max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos)
+                                    max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
+                                    logprobs=_logprob_count(body, chat))
             streams.append(state.backend.submit(prompt.ids, params, tenant=tenant, cache_salt=body.cache_salt,
                                                 stop=body.stop,
-                                                speculative=body.speculative))
+                                                speculative=body.speculative, grammar=grammar))
         except RequestError as exc:
             for stream in streams:
                 stream.abort()
@@ -257,12 +321,12 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream_events(state, body, streams, response_id, chat, include_usage)
+        events = _stream_events(state, body, streams, response_id, chat, include_usage, plan)
         return StreamingResponse(_release_after(events, lease, streams), media_type="text/event-stream",
                                  headers=lease.headers)
     watcher = asyncio.create_task(_abort_on_disconnect(request, streams))
     try:
-        response = await _complete(state, body, streams, response_id, chat)
+        response = await _complete(state, body, streams, response_id, chat, plan)
     finally:
         watcher.cancel()
     lease.finish(_tokens_used(streams))
@@ -291,7 +355,17 @@ def _finish_reason(reason: FinishReason | None, tracker: TextTracker) -> str | N
             FinishReason.ERROR: "error"}[reason]
 
 
-async def _complete(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool):
+def _logprobs_field(state: ServerState, body, chat: bool, entries: list | None, offset: int = 0) -> dict | None:
+    top = _logprob_count(body, chat)
+    if top is None or entries is None:
+        return None
+    if chat:
+        return chat_logprobs(state.tokenizer, entries, top)
+    return completion_logprobs(state.tokenizer, entries, top, offset)
+
+
+async def _complete(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool,
+                    plan: OutputPlan | None = None):
     choices: list[dict] = []
     prompt_tokens = completion_tokens = 0
     try:
@@ -309,11 +383,16 @@ async def _complete(state: ServerState, body, streams: list[OutputStream], respo
                 completion_tokens += len(completion.token_ids)
                 index = prompt_index * body.n + completion.index
                 reason = _finish_reason(completion.finish_reason, tracker)
+                logprobs = _logprobs_field(state, body, chat, completion.logprobs)
                 if chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                    "finish_reason": reason, "logprobs": None})
+                    message: dict[str, Any] = {"role": "assistant", "content": text}
+                    calls = parse_tool_calls(text, plan) if plan is not None and reason == "stop" else None
+                    if calls:
+                        message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+                    choices.append({"index": index, "message": message, "finish_reason": reason,
+                                    "logprobs": logprobs})
                 else:
-                    choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": None})
+                    choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs})
     finally:
         for stream in streams:
             if not stream.finished:
@@ -327,7 +406,9 @@ async def _complete(state: ServerState, body, streams: list[OutputStream], respo
 
 
 async def _stream_events(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool,
-                         include_usage: bool) -> AsyncIterator[str]:
+                         include_usage: bool, plan: OutputPlan | None = None) -> AsyncIterator[str]:
+    """SSE chunks. With tools, a reply is held to its end (it may turn out to be a tool call) and sent as one
+    delta: `tool_calls` (finish_reason "tool_calls") or its content."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     trackers: dict[int, TextTracker] = {}
@@ -340,13 +421,31 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
             payload["usage"] = usage
         return f"data: {json.dumps(payload)}\n\n"
 
-    def choice(index: int, text: str, reason: str | None, first: bool) -> dict:
+    hold_for_tools = chat and plan is not None and plan.uses_tools
+    held: dict[int, str] = {}
+    logprobs_sent: dict[int, int] = {}
+    text_sent: dict[int, int] = {}
+
+    def choice(index: int, text: str, reason: str | None, first: bool, completion) -> dict:
+        entries = None
+        if completion.logprobs is not None:
+            entries = completion.logprobs[logprobs_sent.get(index, 0):]
+            logprobs_sent[index] = len(completion.logprobs)
+        logprobs = _logprobs_field(state, body, chat, entries, text_sent.get(index, 0))
+        text_sent[index] = text_sent.get(index, 0) + len(text)
         if chat:
             delta: dict[str, Any] = {"content": text}
+            if hold_for_tools:
+                held[index] = held.get(index, "") + text
+                delta["content"] = held.pop(index) if reason is not None else ""
+                calls = parse_tool_calls(delta["content"], plan) if reason == "stop" else None
+                if calls:
+                    delta = {"content": None, "tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
+                    reason = "tool_calls"
             if first:
                 delta["role"] = "assistant"
-            return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
-        return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+            return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
     done: set[int] = set()
     token_counts: dict[int, int] = {}
@@ -376,8 +475,8 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
                         text += tracker.finish()
                         reason = _finish_reason(completion.finish_reason or FinishReason.STOP, tracker)
                         done.add(index)
-                    if text or reason or first:
-                        choices.append(choice(index, text, reason, first))
+                    if text or reason or first or completion.new_token_ids and completion.logprobs:
+                        choices.append(choice(index, text, reason, first, completion))
                 if choices:
                     yield event(choices)
         if include_usage:

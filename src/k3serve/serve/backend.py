@@ -47,9 +47,9 @@ class ServingBackend(Protocol):
         """False when requests can no longer be served (/health answers 503)."""
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative) -> OutputStream:
+               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> OutputStream:
         """Queue a request; raises `RequestError` at once if it is invalid. `stop`: stop strings (the backend
-        checks them with its own tokenizer)."""
+        checks them with its own tokenizer); `grammar`: an engine/constraints.Grammar every completion follows."""
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None: ...
 
@@ -75,9 +75,10 @@ class LocalBackend:
         return self.runner.alive
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative) -> RequestStream:
+               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> RequestStream:
         return self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
-                                  stop_hook=stop_hook_for(self._tokenizer, stop), speculative=speculative)
+                                  stop_hook=stop_hook_for(self._tokenizer, stop), speculative=speculative,
+                                  grammar=grammar)
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
         self.engine.set_tenant_shares(shares)

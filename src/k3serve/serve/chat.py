@@ -21,7 +21,7 @@ from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.tokenizer import Tokenizer
 
 _ROLE_TOKENS = {"system": "<|im_system|>", "developer": "<|im_system|>", "user": "<|im_user|>",
-                "assistant": "<|im_assistant|>"}
+                "assistant": "<|im_assistant|>", "tool": "<|im_system|>"}  # tool results: a system turn named tool
 _MIDDLE, _END = "<|im_middle|>", "<|im_end|>"
 
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible request bodies, validated strictly: unknown fields, bad values and wrong JSON types
 (`"stream": "yes"`, `"max_tokens": "5"`; an integer is still a number) are 400s.
 
-Only what k3serve implements is accepted; a field we would silently ignore (logprobs, penalties other than 0,
-tools) is rejected with a message instead, so a client never believes it got behaviour it did not get.
+Only what k3serve implements is accepted; a field we would silently ignore (penalties other than 0, echo) is
+rejected with a message instead, so a client never believes it got behaviour it did not get.
 """
 
 from __future__ import annotations
@@ -122,10 +122,21 @@ class _SamplingFields(BaseModel):
         return value
 
 
+MAX_TOP_LOGPROBS = 20  # as engine/sampling.MAX_LOGPROBS
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[Integer], list[list[Integer]]] = Field(json_schema_extra={"minLength": 1,
                                                                                         "minItems": 1})
     echo: bool = False
+    logprobs: Integer | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -142,11 +153,26 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict], None] = None  # null (or absent) only for an assistant, as OpenAI allows
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (rendered back into the prompt)
+    tool_call_id: str | None = None  # a tool message answers this call
 
     @model_validator(mode="after")
     def _content_needed(self):
@@ -155,6 +181,10 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
+        if self.tool_calls:
+            from k3serve.serve.structured import render_tool_calls
+
+            return render_tool_calls([call.model_dump() for call in self.tool_calls])
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -167,9 +197,69 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Integer | None = Field(default=None, json_schema_extra={"minimum": 1})
+    logprobs: bool = False
+    top_logprobs: Integer | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+            if not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs to be true")
+        return self
 
     @field_validator("messages")
     @classmethod
@@ -177,3 +267,26 @@ class ChatCompletionRequest(_SamplingFields):
         if not value:
             raise ValueError("messages must not be empty")
         return value
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: `prompt` (text) or `messages` (through the chat template)."""
+    model_config = STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt: prepend BOS
+    add_generation_prompt: bool = True  # messages: end with the assistant header
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[Integer]
