@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_serve_args(serve)
     serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
+    serve.add_argument("--shutdown-timeout", type=positive_int, default=30,
+                       help="seconds SIGTERM waits for in-flight requests before closing them; then exit 0")
 
     cluster = sub.add_parser("cluster", help="the server over N engine replicas on Ray, behind a router "
                                              "(docs/CLUSTER.md; needs the cluster extra)")
@@ -328,8 +330,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
         mount_lab(app, LabFixtures(lab_model))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
+    _serve_until_sigterm(uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                      timeout_graceful_shutdown=args.shutdown_timeout)), listener)
     return 0
+
+
+def _serve_until_sigterm(server, listener) -> None:
+    """Run uvicorn. On SIGTERM (or Ctrl-C) it closes the listener (no new requests), lets in-flight requests
+    finish for up to --shutdown-timeout seconds, then stops the engine. uvicorn re-raises the signal once done;
+    SIGTERM then lands on a handler that ignores it, so a drained server exits 0, not by the signal."""
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: logging.getLogger(__name__).info("drained"))
+    try:
+        server.run(sockets=[listener])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("k3serve: shut down (in-flight requests drained)", file=sys.stderr)
 
 
 

@@ -134,3 +134,85 @@ def test_a_cache_profile_from_another_model_is_refused(tiny_store, tmp_path):
     load_model(tiny_store.path, stream=StreamOptions(cache_profile=own, **pinned))  # its own model: accepted
     with pytest.raises(TraceError, match="--cache-profile .* another model: num_experts"):
         load_model(tiny_store.path, stream=StreamOptions(cache_profile=other, **pinned))
+
+
+# ---- the injecting reader (stream/faults.py) in the engine -----------------------------------------------------
+def _engine_over(store_path, stream=None):
+    from k3serve.engine.config import EngineConfig
+    from k3serve.engine.engine import LLMEngine
+    from k3serve.stream.source import StreamOptions as Options
+
+    loaded = load_model(store_path, stream=stream or Options(io="pread", cache="none"))
+    return LLMEngine(loaded.model, EngineConfig(block_size=4, num_blocks=128, max_model_len=128, max_seqs=4,
+                                                enable_prefix_caching=False)), loaded.model.source
+
+
+def _drive(engine, source, prompts, max_tokens=6) -> list:
+    from k3serve.engine.sampling import SamplingParams
+
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        engine.check_integrity()
+        source.check_integrity()
+    return [final[i] for i in ids]
+
+
+PROMPTS = [[1, 5, 9, 200, 17], [3, 44, 120, 7]]
+
+
+def test_short_reads_are_completed_and_change_nothing(tiny_store):
+    from k3serve.stream.faults import FaultyReads
+
+    expected = load_model(tiny_store.path).model.greedy(PROMPTS[0], 6)
+    model = load_model(tiny_store.path, stream=StreamOptions(io="pread", cache="none")).model
+    injector = FaultyReads(max_bytes_per_call=1000)
+    model.source.expert_io.preadv = injector
+    model.source.trunk_io.preadv = injector
+    assert model.greedy(PROMPTS[0], 6) == expected
+    assert injector.num_short > 0
+
+
+def test_an_eio_fails_the_request_alone_and_the_engine_keeps_serving(tiny_store):
+    from k3serve.stream.faults import FaultyReads
+
+    clean_engine, clean_source = _engine_over(tiny_store.path)
+    expected = [out.outputs[0].token_ids for out in _drive(clean_engine, clean_source, PROMPTS)]
+    engine, source = _engine_over(tiny_store.path)
+    whole_file = (0, tiny_store.expert_store_bytes)
+    # alone: the read fails after its 3 attempts -> that request fails with the read named; the next one is served
+    source.expert_io.preadv = FaultyReads(eio_range=whole_file, times=3)
+    failed = _drive(engine, source, PROMPTS[:1])[0]
+    assert failed.error is not None and "experts.bin" in failed.error and "after 3 attempts" in failed.error
+    assert failed.outputs[0].finish_reason.value == "error"
+    assert [out.outputs[0].token_ids for out in _drive(engine, source, PROMPTS)] == expected
+    # in a batch: the failed forward is recomputed per request, so neither is lost to the other's bad luck
+    source.expert_io.preadv = FaultyReads(eio_range=whole_file, times=3)
+    outs = _drive(engine, source, PROMPTS)
+    assert [out.error for out in outs] == [None, None]
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    assert engine.metrics.counter("forward_failures").value == 2
+
+
+def test_a_store_replaced_or_truncated_under_a_running_engine(tiny_store, tmp_path):
+    folder = _copy(tiny_store, tmp_path)
+    engine, source = _engine_over(folder)
+    expected = [out.outputs[0].token_ids for out in _drive(engine, source, PROMPTS)]
+    experts = folder / "experts.bin"
+    original = experts.read_bytes()
+    # replaced by rename (how a deploy swaps files): the open descriptor keeps reading the old file, unchanged
+    (folder / "experts.new").write_bytes(bytes(len(original)))
+    (folder / "experts.new").replace(experts)
+    assert [out.outputs[0].token_ids for out in _drive(engine, source, PROMPTS)] == expected
+    # rewritten in place, truncated: each request fails with a clear error, the engine itself keeps running
+    engine2, source2 = _engine_over(_copy(tiny_store, tmp_path / "b"))
+    path2 = source2.store.expert_path
+    with open(path2, "r+b") as f:
+        f.truncate(4096)
+    outs = _drive(engine2, source2, PROMPTS)
+    assert all(out.error is not None and ("short read" in out.error or "truncated" in out.error) for out in outs)
+    path2.write_bytes(original)  # the file is whole again: the same engine serves again, no restart
+    assert [out.outputs[0].token_ids for out in _drive(engine2, source2, PROMPTS)] == expected

@@ -263,7 +263,7 @@ class ExpertCache:
                     failed = slot.future.result()
                 except StoreIOError as exc:
                     where = f"layer {_slot_part(slot, 0)} expert {_slot_part(slot, 1)}"
-                    self._discard(index)
+                    self._discard_unverified(indices)
                     raise StoreIOError(f"{where}: {exc}") from exc
                 slot.future = None
                 if any(extent is slot.extent for extent in failed):
@@ -280,6 +280,20 @@ class ExpertCache:
                             "store is corrupt: repack it with `k3serve pack`")
         finally:
             self.stats.io_wait_seconds += time.perf_counter() - started
+
+    def _discard_unverified(self, indices: list[int]) -> None:
+        """A read failed: free every slot of this load whose read is not verified yet. A coalesced run shares one
+        read, so its other slots failed too; kept, they would pass for resident and re-raise the old error on
+        every later hit. Each read is waited for first, so no worker still writes into a freed slot."""
+        for index in indices:
+            slot = self._slots[index]
+            if slot.future is None:
+                continue
+            try:
+                slot.future.result()
+            except K3Error:
+                pass
+            self._discard(index)
 
     def _discard(self, index: int) -> None:
         slot = self._slots[index]

@@ -85,6 +85,8 @@ class IOEngine:
         self.counters = IOCounters()
         # test hook: called as fault(offset, buffer) after every successful read (to corrupt or to raise)
         self.fault: Callable[[int, memoryview], None] | None = None
+        # the read system call, replaceable by a fault injector (stream/faults.py): preadv(fd, buffers, offset)
+        self.preadv: Callable[[int, list, int], int] = os.preadv
         self._size = os.path.getsize(self.path)
         self._mmap: mmap.mmap | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -168,7 +170,7 @@ class IOEngine:
         calls, done = 0, 0
         pending = list(buffers)
         while pending:
-            n = os.preadv(self._fd, pending, offset + done)
+            n = self.preadv(self._fd, pending, offset + done)
             calls += 1
             if n <= 0:
                 raise StoreIOError(f"short read: got {done} of {total} bytes at offset {offset} (end of file)")
