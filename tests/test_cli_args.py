@@ -173,8 +173,13 @@ def test_a_busy_port_exits_2_before_announcing_or_loading(tmp_path):
     assert time.time() - started < 30
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a test run in the background inherits SIGINT ignored
+
+
 def test_ctrl_c_during_generate_is_one_line_and_exit_130():
-    process = _cli("generate", "--prompt", "def main():", "--max-tokens", "4000", "--ignore-eos")
+    process = _cli("generate", "--prompt", "def main():", "--max-tokens", "4000", "--ignore-eos",
+                   preexec_fn=_default_sigint)
     try:
         ready, _, _ = select.select([process.stdout], [], [], 120)  # generation has started: text comes out
         assert ready and os.read(process.stdout.fileno(), 1), "generate printed nothing"
