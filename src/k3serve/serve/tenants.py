@@ -29,7 +29,6 @@ import logging
 import math
 import threading
 import time
-import tomllib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,11 @@ from typing import Callable
 
 from k3serve.engine.fairness import TenantShare
 from k3serve.errors import ConfigError, K3Error
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package
+    import tomli as tomllib
 
 logger = logging.getLogger(__name__)
 
