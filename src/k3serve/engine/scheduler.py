@@ -85,6 +85,7 @@ class Scheduler:
         self._m_preemptions = metrics.counter("preemptions", "sequences preempted (memory freed, to recompute)")
         self.policy = make_policy(config.scheduling, config.output_cost)
         self.preemptions_by_tenant: Counter[str] = Counter()
+        self._tenant_seqs: Counter[str] = Counter()  # queued + running sequences per tenant (the active ones)
         self._m_tenant_preemptions = metrics.family(
             MetricCounter, "tenant_preemptions", "sequences preempted, per tenant", ("tenant",))
         self._m_queue_time = metrics.family(Histogram, "tenant_queue_seconds",
@@ -97,15 +98,21 @@ class Scheduler:
 
     # ---- queue operations -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        active = self.active_tenants()
-        if seq.request.tenant not in active:
-            self.policy.activate(seq.request.tenant, active)
+        tenant = seq.request.tenant
+        if not self._tenant_seqs[tenant]:
+            self.policy.activate(tenant, self.active_tenants())
+        self._tenant_seqs[tenant] += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def active_tenants(self) -> set[str]:
         """Tenants with a queued or running sequence."""
-        return {s.request.tenant for s in self.waiting} | {s.request.tenant for s in self.running}
+        return {tenant for tenant, count in self._tenant_seqs.items() if count}
+
+    def _leave(self, seq: Sequence) -> None:
+        self._tenant_seqs[seq.request.tenant] -= 1
+        if not self._tenant_seqs[seq.request.tenant]:
+            del self._tenant_seqs[seq.request.tenant]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,11 +122,13 @@ class Scheduler:
         after the last computed token is offered to the prefix cache (the next turn of a conversation hits)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._leave(seq)
             if save_state:
                 self._save_state(seq)
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._leave(seq)
         seq.status = SequenceStatus.FINISHED
 
     def after_forward(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -151,6 +160,7 @@ class Scheduler:
         child.num_registered_blocks = parent.num_registered_blocks
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+        self._tenant_seqs[child.request.tenant] += 1
         return True
 
     # ---- the decision ---------------------------------------------------------------------------------------
@@ -385,6 +395,10 @@ class Scheduler:
         for seq in self.waiting:
             if seq.status is not SequenceStatus.WAITING or seq.cache is not None or seq.num_computed_tokens:
                 raise IntegrityError(f"{seq} is waiting but holds memory or progress")
+        queued = Counter(s.request.tenant for s in list(self.running) + list(self.waiting))
+        if queued != +self._tenant_seqs:
+            raise IntegrityError(f"active tenant counts {dict(self._tenant_seqs)} disagree with the queues "
+                                 f"{dict(queued)}")
         self.blocks.check_integrity(refs)
         self.states.check_integrity(slots)
         if self.prefix_cache is not None:
