@@ -98,3 +98,23 @@ def test_tiny_init_makes_the_router_bias_reorder_the_top_k(tiny_model):
         unbiased = route_scores(config, scores, np.zeros_like(w.router_bias)).expert_ids
         changed += int(np.sum(np.any(np.sort(biased, 1) != np.sort(unbiased, 1), axis=1)))
     assert changed > 0.1 * len(x) * len(config.moe_layer_ids)
+
+
+def test_batched_mla_decode_equals_each_sequence_alone(tiny_model):
+    """One decode token per sequence, caches of different lengths: the batched MLA step equals mla_attend per
+    sequence (the dense twin too)."""
+    from k3serve.model.mla import mla_attend, mla_attend_reference, mla_decode_batch, mla_project
+
+    config = tiny_model.config
+    layer = config.full_attn_layers[0] - 1
+    w = tiny_model.source.layer(layer).attention
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, config.hidden_size), dtype=np.float32)
+    q, rows, gate = mla_project(config, w, x)
+    caches = [np.concatenate([rng.standard_normal((n, rows.shape[1]), dtype=np.float32), rows[i:i + 1]])
+              for i, n in enumerate((0, 3, 17, 40))]
+    batched = mla_decode_batch(config, w, q, caches, gate)
+    for i, cache in enumerate(caches):
+        alone = mla_attend(config, w, q[i:i + 1], cache, gate[i:i + 1])
+        assert _relative_rms(batched[i:i + 1], alone) < 1e-5
+        assert _relative_rms(batched[i:i + 1], mla_attend_reference(config, w, q[i:i + 1], cache, gate[i:i + 1])) < 1e-5

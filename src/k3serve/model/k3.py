@@ -25,7 +25,7 @@ from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.attn_res import attn_res
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
 from k3serve.model.kda import DEFAULT_CHUNK_SIZE, kda_forward
-from k3serve.model.mla import mla_attend, mla_project
+from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
 from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
@@ -197,6 +197,10 @@ class K3Model(SingleSequenceMixin):
     def _mla(self, w: MLAWeights, x: np.ndarray, segments: list[tuple[int, int]],
              caches: Sequence[SequenceCache], layer: int) -> np.ndarray:
         q, rows, gate = mla_project(self.config, w, x)
+        if len(segments) > 1 and len(segments) == x.shape[0]:  # a decode step of several sequences: batched
+            for i, cache in enumerate(caches):
+                cache.append_rows(layer, rows[i:i + 1])
+            return mla_decode_batch(self.config, w, q, [cache.attention_rows(layer) for cache in caches], gate)
         out = np.empty((x.shape[0], self.config.hidden_size), np.float32)
         for (start, end), cache in zip(segments, caches):
             cache.append_rows(layer, rows[start:end])

@@ -71,3 +71,26 @@ def mla_attend_reference(config: K3Config, w: MLAWeights, q: np.ndarray, cache: 
     if gate is not None:
         attn = attn * sigmoid(gate)
     return attn @ w.o_proj.T
+
+
+def mla_decode_batch(config: K3Config, w: MLAWeights, q: np.ndarray, caches: list[np.ndarray],
+                     gate: np.ndarray | None) -> np.ndarray:
+    """One new token for each of B sequences: the absorbed query, the value projection, the gate and o_proj run
+    once for the batch; only the scores against each sequence's own cache rows run per sequence.
+
+    q [B, NA, DN+DR], caches B arrays [N_b, KL+DR] (each ending with its new row), gate [B, NA*DV] -> [B, H].
+    The same function as `mla_attend` on each sequence alone (one query sees every cached row)."""
+    KL, DN, DR = config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim
+    B, NA = q.shape[0], q.shape[1]
+    q_latent = np.einsum("bad,adk->bak", q[:, :, :DN], w.w_uk)  # [B, NA, KL]
+    absorbed = np.concatenate([q_latent, q[:, :, DN:]], axis=2)  # [B, NA, KL+DR]
+    scale = np.float32(1.0 / np.sqrt(DN + DR))
+    out_latent = np.empty((B, NA, KL), np.float32)  # [B, NA, KL]
+    for b, rows in enumerate(caches):
+        scores = (absorbed[b] @ rows.T) * scale  # [NA, N_b]
+        probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out_latent[b] = (probs @ rows[:, :KL]) / probs.sum(axis=1, keepdims=True)
+    attn = np.einsum("bak,avk->bav", out_latent, w.w_uv).reshape(B, -1)  # [B, NA*DV]
+    if gate is not None:
+        attn = attn * sigmoid(gate)
+    return attn @ w.o_proj.T
