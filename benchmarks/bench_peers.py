@@ -1,0 +1,332 @@
+"""k3serve against llama.cpp on the same K3 weights, with the machine's memory bandwidth as the yardstick.
+
+    pip install -e '.[peers]'          # llama-cpp-python==0.3.36 (compiles ~13 min on 2 cores) and gguf
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llama_sdist   # its converter
+    python benchmarks/bench_peers.py [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz] [--rounds 3]
+
+What it does, in one run:
+1. Memory bandwidth: a STREAM triad a = b + s c in numba over 3 x 128 MiB float32 arrays, every core; the best
+   of 5 (STREAM's convention: 12 bytes counted per element).
+2. The fixture: the shipped trained K3 with its experts widened 16x in units and 32x in the latent (1.5 GB,
+   `k3serve.weights.widen`, the same fixture as bench_stream.py), and the bytes a decoded token must read: the
+   trunk as held in RAM, the lm_head, and the top-k routed experts of every MoE layer (MXFP4 bytes + scales).
+3. The GGUF: llama.cpp's own converter (`conversion/kimi_k3.py`, from the llama-cpp-python sdist) on a copy of
+   the config with the released keys its converter expects; MXFP4 experts are repacked without requantizing,
+   the bf16 trunk stays bf16. Our tokenizer is not one llama.cpp knows, so the vocab is written as plain
+   placeholder tokens and both engines are fed token ids.
+4. Agreement: the logits of one prompt from both engines (relative RMS, top-5 of the last position) and 10
+   greedy tokens.
+5. Speed, alternated (k3serve, llama.cpp, k3serve, ...; one fresh process per run): prefill of --prompt-len
+   tokens, then --decode-steps decode steps at batch 1, and the process's peak RSS. 2 threads each; llama.cpp
+   with use_extra_bufts off (its AMX repack crashes on this CPU at the first decode).
+Prints one summary line and a JSON record on the last line. Figures: docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORK = Path(os.environ.get("K3BENCH_DIR", "/tmp/k3bench-trained"))
+CONFIG_KEYS_FOR_LLAMA_CPP = {  # released K3 config keys llama.cpp's converter reads and our writer lacks
+    "architectures": ["KimiK3ForConditionalGeneration"], "hidden_act": "situ", "mla_use_nope": True,
+    "max_position_embeddings": 4096,
+}
+
+
+# ------------------------------------------------------------------------------------------------ bandwidth
+def triad_bandwidth(num_elements: int = 32 << 20, repeats: int = 5) -> float:
+    """Best-of STREAM triad bandwidth in GB/s (12 bytes per element: read b, read c, write a)."""
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=False)
+    def triad(a, b, c, s):
+        for i in prange(a.shape[0]):
+            a[i] = b[i] + s * c[i]
+
+    a = np.zeros(num_elements, np.float32)
+    b = np.ones(num_elements, np.float32)
+    c = np.full(num_elements, 2.0, np.float32)
+    triad(a, b, c, np.float32(3.0))
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        triad(a, b, c, np.float32(3.0))
+        best = min(best, time.perf_counter() - started)
+    return 12 * num_elements / best / 1e9
+
+
+# ------------------------------------------------------------------------------------------------ fixture
+def widened_checkpoint(inner: int, latent: int) -> Path:
+    from k3serve.loading import default_model_dir
+    from k3serve.weights.widen import widen_experts
+
+    src = default_model_dir()
+    key = hashlib.sha256((Path(src) / "SHA256SUMS").read_bytes()).hexdigest()[:12]
+    folder = WORK / f"{key}-x{inner}-x{latent}" / "checkpoint"
+    if not (folder / "config.json").exists():
+        print(f"widening {src} x{inner} units x{latent} latent (once)...", file=sys.stderr)
+        widen_experts(src, folder, inner=inner, latent=latent, progress=True)
+    return folder
+
+
+def bytes_per_token(checkpoint: Path) -> dict[str, int]:
+    """Bytes one decode step must read: k3serve's trunk as held (float32), the lm_head, top-k experts."""
+    from k3serve.config import K3Config
+    from k3serve.weights.checkpoint import Checkpoint
+
+    config: K3Config = Checkpoint(checkpoint).config
+    index = Checkpoint(checkpoint).index
+    expert_bytes = trunk_f32 = trunk_stored = 0
+    for name in index.names():
+        info = index.info(name)
+        size = int(np.prod(info.shape)) if info.shape else 1
+        if ".experts." in name and ".shared_experts." not in name:
+            expert_bytes += size  # uint8 packed nibbles and scale bytes
+        elif name.endswith("embed_tokens.weight"):
+            continue  # one row per token
+        else:
+            trunk_f32 += 4 * size
+            trunk_stored += size * (2 if info.dtype == "BF16" else 4)
+    per_expert = expert_bytes // (config.num_experts * len(config.moe_layer_ids))
+    routed = per_expert * config.num_experts_per_token * len(config.moe_layer_ids)
+    return {"trunk_k3serve": trunk_f32, "trunk_stored": trunk_stored, "routed_experts": routed,
+            "k3serve_total": trunk_f32 + routed, "stored_total": trunk_stored + routed}
+
+
+def llama_cpp_tree(sdist: Path) -> Path:
+    """The llama.cpp source tree vendored in the llama-cpp-python sdist (its converter and gguf-py)."""
+    root = WORK / "llama_cpp_src"
+    tree = root / sdist.name.replace(".tar.gz", "") / "vendor" / "llama.cpp"
+    if not (tree / "conversion" / "kimi_k3.py").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist) as archive:
+            archive.extractall(root, filter="data")
+    return tree
+
+
+CONVERT = r'''
+import json, sys
+from pathlib import Path
+tree, src, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+sys.path[:0] = [str(tree / "gguf-py"), str(tree)]
+import gguf
+from conversion.kimi_k3 import KimiK3Model
+
+def placeholder_vocab(self):  # our BPE is not one llama.cpp knows: placeholder tokens, ids fed directly
+    n = self.hparams["vocab_size"]
+    self.gguf_writer.add_tokenizer_model("gpt2")
+    self.gguf_writer.add_tokenizer_pre("default")
+    self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
+    self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
+    self.gguf_writer.add_token_merges([])
+    self.gguf_writer.add_bos_token_id(self.hparams["bos_token_id"])
+    self.gguf_writer.add_eos_token_id(self.hparams["eos_token_id"])
+
+KimiK3Model.set_vocab = placeholder_vocab
+model = KimiK3Model(src, gguf.LlamaFileType.MOSTLY_BF16, out)
+model.write()
+'''
+
+
+def build_gguf(checkpoint: Path, tree: Path) -> Path:
+    out = checkpoint.parent / "k3-mxfp4-bf16.gguf"
+    if out.exists():
+        return out
+    staged = checkpoint.parent / "llama_cpp_view"  # the same shards, the config with the released keys
+    staged.mkdir(exist_ok=True)
+    for path in checkpoint.iterdir():
+        target = staged / path.name
+        if path.name != "config.json" and not target.exists():
+            target.symlink_to(path)
+    config = json.loads((checkpoint / "config.json").read_text())
+    flat = {**config.get("text_config", config), **{k: v for k, v in config.items() if k != "text_config"}}
+    flat.update(CONFIG_KEYS_FOR_LLAMA_CPP)
+    flat["num_key_value_heads"] = flat["num_attention_heads"]  # MLA: one kv head per query head before absorption
+    (staged / "config.json").write_text(json.dumps(flat, indent=1))
+    print("converting with llama.cpp's kimi_k3 converter (once)...", file=sys.stderr)
+    subprocess.run([sys.executable, "-c", CONVERT, str(tree), str(staged), str(out)], check=True,
+                   stdout=subprocess.DEVNULL)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def run_k3serve(spec: dict) -> dict:
+    from k3serve.loading import load_model
+    from k3serve.model.k3 import ForwardItem
+
+    model = load_model(spec["checkpoint"]).model
+    prompt = np.asarray(spec["prompt"], np.int64)
+    warm = model.new_cache()
+    model.forward([ForwardItem(prompt[:8], warm)])
+    model.forward([ForwardItem(prompt[8:9], warm)])
+    cache = model.new_cache()
+    started = time.perf_counter()
+    result = model.forward([ForwardItem(prompt, cache, all_logits=spec["logits"])])
+    prefill_s = time.perf_counter() - started
+    logits = result.logits[0]
+    token = int(np.argmax(logits[-1]))
+    greedy = [token]
+    started = time.perf_counter()
+    for _ in range(spec["decode_steps"]):
+        logits_step = model.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
+        token = int(np.argmax(logits_step))
+        greedy.append(token)
+    decode_s = time.perf_counter() - started
+    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": spec["decode_steps"] / decode_s,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "greedy": greedy[:10], "logits": logits.tolist() if spec["logits"] else None}
+
+
+def run_llama_cpp(spec: dict) -> dict:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_default_params()
+    params.use_extra_bufts = False  # --no-repack: the AMX repack segfaults at the first decode on this CPU
+    model = llama_cpp.llama_model_load_from_file(spec["gguf"].encode(), params)
+    ctx_params = llama_cpp.llama_context_default_params()
+    ctx_params.n_ctx = 1024
+    ctx_params.n_batch = ctx_params.n_ubatch = 512
+    ctx_params.n_threads = ctx_params.n_threads_batch = spec["threads"]
+    ctx = llama_cpp.llama_init_from_model(model, ctx_params)
+    vocab_size = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    memory = llama_cpp.llama_get_memory(ctx)
+
+    def decode(ids: list[int], start: int, all_logits: bool) -> None:
+        batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
+        for i, token in enumerate(ids):
+            batch.token[i] = token
+            batch.pos[i] = start + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = all_logits or i == len(ids) - 1
+        batch.n_tokens = len(ids)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        llama_cpp.llama_batch_free(batch)
+
+    def last_logits(i: int = -1) -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab_size,)).copy()
+
+    prompt = list(spec["prompt"])
+    decode(prompt[:8], 0, False)
+    decode(prompt[8:9], 8, False)
+    llama_cpp.llama_memory_clear(memory, True)
+    started = time.perf_counter()
+    decode(prompt, 0, spec["logits"])
+    prefill_s = time.perf_counter() - started
+    logits = np.stack([last_logits(i) for i in range(len(prompt))]) if spec["logits"] else None
+    token = int(np.argmax(last_logits()))
+    greedy = [token]
+    started = time.perf_counter()
+    for step in range(spec["decode_steps"]):
+        decode([token], len(prompt) + step, False)
+        token = int(np.argmax(last_logits()))
+        greedy.append(token)
+    decode_s = time.perf_counter() - started
+    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": spec["decode_steps"] / decode_s,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "greedy": greedy[:10], "logits": logits.tolist() if logits is not None else None}
+
+
+def child(engine: str, spec: dict) -> dict:
+    """One measurement in a fresh process (its own peak RSS)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "NUMBA_NUM_THREADS": str(spec["threads"])}
+    out = subprocess.run([sys.executable, __file__, "--child", engine, json.dumps(spec)], env=env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------ main
+def machine() -> dict[str, object]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    from k3serve.model.kernels import ISA
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "mxfp4_isa": ISA}
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        spec = json.loads(sys.argv[3])
+        print(json.dumps((run_k3serve if sys.argv[2] == "k3serve" else run_llama_cpp)(spec)))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sdist", type=Path, default=Path("/tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--inner", type=int, default=16)
+    parser.add_argument("--latent", type=int, default=32)
+    args = parser.parse_args()
+
+    bandwidth = triad_bandwidth()
+    checkpoint = widened_checkpoint(args.inner, args.latent)
+    gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist))
+    moved = bytes_per_token(checkpoint)
+    from k3serve.config import K3Config  # noqa: F401  (the child imports the rest)
+    from k3serve.weights.checkpoint import Checkpoint
+
+    vocab = Checkpoint(checkpoint).config.vocab_size
+    prompt = np.random.default_rng(0).integers(0, vocab - 8, size=args.prompt_len).tolist()
+    spec = {"checkpoint": str(checkpoint), "gguf": str(gguf), "prompt": prompt, "threads": args.threads,
+            "decode_steps": args.decode_steps, "logits": True}
+    ours, theirs = child("k3serve", spec), child("llama.cpp", spec)  # agreement (all logits), also a warm-up
+    a, b = np.asarray(ours["logits"], np.float64), np.asarray(theirs["logits"], np.float64)
+    agreement = {
+        "relative_rms": float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2))),
+        "same_top5_last": sorted(np.argsort(-a[-1])[:5].tolist()) == sorted(np.argsort(-b[-1])[:5].tolist()),
+        "top5_positions_agreeing": float(np.mean([set(np.argsort(-x)[:5]) == set(np.argsort(-y)[:5])
+                                                  for x, y in zip(a, b)])),
+        "greedy_k3serve": ours["greedy"], "greedy_llama_cpp": theirs["greedy"],
+        "same_greedy": ours["greedy"] == theirs["greedy"],
+    }
+    spec["logits"] = False
+    runs: dict[str, list[dict]] = {"k3serve": [], "llama.cpp": []}
+    for _ in range(args.rounds):
+        for engine in ("k3serve", "llama.cpp"):
+            runs[engine].append(child(engine, spec))
+    med = {engine: {key: statistics.median(r[key] for r in rs) for key in ("prefill_tok_s", "decode_tok_s",
+                                                                            "peak_rss_mib")}
+           for engine, rs in runs.items()}
+    ratio = {key: med["k3serve"][key] / med["llama.cpp"][key] for key in med["k3serve"]}
+    limit = {engine: moved["k3serve_total" if engine == "k3serve" else "stored_total"] / (bandwidth * 1e9)
+             for engine in med}
+    fraction = {engine: limit[engine] * med[engine]["decode_tok_s"] for engine in med}
+    record = {
+        "benchmark": "peers", "machine": machine(), "triad_gb_s": round(bandwidth, 2),
+        "fixture": {"checkpoint": str(checkpoint), "gguf": str(gguf), "widen": [args.inner, args.latent]},
+        "bytes_per_token": moved, "rounds": args.rounds, "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps, "threads": args.threads, "agreement": agreement,
+        "median": med, "k3serve_over_llama_cpp": {k: round(v, 3) for k, v in ratio.items()},
+        "fraction_of_bandwidth_at_decode": {k: round(v, 3) for k, v in fraction.items()},
+        "all_runs": {e: [{k: v for k, v in r.items() if k != "logits"} for r in rs] for e, rs in runs.items()},
+    }
+    print(f"machine: {record['machine']} | triad {bandwidth:.1f} GB/s")
+    print(f"K3 widened, {args.threads} threads: decode k3serve {med['k3serve']['decode_tok_s']:.1f} vs llama.cpp "
+          f"{med['llama.cpp']['decode_tok_s']:.1f} tok/s ({ratio['decode_tok_s']:.2f}x) | prefill "
+          f"{ratio['prefill_tok_s']:.2f}x | peak RSS {ratio['peak_rss_mib']:.2f}x | decode at "
+          f"{fraction['k3serve']:.0%} / {fraction['llama.cpp']:.0%} of the triad bandwidth | same greedy "
+          f"{agreement['same_greedy']}, same top-5 {agreement['same_top5_last']} | medians of {args.rounds}")
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
