@@ -131,7 +131,7 @@ def placeholder_vocab(self):  # our BPE is not one llama.cpp knows: placeholder 
     self.gguf_writer.add_tokenizer_pre("default")
     self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
     self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
-    self.gguf_writer.add_token_merges([])
+    self.gguf_writer.add_token_merges(["<t0> <t1>"])  # llama.cpp refuses a BPE vocab without merges
     self.gguf_writer.add_bos_token_id(self.hparams["bos_token_id"])
     self.gguf_writer.add_eos_token_id(self.hparams["eos_token_id"])
 
@@ -142,7 +142,7 @@ model.write()
 
 
 def build_gguf(checkpoint: Path, tree: Path) -> Path:
-    out = checkpoint.parent / "k3-mxfp4-bf16.gguf"
+    out = checkpoint.parent / "k3-mxfp4-bf16-v2.gguf"
     if out.exists():
         return out
     staged = checkpoint.parent / "llama_cpp_view"  # the same shards, the config with the released keys
@@ -244,6 +244,8 @@ def run_llama_cpp(spec: dict) -> dict:
 def child(engine: str, spec: dict) -> dict:
     """One measurement in a fresh process (its own peak RSS)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "NUMBA_NUM_THREADS": str(spec["threads"])}
+    if engine == "llama.cpp" and spec.get("llama_omp_wait_policy"):
+        env["OMP_WAIT_POLICY"] = spec["llama_omp_wait_policy"]
     out = subprocess.run([sys.executable, __file__, "--child", engine, json.dumps(spec)], env=env, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -275,6 +277,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--inner", type=int, default=16)
     parser.add_argument("--latent", type=int, default=32)
+    parser.add_argument("--llama-omp-wait-policy", choices=("ACTIVE", "PASSIVE"), default=None,
+                        help="OMP_WAIT_POLICY for llama.cpp (default: its own; k3serve sleeps its workers)")
     args = parser.parse_args()
 
     bandwidth = triad_bandwidth()
@@ -287,7 +291,7 @@ def main() -> None:
     vocab = Checkpoint(checkpoint).config.vocab_size
     prompt = np.random.default_rng(0).integers(0, vocab - 8, size=args.prompt_len).tolist()
     spec = {"checkpoint": str(checkpoint), "gguf": str(gguf), "prompt": prompt, "threads": args.threads,
-            "decode_steps": args.decode_steps, "logits": True}
+            "decode_steps": args.decode_steps, "logits": True, "llama_omp_wait_policy": args.llama_omp_wait_policy}
     ours, theirs = child("k3serve", spec), child("llama.cpp", spec)  # agreement (all logits), also a warm-up
     a, b = np.asarray(ours["logits"], np.float64), np.asarray(theirs["logits"], np.float64)
     agreement = {
@@ -315,6 +319,7 @@ def main() -> None:
         "fixture": {"checkpoint": str(checkpoint), "gguf": str(gguf), "widen": [args.inner, args.latent]},
         "bytes_per_token": moved, "rounds": args.rounds, "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps, "threads": args.threads, "agreement": agreement,
+        "llama_omp_wait_policy": args.llama_omp_wait_policy or "llama.cpp default",
         "median": med, "k3serve_over_llama_cpp": {k: round(v, 3) for k, v in ratio.items()},
         "fraction_of_bandwidth_at_decode": {k: round(v, 3) for k, v in fraction.items()},
         "all_runs": {e: [{k: v for k, v in r.items() if k != "logits"} for r in rs] for e, rs in runs.items()},
