@@ -490,24 +490,29 @@ def simulate(cfg: SimConfig) -> SimResult:
     spec = cfg.speculative
     decode_positions = [s for s in range(cfg.batch) for _ in range(spec + 1)]
     replaying = cfg.replay is not None
+    end_override: list[float] = []
     if cfg.count_prefill:
         run.measuring = True
     start = run.snapshot()
     run.load_weights()
     if replaying:
-        steps_total = len(cfg.replay)
-        measure_from = 0 if cfg.count_prefill else min(cfg.warmup, steps_total - 1)
+        # every step of the trace, in order; measured: all of them (count_prefill) or the decode steps only (one
+        # position each), as the run report and the streaming benchmark count them
+        totals = [0.0] * len(start)
         step_times = []
-        for i in range(steps_total):
-            if i == measure_from and not cfg.count_prefill:
-                run.measuring = True
-                start = run.snapshot()
+        for _ in range(len(cfg.replay)):
             routing = run.next_routing([])
-            t0 = run.clock.now
+            measured = cfg.count_prefill or routing.num_positions == 1
+            run.measuring = measured
+            before = run.snapshot()
             run.step([0] * routing.num_positions, routing, 1)
-            if run.measuring:
-                step_times.append(run.clock.now - t0)
-        tokens = float(sum(1 for _ in step_times))
+            if measured:
+                step_times.append(run.clock.now - before[0])
+                totals = [t + b - a for t, a, b in zip(totals, before, run.snapshot())]
+        if cfg.count_prefill:
+            totals = [b - a for a, b in zip(start, run.snapshot())]  # the weight loading too
+        start, end_override = [0.0] * len(start), totals
+        tokens = float(len(step_times))
     else:
         if cfg.prompt_tokens:
             prompt_positions = [s for s in range(cfg.batch) for _ in range(cfg.prompt_tokens)]
@@ -525,7 +530,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         tokens = cfg.batch * cfg.tokens * cfg.tokens_per_step
         if cfg.count_prefill and cfg.prompt_tokens:
             tokens += cfg.batch  # the prefill step yields each sequence's first token
-    end = run.snapshot()
+    end = end_override if replaying else run.snapshot()
     d = [b - a for a, b in zip(start, end)]
     seconds, io_wait, compute, expert_bytes, trunk_bytes, reads, requests, retained, pf_hits, wasted, busy = d
     per = max(tokens, 1e-9)
@@ -569,9 +574,11 @@ def simulate(cfg: SimConfig) -> SimResult:
     )
 
 
-def replay_config(trace, machine: Machine, recall: float | None = None, seed: int = 0, **kwargs) -> SimConfig:
-    """A SimConfig that replays a recorded k3serve trace step by step (prefill steps included)."""
-    return SimConfig(machine=machine, replay=tuple(replay_steps(trace, recall, seed)), seed=seed, **kwargs)
+def replay_config(trace, machine: Machine, recall: float | None = None, seed: int = 0,
+                  guesses: dict | None = None, **kwargs) -> SimConfig:
+    """A SimConfig that replays a recorded k3serve trace step by step (prefill steps run; measured only with
+    count_prefill); `guesses`: the prefetch guesses the engine issued, {(step, layer): ranked experts}."""
+    return SimConfig(machine=machine, replay=tuple(replay_steps(trace, recall, seed, guesses)), seed=seed, **kwargs)
 
 
 def minimum_ram(config: K3Config | None = None, trunk_dtype: str = "float32") -> int:

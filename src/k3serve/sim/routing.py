@@ -158,8 +158,10 @@ class RoutingStream:
         return StepRouting(experts, guesses)
 
 
-def replay_steps(trace: Trace, recall: float | None, seed: int) -> list[StepRouting]:
-    """A recorded trace's steps in order, with guesses drawn at `recall` from the true experts."""
+def replay_steps(trace: Trace, recall: float | None, seed: int,
+                 guesses: dict[tuple[int, int], list[int]] | None = None) -> list[StepRouting]:
+    """A recorded trace's steps in order, with the recorded prefetch guesses ({(step, layer): ranked experts},
+    as the engine issued them) or, without them, guesses drawn at `recall` from the true experts."""
     ne, top_k = int(trace.meta["num_experts"]), int(trace.meta["top_k"])
     guesser = RoutingStream(RoutingModel(ne, top_k, recall=recall, name="replay"), [], seed)
     by_step: dict[int, dict[int, list]] = {}
@@ -169,15 +171,18 @@ def replay_steps(trace: Trace, recall: float | None, seed: int) -> list[StepRout
     for step in sorted(by_step):
         layers = by_step[step]
         experts = {l: np.stack(rows) for l, rows in layers.items()}
-        guesses = {}
+        step_guesses = {}
         for l, rows in layers.items():
+            if guesses is not None:
+                step_guesses[l] = list(guesses.get((step, l), []))
+                continue
             ranked: list[int] = []
             for row in rows:
                 for e in guesser._guess(row):
                     if e not in ranked:
                         ranked.append(e)
-            guesses[l] = ranked
-        out.append(StepRouting(experts, guesses))
+            step_guesses[l] = ranked
+        out.append(StepRouting(experts, step_guesses))
     return out
 
 
