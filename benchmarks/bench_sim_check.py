@@ -99,6 +99,7 @@ def main() -> int:
     parser.add_argument("--cpu", type=Path, default=Path("docs/sim/this-machine-cpu.json"))
     parser.add_argument("--predictions", type=Path, default=Path("docs/sim/predictions.json"))
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--speeds", default=",".join(SPEEDS), help="measure only these emulated speeds")
     args = parser.parse_args()
 
     fx = build_fixture(None, 16, 32)
@@ -141,6 +142,8 @@ def main() -> int:
     predicted = json.loads(args.predictions.read_text())
     rows = []
     for p in predicted["points"]:
+        if p["speed"] not in args.speeds.split(","):
+            continue
         options = StreamOptions(ram_budget=parse_size(p["budget"]), io="direct", queue_depth=16, cache=p["policy"],
                                 prefetch="next-layer")
         with Throttle(store.expert_path, parse_size(p["speed"]), None) as throttle:
@@ -160,10 +163,15 @@ def main() -> int:
                "predicted_bytes": p["bytes_per_token"], "measured_bytes": m["bytes_per_token"],
                "s_error": p["s_per_token"] / m["s_per_token"] - 1,
                "bytes_error": p["bytes_per_token"] / m["bytes_per_token"] - 1,
-               "measured_retention": m["retention"], "predicted_retention": p["retention"]}
+               "measured_retention": m["retention"], "predicted_retention": p["retention"],
+               "predicted_io_s": p["io_seconds_per_token"],
+               "measured_io_wait_s": m["io_wait_s"] / max(m["wall_s"] / m["s_per_token"], 1),
+               "measured_compute_s": m["s_per_token"] - m["io_wait_s"] / max(m["wall_s"] / m["s_per_token"], 1),
+               "predicted_compute_s": p["compute_seconds_per_token"]}
         rows.append(row)
         print(f"{p['speed']}/s {p['budget']} {p['policy']}: predicted {p['s_per_token']:.3f} measured "
-              f"{m['s_per_token']:.3f} s/token ({100 * row['s_error']:+.1f}%); bytes {100 * row['bytes_error']:+.1f}%",
+              f"{m['s_per_token']:.3f} s/token ({100 * row['s_error']:+.1f}%); bytes {100 * row['bytes_error']:+.1f}%"
+              f"; I/O wait predicted {p['io_seconds_per_token']:.3f} measured {row['measured_io_wait_s']:.3f} s/token",
               file=sys.stderr)
     args.json.write_text(json.dumps({"rows": rows, "predictions": str(args.predictions)}, indent=1))
     worst_s = max(abs(r["s_error"]) for r in rows)

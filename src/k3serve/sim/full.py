@@ -40,8 +40,7 @@ from k3serve.config import K3Config, full_k3_config
 from k3serve.errors import K3Error
 from k3serve.sim.device import SimClock, SimDevice, SimIOEngine, VirtualBuffer
 from k3serve.sim.machine import Machine
-from k3serve.sim.routing import (DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, flat_routing,
-                                 replay_steps, solve_skew)
+from k3serve.sim.routing import DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, replay_steps, solve_skew
 from k3serve.stream.budget import BudgetError, BudgetPlan, format_size, minimum_budget_bytes, plan_budget
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
@@ -276,11 +275,12 @@ class SimResult:
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 def default_routing(config: K3Config, kind: str) -> RoutingModel:
-    """flat, or skewed as fit from the shipped trained model (docs/MODEL.md: top-10% share 17%, reuse 9% at
-    chance 6.25%, next-layer recall 65%)."""
+    """flat (uniform popularity, no reuse: the C engine's 0% retention), or skewed as fit from the shipped trained
+    model (docs/MODEL.md: top-10% share 17%, reuse 9% at chance 6.25%). Both keep the measured next-layer recall
+    of the engine's guess (65%): balancing flattens usage over tokens, not the layer-to-layer predictability."""
     ne, k = config.num_experts, config.num_experts_per_token
     if kind == "flat":
-        return flat_routing(ne, k)
+        return RoutingModel(ne, k, recall=DEFAULT_RECALL, name="flat")
     chance = 4 / 64
     return RoutingModel(ne, k, skew=solve_skew(0.17, ne), reuse=(0.09 - chance) / (1 - chance),
                         recall=DEFAULT_RECALL, name="skewed")
