@@ -92,7 +92,7 @@ def test_bad_requests_are_refused_before_routing(front):
     url, backend, _ = front
     from k3serve.errors import RequestError
 
-    for prompt in ([], [10**6], ["a"]):
+    for prompt in ([], [10**6], ["a"], [True]):
         with pytest.raises(RequestError):
             _submit(backend, prompt)
     response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5000], "max_tokens": 2})

@@ -11,6 +11,7 @@ waits on a dead replica, and /health stays healthy while any replica is.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -123,8 +124,9 @@ class ClusterBackend:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise RequestError("the prompt is empty: give at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
             raise RequestError("prompt token ids must be integers")
+        prompt = [int(t) for t in prompt]
         vocab = self.infos[0].vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}")

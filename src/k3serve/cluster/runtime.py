@@ -53,8 +53,7 @@ def start_ray(address: str | None, num_cpus: int | None, replicas: int, cpus_per
     import ray
 
     if address is not None:
-        ray.init(address=address.removeprefix("ray://") if not address.startswith("ray://") else address,
-                 logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     else:
         ray.init(num_cpus=num_cpus if num_cpus is not None else os.cpu_count(), include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING, log_to_driver=False)
