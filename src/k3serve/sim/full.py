@@ -361,7 +361,8 @@ class _Run:
         try:
             return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes)
         except BudgetError as exc:
-            raise BudgetError(f"{exc} (simulated {self.config.num_layers}-layer model, trunk held as "
+            message = str(exc).replace("--ram-budget", "--ram")
+            raise BudgetError(f"{message} (simulated {self.config.num_layers}-layer model, trunk held as "
                               f"{cfg.trunk_dtype})") from exc
 
     # -- trunk, as StreamingSource.layer / _take_trunk / _peek_trunk do it
