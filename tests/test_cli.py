@@ -63,6 +63,14 @@ def test_user_errors_exit_2_with_a_message(tiny_dir, tmp_path):
     assert result.returncode == 2 and "out of range" in result.stderr
     result = _run("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert result.returncode == 2 and "does not exist" in result.stderr
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    result = _run("generate", "--model", str(gguf), "--prompt", "hi")
+    assert result.returncode == 2 and "GGUF input is not supported yet" in result.stderr
+    plain_file = tmp_path / "weights.bin"
+    plain_file.write_bytes(b"\x00" * 8)
+    result = _run("generate", "--model", str(plain_file), "--prompt", "hi")
+    assert result.returncode == 2 and "is a file, not a checkpoint folder" in result.stderr
     result = _run("generate", "--prompt", "hi", "--temperature", "-1")
     assert result.returncode == 2 and "temperature" in result.stderr
     truncated = tmp_path / "truncated"

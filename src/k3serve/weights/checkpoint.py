@@ -22,6 +22,12 @@ _MAX_LISTED_PROBLEMS = 8
 class Checkpoint:
     def __init__(self, path: str | Path, validate: bool = True) -> None:
         self.path = Path(path)
+        if self.path.is_file() and self.path.suffix.lower() == ".gguf":
+            # TODO: GGUF input through the `gguf` package (issue 14, step 5)
+            raise CheckpointError(f"{self.path} is a GGUF file: GGUF input is not supported yet; "
+                                  "give a safetensors checkpoint folder or a packed store")
+        if self.path.is_file():
+            raise CheckpointError(f"{self.path} is a file, not a checkpoint folder")
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {self.path} does not exist")
         self.config: K3Config = load_config(self.path)
