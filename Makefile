@@ -15,7 +15,7 @@ $(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
 	touch $(RUN_STAMP)
 
 $(TEST_STAMP): pyproject.toml | $(VENV)/bin/python
-	$(VENV)/bin/pip install --quiet -e ".[test]"
+	$(VENV)/bin/pip install --quiet -e ".[test,cluster]"   # cluster: Ray, so the cluster tests run too
 	touch $(TEST_STAMP) $(RUN_STAMP)
 
 run: $(RUN_STAMP)
