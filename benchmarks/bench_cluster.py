@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import time
 
@@ -37,19 +35,9 @@ from k3serve.cluster.runtime import start_ray
 from k3serve.cluster.spec import ReplicaSpec
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.sampling import SamplingParams
+from k3serve.host import describe_host
 
 RUNS = (("cache-aware", 2), ("round-robin", 2), ("cache-aware", 1))
-
-
-def machine() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "load_average": os.getloadavg()[0]}
 
 
 def conversations(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int], list[list[int]]]]:
@@ -122,7 +110,7 @@ def main() -> None:
                           num_state_checkpoints=args.state_checkpoints,
                           checkpoint_every_blocks=args.checkpoint_every_blocks)
     spec = ReplicaSpec(model=None, stream=None, engine=engine, speculative=None)
-    print(f"machine: {machine()}")
+    print(f"machine: {describe_host()}")
     start_ray(None, num_cpus=2, replicas=2)
     import ray
 
@@ -158,7 +146,7 @@ def main() -> None:
           f"{statistics.median(miss_ratios):.2f}x cache-aware's); TTFT p50/p99 cache-aware "
           f"{ca['ttft_p50'] * 1e3:.0f}/{ca['ttft_p99'] * 1e3:.0f} ms vs round-robin {rr['ttft_p50'] * 1e3:.0f}/"
           f"{rr['ttft_p99'] * 1e3:.0f} ms; 2 replicas / 1: {statistics.median(speedups):.2f}x tokens/s")
-    print(json.dumps({"benchmark": "cluster", "args": vars(args), "machine": machine(), "medians": medians,
+    print(json.dumps({"benchmark": "cluster", "args": vars(args), "machine": describe_host(), "medians": medians,
                       "hit_rate_ratio": statistics.median(hit_ratios),
                       "computed_prompt_ratio": statistics.median(miss_ratios), "throughput_ratio_2_vs_1":
                       statistics.median(speedups), "runs": results}))

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 
@@ -21,16 +19,7 @@ import numpy as np
 
 from k3serve.loading import load_model
 from k3serve.model.k3 import ForwardItem
-
-
-def machine() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
+from k3serve.host import describe_host
 
 
 def prefill_rate(model, prompt: np.ndarray) -> float:
@@ -75,7 +64,7 @@ def main() -> None:
     record = {
         "benchmark": "decode",
         "model": args.model or "embedded default",
-        "machine": machine(),
+        "machine": describe_host(),
         "rounds": args.rounds,
         "steps": args.steps,
         "prompt_len": args.prompt_len,

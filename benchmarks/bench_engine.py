@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import statistics
 import time
 
@@ -35,18 +33,9 @@ from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.workloads import WasteMeter, ZeroRowsModel, run_all, shared_prefix_ttft
 from k3serve.loading import load_model
+from k3serve.host import describe_host
 
 CONCURRENCY = (1, 4, 16, 64)
-
-
-def machine() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
 
 
 def throughput(model, stop_ids, concurrency: int, max_tokens: int, rng, meter_sink: list | None) -> float:
@@ -146,7 +135,7 @@ def main() -> None:
     record = {
         "benchmark": "engine",
         "model": args.model or "embedded default",
-        "machine": machine(),
+        "machine": describe_host(),
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "gen_tok_per_s": {str(c): round(v, 1) for c, v in tok_s.items()},

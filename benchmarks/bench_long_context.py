@@ -14,22 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 
 import numpy as np
 
-
-def machine() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
+from k3serve.host import describe_host
 
 
 def _rss_bytes() -> int:
@@ -89,7 +79,7 @@ def main() -> None:
     slopes = [(b["prefill_mib"] - a["prefill_mib"]) / (b["tokens"] - a["tokens"]) * 1024
               for a, b in zip(tiled, tiled[1:])]  # MiB per 1K tokens over each interval
     linearity = slopes[-1] / slopes[0] if len(slopes) > 1 and slopes[0] > 0 else float("nan")
-    record = {"benchmark": "long_context", "machine": machine(), "model": args.model or "embedded default",
+    record = {"benchmark": "long_context", "machine": describe_host(), "model": args.model or "embedded default",
               "runs": runs, "mib_per_1k_tokens": slopes, "linearity": linearity}
     rates = " / ".join(f"{r['tokens'] // 1024}K {r['prefill_tok_s']:.0f} tok/s" for r in tiled)
     growth = " -> ".join(f"{r['prefill_mib']:.0f}" for r in tiled)

@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -47,6 +46,12 @@ CONFIG_KEYS_FOR_LLAMA_CPP = {  # released K3 config keys llama.cpp's converter r
 
 
 # ------------------------------------------------------------------------------------------------ bandwidth
+def _mxfp4_isa() -> str:
+    from k3serve.model.kernels import ISA
+
+    return ISA
+
+
 def triad_bandwidth(num_elements: int = 32 << 20, repeats: int = 5) -> float:
     """Best-of STREAM triad bandwidth in GB/s (12 bytes per element: read b, read c, write a)."""
     from numba import njit, prange
@@ -252,19 +257,9 @@ def child(engine: str, spec: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def machine() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    from k3serve.model.kernels import ISA
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "mxfp4_isa": ISA}
-
-
 def main() -> None:
+    from k3serve.host import describe_host
+
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         spec = json.loads(sys.argv[3])
         print(json.dumps((run_k3serve if sys.argv[2] == "k3serve" else run_llama_cpp)(spec)))
@@ -315,7 +310,7 @@ def main() -> None:
              for engine in med}
     fraction = {engine: limit[engine] * med[engine]["decode_tok_s"] for engine in med}
     record = {
-        "benchmark": "peers", "machine": machine(), "triad_gb_s": round(bandwidth, 2),
+        "benchmark": "peers", "machine": {**describe_host(), "mxfp4_isa": _mxfp4_isa()}, "triad_gb_s": round(bandwidth, 2),
         "fixture": {"checkpoint": str(checkpoint), "gguf": str(gguf), "widen": [args.inner, args.latent]},
         "bytes_per_token": moved, "rounds": args.rounds, "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps, "threads": args.threads, "agreement": agreement,

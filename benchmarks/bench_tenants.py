@@ -20,29 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 
 import numpy as np
 
 from k3serve.engine.isolation import IsolationConfig, run_isolation
 from k3serve.loading import load_model
+from k3serve.host import describe_host
 
 MODES = ("alone", "fcfs", "fair")
 FIELDS = ("light_ttft_p50", "light_ttft_p99", "light_tokens_per_s", "total_tokens_per_s", "computed_tokens_per_s",
           "light_unserved", "light_requests")
-
-
-def machine() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-            "load_average": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -82,7 +70,7 @@ def main() -> None:
             cost = calibrate_step_cost(model, args.max_batch_tokens)
         print(f"step cost model: {cost[0] * 1e3:.2f} ms + {cost[1] * 1e6:.1f} us per position")
         config = IsolationConfig(**{**config.__dict__, "step_cost": cost})
-    print(f"machine: {machine()}")
+    print(f"machine: {describe_host()}")
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for round_index in range(args.rounds):
         for mode in MODES:
@@ -114,7 +102,7 @@ def main() -> None:
           f"{m['fair']['light_ttft_p99'] * 1e3:.0f} ms ({ratios['fair_p99_over_alone']:.2f}x); total computed "
           f"tok/s fcfs {m['fcfs']['computed_tokens_per_s']:.0f}, fair {m['fair']['computed_tokens_per_s']:.0f} "
           f"({ratios['fair_total_over_fcfs']:.3f}x); targets {targets}")
-    print(json.dumps({"benchmark": "tenants", "config": config.__dict__, "machine": machine(), "medians": medians,
+    print(json.dumps({"benchmark": "tenants", "config": config.__dict__, "machine": describe_host(), "medians": medians,
                       "ratios": ratios, "targets": targets, "runs": runs}))
 
 

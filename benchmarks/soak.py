@@ -21,10 +21,10 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import threading
 import time
+from contextlib import ExitStack
 
 import httpx
 import numpy as np
@@ -102,13 +102,12 @@ def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int
 
 
 def run_soak(seconds: float, clients: int = 6, window: float = 30, warmup: float = 20) -> dict:
-    import uvicorn
-
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
     from k3serve.engine.speculative import SpeculativeConfig
     from k3serve.loading import load_model
     from k3serve.serve.api import create_app
+    from k3serve.serve.threaded import serve_in_thread
 
     loaded = load_model(None)
     engine = LLMEngine(loaded.model, EngineConfig(max_model_len=2048, max_seqs=32, max_batch_tokens=1024,
@@ -129,14 +128,8 @@ def run_soak(seconds: float, clients: int = 6, window: float = 30, warmup: float
 
     engine.step = checked_step
     app = create_app(engine, loaded.tokenizer, "soak")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
+    server = ExitStack()
+    url = server.enter_context(serve_in_thread(app))
     tally, stop = Tally(), threading.Event()
     shared = "class Cache:\n    " + "def method(self, key, value):\n        return key\n    " * 40
     threads = [threading.Thread(target=_client, args=(url, "soak", stop, tally, seed, shared))
@@ -154,7 +147,7 @@ def run_soak(seconds: float, clients: int = 6, window: float = 30, warmup: float
     deadline = time.time() + 60
     while engine.has_unfinished_requests() and time.time() < deadline:  # aborted streams finish their abort
         time.sleep(0.1)
-    server.should_exit = True
+    server.close()
     after = [(t, m) for t, m in rss if t >= warmup] or rss
     slope = float(np.polyfit([t / 60 for t, _ in after], [m for _, m in after], 1)[0]) if len(after) > 2 else 0.0
     windows = []

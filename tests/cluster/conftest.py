@@ -7,13 +7,8 @@ missing Ray fails them.
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
 if os.environ.get("CI"):
     import ray  # noqa: F401 - CI installs the cluster extra: its absence is a failure, not a skip
@@ -23,6 +18,7 @@ else:
 from k3serve.cluster.router import RouterConfig  # noqa: E402
 from k3serve.cluster.spec import ReplicaSpec  # noqa: E402
 from k3serve.engine.config import EngineConfig  # noqa: E402
+from k3serve.serve.threaded import serve_in_thread  # noqa: E402
 
 MODEL = "k3-cluster-test"
 MAX_MODEL_LEN = 512
@@ -52,24 +48,5 @@ def front(local_ray):
     backend = ClusterBackend(ReplicaSpec(model=None, stream=None, engine=ENGINE, speculative=None), 2,
                              RouterConfig(policy="cache-aware"), max_restarts=2)
     tokenizer = front_tokenizer(None)
-    with _running(create_app(backend, tokenizer, MODEL)) as url:
+    with serve_in_thread(create_app(backend, tokenizer, MODEL)) as url:
         yield url, backend, tokenizer
-
-
-@contextmanager
-def _running(app):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)

@@ -9,12 +9,11 @@ skips, except under CI=true, where it fails.
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
+
+from k3serve.serve.threaded import serve_in_thread
 
 CHROMIUM = Path(os.environ.get("K3SERVE_CHROMIUM", "/usr/bin/chromium"))
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "out" / "lab"
@@ -35,21 +34,8 @@ def _chromium_or_skip() -> None:
 
 @pytest.fixture(scope="module")
 def lab_url(lab_app):
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(lab_app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/lab/"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(lab_app, lifespan="off", start_timeout=20) as url:
+        yield f"{url}/lab/"
 
 
 def _set(page, module: str, name: str, value: str) -> None:
