@@ -76,11 +76,12 @@ def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int
                         if response.status_code != 200:
                             tally.add("failed", error=f"{response.status_code}: {response.read()[:200]!r}")
                             continue
-                        chunks, done = 0, False
+                        chunks, done, error_event = 0, False, None
                         for line in response.iter_lines():
                             if line.startswith("data: "):
                                 chunks += 1
                                 if '"error"' in line:
+                                    error_event = line[6:306]  # the server's own message, for the report
                                     break
                                 done = line == "data: [DONE]"
                             if cancel and chunks >= 2:
@@ -90,7 +91,7 @@ def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int
                         elif done:
                             tally.add("completed")
                         else:
-                            tally.add("failed", error="stream ended without [DONE]")
+                            tally.add("failed", error=f"stream ended without [DONE]: {error_event or 'no error event'}")
                 else:
                     response = http.post("/v1/completions", json=body)
                     if response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length":
