@@ -11,8 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import k3serve.model.families.deepseek_v3 as deepseek_v3
+import k3serve.model.families.kimi_linear as kimi_linear
+import k3serve.model.families.qwen3_moe as qwen3_moe
+import k3serve.model.families.qwen3_next as qwen3_next
 from k3serve.errors import ConfigError
-from k3serve.model.families import deepseek_v3, kimi_linear, qwen3_moe, qwen3_next
 from k3serve.model.families.decoder import DecoderConfig, FamilyModel
 from k3serve.model.families.experts import normalize_precision
 from k3serve.model.families.hf_config import HFConfig
