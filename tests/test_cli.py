@@ -66,7 +66,7 @@ def test_user_errors_exit_2_with_a_message(tiny_dir, tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     result = _run("generate", "--model", str(gguf), "--prompt", "hi")
-    assert result.returncode == 2 and "GGUF input is not supported yet" in result.stderr
+    assert result.returncode == 2 and "is not a readable GGUF file" in result.stderr
     plain_file = tmp_path / "weights.bin"
     plain_file.write_bytes(b"\x00" * 8)
     result = _run("generate", "--model", str(plain_file), "--prompt", "hi")

@@ -12,12 +12,15 @@ from k3serve.default_model import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH, cache
 from k3serve.errors import CheckpointError, ConfigError, TokenizerError
 from k3serve.loaded import LoadedModel, configure_threads
 from k3serve.model.families import is_family_checkpoint, load_family
+from k3serve.model.families.loading import load_family_gguf
+from k3serve.gguf_tokenizer import tokenizer_from_gguf
 from k3serve.model.k3 import K3Model
 from k3serve.model.kernels import warmup as warmup_kernels
 from k3serve.model.source import ResidentSource
 from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
         from k3serve.stream.source import StreamOptions
 
         return load_streaming(path, stream if stream is not None else StreamOptions())
+    if path is not None and is_gguf_file(path):
+        return _load_gguf(Path(path), expert_precision)
     folder = Path(path) if path is not None else default_model_dir()
     if is_family_checkpoint(folder):
         family = load_family(folder, expert_precision=expert_precision)
@@ -65,3 +70,16 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
     configure_threads(checkpoint.config.hidden_size)
     warmup_kernels()  # compile (or load the cached) numba kernels now, not inside the first request
     return LoadedModel(model=model, checkpoint=checkpoint, tokenizer=tokenizer, path=folder)
+
+
+def _load_gguf(path: Path, expert_precision: str) -> LoadedModel:
+    """A GGUF file of a family (see model/families/gguf_families.py), with the tokenizer and chat template from
+    its metadata. A tokenizer that cannot be rebuilt leaves the model usable with token ids, as for folders."""
+    file = GGUFFile(path)
+    model = load_family_gguf(file, expert_precision=expert_precision)
+    tokenizer = None
+    try:
+        tokenizer = tokenizer_from_gguf(file.metadata, str(path))
+    except TokenizerError as exc:
+        logger.warning("%s: tokenizer not usable (%s); pass token ids instead", path, exc)
+    return LoadedModel(model=model, checkpoint=None, tokenizer=tokenizer, path=path)

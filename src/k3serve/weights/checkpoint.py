@@ -23,9 +23,9 @@ class Checkpoint:
     def __init__(self, path: str | Path, validate: bool = True) -> None:
         self.path = Path(path)
         if self.path.is_file() and self.path.suffix.lower() == ".gguf":
-            # TODO: GGUF input through the `gguf` package (issue 14, step 5)
-            raise CheckpointError(f"{self.path} is a GGUF file: GGUF input is not supported yet; "
-                                  "give a safetensors checkpoint folder or a packed store")
+            # GGUF files of the families load through k3serve.loading (model/families/gguf_families.py)
+            raise CheckpointError(f"{self.path} is a GGUF file: a K3 checkpoint here is a safetensors folder or a "
+                                  "packed store (GGUF files of the other families load with --model)")
         if self.path.is_file():
             raise CheckpointError(f"{self.path} is a file, not a checkpoint folder")
         if not self.path.is_dir():

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from k3serve.errors import CheckpointError
-from k3serve.model.families.experts import ExpertReader
+from k3serve.model.families.experts import ExpertReader, MXFP4Matrix
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.moe import GLUWeights
 from k3serve.model.families.tensors import TensorReader
@@ -90,6 +90,10 @@ def expert_reader(reader: TensorReader, moe_prefix: Callable[[int], str], matrix
         prefix = moe_prefix(layer)
         per_expert = f"{prefix}experts.{expert}."
         if f"{per_expert}{gate_name}.weight" in reader or f"{prefix}experts.gate_up_proj" not in reader:
+            names = [f"{per_expert}{m}.weight" for m in matrix_names]
+            packed = [reader.mxfp4(n) for n in names]
+            if all(p is not None for p in packed):  # a GGUF's MXFP4 experts, kept packed
+                return tuple(MXFP4Matrix(*p) for p in packed)  # type: ignore[return-value]
             return (reader.f32(f"{per_expert}{gate_name}.weight", shape=(width, hidden)),
                     reader.f32(f"{per_expert}{up_name}.weight", shape=(width, hidden)),
                     reader.f32(f"{per_expert}{down_name}.weight", shape=(hidden, width)))

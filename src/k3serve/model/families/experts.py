@@ -161,7 +161,12 @@ class QuantizedExpert:
 
 
 def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, precision: str) -> Expert:
-    """Float32 gate, up [I, H] and down [H, I] -> an expert at `precision`."""
+    """Float32 gate, up [I, H] and down [H, I] -> an expert at `precision`. MXFP4 matrices (a GGUF's experts)
+    stay packed at "native" and "mxfp4"; "int8" requantizes their values."""
+    if all(isinstance(m, MXFP4Matrix) for m in (gate, up, down)):
+        if precision in ("native", "mxfp4"):
+            return QuantizedExpert(gate, up, down)  # type: ignore[arg-type]
+        gate, up, down = (m.dequantize() for m in (gate, up, down))  # type: ignore[union-attr]
     if precision == "native":
         if all(is_bf16_exact(m) for m in (gate, up, down)):
             return BF16Expert(_bf16_bits(np.concatenate([gate, up])), _bf16_bits(down))
@@ -200,7 +205,8 @@ class ExpertStore:
 
     def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The expert's float32 (gate, up, down) as stored in the checkpoint, bypassing the packed copy."""
-        return self._read(layer, expert)
+        matrices = self._read(layer, expert)
+        return tuple(m.dequantize() if isinstance(m, MXFP4Matrix) else m for m in matrices)  # type: ignore
 
     def loaded(self) -> dict[tuple[int, int], Expert]:
         """(layer, expert) -> packed expert, for every expert used so far."""

@@ -18,9 +18,11 @@ import k3serve.model.families.qwen3_next as qwen3_next
 from k3serve.errors import ConfigError
 from k3serve.model.families.decoder import DecoderConfig, FamilyModel
 from k3serve.model.families.experts import normalize_precision
+from k3serve.model.families.gguf_families import describe, hf_config, tensor_index
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.tensors import TensorReader
 from k3serve.model.kda import DEFAULT_CHUNK_SIZE
+from k3serve.weights.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,27 @@ def read_family_config(folder: str | Path) -> DecoderConfig:
     config = HFConfig.read(folder)
     family = family_of(config)
     return family.parse(config.with_family(family.name))
+
+
+def load_family_gguf(path: str | Path | GGUFFile, expert_precision: str = "native",
+                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> FamilyModel:
+    """Open a GGUF file of a supported family (`gguf_families.GGUF_ARCHITECTURES`), lazily by tensor."""
+    precision = normalize_precision(expert_precision)
+    if chunk_size < 1:
+        raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
+    file = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    try:
+        raw = hf_config(file)
+        hf = HFConfig(raw, "", f"{file.path} (GGUF {file.architecture})")
+        family = family_of(hf)
+        config = family.parse(hf.with_family(family.name))
+        reader = TensorReader(tensor_index(file, raw), family.name, file.path)
+        logger.info("loading %s (%s, layers %s) from GGUF %s, experts %s", family.name, describe(file),
+                    config.layer_map, file.path, precision)
+        return family.build(config, reader, precision, chunk_size)
+    except BaseException:
+        file.close()
+        raise
 
 
 def load_family(folder: str | Path, expert_precision: str = "native",

@@ -17,13 +17,17 @@ from typing import Sequence
 import numpy as np
 
 from k3serve.errors import CheckpointError
+from k3serve.model.families.gguf_families import GGUFTensorIndex
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
 _FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 
 
 class TensorReader:
-    def __init__(self, index: SafetensorsIndex, family: str, path: Path) -> None:
+    """`index` is a `SafetensorsIndex` (a checkpoint folder) or a `GGUFTensorIndex` (a GGUF file mapped to our
+    names, `gguf_families.py`)."""
+
+    def __init__(self, index: SafetensorsIndex | GGUFTensorIndex, family: str, path: Path) -> None:
         self.index = index
         self.family = family
         self.path = path
@@ -73,6 +77,12 @@ class TensorReader:
                 f"(shape {list(array.shape)}), the config implies {size}"
             )
         return array
+
+    def mxfp4(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(packed, scales) of a matrix that the source stores as MXFP4 (a GGUF expert), else None."""
+        if isinstance(self.index, GGUFTensorIndex):
+            return self.index.mxfp4(name)
+        return None
 
     def close(self) -> None:
         self.index.close()

@@ -1,0 +1,181 @@
+"""A GGUF file (llama.cpp's single-file format), read through the `gguf` package: metadata and tensors by name.
+
+The file is memory-mapped by `gguf.GGUFReader`; opening it reads the header and the tensor table only, and a
+tensor's bytes are touched when it (or one slice of it, e.g. one expert of a stacked [E, R, C] tensor) is read.
+
+Shapes here are numpy order (rows first), the reverse of ggml's `ne`. Tensor types and what a read gives:
+- F32, F16, BF16: float32 (BF16 widening is exact).
+- Q8_0: blocks of 32 values along a row, each an f16 scale d and 32 int8 q (34 bytes); value = d * q, which is
+  exact in float32. Our int8 experts carry one scale per row, not per 32 values, so Q8_0 cannot be kept as is:
+  it is widened to float32 on read.
+- MXFP4: blocks of 32 values along a row, 17 bytes each: an E8M0 exponent byte e, then 16 bytes whose byte j holds
+  value j in its low nibble and value j + 16 in its high nibble. The nibble codes are the E2M1 codes of K3_SPEC
+  section 4 and the value is E2M1[code] * 2^(e - 127) in both formats (ggml stores doubled magnitudes with a
+  halved scale, which is the same number), so `mxfp4(name)` converts the blocks to our layout (byte j of a row =
+  value 2j low, 2j + 1 high; one scale byte per 32 values) with integer operations only, never through floats.
+  One difference: scale byte 255 is 2^128 to ggml and 0 to us (K3_SPEC); converters never write it.
+Any other type is refused with a `CheckpointError` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from k3serve.errors import CheckpointError
+from k3serve.weights.mxfp4 import dequantize_mxfp4
+
+logger = logging.getLogger(__name__)
+
+QK = 32  # values per Q8_0 / MXFP4 block
+Q8_0_BLOCK_BYTES = 2 + QK
+MXFP4_BLOCK_BYTES = 1 + QK // 2
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = FLOAT_TYPES + ("Q8_0", "MXFP4")
+
+
+def _gguf_module() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError("reading GGUF files needs the `gguf` package: pip install 'k3serve[gguf]' "
+                              "(or pip install gguf)") from None
+    return gguf
+
+
+class GGUFTensor(NamedTuple):
+    name: str
+    type_name: str  # ggml type: F32, F16, BF16, Q8_0, MXFP4, ...
+    shape: tuple[int, ...]  # numpy order
+    data: np.ndarray  # the memory-mapped bytes or values as the gguf package exposes them
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True for an existing file that starts with the GGUF magic (or, if unreadable, is named *.gguf)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return path.suffix.lower() == ".gguf"
+
+
+class GGUFFile:
+    """Metadata (key -> Python value) and tensors (name -> `GGUFTensor`) of one GGUF file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        gguf = _gguf_module()
+        if not self.path.is_file():
+            raise CheckpointError(f"GGUF file {self.path} does not exist")
+        try:
+            reader = gguf.GGUFReader(str(self.path), "r")
+        except Exception as exc:  # the package raises ValueError, IndexError, struct errors... on bad bytes
+            raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                                  "is it truncated or corrupt?") from exc
+        self.metadata: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except Exception as exc:
+                raise CheckpointError(f"{self.path}: metadata key {key!r} cannot be read: {exc}") from exc
+        file_size = self.path.stat().st_size
+        self.tensors: dict[str, GGUFTensor] = {}
+        for tensor in reader.tensors:
+            type_name = tensor.tensor_type.name
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            if int(tensor.data_offset) + int(tensor.n_bytes) > file_size or tensor.data.nbytes != int(tensor.n_bytes):
+                raise CheckpointError(f"{self.path}: tensor {tensor.name!r} runs past the end of the file "
+                                      f"({file_size} bytes); the file is truncated")
+            self.tensors[tensor.name] = GGUFTensor(tensor.name, type_name, shape, tensor.data)
+        self._reader = reader
+        self.architecture = self.metadata.get("general.architecture")
+        if not isinstance(self.architecture, str):
+            raise CheckpointError(f"{self.path}: GGUF metadata has no general.architecture")
+
+    # ---- metadata ----------------------------------------------------------------------------------------------
+
+    def has(self, key: str) -> bool:
+        return key in self.metadata
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        """A metadata value; `{arch}` in `key` is the file's architecture. Without a default, absence is an error."""
+        key = key.replace("{arch}", self.architecture)
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is ...:
+            raise CheckpointError(f"{self.path} ({self.architecture}): GGUF metadata lacks {key!r}")
+        return default
+
+    # ---- tensors ------------------------------------------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str) -> GGUFTensor:
+        found = self.tensors.get(name)
+        if found is None:
+            raise CheckpointError(f"{self.path} ({self.architecture}): GGUF file lacks tensor {name!r} "
+                                  f"({len(self.tensors)} tensors present)")
+        return found
+
+    def _check_type(self, tensor: GGUFTensor, allowed: tuple[str, ...]) -> None:
+        if tensor.type_name not in allowed:
+            raise CheckpointError(f"{self.path}: tensor {tensor.name!r} has GGUF type {tensor.type_name}, which "
+                                  f"k3serve does not read (supported: {', '.join(allowed)})")
+
+    def f32(self, name: str, index: int | None = None) -> np.ndarray:
+        """Tensor `name` (or its slice `index` along the first axis) as a float32 array of its numpy shape."""
+        tensor = self.tensor(name)
+        self._check_type(tensor, SUPPORTED_TYPES)
+        shape = tensor.shape if index is None else tensor.shape[1:]
+        data = tensor.data if index is None else tensor.data[index]
+        if tensor.type_name == "F32":
+            return np.array(data, dtype=np.float32).reshape(shape)
+        if tensor.type_name == "F16":
+            return np.asarray(data, dtype=np.float16).astype(np.float32).reshape(shape)
+        if tensor.type_name == "BF16":
+            bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(shape)
+        if tensor.type_name == "Q8_0":
+            blocks = np.ascontiguousarray(data).reshape(-1, Q8_0_BLOCK_BYTES)  # [B, 34]
+            scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+            values = blocks[:, 2:].view(np.int8).astype(np.float32)  # [B, 32]
+            return (values * scales).reshape(shape)
+        packed, scales = self.mxfp4(name, index)
+        return dequantize_mxfp4(packed, scales).reshape(shape)
+
+    def mxfp4(self, name: str, index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """An MXFP4 tensor (or slice) in our layout: (packed u8 [R, C/2], scales u8 [R, C/32]), every leading
+        dimension folded into R."""
+        tensor = self.tensor(name)
+        self._check_type(tensor, ("MXFP4",))
+        shape = tensor.shape if index is None else tensor.shape[1:]
+        cols = shape[-1]
+        rows = math.prod(shape[:-1])
+        data = tensor.data if index is None else tensor.data[index]
+        blocks = np.ascontiguousarray(data).reshape(rows, cols // QK, MXFP4_BLOCK_BYTES)  # [R, G, 17]
+        scales = np.ascontiguousarray(blocks[:, :, 0])  # [R, G]
+        qs = blocks[:, :, 1:]  # [R, G, 16]: byte j = value j (low nibble) | value j + 16 (high nibble)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [R, G, 32] in value order
+        packed = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).reshape(rows, cols // 2)  # [R, C/2]
+        return np.ascontiguousarray(packed, dtype=np.uint8), scales
+
+    def type_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for tensor in self.tensors.values():
+            counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
+        return counts
+
+    def close(self) -> None:
+        # the gguf package holds a numpy memmap; dropping the references lets it unmap
+        self.tensors = {}
+        self._reader = None

@@ -1,0 +1,241 @@
+"""GGUF input of the families: a tiny checkpoint converted to GGUF (llama.cpp's names and metadata, written with
+gguf.GGUFWriter in _gguf_writer.py) computes the same logits and greedy tokens as the safetensors checkpoint
+holding the same values; bad files are clear CheckpointErrors.
+
+Each tiny model here uses settings a GGUF can state (see gguf_families.py): Qwen3-MoE without dense layers,
+DeepSeek-V3 with mscale == mscale_all_dim, Kimi Linear with one routing group.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from _gguf_writer import dequantized, hf_keeps_f32, write_gguf
+from _hf_tiny import FAMILIES, build_tiny, prompt
+from k3serve.errors import CheckpointError
+from k3serve.loading import load_model
+from k3serve.model.families import load_family, read_family_config
+from k3serve.model.families.experts import QuantizedExpert
+from k3serve.model.families.loading import load_family_gguf
+from k3serve.weights.gguf_file import GGUFFile
+from k3serve.weights.safetensors_io import SafetensorsIndex
+
+GGUF_SETTINGS = {
+    "qwen3_moe": dict(mlp_only_layers=[]),
+    "deepseek_v3": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                         "original_max_position_embeddings": 64}),
+    "kimi_linear": dict(n_group=1, topk_group=1),
+    "qwen3_next": {},
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_tiny(tmp_path_factory):
+    """(family, bf16) -> checkpoint folder of a tiny model a GGUF can describe, built once."""
+    built: dict = {}
+
+    def get(family: str, bf16: bool = False) -> Path:
+        if (family, bf16) not in built:
+            folder = tmp_path_factory.mktemp(f"gguf-{family}-{'bf16' if bf16 else 'f32'}")
+            build_tiny(family, folder, bf16=bf16, **GGUF_SETTINGS[family])
+            built[family, bf16] = folder
+        return built[family, bf16]
+
+    return get
+
+
+# KDA and gated DeltaNet decays are stored as -exp(A_log) and read back as log(-a): exp(log(a)) may differ from
+# a by one rounding, so those two families agree to rounding, the others bit for bit
+ROUNDED = {"kimi_linear", "qwen3_next"}
+
+
+def assert_same(family: str, a: np.ndarray, b: np.ndarray) -> None:
+    if family in ROUNDED:
+        assert float(np.max(np.abs(a - b))) <= 1e-5 * float(np.max(np.abs(b))), family
+    else:
+        assert np.array_equal(a, b), family
+
+
+def _greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    out = list(ids)
+    for _ in range(num_tokens):
+        out.append(int(np.argmax(model.logits(out)[-1])))
+    return out[len(ids):]
+
+
+def _twin(folder: Path, out: Path, tensor_type: str) -> Path:
+    """A copy of the checkpoint whose every tensor holds the values it has once stored at `tensor_type`."""
+    out.mkdir()
+    config = read_family_config(folder)
+    index = SafetensorsIndex.open(folder)
+    tensors = {}
+    for name in index:
+        array = np.asarray(index.read(name), dtype=np.float32)
+        expert = ".experts." in name and "shared" not in name
+        if name.endswith("kv_b_proj.weight"):  # stored as k_b [NA, KL, DN] (transposed) and v_b [NA, DV, KL]
+            NA, DN = config.num_attention_heads, config.qk_nope_head_dim
+            kv_b = array.reshape(NA, -1, array.shape[1])
+            k_b = dequantized(np.ascontiguousarray(kv_b[:, :DN].transpose(0, 2, 1)), tensor_type, False)
+            v_b = dequantized(np.ascontiguousarray(kv_b[:, DN:]), tensor_type, False)
+            tensors[name] = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(array.shape)
+            continue
+        tensors[name] = dequantized(array, tensor_type, expert, hf_keeps_f32(name, array.ndim))
+    index.close()
+    save_file(tensors, str(out / "model.safetensors"))
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).exists():
+            (out / name).write_bytes((folder / name).read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_gguf_equals_the_safetensors_checkpoint(family, gguf_tiny, tmp_path):
+    folder = gguf_tiny(family)
+    gguf_model = load_family_gguf(write_gguf(folder, tmp_path / "m.gguf"))
+    reference = load_family(folder)
+    ids = prompt(12)
+    assert_same(family, gguf_model.logits(ids), reference.logits(ids))
+    assert _greedy(gguf_model, ids, 6) == _greedy(reference, ids, 6)
+    assert gguf_model.config.layer_map == reference.config.layer_map
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_gguf_equals_the_bf16_checkpoint(family, gguf_tiny, tmp_path):
+    folder = gguf_tiny(family, bf16=True)
+    gguf_model = load_family_gguf(write_gguf(folder, tmp_path / "m.gguf", "BF16"))
+    ids = prompt(9, seed=3)
+    assert_same(family, gguf_model.logits(ids), load_family(folder).logits(ids))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear"])
+@pytest.mark.parametrize("tensor_type", ["F16", "Q8_0"])
+def test_f16_and_q8_0_gguf_equal_a_checkpoint_of_their_values(family, tensor_type, gguf_tiny, tmp_path):
+    folder = gguf_tiny(family)
+    gguf_model = load_family_gguf(write_gguf(folder, tmp_path / "m.gguf", tensor_type))
+    twin = load_family(_twin(folder, tmp_path / "twin", tensor_type))
+    ids = prompt(10, seed=5)
+    assert_same(family, gguf_model.logits(ids), twin.logits(ids))
+    # and the storage really changed the numbers (the test would be empty otherwise)
+    assert not np.array_equal(twin.logits(ids), load_family(folder).logits(ids))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_mxfp4_experts_stay_packed_and_equal_our_own_mxfp4(family, gguf_tiny, tmp_path):
+    folder = gguf_tiny(family)
+    path = write_gguf(folder, tmp_path / "m.gguf", "MXFP4")
+    twin_folder = _twin(folder, tmp_path / "twin", "MXFP4")
+    ids = prompt(10, seed=6)
+    gguf_model = load_family_gguf(path)
+    logits = gguf_model.logits(ids)
+    experts = gguf_model.experts.loaded()
+    assert experts and all(isinstance(e, QuantizedExpert) for e in experts.values())
+    # the blocks converted without floats equal our own encoding of the same values, so the logits are equal
+    assert np.array_equal(logits, load_family(twin_folder, expert_precision="mxfp4").logits(ids))
+    # and close to the float evaluation of those values (the MXFP4 kernel sums in another order)
+    native = load_family(twin_folder).logits(ids)
+    assert float(np.max(np.abs(logits - native))) < 1e-4 * max(1.0, float(np.max(np.abs(native))))
+
+
+def test_mxfp4_block_conversion_matches_the_gguf_package(tmp_path):
+    import gguf
+    from gguf import GGMLQuantizationType as Q, quants
+
+    values = np.random.default_rng(0).standard_normal((3, 5, 64)).astype(np.float32) * 3
+    values[0, 0, :32] = 0  # an all-zero block
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "qwen3moe")
+    blocks = quants.quantize(values, Q.MXFP4)
+    writer.add_tensor("x", blocks, raw_dtype=Q.MXFP4)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(tmp_path / "x.gguf")
+    expected = quants.dequantize(blocks, Q.MXFP4).reshape(values.shape)
+    assert np.array_equal(file.f32("x"), expected)
+    assert np.array_equal(file.f32("x", 2), expected[2])
+
+
+def test_int8_precision_requantizes_gguf_mxfp4_experts(gguf_tiny, tmp_path):
+    folder = gguf_tiny("qwen3_moe")
+    model = load_family_gguf(write_gguf(folder, tmp_path / "m.gguf", "MXFP4"), expert_precision="int8")
+    twin = load_family(_twin(folder, tmp_path / "twin", "MXFP4"), expert_precision="int8")
+    ids = prompt(8)
+    assert np.array_equal(model.logits(ids), twin.logits(ids))
+
+
+def test_load_model_opens_a_gguf_file(gguf_tiny, tmp_path):
+    folder = gguf_tiny("qwen3_moe")
+    loaded = load_model(write_gguf(folder, tmp_path / "m.gguf"))
+    ids = prompt(6)
+    assert np.array_equal(loaded.model.logits(ids), load_family(folder).logits(ids))
+    assert loaded.tokenizer is None  # this file has no tokenizer metadata
+
+
+# ---- bad files -------------------------------------------------------------------------------------------------
+
+def test_unsupported_architecture_is_named(gguf_tiny, tmp_path):
+    path = write_gguf(gguf_tiny("qwen3_moe"), tmp_path / "m.gguf")
+    data = path.read_bytes().replace(b"qwen3moe", b"llama3xx", 1)  # general.architecture, same length
+    (tmp_path / "llama.gguf").write_bytes(data)
+    with pytest.raises(CheckpointError, match="architecture 'llama3xx' is not supported"):
+        load_model(tmp_path / "llama.gguf")
+
+
+def test_missing_tensor_is_named(gguf_tiny, tmp_path):
+    path = write_gguf(gguf_tiny("deepseek_v3"), tmp_path / "m.gguf", skip=("blk.1.attn_q_b.weight",))
+    with pytest.raises(CheckpointError, match="q_b_proj"):
+        load_family_gguf(path)
+
+
+def test_unsupported_tensor_type_is_named(gguf_tiny, tmp_path):
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    path = write_gguf(gguf_tiny("qwen3_moe"), tmp_path / "m.gguf", skip=("output_norm.weight",))
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "q4.gguf"), "qwen3moe")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            value = field.contents()
+            if isinstance(value, bool):
+                writer.add_bool(key, value)
+            elif isinstance(value, int):
+                writer.add_uint32(key, value)
+            elif isinstance(value, float):
+                writer.add_float32(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    # 64 values as two Q4_0 blocks of 18 bytes (f16 scale + 16 bytes of nibbles)
+    writer.add_tensor("output_norm.weight", np.zeros(36, np.uint8), raw_dtype=Q.Q4_0)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="output_norm.weight.*type Q4_0"):
+        load_family_gguf(tmp_path / "q4.gguf")
+
+
+def test_truncated_file_is_refused(gguf_tiny, tmp_path):
+    path = write_gguf(gguf_tiny("qwen3_moe"), tmp_path / "m.gguf")
+    data = path.read_bytes()
+    for cut in (len(data) - 100, 200, 10):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="truncated|not a readable GGUF"):
+            load_model(tmp_path / "cut.gguf")
+
+
+def test_gguf_without_the_gguf_package_says_what_to_install(gguf_tiny, tmp_path, monkeypatch):
+    import sys
+
+    path = write_gguf(gguf_tiny("qwen3_moe"), tmp_path / "m.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(CheckpointError, match="pip install"):
+        load_model(path)
+
+
+def test_kimi_linear_gguf_config_says_what_llama_cpp_assumes(gguf_tiny, tmp_path):
+    config = load_family_gguf(write_gguf(gguf_tiny("kimi_linear"), tmp_path / "m.gguf")).config
+    assert (config.num_expert_group, config.topk_group, config.norm_topk_prob) == (1, 1, True)
+    assert json.dumps(config.layer_map)

@@ -1,0 +1,80 @@
+"""The tokenizer rebuilt from GGUF metadata: a byte-level BPE trained with `tokenizers`, written into GGUF keys the
+way llama.cpp's converter writes them (tokens by id, token types, merges, pre-tokenizer name, special ids, chat
+template), encodes every text exactly as `tokenizers` does from the original tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+from tokenizers import Regex, pre_tokenizers
+
+from k3serve.errors import TokenizerError
+from k3serve.gguf_tokenizer import CONTROL, NORMAL, tokenizer_from_gguf
+from k3serve.weights.gguf_file import GGUFFile
+from test_hf_tokenizer import DEEPSEEK_PATTERNS, QWEN_PATTERN, SPECIALS, assert_parity, copy, train
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def qwen_style():
+    return train(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_PATTERN), "isolated"),
+                                          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+
+
+def gguf_metadata(tokenizer, pre: str) -> dict:
+    """What the converter writes for a byte-level BPE: every id's token string and type, merges as "a b"."""
+    spec = json.loads(tokenizer.to_str())
+    by_id = {i: t for t, i in spec["model"]["vocab"].items()}
+    specials = {t["id"]: t["content"] for t in spec["added_tokens"]}
+    size = max(list(by_id) + list(specials)) + 1
+    tokens = [specials.get(i, by_id.get(i, f"[PAD{i}]")) for i in range(size)]
+    types = [CONTROL if i in specials else NORMAL for i in range(size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"), "tokenizer.chat_template": TEMPLATE}
+
+
+def test_qwen2_pre_tokenizer_matches_the_reference(qwen_style):
+    ours = tokenizer_from_gguf(gguf_metadata(qwen_style, "qwen2"), "test")
+    assert_parity(ours, qwen_style)
+    assert ours.chat_template == TEMPLATE
+    assert ours.eos_ids == (qwen_style.token_to_id("<|im_end|>"),)
+    assert set(ours.special_tokens) == set(SPECIALS)
+
+
+def test_deepseek_v3_pre_tokenizer_matches_the_reference(qwen_style):
+    reference = copy(qwen_style)
+    reference.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), "isolated") for p in DEEPSEEK_PATTERNS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    assert_parity(tokenizer_from_gguf(gguf_metadata(reference, "deepseek-v3"), "test"), reference)
+
+
+def test_unknown_pre_tokenizer_and_model_are_named(qwen_style):
+    with pytest.raises(TokenizerError, match="pre-tokenizer 'kimi-k2' is not known"):
+        tokenizer_from_gguf(gguf_metadata(qwen_style, "kimi-k2"), "test")
+    metadata = gguf_metadata(qwen_style, "qwen2") | {"tokenizer.ggml.model": "llama"}
+    with pytest.raises(TokenizerError, match="tokenizer model 'llama'"):
+        tokenizer_from_gguf(metadata, "test")
+
+
+def test_metadata_survives_a_gguf_file(qwen_style, tmp_path):
+    """The same keys through gguf.GGUFWriter and our reader (string arrays, int arrays, scalars)."""
+    metadata = gguf_metadata(qwen_style, "qwen2")
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen3moe")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(metadata["tokenizer.ggml.tokens"])
+    writer.add_token_types(metadata["tokenizer.ggml.token_type"])
+    writer.add_token_merges(metadata["tokenizer.ggml.merges"])
+    writer.add_eos_token_id(metadata["tokenizer.ggml.eos_token_id"])
+    writer.add_chat_template(TEMPLATE)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    read = GGUFFile(tmp_path / "t.gguf").metadata
+    assert {k: read[k] for k in metadata} == metadata
+    assert_parity(tokenizer_from_gguf(read, "test"), qwen_style)
