@@ -25,7 +25,7 @@ from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
 from k3serve.stream.budget import parse_size
-from k3serve.stream.source import StreamOptions
+from k3serve.stream.options import StreamOptions
 
 CONCURRENCY = (1, 8, 32)
 

@@ -36,7 +36,7 @@ def record(fx: dict, tokens: int, out: Path) -> tuple[Path, Path]:
     from k3serve.engine.generate import generate
     from k3serve.engine.sampling import SamplingParams
     from k3serve.loading import load_model
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
 
     trace, guesses_path = out / "check.trace", out / "check-guesses.json"
     loaded = load_model(fx["coact"], stream=StreamOptions(ram_budget=None, io="pread", prefetch="next-layer",
@@ -88,7 +88,7 @@ def main() -> int:
     from bench_stream import build_fixture, run_once
 
     from k3serve.stream.budget import parse_size
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
     from k3serve.stream.trace import read_trace
     from k3serve.weights.store import PackedStore
 

@@ -47,7 +47,7 @@ def budget_bytes(tokens: int, prompt: list[int]) -> dict:
     """Disk bytes per decoded token (after the prefill) under a RAM budget (the minimum + a quarter of the
     experts), with and without n-gram speculation (a verify window reads each layer's experts once for all its
     positions)."""
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
     from k3serve.weights.store import PackedStore
     from k3serve.stream.budget import minimum_budget_bytes
     from k3serve.stream.loading import default_packed_dir

@@ -52,7 +52,7 @@ def build_fixture(source_model: Path | None, inner: int, latent: int) -> dict:
     from k3serve.engine.generate import generate
     from k3serve.engine.sampling import SamplingParams
     from k3serve.loading import default_model_dir, load_model
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
     from k3serve.stream.trace import read_trace
     from k3serve.weights.pack import pack_checkpoint
     from k3serve.weights.widen import widen_experts
@@ -104,7 +104,7 @@ def worker(spec: dict) -> dict:
     from k3serve.engine.generate import generate
     from k3serve.engine.sampling import SamplingParams
     from k3serve.loading import load_model
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
 
     options = StreamOptions(**{k: (Path(v) if k in ("cache_profile", "trace_out") and v else v)
                                for k, v in spec["options"].items()})
@@ -208,7 +208,7 @@ def main() -> int:
 
     from k3serve.sim.cache_replay import replay_all
     from k3serve.stream.budget import format_size, parse_size
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
     from k3serve.stream.trace import read_trace
     from k3serve.weights.store import PackedStore
 

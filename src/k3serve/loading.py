@@ -35,9 +35,9 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
     from k3serve.weights.store import is_packed_store
 
     if stream is not None or (path is not None and is_packed_store(path)):
-        # a packed store, or any streaming option (`stream`: k3serve.stream.source.StreamOptions)
+        # a packed store, or any streaming option (`stream`: k3serve.stream.options.StreamOptions)
         from k3serve.stream.loading import load_streaming
-        from k3serve.stream.source import StreamOptions
+        from k3serve.stream.options import StreamOptions
 
         return load_streaming(path, stream if stream is not None else StreamOptions())
     if path is not None and is_gguf_file(path):

@@ -160,7 +160,7 @@ def test_a_replica_streaming_under_a_ram_budget_answers_like_one_process(local_r
     from k3serve.cluster.backend import ClusterBackend
     from k3serve.cluster.router import RouterConfig
     from k3serve.cluster.spec import ReplicaSpec
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
     from k3serve.weights.pack import pack_checkpoint
 
     packed = tmp_path / "packed"

@@ -16,7 +16,7 @@ from k3serve.sim.machine import MachineError, load_machine
 from k3serve.sim.presets import PRESETS, c_engine, laptop
 from k3serve.sim.routing import fit_routing, flat_routing
 from k3serve.stream.budget import BudgetError, minimum_budget_bytes
-from k3serve.stream.source import StreamOptions
+from k3serve.stream.options import StreamOptions
 from k3serve.stream.trace import read_trace
 from k3serve.weights.pack import pack_checkpoint
 

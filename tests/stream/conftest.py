@@ -15,7 +15,7 @@ def tiny_store(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_trace(tiny_store, tmp_path_factory):
     from k3serve.loading import load_model
-    from k3serve.stream.source import StreamOptions
+    from k3serve.stream.options import StreamOptions
 
     path = tmp_path_factory.mktemp("trace") / "tiny.trace"
     loaded = load_model(tiny_store.path, stream=StreamOptions(trace_out=path))

@@ -9,7 +9,7 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
-from k3serve.stream.source import StreamOptions
+from k3serve.stream.options import StreamOptions
 
 
 def _run(model, prompts, params):

@@ -9,7 +9,8 @@ import pytest
 
 from k3serve.loading import load_model
 from k3serve.stream.budget import BudgetError, parse_size, plan_budget
-from k3serve.stream.source import StoreCorruptError, StreamOptions
+from k3serve.stream.expert_cache import StoreCorruptError
+from k3serve.stream.options import StreamOptions
 from k3serve.weights.store import StoreError
 
 
@@ -140,7 +141,7 @@ def test_a_cache_profile_from_another_model_is_refused(tiny_store, tmp_path):
 def _engine_over(store_path, stream=None):
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
-    from k3serve.stream.source import StreamOptions as Options
+    from k3serve.stream.options import StreamOptions as Options
 
     loaded = load_model(store_path, stream=stream or Options(io="pread", cache="none"))
     return LLMEngine(loaded.model, EngineConfig(block_size=4, num_blocks=128, max_model_len=128, max_seqs=4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from k3serve.loading import load_model
 from k3serve.stream.measure import measure_decode
-from k3serve.stream.source import StreamOptions
+from k3serve.stream.options import StreamOptions
 
 
 def test_decode_figures_count_steps_and_reads(tiny_store, tiny_model):

@@ -10,7 +10,7 @@ from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
 from k3serve.stream.budget import minimum_budget_bytes
-from k3serve.stream.source import StreamOptions
+from k3serve.stream.options import StreamOptions
 
 IDS = [1, 5, 9, 200, 17, 3, 88, 41, 2, 250, 7]
 

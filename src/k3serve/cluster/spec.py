@@ -20,7 +20,7 @@ class ReplicaSpec:
     the engine's configuration. Each replica opens its own copy."""
 
     model: Path | None
-    stream: object | None  # k3serve.stream.source.StreamOptions, or None for resident weights
+    stream: object | None  # k3serve.stream.options.StreamOptions, or None for resident weights
     engine: EngineConfig
     speculative: object | None  # k3serve.engine.speculative.SpeculativeConfig, or None
     draft_model: Path | None = None

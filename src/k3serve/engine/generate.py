@@ -57,7 +57,7 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
     decode_seconds = time.perf_counter() - started
     report = RunReport(len(prompt_ids), len(tokens), prefill_seconds, decode_seconds, peak_rss_bytes(), finish)
     if source is not None and after_prefill is not None:
-        from k3serve.stream.source import stream_report_lines
+        from k3serve.stream.stats import stream_report_lines
 
         # decode phase only: per generated token after the first (which came out of the prefill)
         report.extra_lines = [f"streaming         {source.describe()}"] + stream_report_lines(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from k3serve.stream.measure import DecodeMeasurement, measure_decode
-from k3serve.stream.source import StreamOptions
+from k3serve.stream.options import StreamOptions
 
 WIDENINGS = {"1x": (1, 1), "4x": (4, 4)}  # experts widened in units and latent (exact duplication, same routing)
 

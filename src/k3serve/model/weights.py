@@ -146,7 +146,7 @@ class WeightSource(ABC):
         return None
 
     def stream_stats(self) -> Any:
-        """Counters of the bytes read and the cache (stream/source.py `StreamStats`); None when nothing streams."""
+        """Counters of the bytes read and the cache (stream/stats.py `StreamStats`); None when nothing streams."""
         return None
 
     def describe(self) -> str:

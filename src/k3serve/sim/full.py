@@ -45,7 +45,7 @@ from k3serve.stream.budget import BudgetError, BudgetPlan, format_size, minimum_
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.io import Extent
-from k3serve.stream.source import StreamStats
+from k3serve.stream.stats import StreamStats
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import ALIGNMENT, align_up, expert_parts

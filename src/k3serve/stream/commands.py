@@ -15,7 +15,7 @@ from k3serve.errors import K3Error, UsageError
 from k3serve.stream.budget import format_size, parse_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.io import IO_MODES
-from k3serve.stream.source import PREFETCH_MODES, StreamOptions
+from k3serve.stream.options import PREFETCH_MODES, StreamOptions
 
 _STREAM_FLAGS = ("ram_budget", "io", "queue_depth", "cache", "cache_profile", "prefetch", "prefetch_max",
                  "pin_trunk", "trace_out")

@@ -11,7 +11,8 @@ from pathlib import Path
 from k3serve.default_model import DEFAULT_MODEL_NAME, cache_root, default_model_dir, verify_checksums
 from k3serve.errors import CheckpointError
 from k3serve.loaded import LoadedModel, configure_threads
-from k3serve.stream.source import StreamingSource, StreamOptions
+from k3serve.stream.options import StreamOptions
+from k3serve.stream.source import StreamingSource
 from k3serve.weights.store import PackedStore, is_packed_store
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from k3serve.stream.source import StreamStats
+from k3serve.stream.stats import StreamStats
 
 
 @dataclass

@@ -8,7 +8,7 @@ import numpy as np
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
 from k3serve.lab.streaming import WIDENINGS, streamed_run
 from k3serve.stream.budget import minimum_budget_bytes
-from k3serve.stream.source import StreamOptions
+from k3serve.stream.options import StreamOptions
 from k3serve.weights.layout import adjacency_score, coactivation_matrix, coactivation_order
 from k3serve.weights.store import PackedStore
 
