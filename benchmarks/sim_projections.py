@@ -34,7 +34,7 @@ def main() -> int:
     started = time.perf_counter()
 
     reads, gb = cold_token_figures()
-    tables = {r: calibration(r) for r in ("flat", "skewed")}
+    tables = {f"{r}/{d}": calibration(r, d) for r in ("flat", "skewed") for d in ("as-recorded", "preset")}
     cal = {"cold_reads": reads, "cold_gb": gb,
            "rows": {r: [row.__dict__ | {"error": row.error} for row in rows] for r, rows in tables.items()}}
     (args.out / "calibration.json").write_text(json.dumps(cal, indent=1))

@@ -57,6 +57,8 @@ def add_sim_commands(sim_sub) -> None:
 
     cal = sim_sub.add_parser("calibrate", help="the C engine's published K3 figures beside the simulator's")
     cal.add_argument("--routing", choices=("flat", "skewed"), default="flat", help="synthetic routing" + d)
+    cal.add_argument("--device", choices=("as-recorded", "preset"), default="as-recorded",
+                     help="trunk reads at the rate each run recorded, or the preset's curve for every run" + d)
     cal.add_argument("--json", type=cli_args.output_file, default=None, help="write the table as JSON (default: none)")
 
     disk = sim_sub.add_parser("probe-disk", help="O_DIRECT throughput by request size and queue depth")
@@ -139,7 +141,7 @@ def cmd_sim_calibrate(args: argparse.Namespace) -> int:
 
     reads, gb = cold_token_figures()
     print(f"cold token: {reads:.0f} expert reads, {gb:.2f} GB (C engine: 1,472 and 25.83 GB)")
-    rows = calibration(args.routing)
+    rows = calibration(args.routing, args.device)
     print("\n".join(table_lines(rows)))
     if args.json:
         args.json.write_text(json.dumps({"cold_reads": reads, "cold_gb": gb,

@@ -67,13 +67,14 @@ class SimDevice:
         self.bytes_read = 0
         self.num_reads = 0
 
-    def schedule(self, arrival: float, nbytes: int, batch: int = 1) -> float:
+    def schedule(self, arrival: float, nbytes: int, batch: int = 1, rate: float | None = None) -> float:
         """`batch`: requests submitted together with this one (up to the engine's queue depth), which the device
-        sees queued at once."""
+        sees queued at once. `rate`: bytes/s this request is served at instead of the curve's (a stream whose
+        delivered rate a run's own counters recorded)."""
         while self._ends and self._ends[0] <= arrival:
             heapq.heappop(self._ends)
         k = max(len(self._ends) + 1, batch)
-        service = nbytes / self.disk.bandwidth(nbytes, k)
+        service = nbytes / (rate if rate is not None else self.disk.bandwidth(nbytes, k))
         start = max(arrival, self._free_at)
         end = start + service
         self._free_at = end
@@ -88,8 +89,11 @@ class SimIOEngine:
     """The `ExpertIO` of the simulator (and the trunk's): same runs as `IOEngine`, reads on the device."""
 
     def __init__(self, name: str, clock: SimClock, device: SimDevice, queue_depth: int,
-                 max_coalesce_bytes: int = DEFAULT_MAX_COALESCE_BYTES) -> None:
+                 max_coalesce_bytes: int = DEFAULT_MAX_COALESCE_BYTES, rate: float | None = None) -> None:
+        if rate is not None and rate <= 0:
+            raise ValueError(f"a stream's read rate must be positive, got {rate}")
         self.path = name
+        self.rate = rate  # bytes/s for every read of this engine (None: the disk curve)
         self.mode = "direct"
         self.clock = clock
         self.device = device
@@ -105,7 +109,7 @@ class SimIOEngine:
         for run in runs:
             nbytes = sum(len(e.buffer) for e in run)
             free = heapq.heappop(self._workers)
-            end = self.device.schedule(max(self.clock.now, free), nbytes, batch)
+            end = self.device.schedule(max(self.clock.now, free), nbytes, batch, self.rate)
             heapq.heappush(self._workers, end)
             self.counters.bytes_read += nbytes
             self.counters.num_reads += 1

@@ -181,6 +181,7 @@ class SimConfig:
     store: VirtualStore | None = None  # a given store (e.g. a real store's exact layout)
     pinned_layers: int | None = None  # c-engine: layers pinned (largest first, as the budget splitter pins)
     cache_bytes: int | None = None  # c-engine: the expert cache size
+    trunk_read_bytes_per_s: float | None = None  # the trunk stream's delivered rate where a run recorded it
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -199,6 +200,8 @@ class SimConfig:
                          ("prompt_tokens", 0)):
             if getattr(self, key) < low:
                 raise SimConfigError(f"{key} must be >= {low}, got {getattr(self, key)}")
+        if self.trunk_read_bytes_per_s is not None and not self.trunk_read_bytes_per_s > 0:
+            raise SimConfigError(f"trunk read rate must be positive, got {self.trunk_read_bytes_per_s}")
         if not 0.0 <= self.acceptance < 1.0:
             raise SimConfigError(f"acceptance must be in [0, 1), got {self.acceptance}")
         if self.engine == "c-engine" and (self.pinned_layers is None or self.cache_bytes is None):
@@ -305,7 +308,7 @@ class _Run:
         self.plan = self._plan()
         qd = cfg.queue_depth
         self.expert_io = SimIOEngine("experts", self.clock, self.device, qd)
-        self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd)
+        self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd, rate=cfg.trunk_read_bytes_per_s)
         prefetch = cfg.engine == "k3serve" and cfg.prefetch != "none"
         profile = self._profile() if cfg.policy == "pinned" else None
         self.cache = ExpertCache(self.store, self.expert_io, self.plan.expert_slots,
