@@ -23,6 +23,10 @@ def _free_port() -> str:
     (["--replicas", "3", "--num-cpus", "2"], "--replicas 3 needs 3 CPUs"),
     (["--model", "/nonexistent/model"], "/nonexistent/model does not exist"),
     (["--trace-out", "/tmp/k3-cluster-trace.bin"], "--trace-out is per process"),
+    (["--expert-parallel", "3"], "3 shards do not divide the model's 64 experts"),
+    (["--expert-parallel", "2", "--replicas", "2"], "--replicas does not combine with --expert-parallel"),
+    (["--expert-parallel", "2", "--expert-shards", "/data/shard"], "--expert-shards needs {i}"),
+    (["--expert-ram-budget", "64M"], "go with --expert-parallel N"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args, message, capsys):
     assert main(["cluster", "--port", _free_port(), *args]) == 2

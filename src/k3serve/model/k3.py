@@ -179,7 +179,8 @@ class K3Model(SingleSequenceMixin):
             source.prefetch_hint(layer, h)
             if isinstance(w.mlp, MoEWeights):
                 m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: self.source.experts(l, ids),
-                                         stacked=source.stacked_experts(layer))
+                                         stacked=source.stacked_experts(layer),
+                                         remote=lambda *args, l=layer: source.expert_outputs(l, *args))
                 if keep_routing:
                     result.routing[layer] = routing
                 if on_routing is not None:

@@ -440,6 +440,13 @@ def mxfp4_experts_accumulate_stacked(stacked: StackedExperts, expert_ids: np.nda
                      np.ascontiguousarray(token_weights, dtype=np.float32), mixed)
 
 
+def accumulate_expert_rows(y: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, mixed: np.ndarray) -> None:
+    """mixed[tokens[n]] += token_weights[n] * y[n], added in n order: the accumulation of
+    `mxfp4_experts_accumulate_stacked`, for outputs y [N, LT] computed elsewhere (expert parallelism)."""
+    _accumulate_rows(np.ascontiguousarray(y, dtype=np.float32), np.ascontiguousarray(tokens, dtype=np.int64),
+                     np.ascontiguousarray(token_weights, dtype=np.float32), mixed)
+
+
 def stack_expert(w1: tuple[np.ndarray, np.ndarray], w3: tuple[np.ndarray, np.ndarray],
                  w2: tuple[np.ndarray, np.ndarray]) -> StackedExperts:
     """One expert as a stack of one (views, no copy)."""

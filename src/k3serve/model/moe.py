@@ -19,8 +19,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.kernels import (StackedExperts, linear, mxfp4_experts_accumulate_stacked,
-                                   stack_expert)
+from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linear, mxfp4_experts_accumulate_stacked,
+                                   mxfp4_experts_run, stack_expert)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
 
@@ -60,13 +60,33 @@ def guess_next_layer(config: K3Config, next_layer: LayerWeights, hidden: np.ndar
 
 
 ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]
+# (expert ids [K] ascending, z [T, LT], tokens [N], starts [K], ends [K]) -> y [N, LT], or None: compute them here
+RemoteExperts = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], "np.ndarray | None"]
+
+
+def expert_outputs(config: K3Config, fetch_experts: ExpertFetch, expert_ids: np.ndarray, z: np.ndarray,
+                   tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """y [N, LT]: y[n] = w2_e SiTU-GLU(w1_e z[tokens[n]], w3_e z[tokens[n]]) for expert e = expert_ids[k] on rows
+    starts[k]:ends[k], one compiled call per expert in ascending id (what an expert owner computes; each row is
+    the same bits as in the one-call kernel, whatever the other rows)."""
+    y = np.empty((tokens.shape[0], z.shape[1]), np.float32)  # [N, LT]
+    experts = fetch_experts([int(e) for e in expert_ids])
+    single = np.zeros(1, np.int64)
+    for expert, start, end in zip(expert_ids, starts, ends):
+        e = experts[int(expert)]
+        one = stack_expert((e.w1_packed, e.w1_scales), (e.w3_packed, e.w3_scales), (e.w2_packed, e.w2_scales))
+        y[start:end] = mxfp4_experts_run(one, single, z, tokens[start:end], single, np.full(1, end - start, np.int64),
+                                         config.situ_beta, config.situ_linear_beta)
+    return y
 
 
 def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: ExpertFetch,
-                routing: Routing | None = None, stacked: StackedExperts | None = None) -> tuple[np.ndarray, Routing]:
+                routing: Routing | None = None, stacked: StackedExperts | None = None,
+                remote: RemoteExperts | None = None) -> tuple[np.ndarray, Routing]:
     """x [T, H] -> (out [T, H], routing). `fetch_experts(ids)` returns the MXFP4 weights of those experts;
     `stacked`, when the source holds the layer's experts as [NE, ...] arrays, lets one compiled call run them
-    all (the same bits as one call per expert)."""
+    all (the same bits as one call per expert); `remote`, when it returns outputs, computed the experts elsewhere
+    (expert parallelism) and they are weighted and added here in the same order, so the bits are the same."""
     if routing is None:
         routing = route(config, w, x)
     T = x.shape[0]
@@ -80,7 +100,11 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     weights_by_expert = np.ascontiguousarray(routing.weights.ravel()[order])
     mixed = np.zeros((T, config.latent_size), np.float32)  # [T, LT]
     beta, linear_beta = config.situ_beta, config.situ_linear_beta
-    if stacked is not None:  # every expert of the layer in one call, spread over the cores
+    remote_y = None if remote is None else remote(needed.astype(np.int64), z, tokens_by_expert,
+                                                  starts.astype(np.int64), ends.astype(np.int64))
+    if remote_y is not None:  # [T*TOPK, LT] from the expert owners
+        accumulate_expert_rows(remote_y, tokens_by_expert, weights_by_expert, mixed)
+    elif stacked is not None:  # every expert of the layer in one call, spread over the cores
         mxfp4_experts_accumulate_stacked(stacked, needed.astype(np.int64), z, tokens_by_expert,
                                          starts.astype(np.int64), ends.astype(np.int64), weights_by_expert, beta,
                                          linear_beta, mixed)

@@ -145,6 +145,12 @@ class WeightSource(ABC):
         the source hands experts out one by one."""
         return None
 
+    def expert_outputs(self, layer: int, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
+                       starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """The routed experts' outputs y [N, LT] computed elsewhere (expert parallelism: model/moe.py
+        `RemoteExperts`), or None: the model computes them from `experts()` / `stacked_experts()`."""
+        return None
+
     def stream_stats(self) -> Any:
         """Counters of the bytes read and the cache (stream/stats.py `StreamStats`); None when nothing streams."""
         return None
@@ -194,6 +200,10 @@ class ForwardingSource(WeightSource):
 
     def stacked_experts(self, layer: int) -> Any:
         return self.inner.stacked_experts(layer)
+
+    def expert_outputs(self, layer: int, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
+                       starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        return self.inner.expert_outputs(layer, expert_ids, z, tokens, starts, ends)
 
     def stream_stats(self) -> Any:
         return self.inner.stream_stats()

@@ -84,6 +84,9 @@ def add_subcommands(sub) -> dict:
                       help="order of the experts in the store")
     pack.add_argument("--trace", type=Path, default=None,
                       help="routing trace of this model (for frequency / coactivation; default: none)")
+    pack.add_argument("--shard", default=None, metavar="i/N",
+                      help="write only shard i of N of the experts (expert parallelism, docs/CLUSTER.md); the "
+                           "source may be a checkpoint or a packed store (default: the whole store)")
 
     sim = sub.add_parser("sim", help="simulators")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
@@ -159,6 +162,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from k3serve.stream.loading import refuse_family
 
     refuse_family(args.src, "pack")
+    if args.shard is not None:
+        return _pack_shard(args)
     token_sets = None
     if args.trace:  # checked against the source model before anything is written
         trace = read_trace(args.trace)
@@ -170,6 +175,19 @@ def cmd_pack(args: argparse.Namespace) -> int:
           f"{format_size(store.expert_blob_size)} (stride {format_size(store.expert_stride)}), expert store "
           f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_path.stat().st_size)}",
           file=sys.stderr)
+    return 0
+
+
+def _pack_shard(args: argparse.Namespace) -> int:
+    from k3serve.weights.shard import ShardSpec, pack_shard
+
+    if args.trace or args.layout != "natural":
+        raise UsageError("--shard writes the shard's experts in natural order: leave out --layout and --trace")
+    spec = ShardSpec.parse(args.shard)
+    shard = pack_shard(args.src, args.out, spec)
+    print(f"packed shard {spec} of {args.src} -> {args.out}: experts {shard.owned.start}..{shard.owned.stop - 1} of "
+          f"{len(shard.experts)} MoE layers, {shard.num_experts_total} blobs, "
+          f"{format_size(shard.expert_path.stat().st_size)}", file=sys.stderr)
     return 0
 
 

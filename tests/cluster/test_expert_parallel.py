@@ -1,0 +1,112 @@
+"""Expert parallelism: the tiny oracle's experts split over owners (Ray actors on the session's local Ray, and
+in-process owners), the trunk on the front. Greedy tokens and logits are the bits of one process."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from k3serve.cluster.expert_parallel import (ExpertOwnerCore, ExpertParallelSource, LocalOwners, split_by_owner,
+                                             trunk_budget)
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLM
+from k3serve.engine.sampling import SamplingParams
+from k3serve.errors import K3Error
+from k3serve.model.k3 import K3Model
+from k3serve.stream.shard_source import ShardOptions
+from k3serve.stream.options import StreamOptions
+from k3serve.stream.source import StreamingSource
+from k3serve.weights.pack import pack_checkpoint
+from k3serve.weights.shard import ShardSpec, pack_shard
+
+PROMPTS = [[1, 5, 9, 200, 17, 33, 4], [7, 7, 250, 2], list(range(40, 75))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+ENGINE = EngineConfig(max_model_len=256, max_seqs=4, max_batch_tokens=64, kv_cache_bytes=4 << 20)
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_dir, tmp_path_factory):
+    """The packed store (the front's trunk) and shards i/2 and i/4 of it."""
+    root = tmp_path_factory.mktemp("ep")
+    packed = pack_checkpoint(tiny_dir, root / "packed")
+    shards = {n: [pack_shard(packed.path, root / f"s{i}of{n}", ShardSpec(i, n)).path for i in range(n)]
+              for n in (2, 4)}
+    return packed, shards
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model):
+    return [out.outputs[0].token_ids for out in LLM(tiny_model, ENGINE).generate(PROMPTS, GREEDY)]
+
+
+def _front(packed, owners, infos) -> K3Model:
+    return K3Model(ExpertParallelSource(StreamingSource(packed, StreamOptions(ram_budget=trunk_budget(packed))),
+                                        owners, infos))
+
+
+def test_split_gives_each_owner_its_run_of_pairs_in_order():
+    ids = np.array([0, 1, 5, 6, 7])  # experts with pairs, ascending; 4 per owner
+    tokens = np.array([0, 2, 1, 1, 2, 0, 3, 2])  # pairs grouped by expert; token 3 only on owner 1
+    starts, ends = np.array([0, 2, 3, 5, 7]), np.array([2, 3, 5, 7, 8])
+    z = np.arange(8, dtype=np.float32).reshape(4, 2)  # [T=4, LT=2]
+    calls = split_by_owner(ids, z, tokens, starts, ends, experts_per_owner=4)
+    assert [c.owner for c in calls] == [0, 1]
+    first, second = calls
+    assert first.expert_ids.tolist() == [0, 1] and first.starts.tolist() == [0, 2] and first.ends.tolist() == [2, 3]
+    assert np.array_equal(first.z[first.tokens], z[tokens[:3]]) and first.z.shape == (3, 2)  # distinct tokens only
+    assert second.expert_ids.tolist() == [5, 6, 7] and second.ends.tolist() == [2, 4, 5]
+    assert np.array_equal(second.z[second.tokens], z[tokens[3:]]) and second.z.shape == (4, 2)
+
+
+def test_in_process_owners_under_small_budgets_give_the_bits_of_one_process(stores, tiny_model, one_process):
+    packed, shards = stores
+    owners = LocalOwners([ExpertOwnerCore(str(path), ShardOptions(ram_budget=3 * packed.expert_stride), i)
+                          for i, path in enumerate(shards[4])])
+    model = _front(packed, owners, owners.infos)
+    ids = PROMPTS[2]
+    assert np.array_equal(model.logits(ids, "full"), tiny_model.logits(ids, "full"))
+    assert np.array_equal(model.logits(ids[:12], "incremental"), tiny_model.logits(ids[:12], "incremental"))
+    llm = LLM(model, ENGINE)
+    assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)] == one_process
+    stats = model.source.owner_stats()
+    assert all(s.expert_requests > 0 and s.expert_misses > s.expert_retained >= 0 for s in stats)
+    assert model.source.network.calls > model.source.network.layers > 0
+    model.source.check_integrity()
+    model.source.close()
+
+
+def test_owners_must_hold_their_own_shard(stores):
+    packed, shards = stores
+    owners = LocalOwners([ExpertOwnerCore(str(path), ShardOptions(), i) for i, path in enumerate(shards[2])])
+    with pytest.raises(K3Error, match="needs shard 0/4"):
+        ExpertParallelSource(StreamingSource(packed, StreamOptions(ram_budget=trunk_budget(packed))), owners,
+                             owners.infos + owners.infos)
+    with pytest.raises(K3Error, match="owner 1 opened .* which is shard 0/2"):
+        ExpertOwnerCore(str(shards[2][0]), ShardOptions(), 1)
+    owners.close()
+
+
+def test_owners_as_ray_actors_give_the_bits_of_one_process(local_ray, stores, tiny_model, one_process):
+    from k3serve.cluster.expert_actors import load_expert_parallel
+
+    packed, shards = stores
+    ep = load_expert_parallel(packed.path, shards[2], None, ShardOptions(ram_budget=3 * packed.expert_stride),
+                              cpus_per_owner=0.25)
+    try:
+        model = ep.loaded.model
+        assert os.getpid() not in {info.pid for info in ep.source.infos}  # the experts run elsewhere
+        assert np.array_equal(model.logits(PROMPTS[0], "full"), tiny_model.logits(PROMPTS[0], "full"))
+        assert [out.outputs[0].token_ids for out in LLM(model, ENGINE).generate(PROMPTS, GREEDY)] == one_process
+        per_owner = ep.source.owner_stats()
+        assert [s.expert_requests > 0 and s.expert_bytes_read > 0 for s in per_owner] == [True, True]
+        assert ep.source.network.bytes_received > 0 and ep.source.network.per_owner_calls[1] > 0
+        ep.source.check_integrity()
+    finally:
+        ep.source.close()
+    import ray
+    from ray.exceptions import RayActorError
+
+    with pytest.raises(RayActorError):  # closing the source stopped the owners
+        ray.get(ep.source.owners.actors[0].info.remote(), timeout=30)
