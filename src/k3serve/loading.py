@@ -10,14 +10,13 @@ from pathlib import Path
 from k3serve.default_model import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH, cache_root, default_model_dir,
                                    verify_checksums)
 from k3serve.errors import CheckpointError, ConfigError, TokenizerError
-from k3serve.loaded import LoadedModel, configure_threads
+from k3serve.loaded import LoadedModel, configure_threads, family_tokenizer
 from k3serve.model.families import is_family_checkpoint, load_family
 from k3serve.model.families.loading import load_family_gguf
 from k3serve.gguf_tokenizer import tokenizer_from_gguf
 from k3serve.model.k3 import K3Model
 from k3serve.model.kernels import warmup as warmup_kernels
 from k3serve.model.source import ResidentSource
-from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
@@ -45,18 +44,7 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
     folder = Path(path) if path is not None else default_model_dir()
     if is_family_checkpoint(folder):
         family = load_family(folder, expert_precision=expert_precision)
-        family_tokenizer = None
-        if (folder / "tiktoken.model").exists():
-            try:
-                family_tokenizer = Tokenizer.from_dir(folder)
-            except TokenizerError as exc:
-                logger.warning("%s: tokenizer not usable (%s); pass token ids instead", folder, exc)
-        elif (folder / "tokenizer.json").exists():
-            try:
-                family_tokenizer = HFTokenizer.from_dir(folder)
-            except TokenizerError as exc:
-                logger.warning("%s: tokenizer not usable (%s); pass token ids instead", folder, exc)
-        return LoadedModel(model=family, checkpoint=None, tokenizer=family_tokenizer, path=folder)
+        return LoadedModel(model=family, checkpoint=None, tokenizer=family_tokenizer(folder), path=folder)
     if expert_precision not in ("native", "mxfp4"):
         raise ConfigError(f"K3 experts ship as MXFP4; --expert-precision {expert_precision!r} applies to the other "
                           "families")

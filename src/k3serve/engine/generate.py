@@ -38,8 +38,8 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
     started = time.perf_counter()
     logits = model.forward([ForwardItem(np.asarray(prompt_ids, dtype=np.int64), cache)]).logits[0][-1]
     prefill_seconds = time.perf_counter() - started
-    source = model.source if isinstance(model, K3Model) else None
-    after_prefill = source.stream_stats() if source is not None else None  # a streaming source reports its I/O
+    source = model.source  # a streaming source (K3's, or a family's experts) reports its I/O
+    after_prefill = source.stream_stats() if source is not None else None
     tokens: list[int] = []
     finish = "length"
     started = time.perf_counter()

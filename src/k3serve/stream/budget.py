@@ -139,3 +139,22 @@ def plan_budget(store: PackedStore, budget_bytes: int | None, pin_trunk_bytes: i
     assert slots >= min_slots
     return BudgetPlan(budget_bytes, globals_bytes, tuple(sorted(pinned)), pinned_bytes, tuple(streamed),
                       stream_bytes, int(slots), stride)
+
+
+def plan_resident_trunk(budget_bytes: int | None, globals_bytes: int, layer_bytes: list[int], expert_stride: int,
+                        total_experts: int, min_slots: int) -> BudgetPlan:
+    """The split for a model whose trunk stays resident (the families' stores): globals and every layer pinned,
+    the rest of the budget in expert slots (all experts when unlimited). A budget that cannot hold the trunk and
+    `min_slots` slots is refused, naming the minimum."""
+    trunk = globals_bytes + sum(layer_bytes)
+    layers = tuple(range(len(layer_bytes)))
+    if budget_bytes is None:
+        return BudgetPlan(None, globals_bytes, layers, sum(layer_bytes), (), 0, total_experts, expert_stride)
+    minimum = trunk + min_slots * expert_stride
+    if budget_bytes < minimum:
+        raise BudgetError(
+            f"RAM budget {format_size(budget_bytes)} cannot run one layer: the minimum is {format_size(minimum)} "
+            f"({minimum} bytes: the resident trunk {format_size(trunk)} and {min_slots} expert slots of "
+            f"{format_size(expert_stride)}); use --ram-budget {minimum} or more")
+    slots = min(total_experts, (budget_bytes - trunk) // expert_stride)
+    return BudgetPlan(budget_bytes, globals_bytes, layers, sum(layer_bytes), (), 0, int(slots), expert_stride)

@@ -67,9 +67,12 @@ def load_for_run(args: argparse.Namespace, **kwargs):
     options = stream_options(args)
     only_trace = options is not None and all(getattr(args, n, None) is None for n in _STREAM_FLAGS if n != "trace_out")
     if only_trace and args.model is not None and not is_packed_store(args.model):
+        from k3serve.model.k3 import K3Model
         from k3serve.stream.trace import TracedSource, TraceWriter, trace_meta
 
         loaded = load_model(args.model, **kwargs)
+        if not isinstance(loaded.model, K3Model):
+            raise UsageError(f"{args.model}: --trace-out records K3 models only (routing traces are K3's format)")
         source = loaded.model.source
         loaded.model.source = TracedSource(source, TraceWriter(options.trace_out, trace_meta(source.config)))
         return loaded
@@ -87,6 +90,9 @@ def add_subcommands(sub) -> dict:
     pack.add_argument("--shard", default=None, metavar="i/N",
                       help="write only shard i of N of the experts (expert parallelism, docs/CLUSTER.md); the "
                            "source may be a checkpoint or a packed store (default: the whole store)")
+    pack.add_argument("--expert-precision", choices=("native", "bf16", "int8", "mxfp4"), default="native",
+                      help="a family checkpoint's routed experts in the store: the stored values, int8 or MXFP4 "
+                           "(K3 experts are MXFP4 already; default native)")
 
     sim = sub.add_parser("sim", help="simulators")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
@@ -159,9 +165,19 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     if args.out.resolve() == args.src.resolve():
         raise UsageError(f"pack would write into its source checkpoint {args.src}: give another output folder")
-    from k3serve.stream.loading import refuse_family
+    from k3serve.model.families import is_family_checkpoint
+    from k3serve.weights.family_store import is_family_store
 
-    refuse_family(args.src, "pack")
+    if is_family_store(args.src):
+        raise UsageError(f"{args.src} is a packed family store already; pack its source checkpoint folder")
+    if is_family_checkpoint(args.src):
+        if args.shard is not None:
+            raise UsageError(f"{args.src} is a family checkpoint: --shard (expert parallelism) is built for K3 "
+                             "stores; pack it whole")
+        return _pack_family(args)
+    if args.expert_precision not in ("native", "mxfp4"):
+        raise UsageError(f"K3 experts ship as MXFP4; --expert-precision {args.expert_precision!r} applies to the "
+                         "other families")
     if args.shard is not None:
         return _pack_shard(args)
     token_sets = None
@@ -188,6 +204,21 @@ def _pack_shard(args: argparse.Namespace) -> int:
     print(f"packed shard {spec} of {args.src} -> {args.out}: experts {shard.owned.start}..{shard.owned.stop - 1} of "
           f"{len(shard.experts)} MoE layers, {shard.num_experts_total} blobs, "
           f"{format_size(shard.expert_path.stat().st_size)}", file=sys.stderr)
+    return 0
+
+
+def _pack_family(args: argparse.Namespace) -> int:
+    """`pack` of a family checkpoint: trunk resident at run time, experts at --expert-precision in the store."""
+    from k3serve.stream.family_pack import pack_family
+
+    if args.layout != "natural" or args.trace is not None:
+        raise UsageError(f"{args.src} is a family checkpoint: its store keeps the experts in id order (--layout "
+                         "natural, no --trace); the trace-driven layouts are built for K3 stores")
+    store = pack_family(args.src, args.out, expert_precision=args.expert_precision, progress=True)
+    print(f"packed {args.src} -> {args.out}: {store.model_type}, {store.num_experts_total} experts "
+          f"({store.precision}, {store.kind} blobs of {format_size(store.expert_blob_size)}, stride "
+          f"{format_size(store.expert_stride)}), expert store {format_size(store.expert_path.stat().st_size)}, "
+          f"trunk {format_size(store.trunk_path.stat().st_size)}", file=sys.stderr)
     return 0
 
 

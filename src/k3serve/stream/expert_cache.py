@@ -237,6 +237,7 @@ class ExpertCache:
         if slot.key is not None:
             self._table.pop(slot.key, None)
             self.policy.remove(slot.key)
+            self.stats.expert_evictions += 1
         slot.key = None
         slot.warm = False
 

@@ -1,5 +1,5 @@
-"""Opening a model through the streaming source: a packed store folder, or the embedded default model (packed
-into the user cache on first streaming use)."""
+"""Opening a model through a streaming source: a packed store folder (K3's, or a family's), or the embedded default
+model (packed into the user cache on first streaming use)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from k3serve.errors import CheckpointError
 from k3serve.loaded import LoadedModel, configure_threads
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.source import StreamingSource
+from k3serve.weights.family_store import is_family_store
 from k3serve.weights.store import PackedStore, is_packed_store
 
 logger = logging.getLogger(__name__)
@@ -41,29 +42,22 @@ def default_packed_dir() -> Path:
     return target
 
 
-def refuse_family(folder: Path, what: str) -> None:
-    """A clear error for a family checkpoint (Kimi Linear, DeepSeek-V3, Qwen3-MoE, Qwen3-Next): the packed store
-    and the streaming source hold K3's tensors only."""
-    from k3serve.model.families import is_family_checkpoint, read_family_config
-
-    if is_family_checkpoint(folder):
-        model_type = read_family_config(folder).model_type
-        raise CheckpointError(f"{folder} is a {model_type} checkpoint: {what} is built for K3 checkpoints only for "
-                              "now; run it resident (without --ram-budget and the other streaming options)")
-
-
 def load_streaming(path: str | Path | None, options: StreamOptions):
-    """A `LoadedModel` whose K3Model reads through a `StreamingSource`."""
+    """A `LoadedModel` that streams: a K3 store's `K3Model` reads through a `StreamingSource`; a family store's
+    `FamilyModel` reads its routed experts through `StreamingExperts` (stream/family_source.py)."""
     from k3serve.model.k3 import K3Model
     from k3serve.model.kernels import warmup as warmup_kernels
     from k3serve.tokenizer import Tokenizer
 
     folder = Path(path) if path is not None else default_packed_dir()
     if not is_packed_store(folder):
-        refuse_family(folder, "streaming (--ram-budget, --io, --cache, --prefetch, --trace-out)")
         raise CheckpointError(
             f"{folder} is not a packed store; streaming options (--ram-budget, --io, --cache, --prefetch, "
             f"--trace-out) read a packed store: run `k3serve pack {folder} PACKED_DIR` and pass --model PACKED_DIR")
+    if is_family_store(folder):
+        from k3serve.stream.family_source import load_family_streaming
+
+        return load_family_streaming(folder, options)
     store = PackedStore(folder)
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tiktoken.model").exists() else None
     if tokenizer is not None and tokenizer.vocab_size > store.config.vocab_size:

@@ -19,6 +19,7 @@ class StreamStats:
     expert_retained: int = 0  # resident before the step that asked
     expert_prefetch_hits: int = 0  # brought in by a prefetch during the same step
     expert_misses: int = 0  # read on demand
+    expert_evictions: int = 0  # experts dropped from their slot (to make room, or released by policy none)
     prefetch_issued: int = 0
     prefetch_wasted: int = 0  # guesses dropped without ever being used
     expert_bytes_read: int = 0

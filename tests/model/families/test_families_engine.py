@@ -129,15 +129,3 @@ def test_the_state_pool_follows_the_layout(family_models, family):
         assert pool.states[i].shape[1:] == tuple(state) and pool.conv_tails[i].shape[1:] == tuple(tail)
     assert engine.scheduler.blocks.storage.shape[0] == len(layout.attention_layers)
     assert np.all(engine.scheduler.blocks.storage.shape[-1] == layout.row_width)
-
-
-def test_streaming_a_family_is_refused_naming_its_type(tiny_hf, tmp_path, capsys):
-    """Not built yet: the packed store and the streaming source hold K3 tensors; a family gets a clear error."""
-    from k3serve.cli import main
-
-    folder = tiny_hf("qwen3_moe")[1]
-    assert main(["pack", str(folder), str(tmp_path / "packed")]) == 2
-    assert "qwen3_moe checkpoint: pack is built for K3 checkpoints only" in capsys.readouterr().err
-    assert main(["generate", "--model", str(folder), "--ram-budget", "64M", "--prompt-ids", "5,6",
-                 "--max-tokens", "2"]) == 2
-    assert "qwen3_moe checkpoint: streaming" in capsys.readouterr().err

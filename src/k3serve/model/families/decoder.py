@@ -118,6 +118,27 @@ class FamilyModel(SingleSequenceMixin):
     def new_cache(self) -> DenseSequenceCache:
         return DenseSequenceCache(self.cache_layout)
 
+    @property
+    def source(self) -> ExpertStore | None:
+        """The weight capabilities the engine and the reports ask a model for (`stream_stats`, `plan`, `describe`,
+        `resident_experts`, `close`; see `WeightSource`): the routed experts' store, resident or streaming."""
+        return self.experts
+
+    def _prefetch_next(self, index: int, h: np.ndarray) -> None:
+        """h [T, H]: the residual after layer `index`'s mixer. Layer index+1's router on it (through that layer's
+        own MLP norm) guesses its experts, which a streaming store reads while layer `index`'s MLP computes."""
+        if index + 1 >= len(self.layers):
+            return
+        following = self.layers[index + 1]
+        router = getattr(following.mlp, "router", None)
+        if router is None:
+            return
+        guess = router(rms_norm(h, following.post_attention_norm, self.config.rms_norm_eps))  # [T, TOPK]
+        best: dict[int, float] = {}
+        for e, w in zip(guess.expert_ids.ravel().tolist(), guess.weights.ravel().tolist()):
+            best[e] = max(best.get(e, float("-inf")), w)
+        self.experts.prefetch(index + 1, sorted(best, key=lambda e: (-best[e], e)))  # type: ignore[union-attr]
+
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None) -> ForwardResult:
         if not items:
@@ -130,9 +151,14 @@ class FamilyModel(SingleSequenceMixin):
         eps = self.config.rms_norm_eps
         result = ForwardResult(logits=[], segments=segments)
 
+        experts = self.experts
+        if experts is not None:
+            experts.begin_step(int(ids.shape[0]))
         h = self.embed[ids]  # [T, H]
         for index, layer in enumerate(self.layers):
             h = h + layer.mixer(rms_norm(h, layer.input_norm, eps), batch)
+            if experts is not None and experts.prefetching:
+                self._prefetch_next(index, h)
             m, routing = layer.mlp(rms_norm(h, layer.post_attention_norm, eps))
             h = h + m
             if routing is not None:

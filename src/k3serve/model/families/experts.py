@@ -18,7 +18,7 @@ at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermedia
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -196,6 +196,14 @@ class ExpertStore:
         self.precision = normalize_precision(precision)
         self._experts: dict[tuple[int, int], Expert] = {}
 
+    prefetching = False  # a resident store has nothing to read ahead
+    plan = None  # a streaming store's RAM budget plan (stream/budget.py)
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
+        """The experts `expert_ids` of `layer` (a streaming store, stream/family_source.py, hands out views that
+        stay valid until its next `fetch` and reads them in ascending id order)."""
+        return {int(e): self.get(layer, int(e)) for e in expert_ids}
+
     def get(self, layer: int, expert: int) -> Expert:
         key = (layer, expert)
         found = self._experts.get(key)
@@ -219,3 +227,25 @@ class ExpertStore:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._experts.values())
+
+    # ---- the capabilities a streaming store offers, with a resident store's defaults (as WeightSource's) -------
+    def begin_step(self, num_tokens: int) -> None:
+        """A forward over `num_tokens` positions starts."""
+
+    def prefetch(self, layer: int, guesses: Sequence[int]) -> None:
+        """Guessed experts of `layer`, best first, may be read ahead."""
+
+    def resident_experts(self, layer: int) -> set[int] | None:
+        return None
+
+    def stream_stats(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        return f"resident experts ({self.precision})"
+
+    def check_integrity(self) -> None:
+        """Nothing to check: a dict."""
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -103,9 +103,11 @@ class MoEBlock:
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing]:
         routing = self.router(x)
         out = np.zeros_like(x)  # [T, H]
-        for expert in np.unique(routing.expert_ids):  # ascending id: a fixed accumulation order per token
+        chosen = np.unique(routing.expert_ids)  # ascending id: a fixed accumulation order per token
+        experts = self.experts.fetch(self.layer, chosen)  # all at once: a streaming store reads its misses together
+        for expert in chosen:
             tokens, slots = np.nonzero(routing.expert_ids == expert)
-            y = self.experts.get(self.layer, int(expert))(x[tokens])
+            y = experts[int(expert)](x[tokens])
             out[tokens] += routing.weights[tokens, slots][:, None] * y
         if self.shared is not None:
             shared = self.shared(x)

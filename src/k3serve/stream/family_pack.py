@@ -1,0 +1,112 @@
+"""`k3serve pack` for the families: a Hugging Face checkpoint folder of Kimi Linear, DeepSeek-V3 / Kimi K2,
+Qwen3-MoE or Qwen3-Next -> a family store (`k3serve.weights.family_store`).
+
+The trunk (every tensor that is not a routed expert) is copied byte for byte into trunk.safetensors. Each routed
+expert is read once and packed at `expert_precision` ("native": the stored bf16 or float32 values; "int8";
+"mxfp4") exactly as the resident loader packs it (`k3serve.model.families.experts.pack_expert`), then written as
+one checksummed, 4 KiB-aligned blob. The index is written last, under a temporary name and renamed, so an
+interrupted pack never leaves a folder that looks complete. Experts are in id order (the trace-driven layouts of
+K3's `pack --layout` are not offered for the families).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+from k3serve.errors import CheckpointError
+from k3serve.model.families import load_family
+from k3serve.model.families.expert_blobs import blob_parts, blob_size, expert_arrays, write_blob
+from k3serve.model.families.experts import normalize_precision, pack_expert
+from k3serve.model.families.moe import MoEBlock
+from k3serve.weights.family_store import (FAMILY_EXPERT_FILE, FAMILY_STORE_FORMAT, FAMILY_STORE_VERSION,
+                                          FAMILY_TRUNK_FILE, FamilyStore, config_file_sha256)
+from k3serve.weights.safetensors_io import INDEX_FILE_NAME, STORAGE_DTYPES, SafetensorsIndex, save_safetensors
+from k3serve.weights.store import STORE_INDEX, align_up
+
+logger = logging.getLogger(__name__)
+
+# a routed expert's tensors: per expert (`...mlp.experts.3.gate_proj.weight`, Kimi's `...experts.3.w1.weight`)
+# or fused (`...mlp.experts.gate_up_proj`); shared experts (`shared_experts.`, `shared_expert.`) are trunk
+ROUTED_EXPERT = re.compile(r"(^|\.)experts\.")
+
+
+def pack_family(source: str | Path, out: str | Path, expert_precision: str = "native",
+                progress: bool = False) -> FamilyStore:
+    """Pack the family checkpoint folder `source` into `out` (see the module docstring)."""
+    source, out = Path(source), Path(out)
+    precision = normalize_precision(expert_precision)
+    model = load_family(source, expert_precision=precision)
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+    if not blocks or model.experts is None:
+        raise CheckpointError(f"{source}: the model has no routed experts; run it resident, there is nothing to "
+                              "stream")
+    num_experts = {b.router.weight.shape[0] for b in blocks}
+    top_k = {b.router.top_k for b in blocks}
+    if len(num_experts) != 1 or len(top_k) != 1:
+        raise CheckpointError(f"{source}: MoE layers with different expert counts {num_experts} or top-k {top_k}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STORE_INDEX).unlink(missing_ok=True)
+
+    with SafetensorsIndex.open(source) as index:
+        trunk_names = [n for n in index if not ROUTED_EXPERT.search(n)]
+        save_safetensors(out / FAMILY_TRUNK_FILE,
+                         {n: index.read_raw(n).view(STORAGE_DTYPES[index.info(n).dtype]).reshape(index.info(n).shape)
+                          for n in trunk_names},
+                         dtypes={n: index.info(n).dtype for n in trunk_names})
+
+    kind, parts, stride = None, None, 0
+    expert_index: dict[str, dict] = {}
+    total = len(blocks) * next(iter(num_experts))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="expert", desc="pack", leave=True)
+    try:
+        with open(out / FAMILY_EXPERT_FILE, "wb") as f:
+            for block in blocks:
+                count = block.router.weight.shape[0]
+                offsets, crcs = [0] * count, [0] * count
+                for expert in range(count):
+                    this_kind, arrays = expert_arrays(pack_expert(*model.experts.read(block.layer, expert),
+                                                                  precision))
+                    if parts is None:
+                        kind, parts = this_kind, blob_parts(arrays)
+                        stride = align_up(blob_size(parts))
+                    elif this_kind != kind:
+                        raise CheckpointError(f"{source}: layer {block.layer} expert {expert} packs as {this_kind}, "
+                                              f"the first expert as {kind} (a mix of bf16 and float32 experts?); "
+                                              "pack with --expert-precision int8 or mxfp4")
+                    blob = bytearray(stride)
+                    write_blob(arrays, parts, blob)
+                    offsets[expert] = f.tell()
+                    crcs[expert] = zlib.crc32(memoryview(blob)[:blob_size(parts)])
+                    f.write(blob)
+                    if bar:
+                        bar.update(1)
+                expert_index[str(block.layer)] = {"order": list(range(count)), "offsets": offsets, "crc32": crcs}
+    finally:
+        if bar:
+            bar.close()
+        model.experts.close()
+    for file in sorted(source.iterdir()):  # config, tokenizer, chat template, generation config
+        if file.is_file() and not file.name.endswith(".safetensors") and file.name not in (INDEX_FILE_NAME,
+                                                                                             STORE_INDEX):
+            shutil.copy(file, out / file.name)
+    assert parts is not None and kind is not None
+    index_json = {
+        "format": FAMILY_STORE_FORMAT, "version": FAMILY_STORE_VERSION, "model_type": model.config.model_type,
+        "config_sha256": config_file_sha256(out), "expert_precision": precision, "expert_kind": kind,
+        "layout": "natural", "top_k": next(iter(top_k)), "num_experts": next(iter(num_experts)),
+        "trunk_file": FAMILY_TRUNK_FILE, "expert_file": FAMILY_EXPERT_FILE, "parts": [p.to_json() for p in parts],
+        "expert_blob_size": blob_size(parts), "expert_stride": stride, "experts": expert_index,
+    }
+    staging = out / (STORE_INDEX + ".tmp")
+    staging.write_text(json.dumps(index_json))
+    staging.rename(out / STORE_INDEX)
+    return FamilyStore(out)
+
