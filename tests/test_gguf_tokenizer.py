@@ -78,3 +78,65 @@ def test_metadata_survives_a_gguf_file(qwen_style, tmp_path):
     read = GGUFFile(tmp_path / "t.gguf").metadata
     assert {k: read[k] for k in metadata} == metadata
     assert_parity(tokenizer_from_gguf(read, "test"), qwen_style)
+
+
+# ---- a GGUF file with its tokenizer: generate and serve need no side files --------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_with_tokenizer(qwen_style, tmp_path_factory):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "model" / "families"))
+    from _gguf_writer import write_gguf
+    from _hf_tiny import build_tiny
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    metadata = gguf_metadata(qwen_style, "qwen2")
+    build_tiny("qwen3_moe", folder, vocab_size=len(metadata["tokenizer.ggml.tokens"]), mlp_only_layers=[])
+
+    def add_tokenizer(writer, arch):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(metadata["tokenizer.ggml.tokens"])
+        writer.add_token_types(metadata["tokenizer.ggml.token_type"])
+        writer.add_token_merges(metadata["tokenizer.ggml.merges"])
+        writer.add_eos_token_id(metadata["tokenizer.ggml.eos_token_id"])
+        writer.add_chat_template(TEMPLATE)
+
+    return write_gguf(folder, folder / "tiny.gguf", "BF16", metadata=add_tokenizer)
+
+
+def test_generate_cli_runs_a_gguf_file(gguf_with_tokenizer):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "k3serve.cli", "generate", "--model", str(gguf_with_tokenizer),
+                             "--prompt", "def f(x):", "--max-tokens", "6", "--ignore-eos", "--temperature", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip()
+
+
+def test_serve_renders_the_gguf_chat_template(gguf_with_tokenizer, qwen_style):
+    import httpx
+
+    from k3serve.engine.config import EngineConfig
+    from k3serve.engine.engine import LLMEngine
+    from k3serve.loading import load_model
+    from k3serve.serve.api import create_app
+    from k3serve.serve.threaded import serve_in_thread
+
+    loaded = load_model(gguf_with_tokenizer)
+    assert loaded.tokenizer is not None and loaded.tokenizer.chat_template == TEMPLATE
+    engine = LLMEngine(loaded.model, EngineConfig(max_model_len=256, max_seqs=4, max_batch_tokens=256,
+                                                  kv_cache_bytes=8 << 20), stop_ids=loaded.stop_ids)
+    app = create_app(engine, loaded.tokenizer, "tiny")
+    messages = [{"role": "user", "content": "hello there"}]
+    with serve_in_thread(app) as url:
+        reply = httpx.post(url + "/v1/chat/completions", timeout=120,
+                           json={"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    rendered = "<|im_start|>user\nhello there<|im_end|>\n"
+    expected = qwen_style.encode(rendered, add_special_tokens=False).ids
+    assert reply.json()["usage"]["prompt_tokens"] == len(expected)
