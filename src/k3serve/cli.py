@@ -120,8 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_serve_args(serve)
     serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
-    serve.add_argument("--shutdown-timeout", type=positive_int, default=30,
-                       help="seconds SIGTERM waits for in-flight requests before closing them; then exit 0")
 
     cluster = sub.add_parser("cluster", help="the server over N engine replicas on Ray, behind a router "
                                              "(docs/CLUSTER.md; needs the cluster extra)")
@@ -149,6 +147,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     tenants."""
     _add_model_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--shutdown-timeout", type=positive_int, default=30,
+                       help="seconds SIGTERM waits for in-flight requests before closing them; then exit 0")
     serve.add_argument("--port", type=cli_args.port, default=8000, help="TCP port to listen on")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
     serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
@@ -289,7 +289,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     tenants = registry_for_serve(args)
     listener = cli_args.bind_listener(args.host, args.port)
     warn_if_open(tenants, args.host)
-    return run_cluster(args, config, speculative, tenants, listener, install_reload)
+    return run_cluster(args, config, speculative, tenants, listener, install_reload,
+                       serve=lambda app: _serve_until_sigterm(_uvicorn_server(app, args), listener))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -330,9 +331,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
         mount_lab(app, LabFixtures(lab_model))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
-    _serve_until_sigterm(uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                      timeout_graceful_shutdown=args.shutdown_timeout)), listener)
+    _serve_until_sigterm(_uvicorn_server(app, args), listener)
     return 0
+
+
+def _uvicorn_server(app, args: argparse.Namespace):
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout))
 
 
 def _serve_until_sigterm(server, listener) -> None:

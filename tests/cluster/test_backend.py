@@ -177,3 +177,20 @@ def test_a_replica_streaming_under_a_ram_budget_answers_like_one_process(local_r
 
 async def _both(backend, prompts):
     return await asyncio.gather(*(_collect(_submit(backend, p)) for p in prompts))
+
+
+def test_structured_output_is_served_by_the_replicas(front):
+    import json
+
+    url, backend, _ = front
+    client = OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    answers = [client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"give json {i}"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}) for i in range(2)]
+    for answer in answers:  # the grammar's text travelled and the replica masked every token with it
+        assert answer.choices[0].finish_reason == "stop"
+        parsed = json.loads(answer.choices[0].message.content)
+        assert list(parsed) == ["a"] and isinstance(parsed["a"], int)
+    assert sum(backend.router.load) == 0

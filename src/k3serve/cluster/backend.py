@@ -90,11 +90,10 @@ class ClusterBackend:
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
                cache_salt: str | None, stop: list[str], speculative, grammar=None) -> ClusterStream:
-        if grammar is not None:  # a compiled grammar holds a native tokenizer: it does not travel to the actors
-            raise RequestError("response_format and forced tool calls are not served by a cluster yet; use one "
-                               "server (k3serve serve)")
         prompt = self._validate(prompt_token_ids, params)
-        stream = ClusterStream(self, prompt, params, tenant, cache_salt, stop, speculative)
+        # a compiled grammar holds a native tokenizer: its text travels, and the replica binds it to its own
+        stream = ClusterStream(self, prompt, params, tenant, cache_salt, stop, speculative,
+                               None if grammar is None else grammar.text)
         stream.start(frozenset())
         return stream
 
@@ -195,11 +194,11 @@ class ClusterStream:
     """One request's outputs from its replica, sent again elsewhere if the replica dies before any token."""
 
     def __init__(self, backend: ClusterBackend, prompt: list[int], params: SamplingParams, tenant: str,
-                 cache_salt: str | None, stop: list[str], speculative) -> None:
+                 cache_salt: str | None, stop: list[str], speculative, grammar_text: str | None = None) -> None:
         self.request_id = uuid.uuid4().hex
         self.backend = backend
         self.prompt, self.params, self.tenant, self.cache_salt = prompt, params, tenant, cache_salt
-        self.stop, self.speculative = stop, speculative
+        self.stop, self.speculative, self.grammar_text = stop, speculative, grammar_text
         self.finished = False
         self.last: RequestOutput | None = None
         self.route: Route | None = None
@@ -218,7 +217,7 @@ class ClusterStream:
         self._tried.add(route.replica)
         actor = self.backend.actors[route.replica]
         self._generator = actor.generate.options(num_returns="streaming").remote(
-            self.prompt, self.params, self.tenant, self.cache_salt, self.stop, self.speculative)
+            self.prompt, self.params, self.tenant, self.cache_salt, self.stop, self.speculative, self.grammar_text)
         return True
 
     def _release(self, output: RequestOutput | None) -> None:

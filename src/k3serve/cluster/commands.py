@@ -64,15 +64,17 @@ def front_tokenizer(model: Path | None):
     return Tokenizer.from_dir(folder)
 
 
-def run_cluster(args: argparse.Namespace, engine_config, speculative, tenants, listener, install_reload) -> int:
-    """Start (or join) Ray, the replicas and the HTTP front; serve until interrupted; stop everything."""
+def run_cluster(args: argparse.Namespace, engine_config, speculative, tenants, listener, install_reload,
+                serve=None) -> int:
+    """Start (or join) Ray, the replicas and the HTTP front; serve until interrupted or SIGTERM (`serve(app)`: the
+    server's drain, which lets in-flight requests finish); stop everything."""
     from k3serve.cluster.spec import ReplicaSpec
     from k3serve.stream.commands import stream_options
 
     if getattr(args, "trace_out", None) is not None:
         raise UsageError("--trace-out is per process: run `k3serve serve --trace-out` to record a routing trace")
     if args.expert_parallel is not None:
-        return run_expert_parallel(args, engine_config, speculative, tenants, listener, install_reload)
+        return run_expert_parallel(args, engine_config, speculative, tenants, listener, install_reload, serve)
     if args.expert_shards is not None or args.expert_ram_budget is not None:
         raise UsageError("--expert-shards and --expert-ram-budget go with --expert-parallel N")
     args.replicas = args.replicas or DEFAULT_REPLICAS
@@ -86,8 +88,6 @@ def run_cluster(args: argparse.Namespace, engine_config, speculative, tenants, l
         import ray
     except ImportError:
         raise UsageError("k3serve cluster needs Ray: pip install 'k3serve[cluster]'") from None
-    import uvicorn
-
     from k3serve.cluster.runtime import start_ray
 
     start_ray(args.ray_address, args.num_cpus, args.replicas)
@@ -102,10 +102,19 @@ def run_cluster(args: argparse.Namespace, engine_config, speculative, tenants, l
         app = create_app(backend, tokenizer, name, default_max_tokens=args.default_max_tokens, tenants=tenants)
         print(f"k3serve: serving '{name}' from {args.replicas} replicas ({args.router} router) on "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
+        _serve(app, listener, serve)
     finally:
         ray.shutdown()
     return 0
+
+
+def _serve(app, listener, serve) -> None:
+    if serve is not None:
+        serve(app)
+        return
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
 
 
 def local_shards(packed: Path, count: int, progress: bool = True) -> list[Path]:
@@ -126,7 +135,7 @@ def local_shards(packed: Path, count: int, progress: bool = True) -> list[Path]:
 
 
 def run_expert_parallel(args: argparse.Namespace, engine_config, speculative, tenants, listener,
-                        install_reload) -> int:
+                        install_reload, serve=None) -> int:
     """The engine and the trunk on this process, the experts on `--expert-parallel N` owner actors (Ray)."""
     from k3serve.config import load_config
     from k3serve.loading import default_model_dir
@@ -162,8 +171,6 @@ def run_expert_parallel(args: argparse.Namespace, engine_config, speculative, te
         import ray
     except ImportError:
         raise UsageError("k3serve cluster needs Ray: pip install 'k3serve[cluster]'") from None
-    import uvicorn
-
     from k3serve.cluster.runtime import start_ray
 
     start_ray(args.ray_address, args.num_cpus, count)
@@ -186,7 +193,7 @@ def run_expert_parallel(args: argparse.Namespace, engine_config, speculative, te
         app = create_app(engine, tokenizer, name, default_max_tokens=args.default_max_tokens, tenants=tenants)
         print(f"k3serve: serving '{name}' with its experts over {count} owners on "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
+        _serve(app, listener, serve)
     finally:
         ray.shutdown()
     return 0

@@ -60,11 +60,18 @@ class EngineReplica:
         return self.engine.share_capacity(kv_share)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
-                       cache_salt: str | None, stop: list[str], speculative) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None, stop: list[str], speculative,
+                       grammar_text: str | None = None) -> AsyncIterator[RequestOutput]:
         from k3serve.serve.text import stop_hook_for
 
+        grammar = None
+        if grammar_text is not None:  # checked by the front against the same model's tokenizer
+            from k3serve.engine.constraints import Grammar, grammar_tokenizer
+
+            grammar = Grammar(grammar_text, grammar_tokenizer(self.tokenizer))
         stream = self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
-                                    stop_hook=stop_hook_for(self.tokenizer, stop), speculative=speculative)
+                                    stop_hook=stop_hook_for(self.tokenizer, stop), speculative=speculative,
+                                    grammar=grammar)
         try:
             async for output in stream:
                 yield output
