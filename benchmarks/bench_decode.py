@@ -1,11 +1,12 @@
-"""Decode and prefill throughput of a model (default: the embedded model), resident weights.
+"""Decode and prefill throughput of a model (default: the embedded model; any family's checkpoint with --model, or
+a family's random tiny model with --family, see benchmarks/family_fixture.py), resident weights.
 
 Measures, in one run and interleaved round by round:
   - prefill tok/s for one prompt of --prompt-len tokens;
   - decode tok/s at batch 1 and at batch 8 (8 sequences stepping together, one forward per step).
 Prints the machine, one summary line, and a JSON record on the last line. Medians over --rounds rounds.
 
-    python benchmarks/bench_decode.py [--model DIR] [--rounds 5] [--steps 32] [--quick]
+    python benchmarks/bench_decode.py [--model DIR | --family NAME] [--rounds 5] [--steps 32] [--quick]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 
+from family_fixture import add_model_args, model_path
 from k3serve.loading import load_model
 from k3serve.model.k3 import ForwardItem
 from k3serve.host import describe_host
@@ -41,7 +43,7 @@ def decode_rate(model, batch: int, prompt: np.ndarray, steps: int, rng: np.rando
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    add_model_args(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -50,7 +52,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps = 3, 8
 
-    model = load_model(args.model).model
+    path, label = model_path(args)
+    model = load_model(path).model
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.config.vocab_size, size=args.prompt_len)
     short = prompt[:16]
@@ -63,7 +66,7 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in results.items()}
     record = {
         "benchmark": "decode",
-        "model": args.model or "embedded default",
+        "model": label,
         "machine": describe_host(),
         "rounds": args.rounds,
         "steps": args.steps,

@@ -1,4 +1,5 @@
-"""The serving engine on the embedded default model: throughput under concurrency, TTFT with and without the
+"""The serving engine on the embedded default model (or --model DIR / --family NAME: any family, see
+benchmarks/family_fixture.py): throughput under concurrency, TTFT with and without the
 hybrid prefix cache, and KV memory waste of paged blocks against per-sequence reservation.
 
   throughput  generated tok/s with C requests in flight (C = 1, 4, 16, 64), each a 16-token prompt and
@@ -15,7 +16,7 @@ hybrid prefix cache, and KV memory waste of paged blocks against per-sequence re
 
 Prints the machine, one summary line, and a JSON record on the last line.
 
-    python benchmarks/bench_engine.py [--model DIR] [--rounds 3] [--quick]
+    python benchmarks/bench_engine.py [--model DIR | --family NAME] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.workloads import WasteMeter, ZeroRowsModel, run_all, shared_prefix_ttft
+from family_fixture import add_model_args, model_path
 from k3serve.loading import load_model
 from k3serve.host import describe_host
 
@@ -69,9 +71,10 @@ def multi_turn_ttft(model, stop_ids, caching: bool, system_len: int, turns: int,
     return {"median_ttft_s": statistics.median(later), "ttfts": ttfts}
 
 
-def long_sequence_waste(model_config, num_requests: int) -> dict:
+def long_sequence_waste(model, num_requests: int) -> dict:
+    model_config = model.config
     config = EngineConfig(max_seqs=32, max_batch_tokens=4096, max_model_len=2048, enable_prefix_caching=False)
-    engine = LLMEngine(ZeroRowsModel(model_config), config)
+    engine = LLMEngine(ZeroRowsModel(model_config, layout=model.cache_layout), config)
     rng = np.random.default_rng(11)
     for _ in range(num_requests):
         engine.add_request([int(t) for t in rng.integers(3, model_config.vocab_size, int(rng.integers(128, 1025)))],
@@ -83,7 +86,7 @@ def long_sequence_waste(model_config, num_requests: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    add_model_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--system-len", type=int, default=480)
@@ -92,7 +95,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.max_tokens, args.system_len = 2, 8, 240
     logging.basicConfig(level=logging.WARNING)
-    loaded = load_model(args.model)
+    path, label = model_path(args)
+    loaded = load_model(path)
     model, stop_ids = loaded.model, loaded.stop_ids
     rng = np.random.default_rng(0)
     throughput(model, stop_ids, 2, 2, rng, None)  # warm-up: JIT compile, first-touch allocations
@@ -130,11 +134,11 @@ def main() -> None:
     for meter in meters:
         merged.merge(meter)
     waste = {"throughput_run_c64": merged.result(),
-             "long_sequences": long_sequence_waste(model.config, 64 if args.quick else 256)}
+             "long_sequences": long_sequence_waste(model, 64 if args.quick else 256)}
 
     record = {
         "benchmark": "engine",
-        "model": args.model or "embedded default",
+        "model": label,
         "machine": describe_host(),
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,

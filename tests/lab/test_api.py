@@ -58,6 +58,19 @@ def test_every_module_runs_and_returns_the_documented_record(lab_client, fast_pa
     assert again["cached"] and again["result"] == record
 
 
+@pytest.mark.parametrize("module_id, family", [("batching", "qwen3_next"), ("prefix_cache", "kimi_linear")])
+def test_a_module_runs_on_a_family_the_user_picks(lab_client, fast_params, module_id, family):
+    body = {**fast_params[module_id], "model": family}
+    job = lab_client.post(f"/lab/api/modules/{module_id}/run?wait=true", json=body).json()
+    assert job["status"] == "done", job.get("error")
+    record = job["result"]
+    _finite_numbers(record)
+    assert f"--param model={family}" in record["command"]
+    assert all(f"a random tiny {family} model" in figure["source"] for figure in record["series"][:1])
+    if module_id == "prefix_cache":  # Kimi Linear: MLA blocks and KDA state checkpoints both restored
+        assert record["metrics"]["hit_rate_pct"] > 0 and record["metrics"]["checkpoints"] > 0
+
+
 def test_a_parameter_changes_the_result(lab_client):
     a = lab_client.post("/lab/api/modules/mxfp4/run?wait=true", json={"rows": 64}).json()["result"]
     b = lab_client.post("/lab/api/modules/mxfp4/run?wait=true",

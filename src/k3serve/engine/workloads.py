@@ -15,6 +15,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
+from k3serve.model.cache import CacheLayout
 from k3serve.model.k3 import ForwardResult, k3_cache_layout
 
 
@@ -66,9 +67,9 @@ class ZeroRowsModel:
     """Stand-in for memory workloads: writes zero rows and states through the cache API, random logits. The
     scheduler and the pools are the real ones; memory depends only on lengths."""
 
-    def __init__(self, config, seed: int = 0) -> None:
+    def __init__(self, config, seed: int = 0, layout: CacheLayout | None = None) -> None:
         self.config = config
-        self.cache_layout = k3_cache_layout(config)
+        self.cache_layout = layout if layout is not None else k3_cache_layout(config)  # a family model: its own
         self._rng = np.random.default_rng(seed)
 
     def forward(self, items, **kwargs) -> ForwardResult:

@@ -24,6 +24,10 @@ from k3serve.errors import K3Error
 
 logger = logging.getLogger(__name__)
 
+LAB_MODEL = "lab model"
+# what a module with a model choice may run on: the lab's K3 model, or a random tiny model of a family
+# (k3serve.model.families.synthetic: random weights, real shapes, routing and cache paths)
+MODEL_CHOICES = (LAB_MODEL, "kimi_linear", "deepseek_v3", "qwen3_moe", "qwen3_next")
 TRACE_WINDOWS = 8  # held-out windows (alternating code, prose) routed to record the lab's trace
 TRACE_WINDOW_TOKENS = 128
 
@@ -63,6 +67,7 @@ class LabFixtures:
         self._loaded = None
         self._config: K3Config | None = None
         self._windows: dict[str, list[int]] | None = None
+        self._families: dict[str, object] = {}
 
     @property
     def model_name(self) -> str:
@@ -89,6 +94,23 @@ class LabFixtures:
                     raise K3Error(f"{self.model_dir}: the lab needs a tokenizer (tiktoken.model)")
                 self._loaded = loaded
             return self._loaded
+
+    def model_for(self, choice: str) -> tuple[object, tuple[int, ...], str]:
+        """(model, stop ids, its name for figures) of a module's `model` choice (MODEL_CHOICES): the lab's model,
+        or a random tiny family model written once under the lab's cache folder and loaded once."""
+        if choice == LAB_MODEL:
+            loaded = self.loaded()
+            return loaded.model, loaded.stop_ids, self.model_name
+        if choice not in MODEL_CHOICES:
+            raise K3Error(f"unknown model {choice!r}; choose one of {', '.join(MODEL_CHOICES)}")
+        from k3serve.loading import load_model
+        from k3serve.model.families.synthetic import write_random_family
+
+        with self._lock:
+            if choice not in self._families:
+                folder = _atomic_dir(self.root / "families" / choice, lambda d: write_random_family(choice, d))
+                self._families[choice] = load_model(folder).model
+            return self._families[choice], (), f"a random tiny {choice} model"
 
     # ---- held-out text --------------------------------------------------------------------------------------
     def token_streams(self) -> dict[str, list[int]]:

@@ -11,6 +11,7 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.workloads import run_all
+from k3serve.lab.fixtures import MODEL_CHOICES
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
@@ -80,8 +81,7 @@ def long_prompt_stall(model, stop_ids, chunked: bool, params, cancel) -> float:
 
 
 def run(params, progress, cancel, lab) -> LabResult:
-    loaded = lab.loaded()
-    model, stop_ids = loaded.model, loaded.stop_ids
+    model, stop_ids, model_name = lab.model_for(params["model"])
     sweep = [c for c in CONCURRENCY if c <= params["max_concurrency"]]
     rows = {}
     for i, c in enumerate(sweep):
@@ -97,7 +97,7 @@ def run(params, progress, cancel, lab) -> LabResult:
     stall = {}
     for chunked in (True, False):
         stall[chunked] = long_prompt_stall(model, stop_ids, chunked, params, cancel)
-    source = (f"{lab.model_name} in the engine, requests of {params['prompt_tokens']} prompt + {params['max_tokens']} "
+    source = (f"{model_name} in the engine, requests of {params['prompt_tokens']} prompt + {params['max_tokens']} "
               f"generated tokens, this machine")
     figures = [
         Figure("Throughput vs concurrency", "line", True, source,
@@ -145,5 +145,7 @@ MODULE = LabModule(
             Param("max_tokens", "int", 8, "generated per request", min=2, max=256, unit="tokens"),
             Param("max_batch_tokens", "int", 128, "positions per step (prefill chunk budget)", min=16, max=8192),
             Param("long_prompt_tokens", "int", 384, "the long prompt of the stall figure", min=16, max=4000,
-                  unit="tokens")),
+                  unit="tokens"),
+            Param("model", "choice", MODEL_CHOICES[0], "the lab's K3 model, or a random tiny model of a family "
+                  "(its figures show the family's paths, not a released model's speed)", choices=MODEL_CHOICES)),
     kind="measured", run=run)

@@ -7,12 +7,12 @@ import statistics
 import numpy as np
 
 from k3serve.engine.workloads import shared_prefix_ttft
+from k3serve.lab.fixtures import MODEL_CHOICES
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 
 
 def run(params, progress, cancel, lab) -> LabResult:
-    loaded = lab.loaded()
-    model, stop_ids = loaded.model, loaded.stop_ids
+    model, stop_ids, model_name = lab.model_for(params["model"])
     runs = {True: [], False: []}
     total = 2 * params["rounds"]
     for r in range(params["rounds"]):  # alternated: with, without, with, without
@@ -29,7 +29,7 @@ def run(params, progress, cancel, lab) -> LabResult:
     steady_off = statistics.median(x for run in off for x in run["ttfts"][2:]) if params["requests"] > 2 else \
         statistics.median(x for run in off for x in run["ttfts"])
     hit_rate = on[-1]["hit_tokens"] / max(on[-1]["query_tokens"], 1)
-    source = (f"{lab.model_name} in the engine, a {params['system_tokens']}-token shared prefix + 16 distinct tokens per "
+    source = (f"{model_name} in the engine, a {params['system_tokens']}-token shared prefix + 16 distinct tokens per "
               f"request, requests one after another, median of {params['rounds']} alternated rounds on this machine")
     positions = on[-1]["checkpoint_positions"]
     figures = [
@@ -37,21 +37,23 @@ def run(params, progress, cancel, lab) -> LabResult:
                [{"name": "prefix cache on", "x": list(range(1, params["requests"] + 1)), "y": per_request[True]},
                 {"name": "prefix cache off", "x": list(range(1, params["requests"] + 1)), "y": per_request[False]}],
                x_label="request", y_label="TTFT (ms)"),
-        Figure("Where KDA state checkpoints sit", "bar", True,
-               "the prefix cache's checkpoints after the cached run (positions in tokens)",
-               [{"name": "checkpoint", "x": [str(p) for p in positions], "y": [1] * len(positions)}],
-               x_label="position", y_label="checkpoints"),
     ]
+    if positions:  # a model without recurrent layers (Qwen3-MoE, DeepSeek-V3) hits on attention blocks alone
+        figures.append(Figure("Where recurrent state checkpoints sit (KDA or DeltaNet)", "bar", True,
+                              "the prefix cache's checkpoints after the cached run (positions in tokens)",
+                              [{"name": "checkpoint", "x": [str(p) for p in positions], "y": [1] * len(positions)}],
+                              x_label="position", y_label="checkpoints"))
     metrics = {"steady_ttft_ms": 1e3 * steady_on, "hit_rate_pct": 100 * hit_rate,
                "checkpoints": float(len(positions))}
     baseline = {"steady_ttft_ms": 1e3 * steady_off, "hit_rate_pct": 0.0, "checkpoints": 0.0}
     labels = {"steady_ttft_ms": "TTFT from the 3rd request on (ms)", "hit_rate_pct": "prompt positions restored, all requests (%)",
-              "checkpoints": "KDA state checkpoints held"}
+              "checkpoints": "recurrent state checkpoints held (KDA / DeltaNet; none in a model without them)"}
     progress(1.0, "done")
     return LabResult(metrics, baseline, figures, labels, metrics_name="prefix cache on", baseline_name="off",
                      notes=["request 1 misses; request 2 misses too but saves a checkpoint at the branch point "
-                            "(where it diverges from request 1); from request 3 on the shared prefix is restored: MLA "
-                            "blocks by chained hash, KDA state from the checkpoint at the exact position",
+                            "(where it diverges from request 1); from request 3 on the shared prefix is restored: "
+                            "attention blocks (MLA or GQA) by chained hash, recurrent state (KDA or DeltaNet) from the "
+                            "checkpoint at the exact position",
                             f"speed-up from request 3 on: {steady_off / steady_on:.2f}x"],
                      related_commands=["python benchmarks/bench_engine.py --quick"])
 
@@ -67,5 +69,7 @@ MODULE = LabModule(
         "restores both and prefills only the rest: TTFT ~ (prompt - cached) / prefill speed."),
     params=(Param("system_tokens", "int", 240, "shared prefix length", min=16, max=2000, unit="tokens"),
             Param("requests", "int", 5, "requests per round", min=2, max=32),
-            Param("rounds", "int", 1, "alternated rounds (medians)", min=1, max=10)),
+            Param("rounds", "int", 1, "alternated rounds (medians)", min=1, max=10),
+            Param("model", "choice", MODEL_CHOICES[0], "the lab's K3 model, or a random tiny model of a family "
+                  "(its figures show the family's paths, not a released model's speed)", choices=MODEL_CHOICES)),
     kind="measured", run=run)
