@@ -4,8 +4,8 @@ batch 1/8/32, speculation off/on, flat and skewed routing; plus the C engine cal
     .venv/bin/python benchmarks/sim_projections.py --out docs/sim
 
 Writes projections.json, calibration.json and the plots ladder.svg (s/token by RAM, both machines, k3serve with
-the trunk as float32 and the bf16 what-if, the C engine's own policy), batch.svg (tok/s by batch). Prints one
-summary line. Every figure is simulated (k3serve.sim.full); none is measured.
+the trunk as float32 and as bf16 (StreamOptions.trunk_dtype), the C engine's own policy), batch.svg (tok/s by
+batch). Prints one summary line. Every figure is simulated (k3serve.sim.full); none is measured.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-RAMS_GB = (8, 16, 32, 64, 128)
+RAMS_GB = (8, 10, 12, 16, 32, 64, 128)
 
 
 def main() -> int:
@@ -66,7 +66,7 @@ def main() -> int:
                     for batch in (1, 8, 32):
                         for spec in (0, 3):
                             if batch > 1 and (dtype == "float32" or routing == "skewed"):
-                                continue  # batch and speculation: the bf16 what-if, flat routing only
+                                continue  # batch and speculation: the bf16 trunk, flat routing only
                             if spec and batch > 1:
                                 continue
                             rec = {"machine": mname, "ram_gb": ram, "routing": routing, "trunk_dtype": dtype,
@@ -104,7 +104,7 @@ def main() -> int:
     for mname in machines:
         for b in (1, 8, 32):
             batch_series[f"{mname}: batch {b}"] = series(mname, "k3serve", "bf16", batch=b, key="tok_per_s")
-    (args.out / "batch.svg").write_text(line_chart("full K3, k3serve bf16 what-if, flat: tok/s by RAM and batch",
+    (args.out / "batch.svg").write_text(line_chart("full K3, k3serve bf16 trunk, flat: tok/s by RAM and batch",
                                                    "RAM (GB)", "tok/s (all sequences)", batch_series))
     ok = sum(1 for r in records if "s_per_token" in r)
     print(f"sim_projections: {len(records)} configurations ({ok} run, {len(records) - ok} below the minimum RAM), "

@@ -26,14 +26,15 @@ def tiny_packed(tiny_dir, tmp_path_factory):
     return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("sim-tiny-packed"))
 
 
-@pytest.mark.parametrize("policy,extra_slots,pin", [("lru", 3, 0), ("lfu", 9, None), ("s3fifo", 20, None),
-                                                    ("none", 5, 0)])
-def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, extra_slots, pin):
+@pytest.mark.parametrize("policy,extra_slots,pin,dtype", [("lru", 3, 0, "float32"), ("lfu", 9, None, "float32"),
+                                                          ("s3fifo", 20, None, "float32"), ("none", 5, 0, "float32"),
+                                                          ("lru", 2, None, "bf16"), ("lfu", 40, None, "bf16")])
+def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, extra_slots, pin, dtype):
     store = tiny_packed
-    budget = minimum_budget_bytes(store) + extra_slots * store.expert_stride
+    budget = minimum_budget_bytes(store, trunk_dtype=dtype) + extra_slots * store.expert_stride
     trace_path = tmp_path / "run.trace"
     options = StreamOptions(ram_budget=budget, io="pread", queue_depth=4, cache=policy, prefetch="none",
-                            pin_trunk_bytes=pin, trace_out=trace_path)
+                            pin_trunk_bytes=pin, trace_out=trace_path, trunk_dtype=dtype)
     loaded = load_model(store.path, stream=options)
     source = loaded.model.source
     generate(loaded.model, [1, 5, 9, 200, 17, 3], SamplingParams(max_tokens=9, ignore_eos=True))
@@ -44,9 +45,10 @@ def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, ex
     assert real.expert_misses > 0 and (real.expert_retained > 0 or policy in ("none", "lru"))
 
     trace = read_trace(trace_path)
-    result = simulate(replay_config(trace, laptop(), store=VirtualStore.from_store(store), ram_bytes=budget,
+    result = simulate(replay_config(trace, laptop(), store=VirtualStore.from_store(store, dtype), ram_bytes=budget,
                                     policy=policy, prefetch="none", queue_depth=4, pin_trunk_bytes=pin,
-                                    count_prefill=True))
+                                    count_prefill=True, trunk_dtype=dtype))
+    assert result.plan["trunk_read_ahead"] == plan.trunk_read_ahead
     assert result.plan["expert_slots"] == plan.expert_slots
     assert result.plan["pinned_layers"] == len(plan.pinned_layers)
     assert result.totals["expert_bytes"] == real.expert_bytes_read
@@ -72,7 +74,9 @@ def test_cold_token_is_the_c_engines_1472_reads_and_25_83_gb():
 
 
 def test_more_ram_never_reads_more_and_prefetch_serves_requests():
-    small = simulate(SimConfig(machine=laptop(), ram_bytes=32 << 30, tokens=2, trunk_dtype="bf16"))
+    # 16 GiB of pinned trunk leaves cold slots for the guesses (the default split pins the trunk first)
+    small = simulate(SimConfig(machine=laptop(), ram_bytes=32 << 30, tokens=2, trunk_dtype="bf16",
+                               pin_trunk_bytes=16 << 30))
     large = simulate(SimConfig(machine=laptop(), ram_bytes=128 << 30, tokens=2, trunk_dtype="bf16"))
     assert large.trunk_bytes_per_token < small.trunk_bytes_per_token
     assert small.prefetch_hit_share > 0.3  # guesses at 65% recall are used, not dropped before their layer

@@ -26,6 +26,7 @@ from k3serve.model.attn_res import attn_res
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
 from k3serve.model.kda import DEFAULT_CHUNK_SIZE, kda_forward
 from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
+from k3serve.model.kernels import linear, widen_bf16
 from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
@@ -159,6 +160,8 @@ class K3Model(SingleSequenceMixin):
         source = self.source
         source.begin_step(int(ids.shape[0]))  # capabilities a streaming source uses (model/weights.py)
         h = self._globals.embed[ids]  # [T, H]
+        if h.dtype == np.uint16:  # the embedding kept as bf16 bits (a bf16 trunk)
+            h = widen_bf16(h)
         stack: list[np.ndarray] = []
         pref: np.ndarray | None = h
         for layer in range(c.num_layers):
@@ -192,7 +195,7 @@ class K3Model(SingleSequenceMixin):
 
         rows = logit_rows(items, segments)
         out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)
-        logits = rms_norm(out, self._globals.final_norm, eps) @ self._globals.lm_head.T  # [R, V]
+        logits = linear(rms_norm(out, self._globals.final_norm, eps), self._globals.lm_head)  # [R, V]
         return finish_batch(items, segments, logits, result)
 
     def _mla(self, w: MLAWeights, x: np.ndarray, segments: list[tuple[int, int]],

@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from k3serve.config import K3Config
+from k3serve.model.kernels import linear
 from k3serve.model.ops import l2_normalize, rms_norm, sigmoid, silu
 from k3serve.model.cache import SequenceCache
 from k3serve.model.replay import DeltaRuleWindow
@@ -73,7 +74,7 @@ def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
     Returns (inputs over all T, output gate [T, P], the new conv tail of each segment)."""
     NH, D, P = config.kda_num_heads, config.kda_head_dim, config.kda_proj_size
     T = x.shape[0]
-    proj = x @ w.in_proj.T  # [T, 4P + D + NH]
+    proj = linear(x, w.in_proj)  # [T, 4P + D + NH]
     out_gate, f_a, b = proj[:, 3 * P:4 * P], proj[:, 4 * P:4 * P + D], proj[:, 4 * P + D:]
     qkv = np.empty((T, 3 * P), np.float32)
     new_tails: list[np.ndarray] = [np.empty(0)] * len(segments)
@@ -194,4 +195,4 @@ def kda_finish(config: K3Config, w: KDAWeights, o: np.ndarray, out_gate: np.ndar
     """Per-head RMSNorm, output gate, o_proj. o [T, NH, D], out_gate [T, P] -> [T, H]."""
     T = o.shape[0]
     normed = rms_norm(o, w.o_norm, config.rms_norm_eps).reshape(T, config.kda_proj_size)
-    return (normed * sigmoid(out_gate)) @ w.o_proj.T
+    return linear(normed * sigmoid(out_gate), w.o_proj)

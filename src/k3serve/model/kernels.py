@@ -609,6 +609,7 @@ def _bf16_matmul_serial(w, x, out):
 
 
 BF16_KERNEL_MAX_TOKENS = 32  # from this many tokens on, BLAS on a transient float32 copy is faster
+BF16_WIDEN_BLOCK_BYTES = 64 << 20  # the transient float32 copy is made this many bytes of rows at a time
 
 
 def widen_bf16(bits: np.ndarray) -> np.ndarray:
@@ -618,11 +619,18 @@ def widen_bf16(bits: np.ndarray) -> np.ndarray:
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [T, C] @ w.T for w float32 [R, C] (BLAS), or w bf16 bits uint16 [R, C] kept as bf16: the bf16 row-dot
-    kernel for a few tokens, BLAS on a transient float32 copy of w for BF16_KERNEL_MAX_TOKENS or more. -> [T, R]"""
+    kernel for a few tokens, BLAS on transient float32 copies of w (BF16_WIDEN_BLOCK_BYTES of rows at a time) for
+    BF16_KERNEL_MAX_TOKENS or more. -> [T, R]"""
     if w.dtype != np.uint16:
         return x @ w.T
     if x.shape[0] >= BF16_KERNEL_MAX_TOKENS:
-        return x @ widen_bf16(w).T
+        block = max(1, BF16_WIDEN_BLOCK_BYTES // (4 * max(w.shape[1], 1)))
+        if block >= w.shape[0]:
+            return x @ widen_bf16(w).T
+        out = np.empty((x.shape[0], w.shape[0]), np.float32)  # [T, R]
+        for start in range(0, w.shape[0], block):  # a bounded transient: a bf16 trunk's budget counts on it
+            out[:, start:start + block] = x @ widen_bf16(w[start:start + block]).T
+        return out
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)  # [T, R]
     kernel = _bf16_matmul_parallel if w.size >= PARALLEL_MIN_WEIGHTS else _bf16_matmul_serial

@@ -22,6 +22,7 @@ import numpy as np
 
 from k3serve.config import K3Config
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, causal_attention
+from k3serve.model.kernels import linear
 from k3serve.model.ops import rms_norm, sigmoid, softmax
 from k3serve.model.weights import MLAWeights
 
@@ -30,8 +31,8 @@ def mla_project(config: K3Config, w: MLAWeights, x: np.ndarray) -> tuple[np.ndar
     """x [T, H] -> (q [T, NA, DN+DR], cache rows [T, KL+DR], output gate [T, NA*DV] or None)."""
     QL, KL, DR = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
     NA, DN = config.num_mla_heads, config.qk_nope_head_dim
-    proj = x @ w.in_proj.T  # [T, QL + KL + DR (+ NA*DV)]
-    q = rms_norm(proj[:, :QL], w.q_a_norm, config.rms_norm_eps) @ w.q_b.T
+    proj = linear(x, w.in_proj)  # [T, QL + KL + DR (+ NA*DV)]
+    q = linear(rms_norm(proj[:, :QL], w.q_a_norm, config.rms_norm_eps), w.q_b)
     latent = rms_norm(proj[:, QL:QL + KL], w.kv_a_norm, config.rms_norm_eps)
     rows = np.concatenate([latent, proj[:, QL + KL:QL + KL + DR]], axis=1)  # [T, KL+DR]
     gate = proj[:, QL + KL + DR:] if w.has_gate else None
@@ -53,7 +54,7 @@ def mla_attend(config: K3Config, w: MLAWeights, q: np.ndarray, cache: np.ndarray
     attn = np.einsum("atk,avk->tav", out_latent, w.w_uv).reshape(T, -1)  # [T, NA*DV]
     if gate is not None:
         attn = attn * sigmoid(gate)
-    return attn @ w.o_proj.T
+    return linear(attn, w.o_proj)
 
 
 def mla_attend_reference(config: K3Config, w: MLAWeights, q: np.ndarray, cache: np.ndarray,
@@ -70,7 +71,7 @@ def mla_attend_reference(config: K3Config, w: MLAWeights, q: np.ndarray, cache: 
     attn = np.einsum("atk,avk->tav", probs @ latent, w.w_uv).reshape(T, -1)  # [T, NA*DV]
     if gate is not None:
         attn = attn * sigmoid(gate)
-    return attn @ w.o_proj.T
+    return linear(attn, w.o_proj)
 
 
 def mla_decode_batch(config: K3Config, w: MLAWeights, q: np.ndarray, caches: list[np.ndarray],
@@ -93,4 +94,4 @@ def mla_decode_batch(config: K3Config, w: MLAWeights, q: np.ndarray, caches: lis
     attn = np.einsum("bak,avk->bav", out_latent, w.w_uv).reshape(B, -1)  # [B, NA*DV]
     if gate is not None:
         attn = attn * sigmoid(gate)
-    return attn @ w.o_proj.T
+    return linear(attn, w.o_proj)

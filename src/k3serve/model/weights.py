@@ -220,6 +220,45 @@ class ForwardingSource(WeightSource):
 
 TensorReader = Callable[[str], np.ndarray]
 
+TRUNK_DTYPES = ("float32", "bf16")
+# Trunk matrices held as bf16 bits whatever the trunk dtype (the big MLP matrices) ...
+BF16_ALWAYS = ("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "shared_experts.", "routed_expert_down_proj.",
+               "routed_expert_up_proj.")
+# ... and, with a bf16 trunk, the attention projections, the embedding and the lm_head too. Everything else (norms,
+# conv taps, decay, routers, the per-head kv_b halves) is widened to float32 in both.
+BF16_IN_BF16_TRUNK = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.g_proj.",
+                      "self_attn.o_proj.", "self_attn.f_a_proj.", "self_attn.b_proj.", "self_attn.q_a_proj.",
+                      "self_attn.kv_a_proj_with_mqa.", "self_attn.q_b_proj.", "embed_tokens.", "lm_head.")
+# projections fused into one matrix at build time: bf16 only when every part is
+FUSED_GROUPS = (("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.g_proj.",
+                 "self_attn.f_a_proj.", "self_attn.b_proj."),
+                ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.g_proj."))
+
+
+def _bf16_rule(name: str, trunk_dtype: str) -> bool:
+    keys = BF16_ALWAYS + (BF16_IN_BF16_TRUNK if trunk_dtype == "bf16" else ())
+    return any(k in name for k in keys)
+
+
+def held_bytes(tensors: Sequence[tuple[str, str, tuple[int, ...]]], trunk_dtype: str = "float32") -> int:
+    """Bytes the built weights of one trunk blob hold, for tensors (name, stored dtype, shape): 2 per parameter for
+    a bf16-stored matrix the trunk dtype keeps as bf16 (a fused group only when all its parts are bf16-stored),
+    4 for everything else. The budget splitter charges this (stream/budget.py)."""
+    if trunk_dtype not in TRUNK_DTYPES:
+        raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
+    stored = {name: dtype for name, dtype, _ in tensors}
+    total = 0
+    for name, dtype, shape in tensors:
+        params = int(np.prod(shape))
+        bf16 = dtype == "BF16" and _bf16_rule(name, trunk_dtype)
+        for group in FUSED_GROUPS:
+            if bf16 and any(k in name for k in group):
+                prefix = name[:name.index("self_attn.")]
+                parts = [n for n in stored if n.startswith(prefix) and any(k in n for k in group)]
+                bf16 = all(stored[n] == "BF16" for n in parts)
+        total += params * (2 if bf16 else 4)
+    return total
+
 
 def keep_bf16(w: np.ndarray) -> np.ndarray:
     """float32 values that are all bf16 (low 16 bits zero) -> their bf16 bits (uint16); others unchanged."""
@@ -230,35 +269,56 @@ def keep_bf16(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeights:
-    """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array."""
+def _widened(array: np.ndarray) -> np.ndarray:
+    if array.dtype == np.uint16:  # bf16 bits from a reader that keeps them (TrunkBlob.decode(keep_bf16=True))
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _fuse(parts: list[np.ndarray]) -> np.ndarray:
+    """Stack matrices row-wise; bf16 bits stay bf16 when every part is, else all are widened."""
+    if all(part.dtype == np.uint16 for part in parts):
+        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+    return keep_bf16(np.concatenate([_widened(part) for part in parts], axis=0))
+
+
+def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32") -> LayerWeights:
+    """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array, or bf16 bits
+    (uint16) for bf16-stored tensors. With `trunk_dtype` "bf16" the attention projections stay bf16 bits too
+    (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`held_bytes` is the accounting)."""
+    if trunk_dtype not in TRUNK_DTYPES:
+        raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)
-    f32 = lambda name: np.ascontiguousarray(read(name), dtype=np.float32)  # noqa: E731
+    f32 = lambda name: _widened(read(name))  # noqa: E731
+    def kept(name: str) -> np.ndarray:  # a matrix kept as bf16 bits when stored as bf16 (a copy: no view kept)
+        array = read(name)
+        return np.array(array, copy=True) if array.dtype == np.uint16 else keep_bf16(_widened(array))
+
+    mat = kept if trunk_dtype == "bf16" else f32
     a = f"{p}self_attn."
     attention: KDAWeights | MLAWeights
     if config.is_mla(layer):
         NA, DN, DV, KL = config.num_mla_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
-        parts = [f32(f"{a}q_a_proj.weight"), f32(f"{a}kv_a_proj_with_mqa.weight")]
+        parts = [mat(f"{a}q_a_proj.weight"), mat(f"{a}kv_a_proj_with_mqa.weight")]
         if config.mla_use_output_gate:
-            parts.append(f32(f"{a}g_proj.weight"))
+            parts.append(mat(f"{a}g_proj.weight"))
         kv_b = f32(f"{a}kv_b_proj.weight").reshape(NA, DN + DV, KL)  # [NA, DN+DV, KL]
         attention = MLAWeights(
-            in_proj=np.ascontiguousarray(np.concatenate(parts, axis=0)),
+            in_proj=_fuse(parts) if trunk_dtype == "bf16" else np.ascontiguousarray(np.concatenate(parts, axis=0)),
             q_a_norm=f32(f"{a}q_a_layernorm.weight"),
-            q_b=f32(f"{a}q_b_proj.weight"),
+            q_b=mat(f"{a}q_b_proj.weight"),
             kv_a_norm=f32(f"{a}kv_a_layernorm.weight"),
             w_uk=np.ascontiguousarray(kv_b[:, :DN, :]),
             w_uv=np.ascontiguousarray(kv_b[:, DN:, :]),
-            o_proj=f32(f"{a}o_proj.weight"),
+            o_proj=mat(f"{a}o_proj.weight"),
             has_gate=config.mla_use_output_gate,
         )
     else:
         NH = config.kda_num_heads
-        in_proj = np.concatenate(
-            [f32(f"{a}{n}_proj.weight") for n in ("q", "k", "v", "g")]
-            + [f32(f"{a}f_a_proj.weight"), f32(f"{a}b_proj.weight")],
-            axis=0,
-        )
+        in_parts = ([mat(f"{a}{n}_proj.weight") for n in ("q", "k", "v", "g")]
+                    + [mat(f"{a}f_a_proj.weight"), mat(f"{a}b_proj.weight")])
+        in_proj = _fuse(in_parts) if trunk_dtype == "bf16" else np.concatenate(in_parts, axis=0)
+        del in_parts
         conv = np.concatenate([f32(f"{a}{n}_conv1d.weight")[:, 0, :] for n in ("q", "k", "v")], axis=0)
         attention = KDAWeights(
             in_proj=np.ascontiguousarray(in_proj),
@@ -267,14 +327,14 @@ def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeight
             a_exp=np.exp(f32(f"{a}A_log")[:NH]).astype(np.float32),
             dt_bias=f32(f"{a}dt_bias"),
             o_norm=f32(f"{a}o_norm.weight"),
-            o_proj=f32(f"{a}o_proj.weight"),
+            o_proj=mat(f"{a}o_proj.weight"),
         )
     mlp: DenseMLPWeights | MoEWeights
     if config.is_dense(layer):
         m = f"{p}mlp."
         mlp = DenseMLPWeights(
-            gate_up=keep_bf16(np.concatenate([f32(f"{m}gate_proj.weight"), f32(f"{m}up_proj.weight")])),
-            down=keep_bf16(f32(f"{m}down_proj.weight")),
+            gate_up=_fuse([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
+            down=kept(f"{m}down_proj.weight"),
         )
     else:
         m = names.moe_prefix(layer)
@@ -282,13 +342,13 @@ def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeight
         mlp = MoEWeights(
             router=f32(f"{m}gate.weight"),
             router_bias=f32(f"{m}gate.e_score_correction_bias"),
-            latent_down=keep_bf16(f32(f"{m}routed_expert_down_proj.weight")),
-            latent_up=keep_bf16(f32(f"{m}routed_expert_up_proj.weight")),
+            latent_down=kept(f"{m}routed_expert_down_proj.weight"),
+            latent_up=kept(f"{m}routed_expert_up_proj.weight"),
             latent_norm=f32(f"{m}routed_expert_norm.weight"),
-            shared_gate_up=keep_bf16(np.concatenate(
-                [f32(f"{m}shared_experts.gate_proj.weight"), f32(f"{m}shared_experts.up_proj.weight")]
-            )) if has_shared else None,
-            shared_down=keep_bf16(f32(f"{m}shared_experts.down_proj.weight")) if has_shared else None,
+            shared_gate_up=_fuse(
+                [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")]
+            ) if has_shared else None,
+            shared_down=kept(f"{m}shared_experts.down_proj.weight") if has_shared else None,
         )
     return LayerWeights(
         input_norm=f32(f"{p}input_layernorm.weight"),
@@ -301,11 +361,16 @@ def build_layer(config: K3Config, layer: int, read: TensorReader) -> LayerWeight
     )
 
 
-def build_globals(read: TensorReader) -> GlobalWeights:
-    f32 = lambda name: np.ascontiguousarray(read(name), dtype=np.float32)  # noqa: E731
+def build_globals(read: TensorReader, trunk_dtype: str = "float32") -> GlobalWeights:
+    """With `trunk_dtype` "bf16" the embedding and the lm_head stay bf16 bits (rows widened on lookup, the head
+    multiplied by `kernels.linear`)."""
+    f32 = lambda name: _widened(read(name))  # noqa: E731
+    # bf16: the reader's own bf16 bits (views of the globals' read buffer, which they keep alive: no copy)
+    big = (lambda name: read(name) if read(name).dtype == np.uint16  # noqa: E731
+           else keep_bf16(f32(name))) if trunk_dtype == "bf16" else f32
     return GlobalWeights(
-        embed=f32(names.EMBED),
-        lm_head=f32(names.LM_HEAD),
+        embed=big(names.EMBED),
+        lm_head=big(names.LM_HEAD),
         final_norm=f32(names.FINAL_NORM),
         output_res_query=f32(names.OUTPUT_RES_NORM) * f32(names.OUTPUT_RES_PROJ).reshape(-1),
     )

@@ -17,7 +17,8 @@ advances the clock; a wait on a read is I/O time.
 
 Two engine profiles:
 - `k3serve`: the trunk widened to float32 in RAM (bf16 on disk), the `plan_budget` split, a widening pass per
-  streamed layer on the trunk worker; `trunk_dtype="bf16"` is a what-if (the trunk kept as bf16 in RAM).
+  streamed layer on the trunk worker; `trunk_dtype="bf16"` is the engine's bf16 trunk (StreamOptions.trunk_dtype:
+  held as stored, no widening; no read-ahead where the plan drops it).
 - `c-engine`: kimi-k3-in-c as published: bf16 trunk, a one-layer trunk ring, an LRU expert cache of a given
   size beside a given number of pinned layers, no prefetch, every expert read synchronous.
 
@@ -46,6 +47,7 @@ from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.io import Extent
 from k3serve.stream.stats import StreamStats
+from k3serve.model.weights import held_bytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import ALIGNMENT, align_up, expert_parts
@@ -65,13 +67,18 @@ class SimConfigError(K3Error):
 class VirtualBlob:
     offset: int
     size: int  # bytes on disk
-    float32_bytes: int  # bytes once resident (the splitter's name; bf16 in the what-if and the C engine)
+    float32_bytes: int  # bytes once resident (float32, or bf16 for a bf16 trunk and the C engine)
     attention_bytes: int = 0  # resident bytes of the attention part (the rest is norms and the MLP trunk)
     params: int = 0
+    tensors: tuple = ()  # (name, stored dtype, shape) of each tensor: what the engine's accounting reads
 
     @property
     def read_size(self) -> int:
         return align_up(self.size)
+
+    def held_bytes(self, trunk_dtype: str = "float32") -> int:
+        """The engine's own accounting of what the built weights hold (`k3serve.model.weights.held_bytes`)."""
+        return held_bytes(self.tensors, trunk_dtype)
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,8 @@ class VirtualStore:
             attention = sum(int(np.prod(s.shape)) * (wide if s.dtype == "BF16" else 4) for s in specs
                             if ".self_attn." in s.name)
             params = sum(int(np.prod(s.shape)) for s in specs)
-            return VirtualBlob(offset, size, resident, attention, params)
+            return VirtualBlob(offset, size, resident, attention, params,
+                               tuple((s.name, s.dtype, tuple(s.shape)) for s in specs))
 
         self.globals = blob(names.global_specs(config), 0)
         offset = self.globals.read_size
@@ -134,9 +142,11 @@ class VirtualStore:
 
         def blob(b) -> VirtualBlob:
             resident = b.float32_bytes if trunk_dtype == "float32" else b.size
-            attention = sum(int(np.prod(t.shape)) * 4 for t in b.tensors if ".self_attn." in t.name)
+            width = 4 if trunk_dtype == "float32" else 2
+            attention = sum(int(np.prod(t.shape)) * width for t in b.tensors if ".self_attn." in t.name)
             params = sum(int(np.prod(t.shape)) for t in b.tensors)
-            return VirtualBlob(b.offset, b.size, resident, attention, params)
+            return VirtualBlob(b.offset, b.size, resident, attention, params,
+                               tuple((t.name, t.dtype, tuple(t.shape)) for t in b.tensors))
 
         self.globals = blob(store.globals)
         self.layers = [blob(b) for b in store.layers]
@@ -309,7 +319,8 @@ class _Run:
         qd = cfg.queue_depth
         self.expert_io = SimIOEngine("experts", self.clock, self.device, qd)
         self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd, rate=cfg.trunk_read_bytes_per_s)
-        prefetch = cfg.engine == "k3serve" and cfg.prefetch != "none"
+        # as StreamingSource: no next-layer prefetch when the plan has no room for a second streamed layer
+        prefetch = cfg.engine == "k3serve" and cfg.prefetch != "none" and self.plan.trunk_read_ahead
         profile = self._profile() if cfg.policy == "pinned" else None
         self.cache = ExpertCache(self.store, self.expert_io, self.plan.expert_slots,
                                  cfg.policy if cfg.engine == "k3serve" else "lru", self.stats,
@@ -362,7 +373,7 @@ class _Run:
                               tuple(pinned), sum(store.layers[l].float32_bytes for l in pinned), tuple(streamed),
                               ring, int(slots), store.expert_stride)
         try:
-            return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes)
+            return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes, trunk_dtype=cfg.trunk_dtype)
         except BudgetError as exc:
             message = str(exc).replace("--ram-budget", "--ram")
             raise BudgetError(f"{message} (simulated {self.config.num_layers}-layer model, trunk held as "
@@ -374,7 +385,7 @@ class _Run:
         extent = Extent(blob.offset, VirtualBuffer(blob.read_size))
         future = self.trunk_io.submit([extent])[id(extent)]
         widen = 0.0
-        if self.cfg.engine == "k3serve":
+        if self._wide():
             widen = blob.float32_bytes / self.machine.compute.widen_bytes_per_s
         return future.end + widen
 
@@ -395,7 +406,7 @@ class _Run:
             if pending is not None:
                 self.clock.wait_until(pending[1])  # the engine waits for a read-ahead it then drops
             self.clock.wait_until(self._trunk_read(layer))
-        following = self._next_streamed(layer)
+        following = self._next_streamed(layer) if self.plan.trunk_read_ahead else None
         if following is not None:
             self.pending = (following, self._trunk_read(following))
         self._note(layer, trunk_wait=self.clock.now - before)
@@ -560,7 +571,8 @@ def simulate(cfg: SimConfig) -> SimResult:
         plan={"summary": summary, "pinned_layers": len(plan.pinned_layers), "expert_slots": plan.expert_slots,
               "pinned_trunk_bytes": plan.pinned_trunk_bytes, "trunk_stream_bytes": plan.trunk_stream_bytes,
               "expert_cache_bytes": plan.expert_cache_bytes, "globals_bytes": plan.globals_bytes,
-              "total_bytes": plan.total_bytes},
+              "total_bytes": plan.total_bytes, "trunk_dtype": plan.trunk_dtype,
+              "trunk_read_ahead": plan.trunk_read_ahead},
         s_per_token=seconds / per, tok_per_s=per / seconds if seconds > 0 else math.inf,
         bytes_per_token=(expert_bytes + trunk_bytes) / per, expert_bytes_per_token=expert_bytes / per,
         trunk_bytes_per_token=trunk_bytes / per, reads_per_token=reads / per,
@@ -588,7 +600,7 @@ def replay_config(trace, machine: Machine, recall: float | None = None, seed: in
 def minimum_ram(config: K3Config | None = None, trunk_dtype: str = "float32") -> int:
     """The smallest --ram k3serve's budget splitter accepts for the model (one layer and top-k slots)."""
     store = VirtualStore(config or full_k3_config(), trunk_dtype=trunk_dtype)
-    return minimum_budget_bytes(store)
+    return minimum_budget_bytes(store, trunk_dtype=trunk_dtype)
 
 
 __all__ = ["SimConfig", "SimResult", "LayerTime", "VirtualStore", "simulate", "replay_config", "minimum_ram",

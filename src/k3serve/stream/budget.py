@@ -11,6 +11,16 @@ budget is never exceeded silently. Charges (bytes):
                      transient copies while fusing projections)
     expert slots     slots x the 4 KiB-aligned blob stride; at least TOPK slots (one token's experts)
 
+With `trunk_dtype="bf16"` the trunk is held as the engine then holds it (`model.weights.held_bytes`: every
+bf16-stored matrix as bf16 bits, multiplied by `kernels.linear`; norms, conv taps, routers widened):
+    globals          the globals blob's read buffer (embedding and lm_head are views of it), plus the bounded
+                     float32 transient of `kernels.linear` (BF16_WIDEN_BLOCK_BYTES of rows at a time)
+    pinned trunk     each pinned layer's held bytes
+    trunk streaming  staging + 2 x the held bytes (computing, next being built from views of the staging
+                     buffer); when that does not fit, the
+                     read-ahead is dropped (`trunk_read_ahead=False`: staging + 1 x held; each streamed layer is
+                     read when it is needed, and next-layer prefetch, which needs the next layer's router, is off)
+
 Default split: the trunk first (pinning layers, largest first, while the rest still fits), then expert slots.
 `pin_trunk_bytes` caps what may go to pinned layers, to move the split.
 """
@@ -58,6 +68,8 @@ class BudgetPlan:
     trunk_stream_bytes: int
     expert_slots: int
     expert_stride: int
+    trunk_dtype: str = "float32"
+    trunk_read_ahead: bool = True  # False: streamed layers are read when needed (a bf16 trunk in a tight budget)
 
     @property
     def expert_cache_bytes(self) -> int:
@@ -73,37 +85,76 @@ class BudgetPlan:
             f"RAM budget        {budget}: planned {format_size(self.total_bytes)} = globals "
             f"{format_size(self.globals_bytes)} + pinned trunk {format_size(self.pinned_trunk_bytes)} "
             f"({len(self.pinned_layers)} layers) + trunk buffers {format_size(self.trunk_stream_bytes)} + "
-            f"expert cache {format_size(self.expert_cache_bytes)} ({self.expert_slots} slots)",
+            f"expert cache {format_size(self.expert_cache_bytes)} ({self.expert_slots} slots)"
+            + (f"; trunk {self.trunk_dtype}" if self.trunk_dtype != "float32" else "")
+            + ("" if self.trunk_read_ahead or not self.streamed_layers else ", no read-ahead"),
         ]
 
 
-def _stream_buffer_bytes(store: PackedStore, streamed: list[int]) -> int:
+TRUNK_DTYPES = ("float32", "bf16")
+
+
+def _check_dtype(trunk_dtype: str) -> None:
+    if trunk_dtype not in TRUNK_DTYPES:
+        raise BudgetError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
+
+
+def _globals_bytes(store: PackedStore, trunk_dtype: str) -> int:
+    if trunk_dtype == "float32":
+        return store.globals.float32_bytes
+    from k3serve.model.kernels import BF16_WIDEN_BLOCK_BYTES
+
+    # the read buffer, plus the float32 transient `kernels.linear` makes of a bf16 matrix for 32+ tokens
+    # (row blocks of at most BF16_WIDEN_BLOCK_BYTES; a matrix widens to at most twice its blob's bytes)
+    largest = max([store.globals.size] + [b.size for b in store.layers])
+    return store.globals.read_size + min(BF16_WIDEN_BLOCK_BYTES, 2 * largest)
+
+
+def _layer_bytes(store: PackedStore, trunk_dtype: str) -> dict[int, int]:
+    if trunk_dtype == "float32":
+        return {l: store.layers[l].float32_bytes for l in range(store.config.num_layers)}
+    return {l: store.layers[l].held_bytes(trunk_dtype) for l in range(store.config.num_layers)}
+
+
+def _stream_buffer_bytes(store: PackedStore, streamed: list[int], trunk_dtype: str = "float32",
+                         read_ahead: bool = True, held: dict[int, int] | None = None) -> int:
     if not streamed:
         return 0
-    return (max(store.layers[l].read_size for l in streamed)
-            + 3 * max(store.layers[l].float32_bytes for l in streamed))
+    staging = max(store.layers[l].read_size for l in streamed)
+    if trunk_dtype == "float32":
+        return staging + 3 * max(store.layers[l].float32_bytes for l in streamed)
+    held = held if held is not None else _layer_bytes(store, trunk_dtype)
+    return staging + (2 if read_ahead else 1) * max(held[l] for l in streamed)
 
 
-def minimum_budget_bytes(store: PackedStore, min_slots: int | None = None) -> int:
+def minimum_budget_bytes(store: PackedStore, min_slots: int | None = None, trunk_dtype: str = "float32") -> int:
     """The smallest budget that runs one layer: globals, streaming buffers for the trunk (or the whole trunk pinned,
-    if that is smaller) and `min_slots` expert slots (default: top-k)."""
+    if that is smaller) and `min_slots` expert slots (default: top-k). A bf16 trunk may drop the read-ahead."""
+    _check_dtype(trunk_dtype)
     config = store.config
     min_slots = config.num_experts_per_token if min_slots is None else min_slots
-    layers = range(config.num_layers)
-    streaming = store.globals.float32_bytes + _stream_buffer_bytes(store, list(layers))
-    all_pinned = store.globals.float32_bytes + sum(store.layers[l].float32_bytes for l in layers)
+    layers = list(range(config.num_layers))
+    held = _layer_bytes(store, trunk_dtype)
+    globals_bytes = _globals_bytes(store, trunk_dtype)
+    streaming = globals_bytes + _stream_buffer_bytes(store, layers, trunk_dtype, trunk_dtype == "float32", held)
+    all_pinned = globals_bytes + sum(held.values())
     return min(streaming, all_pinned) + min_slots * store.expert_stride
 
 
 def plan_budget(store: PackedStore, budget_bytes: int | None, pin_trunk_bytes: int | None = None,
-                min_slots: int | None = None) -> BudgetPlan:
+                min_slots: int | None = None, trunk_dtype: str = "float32") -> BudgetPlan:
+    _check_dtype(trunk_dtype)
     config = store.config
     num_layers = config.num_layers
     min_slots = config.num_experts_per_token if min_slots is None else min_slots
     total_experts = store.num_experts_total
     stride = store.expert_stride
-    globals_bytes = store.globals.float32_bytes
-    sizes = {l: store.layers[l].float32_bytes for l in range(num_layers)}
+    globals_bytes = _globals_bytes(store, trunk_dtype)
+    sizes = _layer_bytes(store, trunk_dtype)
+
+    def stream_bytes(streamed: list[int], read_ahead: bool) -> int:
+        return _stream_buffer_bytes(store, streamed, trunk_dtype, read_ahead, sizes)
+
     if budget_bytes is None:
         pinned = list(range(num_layers)) if pin_trunk_bytes is None else []
         if pin_trunk_bytes is not None:
@@ -114,31 +165,34 @@ def plan_budget(store: PackedStore, budget_bytes: int | None, pin_trunk_bytes: i
                     used += sizes[l]
         streamed = [l for l in range(num_layers) if l not in pinned]
         return BudgetPlan(None, globals_bytes, tuple(sorted(pinned)), sum(sizes[l] for l in pinned),
-                          tuple(streamed), _stream_buffer_bytes(store, streamed), total_experts, stride)
+                          tuple(streamed), stream_bytes(streamed, True), total_experts, stride, trunk_dtype)
 
-    minimum = minimum_budget_bytes(store, min_slots)
+    minimum = minimum_budget_bytes(store, min_slots, trunk_dtype)
     if budget_bytes < minimum:
         raise BudgetError(
             f"RAM budget {format_size(budget_bytes)} cannot run one layer: the minimum is {format_size(minimum)} "
             f"({minimum} bytes: globals {format_size(globals_bytes)}, trunk streaming buffers and {min_slots} "
-            f"expert slots of {format_size(stride)}); use --ram-budget {minimum} or more")
+            f"expert slots of {format_size(stride)}, trunk held as {trunk_dtype}); use --ram-budget {minimum} or more")
+    # a bf16 trunk keeps its read-ahead when the budget allows it with every layer streamed, else drops it
+    read_ahead = (trunk_dtype == "float32" or globals_bytes + stream_bytes(list(range(num_layers)), True)
+                  + min_slots * stride <= budget_bytes)
     cap = budget_bytes if pin_trunk_bytes is None else pin_trunk_bytes
     pinned: list[int] = []
     pinned_bytes = 0
     for l in sorted(range(num_layers), key=lambda l: (-sizes[l], l)):
         trial = pinned + [l]
         streamed = [x for x in range(num_layers) if x not in trial]
-        need = globals_bytes + pinned_bytes + sizes[l] + _stream_buffer_bytes(store, streamed) + min_slots * stride
+        need = globals_bytes + pinned_bytes + sizes[l] + stream_bytes(streamed, read_ahead) + min_slots * stride
         if need <= budget_bytes and pinned_bytes + sizes[l] <= cap:
             pinned.append(l)
             pinned_bytes += sizes[l]
     streamed = [l for l in range(num_layers) if l not in pinned]
-    stream_bytes = _stream_buffer_bytes(store, streamed)
-    left = budget_bytes - globals_bytes - pinned_bytes - stream_bytes
+    buffers = stream_bytes(streamed, read_ahead)
+    left = budget_bytes - globals_bytes - pinned_bytes - buffers
     slots = min(total_experts, left // stride)
     assert slots >= min_slots
     return BudgetPlan(budget_bytes, globals_bytes, tuple(sorted(pinned)), pinned_bytes, tuple(streamed),
-                      stream_bytes, int(slots), stride)
+                      buffers, int(slots), stride, trunk_dtype, read_ahead or not streamed)
 
 
 def plan_resident_trunk(budget_bytes: int | None, globals_bytes: int, layer_bytes: list[int], expert_stride: int,

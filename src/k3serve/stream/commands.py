@@ -18,7 +18,7 @@ from k3serve.stream.io import IO_MODES
 from k3serve.stream.options import PREFETCH_MODES, StreamOptions
 
 _STREAM_FLAGS = ("ram_budget", "io", "queue_depth", "cache", "cache_profile", "prefetch", "prefetch_max",
-                 "pin_trunk", "trace_out")
+                 "pin_trunk", "trace_out", "trunk_dtype")
 
 
 def add_stream_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +40,9 @@ def add_stream_args(parser: argparse.ArgumentParser) -> None:
                    help="cap on the budget given to pinned trunk layers (e.g. 0, 2G); default: as much as fits")
     g.add_argument("--trace-out", type=cli_args.output_file, default=None,
                    help="record every (token, layer, expert) request to this file (default: none)")
+    g.add_argument("--trunk-dtype", choices=("float32", "bf16"), default=None,
+                   help="hold the trunk matrices widened to float32, or as their stored bf16 (a lower minimum "
+                        "budget; see docs/SIMULATOR.md) (default: float32)")
 
 
 def stream_options(args: argparse.Namespace) -> StreamOptions | None:
@@ -56,6 +59,7 @@ def stream_options(args: argparse.Namespace) -> StreamOptions | None:
         pin_trunk_bytes=parse_size(args.pin_trunk) if args.pin_trunk is not None else None,
         cache_profile=args.cache_profile,
         trace_out=args.trace_out,
+        trunk_dtype=args.trunk_dtype or defaults.trunk_dtype,
     )
 
 

@@ -24,6 +24,8 @@ class StreamOptions:
     pin_trunk_bytes: int | None = None  # cap on pinned trunk; None = as much as the budget allows
     cache_profile: Path | None = None  # a routing trace: the pinned policy's popularity profile
     trace_out: Path | None = None
+    trunk_dtype: str = "float32"  # bf16: trunk matrices held as bf16 bits (stream/budget.py), as stored
+
 
     def __post_init__(self) -> None:
         if self.io not in IO_MODES:
@@ -32,6 +34,8 @@ class StreamOptions:
             raise K3Error(f"unknown --cache {self.cache!r}; choose one of {', '.join(POLICIES)}")
         if self.prefetch not in PREFETCH_MODES:
             raise K3Error(f"unknown --prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH_MODES)}")
+        if self.trunk_dtype not in ("float32", "bf16"):
+            raise K3Error(f"unknown --trunk-dtype {self.trunk_dtype!r}; choose float32 or bf16")
         if self.queue_depth < 1 or self.queue_depth > 1024:
             raise K3Error(f"--queue-depth must be 1..1024, got {self.queue_depth}")
         if self.prefetch_max is not None and self.prefetch_max < 0:

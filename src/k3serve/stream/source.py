@@ -53,7 +53,9 @@ class StreamingSource(WeightSource):
             trace = read_trace(options.cache_profile)
             check_trace_model(trace, config, options.cache_profile, "--cache-profile")
             profile = trace.popularity()
-        self.plan: BudgetPlan = plan_budget(store, options.ram_budget, options.pin_trunk_bytes)
+        self.plan: BudgetPlan = plan_budget(store, options.ram_budget, options.pin_trunk_bytes,
+                                            trunk_dtype=options.trunk_dtype)
+        self._dtype = options.trunk_dtype
         self.stats = StreamStats()
         self.trunk_io = IOEngine(store.trunk_path, options.io, options.queue_depth)
         self.expert_io = IOEngine(store.expert_path, options.io, options.queue_depth)
@@ -65,21 +67,28 @@ class StreamingSource(WeightSource):
                                           if options.trace_out else None)
 
         # trunk: globals and pinned layers now, one staging buffer for the streamed ones
-        self._globals: GlobalWeights = build_globals(self._read_trunk_blob(store.globals, "globals", None).__getitem__)
+        self._globals: GlobalWeights = build_globals(
+            self._read_trunk_blob(store.globals, "globals", None).__getitem__, self._dtype)
         self._pinned: dict[int, LayerWeights] = {}
         for layer in self.plan.pinned_layers:
             arrays = self._read_trunk_blob(store.layers[layer], f"trunk layer {layer}", None)
-            self._pinned[layer] = build_layer(config, layer, arrays.__getitem__)
+            self._pinned[layer] = build_layer(config, layer, arrays.__getitem__, self._dtype)
         self._streamed = list(self.plan.streamed_layers)
         staging = max((store.layers[l].read_size for l in self._streamed), default=0)
         self._trunk_staging = aligned_buffer(staging) if self._streamed else None
         self._trunk_pending: tuple[int, Future] | None = None
+        # without the read-ahead (a bf16 trunk in a tight budget) no second streamed layer may be held, so the
+        # next-layer prefetch, which needs the next layer's router, is off too
+        self._read_ahead = self.plan.trunk_read_ahead
+        prefetch = options.prefetch != "none" and self._read_ahead
+        if options.prefetch != "none" and not prefetch:
+            logger.warning("next-layer prefetch is off: the budget has no room for a second streamed trunk layer")
 
         # expert slots: one arena, allocated once
         self._parts = expert_parts(config)
         self.slots: ExpertSlots[ExpertWeights] = ExpertSlots(
             store, self.expert_io, self.plan.expert_slots, options.cache, self.stats, self._weights_view,
-            top_k=config.num_experts_per_token, prefetch=options.prefetch != "none",
+            top_k=config.num_experts_per_token, prefetch=prefetch,
             prefetch_max=options.prefetch_max, profile=profile)
         self.expert_cache = self.slots.cache
         self.prefetch_max = self.expert_cache.prefetch_max
@@ -93,7 +102,7 @@ class StreamingSource(WeightSource):
         if layer in self._pinned:
             return self._pinned[layer]
         weights = self._take_trunk(layer)
-        following = self._next_streamed(layer)
+        following = self._next_streamed(layer) if self._read_ahead else None
         if following is not None:
             self._trunk_pending = (following, self._trunk_worker.submit(self._load_trunk_layer, following))
         return weights
@@ -117,7 +126,8 @@ class StreamingSource(WeightSource):
     def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
         """hidden [T, H]: layer `layer`'s input to its post-attention norm."""
         nxt = layer + 1
-        if self.options.prefetch == "none" or self.prefetch_max == 0 or nxt >= self.config.num_layers \
+        if self.options.prefetch == "none" or not self._read_ahead or self.prefetch_max == 0 \
+                or nxt >= self.config.num_layers \
                 or self.config.is_dense(nxt):
             return
         from k3serve.model.moe import guess_next_layer
@@ -169,7 +179,7 @@ class StreamingSource(WeightSource):
 
     def _load_trunk_layer(self, layer: int) -> LayerWeights:
         arrays = self._read_trunk_blob(self.store.layers[layer], f"trunk layer {layer}", self._trunk_staging)
-        return build_layer(self.config, layer, arrays.__getitem__)
+        return build_layer(self.config, layer, arrays.__getitem__, self._dtype)
 
     def _read_trunk_blob(self, blob: TrunkBlob, what: str, staging: mmap.mmap | None) -> dict[str, np.ndarray]:
         buffer = staging if staging is not None else aligned_buffer(blob.read_size)
@@ -184,7 +194,7 @@ class StreamingSource(WeightSource):
                 raise StoreCorruptError(f"{what} in {self.store.trunk_path} at offset {blob.offset} ({blob.size} "
                                         "bytes) failed its CRC-32 check twice; the store is corrupt: repack it")
         raw = np.frombuffer(buffer, dtype=np.uint8, count=blob.size)
-        arrays = blob.decode(raw)
+        arrays = blob.decode(raw, keep_bf16=self._dtype == "bf16")
         del raw, view
         return arrays
 

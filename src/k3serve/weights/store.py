@@ -103,12 +103,21 @@ class TrunkBlob:
         """An upper bound on the RAM its tensors take once widened to float32."""
         return sum(int(np.prod(t.shape)) * 4 for t in self.tensors)
 
-    def decode(self, raw: np.ndarray) -> dict[str, np.ndarray]:
-        """raw: u8 [>= size], the blob's bytes -> {name: fresh array} exactly as `Checkpoint.read` returns them."""
+    def held_bytes(self, trunk_dtype: str = "float32") -> int:
+        """The RAM its built weights hold with that trunk dtype (`k3serve.model.weights.held_bytes`)."""
+        from k3serve.model.weights import held_bytes
+
+        return held_bytes([(t.name, t.dtype, t.shape) for t in self.tensors], trunk_dtype)
+
+    def decode(self, raw: np.ndarray, keep_bf16: bool = False) -> dict[str, np.ndarray]:
+        """raw: u8 [>= size], the blob's bytes -> {name: fresh array} exactly as `Checkpoint.read` returns them;
+        with `keep_bf16`, bf16 tensors are their bits (uint16) as views of `raw`, not widened copies."""
         out = {}
         for t in self.tensors:
             stored = raw[t.offset:t.offset + t.nbytes].view(STORAGE_DTYPES[t.dtype]).reshape(t.shape)
-            if t.dtype == "BF16":
+            if t.dtype == "BF16" and keep_bf16:
+                out[t.name] = stored
+            elif t.dtype == "BF16":
                 out[t.name] = bf16_bits_to_f32(stored)
             else:
                 array = np.array(stored, copy=True)
