@@ -36,6 +36,8 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
 def tokenizer_spec(metadata: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A tokenizer.json-shaped dict from GGUF tokenizer metadata."""
     model = metadata.get("tokenizer.ggml.model")
+    if model is None:
+        raise TokenizerError(f"{where}: the GGUF metadata carries no tokenizer")
     if model != "gpt2":
         raise TokenizerError(f"{where}: tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', only)")
     pre = metadata.get("tokenizer.ggml.pre", "default")

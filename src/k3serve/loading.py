@@ -20,6 +20,7 @@ from k3serve.model.source import ResidentSource
 from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
+from k3serve.weights.gguf_k3 import ARCHITECTURE as K3_GGUF_ARCHITECTURE
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,22 @@ def _load_gguf(path: Path, expert_precision: str) -> LoadedModel:
     """A GGUF file of a family (see model/families/gguf_families.py), with the tokenizer and chat template from
     its metadata. A tokenizer that cannot be rebuilt leaves the model usable with token ids, as for folders."""
     file = GGUFFile(path)
-    model = load_family_gguf(file, expert_precision=expert_precision)
     tokenizer = None
     try:
         tokenizer = tokenizer_from_gguf(file.metadata, str(path))
     except TokenizerError as exc:
         logger.warning("%s: tokenizer not usable (%s); pass token ids instead", path, exc)
-    return LoadedModel(model=model, checkpoint=None, tokenizer=tokenizer, path=path)
+    if file.architecture == K3_GGUF_ARCHITECTURE:
+        if expert_precision not in ("native", "mxfp4"):
+            raise ConfigError(f"K3 experts are MXFP4; --expert-precision {expert_precision!r} applies to the other "
+                              "families")
+        checkpoint = Checkpoint.from_gguf(file)
+        if tokenizer is not None and tokenizer.vocab_size > checkpoint.config.vocab_size:
+            raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size "
+                                  f"is {checkpoint.config.vocab_size}")
+        model = K3Model(ResidentSource(checkpoint))
+        configure_threads(checkpoint.config.hidden_size)
+        warmup_kernels()
+        return LoadedModel(model=model, checkpoint=checkpoint, tokenizer=tokenizer, path=path)
+    family = load_family_gguf(file, expert_precision=expert_precision)
+    return LoadedModel(model=family, checkpoint=None, tokenizer=tokenizer, path=path)

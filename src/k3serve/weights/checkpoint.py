@@ -13,6 +13,8 @@ import numpy as np
 from k3serve.config import K3Config, load_config
 from k3serve.errors import CheckpointError
 from k3serve.weights import names
+from k3serve.weights.gguf_file import GGUFFile
+from k3serve.weights.gguf_k3 import GGUFK3Index, k3_config
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
 _FLOAT_DTYPES = {"BF16", "F32", "F16"}
@@ -35,6 +37,18 @@ class Checkpoint:
         if validate:
             self.validate()
 
+    @classmethod
+    def from_gguf(cls, file: GGUFFile, validate: bool = True) -> Checkpoint:
+        """A K3 GGUF file (llama.cpp's `kimi-k3`) under the released names (weights/gguf_k3.py)."""
+        config = k3_config(file)
+        checkpoint = cls.__new__(cls)
+        checkpoint.path = file.path
+        checkpoint.config = config
+        checkpoint.index = GGUFK3Index(file, config)  # type: ignore[assignment]
+        if validate:
+            checkpoint.validate()
+        return checkpoint
+
     def validate(self) -> None:
         problems: list[str] = []
         for spec in names.all_specs(self.config):
@@ -51,9 +65,8 @@ class Checkpoint:
             if len(problems) >= _MAX_LISTED_PROBLEMS:
                 break
         if problems:
-            raise CheckpointError(
-                f"checkpoint {self.path} does not match its config.json:\n  " + "\n  ".join(problems)
-            )
+            source = "its GGUF metadata" if self.path.is_file() else "its config.json"
+            raise CheckpointError(f"checkpoint {self.path} does not match {source}:\n  " + "\n  ".join(problems))
 
     def read(self, name: str) -> np.ndarray:
         """A tensor as float32 (bf16/f16/f32 on disk) or as stored bytes (U8)."""
@@ -62,7 +75,7 @@ class Checkpoint:
 
     @property
     def tokenizer_dir(self) -> Path | None:
-        return self.path if (self.path / "tiktoken.model").exists() else None
+        return self.path if self.path.is_dir() and (self.path / "tiktoken.model").exists() else None
 
     def close(self) -> None:
         self.index.close()

@@ -84,9 +84,13 @@ class GGUFFile:
             if key.startswith("GGUF."):
                 continue
             try:
-                self.metadata[key] = field.contents()
+                value = field.contents()
             except Exception as exc:
                 raise CheckpointError(f"{self.path}: metadata key {key!r} cannot be read: {exc}") from exc
+            if isinstance(value, float) and field.types == [gguf.GGUFValueType.FLOAT32]:
+                # a float32 key holds the decimal its writer meant (1e-05, not 9.999999747378752e-06)
+                value = float(str(np.float32(value)))
+            self.metadata[key] = value
         file_size = self.path.stat().st_size
         self.tensors: dict[str, GGUFTensor] = {}
         for tensor in reader.tensors:

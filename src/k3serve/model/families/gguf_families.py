@@ -161,7 +161,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
     model_type = GGUF_ARCHITECTURES.get(arch)
     if model_type is None:
         raise CheckpointError(f"{file.path}: GGUF architecture {arch!r} is not supported (supported: "
-                              f"{', '.join(sorted(GGUF_ARCHITECTURES))})")
+                              f"{', '.join(sorted(GGUF_ARCHITECTURES))}, and kimi-k3)")
     config = _common(file, model_type)
     L = config["num_hidden_layers"]
     if arch in ("qwen3moe", "qwen3next"):
