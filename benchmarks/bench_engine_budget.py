@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from bench_decode import machine
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
+from k3serve.host import describe_host
 from k3serve.loading import load_model
 from k3serve.stream.budget import parse_size
 from k3serve.stream.options import StreamOptions
@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     budget = parse_size(args.ram_budget)
     results = {c: run(c, budget, args.max_tokens) for c in CONCURRENCY}
-    record = {"benchmark": "engine_budget", "machine": machine(), "ram_budget_bytes": budget,
+    record = {"benchmark": "engine_budget", "machine": describe_host(), "ram_budget_bytes": budget,
               "max_tokens": args.max_tokens, "results": {str(c): r for c, r in results.items()}}
     print(f"machine: {record['machine']}")
     print(" | ".join(f"batch {c}: {r['bytes_per_token'] / 2**20:.2f} MiB/token ({r['tok_per_s']:.1f} tok/s)"

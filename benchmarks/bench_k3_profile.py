@@ -36,7 +36,8 @@ def main() -> None:
 
     import numba
 
-    from bench_peers import bytes_per_token, machine, widened_checkpoint
+    from bench_peers import bytes_per_token, widened_checkpoint
+    from k3serve.host import describe_host
     from k3serve.loading import load_model
     from k3serve.model.k3 import ForwardItem
 
@@ -66,7 +67,7 @@ def main() -> None:
     table = [{"function": name, "cpu_ms_per_token": round(t / args.steps * 1e3, 3), "share": round(t / total, 3)}
              for t, name in rows[:args.top]]
     moved = bytes_per_token(Path(checkpoint)) if args.model is None else None
-    record = {"benchmark": "k3_profile", "machine": machine(), "model": str(checkpoint),
+    record = {"benchmark": "k3_profile", "machine": describe_host(), "model": str(checkpoint),
               "threads": {"numba": numba.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
               "prompt_len": args.prompt_len, "steps": args.steps, "prefill": prefill, "decode": decode,
               "bytes_per_token": moved, "profile_by_cpu": table}
