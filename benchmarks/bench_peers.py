@@ -15,7 +15,8 @@ What it does, in one run:
    the bf16 trunk stays bf16. Our tokenizer is not one llama.cpp knows, so the vocab is written as plain
    placeholder tokens and both engines are fed token ids.
 4. Agreement: the logits of one prompt from both engines (relative RMS, top-5 of the last position) and 10
-   greedy tokens.
+   greedy tokens; with --reference-positions N, each engine against the fp32 oracle (`model/reference.py`) over
+   the first N positions, to tell whose numbers depart.
 5. Speed, alternated (k3serve, llama.cpp, k3serve, ...; one fresh process per run): prefill of --prompt-len
    tokens, then --decode-steps decode steps at batch 1, and the process's peak RSS. 2 threads each; llama.cpp
    with use_extra_bufts off (its AMX repack crashes on this CPU at the first decode).
@@ -167,6 +168,35 @@ def build_gguf(checkpoint: Path, tree: Path) -> Path:
     return out
 
 
+def reference_logits(checkpoint: Path, prompt: list[int]) -> np.ndarray:
+    """Logits [T, V] of the slow fp32 oracle (`k3serve.model.reference`), experts decoded as they are routed."""
+    from collections.abc import Mapping
+
+    from k3serve.model.reference import ReferenceModel
+    from k3serve.weights.checkpoint import Checkpoint
+
+    stored = Checkpoint(checkpoint)
+
+    class LazyTensors(Mapping):  # read a tensor when the oracle asks for it: 8 of 64 experts per layer, not 1.4 GB
+        def __init__(self) -> None:
+            self.names, self.cache = set(stored.index.names()), {}
+
+        def __getitem__(self, name: str) -> np.ndarray:
+            if name not in self.names:
+                raise KeyError(name)
+            if name not in self.cache:
+                self.cache[name] = stored.read(name)
+            return self.cache[name]
+
+        def __iter__(self):
+            return iter(self.names)
+
+        def __len__(self) -> int:
+            return len(self.names)
+
+    return ReferenceModel(stored.config, LazyTensors()).forward(prompt)
+
+
 # ------------------------------------------------------------------------------------------------ one run
 def run_k3serve(spec: dict) -> dict:
     from k3serve.loading import load_model
@@ -272,6 +302,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--inner", type=int, default=16)
     parser.add_argument("--latent", type=int, default=32)
+    parser.add_argument("--reference-positions", type=int, default=0,
+                        help="also compare both engines' logits with the fp32 oracle over this many prompt "
+                             "positions (slow: about 30 s per position on this machine)")
     parser.add_argument("--llama-omp-wait-policy", choices=("ACTIVE", "PASSIVE"), default=None,
                         help="OMP_WAIT_POLICY for llama.cpp (default: its own; k3serve sleeps its workers)")
     args = parser.parse_args()
@@ -297,6 +330,17 @@ def main() -> None:
         "greedy_k3serve": ours["greedy"], "greedy_llama_cpp": theirs["greedy"],
         "same_greedy": ours["greedy"] == theirs["greedy"],
     }
+    if args.reference_positions:  # which engine departs from the fp32 oracle, position by position
+        n = min(args.reference_positions, len(prompt))
+        ref = reference_logits(checkpoint, prompt[:n]).astype(np.float64)
+
+        def rel(x: np.ndarray, y: np.ndarray) -> float:
+            return float(np.sqrt(np.mean((x - y) ** 2) / np.mean(y ** 2)))
+
+        agreement["reference"] = {
+            "positions": n, "k3serve_relative_rms": rel(a[:n], ref), "llama_cpp_relative_rms": rel(b[:n], ref),
+            "k3serve_per_position": [round(rel(a[i], ref[i]), 6) for i in range(n)],
+            "llama_cpp_per_position": [round(rel(b[i], ref[i]), 6) for i in range(n)]}
     spec["logits"] = False
     runs: dict[str, list[dict]] = {"k3serve": [], "llama.cpp": []}
     for _ in range(args.rounds):
@@ -324,7 +368,12 @@ def main() -> None:
           f"{med['llama.cpp']['decode_tok_s']:.1f} tok/s ({ratio['decode_tok_s']:.2f}x) | prefill "
           f"{ratio['prefill_tok_s']:.2f}x | peak RSS {ratio['peak_rss_mib']:.2f}x | decode at "
           f"{fraction['k3serve']:.0%} / {fraction['llama.cpp']:.0%} of the triad bandwidth | same greedy "
-          f"{agreement['same_greedy']}, same top-5 {agreement['same_top5_last']} | medians of {args.rounds}")
+          f"{agreement['same_greedy']}, same top-5 {agreement['same_top5_last']} | logits relative RMS "
+          f"{agreement['relative_rms']:.1e} | medians of {args.rounds}")
+    if "reference" in agreement:
+        ref = agreement["reference"]
+        print(f"against the fp32 oracle over {ref['positions']} positions: k3serve {ref['k3serve_relative_rms']:.1e}, "
+              f"llama.cpp {ref['llama_cpp_relative_rms']:.1e}")
     print(json.dumps(record))
 
 
