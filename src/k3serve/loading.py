@@ -45,6 +45,7 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
     folder = Path(path) if path is not None else default_model_dir()
     if is_family_checkpoint(folder):
         family = load_family(folder, expert_precision=expert_precision)
+        configure_threads(family.config.hidden_size)  # as for K3: the trunk's BLAS must not fight the kernels
         return LoadedModel(model=family, checkpoint=None, tokenizer=family_tokenizer(folder), path=folder)
     if expert_precision not in ("native", "mxfp4"):
         raise ConfigError(f"K3 experts ship as MXFP4; --expert-precision {expert_precision!r} applies to the other "

@@ -153,6 +153,18 @@ def test_engine_generate_runs_a_family_model(tiny_hf):
     assert report.generated_tokens == 9 and report.finish_reason == "length"
 
 
+def test_load_model_gives_a_small_family_model_one_blas_thread(tiny_hf):
+    # numpy's multi-threaded BLAS between the numba expert kernels made a Qwen3-MoE decode 15x slower
+    # (docs/BENCHMARKS.md, families against llama.cpp); load_model limits it as it does for K3
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from k3serve.loading import load_model
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        load_model(tiny_hf("qwen3_moe")[1])
+        assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] in ([1], [1, 1])
+
+
 def test_runtime_needs_neither_torch_nor_transformers(tiny_hf):
     """A fresh interpreter in which importing torch or transformers fails loads and runs every family."""
     folders = {family: str(tiny_hf(family)[1]) for family in FAMILIES}
