@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -198,6 +197,14 @@ def reference_logits(checkpoint: Path, prompt: list[int]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ one run
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: Linux carries that across execve,
+    so a child would report its parent's peak if that was higher."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
 def run_k3serve(spec: dict) -> dict:
     from k3serve.loading import load_model
     from k3serve.model.k3 import ForwardItem
@@ -221,7 +228,7 @@ def run_k3serve(spec: dict) -> dict:
         greedy.append(token)
     decode_s = time.perf_counter() - started
     return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": spec["decode_steps"] / decode_s,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": peak_rss_mib(),
             "greedy": greedy[:10], "logits": logits.tolist() if spec["logits"] else None}
 
 
@@ -272,7 +279,7 @@ def run_llama_cpp(spec: dict) -> dict:
         greedy.append(token)
     decode_s = time.perf_counter() - started
     return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": spec["decode_steps"] / decode_s,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": peak_rss_mib(),
             "greedy": greedy[:10], "logits": logits.tolist() if logits is not None else None}
 
 
