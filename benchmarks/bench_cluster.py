@@ -14,9 +14,15 @@ prompt tokens, as the replicas' engines report them), TTFT p50 / p99 (submit to 
 generated tokens per second; the cache-aware / round-robin hit-rate ratio (target >= 3) and the 2 / 1 replica
 throughput ratio, each taken per round.
 
+Workload `--workload shared-prefix` (SGLang's generated-shared-prefix benchmark, scaled down): --groups prefix
+groups (one tenant each), each with its own --system-tokens system prompt and --per-group questions of
+--question-tokens ids; all questions in one seeded random order, sent by --clients closed-loop clients, each reply
+--reply-tokens greedy tokens. Runs: cache-aware and round-robin over --replicas replicas, and cache-aware over 1.
+
 Prints the machine, one summary line, and a JSON record on the last line.
 
     python benchmarks/bench_cluster.py [--rounds 2] [--quick]
+    python benchmarks/bench_cluster.py --workload shared-prefix [--replicas 2] [--state-checkpoints 16]
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
 
-RUNS = (("cache-aware", 2), ("round-robin", 2), ("cache-aware", 1))
 
 
 def conversations(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int], list[list[int]]]]:
@@ -50,6 +55,56 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[
             turns = [rng.integers(3, vocab, args.user_tokens).tolist() for _ in range(args.turns)]
             out.append((f"tenant{tenant}", system, turns))
     return out
+
+
+def shared_prefix_requests(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int]]]:
+    """SGLang's generated-shared-prefix shape, scaled down: --groups groups (one tenant each), each with a system
+    prompt of --system-tokens ids and --per-group questions of --question-tokens ids; (tenant, prompt) for every
+    question, in a seeded random order (groups interleave, as independent users' requests do)."""
+    rng = np.random.default_rng(args.seed)
+    requests = []
+    for group in range(args.groups):
+        system = rng.integers(3, vocab, args.system_tokens).tolist()
+        for _ in range(args.per_group):
+            requests.append((f"group{group}", system + rng.integers(3, vocab, args.question_tokens).tolist()))
+    order = rng.permutation(len(requests))
+    return [requests[i] for i in order]
+
+
+async def run_shared_prefix(backend: ClusterBackend, requests, reply_tokens: int, clients: int) -> dict[str, float]:
+    """`clients` closed-loop clients take the requests in order, each sending its next when its last is answered."""
+    params = SamplingParams(temperature=0.0, max_tokens=reply_tokens, ignore_eos=True)
+    ttfts: list[float] = []
+    totals = {"prompt": 0, "cached": 0, "generated": 0, "errors": 0}
+    reasons: dict[str, int] = {}
+    queue = list(reversed(requests))
+
+    async def client() -> None:
+        while queue:
+            tenant, prompt = queue.pop()
+            start = time.perf_counter()
+            stream = backend.submit(prompt, params, tenant=tenant, cache_salt=None, stop=[], speculative=None)
+            first, final = None, None
+            async for output in stream:
+                if first is None and output.outputs[0].token_ids:
+                    first = time.perf_counter() - start
+                final = output
+            reasons[stream.route.reason] = reasons.get(stream.route.reason, 0) + 1
+            if final.error is not None:
+                totals["errors"] += 1
+                continue
+            ttfts.append(first)
+            totals["prompt"] += len(final.prompt_token_ids)
+            totals["cached"] += final.num_cached_tokens
+            totals["generated"] += len(final.outputs[0].token_ids)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    elapsed = time.perf_counter() - start
+    return {"hit_rate": totals["cached"] / totals["prompt"], "ttft_p50": float(np.percentile(ttfts, 50)),
+            "ttft_p99": float(np.percentile(ttfts, 99)), "tokens_per_s": totals["generated"] / elapsed,
+            "seconds": elapsed, "requests": len(ttfts), "errors": totals["errors"],
+            "prompt_tokens": totals["prompt"], "cached_tokens": totals["cached"], "reasons": reasons}
 
 
 async def run_workload(backend: ClusterBackend, work, reply_tokens: int) -> dict[str, float]:
@@ -103,6 +158,14 @@ def main() -> None:
     parser.add_argument("--checkpoint-every-blocks", type=int, default=8,
                         help="also checkpoint every N blocks of prefill (8 x 16 = the system prompt's end)")
     parser.add_argument("--quick", action="store_true", help="1 round, 2 conversations per tenant, 3 turns")
+    parser.add_argument("--workload", choices=("chat", "shared-prefix"), default="chat")
+    parser.add_argument("--groups", type=int, default=16, help="shared-prefix: prefix groups (one tenant each)")
+    parser.add_argument("--per-group", type=int, default=8, help="shared-prefix: questions per group")
+    parser.add_argument("--question-tokens", type=int, default=32, help="shared-prefix: question length")
+    parser.add_argument("--clients", type=int, default=8, help="shared-prefix: closed-loop clients")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--balance-abs-threshold", type=int, default=RouterConfig.balance_abs_threshold)
+    parser.add_argument("--balance-rel-threshold", type=float, default=RouterConfig.balance_rel_threshold)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.turns = 1, 3
@@ -111,17 +174,25 @@ def main() -> None:
                           checkpoint_every_blocks=args.checkpoint_every_blocks)
     spec = ReplicaSpec(model=None, stream=None, engine=engine, speculative=None)
     print(f"machine: {describe_host()}")
-    start_ray(None, num_cpus=2, replicas=2)
+    n = args.replicas
+    start_ray(None, num_cpus=max(n, 2), replicas=n)
     import ray
 
-    results: dict[str, list[dict[str, float]]] = {f"{router}x{n}": [] for router, n in RUNS}
+    runs = (("cache-aware", n), ("round-robin", n), ("cache-aware", 1))
+    results: dict[str, list[dict]] = {f"{router}x{count}": [] for router, count in runs}
     try:
         for round_index in range(args.rounds):
-            for router, replicas in RUNS:
-                backend = ClusterBackend(spec, replicas, RouterConfig(policy=router))
+            for router, replicas in runs:
+                config = RouterConfig(policy=router, balance_abs_threshold=args.balance_abs_threshold,
+                                      balance_rel_threshold=args.balance_rel_threshold)
+                backend = ClusterBackend(spec, replicas, config)
                 try:
-                    work = conversations(args, backend.infos[0].vocab_size)
-                    result = asyncio.run(run_workload(backend, work, args.reply_tokens))
+                    vocab = backend.infos[0].vocab_size
+                    if args.workload == "chat":
+                        result = asyncio.run(run_workload(backend, conversations(args, vocab), args.reply_tokens))
+                    else:
+                        result = asyncio.run(run_shared_prefix(backend, shared_prefix_requests(args, vocab),
+                                                               args.reply_tokens, args.clients))
                 finally:
                     backend.shutdown()
                 key = f"{router}x{replicas}"
@@ -129,26 +200,25 @@ def main() -> None:
                 print(f"round {round_index + 1} {key:15s}: hit rate {result['hit_rate']:.3f}  TTFT p50 "
                       f"{result['ttft_p50'] * 1e3:7.1f} ms p99 {result['ttft_p99'] * 1e3:7.1f} ms  "
                       f"{result['tokens_per_s']:6.1f} tok/s  ({result['requests']} requests, "
-                      f"{result['errors']} errors, {result['seconds']:.1f} s)", flush=True)
+                      f"{result['errors']} errors, {result['seconds']:.1f} s) {result.get('reasons', '')}", flush=True)
     finally:
         ray.shutdown()
-    medians = {key: {field: statistics.median(r[field] for r in runs) for field in runs[0]}
-               for key, runs in results.items()}
-    hit_ratios = [ca["hit_rate"] / max(rr["hit_rate"], 1e-9)
-                  for ca, rr in zip(results["cache-awarex2"], results["round-robinx2"])]
+    medians = {key: {field: statistics.median(r[field] for r in runs_) for field in runs_[0] if field != "reasons"}
+               for key, runs_ in results.items()}
+    ca_key, rr_key, one_key = (f"{router}x{count}" for router, count in runs)
+    hit_ratios = [ca["hit_rate"] / max(rr["hit_rate"], 1e-9) for ca, rr in zip(results[ca_key], results[rr_key])]
     miss_ratios = [(1 - rr["hit_rate"]) / max(1 - ca["hit_rate"], 1e-9)
-                   for ca, rr in zip(results["cache-awarex2"], results["round-robinx2"])]
-    speedups = [two["tokens_per_s"] / one["tokens_per_s"]
-                for two, one in zip(results["cache-awarex2"], results["cache-awarex1"])]
-    ca, rr = medians["cache-awarex2"], medians["round-robinx2"]
-    print(f"summary: prefix hit rate cache-aware {ca['hit_rate']:.3f} vs round-robin {rr['hit_rate']:.3f} "
-          f"({statistics.median(hit_ratios):.2f}x, target >= 3x; prompt tokens computed: round-robin "
-          f"{statistics.median(miss_ratios):.2f}x cache-aware's); TTFT p50/p99 cache-aware "
+                   for ca, rr in zip(results[ca_key], results[rr_key])]
+    speedups = [many["tokens_per_s"] / one["tokens_per_s"] for many, one in zip(results[ca_key], results[one_key])]
+    ca, rr = medians[ca_key], medians[rr_key]
+    print(f"summary ({args.workload}, {n} replicas): prefix hit rate cache-aware {ca['hit_rate']:.3f} vs round-robin "
+          f"{rr['hit_rate']:.3f} ({statistics.median(hit_ratios):.2f}x, target >= 3x; prompt tokens computed: "
+          f"round-robin {statistics.median(miss_ratios):.2f}x cache-aware's); TTFT p50/p99 cache-aware "
           f"{ca['ttft_p50'] * 1e3:.0f}/{ca['ttft_p99'] * 1e3:.0f} ms vs round-robin {rr['ttft_p50'] * 1e3:.0f}/"
-          f"{rr['ttft_p99'] * 1e3:.0f} ms; 2 replicas / 1: {statistics.median(speedups):.2f}x tokens/s")
+          f"{rr['ttft_p99'] * 1e3:.0f} ms; {n} replicas / 1: {statistics.median(speedups):.2f}x tokens/s")
     print(json.dumps({"benchmark": "cluster", "args": vars(args), "machine": describe_host(), "medians": medians,
                       "hit_rate_ratio": statistics.median(hit_ratios),
-                      "computed_prompt_ratio": statistics.median(miss_ratios), "throughput_ratio_2_vs_1":
+                      "computed_prompt_ratio": statistics.median(miss_ratios), "throughput_ratio_vs_1":
                       statistics.median(speedups), "runs": results}))
 
 

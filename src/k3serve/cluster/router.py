@@ -36,7 +36,7 @@ ROUTERS = ("round-robin", "least-load", "power-of-two", "cache-aware")
 class RouterConfig:
     policy: str = "cache-aware"
     block_size: int = 16  # token ids per radix-tree key (the engine's prefix-cache block size)
-    balance_abs_threshold: int = 2  # requests: a smaller max-min spread counts as balanced
+    balance_abs_threshold: int = 8  # requests: a smaller max-min spread counts as balanced (docs/CLUSTER.md)
     balance_rel_threshold: float = 1.5  # a max below this multiple of min counts as balanced
     max_keys: int = 1 << 16  # radix-tree keys kept (least recently used forgotten)
     seed: int = 0  # power-of-two's sampling
