@@ -44,7 +44,8 @@ def llama_cpp_tree(tmp_path_factory) -> Path:
         members = [m for m in archive.getmembers()
                    if "/vendor/llama.cpp/" in m.name and ("/conversion/" in m.name or "/gguf-py/" in m.name
                                                           or m.name.endswith("/convert_hf_to_gguf.py")
-                                                          or f"/models/{VOCAB}" in m.name)]
+                                                          or f"/models/{VOCAB}" in m.name
+                                                          or "/models/templates/" in m.name)]
         archive.extractall(root, members=members, filter="data")
     (tree,) = root.glob("*/vendor/llama.cpp")
     return tree
@@ -104,3 +105,35 @@ def test_llama_cpp_converted_qwen3_moe_matches_safetensors_and_llama_cpp(llama_c
     ours = loaded.model.logits(ids)
     assert float(np.max(np.abs(theirs - ours))) < LLAMA_CPP_TOLERANCE
     assert np.array_equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_llama_cpp_converted_k3_matches_the_folder(llama_cpp_tree, tmp_path):
+    """llama.cpp's K3 converter, unpatched, gets past its vocab step when the tiny oracle carries a vocabulary it
+    recognises (Qwen2's, as above): the whole file is written, MXFP4 experts included, and k3serve reads it back to
+    the folder's logits (to the rounding of A_log) and greedy tokens. llama.cpp's own kimi-k3 graph on that file is
+    not compared: it disagrees with ours (docs/FAMILIES.md), which is not settled."""
+    import dataclasses
+
+    from k3serve.config import tiny_config
+    from k3serve.weights.synthetic import write_random_checkpoint
+
+    vocab = GGUFFile(llama_cpp_tree / "models" / VOCAB)
+    eos = int(vocab.metadata["tokenizer.ggml.eos_token_id"])
+    config = dataclasses.replace(tiny_config(), vocab_size=len(vocab.metadata["tokenizer.ggml.tokens"]),
+                                 bos_token_id=None, eos_token_ids=(eos,))
+    folder = tmp_path / "k3"
+    write_random_checkpoint(config, folder, seed=3)
+    (folder / "tokenizer.json").write_text(json.dumps(_qwen2_tokenizer_json(vocab), ensure_ascii=False))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": vocab.metadata["tokenizer.ggml.tokens"][eos],
+                                                              "add_bos_token": False}))
+    out = tmp_path / "k3.gguf"
+    run = subprocess.run([sys.executable, str(llama_cpp_tree / "convert_hf_to_gguf.py"), str(folder), "--outfile",
+                          str(out), "--outtype", "bf16"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "repacked" in run.stdout + run.stderr  # the experts went through its MXFP4 repack
+
+    from_gguf, from_folder = load_model(out), load_model(folder)
+    ids = from_gguf.tokenizer.encode("Hello world, this is a test.")
+    ours, expected = from_gguf.model.logits(ids), from_folder.model.logits(ids)
+    assert float(np.max(np.abs(ours - expected))) <= 1e-5 * float(np.max(np.abs(expected)))
+    assert from_gguf.model.greedy(ids, 6) == from_folder.model.greedy(ids, 6)
