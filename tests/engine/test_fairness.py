@@ -1,6 +1,7 @@
 """Scheduling between tenants (engine/fairness.py): VTC's service-gap bound on a randomized workload, admission
-order, counter lifting, KV shares, preemption of over-share tenants and of lower priority classes, and a randomized
-workload under every policy that keeps every pool consistent and every greedy output exact."""
+order, counter lifting, KV shares, preemption of over-share tenants and of lower priority classes, a randomized
+workload under every policy that keeps every pool consistent and every greedy output exact, and step interruption
+(arrivals submitted between two layers of a forward run first, with the same outputs)."""
 
 from __future__ import annotations
 
@@ -246,3 +247,83 @@ def test_per_tenant_metrics(tiny_model, drive):
     text = render_metrics(engine.metrics)[0].decode()
     assert 'k3serve_tenant_requests_total{tenant="alice"} 1.0' in text
     assert 'k3serve_tenant_ttft_seconds_bucket{le="+Inf",tenant="bob"} 1.0' in text
+
+
+def test_which_arrivals_may_interrupt_a_forward():
+    fair = make_policy("fair")
+    fair.charge_prompt("flood", 500)
+    fair.activate("light", {"flood"})  # lifted to the flood's counter: a tie goes first
+    assert fair.interrupts("light", {"flood"})
+    assert fair.interrupts("light", {"flood", "light"})  # its own sequences in flight do not count
+    assert not fair.interrupts("light", {"light"}) and not fair.interrupts("light", set())  # nobody to pass
+    fair.charge_prompt("light", 1)
+    assert not fair.interrupts("light", {"flood"})  # now ranked behind
+    assert not make_policy("fcfs").interrupts("light", {"flood"})
+    priority = make_policy("priority")
+    priority.set_shares({"low": TenantShare(priority=0), "high": TenantShare(priority=1)})
+    priority.charge_prompt("high", 1000)
+    assert priority.interrupts("high", {"low"}) and not priority.interrupts("low", {"high"})
+
+
+def _interrupted_workload(tiny_model, scheduling: str, seed: int) -> tuple[LLMEngine, dict, list]:
+    """Requests of three tenants submitted between layers of forwards in flight, as a server thread would, in a
+    pool small enough to preempt; integrity checked after every step. Returns the engine, the final outputs and
+    the plan."""
+    config = EngineConfig(block_size=4, num_blocks=24, max_batch_tokens=20, max_seqs=5, max_model_len=80,
+                          num_state_checkpoints=6, scheduling=scheduling, step_interruption=True)
+    rng = np.random.default_rng(seed)
+    plan = []
+    for _ in range(24):
+        prompt = [int(t) for t in rng.integers(3, 256, size=int(rng.integers(2, 24)))]
+        params = SamplingParams(max_tokens=int(rng.integers(1, 10)), ignore_eos=True,
+                                n=2 if rng.random() < 0.15 else 1)
+        plan.append((int(rng.integers(1, 120)), prompt, params, "abc"[int(rng.integers(0, 3))]))
+    layers = [0]
+    ids: dict[int, str] = {}
+
+    def on_layer(num_positions: int) -> None:
+        layers[0] += 1
+        for i, (arrival, prompt, params, tenant) in enumerate(plan):
+            if arrival == layers[0]:
+                ids[i] = engine.add_request(prompt, params, tenant=tenant)
+
+    engine = LLMEngine(tiny_model, config, on_layer=on_layer)
+    engine.set_tenant_shares({"a": TenantShare(weight=2.0, priority=1), "b": TenantShare(weight=1.0)})
+    final = {}
+    engine.add_request(list(range(3, 27)), SamplingParams(max_tokens=30, ignore_eos=True), tenant="a")
+    steps = 0
+    while len(ids) < len(plan) or engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in final, "a request finished twice"
+                final[out.request_id] = out
+        engine.check_integrity()
+        if not engine.has_unfinished_requests():
+            on_layer(0)  # idle: time passes without forwards
+        steps += 1
+        assert steps < 3000, "the workload does not drain"
+    return engine, final, [(ids[i], prompt, params) for i, (_, prompt, params, _) in enumerate(plan)]
+
+
+@pytest.mark.parametrize("scheduling, seed", [("fair", 0), ("priority", 5)])
+def test_interrupted_forwards_keep_every_output_exact(tiny_model, scheduling, seed):
+    engine, final, plan = _interrupted_workload(tiny_model, scheduling, seed)
+    snap = engine.metrics.snapshot()
+    assert snap["step_interruptions"] > 0, "no forward was interrupted: the test would prove nothing"
+    assert snap["preemptions"] > 0, "the pool was meant to be too small"
+    assert len(final) == len(plan) + 1
+    for rid, prompt, params in plan:
+        for completion in final[rid].outputs:
+            assert completion.token_ids == _greedy(tiny_model, prompt, params.max_tokens)
+    assert engine.scheduler.blocks.num_used_blocks == 0 and engine.scheduler.states.num_used_slots == 0
+
+
+def test_fcfs_never_interrupts_and_unsupported_models_are_refused(tiny_model, tiny_dir):
+    from k3serve.model.k3 import K3Model
+    from k3serve.stream.trace import TracedSource
+
+    engine, final, plan = _interrupted_workload(tiny_model, "fcfs", 3)
+    assert engine.metrics.snapshot()["step_interruptions"] == 0 and len(final) == len(plan) + 1
+    traced = K3Model(TracedSource(tiny_model.source, None))  # a step-by-step recorder cannot nest forwards
+    with pytest.raises(ConfigError, match="step_interruption"):
+        LLMEngine(traced, EngineConfig(scheduling="fair", step_interruption=True))

@@ -34,6 +34,8 @@ class EngineConfig:
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
     scheduling: str = "fcfs"  # between tenants: fcfs, fair (Virtual Token Counter) or priority (engine/fairness.py)
     output_cost: float = 2.0  # fair/priority: an output token's charge relative to a prompt token
+    step_interruption: bool = False  # fair/priority: a forward pauses between two layers for an arrival of a
+    # tenant ranked no worse than every other tenant in it, which runs in a forward of its own first (engine.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_seqs", "max_model_len"):
@@ -48,7 +50,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 0, got {value!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "checkpoint_partial_blocks"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "checkpoint_partial_blocks",
+                     "step_interruption"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.admission_watermark, bool) or not isinstance(self.admission_watermark, (int, float)) \

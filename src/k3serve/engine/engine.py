@@ -9,6 +9,16 @@ Failure isolation: a bad request raises `RequestError` in `add_request` and neve
 while post-processing one sequence (sampling, the stop hook, a callback) fails only its request. If the batched
 forward itself raises, every sequence in it is reset to be recomputed and marked suspect; suspects then run one per
 step, and one that fails alone is failed with an error output. The engine keeps going either way.
+
+Step interruption (`EngineConfig.step_interruption`, fair/priority scheduling): between two layers of a forward the
+engine looks at what was submitted meanwhile. If the policy lets an arrival interrupt (its tenant ranks no worse
+than every other tenant in the forward), the scheduler admits it (`schedule_urgent`) and it runs a whole forward of
+its own, is sampled and streamed, and then the paused forward resumes. Such arrivals found at a step boundary run in
+a step of their own ahead of the running sequences. The paused sequences are untouched (their caches are not
+shared with the arrivals), at most one such forward runs inside a step, and aborts and tenant changes still wait
+for the step boundary. A light tenant's first token then waits for one layer of the forward in flight instead of
+all of it, at the cost of one more forward's fixed overhead per interruption. It needs a model whose weights allow
+a nested forward (`supports_nested_forward`).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, Spec
 from k3serve.engine.verification import num_to_emit, verify
 from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from k3serve.errors import ContextLengthError, RequestError
+from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.families import FamilyModel
 from k3serve.model.k3 import ForwardItem, K3Model
 
@@ -54,8 +64,11 @@ class LLMEngine:
 
     def __init__(self, model: K3Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
                  metrics: MetricsRegistry | None = None, speculative: SpeculativeConfig | None = None,
-                 drafters: DrafterFactory | None = None) -> None:
+                 drafters: DrafterFactory | None = None, on_layer: Callable[[int], None] | None = None) -> None:
+        """`on_layer(num_positions)` is called after every layer of every forward the engine runs (instruments:
+        the isolation experiment's model clock, engine/isolation.py)."""
         self.model = model
+        self.on_layer = on_layer
         self.speculative = speculative  # the server default; a request may choose its own or none
         self.drafters = drafters if drafters is not None else DrafterFactory(model)
         self._speculation: dict[int, SequenceSpeculation] = {}  # seq_id -> drafter and adaptive length
@@ -64,7 +77,12 @@ class LLMEngine:
         self.config = config if config is not None else EngineConfig()
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.stop_ids = frozenset(self.model_config.eos_token_ids if stop_ids is None else stop_ids)
+        if self.config.step_interruption and not model.supports_nested_forward:
+            raise ConfigError("step_interruption needs a model whose weights allow a forward between two layers of "
+                              "another (resident K3 weights; not a streaming or traced source, not a family model)")
         self.scheduler = Scheduler(self.config, model.cache_layout, self.metrics)
+        self._paused: SchedulerOutput | None = None  # the forward paused for an urgent one (step interruption)
+        self._urgent_outputs: list[RequestOutput] = []  # outputs of the urgent forward inside this step
         self.max_context = min(self.config.max_model_len, self.scheduler.capacity_tokens)
         self._lock = threading.Lock()
         self._incoming: list[Request] = []
@@ -83,6 +101,7 @@ class LLMEngine:
         self._m_computed = m.counter("computed_tokens", "positions run through the model (prefill + decode)")
         self._m_steps = m.counter("steps", "engine steps that ran a forward")
         self._m_forward_failures = m.counter("forward_failures", "batched forwards that raised")
+        self._m_interruptions = m.counter("step_interruptions", "forwards paused between layers for an urgent one")
         self._m_ttft = m.histogram("ttft_seconds", "arrival to first token")
         self._m_itl = m.histogram("inter_token_latency_seconds", "time between consecutive tokens of a sequence")
         self._m_e2e = m.histogram("e2e_latency_seconds", "arrival to last output")
@@ -237,9 +256,14 @@ class LLMEngine:
         request that changed (each also went to its `on_output`)."""
         started = time.perf_counter()
         touched: dict[str, Request] = {}
+        self._urgent_outputs = []
         self._take_submissions(touched)
-        self._propose_drafts()
-        decision = self.scheduler.schedule()
+        decision = SchedulerOutput()
+        if self.config.step_interruption and self.scheduler.waiting:  # arrivals that may interrupt go first, alone
+            decision = self.scheduler.schedule_urgent({seq.request.tenant for seq in self.scheduler.running})
+        if decision.empty:
+            self._propose_drafts()
+            decision = self.scheduler.schedule()
         if not decision.empty:
             self._run(decision, touched)
             self._m_steps.inc()
@@ -249,18 +273,15 @@ class LLMEngine:
             seq.draft_tokens = []
             self._drafts.pop(seq.seq_id, None)
         self._update_gauges()
-        return self._emit(touched)
+        return self._urgent_outputs + self._emit(touched)
 
     def _take_submissions(self, touched: dict[str, Request]) -> None:
         with self._lock:
-            incoming, self._incoming = self._incoming, []
             aborts, self._aborts = self._aborts, []
             shares, self._new_shares = self._new_shares, None
         if shares is not None:
             self.scheduler.policy.set_shares(shares)
-        for request in incoming:
-            self._requests[request.request_id] = request
-            self.scheduler.add(request.sequences[0])
+        self._take_new_requests()
         for request_id in aborts:
             request = self._requests.get(request_id)
             if request is not None and not request.finished:
@@ -268,6 +289,50 @@ class LLMEngine:
                 for seq in request.sequences:
                     self._finish(seq, FinishReason.ABORT)
                 touched[request_id] = request
+
+    def _take_new_requests(self) -> None:
+        """Queue what other threads submitted."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        for request in incoming:
+            self._requests[request.request_id] = request
+            self.scheduler.add(request.sequences[0])
+
+    def _between_layers(self, decision: SchedulerOutput) -> Callable[[int], None]:
+        """The model's between-layers hook for `decision`'s forward: the observer, then (step interruption) at
+        most one urgent forward for arrivals the policy lets interrupt this one."""
+        interrupted = False
+
+        def hook(layer: int) -> None:
+            nonlocal interrupted
+            if self.on_layer is not None:
+                self.on_layer(decision.num_batched_tokens)
+            if not self.config.step_interruption or interrupted or self._paused is not None:
+                return
+            with self._lock:
+                arrived = bool(self._incoming)
+            if arrived:
+                interrupted = self._run_urgent(decision)
+
+        return hook
+
+    def _run_urgent(self, paused: SchedulerOutput) -> bool:
+        """Queue the arrivals and run one forward for those allowed to interrupt `paused` (which waits between two
+        layers); their outputs are streamed now and returned with this step's. Whether a forward ran."""
+        self._take_new_requests()
+        decision = self.scheduler.schedule_urgent({s.seq.request.tenant for s in paused.scheduled})
+        if decision.empty:
+            return False
+        touched: dict[str, Request] = {}
+        self._paused = paused
+        try:
+            self._run(decision, touched)
+        finally:
+            self._paused = None
+        self._m_interruptions.inc()
+        self._m_batch.observe(decision.num_batched_tokens)
+        self._urgent_outputs.extend(self._emit(touched))
+        return True
 
     def _propose_drafts(self) -> None:
         """Drafts for every running sequence that is about to decode and speculates (engine/speculative.py)."""
@@ -305,10 +370,15 @@ class LLMEngine:
                 items.append(ForwardItem(np.asarray(ids, np.int64), seq.cache))
             windows.append(window)
         try:
-            result = self.model.forward(items)
+            if self.on_layer is None and not self.config.step_interruption:
+                result = self.model.forward(items)
+            else:
+                result = self.model.forward(items, between_layers=self._between_layers(decision))
         except Exception as exc:  # noqa: BLE001 - isolate, never kill the loop
             self._forward_failed(decision, exc, touched)
             return
+        if self.on_layer is not None:
+            self.on_layer(decision.num_batched_tokens)  # the last layer (the model's hook runs between layers)
         self._m_computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):

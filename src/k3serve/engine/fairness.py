@@ -18,6 +18,15 @@ OSDI 2024, section 4), so `/metrics` shows it whichever policy runs:
 - `priority`: strict classes (a larger `priority` is more important), VTC within a class; a waiting sequence that
   finds no seat, state slot or blocks preempts a running sequence of a lower class.
 
+With `EngineConfig.step_interruption`, `fair` and `priority` also let a new arrival interrupt a forward in flight
+(between two layers) when its tenant ranks no worse than every other tenant in that forward (`interrupts`): a
+tenant that was idle is lifted to the smallest active counter, so it ties and goes first. `fcfs` never interrupts.
+
+Against the paper's reference code (the authors' S-LoRA router): the charges are the same (prompt tokens x 1 and
+output tokens x 2, over the weight), except that prompt positions served by the prefix cache are not charged, and a
+lift looks at every tenant with a queued or running sequence where the paper's queue holds only waiting requests;
+with continuous batching a tenant whose requests all run is still being served, so it still sets the floor.
+
 Shares: a tenant's `kv_share` caps the MLA blocks and KDA state slots its running sequences hold when it is
 admitted (it may grow past the cap while it runs, and a tenant with nothing running is always admitted if the
 pool can hold it, so a cap never deadlocks). Under memory pressure the victim is a sequence of a tenant over its
@@ -72,6 +81,7 @@ class SchedulingPolicy:
     which running sequences a waiting one may displace."""
 
     name = "fcfs"
+    interrupting = False  # whether an arrival may interrupt a forward in flight (`interrupts`)
 
     def __init__(self, output_cost: float = DEFAULT_OUTPUT_COST) -> None:
         if isinstance(output_cost, bool) or not isinstance(output_cost, (int, float)) or not output_cost >= 0:
@@ -134,6 +144,12 @@ class SchedulingPolicy:
             return False
         return self.rank(best_waiting.request.tenant) < self.rank(seq.request.tenant)
 
+    def interrupts(self, tenant: str, in_flight: set[str]) -> bool:
+        """Whether a waiting sequence of `tenant` may run while a forward over the tenants `in_flight` (other than
+        `tenant`) is paused: it ranks no worse than every one of them. Never under fcfs."""
+        others = in_flight - {tenant}
+        return self.interrupting and bool(others) and self.rank(tenant) <= min(self.rank(t) for t in others)
+
     def victim(self, running: list[Sequence], usage: dict[str, TenantUsage], limits: dict[str, tuple[int, int]]
                ) -> Sequence:
         """The running sequence to preempt when memory runs out: over-share tenants first (most over), then the
@@ -158,6 +174,7 @@ class SchedulingPolicy:
 
 class FairPolicy(SchedulingPolicy):
     name = "fair"
+    interrupting = True
 
     def rank(self, tenant: str) -> tuple:
         return (self.counter(tenant),)
@@ -168,6 +185,7 @@ class FairPolicy(SchedulingPolicy):
 
 class PriorityPolicy(SchedulingPolicy):
     name = "priority"
+    interrupting = True
 
     def rank(self, tenant: str) -> tuple:
         return (-self.share(tenant).priority, self.counter(tenant))

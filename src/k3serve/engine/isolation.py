@@ -3,14 +3,18 @@ B wait for its first token, alone, under `fcfs` and under `fair`?
 
 A keeps `num_flood` long requests live (resubmitting each as it finishes); B submits a short request every
 `light_interval_s`. Each request's arrival time is its due time, so time spent waiting for the step in flight
-counts. The engine is driven directly on this thread, for `duration_s` per run. B's requests still without a
-first token when a run ends count with their wait so far (a lower bound), so starvation shows as a long tail
-rather than as missing samples. Used by `benchmarks/bench_tenants.py` and the lab.
+counts. The engine is driven directly on this thread, for `duration_s` per run; arrivals that fall due during a
+forward are submitted between two of its layers (as a server thread would submit them), and a B request's first
+token counts when the engine streams it. B's requests still without a first token when a run ends count with their
+wait so far (a lower bound), so starvation shows as a long tail rather than as missing samples. Used by
+`benchmarks/bench_tenants.py` and the lab.
 
-With `clock="model"` the same engine runs the same forwards, but time is virtual: each step advances the clock by
-    t_step = fixed + per_token * (positions in the step)
-with (fixed, per_token) calibrated once from the fastest of a few timed forwards (`calibrate_step_cost`). The
-scheduling decisions are real; only the clock is a model, so results do not depend on what else the machine runs.
+With `clock="model"` the same engine runs the same forwards, but time is virtual: each forward advances the clock by
+    t_forward = fixed + per_token * (positions in the forward)
+in equal parts after each of its L layers, with (fixed, per_token) calibrated once from the fastest of a few timed
+forwards (`calibrate_step_cost`). The scheduling decisions are real; only the clock is a model, so results do not
+depend on what else the machine runs. `step_interruption` turns on the engine's switch of that name
+(engine/engine.py) in all three runs (fcfs never interrupts).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
+from k3serve.engine.request import RequestOutput
 from k3serve.engine.metrics import _quantile
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
@@ -46,6 +51,7 @@ class IsolationConfig:
     seed: int = 0
     clock: str = "wall"  # wall: real time; model: each step advances a virtual clock by fixed + per_token x tokens
     step_cost: tuple[float, float] | None = None  # (fixed s, s per token) for the model clock; None = calibrate
+    step_interruption: bool = False  # EngineConfig.step_interruption for every run
 
     def __post_init__(self) -> None:
         for name in ("num_flood", "flood_prompt_tokens", "flood_max_tokens", "light_prompt_tokens",
@@ -91,37 +97,61 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
                                  num_blocks=max(64, needed // 16 + 64), block_size=16,
                                  max_model_len=max(config.flood_prompt_tokens + config.flood_max_tokens,
                                                    config.light_prompt_tokens + config.light_max_tokens) + 1,
-                                 enable_prefix_caching=False, scheduling=scheduling)
-    engine = LLMEngine(model, engine_config, stop_ids=())
+                                 enable_prefix_caching=False, scheduling=scheduling,
+                                 step_interruption=config.step_interruption)
+    virtual = [0.0]
+    if config.clock == "model":
+        fixed, per_token = config.step_cost if config.step_cost is not None else calibrate_step_cost(model)
+        num_layers = model.config.num_layers
+
+        def clock() -> float:
+            return virtual[0]
+    else:
+        clock = time.perf_counter
     rng = np.random.default_rng(config.seed)
     vocab = model.config.vocab_size
 
     def prompt(length: int) -> list[int]:
         return [int(t) for t in rng.integers(1, vocab, size=length)]
 
+    light_params = SamplingParams(max_tokens=config.light_max_tokens, ignore_eos=True)
+    light_arrival: dict[str, float] = {}
+    light_ttft: dict[str, float] = {}
+    running = [False]  # the clock has started
+    next_light = [0.0]
+
+    def first_token(out: RequestOutput) -> None:
+        if out.outputs[0].token_ids and out.request_id not in light_ttft:
+            light_ttft[out.request_id] = clock() - light_arrival[out.request_id]
+
+    def submit_due_light() -> None:
+        now = clock()
+        while running[0] and next_light[0] <= now:
+            request = engine.make_request(prompt(config.light_prompt_tokens), light_params, tenant=LIGHT,
+                                          on_output=first_token)
+            request.arrival_time = next_light[0]
+            light_arrival[engine.enqueue(request)] = next_light[0]
+            next_light[0] += config.light_interval_s
+
+    def on_layer(num_positions: int) -> None:
+        if config.clock == "model":
+            virtual[0] += (fixed + per_token * num_positions) / num_layers
+        submit_due_light()
+
+    engine = LLMEngine(model, engine_config, stop_ids=(), on_layer=on_layer)
     engine.add_request(prompt(config.flood_prompt_tokens), SamplingParams(max_tokens=2, ignore_eos=True),
                        tenant="warm-up")  # compile and touch everything before the clock starts
     while engine.has_unfinished_requests():
         engine.step()
     flood_params = SamplingParams(max_tokens=config.flood_max_tokens, ignore_eos=True)
-    light_params = SamplingParams(max_tokens=config.light_max_tokens, ignore_eos=True)
     flood_live = 0
-    light_arrival: dict[str, float] = {}
-    light_ttft: dict[str, float] = {}
     generated = {FLOOD: 0, LIGHT: 0}
     computed = engine.metrics.counter("computed_tokens")
     computed_before = computed.value
-    virtual = [0.0]
-    if config.clock == "model":
-        fixed, per_token = config.step_cost if config.step_cost is not None else calibrate_step_cost(model)
-
-        def clock() -> float:
-            return virtual[0]
-    else:
-        clock = time.perf_counter
     start = clock()
     end = start + config.duration_s
-    next_light = start
+    next_light[0] = start
+    running[0] = True
     while True:
         now = clock()
         if now >= end:
@@ -129,29 +159,19 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
         while mode != "alone" and flood_live < config.num_flood:
             engine.add_request(prompt(config.flood_prompt_tokens), flood_params, tenant=FLOOD)
             flood_live += 1
-        while next_light <= now:
-            request = engine.make_request(prompt(config.light_prompt_tokens), light_params, tenant=LIGHT)
-            request.arrival_time = next_light
-            light_arrival[engine.enqueue(request)] = next_light
-            next_light += config.light_interval_s
+        submit_due_light()
         if not engine.has_unfinished_requests():
             if config.clock == "model":
-                virtual[0] = min(next_light, end)
+                virtual[0] = min(next_light[0], end)
             else:
-                time.sleep(max(0.0, min(next_light, end) - time.perf_counter()))
+                time.sleep(max(0.0, min(next_light[0], end) - time.perf_counter()))
             continue
-        positions_before = computed.value
-        outputs = engine.step()
-        if config.clock == "model":
-            virtual[0] += fixed + per_token * (computed.value - positions_before)
-        done = clock()
-        for out in outputs:
+        for out in engine.step():
             tenant = LIGHT if out.request_id in light_arrival else FLOOD
             generated[tenant] += sum(len(c.new_token_ids) for c in out.outputs)
-            if tenant == LIGHT and out.outputs[0].token_ids and out.request_id not in light_ttft:
-                light_ttft[out.request_id] = done - light_arrival[out.request_id]
             if tenant == FLOOD and out.finished:
                 flood_live -= 1
+    running[0] = False
     elapsed = clock() - start
     waits = [light_ttft.get(rid, elapsed + start - arrival) for rid, arrival in light_arrival.items()]
     waits.sort()

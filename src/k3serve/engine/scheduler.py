@@ -19,6 +19,10 @@ served):
      priority class, or a tenant over its share);
   3. deferred prefill chunks take the budget left over (work-conserving), without preempting.
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
+
+`schedule_urgent` is the decision for a forward that runs while another is paused between two layers, or at a step
+boundary ahead of the running set (`EngineConfig.step_interruption`): only waiting sequences the policy lets
+interrupt, nothing preempted.
 """
 
 from __future__ import annotations
@@ -196,6 +200,34 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_running(seq, out, capped, may_preempt=False)
+        return out
+
+    def schedule_urgent(self, in_flight: set[str]) -> SchedulerOutput:
+        """Waiting sequences to run in a forward of their own, ahead of the work of the tenants `in_flight` (those
+        of a forward paused between two layers, or of the running set at a step boundary): those of tenants the
+        policy lets interrupt (`interrupts`), in its order, while the budget, seats, state slots and free blocks
+        last. Nothing is preempted (paused sequences hold their memory mid-forward), and suspects wait for a step
+        boundary to run alone."""
+        out = SchedulerOutput()
+        if any(s.suspect for s in self.waiting):
+            return out
+        capped = any(share.kv_share < 1 for share in self.policy.shares.values())
+        blocked: set[str] = set()
+        while self.waiting and self._budget(out) > 0:
+            seq = self.policy.pick_waiting(self.waiting, blocked)
+            if seq is None:
+                break
+            tenant = seq.request.tenant
+            if not self.policy.interrupts(tenant, in_flight) or (capped and self._at_share(seq, capped)):
+                blocked.add(tenant)
+                continue
+            if len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0:
+                break
+            n = self._admit(seq, self._budget(out), alone=not out.scheduled)
+            if n == 0:
+                blocked.add(tenant)
+                continue
+            out.scheduled.append(ScheduledSequence(seq, n))
         return out
 
     def _budget(self, out: SchedulerOutput) -> int:

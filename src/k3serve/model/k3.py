@@ -48,6 +48,7 @@ class ForwardResult:
 
 
 RoutingObserver = Callable[[int, Routing, list[tuple[int, int]]], None]
+LayerObserver = Callable[[int], None]  # called with the index of a layer just finished (not after the last one)
 
 
 def flatten_items(items: Sequence[ForwardItem], vocab_size: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -147,8 +148,16 @@ class K3Model(SingleSequenceMixin):
     def new_cache(self) -> DenseSequenceCache:
         return DenseSequenceCache(self.cache_layout)
 
+    @property
+    def supports_nested_forward(self) -> bool:
+        """Whether `between_layers` may run another forward (over other caches) before this one resumes."""
+        return self.source.supports_nested_forward()
+
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
-                on_routing: RoutingObserver | None = None) -> ForwardResult:
+                on_routing: RoutingObserver | None = None,
+                between_layers: LayerObserver | None = None) -> ForwardResult:
+        """One step over `items`. `between_layers(l)` runs after layer l < num_layers - 1 (the engine pauses a
+        step there to serve an urgent arrival, engine/engine.py)."""
         c = self.config
         if not items:
             return ForwardResult(logits=[])
@@ -192,6 +201,8 @@ class K3Model(SingleSequenceMixin):
             else:
                 m = dense_mlp_forward(c, w.mlp, x)
             pref = pref + m
+            if between_layers is not None and layer < c.num_layers - 1:
+                between_layers(layer)
 
         rows = logit_rows(items, segments)
         out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)

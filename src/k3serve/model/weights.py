@@ -136,6 +136,10 @@ class WeightSource(ABC):
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         """expert_ids [T, TOPK] that `layer` routed to (routing traces)."""
 
+    def supports_nested_forward(self) -> bool:
+        """Whether a forward may run between two layers of another one (nothing held belongs to one step)."""
+        return True
+
     def resident_experts(self, layer: int) -> set[int] | None:
         """Experts of `layer` in RAM now (a cache-resident draft routes among them); None = all of them."""
         return None
@@ -194,6 +198,9 @@ class ForwardingSource(WeightSource):
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         self.inner.note_routing(layer, expert_ids)
+
+    def supports_nested_forward(self) -> bool:
+        return self.inner.supports_nested_forward()
 
     def resident_experts(self, layer: int) -> set[int] | None:
         return self.inner.resident_experts(layer)

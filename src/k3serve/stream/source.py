@@ -111,6 +111,9 @@ class StreamingSource(WeightSource):
         return self.slots.request(layer, expert_ids)
 
     # ---- hooks the model calls ---------------------------------------------------------------------------------
+    def supports_nested_forward(self) -> bool:
+        return False  # the trunk read-ahead and the expert cache's retention follow one step at a time
+
     def begin_step(self, num_tokens: int) -> None:
         self._step += 1
         self.stats.steps += 1

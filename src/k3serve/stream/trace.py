@@ -152,6 +152,9 @@ class TracedSource(ForwardingSource):
         self._next_token += num_tokens
         self.inner.begin_step(num_tokens)
 
+    def supports_nested_forward(self) -> bool:
+        return False  # a nested forward would open a step inside the recorded one
+
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         if self.writer is not None:
             self.writer.write(self._step, self._step_first_token, layer, expert_ids)

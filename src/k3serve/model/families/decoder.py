@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import numpy as np
 
 from k3serve.errors import ConfigError
-from k3serve.model.k3 import (ForwardItem, ForwardResult, RoutingObserver, SingleSequenceMixin, finish_batch,
-                              flatten_items, logit_rows)
+from k3serve.model.k3 import (ForwardItem, ForwardResult, LayerObserver, RoutingObserver, SingleSequenceMixin,
+                              finish_batch, flatten_items, logit_rows)
 from k3serve.model.moe import Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
@@ -139,8 +139,15 @@ class FamilyModel(SingleSequenceMixin):
             best[e] = max(best.get(e, float("-inf")), w)
         self.experts.prefetch(index + 1, sorted(best, key=lambda e: (-best[e], e)))  # type: ignore[union-attr]
 
+    @property
+    def supports_nested_forward(self) -> bool:
+        """Whether another forward may run between two layers of this one: not claimed, since the lazily packed
+        expert store has not been checked for it."""
+        return False
+
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
-                on_routing: RoutingObserver | None = None) -> ForwardResult:
+                on_routing: RoutingObserver | None = None,
+                between_layers: LayerObserver | None = None) -> ForwardResult:
         if not items:
             return ForwardResult(logits=[])
         ids, segments = flatten_items(items, self.config.vocab_size)
@@ -166,6 +173,8 @@ class FamilyModel(SingleSequenceMixin):
                     result.routing[index] = routing
                 if on_routing is not None:
                     on_routing(index, routing, segments)
+            if between_layers is not None and index < len(self.layers) - 1:
+                between_layers(index)
 
         logits = rms_norm(h[logit_rows(items, segments)], self.final_norm, eps) @ self.lm_head.T  # [R, V]
         return finish_batch(items, segments, logits, result)
