@@ -277,7 +277,8 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
-                        scheduling=args.scheduling, output_cost=args.output_cost)
+                        scheduling=args.scheduling, output_cost=args.output_cost,
+                        step_interruption=args.step_interruption)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

@@ -87,6 +87,15 @@ def test_a_bad_file_stops_the_server_before_it_starts(tmp_path, capsys):
     assert "tenant 'a'" in err and "tokens_per_minute" in err and "Traceback" not in err
 
 
+def test_serve_passes_scheduling_and_step_interruption_to_the_engine():
+    from k3serve.cli import _engine_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--scheduling", "priority", "--step-interruption"])
+    config = _engine_config(args)
+    assert config.scheduling == "priority" and config.step_interruption
+    assert not _engine_config(build_parser().parse_args(["serve"])).step_interruption
+
+
 def test_an_open_server_beyond_loopback_warns(capsys):
     registry = registry_for_serve(argparse.Namespace(tenants=None))
     assert registry.open

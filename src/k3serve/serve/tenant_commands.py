@@ -1,5 +1,6 @@
-"""The command-line side of tenants: `serve --tenants FILE --scheduling ...`, `k3serve tenants hash-key` and
-`k3serve tenants check FILE`, the warning for an open server on a non-loopback address, and reload on SIGHUP."""
+"""The command-line side of tenants: `serve --tenants FILE --scheduling ... --step-interruption`, `k3serve tenants
+hash-key` and `k3serve tenants check FILE`, the warning for an open server on a non-loopback address, and reload on
+SIGHUP."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def add_tenant_args(parser: argparse.ArgumentParser) -> None:
                        help="between tenants: first come first served, fair (virtual token counter) or priority")
     group.add_argument("--output-cost", type=float_range(0.0), default=DEFAULT_OUTPUT_COST,
                        help="fair scheduling: an output token's charge relative to a prompt token")
+    group.add_argument("--step-interruption", action="store_true",
+                       help="fair/priority: a forward pauses between two layers to run an arriving request of a "
+                            "tenant ranked ahead first (shorter first-token waits for light tenants; resident "
+                            "K3 weights only)")
 
 
 def add_tenants_command(sub) -> dict:
