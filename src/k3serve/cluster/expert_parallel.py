@@ -200,6 +200,9 @@ class ExpertParallelSource(ForwardingSource):
         self._step += 1
         self._step_tokens = num_tokens
 
+    def supports_nested_forward(self) -> bool:
+        return False  # the owners' calls carry the step they belong to
+
     def expert_outputs(self, layer: int, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                        starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         calls = split_by_owner(expert_ids, z, tokens, starts, ends, self.experts_per_owner, self._step,
