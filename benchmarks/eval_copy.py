@@ -12,7 +12,7 @@ import argparse
 import json
 
 from k3serve.loading import load_model
-from k3serve.training.corpus import build_corpus, copy_documents
+from k3serve.training.corpus import build_corpus, copy_probe
 
 
 def main() -> None:
@@ -22,15 +22,10 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(args.model)
     tokenizer = loaded.tokenizer
-    docs = copy_documents(build_corpus().heldout_code, 1 << 30)[0::2][:args.count]  # even ones: unchanged copies
     shares = []
-    for doc in docs:
-        first, rest = doc.split("\n\n", 1)
-        request, again = rest.split("\n", 1)
-        head = again.split("\n", 1)[0] + "\n"
-        want = tokenizer.encode(again[len(head):])
-        got = loaded.model.greedy([tokenizer.bos_id] + tokenizer.encode(first + "\n\n" + request + "\n" + head),
-                                  len(want))
+    for prompt, rest in copy_probe(build_corpus().heldout_code, args.count):
+        want = tokenizer.encode(rest)
+        got = loaded.model.greedy([tokenizer.bos_id] + tokenizer.encode(prompt), len(want))
         right = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
         shares.append(right / len(want))
     record = {"functions": len(shares), "mean_prefix_share": sum(shares) / len(shares),

@@ -11,7 +11,8 @@ import torch
 
 from k3serve.config import tiny_config
 from k3serve.loading import load_model
-from k3serve.training.model import K3ForTraining, export, init_weights, kda_chunked, kda_recurrent, load_exported
+from k3serve.training.model import (K3ForTraining, export, init_weights, kda_chunked, kda_chunked_parallel,
+                                    kda_recurrent, load_exported)
 from k3serve.weights import names
 
 MAX_RELATIVE_RMS = 1e-4
@@ -55,8 +56,9 @@ def test_chunked_delta_rule_equals_token_loop():
     beta = torch.rand(X, T, generator=gen, dtype=torch.float64)
     S0 = torch.randn(X, D, D, generator=gen, dtype=torch.float64)
     o_ref, s_ref = kda_recurrent(q, k, v, g, beta, S0)
-    o, s = kda_chunked(q, k, v, g, beta, S0, chunk_size=16)
-    assert torch.allclose(o, o_ref, atol=1e-10) and torch.allclose(s, s_ref, atol=1e-10)
+    for chunked in (kda_chunked, kda_chunked_parallel):  # the CPU's form and the CUDA one
+        o, s = chunked(q, k, v, g, beta, S0, chunk_size=16)
+        assert torch.allclose(o, o_ref, atol=1e-10) and torch.allclose(s, s_ref, atol=1e-10), chunked.__name__
 
 
 def test_export_matches_numpy_engine(tmp_path):

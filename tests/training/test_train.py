@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
+from k3serve.config import tiny_config
 from k3serve.loading import load_model
-from k3serve.training.model import causal_attention
-from k3serve.training.train import main
+from k3serve.tokenizer import Tokenizer
+from k3serve.training.corpus import COPY_REQUESTS
+from k3serve.training.model import K3ForTraining, causal_attention, init_weights
+from k3serve.training.train import copy_prefix_shares, main
 
 ARGS = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--eval-every", "3", "--eval-windows", "2",
         "--code-bytes", "150000", "--prose-bytes", "40000", "--threads", "1"]
@@ -52,3 +56,47 @@ def test_written_out_attention_matches_the_fused_one():
     fused = causal_attention(q, k, v, 0.3, explicit=False)
     assert torch.allclose(fused, causal_attention(q, k, v, 0.3, explicit=True), atol=1e-5)
     assert torch.allclose(fused[:, :, 0], v[:, :, 0])  # causal: the first position sees only itself
+
+
+def test_copy_probe_is_greedy_decoding_up_to_the_first_mistake():
+    """copy_prefix_shares finds, in one pass, where greedy decoding first leaves the wanted continuation."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = K3ForTraining(config)
+    init_weights(model, seed=3)
+    prompt = np.asarray([1, 5, 9, 2, 7, 7, 3], dtype=np.int64)
+    greedy = []
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.from_numpy(np.concatenate([prompt, np.asarray(greedy, dtype=np.int64)]))[None]
+            greedy.append(int(model(ids)[0, -1].argmax()))
+    wrong = (greedy[4] + 1) % config.vocab_size
+    probe = [(prompt, np.asarray(greedy, dtype=np.int64)),  # greedy itself: copied whole
+             (prompt, np.asarray(greedy[:4] + [wrong, greedy[5]], dtype=np.int64)),  # first mistake at 4 of 6
+             (prompt[:3], np.asarray([(int(model(torch.from_numpy(prompt[:3])[None])[0, -1].argmax()) + 1)
+                                      % config.vocab_size], dtype=np.int64))]  # wrong at once
+    assert copy_prefix_shares(model, probe, batch_size=2, device=torch.device("cpu")) == [1.0, 4 / 6, 0.0]
+
+
+def test_copy_share_windows_and_periodic_checkpoints(tmp_path):
+    """--copy-share draws windows that begin at revision documents; a --save-every checkpoint of step k is the
+    checkpoint of the same command cut with --stop-step k; the log carries the copying probe."""
+    cache = str(tmp_path / "cache")
+    args = [*ARGS, "--steps", "4", "--eval-every", "2", "--copy-bytes", "20000", "--copy-share", "0.5",
+            "--probe-count", "3", "--corpus-cache", cache]
+    assert main(["--out", str(tmp_path / "a"), *args, "--save-every", "2", "--stop-step", "2"]) == 0
+    assert main(["--out", str(tmp_path / "b"), *args, "--stop-step", "2"]) == 0
+    assert (tmp_path / "a" / "SHA256SUMS").read_text() == (tmp_path / "b" / "SHA256SUMS").read_text()
+    assert main(["--out", str(tmp_path / "c"), *args]) == 0
+    assert (tmp_path / "c" / "SHA256SUMS").read_text() != (tmp_path / "b" / "SHA256SUMS").read_text()
+    curve = json.loads((tmp_path / "c" / "train_log.json").read_text())["curve"]
+    assert [point["step"] for point in curve] == [0, 2, 4]
+    assert all(0.0 <= point["copy_prefix_share"] <= 1.0 for point in curve)
+    with np.load(tmp_path / "cache" / "extras.npz") as extras:
+        starts = extras["copy_starts"]
+        ids = np.load(tmp_path / "cache" / "train.npz")["ids"]
+        assert len(starts) > 0 and len(extras["probe_prompt_lens"]) > 0
+    tokenizer = Tokenizer.from_dir(tmp_path / "c")
+    assert all(ids[s] == tokenizer.bos_id for s in starts)
+    text = tokenizer.decode(ids[starts[0] + 1:starts[1]].tolist())
+    assert any(request in text for request in COPY_REQUESTS)

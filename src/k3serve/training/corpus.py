@@ -64,6 +64,7 @@ class Corpus:
     num_copy_bytes: int = 0
     num_extra_code_bytes: int = 0
     num_extra_prose_bytes: int = 0
+    copy_range: tuple[int, int] = (0, 0)  # train[first:end] are the revision documents
 
     @property
     def heldout(self) -> list[str]:
@@ -251,6 +252,7 @@ def build_corpus(max_code_bytes: int = DEFAULT_CODE_BYTES, max_prose_bytes: int 
         mixed.append(doc)
         mixed.extend(train_prose[i * ratio:(i + 1) * ratio])
     mixed.extend(train_prose[len(train_code) * ratio:])
+    copy_range = (len(mixed), len(mixed) + len(copies))
     mixed.extend(copies)  # training samples random windows of the whole stream: every step sees all streams
     mixed.extend(more_code)
     mixed.extend(more_prose)
@@ -259,4 +261,17 @@ def build_corpus(max_code_bytes: int = DEFAULT_CODE_BYTES, max_prose_bytes: int 
                   num_prose_bytes=sum(len(d.encode()) for d in prose),
                   prose_source=prose_source, num_copy_bytes=sum(len(d.encode()) for d in copies),
                   num_extra_code_bytes=sum(len(d.encode()) for d in more_code),
-                  num_extra_prose_bytes=sum(len(d.encode()) for d in more_prose))
+                  num_extra_prose_bytes=sum(len(d.encode()) for d in more_prose), copy_range=copy_range)
+
+
+def copy_probe(heldout_code: list[str], count: int) -> list[tuple[str, str]]:
+    """The copying test of benchmarks/eval_copy.py: (prompt, wanted continuation) for the first `count` unchanged
+    revision documents made from held-out code. The prompt is the function, the request and the copy's first line;
+    the wanted text is the rest of the copy."""
+    out = []
+    for doc in copy_documents(heldout_code, 1 << 30)[0::2][:count]:  # even ones: unchanged copies
+        first, rest = doc.split("\n\n", 1)
+        request, again = rest.split("\n", 1)
+        head = again.split("\n", 1)[0] + "\n"
+        out.append((first + "\n\n" + request + "\n" + head, again[len(head):]))
+    return out

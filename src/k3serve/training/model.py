@@ -131,6 +131,55 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = KDA_CHUNK_SIZE):
     return torch.cat(outs, 1), S
 
 
+def kda_chunked_parallel(q, k, v, g, beta, state, chunk_size: int = KDA_CHUNK_SIZE):
+    """kda_chunked with far fewer kernel launches (what --device cuda uses; the CPU keeps kda_chunked, so the shipped
+    checkpoint still reproduces byte for byte). Shapes as kda_recurrent.
+
+    Everything that does not depend on the state is computed for all n chunks at once; only a D x D linear
+    recurrence over the chunks stays sequential. Per chunk, with b_t the cumulative log decay since the chunk
+    start, A = I + diag(beta) tril_(-1)(K_g K_s^T), U = A^-1 diag(beta) V and W = A^-1 diag(beta) (e^b * K):
+
+        w = U - W S;   o = (e^b * Q) S + tril(Q_g K_s^T) w = Q' S + tril(Q_g K_s^T) U,  Q' = e^b * Q - tril(..) W
+        S' = diag(e^(b_C)) S + (e^(b_C - b) * K)^T w = M S + Bm,  M = diag(e^(b_C)) - (e^(b_C - b) * K)^T W
+
+    so the loop does one batched multiply-add per chunk. The pairwise decays e^(b_t - b_i) are factored as
+    e^(b_t - m) * e^(m - b_i) around the chunk's middle position m (K_g = e^(b - m) K, K_s = e^(m - b) K); with a
+    per-step log decay >= -5 and 16-token chunks each factor stays within e^(+-40), far from fp32 overflow.
+    A ragged last chunk is padded with zero keys, values and beta and zero log decay, which leave S unchanged.
+    """
+    X, T, D = q.shape
+    C = chunk_size
+    pad = (-T) % C
+    if pad:
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    n = (T + pad) // C
+    q, k, v, g = (t.reshape(X, n, C, D) for t in (q, k, v, g))
+    bc = beta.reshape(X, n, C, 1)
+    b = torch.cumsum(g, dim=2)  # [X, n, C, D] log decay since the chunk start, <= 0
+    mid = b[:, :, (C - 1) // 2].unsqueeze(2)
+    grow, shrink = torch.exp(b - mid), torch.exp(mid - b)
+    k_out = (k * shrink).transpose(-1, -2)  # [X, n, D, C]
+    m_qk = torch.tril((q * grow) @ k_out)  # [X, n, C(t), C(i)] = q_t . (k_i e^(b_t - b_i)), i <= t
+    m_kk = torch.tril((k * grow) @ k_out, diagonal=-1)
+    eb = torch.exp(b)
+    system = torch.eye(C, dtype=q.dtype, device=q.device) + bc * m_kk  # [X, n, C, C]
+    uw = torch.linalg.solve_triangular(system, torch.cat([bc * v, bc * eb * k], -1), upper=False,
+                                       unitriangular=True)
+    u, w = uw[..., :D], uw[..., D:]  # [X, n, C, D] each
+    q_state = eb * q - m_qk @ w  # [X, n, C, D]: what reads the state at the chunk start
+    end_decay = (torch.exp(b[:, :, -1:] - b) * k).transpose(-1, -2)  # [X, n, D, C]
+    transition = torch.diag_embed(torch.exp(b[:, :, -1])) - end_decay @ w  # [X, n, D, D]
+    inject = end_decay @ u  # [X, n, D, D]
+    starts = []
+    S = state
+    for inject_c, transition_c in zip(inject.unbind(1), transition.unbind(1)):  # unbind: one backward, not n
+        starts.append(S)
+        S = torch.baddbmm(inject_c, transition_c, S)
+    out = q_state @ torch.stack(starts, 1) + m_qk @ u  # [X, n, C, D]
+    return out.reshape(X, n * C, D)[:, :T], S
+
+
 class KDAttention(nn.Module):
     def __init__(self, config: K3Config) -> None:
         super().__init__()
@@ -167,7 +216,8 @@ class KDAttention(nn.Module):
         rate = torch.exp(self.A_log[:NH]).repeat_interleave(D)  # [P]
         g = heads(c.gate_lower_bound * torch.sigmoid(rate * z))
         state = x.new_zeros(B * NH, D, D)
-        o, _ = (kda_recurrent if recurrent else kda_chunked)(q, k, v, g, beta, state)
+        chunked = kda_chunked_parallel if x.is_cuda else kda_chunked
+        o, _ = (kda_recurrent if recurrent else chunked)(q, k, v, g, beta, state)
         o = self.o_norm(o).reshape(B, NH, T, D).transpose(1, 2).reshape(B, T, NH * D)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
 
@@ -261,23 +311,27 @@ class LatentMoE(nn.Module):
             chosen = chosen / chosen.sum(-1, keepdim=True)
         weights = chosen * c.routed_scaling_factor
         z = self.routed_expert_down_proj(flat)  # [N, LT]
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
+        K = c.num_experts_per_token
+        flat_ids = ids.reshape(-1)  # [N * K], token-major
+        order = torch.argsort(flat_ids, stable=True)  # a permutation: the (token, choice) pairs by expert
         counts = torch.bincount(flat_ids, minlength=c.num_experts)
         self.last_load = counts.detach()
-        tokens = order // c.num_experts_per_token
-        mixing = weights.reshape(-1)[order]
-        # padded dispatch: every expert's tokens in one row of [NE, most tokens any expert got, LT], three bmms
+        # padded dispatch: every expert's tokens in one row of [NE, most tokens any expert got, LT], three bmms.
+        # On CUDA only permutations and gathers, whose backward passes are deterministic there.
         sorted_ids = flat_ids[order]
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(len(order), device=x.device) - starts[sorted_ids]
         dispatched = z.new_zeros(c.num_experts, int(counts.max()), z.shape[-1])
-        dispatched = dispatched.index_put((sorted_ids, slot), z[tokens])
+        picked = z.repeat_interleave(K, 0)[order] if x.is_cuda else z[order // K]  # [N * K, LT]
+        dispatched = dispatched.index_put((sorted_ids, slot), picked)
         w1, w3, w2 = self.experts["w1"], self.experts["w3"], self.experts["w2"]
         hidden = situ_glu(dispatched @ w1.transpose(1, 2), dispatched @ w3.transpose(1, 2), c.situ_beta,
                           c.situ_linear_beta)
-        y = (hidden @ w2.transpose(1, 2))[sorted_ids, slot]  # [N * TOPK, LT] in sorted order
-        mixed = torch.zeros_like(z).index_add(0, tokens, y * mixing[:, None])
+        y = (hidden @ w2.transpose(1, 2))[sorted_ids, slot]  # [N * K, LT] in sorted order
+        if x.is_cuda:  # a permutation back to token order: deterministic backward on CUDA
+            mixed = (y[torch.argsort(order)].reshape(-1, K, y.shape[-1]) * weights.unsqueeze(-1)).sum(1)  # [N, LT]
+        else:  # the shipped checkpoint's summation order (byte-identical reproduction on CPU)
+            mixed = torch.zeros_like(z).index_add(0, order // K, y * weights.reshape(-1)[order][:, None])
         if c.latent_moe_use_norm:
             mixed = self.routed_expert_norm(mixed)
         out = self.routed_expert_up_proj(mixed)

@@ -36,11 +36,13 @@ from k3serve.config import K3Config, load_config
 from k3serve.tokenizer import DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKENS, DEFAULT_PATTERN, DEFAULT_SPECIAL_TOKENS, Tokenizer
 from k3serve.tokenizer_training import train_bpe, write_tokenizer
 from k3serve.training.corpus import (DEFAULT_CODE_BYTES, DEFAULT_COPY_BYTES, DEFAULT_COPY_PER_MODULE,
-                                     DEFAULT_EXTRA_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus, copy_documents)
+                                     DEFAULT_EXTRA_CODE_BYTES, DEFAULT_PROSE_BYTES, build_corpus, copy_documents,
+                                     copy_probe)
 from k3serve.training.model import K3ForTraining, export, export_tensors, init_weights, load_exported
 
 BPE_VOCAB_SIZE = 1024
 BPE_TRAIN_BYTES = 1_500_000  # the first bytes of the training split the BPE merges are learned on
+PROBE_MAX_COUNT = 64  # copying-probe examples stored with the corpus (--probe-count uses the first ones)
 
 
 def training_config(tokenizer: Tokenizer, hidden_size: int = 128, kda_heads: int = 4, mla_heads: int = 4,
@@ -90,6 +92,30 @@ def heldout_loss(model: K3ForTraining, windows: torch.Tensor, batch_size: int) -
     return total / count
 
 
+@torch.no_grad()
+def copy_prefix_shares(model: K3ForTraining, probe: list[tuple[np.ndarray, np.ndarray]], batch_size: int,
+                       device: torch.device) -> list[float]:
+    """benchmarks/eval_copy.py in one teacher-forced pass: for each (prompt ids, wanted ids), the share of the
+    wanted tokens that greedy decoding reproduces before its first mistake. Greedy decoding and the teacher-forced
+    argmax agree on every token up to the first mistake, so this is the greedy figure (of these float weights)."""
+    model.eval()
+    shares = []
+    for start in range(0, len(probe), batch_size):
+        part = probe[start:start + batch_size]
+        length = max(len(p) + len(w) - 1 for p, w in part)
+        ids = torch.zeros(len(part), length, dtype=torch.long)  # right-padded: causal, so padding changes nothing
+        for row, (prompt, want) in enumerate(part):
+            seq = np.concatenate([prompt, want[:-1]])
+            ids[row, :len(seq)] = torch.from_numpy(seq)
+        guesses = model(ids.to(device)).argmax(-1).cpu().numpy()  # [rows, length]
+        for row, (prompt, want) in enumerate(part):
+            got = guesses[row, len(prompt) - 1:len(prompt) - 1 + len(want)]
+            wrong = np.flatnonzero(got != want)
+            shares.append((int(wrong[0]) if len(wrong) else len(want)) / len(want))
+    model.train()
+    return shares
+
+
 def sha256_files(folder: Path) -> str:
     """Write folder/SHA256SUMS over the checkpoint files (not the timing log) and return the digest of that list."""
     lines = []
@@ -99,9 +125,12 @@ def sha256_files(folder: Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.ndarray, dict[str, np.ndarray], dict]:
+def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.ndarray, dict[str, np.ndarray], dict,
+                                                               dict[str, np.ndarray]]:
     """Corpus, BPE and token ids (written to / read from --corpus-cache when given). Writes the tokenizer into out.
-    Returns (tokenizer, training ids, held-out ids per kind, corpus summary)."""
+    Returns (tokenizer, training ids, held-out ids per kind, corpus summary, extras), extras holding
+    "copy_starts" (where each revision document's BOS is in the training ids) and the copying probe
+    ("probe_ids", "probe_prompt_lens", "probe_want_lens": eval_copy.py's prompts and wanted continuations)."""
     corpus_args = {"code_bytes": args.code_bytes, "prose_bytes": args.prose_bytes, "copy_bytes": args.copy_bytes,
                    "copy_per_module": args.copy_per_module, "extra_code_bytes": args.extra_code_bytes,
                    "extra_prose": args.extra_prose, "bpe_vocab": BPE_VOCAB_SIZE, "bpe_bytes": BPE_TRAIN_BYTES}
@@ -117,8 +146,12 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
         with np.load(cache / "train.npz") as archive:
             train_ids = archive["ids"].astype(np.int64)
         heldout = {kind: np.load(cache / f"heldout_{kind}.npy").astype(np.int64) for kind in meta["heldout_kinds"]}
+        extras = {}
+        if (cache / "extras.npz").is_file():
+            with np.load(cache / "extras.npz") as archive:
+                extras = {name: archive[name].astype(np.int64) for name in archive.files}
         print(f"corpus: from the cache {cache} ({meta['summary']})")
-        return tokenizer, train_ids, heldout, meta["summary"]
+        return tokenizer, train_ids, heldout, meta["summary"], extras
 
     corpus = build_corpus(args.code_bytes, args.prose_bytes, args.copy_bytes, args.copy_per_module,
                           args.extra_code_bytes, bool(args.extra_prose))
@@ -148,6 +181,13 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
                "prose": encode_docs(tokenizer, corpus.heldout_prose)}
     if args.copy_bytes > 0:  # revision documents made from held-out code: does copying generalise?
         heldout["copy"] = encode_docs(tokenizer, copy_documents(corpus.heldout_code, args.copy_bytes))
+    bos_positions = np.flatnonzero(train_ids == tokenizer.bos_id)  # one per training document, in order
+    probe = [([tokenizer.bos_id] + tokenizer.encode(prompt), tokenizer.encode(rest))
+             for prompt, rest in copy_probe(corpus.heldout_code, PROBE_MAX_COUNT)]
+    extras = {"copy_starts": bos_positions[corpus.copy_range[0]:corpus.copy_range[1]],
+              "probe_ids": np.asarray([t for p, w in probe for t in p + w], dtype=np.int64),
+              "probe_prompt_lens": np.asarray([len(p) for p, _ in probe], dtype=np.int64),
+              "probe_want_lens": np.asarray([len(w) for _, w in probe], dtype=np.int64)}
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)
         for file in ("tiktoken.model", "tokenizer_config.json"):
@@ -156,9 +196,22 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
         np.savez_compressed(cache / "train.npz", ids=train_ids.astype(small))
         for kind, ids in heldout.items():
             np.save(cache / f"heldout_{kind}.npy", ids.astype(small))
+        np.savez_compressed(cache / "extras.npz", **extras)
         (cache / "corpus.json").write_text(json.dumps({"args": corpus_args, "heldout_kinds": list(heldout),
                                                        "summary": summary}, indent=2) + "\n")
-    return tokenizer, train_ids, heldout, summary
+    return tokenizer, train_ids, heldout, summary, extras
+
+
+def probe_examples(extras: dict[str, np.ndarray], count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The first `count` (prompt ids, wanted ids) pairs of the copying probe that prepare_data stored."""
+    if "probe_ids" not in extras:
+        return []
+    out, at = [], 0
+    for prompt_len, want_len in zip(extras["probe_prompt_lens"], extras["probe_want_lens"]):
+        ids = extras["probe_ids"][at:at + prompt_len + want_len]
+        out.append((ids[:prompt_len], ids[prompt_len:]))
+        at += prompt_len + want_len
+    return out[:count]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="training-only code from the installed torch package's .py files (0: none)")
     parser.add_argument("--extra-prose", type=int, default=0, choices=(0, 1),
                         help="1: also train on the book paragraphs the thinning left out")
+    parser.add_argument("--copy-share", type=float, default=0.0,
+                        help="share of each batch's windows that start at a revision document (0: plain random "
+                             "windows of the whole stream, the default)")
+    parser.add_argument("--probe-count", type=int, default=20,
+                        help="held-out functions in the copying probe logged at every evaluation (0: none)")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="also export the checkpoint (and log) into --out every this many steps (0: only at "
+                             "the end); a checkpoint of step k is reproduced with --stop-step k")
     parser.add_argument("--corpus-cache", default=None, help="folder to keep (or reuse) the tokenized corpus in")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--kda-heads", type=int, default=4)
@@ -203,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                              "seeded initialisation; the router biases come with it")
     parser.add_argument("--device", default="cpu", help="torch device: cpu (reproducible, the default), cuda, auto")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.copy_share <= 1.0:
+        parser.error("--copy-share must be within [0, 1]")
+    if not 0 <= args.probe_count <= PROBE_MAX_COUNT:
+        parser.error(f"--probe-count must be within [0, {PROBE_MAX_COUNT}]")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -212,11 +277,21 @@ def main(argv: list[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
+        torch.backends.cuda.matmul.allow_tf32 = True  # deterministic, and the export rounds to bf16 anyway
+        torch.backends.cudnn.allow_tf32 = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    tokenizer, train_ids, heldout, corpus_summary = prepare_data(args, out)
+    tokenizer, train_ids, heldout, corpus_summary, extras = prepare_data(args, out)
+    copy_starts = extras.get("copy_starts", np.zeros(0, np.int64))
+    copy_rows = int(round(args.copy_share * args.batch_size))
+    if copy_rows:
+        copy_starts = copy_starts[copy_starts <= len(train_ids) - (args.seq_len + 1)]
+        if len(copy_starts) == 0:
+            raise SystemExit("error: --copy-share needs revision documents (--copy-bytes > 0) and a --corpus-cache "
+                             "built by this version")
+    probe = probe_examples(extras, args.probe_count)
     print(f"tokenizer: {tokenizer.vocab_size} tokens; {len(train_ids)} train / {len(heldout['code'])} held-out code / "
           f"{len(heldout['prose'])} held-out prose tokens ({time.perf_counter() - started:.0f} s)")
 
@@ -252,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     def evaluate() -> dict[str, float]:
         return {kind: heldout_loss(model, windows, args.batch_size) for kind, windows in eval_windows.items()}
 
+    def probe_copying() -> dict[str, float]:
+        if not probe:
+            return {}
+        shares = copy_prefix_shares(model, probe, 8, device)
+        return {"copy_prefix_share": sum(shares) / len(shares), "whole_copies": sum(s == 1.0 for s in shares)}
+
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
@@ -270,15 +351,30 @@ def main(argv: list[str] | None = None) -> int:
 
     log: list[dict] = []
     first = evaluate()
-    log.append({"step": 0, "heldout_loss": first, "seconds": 0.0})
+    log.append({"step": 0, "heldout_loss": first, "seconds": 0.0, **probe_copying()})
     print("step     0  held-out " + " ".join(f"{k} {v:.3f}" for k, v in first.items()), flush=True)
+
+    def write_checkpoint(step: int) -> str:
+        export(model, config, out, tokenizer_dir=None)
+        (out / "train_log.json").write_text(json.dumps({
+            "args": vars(args), "unigram_baseline": baselines, "corpus": corpus_summary,
+            "prose_source": corpus_summary["prose_source"], "steps": step, "schedule_steps": steps, "warmup": warmup,
+            "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
+            platform.processor() or platform.machine(), "torch": torch.__version__, "parameters": num_params,
+            "seconds_per_step": (time.perf_counter() - train_started) / max(step, 1),
+            "train_tokens": int(len(train_ids)), "heldout_tokens": {k: int(len(v)) for k, v in heldout.items()},
+            "curve": log}, indent=2) + "\n")
+        return sha256_files(out)
+
     train_started = time.perf_counter()
     step = 0
-    running = 0.0
+    running = torch.zeros((), device=device)  # summed on the device: no host sync per step
     timed_from = None
     while step < steps:
         step += 1
-        starts = rng.integers(0, len(train_ids) - L, size=args.batch_size)
+        starts = rng.integers(0, len(train_ids) - L, size=args.batch_size - copy_rows)
+        if copy_rows:  # windows that begin with a revision document (the same rng: --copy-share 0 draws as before)
+            starts = np.concatenate([starts, copy_starts[rng.integers(0, len(copy_starts), size=copy_rows)]])
         batch = torch.from_numpy(np.stack([train_ids[s:s + L] for s in starts])).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1)
@@ -289,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         model.update_router_bias(1e-3)
-        running += loss.item()
+        running += loss.detach()
         elapsed = time.perf_counter() - train_started
         if timing_steps and step == timing_steps // 5:
             timed_from = (step, elapsed)
@@ -306,27 +402,21 @@ def main(argv: list[str] | None = None) -> int:
             loads = torch.stack([m.last_load.float() for m in model.moe_layers()])  # [layers, NE]
             imbalance = float((loads.max(1).values / loads.mean(1)).mean())
             held = evaluate()
-            train_loss = running / (step - (log[-1]["step"] if log else 0))
-            running = 0.0
+            train_loss = float(running) / (step - (log[-1]["step"] if log else 0))
+            running.zero_()
+            copying = probe_copying()
             log.append({"step": step, "train_loss": train_loss, "heldout_loss": held, "seconds": elapsed,
-                        "max_over_mean_expert_load": imbalance})
+                        "max_over_mean_expert_load": imbalance, **copying})
             losses = " ".join(f"{k} {v:.3f}" for k, v in held.items())
-            print(f"step {step:5d}  train {train_loss:.3f}  held-out {losses}  "
+            copied = f"  copying {copying['copy_prefix_share']:.1%}" if copying else ""
+            print(f"step {step:5d}  train {train_loss:.3f}  held-out {losses}{copied}  "
                   f"load max/mean {imbalance:.2f}  {elapsed / step:.2f} s/step", flush=True)
         if done:
             break
+        if args.save_every and step % args.save_every == 0:
+            print(f"step {step:5d}  saved, SHA256SUMS digest {write_checkpoint(step)}", flush=True)
 
-    model.to("cpu")
-    export(model, config, out, tokenizer_dir=None)
-    (out / "train_log.json").write_text(json.dumps({
-        "args": vars(args), "unigram_baseline": baselines, "corpus": corpus_summary,
-        "prose_source": corpus_summary["prose_source"], "steps": step, "schedule_steps": steps, "warmup": warmup,
-        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
-        platform.processor() or platform.machine(), "torch": torch.__version__, "parameters": num_params,
-        "seconds_per_step": (time.perf_counter() - train_started) / max(step, 1),
-        "train_tokens": int(len(train_ids)), "heldout_tokens": {k: int(len(v)) for k, v in heldout.items()},
-        "curve": log}, indent=2) + "\n")
-    digest = sha256_files(out)
+    digest = write_checkpoint(step)
     print(f"exported {out} ({sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB); SHA256SUMS digest {digest}; "
           f"total {time.perf_counter() - started:.0f} s")
     return 0
