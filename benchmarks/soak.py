@@ -24,6 +24,7 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Iterable
 from contextlib import ExitStack
 
 import httpx
@@ -51,6 +52,37 @@ class Tally:
                 self.errors.append(error)
 
 
+def read_stream(lines: Iterable[str], cancel: bool) -> tuple[str, str | None]:
+    """Classify one SSE completion stream: ("completed" | "cancelled" | "failed", the failure's message or None).
+
+    Each `data:` event is parsed as JSON: the stream failed only if an event is an error object (a top-level
+    "error" key, the server's mid-stream error), or it ended without `[DONE]`. With `cancel`, reading stops after
+    two events and the stream counts as cancelled unless `[DONE]` was among them. (A substring test for '"error"'
+    miscounted a chunk whose generated text was the token `error`, `{"text": "error", ...}`, as a failure.)"""
+    events, done = 0, False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        events += 1
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+        else:
+            try:
+                payload = json.loads(data)
+            except json.JSONDecodeError:
+                return "failed", f"an event that is not JSON: {data[:200]!r}"
+            if isinstance(payload, dict) and "error" in payload:
+                return "failed", f"error event: {json.dumps(payload['error'])[:300]}"
+        if cancel and events >= 2:
+            break
+    if cancel and not done:
+        return "cancelled", None
+    if done:
+        return "completed", None
+    return "failed", "stream ended without [DONE] and without an error event"
+
+
 def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int, shared: str) -> None:
     rng = random.Random(seed)
     words = ["def", "return", "import", "class", "for", "while", "value", "items", "print", "self", "data"]
@@ -76,22 +108,8 @@ def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int
                         if response.status_code != 200:
                             tally.add("failed", error=f"{response.status_code}: {response.read()[:200]!r}")
                             continue
-                        chunks, done, error_event = 0, False, None
-                        for line in response.iter_lines():
-                            if line.startswith("data: "):
-                                chunks += 1
-                                if '"error"' in line:
-                                    error_event = line[6:306]  # the server's own message, for the report
-                                    break
-                                done = line == "data: [DONE]"
-                            if cancel and chunks >= 2:
-                                break
-                        if cancel and not done:
-                            tally.add("cancelled")
-                        elif done:
-                            tally.add("completed")
-                        else:
-                            tally.add("failed", error=f"stream ended without [DONE]: {error_event or 'no error event'}")
+                        outcome, error = read_stream(response.iter_lines(), cancel)
+                        tally.add(outcome, error=error)
                 else:
                     response = http.post("/v1/completions", json=body)
                     if response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length":
