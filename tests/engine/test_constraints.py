@@ -85,11 +85,71 @@ def test_verify_masks_each_row_by_the_drafts_before_it_and_rolls_back(loaded):
     assert result.num_accepted == len(good)
     text = tokenizer.decode(result.tokens)  # the forbidden 'x' was masked away: the target kept to the grammar
     assert any(full.startswith(text) for full in ('{"units":"metric"', '{"units":"imperial"')), text
-    assert sampler.constraint.allowed()[good[0]] and not sampler.constraint.allowed()[good[1]]  # rolled back
+    assert sampler.constraint.allowed()[good[0]] and not sampler.constraint.allowed()[good[1]]  # did not move
     bad = tokenizer.encode('[1]')  # a draft that breaks the grammar at once is rejected
     logits = np.zeros((len(bad) + 1, vocab), np.float32)
     logits[:, bad[0]] = 5.0
     assert verify(logits, Draft(list(bad)), sampler).num_accepted == 0
+
+
+def test_verify_past_the_end_of_the_document_leaves_the_grammar_where_it_was(loaded):
+    """Drafts that run past a complete document ('}' then end-of-sequence ids): llguidance does not record the
+    ids consumed after the grammar stopped, so rolling back over them undid '}' and '{' too, and the engine's
+    next accept failed ("token 125 breaks the grammar"). The soak-style stress of issue 19 found it."""
+    tokenizer, vocab = loaded.tokenizer, loaded.model.config.vocab_size
+    eos = loaded.stop_ids[-1]
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+        sampler = Sampler(params, constraint=Grammar.from_json_schema(True, tokenizer).constraint())
+        sampler.accept(tokenizer.encode("{")[0])
+        close = tokenizer.encode("}")[0]
+        drafts = [close, eos, eos]
+        logits = np.full((len(drafts) + 1, vocab), -5.0, np.float32)
+        for row, token in enumerate(drafts + [eos]):
+            logits[row, token] = 5.0  # the target agrees with every draft
+        result = verify(logits, Draft(drafts), sampler)
+        assert result.tokens[0] == close and result.num_accepted >= 1
+        for token in result.tokens:  # the engine then advances the real grammar on what it emits
+            sampler.accept(token)
+            if token == eos:
+                break
+        assert sampler.constraint.is_complete
+
+
+def _chat_ids(loaded, turns: list[tuple[str, str]]) -> list[int]:
+    from k3serve.serve.chat import apply_chat_template
+
+    return apply_chat_template(loaded.tokenizer, turns)
+
+
+def test_a_json_chat_with_earlier_json_replies_completes_with_speculation(loaded):
+    """Earlier assistant replies '{}<|im_end|>' in the prompt make the n-gram drafter propose '}' and the
+    end-of-turn id: every completion must end as a document, greedy and sampled."""
+    grammar = Grammar.from_json_schema(True, loaded.tokenizer)
+    prompt = _chat_ids(loaded, [("user", "return data"), ("assistant", "{}")] * 3 + [("user", "return data")])
+    spec = SpeculativeConfig(drafter="ngram", num_draft_tokens=3, adaptive=False)
+    for params in (SamplingParams(max_tokens=12), SamplingParams(temperature=0.8, seed=0, n=4, max_tokens=12)):
+        for out in _run(_engine(loaded, speculative=spec), [prompt], params, grammar=grammar):
+            assert out.error is None, out.error
+            for completion in out.outputs:
+                if completion.finish_reason.value == "stop":
+                    assert isinstance(_json_of(loaded, completion.token_ids), dict)
+
+
+def test_with_a_grammar_ignore_eos_still_ends_at_the_end_of_the_document(loaded):
+    """ignore_eos (a benchmarking switch) cannot extend a complete document: the grammar then allows only an
+    end-of-sequence id, and it ends the completion, with speculation or not."""
+    grammar = Grammar.from_json_schema(True, loaded.tokenizer)
+    prompt = _chat_ids(loaded, [("user", "print value items")])
+    for spec in (None, SpeculativeConfig(drafter="ngram", num_draft_tokens=3, adaptive=False)):
+        params = SamplingParams(temperature=0.8, seed=0, n=4, max_tokens=24, ignore_eos=True)
+        out = _run(_engine(loaded, speculative=spec), [prompt], params, grammar=grammar)[0]
+        assert out.error is None, out.error
+        stopped = [c for c in out.outputs if c.finish_reason.value == "stop"]
+        assert stopped, "no completion finished its document within max_tokens: the test proves nothing"
+        for completion in stopped:
+            assert completion.token_ids[-1] in loaded.stop_ids
+            assert sum(t in loaded.stop_ids for t in completion.token_ids) == 1
+            assert isinstance(_json_of(loaded, completion.token_ids), dict)
 
 
 def test_logprobs_are_the_models_log_softmax(loaded):

@@ -10,7 +10,7 @@ tokenizer, compiles a JSON schema lazily (no per-schema warm-up), and computes a
 
 A `Grammar` is compiled once per request; each sequence (each of the n completions) gets its own
 `TokenConstraint`, which the sampler applies (engine/sampling.py) and which advances on every token the engine
-appends. Speculative verification advances it tentatively through the drafts and rolls it back.
+appends. Speculative verification advances a copy of it (`fork`) through the drafts.
 """
 
 from __future__ import annotations
@@ -130,9 +130,11 @@ class TokenConstraint:
         if not self._matcher.consume_token(int(token)):
             raise RequestError(f"token {token} breaks the grammar: {self._matcher.get_error()}")
 
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens and not self._matcher.rollback(num_tokens):
-            raise RequestError(f"the grammar could not roll back {num_tokens} tokens")
+    def fork(self) -> TokenConstraint:
+        """An independent copy at the same position (speculative verification advances a copy through the drafts
+        and drops it). Not `rollback`: llguidance does not record tokens consumed once the grammar has stopped
+        (the end-of-sequence ids after a complete document), so rolling back over them undid real tokens."""
+        return TokenConstraint(self._matcher.deep_copy(), self._grammar_vocab)
 
     @property
     def is_complete(self) -> bool:

@@ -142,7 +142,8 @@ class LLMEngine:
         `stop_hook` sees each completion's generated ids after every token and may finish it. `speculative`:
         None = the engine's default, False = off, True = the default or `SpeculativeConfig()`, a drafter name =
         that default with this drafter, or a config. `grammar` (engine/constraints.py) constrains every
-        completion's tokens."""
+        completion's tokens; the grammar allows an end-of-sequence id only once its document is complete, so with a
+        grammar that id always ends the completion, `ignore_eos` or not (nothing may follow the document)."""
         return self.enqueue(self.make_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
                                                cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output,
                                                speculative=speculative, grammar=grammar))
@@ -176,8 +177,9 @@ class LLMEngine:
                 raise RequestError(f"{name} must be callable")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        stop_ids = params.stop_set(self.stop_ids) | (frozenset(self.stop_ids) if grammar is not None else frozenset())
         request = Request(request_id or "", prompt, params, tenant, cache_salt, root_hash(tenant, cache_salt),
-                          params.stop_set(self.stop_ids), stop_hook, on_output)
+                          stop_ids, stop_hook, on_output)
         request.speculative = self._speculative_for(speculative)
         max_total = min(len(prompt) + params.max_tokens, self.max_context)
         for index in range(params.n):

@@ -127,6 +127,13 @@ class Sampler:
         """logits [V] with what the grammar forbids next at -inf (unchanged without a grammar)."""
         return logits if self.constraint is None else self.constraint.mask(logits)
 
+    def tentative(self) -> Sampler:
+        """A sampler for trying tokens ahead (speculative verification): the same parameters and random generator,
+        and a copy of the grammar's position that it may advance freely (this one's stays where it is)."""
+        if self.constraint is None:
+            return self
+        return Sampler(self.params, self._rng, self.constraint.fork())
+
     def accept(self, token: int) -> None:
         """The sequence took `token`: advance the grammar."""
         if self.constraint is not None:

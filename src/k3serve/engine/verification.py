@@ -31,31 +31,24 @@ def verify(logits: np.ndarray, draft: Draft, sampler: Sampler) -> Verification:
     k = len(draft)
     if logits.shape[0] != k + 1:
         raise RequestError(f"{logits.shape[0]} logit rows for {k} drafts")
-    # with a grammar, row i is masked by the grammar after the drafts before it: advance through the accepted
-    # drafts tentatively, then roll back (the engine advances it for real on the tokens it emits)
+    # with a grammar, row i is masked by the grammar after the drafts before it: a copy of the grammar's position
+    # advances through the accepted drafts (the engine advances the real one on the tokens it emits)
+    sampler = sampler.tentative()
     constraint = sampler.constraint
-    advanced = 0
-    try:
-        if sampler.params.greedy:
-            a = 0
-            while True:
-                target = int(np.argmax(sampler.masked(logits[a])))
-                if a == k or draft.tokens[a] != target:
-                    return Verification(list(draft.tokens[:a]) + [target], a)
-                if constraint is not None:
-                    constraint.accept(target)
-                    advanced += 1
-                a += 1
-        result = _verify_sampled(logits, draft, sampler)
-        advanced = result.num_accepted if constraint is not None else 0
-        return result
-    finally:
-        if advanced:
-            constraint.rollback(advanced)
+    if sampler.params.greedy:
+        a = 0
+        while True:
+            target = int(np.argmax(sampler.masked(logits[a])))
+            if a == k or draft.tokens[a] != target:
+                return Verification(list(draft.tokens[:a]) + [target], a)
+            if constraint is not None:
+                constraint.accept(target)
+            a += 1
+    return _verify_sampled(logits, draft, sampler)
 
 
 def _verify_sampled(logits: np.ndarray, draft: Draft, sampler: Sampler) -> Verification:
-    """Rejection sampling over the window (accepted drafts advance the grammar; `verify` rolls it back)."""
+    """Rejection sampling over the window (accepted drafts advance the tentative sampler's grammar)."""
     k = len(draft)
     rng = sampler.rng
     constraint = sampler.constraint
