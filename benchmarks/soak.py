@@ -3,13 +3,15 @@ stays put.
 
 One in-process server (the embedded model, n-gram speculation on by default, prefix caching on) and --clients
 client threads, each looping over a random mix: short and long prompts, prompts sharing a long prefix (prefix-cache
-hits), streamed and not, speculation on and off, and cancellations (a stream closed after its first chunks).
+hits), streamed and not, speculation on and off, and cancellations (a stream closed after its first chunks). One
+request in five is a chat with JSON mode (alone or after earlier JSON replies) or logprobs; one completion in ten
+asks for logprobs. A whole JSON-mode reply that ends its document must parse as a JSON object.
 After every engine step the engine's pools (`LLMEngine.check_integrity()`) are checked on the engine thread; a
 failure is counted and reported. RSS is sampled every second.
 
 Reported: requests sent, completed, cancelled, failed, lost (sent minus all of those: must be 0), integrity
 checks and failures, RSS after warm-up and its slope (MiB per minute, least squares over the samples after the
-first --warmup seconds), and the latency percentiles (p50/p95 of whole non-streamed requests) per window of
+first --warmup seconds), and the latency percentiles (p50/p95 of whole non-streamed completions) per window of
 --window seconds. One summary line, then a JSON record on the last line.
 
     python benchmarks/soak.py [--seconds 120] [--clients 6] [--window 30] [--warmup 20]
@@ -83,6 +85,48 @@ def read_stream(lines: Iterable[str], cancel: bool) -> tuple[str, str | None]:
     return "failed", "stream ended without [DONE] and without an error event"
 
 
+def _chat_body(rng: random.Random, model: str, prompt: str) -> tuple[dict, str]:
+    """A chat request with one of the OpenAI features: JSON mode (alone, or after earlier JSON replies, whose
+    '{}<|im_end|>' the n-gram drafter then proposes) or logprobs. Returns (body, feature)."""
+    feature = rng.choice(["json", "json_after_json", "logprobs"])
+    messages = [{"role": "user", "content": prompt}]
+    if feature == "json_after_json":
+        messages = [{"role": "user", "content": "data"}, {"role": "assistant", "content": "{}"}] * 2 + messages
+    body = {"model": model, "messages": messages, "max_tokens": rng.randint(4, 48), "ignore_eos": True,
+            "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1000), "speculative": rng.random() < 0.5}
+    if feature == "logprobs":
+        body.update(logprobs=True, top_logprobs=rng.randint(0, 5))
+    else:
+        body["response_format"] = {"type": "json_object"}
+    return body, feature
+
+
+def _check_whole(response: httpx.Response, feature: str | None) -> str | None:
+    """What is wrong with a non-streamed answer (None: nothing). Plain and logprobs requests run to max_tokens
+    (ignore_eos); a JSON-mode reply may stop at the end of its document, and then must parse as a JSON object."""
+    if response.status_code != 200:
+        return f"{response.status_code}: {response.text[:200]}"
+    choice = response.json()["choices"][0]
+    reason = choice["finish_reason"]
+    if feature in ("json", "json_after_json"):
+        if reason == "stop":
+            try:
+                if not isinstance(json.loads(choice["message"]["content"]), dict):
+                    return f"JSON mode answered a non-object: {choice['message']['content'][:200]!r}"
+            except json.JSONDecodeError:
+                return f"JSON mode answered text that is not JSON: {choice['message']['content'][:200]!r}"
+        elif reason != "length":
+            return f"finish_reason {reason!r}"
+        return None
+    if reason != "length":
+        return f"finish_reason {reason!r}"
+    if feature == "logprobs" and not (choice["logprobs"] or {}).get("content"):
+        return "logprobs requested but none returned"
+    if feature == "completion_logprobs" and not (choice["logprobs"] or {}).get("tokens"):
+        return "logprobs requested but none returned"
+    return None
+
+
 def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int, shared: str) -> None:
     rng = random.Random(seed)
     words = ["def", "return", "import", "class", "for", "while", "value", "items", "print", "self", "data"]
@@ -95,27 +139,38 @@ def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int
                 prompt = " ".join(rng.choice(words) for _ in range(rng.randint(300, 700)))  # long
             else:
                 prompt = " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))  # short
-            body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(4, 48), "ignore_eos": True,
-                    "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1000),
-                    "speculative": rng.random() < 0.5}
+            feature: str | None = None
+            if rng.random() < 0.2:  # a chat request with structured output or logprobs
+                body, feature = _chat_body(rng, model, prompt)
+                path = "/v1/chat/completions"
+            else:
+                body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(4, 48), "ignore_eos": True,
+                        "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1000),
+                        "speculative": rng.random() < 0.5}
+                path = "/v1/completions"
+                if rng.random() < 0.1:
+                    body["logprobs"], feature = rng.randint(0, 5), "completion_logprobs"
             streamed, cancel = rng.random() < 0.5, rng.random() < 0.15
             tally.add("sent")
             started = time.perf_counter()
             try:
                 if streamed or cancel:
                     body["stream"] = True
-                    with http.stream("POST", "/v1/completions", json=body) as response:
+                    with http.stream("POST", path, json=body) as response:
                         if response.status_code != 200:
                             tally.add("failed", error=f"{response.status_code}: {response.read()[:200]!r}")
                             continue
                         outcome, error = read_stream(response.iter_lines(), cancel)
                         tally.add(outcome, error=error)
                 else:
-                    response = http.post("/v1/completions", json=body)
-                    if response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length":
+                    response = http.post(path, json=body)
+                    problem = _check_whole(response, feature)
+                    if problem is not None:
+                        tally.add("failed", error=f"{path} {feature or 'plain'}: {problem}")
+                    elif path == "/v1/completions":  # the latency windows: completions only, as before
                         tally.add("completed", latency=(time.time(), time.perf_counter() - started))
                     else:
-                        tally.add("failed", error=f"{response.status_code}: {response.text[:200]}")
+                        tally.add("completed")
             except httpx.HTTPError as exc:
                 tally.add("failed", error=f"{type(exc).__name__}: {exc}")
 
