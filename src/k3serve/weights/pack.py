@@ -21,7 +21,7 @@ from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
                                    TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
-                                   align_up, config_fingerprint, expert_parts)
+                                   align_up, config_fingerprint, expert_blob, expert_parts)
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +94,7 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                 offsets = [0] * config.num_experts
                 crcs = [0] * config.num_experts
                 for expert in order:
-                    blob = bytearray(stride)
-                    for p in parts:
-                        raw = checkpoint.index.read_raw(names.expert_name(layer, expert, p.matrix, p.part))
-                        if raw.nbytes != p.nbytes:
-                            raise StoreError(f"layer {layer} expert {expert} {p.matrix}.{p.part}: "
-                                             f"{raw.nbytes} bytes, expected {p.nbytes}")
-                        blob[p.offset:p.offset + p.nbytes] = raw.tobytes()
+                    blob = expert_blob(checkpoint, parts, layer, expert, stride)
                     offsets[expert] = f.tell()
                     crcs[expert] = zlib.crc32(memoryview(blob)[:blob_size])
                     f.write(blob)

@@ -26,10 +26,9 @@ from pathlib import Path
 
 from k3serve.config import K3Config, load_config
 from k3serve.errors import ConfigError
-from k3serve.weights import names
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, PackedStore, StoreError, align_up, config_fingerprint,
-                                   expert_parts, is_packed_store)
+                                   expert_blob, expert_parts, is_packed_store, read_index)
 
 SHARD_FORMAT = "k3serve-expert-shard"
 SHARD_VERSION = 1
@@ -94,20 +93,14 @@ def pack_shard(source: str | Path, out: str | Path, shard: ShardSpec) -> ExpertS
         stride = align_up(blob_size)
 
         def read_blob(layer: int, expert: int) -> bytearray:
-            blob = bytearray(stride)
             if is_packed_store(source):
+                blob = bytearray(stride)
                 blob_file.seek(store.expert_offset(layer, expert))
                 blob[:blob_size] = blob_file.read(blob_size)
                 if zlib.crc32(memoryview(blob)[:blob_size]) != store.experts[layer].crc32[expert]:
                     raise StoreError(f"{store.expert_path}: layer {layer} expert {expert} fails its CRC-32 check")
                 return blob
-            for p in parts:
-                raw = checkpoint.index.read_raw(names.expert_name(layer, expert, p.matrix, p.part))
-                if raw.nbytes != p.nbytes:
-                    raise StoreError(f"layer {layer} expert {expert} {p.matrix}.{p.part}: {raw.nbytes} bytes, "
-                                     f"expected {p.nbytes}")
-                blob[p.offset:p.offset + p.nbytes] = raw.tobytes()
-            return blob
+            return expert_blob(checkpoint, parts, layer, expert, stride)
 
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -138,16 +131,9 @@ class ExpertShard:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        index_file = self.path / SHARD_INDEX
-        if not index_file.exists():
-            raise StoreError(f"{self.path} is not an expert shard (no {SHARD_INDEX}); create one with "
-                             f"`k3serve pack CHECKPOINT {self.path} --shard i/N`")
-        try:
-            raw = json.loads(index_file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise StoreError(f"{index_file}: unreadable index: {exc}") from exc
-        if raw.get("format") != SHARD_FORMAT or raw.get("version") != SHARD_VERSION:
-            raise StoreError(f"{index_file}: not a {SHARD_FORMAT} v{SHARD_VERSION} index")
+        raw = read_index(self.path / SHARD_INDEX, SHARD_FORMAT, SHARD_VERSION,
+                         f"{self.path} is not an expert shard (no {SHARD_INDEX}); create one with "
+                         f"`k3serve pack CHECKPOINT {self.path} --shard i/N`")
         self.config: K3Config = load_config(self.path)
         self.shard = ShardSpec(*raw["shard"])
         self.owned = range(*raw["experts"])

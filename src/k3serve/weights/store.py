@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from k3serve.errors import CheckpointError
 from k3serve.weights import names
 from k3serve.weights.bf16 import bf16_bits_to_f32
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
+
+if TYPE_CHECKING:
+    from k3serve.weights.checkpoint import Checkpoint
 
 STORE_FORMAT = "k3serve-store"
 STORE_VERSION = 1
@@ -75,6 +78,33 @@ def expert_parts(config: K3Config) -> list[ExpertPart]:
             parts.append(ExpertPart(matrix, part, shape, offset, nbytes))
             offset += nbytes
     return parts
+
+
+def expert_blob(checkpoint: Checkpoint, parts: list[ExpertPart], layer: int, expert: int, stride: int) -> bytearray:
+    """One routed expert's blob as a store holds it: its parts read raw from `checkpoint` at their offsets, zero
+    padding up to `stride`."""
+    blob = bytearray(stride)
+    for p in parts:
+        raw = checkpoint.index.read_raw(names.expert_name(layer, expert, p.matrix, p.part))
+        if raw.nbytes != p.nbytes:
+            raise StoreError(f"layer {layer} expert {expert} {p.matrix}.{p.part}: {raw.nbytes} bytes, "
+                             f"expected {p.nbytes}")
+        blob[p.offset:p.offset + p.nbytes] = raw.tobytes()
+    return blob
+
+
+def read_index(index_file: Path, fmt: str, version: int, missing: str) -> dict:
+    """A store's or shard's JSON index, checked for its format and version; `missing` is the error when the file
+    is absent."""
+    if not index_file.exists():
+        raise StoreError(missing)
+    try:
+        raw = json.loads(index_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StoreError(f"{index_file}: unreadable index: {exc}") from exc
+    if raw.get("format") != fmt or raw.get("version") != version:
+        raise StoreError(f"{index_file}: not a {fmt} v{version} index")
+    return raw
 
 
 class TensorEntry(NamedTuple):
@@ -146,16 +176,9 @@ class PackedStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        index_file = self.path / STORE_INDEX
-        if not index_file.exists():
-            raise StoreError(f"{self.path} is not a packed store (no {STORE_INDEX}); create one with "
-                             f"`k3serve pack CHECKPOINT {self.path}`")
-        try:
-            raw = json.loads(index_file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise StoreError(f"{index_file}: unreadable index: {exc}") from exc
-        if raw.get("format") != STORE_FORMAT or raw.get("version") != STORE_VERSION:
-            raise StoreError(f"{index_file}: not a {STORE_FORMAT} v{STORE_VERSION} index")
+        raw = read_index(self.path / STORE_INDEX, STORE_FORMAT, STORE_VERSION,
+                         f"{self.path} is not a packed store (no {STORE_INDEX}); create one with "
+                         f"`k3serve pack CHECKPOINT {self.path}`")
         self.config: K3Config = load_config(self.path)
         self.layout: str = raw["layout"]
         self.trunk_path = self.path / raw["trunk_file"]
