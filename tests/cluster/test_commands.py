@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
+from _http_server import free_port
 
 from k3serve.cli import main
-
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -29,7 +23,7 @@ def _free_port() -> str:
     (["--expert-ram-budget", "64M"], "go with --expert-parallel N"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args, message, capsys):
-    assert main(["cluster", "--port", _free_port(), *args]) == 2
+    assert main(["cluster", "--port", str(free_port()), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3serve: error: ") and message in err, err
 

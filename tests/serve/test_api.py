@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 import uvicorn
+from _http_server import free_port
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from k3serve.engine.config import EngineConfig
@@ -22,12 +22,6 @@ MODEL = "k3-test"
 MAX_MODEL_LEN = 512
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     loaded = load_model(None)
@@ -35,7 +29,7 @@ def server():
                           kv_cache_bytes=64 << 20)
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids)
     app = create_app(engine, loaded.tokenizer, MODEL)
-    port = _free_port()
+    port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

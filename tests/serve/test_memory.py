@@ -6,7 +6,6 @@ docs/RELIABILITY.md."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _http_server import free_port, wait_healthy
 
 BUDGET = 5 << 20  # below the store's 8 MiB of weights: experts stream
 KV_CACHE = 16 << 20
@@ -53,9 +53,7 @@ def test_64_concurrent_requests_in_a_memory_cgroup_never_kill_the_server(store):
     cgroup = _cgroup(limit)
     if cgroup is None:
         pytest.skip("no writable cgroup-v1 memory controller on this machine")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "k3serve.cli", "serve", "--model", str(store.path), "--port", str(port),
                "--ram-budget", str(BUDGET), "--kv-cache-mib", str(KV_CACHE >> 20), "--max-seqs", "64",
                "--no-lab", "--served-model-name", "m"]
@@ -63,16 +61,7 @@ def test_64_concurrent_requests_in_a_memory_cgroup_never_kill_the_server(store):
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url, 120)
         statuses: list[int] = []
 
         def ask(i: int) -> None:
