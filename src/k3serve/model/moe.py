@@ -59,6 +59,27 @@ def guess_next_layer(config: K3Config, next_layer: LayerWeights, hidden: np.ndar
     return route_scores(config, scores, next_layer.mlp.router_bias).expert_ids, scores + next_layer.mlp.router_bias
 
 
+@dataclass(frozen=True)
+class ExpertPairs:
+    """A step's (token, expert) pairs sorted by expert, tokens ascending within each: what the per-expert calls (and
+    the expert owners' calls, cluster/expert_parallel.py) work on, and what the simulator sizes those calls from."""
+    expert_ids: np.ndarray  # [K] the distinct experts, ascending
+    starts: np.ndarray  # [K] first pair of each expert
+    ends: np.ndarray  # [K]
+    tokens: np.ndarray  # [N] int64, the token of each pair
+    order: np.ndarray  # [N] each pair's index in the flattened [T*TOPK] routing
+
+
+def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
+    """expert_ids [T, TOPK] -> the pairs grouped by expert (N = T*TOPK)."""
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.ravel()  # [T*TOPK]
+    order = np.argsort(flat, kind="stable")  # by expert, tokens ascending within each expert
+    needed, starts = np.unique(flat[order], return_index=True)
+    ends = np.append(starts[1:], len(flat))
+    return ExpertPairs(needed, starts, ends, (order // top_k).astype(np.int64), order)
+
+
 ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]
 # (expert ids [K] ascending, z [T, LT], tokens [N], starts [K], ends [K]) -> y [N, LT], or None: compute them here
 RemoteExperts = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], "np.ndarray | None"]
@@ -91,13 +112,9 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
         routing = route(config, w, x)
     T = x.shape[0]
     z = np.ascontiguousarray(linear(x, w.latent_down))  # [T, LT]
-    top_k = routing.expert_ids.shape[1]
-    flat = routing.expert_ids.ravel()  # [T*TOPK]
-    order = np.argsort(flat, kind="stable")  # by expert, tokens ascending within each expert
-    needed, starts = np.unique(flat[order], return_index=True)
-    ends = np.append(starts[1:], len(flat))
-    tokens_by_expert = (order // top_k).astype(np.int64)
-    weights_by_expert = np.ascontiguousarray(routing.weights.ravel()[order])
+    pairs = pairs_by_expert(routing.expert_ids)
+    needed, starts, ends, tokens_by_expert = pairs.expert_ids, pairs.starts, pairs.ends, pairs.tokens
+    weights_by_expert = np.ascontiguousarray(routing.weights.ravel()[pairs.order])
     mixed = np.zeros((T, config.latent_size), np.float32)  # [T, LT]
     beta, linear_beta = config.situ_beta, config.situ_linear_beta
     remote_y = None if remote is None else remote(needed.astype(np.int64), z, tokens_by_expert,

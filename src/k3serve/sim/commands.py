@@ -1,4 +1,4 @@
-"""`k3serve sim k3 | calibrate | probe-disk | probe-cpu`: the full-scale simulator's command line (wired into
+"""`k3serve sim k3 | cluster | calibrate | probe-disk | probe-cpu`: the full-scale simulator's command line (wired into
 `k3serve sim` beside `sim cache`)."""
 
 from __future__ import annotations
@@ -54,6 +54,27 @@ def add_sim_commands(sim_sub) -> None:
     k3.add_argument("--plot", type=cli_args.output_file, default=None,
                     help="with --sweep ram: write the ladder as SVG (default: none)")
     k3.add_argument("--json", type=cli_args.output_file, default=None, help="write the figures as JSON (default: none)")
+
+    cl = sim_sub.add_parser("cluster", help="simulate the full K3 with expert parallelism over N boxes (a table: one "
+                                            "row per nodes x RAM x front RAM x network)")
+    cl.add_argument("--nodes", default="8", help="expert owner boxes, comma-separated; each must divide 896" + d)
+    cl.add_argument("--ram", default="8G", help="each owner's RAM for its expert cache, comma-separated" + d)
+    cl.add_argument("--front-ram", default="16G",
+                    help="the front box's RAM (trunk, globals), comma-separated, or 'unlimited'" + d)
+    cl.add_argument("--network", default="10gbe",
+                    help="link presets (10gbe, 25gbe, 100gbe), comma-separated, or 'machine' (its [network])" + d)
+    cl.add_argument("--machine", default="laptop",
+                    help="every box: a preset (c-engine, c-engine-v1, laptop, this-machine) or a machine file" + d)
+    cl.add_argument("--node-policy", default="lru", help="owners' cache policy: none, lru, lfu, s3fifo" + d)
+    cl.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="bf16", help="the front's trunk" + d)
+    cl.add_argument("--batch", type=cli_args.positive_int, default=1, help="sequences decoded together" + d)
+    cl.add_argument("--tokens", type=cli_args.positive_int, default=2, help="decode steps measured" + d)
+    cl.add_argument("--warmup", type=cli_args.non_negative_int, default=1, help="decode steps before measuring" + d)
+    cl.add_argument("--routing", choices=("skewed", "flat"), default="skewed", help="synthetic routing" + d)
+    cl.add_argument("--seed", type=cli_args.seed, default=0, help="routing seed" + d)
+    cl.add_argument("--plot", type=cli_args.output_file, default=None,
+                    help="write s/token by nodes as SVG (default: none)")
+    cl.add_argument("--json", type=cli_args.output_file, default=None, help="write every row as JSON (default: none)")
 
     cal = sim_sub.add_parser("calibrate", help="the C engine's published K3 figures beside the simulator's")
     cal.add_argument("--routing", choices=("flat", "skewed"), default="flat", help="synthetic routing" + d)
@@ -136,6 +157,71 @@ def cmd_sim_k3(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limit(r) -> str:
+    """What the largest share of a cluster token's time goes to."""
+    f = r.front
+    parts = {"front trunk reads": f.io_seconds_per_token, "front compute": f.compute_seconds_per_token,
+             "owners' expert reads and compute": r.owner_wait_seconds_per_token - r.network_seconds_per_token,
+             "network and call latency": r.network_seconds_per_token}
+    return max(parts, key=parts.get)
+
+
+def cmd_sim_cluster(args: argparse.Namespace) -> int:
+    from k3serve.sim.cluster import ClusterConfig, simulate_cluster
+    from k3serve.sim.full import SimConfig
+    from k3serve.sim.plot import line_chart
+    from k3serve.sim.presets import resolve_machine, resolve_network
+    from k3serve.stream.budget import BudgetError
+
+    def listed(text: str) -> list[str]:
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    machine = resolve_machine(args.machine)
+    nodes = [cli_int(n, "--nodes") for n in listed(args.nodes)]
+    networks = {name: (None if name == "machine" else resolve_network(name)) for name in listed(args.network)}
+    print(f"{'nodes':>5} {'RAM':>5} {'front':>6} {'network':>8} {'s/token':>8} {'trunk read':>10} "
+          f"{'expert read/node':>16} {'retention':>9} {'network/token':>13} {'owners wait':>11} "
+          f"{'net s':>6}  limit")
+    records, series = [], {}
+    for front_ram in listed(args.front_ram):
+        for ram in listed(args.ram):
+            for name, link in networks.items():
+                for n in nodes:
+                    front = SimConfig(machine=machine, ram_bytes=_ram(front_ram), prefetch="none",
+                                      trunk_dtype=args.trunk_dtype, batch=args.batch, tokens=args.tokens,
+                                      warmup=args.warmup, routing=args.routing, seed=args.seed)
+                    cell = {"nodes": n, "ram": ram, "front_ram": front_ram, "network": name}
+                    try:
+                        r = simulate_cluster(ClusterConfig(front, n, _ram(ram), link, node_policy=args.node_policy))
+                    except BudgetError as exc:
+                        print(f"{n:>5} {ram:>5} {front_ram:>6} {name:>8}  does not run: {exc}")
+                        records.append({**cell, "error": str(exc)})
+                        continue
+                    node_bytes = max(x.expert_bytes_per_token for x in r.nodes)
+                    retention = sum(x.retention for x in r.nodes) / len(r.nodes)
+                    print(f"{n:>5} {ram:>5} {front_ram:>6} {name:>8} {r.s_per_token:>8.3f} "
+                          f"{format_size(r.front.trunk_bytes_per_token):>10} {format_size(node_bytes):>16} "
+                          f"{retention:>9.2f} {format_size(r.network_bytes_per_token):>13} "
+                          f"{r.owner_wait_seconds_per_token:>10.3f}s {r.network_seconds_per_token:>6.3f}  {_limit(r)}")
+                    records.append({**cell, "limit": _limit(r), **r.to_dict()})
+                    series.setdefault(f"{ram}/node, front {front_ram}, {name}", []).append((n, r.s_per_token))
+    if args.plot is not None and series:
+        args.plot.write_text(line_chart(f"full K3, expert parallelism on {args.machine} boxes: s/token by owners",
+                                        "expert owner boxes", "s/token", series))
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+    return 0
+
+
+def cli_int(text: str, flag: str) -> int:
+    from k3serve.errors import UsageError
+
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{flag} takes whole numbers, comma-separated, got {text!r}") from None
+
+
 def cmd_sim_calibrate(args: argparse.Namespace) -> int:
     from k3serve.sim.calibrate import calibration, cold_token_figures, table_lines
 
@@ -178,5 +264,5 @@ def cmd_sim_probe_cpu(args: argparse.Namespace) -> int:
     return 0
 
 
-SIM_COMMANDS = {"k3": cmd_sim_k3, "calibrate": cmd_sim_calibrate, "probe-disk": cmd_sim_probe_disk,
+SIM_COMMANDS = {"k3": cmd_sim_k3, "cluster": cmd_sim_cluster, "calibrate": cmd_sim_calibrate, "probe-disk": cmd_sim_probe_disk,
                 "probe-cpu": cmd_sim_probe_cpu}

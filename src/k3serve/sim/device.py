@@ -1,6 +1,7 @@
 """The discrete-event clock and the simulated device: reads cost time from the machine model, not bytes.
 
-- `SimClock`: one compute thread's time. `advance(dt)` is compute; `wait_until(t)` is blocking on a read.
+- `SimClock`: one compute thread's time. `advance(dt)` is compute; `wait_until(t)` is blocking on a read;
+  `wait_for_calls(t)` is blocking on other nodes (cluster mode); `idle_until(t)` is a node with nothing to do.
 - `SimDevice`: one first-come-first-served server for every engine; a run submitted at time s by an engine with
   queue depth Q arrives when one of that engine's Q workers is free and takes n / throughput(n, k) of device
   time, k = runs outstanding at its arrival. Deterministic: no randomness, no wall clock.
@@ -23,6 +24,7 @@ class SimClock:
     def __init__(self) -> None:
         self.now = 0.0
         self.io_wait = 0.0  # seconds the compute thread spent blocked on reads
+        self.remote_wait = 0.0  # seconds blocked on calls to other nodes
         self.compute = 0.0
 
     def advance(self, seconds: float) -> None:
@@ -34,6 +36,14 @@ class SimClock:
         if t > self.now:
             self.io_wait += t - self.now
             self.now = t
+
+    def wait_for_calls(self, t: float) -> None:
+        if t > self.now:
+            self.remote_wait += t - self.now
+            self.now = t
+
+    def idle_until(self, t: float) -> None:
+        self.now = max(self.now, t)
 
 
 class SimFuture(Future):

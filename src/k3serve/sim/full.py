@@ -33,14 +33,14 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from k3serve.config import K3Config, full_k3_config
 from k3serve.errors import K3Error
 from k3serve.sim.device import SimClock, SimDevice, SimIOEngine, VirtualBuffer
-from k3serve.sim.machine import Machine
+from k3serve.sim.machine import ComputeModel, Machine
 from k3serve.sim.routing import DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, replay_steps, solve_skew
 from k3serve.stream.budget import BudgetError, BudgetPlan, format_size, minimum_budget_bytes, plan_budget
 from k3serve.stream.cache import POLICIES
@@ -299,7 +299,38 @@ def default_routing(config: K3Config, kind: str) -> RoutingModel:
                         recall=DEFAULT_RECALL, name="skewed")
 
 
-class _Run:
+class ExpertWork:
+    """One process's routed-expert work as `ExpertSlots.request` and the model's per-expert loop do it: a layer's
+    distinct experts in ascending id, in groups of at most `slots`; each group's reads (the cache's, on `io`),
+    then its compute, on `clock`. The single-box run and every cluster owner use it."""
+
+    def __init__(self, config: K3Config, compute: ComputeModel, clock: SimClock, io: SimIOEngine,
+                 cache: ExpertCache, expert_blob_size: int) -> None:
+        self.config, self.compute, self.clock, self.io = config, compute, clock, io
+        self.cache, self.expert_blob_size = cache, expert_blob_size
+
+    def serve(self, layer: int, rows_of: dict[int, int], note: Callable[..., None]) -> None:
+        """rows_of: expert id -> rows (tokens) routed to it. `note(layer, expert_wait=, reads=, compute=)` takes
+        each group's I/O wait, reads and compute seconds."""
+        c = self.config
+        ids = sorted(rows_of)
+        self.cache.release()
+        slots = self.cache.num_slots
+        for start in range(0, len(ids), slots):
+            group = ids[start:start + slots]
+            before_wait, before_reads = self.clock.io_wait, self.io.counters.num_reads
+            self.cache.load(layer, group)
+            note(layer, expert_wait=self.clock.io_wait - before_wait, reads=self.io.counters.num_reads - before_reads)
+            flops = sum(2 * 3 * c.moe_intermediate_size * c.latent_size * rows_of[e] for e in group)
+            seconds = self.compute.expert_seconds(len(group) * self.expert_blob_size, flops)
+            self.clock.advance(seconds)
+            note(layer, compute=seconds)
+
+
+class SimRun:
+    """One simulated process: its store, plan, clock, device, trunk stream and expert cache, stepping as
+    `K3Model.forward` over `StreamingSource` does (the cluster mode's front overrides `routed_experts`)."""
+
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         config = cfg.model or (cfg.store.config if cfg.store is not None else full_k3_config())
@@ -328,6 +359,8 @@ class _Run:
                                  top_k=config.num_experts_per_token, prefetch=prefetch,
                                  prefetch_max=cfg.prefetch_max, profile=profile)
         self.prefetch_on = prefetch and self.cache.prefetch_max > 0
+        self.experts = ExpertWork(config, cfg.machine.compute, self.clock, self.expert_io, self.cache,
+                                  self.store.expert_blob_size)
         self.pinned = set(self.plan.pinned_layers)
         self.streamed = list(self.plan.streamed_layers)
         self.pending: tuple[int, float] | None = None  # (layer, time its weights are ready)
@@ -455,22 +488,14 @@ class _Run:
             self._compute(layer, m.dense_seconds(mlp_bytes, 2 * mlp_params * T))
             if c.is_dense(layer):
                 continue
-            rows = routing.experts[layer]  # [T, TOPK]
-            needed, counts = np.unique(rows, return_counts=True)
-            ids = [int(e) for e in needed]
-            rows_of = dict(zip(ids, (int(n) for n in counts)))
-            self.cache.release()
-            slots = self.cache.num_slots
-            for start in range(0, len(ids), slots):
-                group = ids[start:start + slots]
-                before_wait, before_reads = self.clock.io_wait, self.expert_io.counters.num_reads
-                self.cache.load(layer, group)
-                self._note(layer, expert_wait=self.clock.io_wait - before_wait,
-                           reads=self.expert_io.counters.num_reads - before_reads)
-                flops = sum(2 * 3 * c.moe_intermediate_size * c.latent_size * rows_of[e] for e in group)
-                self._compute(layer, m.expert_seconds(len(group) * self.store.expert_blob_size, flops))
+            self.routed_experts(layer, routing.experts[layer])
         head = self.store.globals.float32_bytes / 2  # embed and lm_head: the lm_head is half the globals
         self._compute(c.num_layers - 1, m.dense_seconds(head, 2 * (head / (4 if self._wide() else 2)) * logit_rows))
+
+    def routed_experts(self, layer: int, rows: np.ndarray) -> None:
+        """rows [T, TOPK]: the layer's routed experts, here (the cluster mode sends them to their owners)."""
+        needed, counts = np.unique(rows, return_counts=True)
+        self.experts.serve(layer, dict(zip((int(e) for e in needed), (int(n) for n in counts))), self._note)
 
     def _wide(self) -> bool:
         return self.cfg.engine == "k3serve" and self.cfg.trunk_dtype == "float32"
@@ -500,8 +525,14 @@ class _Run:
 
 def simulate(cfg: SimConfig) -> SimResult:
     """Run `cfg` and return per-token figures (decode steps after `warmup`, or every step with count_prefill)."""
-    run = _Run(cfg)
-    c = run.config
+    run = SimRun(cfg)
+    return run_result(run, *drive_run(run))
+
+
+def drive_run(run: SimRun) -> tuple[list[float], list[float], float]:
+    """Load the weights and run the steps; returns the snapshot deltas over what is measured, the measured steps'
+    seconds and the tokens they generated."""
+    cfg = run.cfg
     spec = cfg.speculative
     decode_positions = [s for s in range(cfg.batch) for _ in range(spec + 1)]
     replaying = cfg.replay is not None
@@ -546,8 +577,12 @@ def simulate(cfg: SimConfig) -> SimResult:
         if cfg.count_prefill and cfg.prompt_tokens:
             tokens += cfg.batch  # the prefill step yields each sequence's first token
     end = end_override if replaying else run.snapshot()
-    d = [b - a for a, b in zip(start, end)]
-    seconds, io_wait, compute, expert_bytes, trunk_bytes, reads, requests, retained, pf_hits, wasted, busy = d
+    return [b - a for a, b in zip(start, end)], step_times, tokens
+
+
+def run_result(run: SimRun, d: list[float], step_times: list[float], tokens: float) -> SimResult:
+    cfg, c = run.cfg, run.config
+    seconds, io_wait, compute, expert_bytes, trunk_bytes, reads, requests, retained, pf_hits, wasted, busy = d[:11]
     per = max(tokens, 1e-9)
     steps_measured = max(len(step_times), 1)
     for t in run.timeline:

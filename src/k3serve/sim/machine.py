@@ -13,13 +13,17 @@ A machine file holds
               attention_s_per_token_layer   KDA / MLA state work per token per layer (seconds)
               layer_overhead_s        fixed cost per layer per forward step (dispatch, routing, norms)
               widen_bytes_per_s       bf16 -> float32 widening of a streamed trunk layer (k3serve keeps fp32)
+    [network] (optional; the cluster mode needs one, from here or `--network`)
+              bytes_per_s             payload bytes/s of one node's link, each direction
+              call_latency_s          fixed cost of one call, request and reply together (wire, stack, RPC)
 
 Time of a read of n bytes while k requests (itself included) are in flight on the device:
 
     t(n, k) = n / (throughput(n, k) / k)
 
 with throughput interpolated linearly in log(size) and log(queue depth) and held flat beyond the measured
-range. Time of a matrix product of W weight bytes and F FLOPs: max(W / bytes_per_s, F / flops).
+range. Time of a matrix product of W weight bytes and F FLOPs: max(W / bytes_per_s, F / flops). Time of a call
+carrying b bytes one way: b / bytes_per_s on the sender's link, plus half the call latency each way.
 """
 
 from __future__ import annotations
@@ -116,6 +120,19 @@ class ComputeModel:
 
 
 @dataclass(frozen=True)
+class NetworkModel:
+    bytes_per_s: float  # payload bytes/s of one node's link, each direction
+    call_latency_s: float  # fixed cost of one call, request and reply together
+
+    def __post_init__(self) -> None:
+        _positive("network.bytes_per_s", self.bytes_per_s)
+        latency = self.call_latency_s
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not math.isfinite(latency) \
+                or latency < 0:
+            raise MachineError(f"network.call_latency_s must be a number >= 0, got {latency!r}")
+
+
+@dataclass(frozen=True)
 class Machine:
     name: str
     disk: DiskModel
@@ -123,6 +140,7 @@ class Machine:
     description: str = ""
     source: str = ""
     extra: dict = field(default_factory=dict)  # free-form notes kept with the file (probe settings, ...)
+    network: NetworkModel | None = None  # the link between nodes (cluster mode)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -156,7 +174,17 @@ class Machine:
         except (TypeError, ValueError) as exc:
             raise MachineError(f"{where}: disk curves must be lists of numbers: {exc}") from exc
         return Machine(str(raw["name"]), disk_model, ComputeModel(**{k: compute[k] for k in wanted}),
-                       str(raw.get("description", "")), str(raw.get("source", "")), dict(raw.get("extra", {})))
+                       str(raw.get("description", "")), str(raw.get("source", "")), dict(raw.get("extra", {})),
+                       _network(raw.get("network"), where))
+
+
+def _network(raw: Any, where: str) -> NetworkModel | None:
+    if raw is None:
+        return None
+    wanted = ("bytes_per_s", "call_latency_s")
+    if not isinstance(raw, dict) or sorted(raw) != sorted(wanted):
+        raise MachineError(f"{where}: network must be a table with exactly {' and '.join(wanted)}, got {raw!r}")
+    return NetworkModel(**raw)
 
 
 def load_machine(path: str | Path) -> Machine:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from k3serve.sim.machine import ComputeModel, DiskModel, Machine, MachineError, load_machine
+from k3serve.sim.machine import ComputeModel, DiskModel, Machine, MachineError, NetworkModel, load_machine
 
 GB = 1e9
 MB = 1e6
@@ -93,6 +93,24 @@ def this_machine() -> Machine:
 PRESETS: dict[str, Callable[[], Machine]] = {
     "c-engine": c_engine, "c-engine-v1": c_engine_v1, "laptop": laptop, "this-machine": this_machine,
 }
+
+
+# Links between nodes (the cluster mode). Payload rates are TCP goodput on the line rate (about 94%); the call
+# latency is the order of one synchronous Ray actor call (request and reply through Ray's RPC, serialisation and
+# the switch), an assumption not measured across machines here: the wire's own round trip is 20-50 us of it.
+NETWORKS: dict[str, NetworkModel] = {
+    "10gbe": NetworkModel(bytes_per_s=1.175 * GB, call_latency_s=0.5e-3),
+    "25gbe": NetworkModel(bytes_per_s=2.94 * GB, call_latency_s=0.5e-3),
+    "100gbe": NetworkModel(bytes_per_s=11.75 * GB, call_latency_s=0.5e-3),
+}
+
+
+def resolve_network(name: str) -> NetworkModel:
+    key = name.lower()
+    if key not in NETWORKS:
+        raise MachineError(f"no network preset {name!r}; presets: {', '.join(NETWORKS)} (or give the machine file a "
+                           "[network] table)")
+    return NETWORKS[key]
 
 
 def resolve_machine(name_or_path: str | Path) -> Machine:
