@@ -21,7 +21,7 @@ Time of one MoE layer, on the front's clock (`network`: a link of `bytes_per_s` 
 
 so a layer costs the slowest owner plus the transfers and one call latency: the owners work in parallel. With
 `one_box` every owner reads from the front's device (one disk shared, as `bench_expert_parallel.py` runs them on one
-machine); CPU sharing between owners on one box is not modelled.
+machine), and with `one_box_cores` their compute shares that many cores.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from k3serve.cluster.expert_parallel import NetworkStats, split_by_owner
 from k3serve.config import K3Config
 from k3serve.model.moe import pairs_by_expert
-from k3serve.sim.device import SimClock, SimDevice, SimIOEngine, VirtualBuffer
+from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, VirtualBuffer
 from k3serve.sim.full import ExpertWork, SimConfig, SimConfigError, SimResult, SimRun, drive_run, run_result
 from k3serve.sim.machine import Machine, NetworkModel
 from k3serve.stream.budget import format_size
@@ -58,6 +58,7 @@ class ClusterConfig:
     node_queue_depth: int = 16
     node_machine: Machine | None = None  # the owners' disk and kernels; None: the front's machine
     one_box: bool = False  # every owner reads from the front's device
+    one_box_cores: int | None = None  # with one_box: the cores the owners' compute shares (None: one each)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
@@ -72,6 +73,8 @@ class ClusterConfig:
             raise SimConfigError("the cluster mode simulates k3serve's expert parallelism (engine k3serve)")
         if self.front.prefetch != "none":
             raise SimConfigError("with expert parallelism the front holds no experts: its prefetch must be 'none'")
+        if self.one_box_cores is not None and (not self.one_box or self.one_box_cores < 1):
+            raise SimConfigError(f"one_box_cores needs one_box and at least 1 core, got {self.one_box_cores!r}")
         if self.network is None and self.front.machine.network is None:
             raise SimConfigError(f"machine {self.front.machine.name!r} has no [network] table: give a network "
                                  "(a preset such as 10gbe, or a machine file with bytes_per_s and call_latency_s)")
@@ -107,8 +110,8 @@ class VirtualShard:
 class _Owner:
     """One expert owner: its shard under its budget, on its own clock and (unless one box) its own device."""
 
-    def __init__(self, shard: VirtualShard, machine: Machine, device: SimDevice | None, ram_bytes: int | None,
-                 policy: str, queue_depth: int) -> None:
+    def __init__(self, shard: VirtualShard, machine: Machine, device: SimDevice | None, cores: SimCores | None,
+                 ram_bytes: int | None, policy: str, queue_depth: int) -> None:
         self.shard = shard
         self.clock = SimClock()
         self.device = device or SimDevice(machine.disk)
@@ -118,7 +121,8 @@ class _Owner:
         self.cache = ExpertCache(shard, self.io, slots, policy, self.stats,
                                  slot_buffer=lambda _i: VirtualBuffer(shard.expert_stride),
                                  top_k=shard.config.num_experts_per_token)
-        self.work = ExpertWork(shard.config, machine.compute, self.clock, self.io, self.cache, shard.expert_blob_size)
+        self.work = ExpertWork(shard.config, machine.compute, self.clock, self.io, self.cache, shard.expert_blob_size,
+                               cores)
         self._step = -1
 
     def run(self, step: int, layer: int, rows_of: dict[int, int], arrives: float) -> tuple[float, float]:
@@ -149,9 +153,10 @@ class _ClusterRun(SimRun):
         self.link = cc.link
         self.experts_per_owner = config.num_experts // cc.num_nodes
         machine = cc.node_machine or cc.front.machine
+        cores = SimCores(cc.one_box_cores) if cc.one_box_cores else None
         self.owners = [_Owner(VirtualShard(config, ShardSpec(i, cc.num_nodes), self.store.expert_blob_size,
                                            self.store.expert_stride),
-                              machine, self.device if cc.one_box else None, cc.node_ram_bytes, cc.node_policy,
+                              machine, self.device if cc.one_box else None, cores, cc.node_ram_bytes, cc.node_policy,
                               cc.node_queue_depth)
                        for i in range(cc.num_nodes)]
         self.network = NetworkStats(per_owner_calls=[0] * cc.num_nodes)

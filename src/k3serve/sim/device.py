@@ -2,6 +2,7 @@
 
 - `SimClock`: one compute thread's time. `advance(dt)` is compute; `wait_until(t)` is blocking on a read;
   `wait_for_calls(t)` is blocking on other nodes (cluster mode); `idle_until(t)` is a node with nothing to do.
+- `SimCores`: cores shared by the processes of one machine (the cluster mode on one box).
 - `SimDevice`: one first-come-first-served server for every engine; a run submitted at time s by an engine with
   queue depth Q arrives when one of that engine's Q workers is free and takes n / throughput(n, k) of device
   time, k = runs outstanding at its arrival. Deterministic: no randomness, no wall clock.
@@ -44,6 +45,22 @@ class SimClock:
 
     def idle_until(self, t: float) -> None:
         self.now = max(self.now, t)
+
+
+class SimCores:
+    """CPU cores shared by several simulated processes on one machine (the cluster mode's one-box stand-in): a
+    compute segment waits for the first core free, first come first served, then holds it."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a machine needs at least one core, got {count}")
+        self._free = [0.0] * count  # heap of the times each core is next free
+
+    def run(self, clock: SimClock, seconds: float) -> None:
+        free = heapq.heappop(self._free)
+        clock.idle_until(free)
+        clock.advance(seconds)
+        heapq.heappush(self._free, clock.now)
 
 
 class SimFuture(Future):

@@ -39,7 +39,7 @@ import numpy as np
 
 from k3serve.config import K3Config, full_k3_config
 from k3serve.errors import K3Error
-from k3serve.sim.device import SimClock, SimDevice, SimIOEngine, VirtualBuffer
+from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, VirtualBuffer
 from k3serve.sim.machine import ComputeModel, Machine
 from k3serve.sim.routing import DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, replay_steps, solve_skew
 from k3serve.stream.budget import BudgetError, BudgetPlan, format_size, minimum_budget_bytes, plan_budget
@@ -305,9 +305,10 @@ class ExpertWork:
     then its compute, on `clock`. The single-box run and every cluster owner use it."""
 
     def __init__(self, config: K3Config, compute: ComputeModel, clock: SimClock, io: SimIOEngine,
-                 cache: ExpertCache, expert_blob_size: int) -> None:
+                 cache: ExpertCache, expert_blob_size: int, cores: SimCores | None = None) -> None:
+        """`cores`: shared with other processes on the machine (None: this process has its own)."""
         self.config, self.compute, self.clock, self.io = config, compute, clock, io
-        self.cache, self.expert_blob_size = cache, expert_blob_size
+        self.cache, self.expert_blob_size, self.cores = cache, expert_blob_size, cores
 
     def serve(self, layer: int, rows_of: dict[int, int], note: Callable[..., None]) -> None:
         """rows_of: expert id -> rows (tokens) routed to it. `note(layer, expert_wait=, reads=, compute=)` takes
@@ -323,7 +324,10 @@ class ExpertWork:
             note(layer, expert_wait=self.clock.io_wait - before_wait, reads=self.io.counters.num_reads - before_reads)
             flops = sum(2 * 3 * c.moe_intermediate_size * c.latent_size * rows_of[e] for e in group)
             seconds = self.compute.expert_seconds(len(group) * self.expert_blob_size, flops)
-            self.clock.advance(seconds)
+            if self.cores is None:
+                self.clock.advance(seconds)
+            else:
+                self.cores.run(self.clock, seconds)
             note(layer, compute=seconds)
 
 
