@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny oracle checkpoint, written once per test session, and models over it."""
+"""Shared fixtures: the tiny oracle checkpoint, written once per test session, models over it, and its packed store
+with expert shards."""
 
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
     return load_model(tiny_dir).model
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tiny_dir, tmp_path_factory):
+    """The tiny oracle packed (an expert-parallel front's trunk) and its expert shards i/2 and i/4: (store,
+    {N: [shard paths]})."""
+    from k3serve.weights.pack import pack_checkpoint
+    from k3serve.weights.shard import ShardSpec, pack_shard
+
+    root = tmp_path_factory.mktemp("tiny-shards")
+    packed = pack_checkpoint(tiny_dir, root / "packed")
+    shards = {n: [pack_shard(packed.path, root / f"s{i}of{n}", ShardSpec(i, n)).path for i in range(n)]
+              for n in (2, 4)}
+    return packed, shards
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,6 @@ from k3serve.model.k3 import K3Model
 from k3serve.stream.shard_source import ShardOptions
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.source import StreamingSource
-from k3serve.weights.pack import pack_checkpoint
-from k3serve.weights.shard import ShardSpec, pack_shard
 
 PROMPTS = [[1, 5, 9, 200, 17, 33, 4], [7, 7, 250, 2], list(range(40, 75))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -28,13 +26,9 @@ ENGINE = EngineConfig(max_model_len=256, max_seqs=4, max_batch_tokens=64, kv_cac
 
 
 @pytest.fixture(scope="module")
-def stores(tiny_dir, tmp_path_factory):
+def stores(tiny_shards):
     """The packed store (the front's trunk) and shards i/2 and i/4 of it."""
-    root = tmp_path_factory.mktemp("ep")
-    packed = pack_checkpoint(tiny_dir, root / "packed")
-    shards = {n: [pack_shard(packed.path, root / f"s{i}of{n}", ShardSpec(i, n)).path for i in range(n)]
-              for n in (2, 4)}
-    return packed, shards
+    return tiny_shards
 
 
 @pytest.fixture(scope="module")

@@ -22,25 +22,15 @@ from k3serve.stream.options import StreamOptions
 from k3serve.stream.shard_source import ShardOptions
 from k3serve.stream.source import StreamingSource
 from k3serve.stream.trace import read_trace
-from k3serve.weights.pack import pack_checkpoint
-from k3serve.weights.shard import ExpertShard, ShardSpec, pack_shard
+from k3serve.weights.shard import ExpertShard, ShardSpec
 
 TEN_GBE = NETWORKS["10gbe"]
 
 
-@pytest.fixture(scope="module")
-def ep_stores(tiny_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("sim-ep")
-    packed = pack_checkpoint(tiny_dir, root / "packed")
-    shards = {n: [pack_shard(packed.path, root / f"s{i}of{n}", ShardSpec(i, n)).path for i in range(n)]
-              for n in (2, 4)}
-    return packed, shards
-
-
 @pytest.mark.parametrize("count,owner_slots,policy", [(2, 3, "lru"), (2, 7, "s3fifo"), (4, 2, "lru"),
                                                       (4, 5, "lfu"), (2, None, "none")])
-def test_cluster_reads_and_sends_what_the_engine_does(ep_stores, tmp_path, count, owner_slots, policy):
-    packed, shards = ep_stores
+def test_cluster_reads_and_sends_what_the_engine_does(tiny_shards, tmp_path, count, owner_slots, policy):
+    packed, shards = tiny_shards
     budget = None if owner_slots is None else owner_slots * packed.expert_stride
     options = ShardOptions(ram_budget=budget, io="pread", queue_depth=4, cache=policy)
     owners = LocalOwners([ExpertOwnerCore(str(path), options, i) for i, path in enumerate(shards[count])])
@@ -70,8 +60,8 @@ def test_cluster_reads_and_sends_what_the_engine_does(ep_stores, tmp_path, count
     assert result.s_per_token > 0 and result.owner_wait_seconds_per_token > 0
 
 
-def test_virtual_shard_has_the_packed_shards_offsets(ep_stores):
-    packed, shards = ep_stores
+def test_virtual_shard_has_the_packed_shards_offsets(tiny_shards):
+    packed, shards = tiny_shards
     for i, path in enumerate(shards[4]):
         real = ExpertShard(path)
         virtual = VirtualShard(packed.config, ShardSpec(i, 4), packed.expert_blob_size, packed.expert_stride)
@@ -135,3 +125,21 @@ def test_network_tables_in_machine_files(tmp_path):
         path.write_text(json.dumps(raw))
         with pytest.raises(MachineError, match=message):
             load_machine(path)
+
+
+def test_cli_prints_a_row_per_cluster_and_refuses_bad_counts(tmp_path, capsys):
+    out, plot = tmp_path / "c.json", tmp_path / "c.svg"
+    assert main(["sim", "cluster", "--nodes", "4,8", "--ram", "8G", "--front-ram", "8G,16G", "--tokens", "1",
+                 "--warmup", "0", "--json", str(out), "--plot", str(plot)]) == 0
+    text = capsys.readouterr().out
+    assert "does not run" in text and "minimum" in text  # an 8 GB front cannot hold k3serve's trunk minimum
+    records = json.loads(out.read_text())
+    ran = [r for r in records if "error" not in r]
+    assert [(r["num_nodes"], r["front_ram"]) for r in ran] == [(4, "16G"), (8, "16G")]
+    for r in ran:
+        assert r["s_per_token"] > 0 and r["network_bytes_per_token"] > 0 and len(r["nodes"]) == r["num_nodes"]
+    assert plot.read_text().startswith("<svg")
+    assert main(["sim", "cluster", "--nodes", "3"]) == 2
+    assert "do not divide" in capsys.readouterr().err
+    assert main(["sim", "cluster", "--nodes", "eight"]) == 2
+    assert main(["sim", "cluster", "--network", "carrier-pigeon"]) == 2

@@ -68,8 +68,9 @@ def add_sim_commands(sim_sub) -> None:
     cl.add_argument("--node-policy", default="lru", help="owners' cache policy: none, lru, lfu, s3fifo" + d)
     cl.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="bf16", help="the front's trunk" + d)
     cl.add_argument("--batch", type=cli_args.positive_int, default=1, help="sequences decoded together" + d)
-    cl.add_argument("--tokens", type=cli_args.positive_int, default=2, help="decode steps measured" + d)
-    cl.add_argument("--warmup", type=cli_args.non_negative_int, default=1, help="decode steps before measuring" + d)
+    cl.add_argument("--tokens", type=cli_args.positive_int, default=4, help="decode steps measured" + d)
+    cl.add_argument("--warmup", type=cli_args.non_negative_int, default=12,
+                    help="decode steps before measuring (the owners' caches fill)" + d)
     cl.add_argument("--routing", choices=("skewed", "flat"), default="skewed", help="synthetic routing" + d)
     cl.add_argument("--seed", type=cli_args.seed, default=0, help="routing seed" + d)
     cl.add_argument("--plot", type=cli_args.output_file, default=None,
@@ -190,7 +191,7 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
                     front = SimConfig(machine=machine, ram_bytes=_ram(front_ram), prefetch="none",
                                       trunk_dtype=args.trunk_dtype, batch=args.batch, tokens=args.tokens,
                                       warmup=args.warmup, routing=args.routing, seed=args.seed)
-                    cell = {"nodes": n, "ram": ram, "front_ram": front_ram, "network": name}
+                    cell = {"num_nodes": n, "ram": ram, "front_ram": front_ram, "link": name}
                     try:
                         r = simulate_cluster(ClusterConfig(front, n, _ram(ram), link, node_policy=args.node_policy))
                     except BudgetError as exc:
@@ -203,7 +204,9 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
                           f"{format_size(r.front.trunk_bytes_per_token):>10} {format_size(node_bytes):>16} "
                           f"{retention:>9.2f} {format_size(r.network_bytes_per_token):>13} "
                           f"{r.owner_wait_seconds_per_token:>10.3f}s {r.network_seconds_per_token:>6.3f}  {_limit(r)}")
-                    records.append({**cell, "limit": _limit(r), **r.to_dict()})
+                    record = {**cell, "limit": _limit(r), **r.to_dict()}
+                    del record["front"]["timeline"]  # per layer: --json of `sim k3` has it for one configuration
+                    records.append(record)
                     series.setdefault(f"{ram}/node, front {front_ram}, {name}", []).append((n, r.s_per_token))
     if args.plot is not None and series:
         args.plot.write_text(line_chart(f"full K3, expert parallelism on {args.machine} boxes: s/token by owners",
