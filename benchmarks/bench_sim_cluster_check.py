@@ -11,8 +11,8 @@ one compute thread per process): 1 node, and expert parallelism over 2 and 4 own
 predict: (1) records the workload's routing (a resident run: routing depends on the text, not on the budget, and
 expert parallelism gives the bits of one process); (2) measures the compute floor, the resident decode, as the one
 figure the simulator is fit to (one scale on this machine's probe-cpu rates, as bench_sim_check.py); (3) measures
-Ray's local call (a round trip carrying 1 KiB and 1 MiB to an actor: the call latency and bytes/s of the
-"network", not fitted to the benchmark); (4) simulates the three runs by replaying the routing: 1 node through
+Ray's local calls (1, 2 and 4 calls in flight to as many actors, and one carrying 1 MiB: the call latency, the
+front's overhead per call and the bytes/s of the "network", not fitted to the benchmark); (4) simulates the three runs by replaying the routing: 1 node through
 `simulate`, the owners through `simulate_cluster` on one box (one disk: this machine's probed curve; the owners'
 compute shares this machine's cores). measure: runs bench_expert_parallel.py and compares.
 """
@@ -58,9 +58,10 @@ def record_resident(packed: Path, prompts, decode: int, trace: Path, repeats: in
     return statistics.median(times)
 
 
-def measure_ray_call(calls: int = 40) -> dict:
-    """Round trip of a call to a local Ray actor (one CPU, one thread, as an expert owner) carrying n bytes out and
-    a small reply: latency = t(1 KiB), bytes/s = (1 MiB - 1 KiB) / (t(1 MiB) - t(1 KiB)). Medians."""
+def measure_ray_calls(calls: int = 40) -> dict:
+    """Ray's local calls to actors of one CPU and one thread each (as expert owners): the round trip of n calls in
+    flight at once to n actors, each carrying 24 KiB out and a small reply (n = 1, 2, 4; what a MoE layer issues),
+    fits t(n) = latency + n x overhead; bytes/s from one call carrying 1 MiB against one carrying 24 KiB. Medians."""
     import ray
 
     from k3serve.cluster.spec import SINGLE_THREAD_ENV
@@ -70,21 +71,27 @@ def measure_ray_call(calls: int = 40) -> dict:
         def run(self, x: np.ndarray) -> np.ndarray:
             return x[:16]
 
-    actor = Echo.options(num_cpus=1, runtime_env={"env_vars": SINGLE_THREAD_ENV}).remote()
-    out = {}
-    for nbytes in (1024, 1 << 20):
+    actors = [Echo.options(num_cpus=1, runtime_env={"env_vars": SINGLE_THREAD_ENV}).remote() for _ in range(4)]
+
+    def timed(n: int, nbytes: int) -> float:
         x = np.zeros(nbytes // 4, np.float32)
-        ray.get(actor.run.remote(x))
+        ray.get([a.run.remote(x) for a in actors[:n]])
         times = []
         for _ in range(calls):
             start = time.perf_counter()
-            ray.get(actor.run.remote(x))
+            ray.get([a.run.remote(x) for a in actors[:n]])
             times.append(time.perf_counter() - start)
-        out[nbytes] = statistics.median(times)
-    ray.kill(actor)
-    small, large = out[1024], out[1 << 20]
-    return {"call_latency_s": small, "bytes_per_s": ((1 << 20) - 1024) / max(large - small, 1e-9),
-            "t_1KiB_s": small, "t_1MiB_s": large}
+        return statistics.median(times)
+
+    counts = (1, 2, 4)
+    together = [timed(n, 24 << 10) for n in counts]
+    large = timed(1, 1 << 20)
+    for actor in actors:
+        ray.kill(actor)
+    overhead, latency = np.polyfit(counts, together, 1)
+    return {"call_latency_s": max(float(latency), 0.0), "call_overhead_s": max(float(overhead), 0.0),
+            "bytes_per_s": ((1 << 20) - (24 << 10)) / max(large - together[0], 1e-9),
+            "calls_in_flight": list(counts), "round_trip_s": together, "one_call_1MiB_s": large}
 
 
 def predict(args, packed: Path, prompts) -> dict:
@@ -105,10 +112,11 @@ def predict(args, packed: Path, prompts) -> dict:
     resident = record_resident(packed, prompts, args.decode, trace_path, args.resident_repeats)
     start_ray(None, num_cpus=max(COUNTS), replicas=max(COUNTS))
     try:
-        ray_call = measure_ray_call()
+        ray_call = measure_ray_calls()
     finally:
         ray.shutdown()
-    network = NetworkModel(bytes_per_s=ray_call["bytes_per_s"], call_latency_s=ray_call["call_latency_s"])
+    network = NetworkModel(bytes_per_s=ray_call["bytes_per_s"], call_latency_s=ray_call["call_latency_s"],
+                           call_overhead_s=ray_call["call_overhead_s"])
     store = PackedStore(packed)
     trace = read_trace(trace_path)
     virtual = VirtualStore.from_store(store)

@@ -95,6 +95,12 @@ def test_a_slower_network_costs_time_not_bytes():
     assert b.network_bytes_per_token == a.network_bytes_per_token
     assert b.s_per_token > a.s_per_token + 92 * 5e-3 * 0.9
     assert b.network_seconds_per_token > a.network_seconds_per_token
+    # the front's own work per call queues: a layer's calls pay it one after another, not side by side (the owners
+    # work meanwhile)
+    queued = ClusterConfig(fast.front, 8, 8 << 30, NetworkModel(bytes_per_s=1.175e9, call_latency_s=0.0,
+                                                                call_overhead_s=40e-3))
+    c = simulate_cluster(queued)
+    assert c.owner_wait_seconds_per_token >= 0.999 * c.calls_per_token * 40e-3
 
 
 @pytest.mark.parametrize("make,error,message", [
@@ -120,7 +126,8 @@ def test_network_tables_in_machine_files(tmp_path):
     path.write_text(json.dumps(raw))
     assert load_machine(path).network == NetworkModel(1e9, 1e-4)
     for bad, message in (({"bytes_per_s": 0, "call_latency_s": 0}, "positive"),
-                         ({"bytes_per_s": 1e9}, "exactly"), ({"bytes_per_s": 1e9, "call_latency_s": -1}, ">= 0")):
+                         ({"bytes_per_s": 1e9}, "optionally"), ({"bytes_per_s": 1e9, "call_latency_s": -1}, ">= 0"),
+                         ({"bytes_per_s": 1e9, "call_latency_s": 0, "call_overhead_s": -1}, "call_overhead_s")):
         raw["network"] = bad
         path.write_text(json.dumps(raw))
         with pytest.raises(MachineError, match=message):

@@ -14,12 +14,15 @@ own RAM, disk and expert cache, the trunk on a front node; the same code as the 
 
 Time of one MoE layer, on the front's clock (`network`: a link of `bytes_per_s` per node, `call_latency_s` per call):
 
-    call o leaves when its bytes have crossed the front's link (calls in owner order, one link out)
-    owner o starts at max(its clock, departure + latency / 2), loads and computes (its reads on its own disk)
-    its reply crosses the front's link once the owner is done (first done, first sent), + latency / 2
-    the front continues when the last reply is in
+    call o, in owner order: the front's work on it (half its per-call overhead), then its bytes over the front's
+        link out, then latency / 2
+    owner o starts at max(its clock, that arrival), loads and computes (its reads on its own disk)
+    its reply, first done first: latency / 2, its bytes over the front's link in, then the front's work on it (the
+        other half of the overhead; one queue with the sends)
+    the front continues when the last reply is done
 
-so a layer costs the slowest owner plus the transfers and one call latency: the owners work in parallel. With
+so a layer costs the slowest owner plus the transfers, one call latency and the calls' overheads one after another:
+the owners work in parallel. With
 `one_box` every owner reads from the front's device (one disk shared, as `bench_expert_parallel.py` runs them on one
 machine), and with `one_box_cores` their compute shares that many cores.
 """
@@ -163,6 +166,7 @@ class _ClusterRun(SimRun):
         self.network_seconds = 0.0  # front blocked on calls beyond the slowest owner's own work
         self._link_out = 0.0  # when the front's link is next free, each direction
         self._link_in = 0.0
+        self._front_free = 0.0  # when the front's per-call work (both directions, one queue) is next free
 
     def routed_experts(self, layer: int, rows: np.ndarray) -> None:
         """rows [T, TOPK] -> one call per owner with pairs, all in flight at once; the front waits for the last."""
@@ -172,11 +176,12 @@ class _ClusterRun(SimRun):
         calls = split_by_owner(pairs.expert_ids.astype(np.int64), z, pairs.tokens, pairs.starts.astype(np.int64),
                                pairs.ends.astype(np.int64), self.experts_per_owner, self.stats.steps, rows.shape[0],
                                layer)
-        half = link.call_latency_s / 2
+        half, overhead = link.call_latency_s / 2, link.call_overhead_s / 2
         sent = self.clock.now
         spans, replies = [], []
         for call in calls:
-            self._link_out = max(self._link_out, sent) + call.nbytes / link.bytes_per_s
+            self._front_free = max(self._front_free, sent) + overhead
+            self._link_out = max(self._link_out, self._front_free) + call.nbytes / link.bytes_per_s
             rows_of = {int(e): int(b - a) for e, a, b in zip(call.expert_ids, call.starts, call.ends)}
             start, done = self.owners[call.owner].run(self.stats.steps, layer, rows_of, self._link_out + half)
             spans.append(done - start)
@@ -187,8 +192,9 @@ class _ClusterRun(SimRun):
             net.bytes_sent += call.nbytes
         last = sent
         for done, nbytes in sorted(replies):
-            self._link_in = max(self._link_in, done) + nbytes / link.bytes_per_s
-            last = max(last, self._link_in + half)
+            self._link_in = max(self._link_in, done + half) + nbytes / link.bytes_per_s
+            self._front_free = max(self._front_free, self._link_in) + overhead
+            last = max(last, self._front_free)
             self.network.bytes_received += nbytes
         self.network.layers += 1
         self.clock.wait_for_calls(last)

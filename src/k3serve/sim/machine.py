@@ -15,7 +15,10 @@ A machine file holds
               widen_bytes_per_s       bf16 -> float32 widening of a streamed trunk layer (k3serve keeps fp32)
     [network] (optional; the cluster mode needs one, from here or `--network`)
               bytes_per_s             payload bytes/s of one node's link, each direction
-              call_latency_s          fixed cost of one call, request and reply together (wire, stack, RPC)
+              call_latency_s          fixed cost of one call, request and reply together (wire, stack, RPC);
+                                      the calls of a layer pay it side by side
+              call_overhead_s         (optional, default 0) the caller's own work per call (submitting and
+                                      collecting it: serialisation, the RPC client), one call after another
 
 Time of a read of n bytes while k requests (itself included) are in flight on the device:
 
@@ -23,7 +26,8 @@ Time of a read of n bytes while k requests (itself included) are in flight on th
 
 with throughput interpolated linearly in log(size) and log(queue depth) and held flat beyond the measured
 range. Time of a matrix product of W weight bytes and F FLOPs: max(W / bytes_per_s, F / flops). Time of a call
-carrying b bytes one way: b / bytes_per_s on the sender's link, plus half the call latency each way.
+carrying b bytes one way: b / bytes_per_s on the link, call_overhead_s / 2 of the caller's work (its calls queue
+for it), and half the call latency.
 """
 
 from __future__ import annotations
@@ -122,14 +126,16 @@ class ComputeModel:
 @dataclass(frozen=True)
 class NetworkModel:
     bytes_per_s: float  # payload bytes/s of one node's link, each direction
-    call_latency_s: float  # fixed cost of one call, request and reply together
+    call_latency_s: float  # fixed cost of one call, request and reply together; a layer's calls overlap it
+    call_overhead_s: float = 0.0  # the front's own work per call, request and reply together; calls queue for it
 
     def __post_init__(self) -> None:
         _positive("network.bytes_per_s", self.bytes_per_s)
-        latency = self.call_latency_s
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not math.isfinite(latency) \
-                or latency < 0:
-            raise MachineError(f"network.call_latency_s must be a number >= 0, got {latency!r}")
+        for key in ("call_latency_s", "call_overhead_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise MachineError(f"network.{key} must be a number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -181,9 +187,10 @@ class Machine:
 def _network(raw: Any, where: str) -> NetworkModel | None:
     if raw is None:
         return None
-    wanted = ("bytes_per_s", "call_latency_s")
-    if not isinstance(raw, dict) or sorted(raw) != sorted(wanted):
-        raise MachineError(f"{where}: network must be a table with exactly {' and '.join(wanted)}, got {raw!r}")
+    wanted, optional = {"bytes_per_s", "call_latency_s"}, {"call_overhead_s"}
+    if not isinstance(raw, dict) or not wanted <= set(raw) <= wanted | optional:
+        raise MachineError(f"{where}: network must be a table with bytes_per_s and call_latency_s (and optionally "
+                           f"call_overhead_s), got {raw!r}")
     return NetworkModel(**raw)
 
 

@@ -95,13 +95,16 @@ PRESETS: dict[str, Callable[[], Machine]] = {
 }
 
 
-# Links between nodes (the cluster mode). Payload rates are TCP goodput on the line rate (about 94%); the call
-# latency is the order of one synchronous Ray actor call (request and reply through Ray's RPC, serialisation and
-# the switch), an assumption not measured across machines here: the wire's own round trip is 20-50 us of it.
+# Links between nodes (the cluster mode). Payload rates are TCP goodput on the line rate (about 94%). Per call, from
+# Ray's own microbenchmarks (ray-project/ray#51427, microbenchmark.json, March 2025): 1_1_actor_calls_sync about
+# 2,000/s, a 0.5 ms round trip (the call latency); 1_1_actor_calls_async about 8,600/s, 0.12 ms of the caller's work
+# per call (the overhead, one call after another). Not measured across machines here; the wire's own round trip is
+# 20-50 us of the latency.
+RAY_CALL_LATENCY_S = 0.5e-3
+RAY_CALL_OVERHEAD_S = 0.12e-3
 NETWORKS: dict[str, NetworkModel] = {
-    "10gbe": NetworkModel(bytes_per_s=1.175 * GB, call_latency_s=0.5e-3),
-    "25gbe": NetworkModel(bytes_per_s=2.94 * GB, call_latency_s=0.5e-3),
-    "100gbe": NetworkModel(bytes_per_s=11.75 * GB, call_latency_s=0.5e-3),
+    name: NetworkModel(bytes_per_s=rate, call_latency_s=RAY_CALL_LATENCY_S, call_overhead_s=RAY_CALL_OVERHEAD_S)
+    for name, rate in (("10gbe", 1.175 * GB), ("25gbe", 2.94 * GB), ("100gbe", 11.75 * GB))
 }
 
 
