@@ -45,6 +45,7 @@ def scaled_overrides(family: str, args: argparse.Namespace) -> dict:
                   num_hidden_layers=L, num_attention_heads=H // 64, max_position_embeddings=4096)
     if family == "qwen3_moe":
         return {**common, "num_key_value_heads": H // 128, "head_dim": 64, "num_experts": E,
+                "num_local_experts": E,  # transformers 5's name; the tiny config's own value would win otherwise
                 "num_experts_per_tok": K, "mlp_only_layers": []}
     if family == "kimi_linear":
         kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]  # 3 KDA : 1 MLA

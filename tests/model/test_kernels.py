@@ -254,25 +254,62 @@ def test_stacked_layer_call_matches_numpy_twin_and_threads(latent, inter):
     np.testing.assert_array_equal(single_thread, got)
 
 
-@pytest.mark.parametrize("dtype", [np.uint16, np.int8])
-@pytest.mark.parametrize(("hidden", "inner", "tokens"), [(48, 40, 3), (37, 21, 1), (512, 384, 2)])
-def test_dense_expert_matches_numpy_twin(dtype, hidden, inner, tokens):
-    """bf16 bits and int8 experts (odd widths exercise the scalar tail; 512x384 the parallel path)."""
-    from k3serve.model.kernels import dense_expert_forward, dense_expert_reference
-
-    rng = np.random.default_rng(hidden + inner)
+def _dense_expert_args(dtype, rng: np.random.Generator, hidden: int, inner: int) -> tuple:
+    """(gate_up [2I, H], its scales or None, down [H, I], its scales or None) stored as `dtype`."""
     gate_up = rng.standard_normal((2 * inner, hidden)).astype(np.float32)
     down = rng.standard_normal((hidden, inner)).astype(np.float32)
     if dtype == np.uint16:
-        args = ((gate_up.view(np.uint32) >> 16).astype(np.uint16), np.ones(2 * inner, np.float32),
-                (down.view(np.uint32) >> 16).astype(np.uint16), np.ones(hidden, np.float32))
-    else:
-        args = (np.clip(np.rint(gate_up * 40), -127, 127).astype(np.int8), np.full(2 * inner, 0.02, np.float32),
-                np.clip(np.rint(down * 40), -127, 127).astype(np.int8), np.full(hidden, 0.03, np.float32))
-    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        return (gate_up.view(np.uint32) >> 16).astype(np.uint16), None, (down.view(np.uint32) >> 16).astype(
+            np.uint16), None
+    if dtype == np.float32:
+        return gate_up, None, down, None
+    return (np.clip(np.rint(gate_up * 40), -127, 127).astype(np.int8), rng.uniform(0.01, 0.03, 2 * inner).astype(
+        np.float32), np.clip(np.rint(down * 40), -127, 127).astype(np.int8),
+        rng.uniform(0.01, 0.03, hidden).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int8, np.float32])
+@pytest.mark.parametrize(("hidden", "inner", "tokens"), [(48, 40, 3), (37, 21, 1), (512, 384, 2)])
+def test_dense_expert_matches_numpy_twin(dtype, hidden, inner, tokens):
+    """bf16 bits, int8 and float32 experts (odd widths exercise the scalar tail; 512x384 the parallel path)."""
+    from k3serve.model.kernels import dense_expert_forward, dense_expert_reference
+
+    args = _dense_expert_args(dtype, np.random.default_rng(hidden + inner), hidden, inner)
+    x = np.random.default_rng(tokens).standard_normal((tokens, hidden)).astype(np.float32)
     got = dense_expert_forward(*args, x)
     assert _relative_rms(got, dense_expert_reference(*args, x)) < 1e-5
     np.testing.assert_array_equal(dense_expert_forward(*args, x[:1]), got[:1])
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int8, np.float32])
+@pytest.mark.parametrize(("hidden", "inner"), [(40, 24), (512, 256)])
+def test_dense_stacked_layer_call_matches_twin_one_by_one_and_threads(dtype, hidden, inner):
+    """A layer's active dense experts in one call over the stack (serial and parallel sizes): each (token, expert)
+    row equals the numpy twin, the same bits as one call per expert, whatever the thread count."""
+    from k3serve.model.kernels import dense_expert_forward, dense_expert_reference, dense_experts_run
+
+    rng = np.random.default_rng(hidden + inner)
+    experts = [_dense_expert_args(dtype, rng, hidden, inner) for _ in range(5)]
+    stacked = tuple(None if experts[0][i] is None else np.stack([e[i] for e in experts]) for i in range(4))
+    expert_ids = np.array([0, 2, 4], np.int64)
+    groups = [np.array([1, 3]), np.array([0, 1, 2, 3]), np.array([2])]
+    tokens = np.concatenate(groups).astype(np.int64)
+    ends = np.cumsum([len(g) for g in groups]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    x = rng.standard_normal((4, hidden)).astype(np.float32)
+    got = dense_experts_run(*stacked, expert_ids, x, tokens, starts, ends)
+    for k, e in enumerate(expert_ids):
+        rows = x[tokens[starts[k]:ends[k]]]
+        assert _relative_rms(got[starts[k]:ends[k]], dense_expert_reference(*experts[e], rows)) < 1e-5
+        np.testing.assert_array_equal(got[starts[k]:ends[k]], dense_expert_forward(*experts[e], rows))
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        np.testing.assert_array_equal(dense_experts_run(*stacked, expert_ids, x, tokens, starts, ends), got)
+    finally:
+        numba.set_num_threads(previous)
+    with pytest.raises(ValueError, match="do not fit"):
+        dense_experts_run(*stacked, expert_ids, x[:, 1:], tokens, starts, ends)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])

@@ -489,9 +489,11 @@ def mxfp4_experts_accumulate(
 
 
 # ------------------------------------------------------------------------------------------- bf16 / int8 experts
-# The families' experts at "native" (bf16) and "int8" precision, multiplied from the stored bytes: bf16 as
-# uint16 (widened lane by lane, value = bits << 16, exact), int8 as int8 with one float32 scale per row. Same row
-# dot structure as MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum, a scalar tail, in portable LLVM IR.
+# The families' experts at "native" (bf16, or float32 test checkpoints) and "int8" precision, multiplied from the
+# stored bytes: bf16 as uint16 (widened lane by lane, value = bits << 16, exact), int8 as int8 with one float32
+# scale per row, float32 as is. Same row dot structure as MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum,
+# a scalar tail, in portable LLVM IR. As for MXFP4, a layer's active experts run in one compiled call over a stack
+# [E, ...] of its experts (`dense_experts_run`), spread over the cores across (expert, row block).
 DENSE_LANES = 16
 
 
@@ -504,10 +506,12 @@ def _dense_row_dot_codegen(kind: str):
         lanes = DENSE_LANES
         vf = _vector(_F32, lanes)
         vi = _vector(_I32, lanes)
-        stored = _vector(ir.IntType(16) if kind == "bf16" else _I8, lanes)
+        stored = _vector({"bf16": ir.IntType(16), "int8": _I8, "f32": _F32}[kind], lanes)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
 
         def widen(value, vector: bool):
+            if kind == "f32":
+                return value
             if kind == "bf16":
                 wide = builder.zext(value, vi if vector else _I32)
                 shifted = builder.shl(wide, ir.Constant(vi, [16] * lanes) if vector else ir.Constant(_I32, 16))
@@ -519,7 +523,7 @@ def _dense_row_dot_codegen(kind: str):
         acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
         with cgutils.for_range(builder, chunks) as loop:
             base = builder.mul(loop.index, ir.Constant(index_type, lanes))
-            weights = widen(_load(builder, w.data, base, stored, 1), True)
+            weights = widen(_load(builder, w.data, base, stored, 4 if kind == "f32" else 1), True)
             inputs = _load(builder, x.data, base, vf, 4)
             builder.store(builder.call(fma, [weights, inputs, builder.load(acc_slot)]), acc_slot)
         total_slot = cgutils.alloca_once_value(builder, _pairwise_sum(builder, builder.load(acc_slot), lanes))
@@ -536,61 +540,106 @@ def _dense_row_dot_codegen(kind: str):
 
 @intrinsic
 def _dense_row_dot(typingctx, w_row, x):
-    """sum_c w[c] x[c]; w_row bf16 bits (uint16) or int8 [C], x float32 [C]."""
-    if w_row.dtype == types.uint16:
-        return types.float32(w_row, x), _dense_row_dot_codegen("bf16")
-    if w_row.dtype == types.int8:
-        return types.float32(w_row, x), _dense_row_dot_codegen("int8")
+    """sum_c w[c] x[c]; w_row bf16 bits (uint16), int8 or float32 [C], x float32 [C]."""
+    kinds = {types.uint16: "bf16", types.int8: "int8", types.float32: "f32"}
+    if w_row.dtype in kinds:
+        return types.float32(w_row, x), _dense_row_dot_codegen(kinds[w_row.dtype])
     return None
 
 
 @njit(inline="always")
-def _dense_gate_up_row(gate_up, gate_up_scales, x, hidden, row):
+def _dense_gate_up_task(gate_up, gate_up_scales, scaled, expert_ids, x, tokens, starts, ends, hidden, task, blocks):
+    k = task // blocks
+    e = expert_ids[k]
     width = hidden.shape[1]
-    for t in range(x.shape[0]):
-        gate = _dense_row_dot(gate_up[row], x[t]) * gate_up_scales[row]
-        up = _dense_row_dot(gate_up[width + row], x[t]) * gate_up_scales[width + row]
-        hidden[t, row] = _silu_glu(gate, up)
+    for row in range((task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)):
+        gate_scale = gate_up_scales[e, row] if scaled else np.float32(1.0)
+        up_scale = gate_up_scales[e, width + row] if scaled else np.float32(1.0)
+        for n in range(starts[k], ends[k]):
+            x_row = x[tokens[n]]
+            gate = _dense_row_dot(gate_up[e, row], x_row) * gate_scale
+            up = _dense_row_dot(gate_up[e, width + row], x_row) * up_scale
+            hidden[n, row] = _silu_glu(gate, up)
 
 
 @njit(inline="always")
-def _dense_down_row(down, down_scales, hidden, out, row):
-    for t in range(hidden.shape[0]):
-        out[t, row] = _dense_row_dot(down[row], hidden[t]) * down_scales[row]
+def _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden, out, task, blocks):
+    k = task // blocks
+    e = expert_ids[k]
+    for row in range((task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)):
+        scale = down_scales[e, row] if scaled else np.float32(1.0)
+        for n in range(starts[k], ends[k]):
+            out[n, row] = _dense_row_dot(down[e, row], hidden[n]) * scale
 
 
 @njit(cache=True, parallel=True)
-def _dense_expert_parallel(gate_up, gate_up_scales, down, down_scales, x, hidden, out):
-    """out [T, H] = down SiLU-GLU(gate_up x); gate_up [2I, H], down [H, I] (uint16 bf16 bits or int8), per-row
-    float32 scales (ones for bf16); hidden [T, I] scratch."""
-    for row in prange(hidden.shape[1]):
-        _dense_gate_up_row(gate_up, gate_up_scales, x, hidden, row)
-    for row in prange(out.shape[1]):
-        _dense_down_row(down, down_scales, hidden, out, row)
+def _dense_experts_parallel(gate_up, gate_up_scales, down, down_scales, scaled, expert_ids, x, tokens, starts,
+                            ends, hidden, out):
+    """Stage 1 over (expert, gate/up row block), stage 2 over (expert, down row block); see `dense_experts_run`."""
+    blocks = (hidden.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _dense_gate_up_task(gate_up, gate_up_scales, scaled, expert_ids, x, tokens, starts, ends, hidden, task,
+                            blocks)
+    blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden, out, task, blocks)
 
 
 @njit(cache=True)
-def _dense_expert_serial(gate_up, gate_up_scales, down, down_scales, x, hidden, out):
-    for row in range(hidden.shape[1]):
-        _dense_gate_up_row(gate_up, gate_up_scales, x, hidden, row)
-    for row in range(out.shape[1]):
-        _dense_down_row(down, down_scales, hidden, out, row)
+def _dense_experts_serial(gate_up, gate_up_scales, down, down_scales, scaled, expert_ids, x, tokens, starts, ends,
+                          hidden, out):
+    blocks = (hidden.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in range(expert_ids.shape[0] * blocks):
+        _dense_gate_up_task(gate_up, gate_up_scales, scaled, expert_ids, x, tokens, starts, ends, hidden, task,
+                            blocks)
+    blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in range(expert_ids.shape[0] * blocks):
+        _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden, out, task, blocks)
 
 
-def dense_expert_forward(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray,
-                         down_scales: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """One SiLU-GLU expert from bf16 bits (uint16) or int8 weights in one compiled call: x [T, H] -> [T, H].
-    gate_up [2I, H] (gate rows then up rows), down [H, I], scales float32 [2I] and [H] multiply each row's dot."""
+_NO_SCALES = np.ones((1, 1), np.float32)  # stands for absent scales (never read: `scaled` is False)
+_ZERO_ID = np.zeros(1, np.int64)
+
+
+def dense_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, down: np.ndarray,
+                      down_scales: np.ndarray | None, expert_ids: np.ndarray, x: np.ndarray, tokens: np.ndarray,
+                      starts: np.ndarray, ends: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y[n] = down_e SiLU-GLU(gate_up_e x[tokens[n]]) for every routed (token, expert) pair, in one compiled call.
+    gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]: bf16 bits (uint16), int8 or float32; scales
+    float32 [E, 2I] and [E, H] multiply each row's dot (int8), or None (bf16, float32). expert_ids [K] index E;
+    expert k owns rows starts[k]:ends[k] of tokens [N]; x [T, H] -> y [N, H] (`out`, when given, is filled on
+    those rows only). Each y[n] is the same bits whatever the other tokens, experts and threads of the call."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    width, hidden_size = down.shape[1], down.shape[0]
-    if gate_up.shape != (2 * width, hidden_size) or x.ndim != 2 or x.shape[1] != hidden_size:
-        raise ValueError(f"expert gate_up {gate_up.shape} / down {down.shape} do not fit x {x.shape}")
-    hidden = np.empty((x.shape[0], width), np.float32)  # [T, I]
-    out = np.empty((x.shape[0], hidden_size), np.float32)  # [T, H]
-    if x.shape[0]:
-        kernel = _dense_expert_parallel if gate_up.size >= PARALLEL_MIN_WEIGHTS else _dense_expert_serial
-        kernel(gate_up, gate_up_scales, down, down_scales, x, hidden, out)
+    num_experts, width, hidden_size = down.shape[0], down.shape[2], down.shape[1]
+    if (gate_up.shape != (num_experts, 2 * width, hidden_size) or x.ndim != 2 or x.shape[1] != hidden_size
+            or (gate_up_scales is None) != (down_scales is None)):
+        raise ValueError(f"experts gate_up {gate_up.shape} / down {down.shape} do not fit x {x.shape}")
+    if out is None:
+        out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
+    hidden = np.empty((tokens.shape[0], width), np.float32)  # [N, I]
+    if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
+        return out
+    scaled = gate_up_scales is not None
+    parallel = expert_ids.shape[0] * gate_up[0].size >= PARALLEL_MIN_WEIGHTS
+    kernel = _dense_experts_parallel if parallel else _dense_experts_serial
+    gate_up_scales, down_scales = (np.ascontiguousarray(a) if scaled else _NO_SCALES
+                                   for a in (gate_up_scales, down_scales))
+    kernel(np.ascontiguousarray(gate_up), gate_up_scales, np.ascontiguousarray(down), down_scales, scaled,
+           np.ascontiguousarray(expert_ids, dtype=np.int64), x, np.ascontiguousarray(tokens, dtype=np.int64),
+           np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(ends, dtype=np.int64), hidden, out)
     return out
+
+
+def dense_expert_forward(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, down: np.ndarray,
+                         down_scales: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+    """One SiLU-GLU expert (`dense_experts_run` on a stack of one): gate_up [2I, H], down [H, I], scales [2I] and
+    [H] or None; x [T, H] -> [T, H]."""
+    def one(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a)[None]
+
+    n = len(x)
+    return dense_experts_run(one(gate_up), one(gate_up_scales), one(down), one(down_scales), _ZERO_ID, x,
+                             np.arange(n), _ZERO_ID, np.full(1, n, np.int64))
 
 
 @njit(cache=True, parallel=True)
@@ -638,12 +687,13 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray,
-                           down_scales: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The numpy twin of `dense_expert_forward`: widen to float32, then matmuls."""
-    def widen(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
-        values = (w.astype(np.uint32) << 16).view(np.float32) if w.dtype == np.uint16 else w.astype(np.float32)
-        return values * scales[:, None]
+def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, down: np.ndarray,
+                           down_scales: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+    """The numpy twin of `dense_expert_forward`: widen to float32 (a transient copy), then BLAS matmuls. Also the
+    families' path for an expert with many tokens (prefill), where BLAS reuses each weight across tokens."""
+    def widen(w: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+        values = widen_bf16(w) if w.dtype == np.uint16 else w.astype(np.float32)
+        return values if scales is None else values * scales[:, None]
 
     h = np.asarray(x, np.float32) @ widen(gate_up, gate_up_scales).T  # [T, 2I]
     width = down.shape[1]
@@ -671,8 +721,9 @@ def warmup() -> None:
     permute_groups(x, np.empty_like(x))
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
         kernel(np.zeros((3, 32), np.uint16), x, out)
-    for dtype in (np.uint16, np.int8):
-        gate_up, down = np.zeros((64, 32), dtype), np.zeros((32, 32), dtype)  # I = 32, H = 32
-        for kernel in (_dense_expert_serial, _dense_expert_parallel):
-            kernel(gate_up, np.ones(64, np.float32), down, np.ones(32, np.float32), x, np.empty((2, 32), np.float32),
+    for dtype in (np.uint16, np.int8, np.float32):
+        gate_up, down = np.zeros((1, 64, 32), dtype), np.zeros((1, 32, 32), dtype)  # I = 32, H = 32
+        for kernel in (_dense_experts_serial, _dense_experts_parallel):
+            kernel(gate_up, np.ones((1, 64), np.float32), down, np.ones((1, 32), np.float32), dtype == np.int8, one,
+                   x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64), np.empty((2, 32), np.float32),
                    np.empty((2, 32), np.float32))

@@ -29,8 +29,9 @@ from k3serve.loaded import LoadedModel, configure_threads, family_tokenizer
 from k3serve.model.families import load_family
 from k3serve.model.families.decoder import FamilyModel
 from k3serve.model.families.expert_blobs import BlobPart, view_expert
-from k3serve.model.families.experts import Expert
+from k3serve.model.families.experts import Expert, outputs_one_by_one
 from k3serve.model.families.moe import MoEBlock
+from k3serve.model.moe import ExpertPairs
 from k3serve.stream.budget import BudgetPlan, plan_resident_trunk
 from k3serve.stream.io import IOEngine
 from k3serve.stream.options import StreamOptions
@@ -93,6 +94,10 @@ class StreamingExperts:
 
     def get(self, layer: int, expert: int) -> Expert:
         return self.fetch(layer, [expert])[int(expert)]
+
+    def expert_outputs(self, layer: int, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
+        """As `ExpertStore.expert_outputs`, one expert at a time over the slots (the same bits)."""
+        return outputs_one_by_one(self.fetch(layer, pairs.expert_ids), pairs, x)
 
     def begin_step(self, num_tokens: int) -> None:
         self.stats.steps += 1

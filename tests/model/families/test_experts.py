@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3serve.model.families.experts import (DENSE_KERNEL_MAX_TOKENS, BF16Expert, FloatExpert, QuantizedExpert,
-                                            pack_expert)
+from k3serve.errors import CheckpointError
+from k3serve.model.families.experts import (DENSE_KERNEL_MAX_TOKENS, BF16Expert, ExpertStore, FloatExpert,
+                                            QuantizedExpert, outputs_one_by_one, pack_expert)
+from k3serve.model.kernels import dense_expert_reference
+from k3serve.model.moe import pairs_by_expert
 
 
 def _bf16_round(w: np.ndarray) -> np.ndarray:
@@ -47,3 +50,55 @@ def test_quantized_expert_fused_call_matches_dequantized_float(precision):
     for tokens in (1, 4, DENSE_KERNEL_MAX_TOKENS + 1):
         x = np.random.default_rng(tokens).standard_normal((tokens, 64)).astype(np.float32)
         assert _relative_rms(expert(x), dequantized(x)) < 1e-5, f"{precision}, {tokens} tokens"
+
+
+def _float_twin(expert) -> FloatExpert:
+    """The expert as float32 matrices (dequantized or widened), for the numpy forms."""
+    if isinstance(expert, QuantizedExpert):
+        return FloatExpert(np.concatenate([expert.gate.dequantize(), expert.up.dequantize()]),
+                           expert.down.dequantize())
+    return FloatExpert(*((m.astype(np.uint32) << 16).view(np.float32) if m.dtype == np.uint16 else m
+                         for m in (expert.gate_up, expert.down)))
+
+
+def _numpy_expert(expert: FloatExpert, x: np.ndarray) -> np.ndarray:
+    return dense_expert_reference(expert.gate_up, None, expert.down, None, x)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "native", "int8", "mxfp4"])
+def test_store_runs_a_layer_in_one_call_as_one_by_one_and_numpy(precision):
+    """The resident store packs each expert into its layer's stack (the expert is a view of it) and runs the
+    layer's active experts in one call: the same bits as one expert at a time (the streaming path), and the
+    numpy form of each expert within float32 rounding, prefill-sized groups (BLAS) included."""
+    num_experts, hidden, tokens_total = 6, 64, DENSE_KERNEL_MAX_TOKENS + 8
+    matrices = {e: _matrices(10 + e) for e in range(num_experts)}
+    if precision == "bf16":
+        matrices = {e: tuple(_bf16_round(m) for m in ms) for e, ms in matrices.items()}
+    store = ExpertStore(lambda layer, e: matrices[e], precision, num_experts)
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.choice([0, 2, 5], size=2, replace=False) for _ in range(tokens_total)])  # [T, 2]
+    ids[:DENSE_KERNEL_MAX_TOKENS + 2, 0] = 3  # expert 3 gets enough tokens for the BLAS path
+    pairs = pairs_by_expert(ids)
+    x = rng.standard_normal((tokens_total, hidden)).astype(np.float32)
+    together = store.expert_outputs(1, pairs, x)
+    experts = {int(e): store.get(1, int(e)) for e in pairs.expert_ids}
+    np.testing.assert_array_equal(together, outputs_one_by_one(experts, pairs, x))
+    for k, e in enumerate(pairs.expert_ids):
+        rows = slice(pairs.starts[k], pairs.ends[k])
+        want = _numpy_expert(_float_twin(experts[int(e)]), x[pairs.tokens[rows]])
+        assert _relative_rms(together[rows], want) < 1e-5, f"expert {e}"
+    kind, stacked = store._stacks[1]
+    assert any(np.shares_memory(a, experts[0].parts()[1][0]) for a in stacked if a is not None)
+    assert store.num_loaded == 4  # experts 0, 2, 3 and 5; the others' slots of the stack were never written
+
+
+def test_store_refuses_an_expert_outside_the_layer_or_in_another_format():
+    gate, up, down = _matrices(1)
+    store = ExpertStore(lambda layer, e: (gate, up, down) if e == 0 else tuple(_bf16_round(m) for m in (gate, up,
+                                                                                                       down)),
+                        "native", 3)
+    store.get(0, 0)  # float32: the layer's stack is float32
+    with pytest.raises(CheckpointError, match="share their format"):
+        store.get(0, 1)  # bf16 bits
+    with pytest.raises(IndexError, match="3 experts"):
+        store.get(0, 3)

@@ -166,7 +166,7 @@ def build(config: DeepseekV3Config, reader: TensorReader, precision: str, chunk_
                                 interleaved=config.rope_interleave, where=f"{reader.path} ({config.model_type})")
     store = ExpertStore(expert_reader(reader, lambda l: f"model.layers.{l}.mlp.",
                                       ("gate_proj", "up_proj", "down_proj"), H, config.moe_intermediate_size),
-                        precision)
+                        precision, config.num_experts)
     layers, row_widths, recurrent_shapes = [], {}, {}
     for l in range(config.num_layers):
         p = f"model.layers.{l}."

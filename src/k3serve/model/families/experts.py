@@ -3,13 +3,18 @@
 An expert is a SiLU-GLU MLP: y = W_down (SiLU(W_gate x) * (W_up x)), W_gate and W_up [I, H], W_down [H, I].
 The checkpoints ship experts in bf16 (or f32 in tests). The precision is a load option:
 - "native" (alias "bf16"): the stored values, exactly. bf16 checkpoints stay bf16 in RAM (uint16 bits) and are
-  multiplied by a kernel that widens each lane on the fly (`k3serve.model.kernels.dense_expert_forward`); other
-  stored values (float32 test checkpoints) are held as float32.
+  multiplied by a kernel that widens each lane on the fly (`k3serve.model.kernels.dense_experts_run`); other
+  stored values (float32 test checkpoints) are held as float32 and multiplied by the same kernel.
 - "mxfp4": each matrix quantized row-wise to MXFP4 (K3_SPEC section 4, `k3serve.weights.mxfp4`) and multiplied by
-  the fused kernel (`k3serve.model.kernels.mxfp4_matmul`), as K3's experts are. Needs H and I multiples of 32.
+  the fused kernel (`k3serve.model.kernels.mxfp4_experts_run`), as K3's experts are. Needs H and I multiples of 32.
 - "int8": symmetric per-row 8-bit, w[r, c] ~ q[r, c] * s[r], s[r] = max_c |w[r, c]| / 127, q rounded to nearest;
-  y = (x @ q^T) * s, in one compiled call per expert (the same kernel as bf16).
-Prefill batches of DENSE_KERNEL_MAX_TOKENS tokens or more widen one expert at a time to float32 (a transient
+  y = (x @ q^T) * s, by the same kernel as bf16.
+One MoE layer's active experts run in ONE compiled call, as K3's do: the resident store keeps each layer's packed
+experts in stacked [NE, ...] arrays (a packed expert is a view into its layer's stack; pages of experts never used
+are never touched), and the kernel takes the stack, the active expert ids and the token rows of each. A streaming
+store's experts live in slots, so it calls the same kernel once per expert on a stack of one (the same bits per
+row: each output row is one row dot, whatever the other rows of the call).
+Experts with DENSE_KERNEL_MAX_TOKENS tokens or more (prefill) widen to float32 one expert at a time (a transient
 copy, never kept) and use BLAS, which reuses each weight across tokens better than the row-dot kernel.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
@@ -22,13 +27,16 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from k3serve.errors import ConfigError
-from k3serve.model.kernels import dense_expert_forward, mxfp4_experts_run, mxfp4_matmul, stack_expert
-from k3serve.model.ops import silu
+from k3serve.errors import CheckpointError, ConfigError
+from k3serve.model.kernels import dense_expert_reference, dense_experts_run, mxfp4_experts_run
+from k3serve.model.moe import ExpertPairs
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 EXPERT_PRECISIONS = ("native", "mxfp4", "int8")
 _ZERO = np.zeros(1, np.int64)
+# a packed expert as the kernels take it: ("dense", (gate_up, gate_up scales or None, down, down scales or None))
+# or ("mxfp4", (gate packed, gate scales, up packed, up scales, down packed, down scales)); stacked: [E, ...] each
+ExpertParts = tuple[str, tuple]
 DENSE_KERNEL_MAX_TOKENS = 32
 PRECISION_ALIASES = {"bf16": "native"}
 
@@ -47,6 +55,9 @@ class Expert(Protocol):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [n, H] -> [n, H]."""
 
+    def parts(self) -> ExpertParts:
+        """The arrays the kernels take (`ExpertParts`)."""
+
 
 @dataclass(frozen=True)
 class FloatExpert:
@@ -58,9 +69,10 @@ class FloatExpert:
         return self.gate_up.nbytes + self.down.nbytes
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = x @ self.gate_up.T  # [n, 2I]
-        width = self.down.shape[1]
-        return (silu(h[:, :width]) * h[:, width:]) @ self.down.T
+        return run_one_expert(self, x)
+
+    def parts(self) -> ExpertParts:
+        return "dense", (self.gate_up, None, self.down, None)
 
 
 def is_bf16_exact(w: np.ndarray) -> bool:
@@ -70,10 +82,6 @@ def is_bf16_exact(w: np.ndarray) -> bool:
 
 def _bf16_bits(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray((np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16))
-
-
-def _widen_bf16(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 @dataclass(frozen=True)
@@ -88,14 +96,10 @@ class BF16Expert:
         return self.gate_up.nbytes + self.down.nbytes
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        if x.shape[0] >= DENSE_KERNEL_MAX_TOKENS:
-            return FloatExpert(_widen_bf16(self.gate_up), _widen_bf16(self.down))(x)
-        return dense_expert_forward(self.gate_up, _ones(self.gate_up.shape[0]), self.down,
-                                    _ones(self.down.shape[0]), x)
+        return run_one_expert(self, x)
 
-
-def _ones(n: int) -> np.ndarray:
-    return np.ones(n, np.float32)
+    def parts(self) -> ExpertParts:
+        return "dense", (self.gate_up, None, self.down, None)
 
 
 @dataclass(frozen=True)
@@ -107,9 +111,6 @@ class MXFP4Matrix:
     def quantize(cls, w: np.ndarray) -> MXFP4Matrix:
         packed, scales = quantize_mxfp4(w)
         return cls(packed, scales)
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        return mxfp4_matmul(self.packed, self.scales, x)
 
     def dequantize(self) -> np.ndarray:
         return dequantize_mxfp4(self.packed, self.scales)
@@ -127,10 +128,6 @@ class Int8Matrix:
         values = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
         return cls(values, scales)
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        # NOTE: widens the int8 matrix on every call; a fused int8 kernel is a TODO if int8 experts matter
-        return (x @ self.values.T.astype(np.float32)) * self.scales
-
     def dequantize(self) -> np.ndarray:
         return self.values.astype(np.float32) * self.scales[:, None]
 
@@ -147,17 +144,56 @@ class QuantizedExpert:
         return sum(a.nbytes for m in (self.gate, self.up, self.down) for a in vars(m).values())
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if isinstance(self.gate, MXFP4Matrix):  # one fused call: w1 and w3 rows together, SiLU-GLU, then w2
-            stacked = stack_expert(*((m.packed, m.scales) for m in (self.gate, self.up, self.down)))
-            n = x.shape[0]
-            return mxfp4_experts_run(stacked, _ZERO, x, np.arange(n), _ZERO, np.full(1, n, np.int64), 0.0, 0.0,
-                                     activation="silu")
-        if self.gate_up is not None and isinstance(self.down, Int8Matrix) and x.shape[0] < DENSE_KERNEL_MAX_TOKENS:
-            return dense_expert_forward(self.gate_up.values, self.gate_up.scales, self.down.values,
-                                        self.down.scales, x)
-        hidden = silu(self.gate.matmul(x)) * self.up.matmul(x)  # [n, I]
-        return self.down.matmul(np.ascontiguousarray(hidden))
+        return run_one_expert(self, x)
+
+    def parts(self) -> ExpertParts:
+        if isinstance(self.down, MXFP4Matrix):
+            return "mxfp4", tuple(a for m in (self.gate, self.up, self.down) for a in (m.packed, m.scales))
+        if self.gate_up is None:
+            raise ConfigError("an int8 expert needs its fused gate_up matrix")
+        return "dense", (self.gate_up.values, self.gate_up.scales, self.down.values, self.down.scales)
+
+
+def expert_from_parts(expert: Expert, parts: tuple) -> Expert:
+    """An expert of `expert`'s type over `parts` (the same shapes, e.g. views into a layer's stack)."""
+    if isinstance(expert, (BF16Expert, FloatExpert)):
+        return type(expert)(parts[0], parts[2])
+    if len(parts) == 6:
+        return QuantizedExpert(*(MXFP4Matrix(parts[i], parts[i + 1]) for i in (0, 2, 4)))
+    gate_up, gate_up_scales, down, down_scales = parts
+    width = gate_up.shape[0] // 2
+    return QuantizedExpert(Int8Matrix(gate_up[:width], gate_up_scales[:width]),
+                           Int8Matrix(gate_up[width:], gate_up_scales[width:]), Int8Matrix(down, down_scales),
+                           gate_up=Int8Matrix(gate_up, gate_up_scales))
+
+
+def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
+    """y [N, H]: y[n] = Expert_e(x[pairs.tokens[n]]) for e = pairs.expert_ids[k] on rows starts[k]:ends[k],
+    every expert in one compiled call over the stacked parts [E, ...] (`kind`, `stacked`: `ExpertParts` of a
+    stack), except that a dense expert with DENSE_KERNEL_MAX_TOKENS tokens or more uses BLAS on a transient float32
+    copy."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ids, starts, ends, tokens = pairs.expert_ids, pairs.starts, pairs.ends, pairs.tokens
+    if kind == "mxfp4":
+        return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
+    out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
+    many = ends - starts >= DENSE_KERNEL_MAX_TOKENS  # [K]
+    gate_up, gate_up_scales, down, down_scales = stacked
+    for k in np.flatnonzero(many):
+        e = ids[k]
+        out[starts[k]:ends[k]] = dense_expert_reference(
+            gate_up[e], None if gate_up_scales is None else gate_up_scales[e], down[e],
+            None if down_scales is None else down_scales[e], x[tokens[starts[k]:ends[k]]])
+    few = ~many
+    return dense_experts_run(*stacked, ids[few], x, tokens, starts[few], ends[few], out=out)
+
+
+def run_one_expert(expert: Expert, x: np.ndarray) -> np.ndarray:
+    """x [n, H] -> [n, H] through `run_experts` on a stack of one (views, no copy)."""
+    kind, parts = expert.parts()
+    n = x.shape[0]
+    return run_experts(kind, tuple(None if a is None else np.ascontiguousarray(a)[None] for a in parts),
+                       ExpertPairs(_ZERO, _ZERO, np.full(1, n, np.int64), np.arange(n), np.arange(n)), x)
 
 
 def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, precision: str) -> Expert:
@@ -188,13 +224,24 @@ def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, precision: s
 ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-class ExpertStore:
-    """Every routed expert of a model, read (and packed) on first use, then kept."""
+def outputs_one_by_one(experts: Mapping[int, Expert], pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
+    """`run_experts` one expert at a time (ascending id), each on a stack of one: for experts that are not stacked
+    (a streaming store's slots). The same bits as the one-call path."""
+    y = np.empty((pairs.tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
+    for expert, start, end in zip(pairs.expert_ids, pairs.starts, pairs.ends):
+        y[start:end] = experts[int(expert)](x[pairs.tokens[start:end]])
+    return y
 
-    def __init__(self, read: ExpertReader, precision: str) -> None:
+
+class ExpertStore:
+    """Every routed expert of a model, read (and packed) on first use into its layer's stack, then kept."""
+
+    def __init__(self, read: ExpertReader, precision: str, num_experts: int) -> None:
         self._read = read
         self.precision = normalize_precision(precision)
+        self.num_experts = num_experts  # NE per MoE layer
         self._experts: dict[tuple[int, int], Expert] = {}
+        self._stacks: dict[int, ExpertParts] = {}  # layer -> its experts' parts, stacked [NE, ...]
 
     prefetching = False  # a resident store has nothing to read ahead
     plan = None  # a streaming store's RAM budget plan (stream/budget.py)
@@ -208,8 +255,35 @@ class ExpertStore:
         key = (layer, expert)
         found = self._experts.get(key)
         if found is None:
-            found = self._experts[key] = pack_expert(*self._read(layer, expert), self.precision)
+            if not 0 <= expert < self.num_experts:
+                raise IndexError(f"expert {expert} of layer {layer}: the model has {self.num_experts} experts")
+            found = self._experts[key] = self._into_stack(layer, expert,
+                                                          pack_expert(*self._read(layer, expert), self.precision))
         return found
+
+    def _into_stack(self, layer: int, expert: int, packed: Expert) -> Expert:
+        """`packed` copied into slot `expert` of its layer's stack (allocated on the layer's first expert; np.empty,
+        so the slots of experts never used take no memory), returned as views of that slot."""
+        kind, parts = packed.parts()
+        if layer not in self._stacks:
+            self._stacks[layer] = kind, tuple(None if a is None else np.empty((self.num_experts, *a.shape), a.dtype)
+                                              for a in parts)
+        stack_kind, stacked = self._stacks[layer]
+        shapes = [None if a is None else (a.shape, a.dtype) for a in parts]
+        if kind != stack_kind or shapes != [None if a is None else (a.shape[1:], a.dtype) for a in stacked]:
+            raise CheckpointError(f"layer {layer}: expert {expert} is stored as {kind} {shapes}, the layer's other "
+                                  f"experts otherwise; one MoE layer's experts must share their format")
+        for a, into in zip(parts, stacked):
+            if a is not None:
+                into[expert] = a
+        return expert_from_parts(packed, tuple(None if a is None else a[expert] for a in stacked))
+
+    def expert_outputs(self, layer: int, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
+        """y [N, H] of every (token, expert) pair of `pairs` (`run_experts`), the layer's experts in one call."""
+        for expert in pairs.expert_ids:
+            self.get(layer, int(expert))
+        kind, stacked = self._stacks[layer]
+        return run_experts(kind, stacked, pairs, x)
 
     def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The expert's float32 (gate, up, down) as stored in the checkpoint, bypassing the packed copy."""

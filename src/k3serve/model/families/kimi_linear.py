@@ -114,7 +114,7 @@ def _moe_prefix(reader: TensorReader, layer: int) -> str:
 def build(config: KimiLinearConfig, reader: TensorReader, precision: str, chunk_size: int) -> FamilyModel:
     H = config.hidden_size
     store = ExpertStore(expert_reader(reader, lambda l: _moe_prefix(reader, l), ("w1", "w3", "w2"), H,
-                                      config.moe_intermediate_size), precision)
+                                      config.moe_intermediate_size), precision, config.num_experts)
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     layers, row_widths, recurrent_shapes = [], {}, {}
     for l in range(config.num_layers):

@@ -11,7 +11,8 @@ MoE block:
     out = sum_{e chosen} weight_e * Expert_e(x) + Shared(x)          (DeepSeek-V3, Kimi Linear: shared_experts)
     out = sum_{e chosen} weight_e * Expert_e(x) + sigmoid(w_sg . x) * Shared(x)     (Qwen3-Next: shared_expert)
 Every MLP here is a SiLU-GLU: down(SiLU(gate x) * up x). Each routed expert runs once per forward on all the
-tokens routed to it. Ties in the top-k go to the lower expert id.
+tokens routed to it, all the layer's active experts in one compiled call (`ExpertStore.expert_outputs`); the
+weighted outputs are added per token in ascending expert id. Ties in the top-k go to the lower expert id.
 Shapes: T tokens, NE experts, TOPK active, NG groups, H hidden, S shared width.
 """
 
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3serve.model.families.experts import ExpertStore
-from k3serve.model.moe import Routing
+from k3serve.model.kernels import accumulate_expert_rows
+from k3serve.model.moe import Routing, pairs_by_expert
 from k3serve.model.ops import sigmoid, silu, softmax
 
 
@@ -102,13 +104,10 @@ class MoEBlock:
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing]:
         routing = self.router(x)
-        out = np.zeros_like(x)  # [T, H]
-        chosen = np.unique(routing.expert_ids)  # ascending id: a fixed accumulation order per token
-        experts = self.experts.fetch(self.layer, chosen)  # all at once: a streaming store reads its misses together
-        for expert in chosen:
-            tokens, slots = np.nonzero(routing.expert_ids == expert)
-            y = experts[int(expert)](x[tokens])
-            out[tokens] += routing.weights[tokens, slots][:, None] * y
+        pairs = pairs_by_expert(routing.expert_ids)  # experts ascending: a fixed accumulation order per token
+        out = np.zeros(x.shape, np.float32)  # [T, H]
+        accumulate_expert_rows(self.experts.expert_outputs(self.layer, pairs, x), pairs.tokens,
+                               routing.weights.ravel()[pairs.order], out)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -103,7 +103,7 @@ def build(config: Qwen3NextConfig, reader: TensorReader, precision: str, chunk_s
                                 interleaved=False, where=f"{reader.path} (qwen3_next)")
     store = ExpertStore(expert_reader(reader, lambda l: f"model.layers.{l}.mlp.",
                                       ("gate_proj", "up_proj", "down_proj"), H, config.moe_intermediate_size),
-                        precision)
+                        precision, config.num_experts)
     layers, row_widths, recurrent_shapes = [], {}, {}
     for l in range(config.num_layers):
         p = f"model.layers.{l}."
