@@ -23,6 +23,7 @@ from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLO
                                             causal_attention_reference)
 from k3serve.model.families.decoder import Batch
 from k3serve.model.families.rope import Rotary
+from k3serve.model.kernels import linear
 from k3serve.model.ops import rms_norm, sigmoid
 
 
@@ -54,7 +55,7 @@ class GQAAttention:
     def __call__(self, x: np.ndarray, batch: Batch) -> np.ndarray:
         NQ, NKV, hd = self.num_heads, self.num_kv_heads, self.head_dim
         T = x.shape[0]
-        proj = x @ self.weights.qkv.T  # [T, NQ*hd*(1|2) + 2*NKV*hd]
+        proj = linear(x, self.weights.qkv)  # [T, NQ*hd*(1|2) + 2*NKV*hd]
         q_width = NQ * hd * (2 if self.gated else 1)
         if self.gated:
             q_and_gate = proj[:, :q_width].reshape(T, NQ, 2 * hd)  # per head [q | gate]
@@ -73,7 +74,7 @@ class GQAAttention:
             out[start:end] = self._attend(q[start:end], cache.attention_rows(self.layer))
         if gate is not None:
             out = out * sigmoid(gate)
-        return out @ self.weights.o_proj.T
+        return linear(out, self.weights.o_proj)
 
     def _split(self, q: np.ndarray, cached: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q [T, NQ, hd], cached [N, 2*NKV*hd] -> grouped queries [NKV, G, T, hd], keys and values [NKV, 1, N, hd]."""

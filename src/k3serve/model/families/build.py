@@ -19,6 +19,7 @@ from k3serve.model.families.experts import ExpertReader, MXFP4Matrix
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.moe import GLUWeights
 from k3serve.model.families.tensors import TensorReader
+from k3serve.model.weights import keep_bf16
 from k3serve.weights.bf16 import bf16_bits_to_f32
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
 
@@ -53,15 +54,16 @@ def glu(reader: TensorReader, prefixes: tuple[str, ...], hidden: int, width: int
     gate = reader.f32(f"{prefix}gate_proj.weight", shape=(width, hidden))
     up = reader.f32(f"{prefix}up_proj.weight", shape=(width, hidden))
     down = reader.f32(f"{prefix}down_proj.weight", shape=(hidden, width))
-    return GLUWeights(gate_up=np.ascontiguousarray(np.concatenate([gate, up])), down=down)
+    return GLUWeights(gate_up=keep_bf16(np.concatenate([gate, up])), down=keep_bf16(down))
 
 
 def embeddings(reader: TensorReader, vocab: int, hidden: int, tied: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(embed [V, H], lm_head [V, H]); a tied model reuses the embedding."""
-    embed = reader.f32("model.embed_tokens.weight", shape=(vocab, hidden))
+    """(embed [V, H], lm_head [V, H]), each as bf16 bits when its values are bf16 (`keep_bf16`); a tied model
+    reuses the embedding."""
+    embed = keep_bf16(reader.f32("model.embed_tokens.weight", shape=(vocab, hidden)))
     if tied:
         return embed, embed
-    return embed, reader.f32("lm_head.weight", shape=(vocab, hidden))
+    return embed, keep_bf16(reader.f32("lm_head.weight", shape=(vocab, hidden)))
 
 
 def _read_slice(reader: TensorReader, name: str, index: int, shape: tuple[int, int]) -> np.ndarray:

@@ -21,6 +21,7 @@ import numpy as np
 from k3serve.errors import ConfigError
 from k3serve.model.k3 import (ForwardItem, ForwardResult, LayerObserver, RoutingObserver, SingleSequenceMixin,
                               finish_batch, flatten_items, logit_rows)
+from k3serve.model.kernels import linear, widen_bf16
 from k3serve.model.moe import Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
@@ -161,7 +162,7 @@ class FamilyModel(SingleSequenceMixin):
         experts = self.experts
         if experts is not None:
             experts.begin_step(int(ids.shape[0]))
-        h = self.embed[ids]  # [T, H]
+        h = widen_bf16(self.embed[ids]) if self.embed.dtype == np.uint16 else self.embed[ids]  # [T, H]
         for index, layer in enumerate(self.layers):
             h = h + layer.mixer(rms_norm(h, layer.input_norm, eps), batch)
             if experts is not None and experts.prefetching:
@@ -176,7 +177,7 @@ class FamilyModel(SingleSequenceMixin):
             if between_layers is not None and index < len(self.layers) - 1:
                 between_layers(index)
 
-        logits = rms_norm(h[logit_rows(items, segments)], self.final_norm, eps) @ self.lm_head.T  # [R, V]
+        logits = linear(rms_norm(h[logit_rows(items, segments)], self.final_norm, eps), self.lm_head)  # [R, V]
         return finish_batch(items, segments, logits, result)
 
 

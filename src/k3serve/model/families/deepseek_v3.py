@@ -28,6 +28,7 @@ from k3serve.model.families.latent_attention import LatentAttention, LatentAtten
 from k3serve.model.families.moe import DenseMLP, GLUWeights, GroupedSigmoidRouter, MoEBlock
 from k3serve.model.families.rope import Rotary, rope_parameters, rotary_from_config, yarn_mscale
 from k3serve.model.families.tensors import TensorReader
+from k3serve.model.weights import keep_bf16
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,10 @@ def build_mla(reader: TensorReader, config: DecoderConfig, mla: MLAConfig, layer
         q_b = reader.f32(f"{a}q_b_proj.weight", shape=(NA * (DN + DR), QL))
     kv_b = reader.f32(f"{a}kv_b_proj.weight", shape=(NA * (DN + DV), KL)).reshape(NA, DN + DV, KL)
     weights = LatentAttentionWeights(
-        in_proj=np.ascontiguousarray(in_proj), q_a_norm=q_a_norm, q_b=q_b,
+        in_proj=keep_bf16(in_proj), q_a_norm=q_a_norm, q_b=None if q_b is None else keep_bf16(q_b),
         kv_a_norm=reader.f32(f"{a}kv_a_layernorm.weight", shape=(KL,)),
         w_uk=np.ascontiguousarray(kv_b[:, :DN]), w_uv=np.ascontiguousarray(kv_b[:, DN:]),
-        o_proj=reader.f32(f"{a}o_proj.weight", shape=(H, NA * DV)),
+        o_proj=keep_bf16(reader.f32(f"{a}o_proj.weight", shape=(H, NA * DV))),
     )
     return LatentAttention(layer=layer, weights=weights, num_heads=NA, q_lora_rank=QL, kv_lora_rank=KL, nope_dim=DN,
                            rope_dim=DR, value_dim=DV, scale=scale, rotary=rotary, norm_eps=MLA_INNER_NORM_EPS)

@@ -32,6 +32,7 @@ import numpy as np
 
 from k3serve.model.families.decoder import Batch
 from k3serve.model.kda import KDAInputs, causal_conv, kda_chunked, kda_step_batch
+from k3serve.model.kernels import linear
 from k3serve.model.ops import l2_normalize, rms_norm, sigmoid, silu
 
 
@@ -99,7 +100,7 @@ class KimiDeltaAttention:
     def __call__(self, x: np.ndarray, batch: Batch) -> np.ndarray:
         NH, D = self.num_heads, self.head_dim
         P, T, w = NH * D, x.shape[0], self.weights
-        proj = x @ w.in_proj.T  # [T, 3P + 2D + NH]
+        proj = linear(x, w.in_proj)  # [T, 3P + 2D + NH]
         qkv, new_tails = _conv_segments(proj[:, :3 * P], w.conv, batch, self.layer)
         qkv = qkv.reshape(T, 3, NH, D)
         q = l2_normalize(qkv[:, 0]) * np.float32(D ** -0.5)
@@ -111,7 +112,7 @@ class KimiDeltaAttention:
         inputs = KDAInputs(q=q, k=k, v=v, g=g.astype(np.float32), beta=sigmoid(b), conv_inputs=proj[:, :3 * P])
         o = _run_recurrence(inputs, batch, self.layer, new_tails, self.chunk_size)  # [T, NH, D]
         gate = (g_a @ w.g_b.T).reshape(T, NH, D)
-        return (rms_norm(o, w.o_norm, self.eps) * sigmoid(gate)).reshape(T, P) @ w.o_proj.T
+        return linear((rms_norm(o, w.o_norm, self.eps) * sigmoid(gate)).reshape(T, P), w.o_proj)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class GatedDeltaNet:
     def __call__(self, x: np.ndarray, batch: Batch) -> np.ndarray:
         NKH, NVH, Dk, Dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
         T, w, C = x.shape[0], self.weights, self.conv_channels
-        proj = x @ w.in_proj.T  # [T, C + NVH*Dv + 2*NVH]
+        proj = linear(x, w.in_proj)  # [T, C + NVH*Dv + 2*NVH]
         qkv, new_tails = _conv_segments(proj[:, :C], w.conv, batch, self.layer)
         q = l2_normalize(qkv[:, :NKH * Dk].reshape(T, NKH, Dk)) * np.float32(Dk ** -0.5)
         k = l2_normalize(qkv[:, NKH * Dk:2 * NKH * Dk].reshape(T, NKH, Dk))
@@ -159,4 +160,4 @@ class GatedDeltaNet:
         g = np.repeat(g[:, :, None], Dk, axis=2).astype(np.float32)  # equal decay on every key channel
         inputs = KDAInputs(q=q, k=k, v=v, g=g, beta=sigmoid(b), conv_inputs=proj[:, :C])
         o = _run_recurrence(inputs, batch, self.layer, new_tails, self.chunk_size)  # [T, NVH, Dv]
-        return (rms_norm(o, w.norm, self.eps) * silu(z)).reshape(T, NVH * Dv) @ w.out_proj.T
+        return linear((rms_norm(o, w.norm, self.eps) * silu(z)).reshape(T, NVH * Dv), w.out_proj)

@@ -26,6 +26,7 @@ from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLO
                                             causal_attention_reference)
 from k3serve.model.families.decoder import Batch
 from k3serve.model.families.rope import Rotary
+from k3serve.model.kernels import linear
 from k3serve.model.ops import rms_norm
 
 
@@ -64,13 +65,13 @@ class LatentAttention:
         NA, KL, DN, DR = self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim
         w = self.weights
         T = x.shape[0]
-        proj = x @ w.in_proj.T
+        proj = linear(x, w.in_proj)
         if self.q_lora_rank is None:
             q_width = NA * (DN + DR)
             q = proj[:, :q_width]
         else:
             q_width = self.q_lora_rank
-            q = rms_norm(proj[:, :q_width], w.q_a_norm, self.norm_eps) @ w.q_b.T
+            q = linear(rms_norm(proj[:, :q_width], w.q_a_norm, self.norm_eps), w.q_b)
         q = q.reshape(T, NA, DN + DR)
         latent = rms_norm(proj[:, q_width:q_width + KL], w.kv_a_norm, self.norm_eps)  # [T, KL]
         k_rope = proj[:, q_width + KL:q_width + KL + DR]  # [T, DR]
@@ -83,7 +84,7 @@ class LatentAttention:
         for (start, end), cache in zip(batch.segments, batch.caches):
             cache.append_rows(self.layer, rows[start:end])
             out[start:end] = self._attend(q[start:end], cache.attention_rows(self.layer))
-        return out @ w.o_proj.T
+        return linear(out, w.o_proj)
 
     def _absorbed(self, q: np.ndarray) -> np.ndarray:
         """q [T, NA, DN+DR] -> [W_uk^T q_nope | q_rope] [NA, T, KL+DR], against cached rows [latent | k_rope]."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3serve.model.families.experts import ExpertStore
-from k3serve.model.kernels import accumulate_expert_rows
+from k3serve.model.kernels import accumulate_expert_rows, linear
 from k3serve.model.moe import Routing, pairs_by_expert
 from k3serve.model.ops import sigmoid, silu, softmax
 
@@ -81,9 +81,9 @@ class GLUWeights:
     down: np.ndarray  # [H, I]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = x @ self.gate_up.T  # [T, 2I]
+        h = linear(x, self.gate_up)  # [T, 2I]
         width = self.down.shape[1]
-        return (silu(h[:, :width]) * h[:, width:]) @ self.down.T
+        return linear(silu(h[:, :width]) * h[:, width:], self.down)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.moe import DenseMLP, MoEBlock, SoftmaxRouter
 from k3serve.model.families.rope import Rotary, rope_parameters, rotary_from_config
 from k3serve.model.families.tensors import TensorReader
+from k3serve.model.weights import keep_bf16
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,10 @@ def build_gqa(reader: TensorReader, config: DecoderConfig, gqa: GQAConfig, layer
                           reader.f32(f"{a}k_proj.weight", shape=(NKV * hd, H)),
                           reader.f32(f"{a}v_proj.weight", shape=(NKV * hd, H))])
     weights = GQAWeights(
-        qkv=np.ascontiguousarray(qkv),
+        qkv=keep_bf16(qkv),
         q_norm=reader.f32(f"{a}q_norm.weight", shape=(hd,)) + np.float32(norm_offset),
         k_norm=reader.f32(f"{a}k_norm.weight", shape=(hd,)) + np.float32(norm_offset),
-        o_proj=reader.f32(f"{a}o_proj.weight", shape=(H, NQ * hd)),
+        o_proj=keep_bf16(reader.f32(f"{a}o_proj.weight", shape=(H, NQ * hd))),
     )
     return GQAAttention(layer=layer, weights=weights, num_heads=NQ, num_kv_heads=NKV, head_dim=hd, rotary=rotary,
                         eps=config.rms_norm_eps, gated=gated)

@@ -29,6 +29,7 @@ from k3serve.model.families.moe import DenseMLP, MoEBlock
 from k3serve.model.families.qwen3_moe import GQAConfig, build_gqa, read_gqa_config, softmax_router, sparse_layers
 from k3serve.model.families.rope import rotary_from_config
 from k3serve.model.families.tensors import TensorReader
+from k3serve.model.weights import keep_bf16
 
 _LAYER_TYPES = {"full_attention": "attention", "linear_attention": "gated_deltanet"}
 
@@ -85,12 +86,12 @@ def build_gated_deltanet(reader: TensorReader, config: Qwen3NextConfig, layer: i
     parts += [ba[:, :group].reshape(NVH, H), ba[:, group:].reshape(NVH, H)]
     C = 2 * NKH * Dk + NVH * Dv
     weights = GatedDeltaWeights(
-        in_proj=np.ascontiguousarray(np.concatenate(parts)),
+        in_proj=keep_bf16(np.concatenate(parts)),
         conv=np.ascontiguousarray(reader.f32(f"{a}conv1d.weight", shape=(C, 1, K))[:, 0, :]),
         a_exp=np.exp(reader.f32(f"{a}A_log", shape=(NVH,))).astype(np.float32),
         dt_bias=reader.f32(f"{a}dt_bias", shape=(NVH,)),
         norm=reader.f32(f"{a}norm.weight", shape=(Dv,)),
-        out_proj=reader.f32(f"{a}out_proj.weight", shape=(H, NVH * Dv)),
+        out_proj=keep_bf16(reader.f32(f"{a}out_proj.weight", shape=(H, NVH * Dv))),
     )
     return GatedDeltaNet(layer=layer, weights=weights, num_key_heads=NKH, num_value_heads=NVH, key_dim=Dk,
                          value_dim=Dv, eps=config.rms_norm_eps, chunk_size=chunk_size)
