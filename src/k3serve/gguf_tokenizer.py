@@ -9,7 +9,9 @@ llama.cpp's converter writes a byte-level BPE vocabulary as `tokenizer.ggml.mode
 From these a tokenizer.json-shaped spec is rebuilt: normal tokens form the BPE vocabulary, control and
 user-defined tokens become added tokens (control ones special), unused ones (placeholders) are left out. The
 split regexes are known for the pre-tokenizer names in `PRE_TOKENIZER_REGEXES` (the patterns of those models'
-tokenizer.json files, which llama.cpp applies in the same order); another name is a `TokenizerError` naming it.
+tokenizer.json files, which llama.cpp applies in the same order, and Kimi's tiktoken pattern for `kimi-k2`, whose
+vocabulary the converter stores with id = rank and merges derived from the ranks); another name is a
+`TokenizerError` naming it.
 A file that embeds its tokenizer.json (`tokenizer.huggingface.json`) is read from that instead.
 """
 
@@ -30,6 +32,19 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "deepseek-v3": (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    # Kimi K2 / Kimi Linear / K3 (tiktoken vocabularies; the converter stores the ranks as ids and derives merges
+    # from them): Han runs; letter words (leading upper-case letters, then lower-case ones, or the reverse), Han
+    # excluded, with an optional leading non-letter and an English contraction; digit runs of 1-3; then the qwen2
+    # tail. Kimi's pattern excludes Han by set intersection ([...&&[^\p{Han}]]), written here as a lookahead; a
+    # bare script name in Rust's regex (tiktoken's) means its Script_Extensions, hence scx=Han.
+    "kimi-k2": ("|".join([
+        r"\p{scx=Han}+",
+        r"[^\r\n\p{L}\p{N}]?(?:(?!\p{scx=Han})[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}])*"
+        r"(?:(?!\p{scx=Han})[\p{Ll}\p{Lm}\p{Lo}\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?(?:(?!\p{scx=Han})[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}])+"
+        r"(?:(?!\p{scx=Han})[\p{Ll}\p{Lm}\p{Lo}\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+    ]),),
 }
 
 

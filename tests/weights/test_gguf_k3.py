@@ -11,6 +11,7 @@ folder's exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -38,7 +39,9 @@ def ggml_mxfp4_blocks(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.concatenate([scales[:, :, None], qs], axis=2).reshape(rows, groups * 17)
 
 
-def write_k3_gguf(folder: Path, out: Path, expert_type: str = "MXFP4", skip: tuple[str, ...] = ()) -> Path:
+def write_k3_gguf(folder: Path, out: Path, expert_type: str = "MXFP4", skip: tuple[str, ...] = (),
+                  metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+    """`metadata` adds more keys (a tokenizer, as llama.cpp's converter writes one)."""
     c = load_config(folder)
     checkpoint = Checkpoint(folder)
     read = checkpoint.read
@@ -146,6 +149,8 @@ def write_k3_gguf(folder: Path, out: Path, expert_type: str = "MXFP4", skip: tup
         u32("tokenizer.ggml.bos_token_id", c.bos_token_id)
     if c.eos_token_ids:
         u32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
+    if metadata is not None:
+        metadata(writer)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     checkpoint.close()
