@@ -18,10 +18,14 @@ A file that embeds its tokenizer.json (`tokenizer.huggingface.json`) is read fro
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 from typing import Any, Mapping
 
 from k3serve.errors import TokenizerError
 from k3serve.hf_tokenizer import HFTokenizer
+
+logger = logging.getLogger(__name__)
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -82,8 +86,9 @@ def tokenizer_spec(metadata: Mapping[str, Any], where: str) -> dict[str, Any]:
             "decoder": {"type": "ByteLevel"}, "normalizer": None, "added_tokens": added}
 
 
-def tokenizer_from_gguf(metadata: Mapping[str, Any], where: str) -> HFTokenizer:
-    """The file's tokenizer, its bos (if the file asks for one), eos ids and chat template."""
+def _tokenizer_parts(metadata: Mapping[str, Any], where: str) -> tuple[dict[str, Any], str | None, list[int],
+                                                                        str | None]:
+    """(tokenizer.json spec, bos token if the file asks for one, eos ids, chat template) of the file."""
     embedded = metadata.get("tokenizer.huggingface.json")
     if isinstance(embedded, str):
         try:
@@ -106,5 +111,28 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], where: str) -> HFTokenizer:
     eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if isinstance(metadata.get(k), int)]
     template = metadata.get("tokenizer.chat_template")
-    return HFTokenizer(spec, bos_token=bos, extra_eos_ids=eos_ids,
-                       chat_template=template if isinstance(template, str) else None)
+    return spec, bos, eos_ids, template if isinstance(template, str) else None
+
+
+def tokenizer_from_gguf(metadata: Mapping[str, Any], where: str) -> HFTokenizer:
+    """The file's tokenizer, its bos (if the file asks for one), eos ids and chat template."""
+    spec, bos, eos_ids, template = _tokenizer_parts(metadata, where)
+    return HFTokenizer(spec, bos_token=bos, extra_eos_ids=eos_ids, chat_template=template)
+
+
+def write_tokenizer_files(metadata: Mapping[str, Any], out: Path, where: str) -> bool:
+    """The file's tokenizer as the side files `HFTokenizer.from_dir` reads (tokenizer.json, tokenizer_config.json
+    with bos and chat template, generation_config.json with the eos ids), for a store packed from a GGUF file.
+    False, with a warning, when the metadata holds no tokenizer this module can rebuild (the store then runs on
+    token ids, as the file does)."""
+    try:
+        spec, bos, eos_ids, template = _tokenizer_parts(metadata, where)
+        HFTokenizer(spec, bos_token=bos, extra_eos_ids=eos_ids, chat_template=template)  # refuse what cannot load
+    except TokenizerError as exc:
+        logger.warning("%s: tokenizer not usable (%s); the packed store takes token ids", where, exc)
+        return False
+    files = {"tokenizer.json": spec, "generation_config.json": {"eos_token_id": eos_ids},
+             "tokenizer_config.json": {"bos_token": bos, "add_bos_token": bos is not None, "chat_template": template}}
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+    return True

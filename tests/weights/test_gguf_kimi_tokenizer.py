@@ -143,3 +143,37 @@ def test_k3_gguf_serves_text_with_its_own_tokenizer_and_template(reference, k3_g
     expected = folder.greedy(prompt, 8)  # the same weights from the safetensors folder
     text = reference.decode([t for t in expected if not reference.is_special(t)])
     assert body["choices"][0]["message"]["content"] == text and text.strip()
+
+
+def test_pack_streams_a_k3_gguf_as_it_runs_resident(reference, k3_gguf, tmp_path):
+    """`k3serve pack FILE.gguf OUT` reads the file through the same reader as `--model FILE.gguf`: the store streamed
+    at its minimum budget gives the resident file's logits and greedy tokens, with the file's tokenizer."""
+    import numpy as np
+
+    from k3serve.cli import main
+    from k3serve.stream.budget import minimum_budget_bytes
+    from k3serve.stream.options import StreamOptions
+    from k3serve.weights.store import PackedStore
+
+    out = tmp_path / "store"
+    assert main(["pack", str(k3_gguf), str(out)]) == 0
+    store = PackedStore(out)
+    resident = load_model(k3_gguf)
+    streamed = load_model(out, stream=StreamOptions(ram_budget=minimum_budget_bytes(store), io="pread"))
+    ids = reference.encode("The old man said: \"Once upon a time, there was a king.\"")
+    assert np.array_equal(streamed.model.logits(ids), resident.model.logits(ids))
+    assert streamed.model.greedy(ids, 8) == resident.model.greedy(ids, 8)
+    assert streamed.model.source.stream_stats().expert_evictions > 0
+    for text in CORPUS:
+        assert streamed.tokenizer.encode(text) == reference.encode(text), text[:60]
+    assert streamed.tokenizer.chat_template == TEMPLATE
+    assert set(streamed.stop_ids) == set(resident.stop_ids)
+
+
+def test_pack_of_a_k3_gguf_refuses_what_it_cannot_do(k3_gguf, tmp_path, capsys):
+    from k3serve.cli import main
+
+    assert main(["pack", str(k3_gguf), str(tmp_path / "s"), "--shard", "0/2"]) != 0
+    assert "is a GGUF file: --shard" in capsys.readouterr().err
+    assert main(["pack", str(k3_gguf), str(tmp_path / "s"), "--expert-precision", "int8"]) != 0
+    assert "K3 experts ship as MXFP4" in capsys.readouterr().err

@@ -85,7 +85,7 @@ def load_for_run(args: argparse.Namespace, **kwargs):
 
 def add_subcommands(sub) -> dict:
     pack = sub.add_parser("pack", help="rewrite a checkpoint into a trunk file + aligned, checksummed expert store")
-    pack.add_argument("src", type=Path, help="safetensors checkpoint folder")
+    pack.add_argument("src", type=Path, help="safetensors checkpoint folder, or a GGUF file")
     pack.add_argument("out", type=cli_args.output_dir, help="output folder (not the source folder)")
     pack.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural",
                       help="order of the experts in the store")
@@ -171,10 +171,17 @@ def cmd_pack(args: argparse.Namespace) -> int:
         raise UsageError(f"pack would write into its source checkpoint {args.src}: give another output folder")
     from k3serve.model.families import is_family_checkpoint
     from k3serve.weights.family_store import is_family_store
+    from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
+    from k3serve.weights.gguf_k3 import ARCHITECTURE as K3_GGUF_ARCHITECTURE
 
     if is_family_store(args.src):
         raise UsageError(f"{args.src} is a packed family store already; pack its source checkpoint folder")
-    if is_family_checkpoint(args.src):
+    gguf_architecture = None
+    if is_gguf_file(args.src):
+        file = GGUFFile(args.src)
+        gguf_architecture = file.architecture
+        file.close()
+    if is_family_checkpoint(args.src) or gguf_architecture not in (None, K3_GGUF_ARCHITECTURE):
         if args.shard is not None:
             raise UsageError(f"{args.src} is a family checkpoint: --shard (expert parallelism) is built for K3 "
                              "stores; pack it whole")
@@ -183,11 +190,14 @@ def cmd_pack(args: argparse.Namespace) -> int:
         raise UsageError(f"K3 experts ship as MXFP4; --expert-precision {args.expert_precision!r} applies to the "
                          "other families")
     if args.shard is not None:
+        if gguf_architecture is not None:
+            raise UsageError(f"{args.src} is a GGUF file: --shard (expert parallelism) reads safetensors checkpoint "
+                             "folders; pack the file whole")
         return _pack_shard(args)
     token_sets = None
     if args.trace:  # checked against the source model before anything is written
         trace = read_trace(args.trace)
-        with Checkpoint(args.src) as checkpoint:
+        with (Checkpoint.from_gguf(GGUFFile(args.src)) if gguf_architecture else Checkpoint(args.src)) as checkpoint:
             check_trace_model(trace, checkpoint.config, args.trace, "--trace")
         token_sets = trace.token_sets()
     store = pack_checkpoint(args.src, args.out, layout=args.layout, token_sets=token_sets, progress=True)

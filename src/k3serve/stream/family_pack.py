@@ -1,12 +1,18 @@
-"""`k3serve pack` for the families: a Hugging Face checkpoint folder of Kimi Linear, DeepSeek-V3 / Kimi K2,
-Qwen3-MoE or Qwen3-Next -> a family store (`k3serve.weights.family_store`).
+"""`k3serve pack` for the families: a Hugging Face checkpoint folder (or a GGUF file) of Kimi Linear, DeepSeek-V3 /
+Kimi K2, Qwen3-MoE or Qwen3-Next -> a family store (`k3serve.weights.family_store`).
 
 The trunk (every tensor that is not a routed expert) is copied byte for byte into trunk.safetensors. Each routed
 expert is read once and packed at `expert_precision` ("native": the stored bf16 or float32 values; "int8";
-"mxfp4") exactly as the resident loader packs it (`k3serve.model.families.experts.pack_expert`), then written as
+"mxfp4") exactly as the resident loader packs it (`ExpertStore.packed`), then written as
 one checksummed, 4 KiB-aligned blob. The index is written last, under a temporary name and renamed, so an
 interrupted pack never leaves a folder that looks complete. Experts are in id order (the trace-driven layouts of
 K3's `pack --layout` are not offered for the families).
+
+A GGUF file is read through the reader `--model FILE.gguf` uses (`gguf_families`): its experts come from the same
+`ExpertStore.read` (MXFP4 experts stay packed at "native" and "mxfp4"), its trunk is written as the float32 that
+reader gives (so streamed and resident compute with the same values; a BF16 or Q8_0 file's trunk takes 2x or
+~3.8x its bytes in the store), its config (the one `gguf_families.hf_config` rebuilds) as config.json and its
+tokenizer as tokenizer.json / tokenizer_config.json / generation_config.json.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ import zlib
 from pathlib import Path
 
 from k3serve.errors import CheckpointError
+from k3serve.gguf_tokenizer import write_tokenizer_files
 from k3serve.model.families import load_family
+from k3serve.model.families.gguf_families import hf_config, tensor_index
+from k3serve.model.families.loading import load_family_gguf
 from k3serve.model.families.expert_blobs import blob_parts, blob_size, expert_arrays, write_blob
-from k3serve.model.families.experts import normalize_precision, pack_expert
+from k3serve.model.families.experts import normalize_precision
 from k3serve.model.families.moe import MoEBlock
 from k3serve.weights.family_store import (FAMILY_EXPERT_FILE, FAMILY_STORE_FORMAT, FAMILY_STORE_VERSION,
                                           FAMILY_TRUNK_FILE, FamilyStore, config_file_sha256)
+from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.safetensors_io import INDEX_FILE_NAME, STORAGE_DTYPES, SafetensorsIndex, save_safetensors
 from k3serve.weights.store import STORE_INDEX, align_up
 
@@ -40,7 +50,8 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
     """Pack the family checkpoint folder `source` into `out` (see the module docstring)."""
     source, out = Path(source), Path(out)
     precision = normalize_precision(expert_precision)
-    model = load_family(source, expert_precision=precision)
+    from_gguf = is_gguf_file(source)
+    model = load_family_gguf(source, precision) if from_gguf else load_family(source, expert_precision=precision)
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
     if not blocks or model.experts is None:
         raise CheckpointError(f"{source}: the model has no routed experts; run it resident, there is nothing to "
@@ -52,12 +63,15 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
     out.mkdir(parents=True, exist_ok=True)
     (out / STORE_INDEX).unlink(missing_ok=True)
 
-    with SafetensorsIndex.open(source) as index:
-        trunk_names = [n for n in index if not ROUTED_EXPERT.search(n)]
-        save_safetensors(out / FAMILY_TRUNK_FILE,
-                         {n: index.read_raw(n).view(STORAGE_DTYPES[index.info(n).dtype]).reshape(index.info(n).shape)
-                          for n in trunk_names},
-                         dtypes={n: index.info(n).dtype for n in trunk_names})
+    if from_gguf:
+        _write_gguf_trunk_and_files(source, out)
+    else:
+        with SafetensorsIndex.open(source) as index:
+            trunk_names = [n for n in index if not ROUTED_EXPERT.search(n)]
+            save_safetensors(out / FAMILY_TRUNK_FILE,
+                             {n: index.read_raw(n).view(STORAGE_DTYPES[index.info(n).dtype]).reshape(
+                                 index.info(n).shape) for n in trunk_names},
+                             dtypes={n: index.info(n).dtype for n in trunk_names})
 
     kind, parts, stride = None, None, 0
     expert_index: dict[str, dict] = {}
@@ -72,8 +86,7 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
                 count = block.router.weight.shape[0]
                 offsets, crcs = [0] * count, [0] * count
                 for expert in range(count):
-                    this_kind, arrays = expert_arrays(pack_expert(*model.experts.read(block.layer, expert),
-                                                                  precision))
+                    this_kind, arrays = expert_arrays(model.experts.packed(block.layer, expert))
                     if parts is None:
                         kind, parts = this_kind, blob_parts(arrays)
                         stride = align_up(blob_size(parts))
@@ -93,7 +106,7 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
         if bar:
             bar.close()
         model.experts.close()
-    for file in sorted(source.iterdir()):  # config, tokenizer, chat template, generation config
+    for file in [] if from_gguf else sorted(source.iterdir()):  # config, tokenizer, chat template, generation config
         if file.is_file() and not file.name.endswith(".safetensors") and file.name not in (INDEX_FILE_NAME,
                                                                                              STORE_INDEX):
             shutil.copy(file, out / file.name)
@@ -110,3 +123,19 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
     staging.rename(out / STORE_INDEX)
     return FamilyStore(out)
 
+
+
+def _write_gguf_trunk_and_files(source: Path, out: Path) -> None:
+    """A GGUF file's trunk under our names, as the float32 its reader gives (what `--model FILE.gguf` computes
+    with), its config as config.json and its tokenizer as side files (`gguf_tokenizer.write_tokenizer_files`)."""
+    file = GGUFFile(source)
+    try:
+        config = hf_config(file)
+        index = tensor_index(file, config)
+        trunk_names = [n for n in index if not ROUTED_EXPERT.search(n)]
+        save_safetensors(out / FAMILY_TRUNK_FILE, {n: index.read(n) for n in trunk_names},
+                         dtypes={n: "F32" for n in trunk_names})
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_tokenizer_files(file.metadata, out, str(source))
+    finally:
+        file.close()

@@ -47,6 +47,7 @@ def load_streaming(path: str | Path | None, options: StreamOptions):
     `FamilyModel` reads its routed experts through `StreamingExperts` (stream/family_source.py)."""
     from k3serve.model.k3 import K3Model
     from k3serve.model.kernels import warmup as warmup_kernels
+    from k3serve.hf_tokenizer import HFTokenizer
     from k3serve.tokenizer import Tokenizer
 
     folder = Path(path) if path is not None else default_packed_dir()
@@ -59,7 +60,11 @@ def load_streaming(path: str | Path | None, options: StreamOptions):
 
         return load_family_streaming(folder, options)
     store = PackedStore(folder)
-    tokenizer = Tokenizer.from_dir(folder) if (folder / "tiktoken.model").exists() else None
+    tokenizer: Tokenizer | HFTokenizer | None = None
+    if (folder / "tiktoken.model").exists():
+        tokenizer = Tokenizer.from_dir(folder)
+    elif (folder / "tokenizer.json").exists():  # a store packed from a GGUF file (gguf_tokenizer.py)
+        tokenizer = HFTokenizer.from_dir(folder)
     if tokenizer is not None and tokenizer.vocab_size > store.config.vocab_size:
         raise CheckpointError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {store.config.vocab_size}")

@@ -31,6 +31,10 @@ class _Info(NamedTuple):
     shape: tuple[int, ...]
     dtype: str  # "F32" for every float tensor (read as float32), "U8" for MXFP4 bytes
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * (1 if self.dtype == "U8" else 4)
+
 
 class _Entry(NamedTuple):
     shape: tuple[int, ...]
@@ -106,7 +110,7 @@ def k3_config(file: GGUFFile) -> K3Config:
 
 class GGUFK3Index:
     """Released K3 tensor names -> reads of a kimi-k3 GGUF file: the part of `SafetensorsIndex` that
-    `Checkpoint` uses (`in`, `len`, `info`, `read`, `close`)."""
+    `Checkpoint` and `pack` use (`in`, `len`, `info`, `read`, `read_raw`, `close`)."""
 
     def __init__(self, file: GGUFFile, config: K3Config) -> None:
         self.file = file
@@ -136,6 +140,11 @@ class GGUFK3Index:
             raise CheckpointError(f"{self.file.path}: {name!r} read as {list(array.shape)}, expected "
                                   f"{list(entry.shape)}")
         return array
+
+    def read_raw(self, name: str) -> np.ndarray:
+        """The tensor as `read` gives it (float32 or MXFP4 bytes), as a uint8 array [nbytes]: what a packed store
+        holds for it."""
+        return np.ascontiguousarray(self.read(name)).view(np.uint8).reshape(-1)
 
     def close(self) -> None:
         self.file.close()

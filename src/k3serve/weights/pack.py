@@ -1,8 +1,11 @@
-"""`k3serve pack`: rewrite a safetensors checkpoint into a packed store (see `k3serve.weights.store`).
+"""`k3serve pack`: rewrite a safetensors checkpoint, or a K3 GGUF file, into a packed store (see
+`k3serve.weights.store`).
 
 Tensors are copied byte for byte in their stored dtype (the trunk stays bf16 on disk, experts stay MXFP4), so a
-streaming source decodes exactly what the resident source decodes. The index is written last, under a temporary
-name and renamed, so an interrupted pack never leaves a folder that looks complete.
+streaming source decodes exactly what the resident source decodes. A GGUF file is read through the same reader as
+`--model FILE.gguf` (`Checkpoint.from_gguf`): its trunk is stored as the float32 that reader gives, its experts as
+the same MXFP4 bytes, its config and tokenizer are written from its metadata. The index is written last, under a
+temporary name and renamed, so an interrupted pack never leaves a folder that looks complete.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from k3serve.gguf_tokenizer import write_tokenizer_files
 from k3serve.weights import names
 from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
                                    TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
@@ -59,7 +64,7 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
         raise StoreError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if layout != "natural" and not token_sets:
         raise StoreError(f"layout {layout!r} needs a routing trace (--trace FILE, written by --trace-out)")
-    checkpoint = Checkpoint(source)
+    checkpoint = Checkpoint.from_gguf(GGUFFile(source)) if is_gguf_file(source) else Checkpoint(source)
     config = checkpoint.config
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,10 +109,14 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
     finally:
         if bar:
             bar.close()
-    shutil.copy(Path(source) / "config.json", out / "config.json")
-    for file in _TOKENIZER_FILES:
-        if (Path(source) / file).exists():
-            shutil.copy(Path(source) / file, out / file)
+    if checkpoint.path.is_file():  # a GGUF file: config and tokenizer from its metadata
+        (out / "config.json").write_text(json.dumps(config.to_dict(nested=True), indent=2) + "\n")
+        write_tokenizer_files(checkpoint.index.file.metadata, out, str(source))
+    else:
+        shutil.copy(Path(source) / "config.json", out / "config.json")
+        for file in _TOKENIZER_FILES:
+            if (Path(source) / file).exists():
+                shutil.copy(Path(source) / file, out / file)
     index = {
         "format": STORE_FORMAT, "version": STORE_VERSION, "config_sha256": config_fingerprint(config),
         "layout": layout, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE, "expert_file": EXPERT_FILE,

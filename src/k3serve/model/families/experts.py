@@ -285,6 +285,11 @@ class ExpertStore:
         kind, stacked = self._stacks[layer]
         return run_experts(kind, stacked, pairs, x)
 
+    def packed(self, layer: int, expert: int) -> Expert:
+        """The expert read and packed at the store's precision as `get` packs it, but not kept (for `pack`, which
+        visits every expert once)."""
+        return pack_expert(*self._read(layer, expert), self.precision)
+
     def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The expert's float32 (gate, up, down) as stored in the checkpoint, bypassing the packed copy."""
         matrices = self._read(layer, expert)

@@ -25,7 +25,7 @@ has none) and renormalises its top-k; Kimi Linear routes over one group and reno
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -49,7 +49,8 @@ Loader = Callable[[], np.ndarray]
 
 class GGUFTensorIndex:
     """Our tensor names -> loaders over a `GGUFFile`: the part of `SafetensorsIndex`'s interface that
-    `TensorReader` uses (`in`, `len`, `info`, `read`, `close`), plus `mxfp4(name)` for experts kept packed."""
+    `TensorReader` and `pack` use (`in`, `len`, `iter`, `info`, `read`, `close`), plus `mxfp4(name)` for experts
+    kept packed."""
 
     def __init__(self, file: GGUFFile, loaders: dict[str, Loader], packed: dict[str, Callable]) -> None:
         self.file = file
@@ -61,6 +62,9 @@ class GGUFTensorIndex:
 
     def __len__(self) -> int:
         return len(self._loaders)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaders)
 
     def info(self, name: str) -> _Info:
         return _Info("F32", None)

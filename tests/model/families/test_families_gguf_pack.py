@@ -1,0 +1,68 @@
+"""`k3serve pack FILE.gguf OUT` for the families: the store is written through the reader `--model FILE.gguf` uses,
+and the model streamed from it under a RAM budget small enough to force evictions gives the resident GGUF model's
+greedy tokens, alone and batched in the engine. Cases: Q8_0 trunk and experts (Qwen3-MoE, widened to float32),
+MXFP4 experts kept packed (DeepSeek-V3), BF16 experts kept as bf16 with KDA layers (Kimi Linear), and int8 experts
+requantized at pack time (Qwen3-Next)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _gguf_writer import write_gguf
+from _hf_tiny import build_tiny, prompt
+from k3serve.cli import main
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLMEngine
+from k3serve.engine.sampling import SamplingParams
+from k3serve.loading import load_model
+from k3serve.model.families.loading import load_family_gguf
+from k3serve.stream.family_source import StreamingExperts, trunk_float32_bytes
+from k3serve.stream.options import StreamOptions
+from k3serve.weights.family_store import FamilyStore
+from test_families_gguf import GGUF_SETTINGS
+
+# family -> (GGUF tensor type, --expert-precision, the store's blob kind)
+CASES = {
+    "qwen3_moe": ("Q8_0", "native", "f32"),
+    "deepseek_v3": ("MXFP4", "native", "mxfp4"),
+    "kimi_linear": ("BF16", "native", "bf16"),
+    "qwen3_next": ("F32", "int8", "int8"),
+}
+NUM_TOKENS = 5
+
+
+def _engine_tokens(model, prompts) -> list[list[int]]:
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=128, max_batch_tokens=16), stop_ids=())
+    ids = [engine.add_request(p, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)) for p in prompts]
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    return [final[i] for i in ids]
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_a_packed_gguf_streams_the_resident_gguf_tokens(family, tmp_path):
+    tensor_type, precision, kind = CASES[family]
+    folder = tmp_path / "hf"
+    build_tiny(family, folder, **GGUF_SETTINGS[family])
+    path = write_gguf(folder, tmp_path / "m.gguf", tensor_type)
+    out = tmp_path / "store"
+    assert main(["pack", str(path), str(out), "--expert-precision", precision]) == 0
+    store = FamilyStore(out)
+    assert (store.precision, store.kind) == (precision, kind)
+
+    resident = load_family_gguf(path, expert_precision=precision)
+    prompts = [prompt(6, seed=1), prompt(9, seed=2), prompt(4, seed=3)]
+    want = [resident.greedy(p, NUM_TOKENS) for p in prompts]
+    globals_bytes, layers = trunk_float32_bytes(store.trunk_path)
+    budget = globals_bytes + sum(layers.values()) + (store.top_k + 2) * store.expert_stride
+    model = load_model(out, stream=StreamOptions(ram_budget=budget, io="pread")).model
+    assert isinstance(model.source, StreamingExperts)
+    assert model.source.plan.expert_slots == store.top_k + 2 < store.num_experts_total
+    assert [model.greedy(p, NUM_TOKENS) for p in prompts] == want
+    assert _engine_tokens(model, prompts) == want
+    stats = model.source.stream_stats()
+    assert stats.expert_evictions > 0, stats
+    model.source.close()
