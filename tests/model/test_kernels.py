@@ -281,15 +281,18 @@ def test_dense_expert_matches_numpy_twin(dtype, hidden, inner, tokens):
     np.testing.assert_array_equal(dense_expert_forward(*args, x[:1]), got[:1])
 
 
-@pytest.mark.parametrize("dtype", [np.uint16, np.int8, np.float32])
-@pytest.mark.parametrize(("hidden", "inner"), [(40, 24), (512, 256)])
+@pytest.mark.parametrize(("dtype", "hidden", "inner"), [(d, h, i) for d in (np.uint16, np.int8, np.float32)
+                                                        for h, i in ((40, 24), (512, 256))]
+                         + [("q8_0", 64, 32), ("q8_0", 512, 256)])
 def test_dense_stacked_layer_call_matches_twin_one_by_one_and_threads(dtype, hidden, inner):
     """A layer's active dense experts in one call over the stack (serial and parallel sizes): each (token, expert)
     row equals the numpy twin, the same bits as one call per expert, whatever the thread count."""
     from k3serve.model.kernels import dense_expert_forward, dense_expert_reference, dense_experts_run
 
     rng = np.random.default_rng(hidden + inner)
-    experts = [_dense_expert_args(dtype, rng, hidden, inner) for _ in range(5)]
+    experts = [_q8_0_expert_args(rng, hidden, inner) if dtype == "q8_0" else _dense_expert_args(dtype, rng, hidden,
+                                                                                                inner)
+               for _ in range(5)]
     stacked = tuple(None if experts[0][i] is None else np.stack([e[i] for e in experts]) for i in range(4))
     expert_ids = np.array([0, 2, 4], np.int64)
     groups = [np.array([1, 3]), np.array([0, 1, 2, 3]), np.array([2])]
@@ -310,6 +313,35 @@ def test_dense_stacked_layer_call_matches_twin_one_by_one_and_threads(dtype, hid
         numba.set_num_threads(previous)
     with pytest.raises(ValueError, match="do not fit"):
         dense_experts_run(*stacked, expert_ids, x[:, 1:], tokens, starts, ends)
+
+
+def _q8_0_expert_args(rng: np.random.Generator, hidden: int, inner: int) -> tuple:
+    """(gate_up i8 [2I, H], scales [2I, H/32], down i8 [H, I], scales [H, I/32]): GGUF's Q8_0 blocks of 32."""
+    def blocks(rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+        return (rng.integers(-127, 128, (rows, cols)).astype(np.int8),
+                rng.uniform(0.0005, 0.0015, (rows, cols // 32)).astype(np.float32))
+
+    return (*blocks(2 * inner, hidden), *blocks(hidden, inner))
+
+
+@pytest.mark.parametrize(("hidden", "inner", "tokens"), [(64, 96, 3), (32, 64, 1), (512, 384, 2)])
+def test_q8_0_block_scaled_expert_matches_numpy_twin_and_float32(hidden, inner, tokens):
+    """int8 values with one scale per 32-value block: the kernel equals its numpy twin and the float32 kernel on
+    the dequantized values (to summation order), and each row's bits do not depend on the other rows."""
+    from k3serve.model.kernels import dense_expert_forward, dense_expert_reference
+
+    args = _q8_0_expert_args(np.random.default_rng(hidden + inner), hidden, inner)
+    x = np.random.default_rng(tokens).standard_normal((tokens, hidden)).astype(np.float32)
+    got = dense_expert_forward(*args, x)
+    assert _relative_rms(got, dense_expert_reference(*args, x)) < 1e-5
+    gate_up, gate_up_scales, down, down_scales = args
+    dequantized = [(w.astype(np.float32).reshape(w.shape[0], -1, 32) * s[:, :, None]).reshape(w.shape)
+                   for w, s in ((gate_up, gate_up_scales), (down, down_scales))]
+    assert _relative_rms(got, dense_expert_forward(dequantized[0], None, dequantized[1], None, x)) < 1e-5
+    np.testing.assert_array_equal(dense_expert_forward(*args, x[:1]), got[:1])
+    # one scale per block is not one scale per row: the same values with their first block's scales differ
+    first = tuple(a if i % 2 == 0 else np.ascontiguousarray(a[:, :1]) for i, a in enumerate(args))
+    assert _relative_rms(dense_expert_forward(*first, x), got) > 1e-2
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])

@@ -490,8 +490,9 @@ def mxfp4_experts_accumulate(
 
 # ------------------------------------------------------------------------------------------- bf16 / int8 experts
 # The families' experts at "native" (bf16, or float32 test checkpoints) and "int8" precision, multiplied from the
-# stored bytes: bf16 as uint16 (widened lane by lane, value = bits << 16, exact), int8 as int8 with one float32
-# scale per row, float32 as is. Same row dot structure as MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum,
+# stored bytes: bf16 as uint16 (widened lane by lane, value = bits << 16, exact), int8 as int8 with float32 scales
+# (one per row, or one per block of 32 values: GGUF's Q8_0, each block's dot scaled, then summed in order),
+# float32 as is. Same row dot structure as MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum,
 # a scalar tail, in portable LLVM IR. As for MXFP4, a layer's active experts run in one compiled call over a stack
 # [E, ...] of its experts (`dense_experts_run`), spread over the cores across (expert, row block).
 DENSE_LANES = 16
@@ -548,17 +549,32 @@ def _dense_row_dot(typingctx, w_row, x):
 
 
 @njit(inline="always")
+def _scaled_row_dot(w_row, scales, scaled, x):
+    """sum_c w[c] x[c] with w's scales [G] (G blocks of C/G values; G = 1: one per row) when `scaled`."""
+    if not scaled:
+        return _dense_row_dot(w_row, x)
+    groups = scales.shape[0]
+    if groups == 1:
+        return _dense_row_dot(w_row, x) * scales[0]
+    size = w_row.shape[0] // groups
+    total = _dense_row_dot(w_row[:size], x[:size]) * scales[0]
+    for g in range(1, groups):
+        total += _dense_row_dot(w_row[g * size:(g + 1) * size], x[g * size:(g + 1) * size]) * scales[g]
+    return total
+
+
+@njit(inline="always")
 def _dense_gate_up_task(gate_up, gate_up_scales, scaled, expert_ids, x, tokens, starts, ends, hidden, task, blocks):
     k = task // blocks
     e = expert_ids[k]
     width = hidden.shape[1]
     for row in range((task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)):
-        gate_scale = gate_up_scales[e, row] if scaled else np.float32(1.0)
-        up_scale = gate_up_scales[e, width + row] if scaled else np.float32(1.0)
+        gate_scales = gate_up_scales[e if scaled else 0, row if scaled else 0]
+        up_scales = gate_up_scales[e if scaled else 0, width + row if scaled else 0]
         for n in range(starts[k], ends[k]):
             x_row = x[tokens[n]]
-            gate = _dense_row_dot(gate_up[e, row], x_row) * gate_scale
-            up = _dense_row_dot(gate_up[e, width + row], x_row) * up_scale
+            gate = _scaled_row_dot(gate_up[e, row], gate_scales, scaled, x_row)
+            up = _scaled_row_dot(gate_up[e, width + row], up_scales, scaled, x_row)
             hidden[n, row] = _silu_glu(gate, up)
 
 
@@ -567,9 +583,9 @@ def _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden
     k = task // blocks
     e = expert_ids[k]
     for row in range((task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)):
-        scale = down_scales[e, row] if scaled else np.float32(1.0)
+        scales = down_scales[e if scaled else 0, row if scaled else 0]
         for n in range(starts[k], ends[k]):
-            out[n, row] = _dense_row_dot(down[e, row], hidden[n]) * scale
+            out[n, row] = _scaled_row_dot(down[e, row], scales, scaled, hidden[n])
 
 
 @njit(cache=True, parallel=True)
@@ -597,7 +613,7 @@ def _dense_experts_serial(gate_up, gate_up_scales, down, down_scales, scaled, ex
         _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden, out, task, blocks)
 
 
-_NO_SCALES = np.ones((1, 1), np.float32)  # stands for absent scales (never read: `scaled` is False)
+_NO_SCALES = np.ones((1, 1, 1), np.float32)  # stands for absent scales (never read: `scaled` is False)
 _ZERO_ID = np.zeros(1, np.int64)
 
 
@@ -606,7 +622,8 @@ def dense_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, do
                       starts: np.ndarray, ends: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y[n] = down_e SiLU-GLU(gate_up_e x[tokens[n]]) for every routed (token, expert) pair, in one compiled call.
     gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]: bf16 bits (uint16), int8 or float32; scales
-    float32 [E, 2I] and [E, H] multiply each row's dot (int8), or None (bf16, float32). expert_ids [K] index E;
+    float32 [E, 2I] and [E, H] multiply each row's dot (int8), or [E, 2I, H/32] and [E, H, I/32] each block of 32
+    values' dot (GGUF's Q8_0), or None (bf16, float32). expert_ids [K] index E;
     expert k owns rows starts[k]:ends[k] of tokens [N]; x [T, H] -> y [N, H] (`out`, when given, is filled on
     those rows only). Each y[n] is the same bits whatever the other tokens, experts and threads of the call."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -622,8 +639,8 @@ def dense_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, do
     scaled = gate_up_scales is not None
     parallel = expert_ids.shape[0] * gate_up[0].size >= PARALLEL_MIN_WEIGHTS
     kernel = _dense_experts_parallel if parallel else _dense_experts_serial
-    gate_up_scales, down_scales = (np.ascontiguousarray(a) if scaled else _NO_SCALES
-                                   for a in (gate_up_scales, down_scales))
+    gate_up_scales, down_scales = (np.ascontiguousarray(a, np.float32).reshape(*w.shape[:2], -1) if scaled
+                                   else _NO_SCALES for a, w in ((gate_up_scales, gate_up), (down_scales, down)))
     kernel(np.ascontiguousarray(gate_up), gate_up_scales, np.ascontiguousarray(down), down_scales, scaled,
            np.ascontiguousarray(expert_ids, dtype=np.int64), x, np.ascontiguousarray(tokens, dtype=np.int64),
            np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(ends, dtype=np.int64), hidden, out)
@@ -693,7 +710,11 @@ def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | Non
     families' path for an expert with many tokens (prefill), where BLAS reuses each weight across tokens."""
     def widen(w: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
         values = widen_bf16(w) if w.dtype == np.uint16 else w.astype(np.float32)
-        return values if scales is None else values * scales[:, None]
+        if scales is None:
+            return values
+        rows = w.shape[0]  # scales [R] (per row) or [R, G] (per block of C/G values)
+        return (values.reshape(rows, scales.reshape(rows, -1).shape[1], -1) * scales.reshape(rows, -1, 1)).reshape(
+            w.shape)
 
     h = np.asarray(x, np.float32) @ widen(gate_up, gate_up_scales).T  # [T, 2I]
     width = down.shape[1]
@@ -724,6 +745,6 @@ def warmup() -> None:
     for dtype in (np.uint16, np.int8, np.float32):
         gate_up, down = np.zeros((1, 64, 32), dtype), np.zeros((1, 32, 32), dtype)  # I = 32, H = 32
         for kernel in (_dense_experts_serial, _dense_experts_parallel):
-            kernel(gate_up, np.ones((1, 64), np.float32), down, np.ones((1, 32), np.float32), dtype == np.int8, one,
-                   x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64), np.empty((2, 32), np.float32),
+            kernel(gate_up, np.ones((1, 64, 1), np.float32), down, np.ones((1, 32, 1), np.float32), dtype == np.int8,
+                   one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64), np.empty((2, 32), np.float32),
                    np.empty((2, 32), np.float32))

@@ -150,12 +150,23 @@ class GGUFFile:
             bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
             return bits.view(np.float32).reshape(shape)
         if tensor.type_name == "Q8_0":
-            blocks = np.ascontiguousarray(data).reshape(-1, Q8_0_BLOCK_BYTES)  # [B, 34]
-            scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [B, 1]
-            values = blocks[:, 2:].view(np.int8).astype(np.float32)  # [B, 32]
-            return (values * scales).reshape(shape)
+            values, scales = self.q8_0(name, index)
+            return (values.reshape(*scales.shape, QK).astype(np.float32) * scales[:, :, None]).reshape(shape)
         packed, scales = self.mxfp4(name, index)
         return dequantize_mxfp4(packed, scales).reshape(shape)
+
+    def q8_0(self, name: str, index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A Q8_0 tensor (or slice) as it is stored, every leading dimension folded into R: (values i8 [R, C],
+        scales f32 [R, C/32]; the f16 block scales widened, exactly)."""
+        tensor = self.tensor(name)
+        self._check_type(tensor, ("Q8_0",))
+        shape = tensor.shape if index is None else tensor.shape[1:]
+        rows = math.prod(shape[:-1])
+        data = tensor.data if index is None else tensor.data[index]
+        blocks = np.ascontiguousarray(data).reshape(rows, shape[-1] // QK, Q8_0_BLOCK_BYTES)  # [R, G, 34]
+        scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].astype(np.float32)  # [R, G]
+        values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, shape[-1])  # [R, C]
+        return values, scales
 
     def mxfp4(self, name: str, index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """An MXFP4 tensor (or slice) in our layout: (packed u8 [R, C/2], scales u8 [R, C/32]), every leading

@@ -20,7 +20,7 @@ from _hf_tiny import FAMILIES, build_tiny, prompt
 from k3serve.errors import CheckpointError
 from k3serve.loading import load_model
 from k3serve.model.families import load_family, read_family_config
-from k3serve.model.families.experts import QuantizedExpert
+from k3serve.model.families.experts import Int8Matrix, QuantizedExpert
 from k3serve.model.families.loading import load_family_gguf
 from k3serve.weights.gguf_file import GGUFFile
 from k3serve.weights.safetensors_io import SafetensorsIndex
@@ -120,7 +120,18 @@ def test_f16_and_q8_0_gguf_equal_a_checkpoint_of_their_values(family, tensor_typ
     gguf_model = load_family_gguf(write_gguf(folder, tmp_path / "m.gguf", tensor_type))
     twin = load_family(_twin(folder, tmp_path / "twin", tensor_type))
     ids = prompt(10, seed=5)
-    assert_same(family, gguf_model.logits(ids), twin.logits(ids))
+    logits, expected = gguf_model.logits(ids), twin.logits(ids)
+    if tensor_type == "Q8_0":
+        # Q8_0 experts are kept as stored (int8 values, one scale per 32-value block) and each block's dot is
+        # scaled before the sum, so they equal the twin's float32 experts to summation order
+        experts = gguf_model.experts.loaded()
+        assert experts and all(isinstance(e, QuantizedExpert) and isinstance(e.down, Int8Matrix)
+                               and e.down.scales.shape == (e.down.values.shape[0], e.down.values.shape[1] // 32)
+                               for e in experts.values())
+        assert float(np.max(np.abs(logits - expected))) <= 1e-5 * float(np.max(np.abs(expected)))
+        assert _greedy(gguf_model, ids, 6) == _greedy(twin, ids, 6)
+    else:
+        assert_same(family, logits, expected)
     # and the storage really changed the numbers (the test would be empty otherwise)
     assert not np.array_equal(twin.logits(ids), load_family(folder).logits(ids))
 
@@ -165,6 +176,23 @@ def test_int8_precision_requantizes_gguf_mxfp4_experts(gguf_tiny, tmp_path):
     twin = load_family(_twin(folder, tmp_path / "twin", "MXFP4"), expert_precision="int8")
     ids = prompt(8)
     assert np.array_equal(model.logits(ids), twin.logits(ids))
+
+
+def test_q8_0_experts_take_1_125_bytes_a_weight_and_requantize_at_int8_and_mxfp4(gguf_tiny, tmp_path):
+    """native keeps Q8_0's int8 values and per-block scales (float32: 1 + 4/32 bytes a weight, not float32's 4);
+    int8 and mxfp4 requantize the block values exactly as they quantize a checkpoint holding them."""
+    folder = gguf_tiny("qwen3_moe")
+    path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0")
+    twin_folder = _twin(folder, tmp_path / "twin", "Q8_0")
+    ids = prompt(8, seed=2)
+    native = load_family_gguf(path)
+    native.logits(ids)
+    experts = native.experts.loaded().values()
+    weights = sum(m.values.size for e in experts for m in (e.gate_up, e.down))
+    assert sum(e.nbytes for e in experts) == weights * (1 + 4 / 32)
+    for precision in ("int8", "mxfp4"):
+        model = load_family_gguf(path, expert_precision=precision)
+        assert np.array_equal(model.logits(ids), load_family(twin_folder, expert_precision=precision).logits(ids))
 
 
 def test_load_model_opens_a_gguf_file(gguf_tiny, tmp_path):

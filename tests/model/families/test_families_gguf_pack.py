@@ -1,8 +1,8 @@
 """`k3serve pack FILE.gguf OUT` for the families: the store is written through the reader `--model FILE.gguf` uses,
 and the model streamed from it under a RAM budget small enough to force evictions gives the resident GGUF model's
-greedy tokens, alone and batched in the engine. Cases: Q8_0 trunk and experts (Qwen3-MoE, widened to float32),
-MXFP4 experts kept packed (DeepSeek-V3), BF16 experts kept as bf16 with KDA layers (Kimi Linear), and int8 experts
-requantized at pack time (Qwen3-Next)."""
+greedy tokens, alone and batched in the engine. Cases: Q8_0 trunk and experts (Qwen3-MoE: the trunk widened to
+float32, the experts kept as Q8_0 blocks), MXFP4 experts kept packed (DeepSeek-V3), BF16 experts kept as bf16 with
+KDA layers (Kimi Linear), and int8 experts requantized at pack time (Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from test_families_gguf import GGUF_SETTINGS
 
 # family -> (GGUF tensor type, --expert-precision, the store's blob kind)
 CASES = {
-    "qwen3_moe": ("Q8_0", "native", "f32"),
+    "qwen3_moe": ("Q8_0", "native", "int8"),
     "deepseek_v3": ("MXFP4", "native", "mxfp4"),
     "kimi_linear": ("BF16", "native", "bf16"),
     "qwen3_next": ("F32", "int8", "int8"),

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from k3serve.errors import CheckpointError
-from k3serve.model.families.experts import ExpertReader, MXFP4Matrix
+from k3serve.model.families.experts import ExpertReader, Int8Matrix, MXFP4Matrix
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.moe import GLUWeights
 from k3serve.model.families.tensors import TensorReader
@@ -82,7 +82,8 @@ def _read_slice(reader: TensorReader, name: str, index: int, shape: tuple[int, i
 
 def expert_reader(reader: TensorReader, moe_prefix: Callable[[int], str], matrix_names: tuple[str, str, str],
                   hidden: int, width: int) -> ExpertReader:
-    """(layer, expert) -> float32 (gate [I, H], up [I, H], down [H, I]) from whichever layout is present.
+    """(layer, expert) -> float32 (gate [I, H], up [I, H], down [H, I]) from whichever layout is present, or a
+    GGUF's MXFP4 / Q8_0 matrices as stored (`MXFP4Matrix`, `Int8Matrix` with block scales).
 
     `matrix_names` are the per-expert module names of gate, up and down (("gate_proj", "up_proj", "down_proj"),
     or Kimi's ("w1", "w3", "w2"))."""
@@ -93,9 +94,11 @@ def expert_reader(reader: TensorReader, moe_prefix: Callable[[int], str], matrix
         per_expert = f"{prefix}experts.{expert}."
         if f"{per_expert}{gate_name}.weight" in reader or f"{prefix}experts.gate_up_proj" not in reader:
             names = [f"{per_expert}{m}.weight" for m in matrix_names]
-            packed = [reader.mxfp4(n) for n in names]
-            if all(p is not None for p in packed):  # a GGUF's MXFP4 experts, kept packed
-                return tuple(MXFP4Matrix(*p) for p in packed)  # type: ignore[return-value]
+            kept = [reader.kept(n) for n in names]
+            if all(k is not None for k in kept) and len({k[0] for k in kept}) == 1:  # type: ignore[index]
+                # a GGUF's MXFP4 or Q8_0 experts, as stored
+                matrix = MXFP4Matrix if kept[0][0] == "mxfp4" else Int8Matrix  # type: ignore[index]
+                return tuple(matrix(k[1], k[2]) for k in kept)  # type: ignore[index,return-value]
             return (reader.f32(f"{per_expert}{gate_name}.weight", shape=(width, hidden)),
                     reader.f32(f"{per_expert}{up_name}.weight", shape=(width, hidden)),
                     reader.f32(f"{per_expert}{down_name}.weight", shape=(hidden, width)))

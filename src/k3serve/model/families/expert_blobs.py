@@ -6,6 +6,7 @@ Blob kinds (from the expert's class; the parts in blob order, each starting on a
     bf16   BF16Expert       gate_up u16 [2I, H] | down u16 [H, I]
     f32    FloatExpert      gate_up f32 [2I, H] | down f32 [H, I]          (float32 checkpoints at "native")
     int8   QuantizedExpert  gate_up i8 [2I, H] | gate_up_scales f32 [2I] | down i8 [H, I] | down_scales f32 [H]
+                            (a GGUF's Q8_0 experts: scales f32 [2I, H/32] and [H, I/32], one per block of 32)
     mxfp4  QuantizedExpert  {gate, up, down}_packed u8 [R, C/2] and {gate, up, down}_scales u8 [R, C/32]
 Shapes: H hidden, I expert intermediate, R x C a matrix (gate, up [I, H]; down [H, I]).
 """

@@ -9,6 +9,9 @@ The checkpoints ship experts in bf16 (or f32 in tests). The precision is a load 
   the fused kernel (`k3serve.model.kernels.mxfp4_experts_run`), as K3's experts are. Needs H and I multiples of 32.
 - "int8": symmetric per-row 8-bit, w[r, c] ~ q[r, c] * s[r], s[r] = max_c |w[r, c]| / 127, q rounded to nearest;
   y = (x @ q^T) * s, by the same kernel as bf16.
+A GGUF's Q8_0 experts (int8 with one f16 scale per block of 32 values) are kept as stored at "native" (int8
+values, the scales widened to float32: 1.125 bytes a weight) and multiplied by the same kernel, each block's dot
+scaled (`dense_experts_run`).
 One MoE layer's active experts run in ONE compiled call, as K3's do: the resident store keeps each layer's packed
 experts in stacked [NE, ...] arrays (a packed expert is a view into its layer's stack; pages of experts never used
 are never touched), and the kernel takes the stack, the active expert ids and the token rows of each. A streaming
@@ -118,8 +121,11 @@ class MXFP4Matrix:
 
 @dataclass(frozen=True)
 class Int8Matrix:
+    """Symmetric int8: w[r, c] = values[r, c] * scales[r] (our "int8"), or * scales[r, c // 32] (GGUF's Q8_0,
+    kept as stored)."""
+
     values: np.ndarray  # i8 [R, C]
-    scales: np.ndarray  # f32 [R]
+    scales: np.ndarray  # f32 [R] or [R, C/32]
 
     @classmethod
     def quantize(cls, w: np.ndarray) -> Int8Matrix:
@@ -129,7 +135,9 @@ class Int8Matrix:
         return cls(values, scales)
 
     def dequantize(self) -> np.ndarray:
-        return self.values.astype(np.float32) * self.scales[:, None]
+        rows = self.values.shape[0]
+        blocks = self.values.reshape(rows, self.scales.reshape(rows, -1).shape[1], -1).astype(np.float32)
+        return (blocks * self.scales.reshape(rows, -1, 1)).reshape(self.values.shape)
 
 
 @dataclass(frozen=True)
@@ -198,10 +206,17 @@ def run_one_expert(expert: Expert, x: np.ndarray) -> np.ndarray:
 
 def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, precision: str) -> Expert:
     """Float32 gate, up [I, H] and down [H, I] -> an expert at `precision`. MXFP4 matrices (a GGUF's experts)
-    stay packed at "native" and "mxfp4"; "int8" requantizes their values."""
+    stay packed at "native" and "mxfp4"; "int8" requantizes their values. Q8_0 matrices (Int8Matrix with block
+    scales) stay as stored at "native"; "int8" and "mxfp4" requantize their values."""
     if all(isinstance(m, MXFP4Matrix) for m in (gate, up, down)):
         if precision in ("native", "mxfp4"):
             return QuantizedExpert(gate, up, down)  # type: ignore[arg-type]
+        gate, up, down = (m.dequantize() for m in (gate, up, down))  # type: ignore[union-attr]
+    if all(isinstance(m, Int8Matrix) for m in (gate, up, down)):
+        if precision == "native":
+            return _fused_int8(Int8Matrix(np.concatenate([gate.values, up.values]),  # type: ignore[union-attr]
+                                          np.concatenate([gate.scales, up.scales])),  # type: ignore[union-attr]
+                               gate.values.shape[0], down)  # type: ignore[union-attr, arg-type]
         gate, up, down = (m.dequantize() for m in (gate, up, down))  # type: ignore[union-attr]
     if precision == "native":
         if all(is_bf16_exact(m) for m in (gate, up, down)):
@@ -213,12 +228,15 @@ def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, precision: s
                               f"{GROUP_SIZE}, got {gate.shape[1]} and {down.shape[1]}; use 'native' or 'int8'")
         return QuantizedExpert(*(MXFP4Matrix.quantize(m) for m in (gate, up, down)))
     if precision == "int8":
-        gate_up = Int8Matrix.quantize(np.concatenate([gate, up]))  # row-wise, so the same as gate and up apart
-        width = gate.shape[0]
-        return QuantizedExpert(Int8Matrix(gate_up.values[:width], gate_up.scales[:width]),
-                               Int8Matrix(gate_up.values[width:], gate_up.scales[width:]),
-                               Int8Matrix.quantize(down), gate_up=gate_up)
+        # row-wise, so the same as gate and up apart
+        return _fused_int8(Int8Matrix.quantize(np.concatenate([gate, up])), gate.shape[0], Int8Matrix.quantize(down))
     raise ConfigError(f"unknown expert precision {precision!r}")
+
+
+def _fused_int8(gate_up: Int8Matrix, width: int, down: Int8Matrix) -> QuantizedExpert:
+    """An int8 expert over its fused gate_up [2I, H] (gate rows then up rows; gate and up are views of it)."""
+    return QuantizedExpert(Int8Matrix(gate_up.values[:width], gate_up.scales[:width]),
+                           Int8Matrix(gate_up.values[width:], gate_up.scales[width:]), down, gate_up=gate_up)
 
 
 ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -293,7 +311,8 @@ class ExpertStore:
     def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The expert's float32 (gate, up, down) as stored in the checkpoint, bypassing the packed copy."""
         matrices = self._read(layer, expert)
-        return tuple(m.dequantize() if isinstance(m, MXFP4Matrix) else m for m in matrices)  # type: ignore
+        return tuple(m.dequantize() if isinstance(m, (MXFP4Matrix, Int8Matrix)) else m  # type: ignore
+                     for m in matrices)
 
     def loaded(self) -> dict[tuple[int, int], Expert]:
         """(layer, expert) -> packed expert, for every expert used so far."""

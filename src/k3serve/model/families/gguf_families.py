@@ -10,7 +10,7 @@ Architectures (llama.cpp name -> our family):
     qwen3moe -> qwen3_moe, deepseek2 -> deepseek_v3, kimi-linear -> kimi_linear, qwen3next -> qwen3_next.
 What the converter changes, and what is undone here (per tensor, on read):
 - routed experts are stacked per layer into `blk.{l}.ffn_{gate,up,down}_exps` [E, R, C]: one expert is one
-  slice of the memory map;
+  slice of the memory map; MXFP4 and Q8_0 experts are handed over as stored (`GGUFTensorIndex.kept`);
 - MLA's `kv_b_proj` [NA*(DN+DV), KL] is split into `attn_k_b` [NA, KL, DN] (transposed) and `attn_v_b`
   [NA, DV, KL]: joined back;
 - KDA and gated DeltaNet store `ssm_a = -exp(A_log)`: A_log = log(-ssm_a) (the builders take exp again, so
@@ -49,13 +49,13 @@ Loader = Callable[[], np.ndarray]
 
 class GGUFTensorIndex:
     """Our tensor names -> loaders over a `GGUFFile`: the part of `SafetensorsIndex`'s interface that
-    `TensorReader` and `pack` use (`in`, `len`, `iter`, `info`, `read`, `close`), plus `mxfp4(name)` for experts
-    kept packed."""
+    `TensorReader` and `pack` use (`in`, `len`, `iter`, `info`, `read`, `close`), plus `kept(name)` for experts
+    kept as stored (MXFP4, Q8_0)."""
 
     def __init__(self, file: GGUFFile, loaders: dict[str, Loader], packed: dict[str, Callable]) -> None:
         self.file = file
         self._loaders = loaders
-        self._packed = packed  # name -> () -> (packed, scales), for MXFP4 expert matrices
+        self._packed = packed  # name -> () -> (kind, a, b) for MXFP4 and Q8_0 expert matrices (`kept`)
 
     def __contains__(self, name: object) -> bool:
         return name in self._loaders
@@ -75,8 +75,9 @@ class GGUFTensorIndex:
             raise CheckpointError(f"{self.file.path}: no tensor maps to {name!r}")
         return loader()
 
-    def mxfp4(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """(packed, scales) of an MXFP4 expert matrix in our layout, or None if `name` is not one."""
+    def kept(self, name: str) -> tuple[str, np.ndarray, np.ndarray] | None:
+        """An expert matrix kept as stored, or None if `name` is not one: ("mxfp4", packed u8 [R, C/2], scales
+        u8 [R, C/32]) in our layout, or ("q8_0", values i8 [R, C], scales f32 [R, C/32])."""
         read = self._packed.get(name)
         return None if read is None else read()
 
@@ -243,7 +244,9 @@ class _Builder:
                 name = ours(e, matrix)
                 self.loaders[name] = (lambda t=theirs, e=e: file.f32(t, e))
                 if tensor.type_name == "MXFP4":
-                    self.packed[name] = (lambda t=theirs, e=e: file.mxfp4(t, e))
+                    self.packed[name] = (lambda t=theirs, e=e: ("mxfp4", *file.mxfp4(t, e)))
+                elif tensor.type_name == "Q8_0":
+                    self.packed[name] = (lambda t=theirs, e=e: ("q8_0", *file.q8_0(t, e)))
 
     def kv_b(self, ours: str, layer: int) -> None:
         """kv_b_proj [NA*(DN+DV), KL] from attn_k_b [NA, KL, DN] and attn_v_b [NA, DV, KL] (or attn_kv_b)."""

@@ -78,10 +78,11 @@ class TensorReader:
             )
         return array
 
-    def mxfp4(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """(packed, scales) of a matrix that the source stores as MXFP4 (a GGUF expert), else None."""
+    def kept(self, name: str) -> tuple[str, np.ndarray, np.ndarray] | None:
+        """A matrix the source stores quantized (a GGUF's MXFP4 or Q8_0 expert) as stored
+        (`GGUFTensorIndex.kept`), else None."""
         if isinstance(self.index, GGUFTensorIndex):
-            return self.index.mxfp4(name)
+            return self.index.kept(name)
         return None
 
     def close(self) -> None:
