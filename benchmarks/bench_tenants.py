@@ -8,7 +8,8 @@ throughput (positions through the model per second, prompt + generated: the engi
 generated tokens per second too, which favours whichever policy serves the short requests). Targets: fair B p99
 <= 1.5 x alone; fair total throughput within 5% of fcfs. Ratios are taken per round, then the median.
 With --step-interruption each round also runs a fourth mode, `fair_si`: fair with the engine's step interruption
-(a forward pauses between two layers for B's arrival, engine/engine.py); the targets are then judged on it too.
+(a forward pauses after a layer's attention or MLP for B's arrival, engine/engine.py); the targets are then judged
+on it too.
 
 Prints the machine, one summary line, and a JSON record on the last line.
 
@@ -16,7 +17,10 @@ Prints the machine, one summary line, and a JSON record on the last line.
                                        [--quick]
 
 With --clock model the engine runs every forward for real but time is a virtual clock advanced per step by a
-cost calibrated once (fixed + per position), so the figures do not depend on other load on the machine.
+cost calibrated once (fixed + per position), so the figures do not depend on other load on the machine. It advances
+in parts, at the model's pause points (after each layer's attention and after its MLP), each part's share of the
+step measured on the model (`measure_pause_split`): `--measure-pause-split FILE` measures it, prints it, writes it
+as JSON and exits; `--pause-split FILE` uses such a record (without it, it is measured at the start).
 """
 
 from __future__ import annotations
@@ -25,10 +29,9 @@ import argparse
 import dataclasses
 import json
 import statistics
+from pathlib import Path
 
-import numpy as np
-
-from k3serve.engine.isolation import IsolationConfig, run_isolation
+from k3serve.engine.isolation import IsolationConfig, PauseSplit, measure_pause_split, run_isolation
 from k3serve.loading import load_model
 from k3serve.host import describe_host
 
@@ -53,6 +56,12 @@ def main() -> None:
     parser.add_argument("--step-cost", default=None,
                         help="model clock: FIXED_MS,PER_POSITION_US instead of calibrating (calibration is only "
                              "meaningful on an idle machine)")
+    parser.add_argument("--pause-split", type=Path, default=None,
+                        help="model clock: each layer part's share of a step, from a --measure-pause-split record")
+    parser.add_argument("--measure-pause-split", type=Path, default=None, metavar="FILE",
+                        help="measure the time of each part of each layer (medians of --split-repeats forwards of 1 "
+                             "and 256 positions), write it to FILE and exit")
+    parser.add_argument("--split-repeats", type=int, default=41)
     parser.add_argument("--step-interruption", action="store_true",
                         help="also run fair with EngineConfig.step_interruption (mode fair_si)")
     parser.add_argument("--quick", action="store_true", help="1 round of 4 s with 8 flood requests")
@@ -65,6 +74,18 @@ def main() -> None:
                              duration_s=args.duration, max_batch_tokens=args.max_batch_tokens,
                              max_seqs=max(64, args.flood + 32), clock=args.clock)
     model = load_model(None).model
+    if args.measure_pause_split is not None:
+        split = measure_pause_split(model, repeats=args.split_repeats)
+        for index, length in enumerate(split.lengths):
+            print(f"{length} positions: mixer ms {[round(t * 1e3, 3) for t in split.mixer[index]]}, MLP ms "
+                  f"{[round(t * 1e3, 3) for t in split.mlp[index]]}; forward {split.seconds(index).sum() * 1e3:.2f} "
+                  f"ms, mixers {split.mixer_fraction(index):.1%} of it")
+        fixed_shares, token_shares = split.shares
+        print(f"largest part: {fixed_shares.max():.1%} of the fixed cost, {token_shares.max():.1%} of the "
+              f"per-position cost")
+        args.measure_pause_split.write_text(json.dumps({**split.as_dict(), "machine": describe_host(),
+                                                        "repeats": args.split_repeats}, indent=1) + "\n")
+        return
     if args.clock == "model":
         from k3serve.engine.isolation import calibrate_step_cost
 
@@ -74,7 +95,11 @@ def main() -> None:
         else:
             cost = calibrate_step_cost(model, args.max_batch_tokens)
         print(f"step cost model: {cost[0] * 1e3:.2f} ms + {cost[1] * 1e6:.1f} us per position")
-        config = IsolationConfig(**{**config.__dict__, "step_cost": cost})
+        split = (PauseSplit.from_dict(json.loads(args.pause_split.read_text())) if args.pause_split is not None
+                 else measure_pause_split(model, repeats=args.split_repeats))
+        print(f"pause split: mixers {split.mixer_fraction(0):.1%} / {split.mixer_fraction(1):.1%} of a forward of "
+              f"{split.lengths[0]} / {split.lengths[1]} positions")
+        config = dataclasses.replace(config, step_cost=cost, pause_split=split)
     print(f"machine: {describe_host()}")
     modes = ("alone", "fcfs", "fair") + (("fair_si",) if args.step_interruption else ())
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -111,7 +136,8 @@ def main() -> None:
     print(f"summary: B p99 TTFT alone {m['alone']['light_ttft_p99'] * 1e3:.1f} ms, fcfs "
           f"{m['fcfs']['light_ttft_p99'] * 1e3:.0f} ms ({ratios['fcfs_p99_over_alone']:.1f}x), {fairs}; total "
           f"computed tok/s fcfs {m['fcfs']['computed_tokens_per_s']:.0f}, {totals}; targets {targets}")
-    print(json.dumps({"benchmark": "tenants", "config": config.__dict__, "machine": describe_host(), "medians": medians,
+    record = {**config.__dict__, "pause_split": None if config.pause_split is None else config.pause_split.as_dict()}
+    print(json.dumps({"benchmark": "tenants", "config": record, "machine": describe_host(), "medians": medians,
                       "ratios": ratios, "targets": targets, "runs": runs}))
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Scheduling between tenants (engine/fairness.py): VTC's service-gap bound on a randomized workload, admission
 order, counter lifting, KV shares, preemption of over-share tenants and of lower priority classes, a randomized
 workload under every policy that keeps every pool consistent and every greedy output exact, and step interruption
-(arrivals submitted between two layers of a forward run first, with the same outputs)."""
+(arrivals submitted at a pause point of a forward, after a layer's attention or its MLP, run first, with the same
+outputs)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from k3serve.engine.fairness import FairPolicy, TenantShare, make_policy
 from k3serve.engine.request import FinishReason
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
+from k3serve.model.k3 import MIXER, MLP
 
 COST = 2.0
 
@@ -265,10 +267,10 @@ def test_which_arrivals_may_interrupt_a_forward():
     assert priority.interrupts("high", {"low"}) and not priority.interrupts("low", {"high"})
 
 
-def _interrupted_workload(tiny_model, scheduling: str, seed: int) -> tuple[LLMEngine, dict, list]:
-    """Requests of three tenants submitted between layers of forwards in flight, as a server thread would, in a
-    pool small enough to preempt; integrity checked after every step. Returns the engine, the final outputs and
-    the plan."""
+def _interrupted_workload(tiny_model, scheduling: str, seed: int) -> tuple[LLMEngine, dict, list, set]:
+    """Requests of three tenants submitted at pause points of forwards in flight (after a layer's attention or its
+    MLP), as a server thread would, in a pool small enough to preempt; integrity checked after every step. Returns
+    the engine, the final outputs, the plan and the parts of a layer at which a forward was interrupted."""
     config = EngineConfig(block_size=4, num_blocks=24, max_batch_tokens=20, max_seqs=5, max_model_len=80,
                           num_state_checkpoints=6, scheduling=scheduling, step_interruption=True)
     rng = np.random.default_rng(seed)
@@ -277,17 +279,23 @@ def _interrupted_workload(tiny_model, scheduling: str, seed: int) -> tuple[LLMEn
         prompt = [int(t) for t in rng.integers(3, 256, size=int(rng.integers(2, 24)))]
         params = SamplingParams(max_tokens=int(rng.integers(1, 10)), ignore_eos=True,
                                 n=2 if rng.random() < 0.15 else 1)
-        plan.append((int(rng.integers(1, 120)), prompt, params, "abc"[int(rng.integers(0, 3))]))
-    layers = [0]
+        plan.append((int(rng.integers(1, 240)), prompt, params, "abc"[int(rng.integers(0, 3))]))
+    pauses = [0]
     ids: dict[int, str] = {}
+    end = (tiny_model.config.num_layers - 1, MLP)  # the engine's call at the end of every forward
+    last = [end]
+    interrupted_after: set[str] = set()
 
-    def on_layer(num_positions: int) -> None:
-        layers[0] += 1
+    def on_pause(num_positions: int, layer: int, part: str) -> None:
+        if (layer, part) == (0, MIXER) and last[0] != end:  # a forward began inside another: interrupted there
+            interrupted_after.add(last[0][1])
+        last[0] = (layer, part)
+        pauses[0] += 1
         for i, (arrival, prompt, params, tenant) in enumerate(plan):
-            if arrival == layers[0]:
+            if arrival == pauses[0]:
                 ids[i] = engine.add_request(prompt, params, tenant=tenant)
 
-    engine = LLMEngine(tiny_model, config, on_layer=on_layer)
+    engine = LLMEngine(tiny_model, config, on_pause=on_pause)
     engine.set_tenant_shares({"a": TenantShare(weight=2.0, priority=1), "b": TenantShare(weight=1.0)})
     final = {}
     engine.add_request(list(range(3, 27)), SamplingParams(max_tokens=30, ignore_eos=True), tenant="a")
@@ -299,17 +307,18 @@ def _interrupted_workload(tiny_model, scheduling: str, seed: int) -> tuple[LLMEn
                 final[out.request_id] = out
         engine.check_integrity()
         if not engine.has_unfinished_requests():
-            on_layer(0)  # idle: time passes without forwards
+            on_pause(0, *end)  # idle: time passes without forwards
         steps += 1
         assert steps < 3000, "the workload does not drain"
-    return engine, final, [(ids[i], prompt, params) for i, (_, prompt, params, _) in enumerate(plan)]
+    return engine, final, [(ids[i], prompt, params) for i, (_, prompt, params, _) in enumerate(plan)], \
+        interrupted_after
 
 
 @pytest.mark.parametrize("scheduling, seed", [("fair", 0), ("priority", 5)])
 def test_interrupted_forwards_keep_every_output_exact(tiny_model, scheduling, seed):
-    engine, final, plan = _interrupted_workload(tiny_model, scheduling, seed)
+    engine, final, plan, interrupted_after = _interrupted_workload(tiny_model, scheduling, seed)
     snap = engine.metrics.snapshot()
-    assert snap["step_interruptions"] > 0, "no forward was interrupted: the test would prove nothing"
+    assert interrupted_after == {MIXER, MLP}, "forwards must be interrupted inside layers and between them"
     assert snap["preemptions"] > 0, "the pool was meant to be too small"
     assert len(final) == len(plan) + 1
     for rid, prompt, params in plan:
@@ -322,7 +331,7 @@ def test_fcfs_never_interrupts_and_unsupported_models_are_refused(tiny_model, ti
     from k3serve.model.k3 import K3Model
     from k3serve.stream.trace import TracedSource
 
-    engine, final, plan = _interrupted_workload(tiny_model, "fcfs", 3)
+    engine, final, plan, _ = _interrupted_workload(tiny_model, "fcfs", 3)
     assert engine.metrics.snapshot()["step_interruptions"] == 0 and len(final) == len(plan) + 1
     traced = K3Model(TracedSource(tiny_model.source, None))  # a step-by-step recorder cannot nest forwards
     with pytest.raises(ConfigError, match="step_interruption"):

@@ -118,3 +118,51 @@ def test_batched_mla_decode_equals_each_sequence_alone(tiny_model):
         alone = mla_attend(config, w, q[i:i + 1], cache, gate[i:i + 1])
         assert _relative_rms(batched[i:i + 1], alone) < 1e-5
         assert _relative_rms(batched[i:i + 1], mla_attend_reference(config, w, q[i:i + 1], cache, gate[i:i + 1])) < 1e-5
+
+
+def _cache_arrays(cache, layout) -> list[np.ndarray]:
+    """Copies of every array a sequence's cache holds: recurrent states and conv tails, attention rows."""
+    out = []
+    for layer in layout.recurrent_shapes:
+        out.extend(np.array(a) for a in cache.recurrent_state(layer))
+    out.extend(np.array(cache.attention_rows(layer)) for layer in layout.row_widths)
+    return out
+
+
+def test_a_forward_nested_at_any_pause_point_leaves_both_exact(tiny_model):
+    """The engine's step interruption runs a whole forward at a pause point of another one (after a layer's
+    attention or after its MLP): both give bit-for-bit what they give alone, and the paused one's caches too."""
+    from k3serve.model.k3 import MIXER, MLP, pause_points
+
+    layout = tiny_model.cache_layout
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 256, size=n) for n in (9, 30)]
+    extra = [rng.integers(0, 256, size=n) for n in (1, 12)]  # a decode and a prefill chunk in one forward
+    arrival = rng.integers(0, 256, size=7)
+
+    def paused_batch(at_pause=None):
+        caches = [tiny_model.new_cache() for _ in prompts]
+        tiny_model.forward([ForwardItem(p, c) for p, c in zip(prompts, caches)])
+        out = tiny_model.forward([ForwardItem(e, c, all_logits=True) for e, c in zip(extra, caches)],
+                                 at_pause=at_pause)
+        return out.logits, [a for c in caches for a in _cache_arrays(c, layout)]
+
+    want_logits, want_caches = paused_batch()
+    alone = tiny_model.forward([ForwardItem(arrival, tiny_model.new_cache(), all_logits=True)]).logits[0]
+    points = pause_points(tiny_model.config.num_layers)
+    assert len(points) == 2 * tiny_model.config.num_layers - 1 and points[:2] == [(0, MIXER), (0, MLP)]
+    seen = []
+    paused_batch(lambda layer, part: seen.append((layer, part)))
+    assert seen == points  # every pause point, in order
+    for point in points:
+        nested = []
+
+        def at_pause(layer: int, part: str, point=point, nested=nested) -> None:
+            if (layer, part) == point:
+                cache = tiny_model.new_cache()
+                nested.append(tiny_model.forward([ForwardItem(arrival, cache, all_logits=True)]).logits[0])
+
+        logits, caches = paused_batch(at_pause)
+        assert len(nested) == 1 and np.array_equal(nested[0], alone), point
+        assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits)), point
+        assert all(np.array_equal(a, b) for a, b in zip(caches, want_caches)), point

@@ -34,7 +34,7 @@ class EngineConfig:
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
     scheduling: str = "fcfs"  # between tenants: fcfs, fair (Virtual Token Counter) or priority (engine/fairness.py)
     output_cost: float = 2.0  # fair/priority: an output token's charge relative to a prompt token
-    step_interruption: bool = False  # fair/priority: a forward pauses between two layers for an arrival of a
+    step_interruption: bool = False  # fair/priority: a forward pauses at a pause point for an arrival of a
     # tenant ranked no worse than every other tenant in it, which runs in a forward of its own first (engine.py)
 
     def __post_init__(self) -> None:

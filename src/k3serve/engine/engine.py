@@ -10,15 +10,16 @@ while post-processing one sequence (sampling, the stop hook, a callback) fails o
 forward itself raises, every sequence in it is reset to be recomputed and marked suspect; suspects then run one per
 step, and one that fails alone is failed with an error output. The engine keeps going either way.
 
-Step interruption (`EngineConfig.step_interruption`, fair/priority scheduling): between two layers of a forward the
-engine looks at what was submitted meanwhile. If the policy lets an arrival interrupt (its tenant ranks no worse
-than every other tenant in the forward), the scheduler admits it (`schedule_urgent`) and it runs a whole forward of
-its own, is sampled and streamed, and then the paused forward resumes. Such arrivals found at a step boundary run in
-a step of their own ahead of the running sequences. The paused sequences are untouched (their caches are not
-shared with the arrivals), at most one such forward runs inside a step, and aborts and tenant changes still wait
-for the step boundary. A light tenant's first token then waits for one layer of the forward in flight instead of
-all of it, at the cost of one more forward's fixed overhead per interruption. It needs a model whose weights allow
-a nested forward (`supports_nested_forward`).
+Step interruption (`EngineConfig.step_interruption`, fair/priority scheduling): at every pause point of a forward
+(after each layer's attention and after each layer's MLP or MoE, `model.k3.pause_points`) the engine looks at what
+was submitted meanwhile. If the policy lets an arrival interrupt (its tenant ranks no worse than every other tenant
+in the forward), the scheduler admits it (`schedule_urgent`) and it runs a whole forward of its own, is sampled and
+streamed, and then the paused forward resumes. Such arrivals found at a step boundary run in a step of their own
+ahead of the running sequences. The paused sequences are untouched (their caches are not shared with the arrivals),
+at most one such forward runs inside a step, and aborts and tenant changes still wait for the step boundary. A light
+tenant's first token then waits for one part of one layer of the forward in flight instead of all of it, at the cost
+of one more forward's fixed overhead per interruption. It needs a model whose weights allow a nested forward
+(`supports_nested_forward`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.families import FamilyModel
-from k3serve.model.k3 import ForwardItem, K3Model
+from k3serve.model.k3 import MLP, ForwardItem, K3Model
 
 if TYPE_CHECKING:
     from k3serve.engine.constraints import Grammar
@@ -64,11 +65,13 @@ class LLMEngine:
 
     def __init__(self, model: K3Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
                  metrics: MetricsRegistry | None = None, speculative: SpeculativeConfig | None = None,
-                 drafters: DrafterFactory | None = None, on_layer: Callable[[int], None] | None = None) -> None:
-        """`on_layer(num_positions)` is called after every layer of every forward the engine runs (instruments:
-        the isolation experiment's model clock, engine/isolation.py)."""
+                 drafters: DrafterFactory | None = None,
+                 on_pause: Callable[[int, int, str], None] | None = None) -> None:
+        """`on_pause(num_positions, layer, part)` is called at every pause point of every forward the engine runs
+        and once more at its end (layer num_layers - 1, part MLP) (instruments: the isolation experiment's model
+        clock, engine/isolation.py)."""
         self.model = model
-        self.on_layer = on_layer
+        self.on_pause = on_pause
         self.speculative = speculative  # the server default; a request may choose its own or none
         self.drafters = drafters if drafters is not None else DrafterFactory(model)
         self._speculation: dict[int, SequenceSpeculation] = {}  # seq_id -> drafter and adaptive length
@@ -78,7 +81,7 @@ class LLMEngine:
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.stop_ids = frozenset(self.model_config.eos_token_ids if stop_ids is None else stop_ids)
         if self.config.step_interruption and not model.supports_nested_forward:
-            raise ConfigError("step_interruption needs a model whose weights allow a forward between two layers of "
+            raise ConfigError("step_interruption needs a model whose weights allow a forward inside "
                               "another (resident K3 weights; not a streaming or traced source, not a family model)")
         self.scheduler = Scheduler(self.config, model.cache_layout, self.metrics)
         self._paused: SchedulerOutput | None = None  # the forward paused for an urgent one (step interruption)
@@ -101,7 +104,7 @@ class LLMEngine:
         self._m_computed = m.counter("computed_tokens", "positions run through the model (prefill + decode)")
         self._m_steps = m.counter("steps", "engine steps that ran a forward")
         self._m_forward_failures = m.counter("forward_failures", "batched forwards that raised")
-        self._m_interruptions = m.counter("step_interruptions", "forwards paused between layers for an urgent one")
+        self._m_interruptions = m.counter("step_interruptions", "forwards paused at a pause point for an urgent one")
         self._m_ttft = m.histogram("ttft_seconds", "arrival to first token")
         self._m_itl = m.histogram("inter_token_latency_seconds", "time between consecutive tokens of a sequence")
         self._m_e2e = m.histogram("e2e_latency_seconds", "arrival to last output")
@@ -300,15 +303,15 @@ class LLMEngine:
             self._requests[request.request_id] = request
             self.scheduler.add(request.sequences[0])
 
-    def _between_layers(self, decision: SchedulerOutput) -> Callable[[int], None]:
-        """The model's between-layers hook for `decision`'s forward: the observer, then (step interruption) at
-        most one urgent forward for arrivals the policy lets interrupt this one."""
+    def _at_pause(self, decision: SchedulerOutput) -> Callable[[int, str], None]:
+        """The model's pause hook for `decision`'s forward: the observer, then (step interruption) at most one
+        urgent forward for arrivals the policy lets interrupt this one."""
         interrupted = False
 
-        def hook(layer: int) -> None:
+        def hook(layer: int, part: str) -> None:
             nonlocal interrupted
-            if self.on_layer is not None:
-                self.on_layer(decision.num_batched_tokens)
+            if self.on_pause is not None:
+                self.on_pause(decision.num_batched_tokens, layer, part)
             if not self.config.step_interruption or interrupted or self._paused is not None:
                 return
             with self._lock:
@@ -319,8 +322,8 @@ class LLMEngine:
         return hook
 
     def _run_urgent(self, paused: SchedulerOutput) -> bool:
-        """Queue the arrivals and run one forward for those allowed to interrupt `paused` (which waits between two
-        layers); their outputs are streamed now and returned with this step's. Whether a forward ran."""
+        """Queue the arrivals and run one forward for those allowed to interrupt `paused` (which waits at a pause
+        point); their outputs are streamed now and returned with this step's. Whether a forward ran."""
         self._take_new_requests()
         decision = self.scheduler.schedule_urgent({s.seq.request.tenant for s in paused.scheduled})
         if decision.empty:
@@ -372,15 +375,15 @@ class LLMEngine:
                 items.append(ForwardItem(np.asarray(ids, np.int64), seq.cache))
             windows.append(window)
         try:
-            if self.on_layer is None and not self.config.step_interruption:
+            if self.on_pause is None and not self.config.step_interruption:
                 result = self.model.forward(items)
             else:
-                result = self.model.forward(items, between_layers=self._between_layers(decision))
+                result = self.model.forward(items, at_pause=self._at_pause(decision))
         except Exception as exc:  # noqa: BLE001 - isolate, never kill the loop
             self._forward_failed(decision, exc, touched)
             return
-        if self.on_layer is not None:
-            self.on_layer(decision.num_batched_tokens)  # the last layer (the model's hook runs between layers)
+        if self.on_pause is not None:  # the last layer's MLP and the logits (no pause point there)
+            self.on_pause(decision.num_batched_tokens, self.model_config.num_layers - 1, MLP)
         self._m_computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):

@@ -19,8 +19,9 @@ OSDI 2024, section 4), so `/metrics` shows it whichever policy runs:
   finds no seat, state slot or blocks preempts a running sequence of a lower class.
 
 With `EngineConfig.step_interruption`, `fair` and `priority` also let a new arrival interrupt a forward in flight
-(between two layers) when its tenant ranks no worse than every other tenant in that forward (`interrupts`): a
-tenant that was idle is lifted to the smallest active counter, so it ties and goes first. `fcfs` never interrupts.
+(after a layer's attention or its MLP) when its tenant ranks no worse than every other tenant in that forward
+(`interrupts`): a tenant that was idle is lifted to the smallest active counter, so it ties and goes first. `fcfs`
+never interrupts.
 
 Against the paper's reference code (the authors' S-LoRA router): the charges are the same (prompt tokens x 1 and
 output tokens x 2, over the weight), except that prompt positions served by the prefix cache are not charged, and a

@@ -4,17 +4,22 @@ B wait for its first token, alone, under `fcfs` and under `fair`?
 A keeps `num_flood` long requests live (resubmitting each as it finishes); B submits a short request every
 `light_interval_s`. Each request's arrival time is its due time, so time spent waiting for the step in flight
 counts. The engine is driven directly on this thread, for `duration_s` per run; arrivals that fall due during a
-forward are submitted between two of its layers (as a server thread would submit them), and a B request's first
+forward are submitted at its next pause point (as a server thread would submit them), and a B request's first
 token counts when the engine streams it. B's requests still without a first token when a run ends count with their
 wait so far (a lower bound), so starvation shows as a long tail rather than as missing samples. Used by
 `benchmarks/bench_tenants.py` and the lab.
 
-With `clock="model"` the same engine runs the same forwards, but time is virtual: each forward advances the clock by
-    t_forward = fixed + per_token * (positions in the forward)
-in equal parts after each of its L layers, with (fixed, per_token) calibrated once from the fastest of a few timed
-forwards (`calibrate_step_cost`). The scheduling decisions are real; only the clock is a model, so results do not
-depend on what else the machine runs. `step_interruption` turns on the engine's switch of that name
-(engine/engine.py) in all three runs (fcfs never interrupts).
+With `clock="model"` the same engine runs the same forwards, but time is virtual: each forward of n positions costs
+    t_forward = fixed + per_token * n
+advanced in 2L parts, one at each of the model's pause points (model/k3.py `pause_points`: after each layer's
+attention, the mixer, and after its MLP or MoE) and the last at the end: part k advances it by
+    fixed * fixed_share[k] + per_token * n * token_share[k]
+(fixed, per_token) come from the fastest of a few timed forwards (`calibrate_step_cost`); the shares from the
+median time of each part of each layer over repeated forwards of 1 and of 256 positions (`measure_pause_split`,
+`PauseSplit.shares`), since the parts differ (a KDA mixer costs more than an MLA one, layer 0's MLP is dense). The
+scheduling decisions are real; only the clock is a model, so results do not depend on what else the machine runs.
+`step_interruption` turns on the engine's switch of that name (engine/engine.py) in all three runs (fcfs never
+interrupts).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from k3serve.engine.request import RequestOutput
 from k3serve.engine.metrics import _quantile
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
-from k3serve.model.k3 import ForwardItem, K3Model
+from k3serve.model.k3 import MIXER, ForwardItem, K3Model
 
 FLOOD, LIGHT = "A", "B"
 
@@ -51,6 +56,7 @@ class IsolationConfig:
     seed: int = 0
     clock: str = "wall"  # wall: real time; model: each step advances a virtual clock by fixed + per_token x tokens
     step_cost: tuple[float, float] | None = None  # (fixed s, s per token) for the model clock; None = calibrate
+    pause_split: PauseSplit | None = None  # each part's share of a forward, for the model clock; None = measure
     step_interruption: bool = False  # EngineConfig.step_interruption for every run
 
     def __post_init__(self) -> None:
@@ -102,7 +108,16 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
     virtual = [0.0]
     if config.clock == "model":
         fixed, per_token = config.step_cost if config.step_cost is not None else calibrate_step_cost(model)
-        num_layers = model.config.num_layers
+        split = config.pause_split if config.pause_split is not None else measure_pause_split(model)
+        if split.num_layers != model.config.num_layers:
+            raise ConfigError(f"the pause split was measured on {split.num_layers} layers, the model has "
+                              f"{model.config.num_layers}")
+        fixed_shares, token_shares = split.shares
+
+        def part_cost(num_positions: int, layer: int, part: str) -> float:
+            """Seconds of one part of one layer of a forward over `num_positions`."""
+            k = 2 * layer + (part != MIXER)
+            return fixed * fixed_shares[k] + per_token * num_positions * token_shares[k]
 
         def clock() -> float:
             return virtual[0]
@@ -133,12 +148,12 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
             light_arrival[engine.enqueue(request)] = next_light[0]
             next_light[0] += config.light_interval_s
 
-    def on_layer(num_positions: int) -> None:
+    def on_pause(num_positions: int, layer: int, part: str) -> None:
         if config.clock == "model":
-            virtual[0] += (fixed + per_token * num_positions) / num_layers
+            virtual[0] += part_cost(num_positions, layer, part)
         submit_due_light()
 
-    engine = LLMEngine(model, engine_config, stop_ids=(), on_layer=on_layer)
+    engine = LLMEngine(model, engine_config, stop_ids=(), on_pause=on_pause)
     engine.add_request(prompt(config.flood_prompt_tokens), SamplingParams(max_tokens=2, ignore_eos=True),
                        tenant="warm-up")  # compile and touch everything before the clock starts
     while engine.has_unfinished_requests():
@@ -196,6 +211,78 @@ def calibrate_step_cost(model: K3Model, num_tokens: int = 256, repeats: int = 5)
     one, many = fastest(1), fastest(num_tokens)
     per_token = max(many - one, 0.0) / (num_tokens - 1)
     return max(one - per_token, 0.0), per_token
+
+
+@dataclass(frozen=True)
+class PauseSplit:
+    """Median seconds of each part of each layer of a forward (`measure_pause_split`), at two lengths."""
+
+    lengths: tuple[int, int]  # positions per forward: (short, long)
+    mixer: tuple[tuple[float, ...], tuple[float, ...]]  # per length, per layer: embedding (layer 0) + attention
+    mlp: tuple[tuple[float, ...], tuple[float, ...]]  # per length, per layer: MLP or MoE (+ the logits after the last)
+
+    def __post_init__(self) -> None:
+        if len(self.lengths) != 2 or not 1 <= self.lengths[0] < self.lengths[1]:
+            raise ConfigError(f"PauseSplit.lengths must be two increasing positive lengths, got {self.lengths!r}")
+        sizes = {len(times) for part in (self.mixer, self.mlp) for times in part}
+        if len(self.mixer) != 2 or len(self.mlp) != 2 or len(sizes) != 1 or \
+                not all(t >= 0 for part in (self.mixer, self.mlp) for times in part for t in times):
+            raise ConfigError("PauseSplit needs, for each of its two lengths, one time >= 0 per layer for the mixer "
+                              "and for the MLP")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mixer[0])
+
+    def seconds(self, index: int) -> np.ndarray:
+        """[2L]: every part's time at lengths[index], in pause-point order (layer 0 mixer, layer 0 MLP, ...)."""
+        return np.column_stack([self.mixer[index], self.mlp[index]]).ravel()
+
+    def mixer_fraction(self, index: int) -> float:
+        """The mixers' share of the forward's time at lengths[index]."""
+        return sum(self.mixer[index]) / float(self.seconds(index).sum())
+
+    @property
+    def shares(self) -> tuple[np.ndarray, np.ndarray]:
+        """[2L] each, summing to 1: every part's share of a forward's fixed cost and of its per-position cost, from
+        its time fitted as a + b x positions through the two lengths (an a or b below zero, noise, counts as 0)."""
+        (short, long), (t_short, t_long) = self.lengths, (self.seconds(0), self.seconds(1))
+        per_token = np.maximum((t_long - t_short) / (long - short), 0.0)
+        fixed = np.maximum(t_short - per_token * short, 0.0)
+        return fixed / fixed.sum(), per_token / per_token.sum()
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PauseSplit:
+        """The `as_dict` form back (a JSON record); a malformed one raises ConfigError."""
+        try:
+            mixer, mlp = (tuple(tuple(float(t) for t in times) for times in data[part]) for part in ("mixer", "mlp"))
+            return cls(tuple(int(n) for n in data["lengths"]), mixer, mlp)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"not a pause split record ({exc})") from exc
+
+
+def measure_pause_split(model: K3Model, lengths: tuple[int, int] = (1, 256), repeats: int = 21) -> PauseSplit:
+    """Time every part of every layer of `repeats` forwards of each length (a fresh sequence each), stamping
+    `time.perf_counter` at each pause point; medians, which a busy machine disturbs less than the means."""
+    num_layers = model.config.num_layers
+    mixer: list[tuple[float, ...]] = []
+    mlp: list[tuple[float, ...]] = []
+    for length in lengths:
+        ids = np.arange(1, length + 1, dtype=np.int64) % model.config.vocab_size
+        samples = []
+        for _ in range(repeats + 1):  # the first forward warms up (compiles, touches the weights)
+            stamps = [time.perf_counter()]
+            model.forward([ForwardItem(ids, model.new_cache())], at_pause=lambda layer, part: stamps.append(
+                time.perf_counter()))
+            stamps.append(time.perf_counter())
+            samples.append(np.diff(stamps))  # [2L]: layer 0 mixer, layer 0 MLP, ...
+        part = np.median(np.array(samples[1:]), axis=0).reshape(num_layers, 2)  # [L, (mixer, MLP)]
+        mixer.append(tuple(part[:, 0].tolist()))
+        mlp.append(tuple(part[:, 1].tolist()))
+    return PauseSplit(lengths, (mixer[0], mixer[1]), (mlp[0], mlp[1]))
 
 
 def compare_isolation(model: K3Model | None = None, config: IsolationConfig | None = None,

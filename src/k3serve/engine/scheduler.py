@@ -20,7 +20,7 @@ served):
   3. deferred prefill chunks take the budget left over (work-conserving), without preempting.
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
 
-`schedule_urgent` is the decision for a forward that runs while another is paused between two layers, or at a step
+`schedule_urgent` is the decision for a forward that runs while another is paused at a pause point, or at a step
 boundary ahead of the running set (`EngineConfig.step_interruption`): only waiting sequences the policy lets
 interrupt, nothing preempted.
 """
@@ -204,7 +204,7 @@ class Scheduler:
 
     def schedule_urgent(self, in_flight: set[str]) -> SchedulerOutput:
         """Waiting sequences to run in a forward of their own, ahead of the work of the tenants `in_flight` (those
-        of a forward paused between two layers, or of the running set at a step boundary): those of tenants the
+        of a forward paused at a pause point, or of the running set at a step boundary): those of tenants the
         policy lets interrupt (`interrupts`), in its order, while the budget, seats, state slots and free blocks
         last. Nothing is preempted (paused sequences hold their memory mid-forward), and suspects wait for a step
         boundary to run alone."""

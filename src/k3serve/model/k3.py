@@ -48,7 +48,14 @@ class ForwardResult:
 
 
 RoutingObserver = Callable[[int, Routing, list[tuple[int, int]]], None]
-LayerObserver = Callable[[int], None]  # called with the index of a layer just finished (not after the last one)
+MIXER, MLP = "mixer", "mlp"  # the two parts of a layer: attention (KDA or MLA), then the MLP or MoE
+PauseHook = Callable[[int, str], None]  # (layer, part just finished) at every pause point of a forward
+
+
+def pause_points(num_layers: int) -> list[tuple[int, str]]:
+    """Where a forward calls its `at_pause` hook, in order: after every layer's mixer and after every layer's MLP
+    but the last (the logits follow at once there)."""
+    return [(layer, part) for layer in range(num_layers) for part in (MIXER, MLP)][:-1]
 
 
 def flatten_items(items: Sequence[ForwardItem], vocab_size: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -150,14 +157,16 @@ class K3Model(SingleSequenceMixin):
 
     @property
     def supports_nested_forward(self) -> bool:
-        """Whether `between_layers` may run another forward (over other caches) before this one resumes."""
+        """Whether `at_pause` may run another forward (over other caches) before this one resumes."""
         return self.source.supports_nested_forward()
 
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None,
-                between_layers: LayerObserver | None = None) -> ForwardResult:
-        """One step over `items`. `between_layers(l)` runs after layer l < num_layers - 1 (the engine pauses a
-        step there to serve an urgent arrival, engine/engine.py)."""
+                at_pause: PauseHook | None = None) -> ForwardResult:
+        """One step over `items`. `at_pause(layer, part)` runs at each of `pause_points` (the engine pauses a step
+        there to serve an urgent arrival, engine/engine.py). What the forward holds there (h, the residual stack,
+        its caches advanced through that part) is local to it, so a nested forward over other caches leaves it
+        as it was."""
         c = self.config
         if not items:
             return ForwardResult(logits=[])
@@ -186,6 +195,8 @@ class K3Model(SingleSequenceMixin):
             else:
                 a = self._mla(w.attention, x, segments, caches, layer)
             pref = a if pref is None else pref + a
+            if at_pause is not None:
+                at_pause(layer, MIXER)
             h = attn_res(stack + [pref], w.mlp_res_query, eps)
             x = rms_norm(h, w.post_attention_norm, eps)
             source.prefetch_hint(layer, h)
@@ -201,8 +212,8 @@ class K3Model(SingleSequenceMixin):
             else:
                 m = dense_mlp_forward(c, w.mlp, x)
             pref = pref + m
-            if between_layers is not None and layer < c.num_layers - 1:
-                between_layers(layer)
+            if at_pause is not None and layer < c.num_layers - 1:
+                at_pause(layer, MLP)
 
         rows = logit_rows(items, segments)
         out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)

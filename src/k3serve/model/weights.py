@@ -137,7 +137,7 @@ class WeightSource(ABC):
         """expert_ids [T, TOPK] that `layer` routed to (routing traces)."""
 
     def supports_nested_forward(self) -> bool:
-        """Whether a forward may run between two layers of another one (nothing held belongs to one step)."""
+        """Whether a forward may run at a pause point of another one (nothing held belongs to one step)."""
         return True
 
     def resident_experts(self, layer: int) -> set[int] | None:

@@ -31,9 +31,9 @@ def add_tenant_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-cost", type=float_range(0.0), default=DEFAULT_OUTPUT_COST,
                        help="fair scheduling: an output token's charge relative to a prompt token")
     group.add_argument("--step-interruption", action="store_true",
-                       help="fair/priority: a forward pauses between two layers to run an arriving request of a "
-                            "tenant ranked ahead first (shorter first-token waits for light tenants; resident "
-                            "K3 weights only)")
+                       help="fair/priority: a forward pauses after a layer's attention or MLP to run an arriving "
+                            "request of a tenant ranked ahead first (shorter first-token waits for light tenants; "
+                            "resident K3 weights only)")
 
 
 def add_tenants_command(sub) -> dict:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import numpy as np
 
 from k3serve.errors import ConfigError
-from k3serve.model.k3 import (ForwardItem, ForwardResult, LayerObserver, RoutingObserver, SingleSequenceMixin,
+from k3serve.model.k3 import (ForwardItem, ForwardResult, MIXER, MLP, PauseHook, RoutingObserver, SingleSequenceMixin,
                               finish_batch, flatten_items, logit_rows)
 from k3serve.model.kernels import linear, widen_bf16
 from k3serve.model.moe import Routing
@@ -142,13 +142,13 @@ class FamilyModel(SingleSequenceMixin):
 
     @property
     def supports_nested_forward(self) -> bool:
-        """Whether another forward may run between two layers of this one: not claimed, since the lazily packed
+        """Whether another forward may run at a pause point of this one: not claimed, since the lazily packed
         expert store has not been checked for it."""
         return False
 
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None,
-                between_layers: LayerObserver | None = None) -> ForwardResult:
+                at_pause: PauseHook | None = None) -> ForwardResult:
         if not items:
             return ForwardResult(logits=[])
         ids, segments = flatten_items(items, self.config.vocab_size)
@@ -165,6 +165,8 @@ class FamilyModel(SingleSequenceMixin):
         h = widen_bf16(self.embed[ids]) if self.embed.dtype == np.uint16 else self.embed[ids]  # [T, H]
         for index, layer in enumerate(self.layers):
             h = h + layer.mixer(rms_norm(h, layer.input_norm, eps), batch)
+            if at_pause is not None:
+                at_pause(index, MIXER)
             if experts is not None and experts.prefetching:
                 self._prefetch_next(index, h)
             m, routing = layer.mlp(rms_norm(h, layer.post_attention_norm, eps))
@@ -174,8 +176,8 @@ class FamilyModel(SingleSequenceMixin):
                     result.routing[index] = routing
                 if on_routing is not None:
                     on_routing(index, routing, segments)
-            if between_layers is not None and index < len(self.layers) - 1:
-                between_layers(index)
+            if at_pause is not None and index < len(self.layers) - 1:
+                at_pause(index, MLP)
 
         logits = linear(rms_norm(h[logit_rows(items, segments)], self.final_norm, eps), self.lm_head)  # [R, V]
         return finish_batch(items, segments, logits, result)
