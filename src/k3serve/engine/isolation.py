@@ -112,7 +112,7 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
         if split.num_layers != model.config.num_layers:
             raise ConfigError(f"the pause split was measured on {split.num_layers} layers, the model has "
                               f"{model.config.num_layers}")
-        fixed_shares, token_shares = split.shares
+        fixed_shares, token_shares = (shares.tolist() for shares in split.shares)  # Python floats on the clock
 
         def part_cost(num_positions: int, layer: int, part: str) -> float:
             """Seconds of one part of one layer of a forward over `num_positions`."""
