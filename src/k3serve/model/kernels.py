@@ -491,11 +491,25 @@ def mxfp4_experts_accumulate(
 # ------------------------------------------------------------------------------------------- bf16 / int8 experts
 # The families' experts at "native" (bf16, or float32 test checkpoints) and "int8" precision, multiplied from the
 # stored bytes: bf16 as uint16 (widened lane by lane, value = bits << 16, exact), int8 as int8 with float32 scales
-# (one per row, or one per block of 32 values: GGUF's Q8_0, each block's dot scaled, then summed in order),
-# float32 as is. Same row dot structure as MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum,
-# a scalar tail, in portable LLVM IR. As for MXFP4, a layer's active experts run in one compiled call over a stack
-# [E, ...] of its experts (`dense_experts_run`), spread over the cores across (expert, row block).
+# (one per row, multiplying the row's dot, or one per block of 32 values, GGUF's Q8_0, scaling each weight as it
+# is widened: the float32 kernel's bits on the dequantized values), float32 as is. Same row dot structure as
+# MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum, a scalar tail, in portable LLVM IR. As for MXFP4, a
+# layer's active experts run in one compiled call over a stack [E, ...] of its experts (`dense_experts_run`),
+# spread over the cores across (expert, row block).
 DENSE_LANES = 16
+_DENSE_KINDS = {types.uint16: "bf16", types.int8: "int8", types.float32: "f32"}
+_DENSE_STORED = {"bf16": ir.IntType(16), "int8": _I8, "f32": _F32}
+
+
+def _widen(builder: ir.IRBuilder, kind: str, value: ir.Value, lanes: int | None) -> ir.Value:
+    """Stored weights (a vector of `lanes`, or a scalar for None) as float32: bf16 bits << 16, int8 converted."""
+    if kind == "f32":
+        return value
+    vf, vi = (_F32, _I32) if lanes is None else (_vector(_F32, lanes), _vector(_I32, lanes))
+    if kind == "bf16":
+        shift = ir.Constant(_I32, 16) if lanes is None else ir.Constant(vi, [16] * lanes)
+        return builder.bitcast(builder.shl(builder.zext(value, vi), shift), vf)
+    return builder.sitofp(value, vf)
 
 
 def _dense_row_dot_codegen(kind: str):
@@ -507,31 +521,22 @@ def _dense_row_dot_codegen(kind: str):
         lanes = DENSE_LANES
         vf = _vector(_F32, lanes)
         vi = _vector(_I32, lanes)
-        stored = _vector({"bf16": ir.IntType(16), "int8": _I8, "f32": _F32}[kind], lanes)
+        stored = _vector(_DENSE_STORED[kind], lanes)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-
-        def widen(value, vector: bool):
-            if kind == "f32":
-                return value
-            if kind == "bf16":
-                wide = builder.zext(value, vi if vector else _I32)
-                shifted = builder.shl(wide, ir.Constant(vi, [16] * lanes) if vector else ir.Constant(_I32, 16))
-                return builder.bitcast(shifted, vf if vector else _F32)
-            return builder.sitofp(value, vf if vector else _F32)
 
         index_type = length.type
         chunks = builder.udiv(length, ir.Constant(index_type, lanes))
         acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
         with cgutils.for_range(builder, chunks) as loop:
             base = builder.mul(loop.index, ir.Constant(index_type, lanes))
-            weights = widen(_load(builder, w.data, base, stored, 4 if kind == "f32" else 1), True)
+            weights = _widen(builder, kind, _load(builder, w.data, base, stored, 4 if kind == "f32" else 1), lanes)
             inputs = _load(builder, x.data, base, vf, 4)
             builder.store(builder.call(fma, [weights, inputs, builder.load(acc_slot)]), acc_slot)
         total_slot = cgutils.alloca_once_value(builder, _pairwise_sum(builder, builder.load(acc_slot), lanes))
         tail_start = builder.mul(chunks, ir.Constant(index_type, lanes))
         with cgutils.for_range(builder, builder.sub(length, tail_start)) as loop:
             i = builder.add(tail_start, loop.index)
-            product = builder.fmul(widen(builder.load(builder.gep(w.data, [i])), False),
+            product = builder.fmul(_widen(builder, kind, builder.load(builder.gep(w.data, [i])), None),
                                    builder.load(builder.gep(x.data, [i])))
             builder.store(builder.fadd(builder.load(total_slot), product), total_slot)
         return builder.load(total_slot)
@@ -542,25 +547,58 @@ def _dense_row_dot_codegen(kind: str):
 @intrinsic
 def _dense_row_dot(typingctx, w_row, x):
     """sum_c w[c] x[c]; w_row bf16 bits (uint16), int8 or float32 [C], x float32 [C]."""
-    kinds = {types.uint16: "bf16", types.int8: "int8", types.float32: "f32"}
-    if w_row.dtype in kinds:
-        return types.float32(w_row, x), _dense_row_dot_codegen(kinds[w_row.dtype])
+    if w_row.dtype in _DENSE_KINDS:
+        return types.float32(w_row, x), _dense_row_dot_codegen(_DENSE_KINDS[w_row.dtype])
+    return None
+
+
+def _block_scaled_row_dot_codegen(kind: str):
+    return lambda context, builder, signature, args: _block_scaled_row_dot_ir(kind, context, builder, signature,
+                                                                               args)
+
+
+def _block_scaled_row_dot_ir(kind: str, context, builder, signature, args):
+    w_t, s_t, x_t = signature.args
+    w = context.make_array(w_t)(context, builder, args[0])
+    s = context.make_array(s_t)(context, builder, args[1])
+    x = context.make_array(x_t)(context, builder, args[2])
+    (length,) = cgutils.unpack_tuple(builder, w.shape, 1)
+    (groups,) = cgutils.unpack_tuple(builder, s.shape, 1)
+    lanes = DENSE_LANES
+    vf = _vector(_F32, lanes)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+    index_type = length.type
+    block = builder.udiv(length, groups)
+    acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+    with cgutils.for_range(builder, builder.udiv(length, ir.Constant(index_type, lanes))) as loop:
+        base = builder.mul(loop.index, ir.Constant(index_type, lanes))
+        scale = builder.load(builder.gep(s.data, [builder.udiv(base, block)]))
+        stored = _load(builder, w.data, base, _vector(_DENSE_STORED[kind], lanes), 4 if kind == "f32" else 1)
+        weights = builder.fmul(_widen(builder, kind, stored, lanes), _splat(builder, scale, lanes))
+        inputs = _load(builder, x.data, base, vf, 4)
+        builder.store(builder.call(fma, [weights, inputs, builder.load(acc_slot)]), acc_slot)
+    return _pairwise_sum(builder, builder.load(acc_slot), lanes)
+
+
+@intrinsic
+def _block_scaled_row_dot(typingctx, w_row, scales, x):
+    """sum_c (w[c] * scales[c // B]) x[c] for w [C] (int8: GGUF's Q8_0, B = 32; typed for every dense kind),
+    float32 scales [G], B = C / G a multiple of DENSE_LANES: each weight scaled as it is widened, then the float32
+    row dot's FMA order, so the bits are those of `_dense_row_dot` on the dequantized row."""
+    if w_row.dtype in _DENSE_KINDS and scales.dtype == types.float32:
+        return types.float32(w_row, scales, x), _block_scaled_row_dot_codegen(_DENSE_KINDS[w_row.dtype])
     return None
 
 
 @njit(inline="always")
 def _scaled_row_dot(w_row, scales, scaled, x):
-    """sum_c w[c] x[c] with w's scales [G] (G blocks of C/G values; G = 1: one per row) when `scaled`."""
+    """sum_c w[c] x[c] with w's scales [G] when `scaled`: one per row (G = 1) multiplies the dot, one per block of
+    C/G values scales each weight (`_block_scaled_row_dot`)."""
     if not scaled:
         return _dense_row_dot(w_row, x)
-    groups = scales.shape[0]
-    if groups == 1:
+    if scales.shape[0] == 1:
         return _dense_row_dot(w_row, x) * scales[0]
-    size = w_row.shape[0] // groups
-    total = _dense_row_dot(w_row[:size], x[:size]) * scales[0]
-    for g in range(1, groups):
-        total += _dense_row_dot(w_row[g * size:(g + 1) * size], x[g * size:(g + 1) * size]) * scales[g]
-    return total
+    return _block_scaled_row_dot(w_row, scales, x)
 
 
 @njit(inline="always")
@@ -622,8 +660,8 @@ def dense_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, do
                       starts: np.ndarray, ends: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y[n] = down_e SiLU-GLU(gate_up_e x[tokens[n]]) for every routed (token, expert) pair, in one compiled call.
     gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]: bf16 bits (uint16), int8 or float32; scales
-    float32 [E, 2I] and [E, H] multiply each row's dot (int8), or [E, 2I, H/32] and [E, H, I/32] each block of 32
-    values' dot (GGUF's Q8_0), or None (bf16, float32). expert_ids [K] index E;
+    float32 [E, 2I] and [E, H] multiply each row's dot (int8), or [E, 2I, H/32] and [E, H, I/32] scale each block
+    of 32 values (GGUF's Q8_0), or None (bf16, float32). expert_ids [K] index E;
     expert k owns rows starts[k]:ends[k] of tokens [N]; x [T, H] -> y [N, H] (`out`, when given, is filled on
     those rows only). Each y[n] is the same bits whatever the other tokens, experts and threads of the call."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -631,6 +669,10 @@ def dense_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, do
     if (gate_up.shape != (num_experts, 2 * width, hidden_size) or x.ndim != 2 or x.shape[1] != hidden_size
             or (gate_up_scales is None) != (down_scales is None)):
         raise ValueError(f"experts gate_up {gate_up.shape} / down {down.shape} do not fit x {x.shape}")
+    for w, scales in ((gate_up, gate_up_scales), (down, down_scales)):
+        groups = 1 if scales is None else scales[0].size // w.shape[1]
+        if groups > 1 and (w.shape[2] % groups or (w.shape[2] // groups) % DENSE_LANES):
+            raise ValueError(f"block scales {scales.shape} of {w.shape}: blocks must be multiples of {DENSE_LANES}")
     if out is None:
         out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
     hidden = np.empty((tokens.shape[0], width), np.float32)  # [N, I]
