@@ -178,7 +178,7 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
         return [part.strip() for part in text.split(",") if part.strip()]
 
     machine = resolve_machine(args.machine)
-    nodes = [cli_int(n, "--nodes") for n in listed(args.nodes)]
+    nodes = [_whole_number(n, "--nodes") for n in listed(args.nodes)]
     networks = {name: (None if name == "machine" else resolve_network(name)) for name in listed(args.network)}
     print(f"{'nodes':>5} {'RAM':>5} {'front':>6} {'network':>8} {'s/token':>8} {'trunk read':>10} "
           f"{'expert read/node':>16} {'retention':>9} {'network/token':>13} {'owners wait':>11} "
@@ -209,14 +209,16 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
                     records.append(record)
                     series.setdefault(f"{ram}/node, front {front_ram}, {name}", []).append((n, r.s_per_token))
     if args.plot is not None and series:
+        first_link = next(iter(networks))
         args.plot.write_text(line_chart(f"full K3, expert parallelism on {args.machine} boxes: s/token by owners",
-                                        "expert owner boxes", "s/token", series))
+                                        "expert owner boxes", "s/token", series,
+                                        dashed=[n for n in series if not n.endswith(f", {first_link}")]))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
     return 0
 
 
-def cli_int(text: str, flag: str) -> int:
+def _whole_number(text: str, flag: str) -> int:
     from k3serve.errors import UsageError
 
     try:
