@@ -3,6 +3,7 @@
     pip install -e '.[peers]'          # llama-cpp-python==0.3.36 (compiles ~13 min on 2 cores) and gguf
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llama_sdist   # its converter
     python benchmarks/bench_peers.py [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz] [--rounds 3]
+    python benchmarks/bench_peers.py --memory-limits 768M,1G,1536M --rounds 3 --decode-steps 16   # streaming
 
 What it does, in one run:
 1. Memory bandwidth: a STREAM triad a = b + s c in numba over 3 x 128 MiB float32 arrays, every core; the best
@@ -20,6 +21,10 @@ What it does, in one run:
 5. Speed, alternated (k3serve, llama.cpp, k3serve, ...; one fresh process per run): prefill of --prompt-len
    tokens, then --decode-steps decode steps at batch 1, and the process's peak RSS. 2 threads each; llama.cpp
    with use_extra_bufts off (its AMX repack crashes on this CPU at the first decode).
+With --memory-limits 768M,1G instead: streaming under those cgroup-v1 memory limits (page cache counted; needs
+root), alternated and cold (the files' pages evicted with POSIX_FADV_DONTNEED, not the machine's): k3serve from its
+packed store (RAM budget half the limit, O_DIRECT, LFU; `bench_stream.py`'s worker) against llama.cpp on the mmap'd
+GGUF, decode seconds per token, medians of --rounds.
 Prints one summary line and a JSON record on the last line. Figures: docs/BENCHMARKS.md.
 """
 
@@ -38,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+HERE = Path(__file__).resolve().parent
 WORK = Path(os.environ.get("K3BENCH_DIR", "/tmp/k3bench-trained"))
 CONFIG_KEYS_FOR_LLAMA_CPP = {  # released K3 config keys llama.cpp's converter reads and our writer lacks
     "architectures": ["KimiK3ForConditionalGeneration"], "hidden_act": "situ", "mla_use_nope": True,
@@ -283,14 +289,76 @@ def run_llama_cpp(spec: dict) -> dict:
             "greedy": greedy[:10], "logits": logits.tolist() if logits is not None else None}
 
 
-def child(engine: str, spec: dict) -> dict:
-    """One measurement in a fresh process (its own peak RSS)."""
+def child(engine: str, spec: dict, memory_limit: int | None = None) -> dict:
+    """One measurement in a fresh process (its own peak RSS); with `memory_limit`, inside a memory cgroup of that
+    many bytes that counts page cache (`confined`)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "NUMBA_NUM_THREADS": str(spec["threads"])}
     if engine == "llama.cpp" and spec.get("llama_omp_wait_policy"):
         env["OMP_WAIT_POLICY"] = spec["llama_omp_wait_policy"]
-    out = subprocess.run([sys.executable, __file__, "--child", engine, json.dumps(spec)], env=env, check=True,
-                         capture_output=True, text=True)
+    command = [sys.executable, __file__, "--child", engine, json.dumps(spec)]
+    if memory_limit is not None:
+        command = confined(command, memory_limit)
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+CGROUP = Path("/sys/fs/cgroup/memory/k3bench-peers")  # cgroup v1; page cache is charged to the group
+
+
+def confined(command: list[str], limit: int) -> list[str]:
+    """`command` run inside CGROUP with its memory (page cache included) limited to `limit` bytes."""
+    try:
+        CGROUP.mkdir(exist_ok=True)
+        (CGROUP / "memory.limit_in_bytes").write_text(str(limit))
+    except OSError as error:
+        raise RuntimeError(f"memory cgroup {CGROUP} not writable ({error}): needs root and cgroup v1") from error
+    return ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh", *command]
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop these files' pages from the page cache (POSIX_FADV_DONTNEED), so a run starts cold without dropping
+    the other jobs' caches."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def streaming_comparison(checkpoint: Path, gguf: Path, spec: dict, limits: list[int], rounds: int) -> dict:
+    """Under each memory limit, alternated and cold: k3serve streaming from its packed store (RAM budget half the
+    limit, O_DIRECT reads, LFU expert cache: `bench_stream.py`'s worker) against llama.cpp on its mmap'd GGUF.
+    Decode seconds per token, medians."""
+    from k3serve.weights.pack import pack_checkpoint
+    from k3serve.weights.store import PackedStore
+
+    store = checkpoint.parent / "packed-natural"
+    if not (store / "store.json").exists():
+        pack_checkpoint(checkpoint, store)
+    packed = PackedStore(store)
+    ours = {"store": str(store), "prompts": [spec["prompt"][:24]], "tokens": spec["decode_steps"] + 1}
+    theirs = {**spec, "prompt": spec["prompt"][:24], "logits": False}
+    out = {}
+    for limit in sorted(limits):
+        runs: dict[str, list[float]] = {"k3serve": [], "llama.cpp": []}
+        options = {"ram_budget": limit // 2, "io": "direct", "cache": "lfu"}
+        for _ in range(rounds):
+            evict([packed.expert_path, packed.trunk_path])
+            command = confined([sys.executable, str(HERE / "bench_stream.py"), "--worker",
+                                json.dumps({**ours, "options": options})], limit)
+            done = subprocess.run(command, capture_output=True, text=True, check=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
+                                       "NUMBA_NUM_THREADS": str(spec["threads"])})
+            runs["k3serve"].append(json.loads(done.stdout.strip().splitlines()[-1])["s_per_token"])
+            evict([gguf])
+            runs["llama.cpp"].append(1 / child("llama.cpp", theirs, memory_limit=limit)["decode_tok_s"])
+        med = {engine: statistics.median(values) for engine, values in runs.items()}
+        out[f"{limit >> 20} MiB"] = {"s_per_token": med, "k3serve_speedup": med["llama.cpp"] / med["k3serve"],
+                                     "k3serve_options": options, "all_runs": runs}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -314,7 +382,29 @@ def main() -> None:
                              "positions (slow: about 30 s per position on this machine)")
     parser.add_argument("--llama-omp-wait-policy", choices=("ACTIVE", "PASSIVE"), default=None,
                         help="OMP_WAIT_POLICY for llama.cpp (default: its own; k3serve sleeps its workers)")
+    parser.add_argument("--memory-limits", default=None,
+                        help="instead of the resident comparison: streaming under these cgroup memory limits, "
+                             "e.g. 768M,1G (k3serve's packed store vs llama.cpp's mmap, cold; needs root)")
     args = parser.parse_args()
+    if args.memory_limits:
+        from k3serve.stream.budget import parse_size
+
+        checkpoint = widened_checkpoint(args.inner, args.latent)
+        gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist))
+        from k3serve.weights.checkpoint import Checkpoint
+
+        vocab = Checkpoint(checkpoint).config.vocab_size
+        prompt = np.random.default_rng(0).integers(0, vocab - 8, size=args.prompt_len).tolist()
+        spec = {"gguf": str(gguf), "prompt": prompt, "threads": args.threads, "decode_steps": args.decode_steps}
+        result = streaming_comparison(checkpoint, gguf, spec, [parse_size(x) for x in args.memory_limits.split(",")],
+                                      args.rounds)
+        for limit, r in result.items():
+            print(f"limit {limit}: k3serve streaming {r['s_per_token']['k3serve']:.3f} s/token, llama.cpp mmap "
+                  f"{r['s_per_token']['llama.cpp']:.3f} s/token: k3serve at {r['k3serve_speedup']:.2f}x "
+                  f"llama.cpp's speed")
+        print(json.dumps({"benchmark": "peers_streaming", "machine": describe_host(), "rounds": args.rounds,
+                          "decode_steps": args.decode_steps, "threads": args.threads, "limits": result}))
+        return
 
     bandwidth = triad_bandwidth()
     checkpoint = widened_checkpoint(args.inner, args.latent)
