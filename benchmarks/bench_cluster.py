@@ -19,10 +19,14 @@ groups (one tenant each), each with its own --system-tokens system prompt and --
 --question-tokens ids; all questions in one seeded random order, sent by --clients closed-loop clients, each reply
 --reply-tokens greedy tokens. Runs: cache-aware and round-robin over --replicas replicas, and cache-aware over 1.
 
-Prints the machine, one summary line, and a JSON record on the last line.
+--prefix-cache-policy lru slru runs every one of those runs under each replacement policy of the replicas' prefix
+caches (alternated within a round) and reports each policy's figures; --no-single leaves out the 1-replica run.
+
+Prints the machine, one summary line per policy, and a JSON record on the last line.
 
     python benchmarks/bench_cluster.py [--rounds 2] [--quick]
     python benchmarks/bench_cluster.py --workload shared-prefix [--replicas 2] [--state-checkpoints 16]
+        [--prefix-cache-policy lru slru] [--no-single]
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from k3serve.cluster.backend import ClusterBackend
 from k3serve.cluster.router import RouterConfig
 from k3serve.cluster.runtime import start_ray
 from k3serve.cluster.spec import ReplicaSpec
-from k3serve.engine.config import EngineConfig
+from k3serve.engine.config import PREFIX_CACHE_POLICIES, EngineConfig
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
 
@@ -166,26 +170,31 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--balance-abs-threshold", type=int, default=RouterConfig.balance_abs_threshold)
     parser.add_argument("--balance-rel-threshold", type=float, default=RouterConfig.balance_rel_threshold)
+    parser.add_argument("--prefix-cache-policy", nargs="+", choices=PREFIX_CACHE_POLICIES,
+                        default=[EngineConfig.prefix_cache_policy],
+                        help="the replicas' checkpoint replacement; several: each run under each, alternated")
+    parser.add_argument("--no-single", action="store_true", help="leave out the cache-aware run on 1 replica")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.turns = 1, 3
-    engine = EngineConfig(max_model_len=1024, max_seqs=16, max_batch_tokens=512, kv_cache_bytes=32 << 20,
-                          num_state_checkpoints=args.state_checkpoints,
-                          checkpoint_every_blocks=args.checkpoint_every_blocks)
-    spec = ReplicaSpec(model=None, stream=None, engine=engine, speculative=None)
+    specs = {policy: ReplicaSpec(model=None, stream=None, speculative=None, engine=EngineConfig(
+        max_model_len=1024, max_seqs=16, max_batch_tokens=512, kv_cache_bytes=32 << 20,
+        num_state_checkpoints=args.state_checkpoints, checkpoint_every_blocks=args.checkpoint_every_blocks,
+        prefix_cache_policy=policy)) for policy in args.prefix_cache_policy}
     print(f"machine: {describe_host()}")
     n = args.replicas
     start_ray(None, num_cpus=max(n, 2), replicas=n)
     import ray
 
-    runs = (("cache-aware", n), ("round-robin", n), ("cache-aware", 1))
-    results: dict[str, list[dict]] = {f"{router}x{count}": [] for router, count in runs}
+    routes = (("cache-aware", n), ("round-robin", n)) + ((("cache-aware", 1),) if not args.no_single else ())
+    runs = [(router, count, policy) for policy in specs for router, count in routes]
+    results: dict[str, list[dict]] = {f"{router}x{count}/{policy}": [] for router, count, policy in runs}
     try:
         for round_index in range(args.rounds):
-            for router, replicas in runs:
+            for router, replicas, policy in runs:
                 config = RouterConfig(policy=router, balance_abs_threshold=args.balance_abs_threshold,
                                       balance_rel_threshold=args.balance_rel_threshold)
-                backend = ClusterBackend(spec, replicas, config)
+                backend = ClusterBackend(specs[policy], replicas, config)
                 try:
                     vocab = backend.infos[0].vocab_size
                     if args.workload == "chat":
@@ -195,9 +204,9 @@ def main() -> None:
                                                                args.reply_tokens, args.clients))
                 finally:
                     backend.shutdown()
-                key = f"{router}x{replicas}"
+                key = f"{router}x{replicas}/{policy}"
                 results[key].append(result)
-                print(f"round {round_index + 1} {key:15s}: hit rate {result['hit_rate']:.3f}  TTFT p50 "
+                print(f"round {round_index + 1} {key:20s}: hit rate {result['hit_rate']:.3f}  TTFT p50 "
                       f"{result['ttft_p50'] * 1e3:7.1f} ms p99 {result['ttft_p99'] * 1e3:7.1f} ms  "
                       f"{result['tokens_per_s']:6.1f} tok/s  ({result['requests']} requests, "
                       f"{result['errors']} errors, {result['seconds']:.1f} s) {result.get('reasons', '')}", flush=True)
@@ -205,21 +214,28 @@ def main() -> None:
         ray.shutdown()
     medians = {key: {field: statistics.median(r[field] for r in runs_) for field in runs_[0] if field != "reasons"}
                for key, runs_ in results.items()}
-    ca_key, rr_key, one_key = (f"{router}x{count}" for router, count in runs)
-    hit_ratios = [ca["hit_rate"] / max(rr["hit_rate"], 1e-9) for ca, rr in zip(results[ca_key], results[rr_key])]
-    miss_ratios = [(1 - rr["hit_rate"]) / max(1 - ca["hit_rate"], 1e-9)
-                   for ca, rr in zip(results[ca_key], results[rr_key])]
-    speedups = [many["tokens_per_s"] / one["tokens_per_s"] for many, one in zip(results[ca_key], results[one_key])]
-    ca, rr = medians[ca_key], medians[rr_key]
-    print(f"summary ({args.workload}, {n} replicas): prefix hit rate cache-aware {ca['hit_rate']:.3f} vs round-robin "
-          f"{rr['hit_rate']:.3f} ({statistics.median(hit_ratios):.2f}x, target >= 3x; prompt tokens computed: "
-          f"round-robin {statistics.median(miss_ratios):.2f}x cache-aware's); TTFT p50/p99 cache-aware "
-          f"{ca['ttft_p50'] * 1e3:.0f}/{ca['ttft_p99'] * 1e3:.0f} ms vs round-robin {rr['ttft_p50'] * 1e3:.0f}/"
-          f"{rr['ttft_p99'] * 1e3:.0f} ms; {n} replicas / 1: {statistics.median(speedups):.2f}x tokens/s")
+    ratios = {}
+    for policy in specs:
+        ca_key, rr_key, one_key = (f"{router}x{count}/{policy}"
+                                   for router, count in (("cache-aware", n), ("round-robin", n), ("cache-aware", 1)))
+        hit_ratios = [ca["hit_rate"] / max(rr["hit_rate"], 1e-9) for ca, rr in zip(results[ca_key], results[rr_key])]
+        miss_ratios = [(1 - rr["hit_rate"]) / max(1 - ca["hit_rate"], 1e-9)
+                       for ca, rr in zip(results[ca_key], results[rr_key])]
+        speedups = [many["tokens_per_s"] / one["tokens_per_s"]
+                    for many, one in zip(results[ca_key], results.get(one_key, []))]
+        ratios[policy] = {"hit_rate_ratio": statistics.median(hit_ratios),
+                          "computed_prompt_ratio": statistics.median(miss_ratios),
+                          "throughput_ratio_vs_1": statistics.median(speedups) if speedups else None}
+        ca, rr = medians[ca_key], medians[rr_key]
+        single = f"; {n} replicas / 1: {ratios[policy]['throughput_ratio_vs_1']:.2f}x tokens/s" if speedups else ""
+        print(f"summary ({args.workload}, {n} replicas, {args.state_checkpoints} checkpoints, {policy}): prefix hit "
+              f"rate cache-aware {ca['hit_rate']:.3f} vs round-robin {rr['hit_rate']:.3f} "
+              f"({ratios[policy]['hit_rate_ratio']:.2f}x, target >= 3x; prompt tokens computed: round-robin "
+              f"{ratios[policy]['computed_prompt_ratio']:.2f}x cache-aware's); TTFT p50/p99 cache-aware "
+              f"{ca['ttft_p50'] * 1e3:.0f}/{ca['ttft_p99'] * 1e3:.0f} ms vs round-robin {rr['ttft_p50'] * 1e3:.0f}/"
+              f"{rr['ttft_p99'] * 1e3:.0f} ms{single}")
     print(json.dumps({"benchmark": "cluster", "args": vars(args), "machine": describe_host(), "medians": medians,
-                      "hit_rate_ratio": statistics.median(hit_ratios),
-                      "computed_prompt_ratio": statistics.median(miss_ratios), "throughput_ratio_vs_1":
-                      statistics.median(speedups), "runs": results}))
+                      "ratios": ratios, "runs": results}))
 
 
 if __name__ == "__main__":

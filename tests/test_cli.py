@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from k3serve.cli import main
 
@@ -94,3 +95,15 @@ def test_prompts_past_the_context_are_refused_by_generate_and_logits(tiny_dir, t
     assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", "5,6,7", "--max-tokens", "4",
                  "--max-model-len", "6"]) == 2
     assert "context holds 6 tokens, but the prompt has 3 and --max-tokens asks for 4 more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+def test_serve_and_cluster_pass_the_prefix_cache_policy_to_the_engine(command, capsys):
+    from k3serve.cli import _engine_config, build_parser
+
+    parser = build_parser()
+    assert _engine_config(parser.parse_args([command])).prefix_cache_policy == "slru"
+    assert _engine_config(parser.parse_args([command, "--prefix-cache-policy", "lru"])).prefix_cache_policy == "lru"
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([command, "--prefix-cache-policy", "lfu"])
+    assert exit_info.value.code == 2 and "--prefix-cache-policy" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import numpy as np
 from k3serve import cli_args
 from k3serve.cli_args import Parser, output_file, positive_int
 from k3serve.cluster.commands import add_cluster_args, run_cluster
+from k3serve.engine.config import PREFIX_CACHE_POLICIES
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
 from k3serve.lab.commands import add_lab_command
 from k3serve.serve.tenant_commands import add_tenant_args, add_tenants_command
@@ -158,6 +159,10 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--block-size", type=positive_int, default=16, help="positions per paged MLA cache block")
     serve.add_argument("--kv-cache-mib", type=positive_int, default=256, help="memory for the paged MLA cache")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    serve.add_argument("--prefix-cache-policy", choices=PREFIX_CACHE_POLICIES, default="slru",
+                       help="which KDA state checkpoints the prefix cache evicts first: slru keeps those hit since "
+                            "they were saved (a shared system prompt, a conversation's last reply) from being "
+                            "displaced by one-shot prompt ends; lru is plain least recently used")
     serve.add_argument("--default-max-tokens", type=positive_int, default=1024,
                        help="tokens a chat request without max_tokens may generate at most")
     _add_speculative_args(serve)
@@ -277,6 +282,7 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
+                        prefix_cache_policy=args.prefix_cache_policy,
                         scheduling=args.scheduling, output_cost=args.output_cost,
                         step_interruption=args.step_interruption)
 

@@ -1,5 +1,6 @@
 """Hybrid prefix caching: a hit (MLA blocks + a KDA checkpoint at exactly that position) gives the same logits and
-tokens as a miss; multi-turn, branch points, tenant isolation, the block-aligned mode's warning, eviction."""
+tokens as a miss; multi-turn, branch points, tenant isolation, the block-aligned mode's warning, eviction (LRU and
+segmented LRU)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import logging
 import numpy as np
 import pytest
 
-from k3serve.engine.config import EngineConfig
+from k3serve.engine.config import PREFIX_CACHE_POLICIES, EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.paged_cache import PagedSequenceCache
-from k3serve.engine.prefix_cache import root_hash
+from k3serve.engine.prefix_cache import SegmentedLRU, StateCheckpoint, root_hash
+from k3serve.errors import ConfigError
 from k3serve.engine.sampling import SamplingParams
 from k3serve.model.k3 import ForwardItem
 
@@ -95,8 +97,9 @@ def test_a_branch_point_is_checkpointed_so_later_requests_hit_there(tiny_model, 
     assert cached == [0, 0, 13]
 
 
-def test_tenants_and_salts_never_share_entries(tiny_model, drive):
-    engine = _engine(tiny_model)
+@pytest.mark.parametrize("policy", PREFIX_CACHE_POLICIES)
+def test_tenants_and_salts_never_share_entries(tiny_model, drive, policy):
+    engine = _engine(tiny_model, prefix_cache_policy=policy)
     prompt = PROMPT[:10]
     _tokens(engine, drive, prompt, tenant="a")
     longer = prompt + [3, 4]
@@ -133,7 +136,7 @@ def test_caching_that_cannot_hit_says_so(tiny_model, drive, caplog):
 
 
 def test_checkpoints_are_evicted_least_recently_used_and_with_their_blocks(tiny_model, drive):
-    engine = _engine(tiny_model, num_state_checkpoints=2)
+    engine = _engine(tiny_model, num_state_checkpoints=2, prefix_cache_policy="lru")
     prefix_cache = engine.scheduler.prefix_cache
     one_token = SamplingParams(max_tokens=1, ignore_eos=True)
     a, b = PROMPT[:5], PROMPT[5:11]
@@ -149,3 +152,126 @@ def test_checkpoints_are_evicted_least_recently_used_and_with_their_blocks(tiny_
     assert prefix_cache.num_checkpoints == 0 and engine.scheduler.blocks.num_cached_blocks == 0
     assert _tokens(engine, drive, a + [1], one_token)[1] == 0
     engine.check_integrity()
+
+
+# ---- replacement policy -------------------------------------------------------------------------------------------
+def _checkpoint(slot: int) -> StateCheckpoint:
+    return StateCheckpoint(slot, b"", (), slot)
+
+
+def test_segmented_lru_promotes_on_hit_demotes_beyond_capacity_and_evicts_probation_first():
+    recency = SegmentedLRU(protected_capacity=2)
+    for slot in range(4):
+        recency.add(_checkpoint(slot))
+    assert recency.victim().slot == 0
+    recency.hit(0)
+    recency.hit(1)
+    assert list(recency.protected) == [0, 1] and list(recency.probation) == [2, 3]
+    assert recency.victim().slot == 2, "eviction takes probation's least recent, not the older protected entries"
+    recency.hit(2)  # protected is over capacity: its least recent (0) goes back to probation's most recent end
+    assert list(recency.protected) == [1, 2] and list(recency.probation) == [3, 0]
+    recency.touch(3)  # a re-save refreshes within the segment, it does not promote
+    assert list(recency.probation) == [0, 3] and recency.victim().slot == 0
+    recency.remove(0)
+    recency.remove(3)
+    assert recency.victim().slot == 1, "with probation empty the victim is protected's least recent"
+    assert len(recency) == 2 and recency.get(2) is not None and recency.get(0) is None
+
+
+def test_segmented_lru_without_a_protected_segment_is_plain_lru():
+    recency, order = SegmentedLRU(protected_capacity=0), []
+    rng = np.random.default_rng(0)
+    for step in range(200):
+        slot = int(rng.integers(0, 6))
+        if recency.get(slot) is None:
+            if len(recency) == 4:
+                victim = recency.victim().slot
+                assert victim == order.pop(0), f"step {step}: not the least recently used"
+                recency.remove(victim)
+            recency.add(_checkpoint(slot))
+        else:
+            recency.hit(slot)
+            order.remove(slot)
+        order.append(slot)
+        assert list(recency.probation) == order and not recency.protected
+
+
+def _recurring_prefix_after_one_shots(model, engine, drive) -> int:
+    """A system prompt recurs (the third request hits its branch-point checkpoint), then 12 one-shot prompts each
+    save a prompt-end and a reply checkpoint (24 entries, 3x the capacity of 8); returns how many positions the
+    next request that starts with the system prompt restores (its tokens checked against the plain model)."""
+    system = PROMPT[:13]
+    cached = [_tokens(engine, drive, system + question)[1] for question in ([100, 101], [110, 111], [120, 121])]
+    assert cached == [0, 0, 13]
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        _tokens(engine, drive, [int(t) for t in rng.integers(3, 250, 7)])
+    assert engine.scheduler.prefix_cache.num_checkpoints == 8
+    prompt = system + [130, 131]
+    tokens, cached = _tokens(engine, drive, prompt)
+    assert tokens == model.greedy(prompt, 6)
+    return cached
+
+
+def test_one_shot_checkpoints_evict_a_recurring_prefix_under_lru_but_not_under_slru(tiny_model, drive):
+    lru = _engine(tiny_model, num_state_checkpoints=8, prefix_cache_policy="lru")
+    assert _recurring_prefix_after_one_shots(tiny_model, lru, drive) == 0
+    slru = _engine(tiny_model, num_state_checkpoints=8, prefix_cache_policy="slru")
+    assert _recurring_prefix_after_one_shots(tiny_model, slru, drive) == 13
+    protected = slru.scheduler.prefix_cache.num_protected_checkpoints
+    assert protected >= 1 and slru.metrics.snapshot()["prefix_cache_protected_checkpoints"] == protected
+
+
+def test_a_reply_checkpoint_hit_by_the_next_turn_is_protected(tiny_model, drive):
+    """Multi-turn chat under slru: the next turn hits the reply checkpoint and promotes it, so one-shot prompts in
+    between do not push the conversation out."""
+    engine = _engine(tiny_model, num_state_checkpoints=8, prefix_cache_policy="slru")
+    prefix_cache = engine.scheduler.prefix_cache
+    context = PROMPT[:9]
+    reply, _ = _tokens(engine, drive, context)
+    context += reply + [44, 55]
+    reply, cached = _tokens(engine, drive, context)
+    assert cached == len(context) - 2 - 1 and prefix_cache.num_protected_checkpoints == 1
+    rng = np.random.default_rng(2)
+    for _ in range(12):
+        _tokens(engine, drive, [int(t) for t in rng.integers(3, 250, 7)])
+    # turn 2's own reply checkpoint was never hit, so the one-shots evicted it; turn 1's (protected) still serves
+    context += reply + [66, 77]
+    tokens, cached = _tokens(engine, drive, context)
+    assert cached == len(PROMPT[:9]) + 6 - 1
+    assert tokens == tiny_model.greedy(context, 6)
+
+
+@pytest.mark.parametrize("policy", PREFIX_CACHE_POLICIES)
+def test_checkpoints_never_exceed_capacity_and_hits_equal_misses(tiny_model, drive, policy):
+    """A seeded mix of recurring prefixes, multi-turn extensions and one-shots at a small capacity: every step keeps
+    the segments within their sizes (check_integrity in `drive`), and every request's greedy tokens equal those of
+    an engine without the cache."""
+    engine = _engine(tiny_model, num_state_checkpoints=5, prefix_cache_policy=policy)
+    cold = _engine(tiny_model, enable_prefix_caching=False)
+    prefix_cache = engine.scheduler.prefix_cache
+    rng = np.random.default_rng(3)
+    prefixes = [[int(t) for t in rng.integers(3, 250, n)] for n in (6, 9, 13)]
+    history: list[list[int]] = []
+    total_cached = 0
+    for _ in range(30):
+        kind = rng.integers(0, 3)
+        if kind == 0:
+            prompt = prefixes[int(rng.integers(0, 3))] + [int(t) for t in rng.integers(3, 250, 3)]
+        elif kind == 1 and history:
+            prompt = history[int(rng.integers(0, len(history)))] + [int(t) for t in rng.integers(3, 250, 2)]
+        else:
+            prompt = [int(t) for t in rng.integers(3, 250, 5)]
+        prompt = prompt[-40:]
+        tokens, cached = _tokens(engine, drive, prompt)
+        total_cached += cached
+        assert tokens == _tokens(cold, drive, prompt)[0]
+        assert prefix_cache.num_checkpoints <= 5
+        assert prefix_cache.num_protected_checkpoints <= (4 if policy == "slru" else 0)
+        history.append(prompt + tokens)
+    assert total_cached > 0, "the workload must exercise hits"
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ConfigError, match="prefix_cache_policy"):
+        EngineConfig(prefix_cache_policy="lfu")

@@ -14,6 +14,8 @@ from k3serve.config import DEFAULT_MAX_MODEL_LEN
 from k3serve.errors import ConfigError
 from k3serve.model.cache import CacheLayout
 
+PREFIX_CACHE_POLICIES = ("lru", "slru")  # state checkpoint replacement (engine/prefix_cache.py)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -29,6 +31,8 @@ class EngineConfig:
     checkpoint_partial_blocks: bool = True  # checkpoints at any position (tail rows kept in the checkpoint);
     # False = only at block boundaries (like vLLM's 'align' mode), which cannot hit below one block
     checkpoint_every_blocks: int = 0  # also checkpoint every N full blocks of prefill (0 = never)
+    prefix_cache_policy: str = "slru"  # checkpoint replacement: lru, or slru (hit ones protected from one-shot ones;
+    # engine/prefix_cache.py)
     num_state_slots: int | None = None  # recurrent state slots; None = max_seqs
     admission_watermark: float = 0.01  # fraction of blocks (at least one) left free when admitting a sequence,
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
@@ -57,6 +61,9 @@ class EngineConfig:
         if isinstance(self.admission_watermark, bool) or not isinstance(self.admission_watermark, (int, float)) \
                 or not 0 <= self.admission_watermark < 1:
             raise ConfigError(f"EngineConfig.admission_watermark must be in [0, 1), got {self.admission_watermark!r}")
+        if self.prefix_cache_policy not in PREFIX_CACHE_POLICIES:
+            raise ConfigError(f"EngineConfig.prefix_cache_policy must be one of {', '.join(PREFIX_CACHE_POLICIES)}, "
+                              f"got {self.prefix_cache_policy!r}")
         if self.scheduling not in ("fcfs", "fair", "priority"):
             raise ConfigError(f"EngineConfig.scheduling must be fcfs, fair or priority, got {self.scheduling!r}")
         if isinstance(self.output_cost, bool) or not isinstance(self.output_cost, (int, float)) \

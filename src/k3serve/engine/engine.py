@@ -120,6 +120,7 @@ class LLMEngine:
             ("kv_waste_fraction", "allocated but unfilled positions in running sequences' blocks"),
             ("state_slots_used", "recurrent state slots in use"), ("state_slots_total", "recurrent state slots"),
             ("prefix_cache_checkpoints", "state checkpoints held"),
+            ("prefix_cache_protected_checkpoints", "state checkpoints hit since saved (slru's protected segment)"),
             ("prefix_cache_hit_rate", "positions restored / positions looked up"),
         )}
         self._g["kv_blocks_total"].set(self.scheduler.blocks.num_blocks)
@@ -559,6 +560,7 @@ class LLMEngine:
             self._t_counter.labels(tenant).set(value)
         if s.prefix_cache is not None:
             g["prefix_cache_checkpoints"].set(s.prefix_cache.num_checkpoints)
+            g["prefix_cache_protected_checkpoints"].set(s.prefix_cache.num_protected_checkpoints)
             queried = self.metrics.counter("prefix_cache_query_tokens").value
             hit = self.metrics.counter("prefix_cache_hit_tokens").value
             g["prefix_cache_hit_rate"].set(hit / queried if queried else 0.0)

@@ -19,10 +19,17 @@ Which positions get a checkpoint (admission, after Marconi, MLSys'25): only wher
     - the end of every prompt;
     - after the last generated token (the next turn of a conversation starts with this one's tokens);
     - optionally every `checkpoint_every_blocks` full blocks of a prefill;
-within a budget of `num_state_checkpoints` slots, least recently used evicted first (a checkpoint is copied out on
-a hit, never referenced, so every one is evictable). With `checkpoint_partial_blocks=False` checkpoints are only
-taken at block boundaries (as vLLM's 'align' mode does); prompts that fit in one block can then never hit, which
-the cache reports with a warning and the `prefix_cache_cannot_hit` flag rather than silently.
+within a budget of `num_state_checkpoints` slots (a checkpoint is copied out on a hit, never referenced, so every
+one is evictable). Replacement (`prefix_cache_policy`): "lru" evicts the least recently used; "slru" (segmented LRU,
+Karedla, Love and Wherry 1994) admits a new checkpoint to a probation segment and moves it to a protected segment of
+at most PROTECTED_FRACTION of the slots once it is hit, evicting from probation first. Most checkpoints are used at
+most once (a prompt's end that no later request extends), and under LRU each one pushes a recurring prefix (a
+system prompt shared by a group of requests) one place nearer eviction; under SLRU they only displace each other.
+A reply checkpoint that the next turn of a conversation hits is promoted like any other.
+
+With `checkpoint_partial_blocks=False` checkpoints are only taken at block boundaries (as vLLM's 'align' mode does);
+prompts that fit in one block can then never hit, which the cache reports with a warning and the
+`prefix_cache_cannot_hit` flag rather than silently.
 
 Shapes: LA attention layers, BS block size, W row width, NC checkpoint slots.
 """
@@ -47,6 +54,7 @@ from k3serve.model.cache import CacheLayout
 logger = logging.getLogger(__name__)
 
 WARN_EVERY = 100  # repeat the cannot-hit warning once per this many affected requests
+PROTECTED_FRACTION = 0.8  # slru: share of the checkpoint slots that hit entries may keep (Caffeine's main region)
 
 
 def root_hash(tenant: str, cache_salt: str | None) -> bytes:
@@ -69,6 +77,50 @@ class StateCheckpoint:
     tail: tuple[int, ...]  # the tokens after that block, position % BS of them
     position: int
     num_hits: int = 0
+
+
+class SegmentedLRU:
+    """Recency order of the checkpoints, in two segments: `probation` (entries never hit since they were saved)
+    and `protected` (entries hit at least once), each least recent first. A hit moves an entry to protected's most
+    recent end; protected's least recent entries beyond `protected_capacity` go back to probation's most recent
+    end; the victim is probation's least recent entry, or protected's when probation is empty. With
+    `protected_capacity = 0` every hit is demoted at once: plain LRU."""
+
+    def __init__(self, protected_capacity: int) -> None:
+        self.protected_capacity = protected_capacity
+        self.probation: OrderedDict[int, StateCheckpoint] = OrderedDict()  # slot -> checkpoint
+        self.protected: OrderedDict[int, StateCheckpoint] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def get(self, slot: int) -> StateCheckpoint | None:
+        return self.probation.get(slot) or self.protected.get(slot)
+
+    def values(self) -> list[StateCheckpoint]:
+        return [*self.probation.values(), *self.protected.values()]
+
+    def add(self, checkpoint: StateCheckpoint) -> None:
+        self.probation[checkpoint.slot] = checkpoint
+
+    def hit(self, slot: int) -> None:
+        """The entry was reused: protect it, demoting protected's least recent beyond capacity."""
+        checkpoint = self.probation.pop(slot, None) or self.protected.pop(slot)
+        self.protected[slot] = checkpoint
+        while len(self.protected) > self.protected_capacity:
+            demoted, entry = self.protected.popitem(last=False)
+            self.probation[demoted] = entry
+
+    def touch(self, slot: int) -> None:
+        """Make an entry its own segment's most recent, without promoting it."""
+        (self.probation if slot in self.probation else self.protected).move_to_end(slot)
+
+    def remove(self, slot: int) -> None:
+        if self.probation.pop(slot, None) is None:
+            del self.protected[slot]
+
+    def victim(self) -> StateCheckpoint:
+        return next(iter(self.probation.values() if self.probation else self.protected.values()))
 
 
 @dataclass
@@ -96,7 +148,9 @@ class PrefixCache:
         self.needs_state = bool(layout.recurrent_layers)  # False: full cached blocks alone are a hit
         self.tails = np.zeros((engine.num_state_checkpoints, max(self.num_attention_layers, 1), engine.block_size,
                                layout.row_width), np.float32)  # [NC, LA, BS, W]
-        self._lru: OrderedDict[int, StateCheckpoint] = OrderedDict()  # slot -> checkpoint, least recent first
+        protected = int(PROTECTED_FRACTION * engine.num_state_checkpoints) if engine.prefix_cache_policy == "slru" \
+            else 0
+        self._recency = SegmentedLRU(protected)  # every checkpoint, by slot, in eviction order
         self._index: dict[bytes, dict[tuple[int, ...], StateCheckpoint]] = {}  # parent hash -> tail -> checkpoint
         self._children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child block hash -> tokens
         self._parent_of: dict[bytes, bytes] = {}
@@ -214,7 +268,7 @@ class PrefixCache:
             cache.write_rows(self.tails[checkpoint.slot, : self.num_attention_layers, : len(checkpoint.tail)])
             cache.states.copy_slot(checkpoint.slot, cache.slot, source_pool=self.store)
             checkpoint.num_hits += 1
-            self._lru.move_to_end(checkpoint.slot)
+            self._recency.hit(checkpoint.slot)
         self._m_hits.inc()
         self._m_hit_tokens.inc(match.num_tokens)
 
@@ -266,23 +320,23 @@ class PrefixCache:
         parent = hashes[j - 1] if j else root
         tail = tuple(tokens[j * BS:position])
         existing = self._index.get(parent, {}).get(tail)
-        if existing is not None:
-            self._lru.move_to_end(existing.slot)
+        if existing is not None:  # often the same sequence again (a one-token reply, a preemption): not a hit
+            self._recency.touch(existing.slot)
             return False
         if self.store.num_free_slots == 0:
-            self._drop(next(iter(self._lru.values())))
+            self._drop(self._recency.victim())
         slot = self.store.allocate()
         self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
         self.tails[slot, : self.num_attention_layers, : len(tail)] = cache.tail_rows(position)
         checkpoint = StateCheckpoint(slot, parent, tail, position)
-        self._lru[slot] = checkpoint
+        self._recency.add(checkpoint)
         self._index.setdefault(parent, {})[tail] = checkpoint
         self._m_saved.inc()
         return True
 
     # ---- eviction -------------------------------------------------------------------------------------------
     def _drop(self, checkpoint: StateCheckpoint) -> None:
-        del self._lru[checkpoint.slot]
+        self._recency.remove(checkpoint.slot)
         group = self._index[checkpoint.parent]
         del group[checkpoint.tail]
         if not group:
@@ -304,24 +358,36 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every checkpoint and every cached (unreferenced) block."""
-        for checkpoint in list(self._lru.values()):
+        for checkpoint in self._recency.values():
             self._drop(checkpoint)
         self.blocks.evict_all_cached()
 
     # ---- state ----------------------------------------------------------------------------------------------
     @property
     def num_checkpoints(self) -> int:
-        return len(self._lru)
+        return len(self._recency)
+
+    @property
+    def num_protected_checkpoints(self) -> int:
+        """Checkpoints in the slru protected segment (hit since they were saved); 0 under lru."""
+        return len(self._recency.protected)
 
     def checkpoint_positions(self) -> list[int]:
-        return sorted(c.position for c in self._lru.values())
+        return sorted(c.position for c in self._recency.values())
 
     def check_integrity(self) -> None:
-        """The LRU list, the index and the slot pool describe the same checkpoints; tree links are consistent."""
-        self.store.check_integrity(self._lru.keys())
+        """The recency segments, the index and the slot pool describe the same checkpoints; tree links are
+        consistent."""
+        recency = self._recency
+        if recency.probation.keys() & recency.protected.keys():
+            raise IntegrityError("a checkpoint is in both the probation and the protected segment")
+        if len(recency.protected) > recency.protected_capacity:
+            raise IntegrityError(f"{len(recency.protected)} protected checkpoints exceed the segment's "
+                                 f"{recency.protected_capacity}")
+        self.store.check_integrity([c.slot for c in recency.values()])
         indexed = [c for group in self._index.values() for c in group.values()]
-        if len(indexed) != len(self._lru) or any(self._lru.get(c.slot) is not c for c in indexed):
-            raise IntegrityError("prefix-cache checkpoint index and LRU list disagree")
+        if len(indexed) != len(recency) or any(recency.get(c.slot) is not c for c in indexed):
+            raise IntegrityError("prefix-cache checkpoint index and recency segments disagree")
         for checkpoint in indexed:
             if len(checkpoint.tail) != checkpoint.position % self.block_size:
                 raise IntegrityError(f"checkpoint at {checkpoint.position} has a tail of {len(checkpoint.tail)}")
