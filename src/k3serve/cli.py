@@ -160,9 +160,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--kv-cache-mib", type=positive_int, default=256, help="memory for the paged MLA cache")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     serve.add_argument("--prefix-cache-policy", choices=PREFIX_CACHE_POLICIES, default="slru",
-                       help="which KDA state checkpoints the prefix cache evicts first: slru keeps those hit since "
-                            "they were saved (a shared system prompt, a conversation's last reply) from being "
-                            "displaced by one-shot prompt ends; lru is plain least recently used")
+                       help="which KDA state checkpoints the prefix cache evicts first: slru keeps those that "
+                            "recur (a shared system prompt) from being displaced by one-shot prompt and reply ends; "
+                            "lru is plain least recently used")
     serve.add_argument("--default-max-tokens", type=positive_int, default=1024,
                        help="tokens a chat request without max_tokens may generate at most")
     _add_speculative_args(serve)

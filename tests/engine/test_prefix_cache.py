@@ -176,6 +176,13 @@ def test_segmented_lru_promotes_on_hit_demotes_beyond_capacity_and_evicts_probat
     recency.remove(3)
     assert recency.victim().slot == 1, "with probation empty the victim is protected's least recent"
     assert len(recency) == 2 and recency.get(2) is not None and recency.get(0) is None
+    end = StateCheckpoint(7, b"", (), 7, hits_to_protect=2)  # a sequence's end: protected on its second hit
+    recency.add(end)
+    recency.add(_checkpoint(8))
+    recency.hit(7)
+    assert list(recency.probation) == [8, 7] and 7 not in recency.protected
+    recency.hit(7)
+    assert list(recency.protected) == [2, 7] and list(recency.probation) == [8, 1]
 
 
 def test_segmented_lru_without_a_protected_segment_is_plain_lru():
@@ -222,23 +229,46 @@ def test_one_shot_checkpoints_evict_a_recurring_prefix_under_lru_but_not_under_s
     assert protected >= 1 and slru.metrics.snapshot()["prefix_cache_protected_checkpoints"] == protected
 
 
-def test_a_reply_checkpoint_hit_by_the_next_turn_is_protected(tiny_model, drive):
-    """Multi-turn chat under slru: the next turn hits the reply checkpoint and promotes it, so one-shot prompts in
-    between do not push the conversation out."""
+def _interleaved_chats(engine, drive, model) -> int:
+    """Three conversations of four turns, their turns interleaved; returns the positions restored in all."""
+    rng = np.random.default_rng(2)
+    contexts = [[int(t) for t in rng.integers(3, 250, 6)] for _ in range(3)]
+    total = 0
+    for _ in range(4):
+        for context in contexts:
+            reply, cached = _tokens(engine, drive, context)
+            assert reply == model.greedy(context, 6)
+            total += cached
+            context += reply + [int(t) for t in rng.integers(3, 250, 2)]
+    return total
+
+
+def test_multi_turn_chats_hit_under_slru_as_under_lru(tiny_model, drive):
+    """A reply checkpoint is used once, by its conversation's next turn; protecting it on that hit would fill the
+    protected segment with states no one will ask for again, and leave the next replies too few slots. So a
+    checkpoint at a sequence's end is refreshed by its first hit and protected by its second."""
+    results = {}
+    for policy in PREFIX_CACHE_POLICIES:
+        engine = _engine(tiny_model, num_state_checkpoints=5, prefix_cache_policy=policy)
+        results[policy] = _interleaved_chats(engine, drive, tiny_model)
+        if policy == "slru":
+            assert engine.scheduler.prefix_cache.num_protected_checkpoints == 0
+    assert results["slru"] >= results["lru"] > 0
+
+
+def test_a_reply_checkpoint_hit_twice_is_protected(tiny_model, drive):
     engine = _engine(tiny_model, num_state_checkpoints=8, prefix_cache_policy="slru")
     prefix_cache = engine.scheduler.prefix_cache
-    context = PROMPT[:9]
-    reply, _ = _tokens(engine, drive, context)
-    context += reply + [44, 55]
-    reply, cached = _tokens(engine, drive, context)
-    assert cached == len(context) - 2 - 1 and prefix_cache.num_protected_checkpoints == 1
+    reply, _ = _tokens(engine, drive, PROMPT[:9])
+    for follow_up in ([44, 55], [66, 77]):  # two next turns after the same reply (a regenerated answer, a branch)
+        assert _tokens(engine, drive, PROMPT[:9] + reply + follow_up)[1] == 9 + len(reply) - 1
+    assert prefix_cache.num_protected_checkpoints == 1
     rng = np.random.default_rng(2)
     for _ in range(12):
         _tokens(engine, drive, [int(t) for t in rng.integers(3, 250, 7)])
-    # turn 2's own reply checkpoint was never hit, so the one-shots evicted it; turn 1's (protected) still serves
-    context += reply + [66, 77]
+    context = PROMPT[:9] + reply + [88, 99]
     tokens, cached = _tokens(engine, drive, context)
-    assert cached == len(PROMPT[:9]) + 6 - 1
+    assert cached == 9 + len(reply) - 1, "the protected reply checkpoint outlived 24 one-shot entries"
     assert tokens == tiny_model.greedy(context, 6)
 
 

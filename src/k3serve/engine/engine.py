@@ -120,7 +120,7 @@ class LLMEngine:
             ("kv_waste_fraction", "allocated but unfilled positions in running sequences' blocks"),
             ("state_slots_used", "recurrent state slots in use"), ("state_slots_total", "recurrent state slots"),
             ("prefix_cache_checkpoints", "state checkpoints held"),
-            ("prefix_cache_protected_checkpoints", "state checkpoints hit since saved (slru's protected segment)"),
+            ("prefix_cache_protected_checkpoints", "state checkpoints in slru's protected segment (recurring)"),
             ("prefix_cache_hit_rate", "positions restored / positions looked up"),
         )}
         self._g["kv_blocks_total"].set(self.scheduler.blocks.num_blocks)

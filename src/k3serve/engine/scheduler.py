@@ -143,7 +143,8 @@ class Scheduler:
         if self.prefix_cache is not None:
             self._register(seq)
             if seq.num_computed_tokens in seq.checkpoint_targets:
-                self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache)
+                self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache,
+                                                  at_sequence_end=seq.num_computed_tokens >= seq.num_prompt_tokens)
 
     def reset_for_recompute(self, seq: Sequence) -> None:
         """Drop a running sequence's memory and queue it again at the front, to be recomputed (preemption, or
@@ -396,7 +397,8 @@ class Scheduler:
         if self.prefix_cache is None or seq.cache is None or seq.num_computed_tokens == 0:
             return
         self._register(seq)
-        self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache)
+        self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache,
+                                          at_sequence_end=True)
 
     def _release(self, seq: Sequence) -> None:
         if seq.cache is not None:
