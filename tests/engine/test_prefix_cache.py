@@ -164,11 +164,11 @@ def test_segmented_lru_promotes_on_hit_demotes_beyond_capacity_and_evicts_probat
     for slot in range(4):
         recency.add(_checkpoint(slot))
     assert recency.victim().slot == 0
-    recency.hit(0)
-    recency.hit(1)
+    recency.hit(0, fork=True)
+    recency.hit(1, fork=True)
     assert list(recency.protected) == [0, 1] and list(recency.probation) == [2, 3]
     assert recency.victim().slot == 2, "eviction takes probation's least recent, not the older protected entries"
-    recency.hit(2)  # protected is over capacity: its least recent (0) goes back to probation's most recent end
+    recency.hit(2, fork=True)  # protected is over capacity: its least recent (0) goes back to probation's most recent
     assert list(recency.protected) == [1, 2] and list(recency.probation) == [3, 0]
     recency.touch(3)  # a re-save refreshes within the segment, it does not promote
     assert list(recency.probation) == [0, 3] and recency.victim().slot == 0
@@ -176,12 +176,11 @@ def test_segmented_lru_promotes_on_hit_demotes_beyond_capacity_and_evicts_probat
     recency.remove(3)
     assert recency.victim().slot == 1, "with probation empty the victim is protected's least recent"
     assert len(recency) == 2 and recency.get(2) is not None and recency.get(0) is None
-    end = StateCheckpoint(7, b"", (), 7, hits_to_protect=2)  # a sequence's end: protected on its second hit
-    recency.add(end)
+    recency.add(_checkpoint(7))
     recency.add(_checkpoint(8))
-    recency.hit(7)
+    recency.hit(7, fork=False)  # a first hit that is no fork (a conversation's next turn) only refreshes it
     assert list(recency.probation) == [8, 7] and 7 not in recency.protected
-    recency.hit(7)
+    recency.hit(7, fork=False)  # a second hit protects it
     assert list(recency.protected) == [2, 7] and list(recency.probation) == [8, 1]
 
 
@@ -197,7 +196,7 @@ def test_segmented_lru_without_a_protected_segment_is_plain_lru():
                 recency.remove(victim)
             recency.add(_checkpoint(slot))
         else:
-            recency.hit(slot)
+            recency.hit(slot, fork=bool(rng.integers(0, 2)))
             order.remove(slot)
         order.append(slot)
         assert list(recency.probation) == order and not recency.protected
@@ -245,8 +244,8 @@ def _interleaved_chats(engine, drive, model) -> int:
 
 def test_multi_turn_chats_hit_under_slru_as_under_lru(tiny_model, drive):
     """A reply checkpoint is used once, by its conversation's next turn; protecting it on that hit would fill the
-    protected segment with states no one will ask for again, and leave the next replies too few slots. So a
-    checkpoint at a sequence's end is refreshed by its first hit and protected by its second."""
+    protected segment with states no one will ask for again, and leave the next replies too few slots. So a first
+    hit that is no fork (the turn leaves no cached path there) only refreshes it; a second protects it."""
     results = {}
     for policy in PREFIX_CACHE_POLICIES:
         engine = _engine(tiny_model, num_state_checkpoints=5, prefix_cache_policy=policy)

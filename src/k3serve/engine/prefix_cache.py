@@ -25,12 +25,12 @@ Karedla, Love and Wherry 1994) admits a new checkpoint to a probation segment an
 at most PROTECTED_FRACTION of the slots once it is hit, evicting from probation first. Most checkpoints are used at
 most once (a prompt's end that no later request extends), and under LRU each one pushes a recurring prefix (a
 system prompt shared by a group of requests) one place nearer eviction; under SLRU they only displace each other.
-A checkpoint at a sequence's end (its prompt's or its reply's, or where it was preempted) is protected only on its
-second hit, like a page on Linux's inactive list: its one expected use is its successor's (a conversation's next
-turn, which then saves a later checkpoint of its own), and protecting it on that hit filled the protected segment
-with states no one asked for again (multi-turn chat on one replica: hit rate 0.49 against LRU's 0.76); its first
-hit refreshes it within probation, as LRU would. A branch point or an interval checkpoint inside a prompt is
-protected on its first hit.
+A hit protects a checkpoint when the hitting sequence forks there (it leaves every cached path at exactly the
+checkpoint's position: two different continuations now share it, as a system prompt's do), or on its second hit
+(like a page on Linux's inactive list); any other first hit only refreshes it within probation, as LRU would. The
+usual one is a conversation's next turn hitting the last reply's checkpoint: its only expected use, after which
+the turn saves a later checkpoint of its own. Protecting on every first hit filled the protected segment with such
+states, never asked for again (multi-turn chat on one replica: hit rate 0.49 against LRU's 0.76).
 
 With `checkpoint_partial_blocks=False` checkpoints are only taken at block boundaries (as vLLM's 'align' mode does);
 prompts that fit in one block can then never hit, which the cache reports with a warning and the
@@ -81,7 +81,6 @@ class StateCheckpoint:
     parent: bytes  # chain hash of the last full block before `position` (the root hash if none)
     tail: tuple[int, ...]  # the tokens after that block, position % BS of them
     position: int
-    hits_to_protect: int = 1  # slru: hits before it enters the protected segment
     num_hits: int = 0
 
 
@@ -89,9 +88,9 @@ class SegmentedLRU:
     """Recency order of the checkpoints, in two segments: `probation` (entries never hit since they were saved)
     and `protected` (entries hit at least once), each least recent first. A hit moves an entry to protected's most
     recent end; protected's least recent entries beyond `protected_capacity` go back to probation's most recent
-    end; the victim is probation's least recent entry, or protected's when probation is empty. An entry whose
-    `hits_to_protect` is 2 stays in probation (as its most recent) on its first hit. With `protected_capacity = 0`
-    every hit is demoted at once: plain LRU."""
+    end; the victim is probation's least recent entry, or protected's when probation is empty. A first hit that is
+    not a fork leaves the entry in probation, as its most recent. With `protected_capacity = 0` every hit is
+    demoted at once: plain LRU."""
 
     def __init__(self, protected_capacity: int) -> None:
         self.protected_capacity = protected_capacity
@@ -110,12 +109,12 @@ class SegmentedLRU:
     def add(self, checkpoint: StateCheckpoint) -> None:
         self.probation[checkpoint.slot] = checkpoint
 
-    def hit(self, slot: int) -> None:
-        """The entry was reused: protect it (once hit `hits_to_protect` times), demoting protected's least recent
+    def hit(self, slot: int, fork: bool) -> None:
+        """The entry was reused: protect it if this is a fork or its second hit, demoting protected's least recent
         beyond capacity."""
         checkpoint = self.probation.pop(slot, None) or self.protected.pop(slot)
         checkpoint.num_hits += 1
-        if checkpoint.num_hits < checkpoint.hits_to_protect:
+        if checkpoint.num_hits < 2 and not fork:
             self.probation[slot] = checkpoint
             return
         self.protected[slot] = checkpoint
@@ -279,7 +278,7 @@ class PrefixCache:
         if checkpoint is not None:
             cache.write_rows(self.tails[checkpoint.slot, : self.num_attention_layers, : len(checkpoint.tail)])
             cache.states.copy_slot(checkpoint.slot, cache.slot, source_pool=self.store)
-            self._recency.hit(checkpoint.slot)
+            self._recency.hit(checkpoint.slot, fork=match.branch_point == checkpoint.position)
         self._m_hits.inc()
         self._m_hit_tokens.inc(match.num_tokens)
 
@@ -316,13 +315,9 @@ class PrefixCache:
                                                                                  (j + 1) * self.block_size])
         return max(registered, num_full)
 
-    def save_checkpoint(self, root: bytes, tokens: list[int], hashes: list[bytes], cache: PagedSequenceCache, *,
-                        at_sequence_end: bool) -> bool:
-        """Save the recurrent state of `cache` at its current position (its full blocks must be registered).
-        `at_sequence_end`: the position is where the sequence's prompt or reply ends (or where it was preempted),
-        a state that one successor is expected to use (the next turn, the resumed sequence), so under slru it is
-        protected only when hit a second time; a branch point or an interval checkpoint inside a prompt is on its
-        first hit."""
+    def save_checkpoint(self, root: bytes, tokens: list[int], hashes: list[bytes],
+                        cache: PagedSequenceCache) -> bool:
+        """Save the recurrent state of `cache` at its current position (its full blocks must be registered)."""
         BS, position = self.block_size, cache.num_tokens
         if self.config.num_state_checkpoints == 0 or position == 0:
             return False
@@ -343,7 +338,7 @@ class PrefixCache:
         slot = self.store.allocate()
         self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
         self.tails[slot, : self.num_attention_layers, : len(tail)] = cache.tail_rows(position)
-        checkpoint = StateCheckpoint(slot, parent, tail, position, hits_to_protect=2 if at_sequence_end else 1)
+        checkpoint = StateCheckpoint(slot, parent, tail, position)
         self._recency.add(checkpoint)
         self._index.setdefault(parent, {})[tail] = checkpoint
         self._m_saved.inc()

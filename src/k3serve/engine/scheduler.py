@@ -143,8 +143,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             self._register(seq)
             if seq.num_computed_tokens in seq.checkpoint_targets:
-                self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache,
-                                                  at_sequence_end=seq.num_computed_tokens >= seq.num_prompt_tokens)
+                self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache)
 
     def reset_for_recompute(self, seq: Sequence) -> None:
         """Drop a running sequence's memory and queue it again at the front, to be recomputed (preemption, or
@@ -397,8 +396,7 @@ class Scheduler:
         if self.prefix_cache is None or seq.cache is None or seq.num_computed_tokens == 0:
             return
         self._register(seq)
-        self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache,
-                                          at_sequence_end=True)
+        self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache)
 
     def _release(self, seq: Sequence) -> None:
         if seq.cache is not None:
