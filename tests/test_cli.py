@@ -107,3 +107,19 @@ def test_serve_and_cluster_pass_the_prefix_cache_policy_to_the_engine(command, c
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args([command, "--prefix-cache-policy", "lfu"])
     assert exit_info.value.code == 2 and "--prefix-cache-policy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+def test_serve_and_cluster_size_the_state_checkpoints(command, capsys):
+    from k3serve.cli import _engine_config, build_parser
+    from k3serve.engine.config import EngineConfig
+
+    parser = build_parser()
+    default = _engine_config(parser.parse_args([command]))
+    assert (default.num_state_checkpoints, default.checkpoint_every_blocks) == (
+        EngineConfig.num_state_checkpoints, EngineConfig.checkpoint_every_blocks)
+    config = _engine_config(parser.parse_args([command, "--state-checkpoints", "8", "--checkpoint-every-blocks", "4"]))
+    assert (config.num_state_checkpoints, config.checkpoint_every_blocks) == (8, 4)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([command, "--state-checkpoints", "-1"])
+    assert exit_info.value.code == 2 and "--state-checkpoints" in capsys.readouterr().err

@@ -163,6 +163,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="which KDA state checkpoints the prefix cache evicts first: slru keeps those that "
                             "recur (a shared system prompt) from being displaced by one-shot prompt and reply ends; "
                             "lru is plain least recently used")
+    serve.add_argument("--state-checkpoints", type=cli_args.non_negative_int, default=64,
+                       help="recurrent-state checkpoints the prefix cache may hold (each is one copy of every "
+                            "recurrent layer's state; 0 keeps attention blocks only, so hybrid prompts never hit)")
+    serve.add_argument("--checkpoint-every-blocks", type=cli_args.non_negative_int, default=0,
+                       help="also checkpoint the recurrent state every N full cache blocks of a prefill, so a "
+                            "later prompt that shares only part of it can still hit (0: only at a prompt's and a "
+                            "reply's end)")
     serve.add_argument("--default-max-tokens", type=positive_int, default=1024,
                        help="tokens a chat request without max_tokens may generate at most")
     _add_speculative_args(serve)
@@ -282,7 +289,8 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
-                        prefix_cache_policy=args.prefix_cache_policy,
+                        prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
+                        checkpoint_every_blocks=args.checkpoint_every_blocks,
                         scheduling=args.scheduling, output_cost=args.output_cost,
                         step_interruption=args.step_interruption)
 
