@@ -12,7 +12,7 @@ from k3serve.loading import load_model
 from k3serve.tokenizer import Tokenizer
 from k3serve.training.corpus import COPY_REQUESTS
 from k3serve.training.model import K3ForTraining, causal_attention, init_weights
-from k3serve.training.train import copy_prefix_shares, main
+from k3serve.training.train import copy_prefix_shares, main, repeat_windows
 
 ARGS = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--eval-every", "3", "--eval-windows", "2",
         "--code-bytes", "150000", "--prose-bytes", "40000", "--threads", "1"]
@@ -100,3 +100,31 @@ def test_copy_share_windows_and_periodic_checkpoints(tmp_path):
     assert all(ids[s] == tokenizer.bos_id for s in starts)
     text = tokenizer.decode(ids[starts[0] + 1:starts[1]].tolist())
     assert any(request in text for request in COPY_REQUESTS)
+
+
+def test_repeat_windows_repeat_one_span_to_the_window_end():
+    """--repeat-share's windows: a span of the stream (32 tokens to half a window) tiled to the window's length, so
+    every token after the first copy equals the token one span earlier."""
+    ids = np.arange(10_000, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    windows = repeat_windows(ids, rng, 50, 257)
+    for window in windows:
+        assert window.shape == (257,)
+        span = int(np.argmax(window[1:] == window[0])) + 1  # ids are distinct: the first repeat of window[0]
+        assert 32 <= span <= 129
+        assert np.array_equal(window[:span], ids[window[0]:window[0] + span])
+        assert np.array_equal(window[span:], window[:-span])
+    assert len({len(set(w.tolist())) for w in windows}) > 5  # the span length varies
+
+
+def test_repeat_share_is_seeded_and_checked(tmp_path):
+    args = [*ARGS, "--repeat-share", "0.5"]
+    assert main(["--out", str(tmp_path / "a"), *args]) == 0
+    assert main(["--out", str(tmp_path / "b"), *args]) == 0
+    assert (tmp_path / "a" / "SHA256SUMS").read_text() == (tmp_path / "b" / "SHA256SUMS").read_text()
+    try:
+        main(["--out", str(tmp_path / "c"), *ARGS, "--repeat-share", "0.8", "--copy-share", "0.5"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--repeat-share + --copy-share above 1 was accepted")

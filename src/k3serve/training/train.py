@@ -214,6 +214,18 @@ def probe_examples(extras: dict[str, np.ndarray], count: int) -> list[tuple[np.n
     return out[:count]
 
 
+def repeat_windows(ids: np.ndarray, rng: np.random.Generator, count: int, length: int) -> list[np.ndarray]:
+    """`count` windows of `length` tokens, each a random span of `ids` (32 tokens to half a window) repeated until the
+    window is full. Only the first copy can be predicted without looking back, so these windows reward copying from
+    the context (induction) from the first step."""
+    out = []
+    for _ in range(count):
+        span = int(rng.integers(32, max(33, length // 2 + 1)))
+        start = int(rng.integers(0, len(ids) - span))
+        out.append(np.resize(ids[start:start + span], length))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k3serve.training.train", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output folder for the exported checkpoint")
@@ -247,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copy-share", type=float, default=0.0,
                         help="share of each batch's windows that start at a revision document (0: plain random "
                              "windows of the whole stream, the default)")
+    parser.add_argument("--repeat-share", type=float, default=0.0,
+                        help="share of each batch's windows that are a random span of the training stream (32 tokens "
+                             "to half a window) repeated until the window is full: in-context copying (induction) "
+                             "data; 0 (the default): none")
     parser.add_argument("--probe-count", type=int, default=20,
                         help="held-out functions in the copying probe logged at every evaluation (0: none)")
     parser.add_argument("--save-every", type=int, default=0,
@@ -266,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0.0 <= args.copy_share <= 1.0:
         parser.error("--copy-share must be within [0, 1]")
+    if not 0.0 <= args.repeat_share <= 1.0 or args.copy_share + args.repeat_share > 1.0:
+        parser.error("--repeat-share must be within [0, 1], and with --copy-share at most 1")
     if not 0 <= args.probe_count <= PROBE_MAX_COUNT:
         parser.error(f"--probe-count must be within [0, {PROBE_MAX_COUNT}]")
     torch.set_num_threads(args.threads)
@@ -286,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, train_ids, heldout, corpus_summary, extras = prepare_data(args, out)
     copy_starts = extras.get("copy_starts", np.zeros(0, np.int64))
     copy_rows = int(round(args.copy_share * args.batch_size))
+    repeat_rows = int(round(args.repeat_share * args.batch_size))
     if copy_rows:
         copy_starts = copy_starts[copy_starts <= len(train_ids) - (args.seq_len + 1)]
         if len(copy_starts) == 0:
@@ -372,10 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     timed_from = None
     while step < steps:
         step += 1
-        starts = rng.integers(0, len(train_ids) - L, size=args.batch_size - copy_rows)
+        starts = rng.integers(0, len(train_ids) - L, size=args.batch_size - copy_rows - repeat_rows)
         if copy_rows:  # windows that begin with a revision document (the same rng: --copy-share 0 draws as before)
             starts = np.concatenate([starts, copy_starts[rng.integers(0, len(copy_starts), size=copy_rows)]])
-        batch = torch.from_numpy(np.stack([train_ids[s:s + L] for s in starts])).to(device)
+        rows = [train_ids[s:s + L] for s in starts]
+        if repeat_rows:  # a span repeated to the window's end (the same rng: --repeat-share 0 draws as before)
+            rows += repeat_windows(train_ids, rng, repeat_rows, L)
+        batch = torch.from_numpy(np.stack(rows)).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1)
         logits = model(batch[:, :-1])
