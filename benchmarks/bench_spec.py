@@ -1,7 +1,7 @@
 """Speculative decoding on the embedded (trained) model: speed and acceptance, rollback storage and time, and
 disk bytes per token under a RAM budget.
 
-    .venv/bin/python benchmarks/bench_spec.py [--tokens 64] [--repeats 3]
+    .venv/bin/python benchmarks/bench_spec.py [--tokens 64] [--repeats 3] [--model DIR] [--only-ngram]
 
 Prints one summary line and a JSON record. Each speed figure is a ratio against plain greedy decoding measured in
 the same run, A/B interleaved, median over repeats. Prompts are held-out stdlib text (never trained on):
@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -43,7 +44,7 @@ def task_texts() -> tuple[str, str]:
     return grounded, prose[:160]
 
 
-def budget_bytes(tokens: int, prompt: list[int]) -> dict:
+def budget_bytes(tokens: int, prompt: list[int], model_dir: str | None = None) -> dict:
     """Disk bytes per decoded token (after the prefill) under a RAM budget (the minimum + a quarter of the
     experts), with and without n-gram speculation (a verify window reads each layer's experts once for all its
     positions)."""
@@ -52,11 +53,21 @@ def budget_bytes(tokens: int, prompt: list[int]) -> dict:
     from k3serve.stream.budget import minimum_budget_bytes
     from k3serve.stream.loading import default_packed_dir
 
-    store = PackedStore(default_packed_dir())
+    if model_dir is None:
+        packed = default_packed_dir()
+    else:  # a candidate checkpoint: pack it once into a temporary folder
+        import tempfile
+
+        from k3serve.weights.pack import pack_checkpoint
+
+        packed = Path(tempfile.mkdtemp(prefix="bench-spec-packed-"))
+        pack_checkpoint(model_dir, packed)
+    store = PackedStore(packed)
     budget = minimum_budget_bytes(store) + store.expert_store_bytes // 4
     out = {"budget_bytes": budget}
     for name, spec in (("plain", None), ("ngram", SpeculativeConfig(drafter="ngram"))):
-        loaded = load_model(None, stream=StreamOptions(ram_budget=budget, cache="lfu"))
+        loaded = load_model(None if model_dir is None else str(packed),
+                            stream=StreamOptions(ram_budget=budget, cache="lfu"))
         source = loaded.model.source
         marks = []  # stats when the first token (out of the prefill) is emitted: decode reads are counted after it
         tokens_out, report = generate(loaded.model, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True),
@@ -81,15 +92,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--only-ngram", action="store_true",
+                        help="only the two n-gram cases (grounded, open-ended): a quick check of a candidate model")
     args = parser.parse_args()
-    loaded = load_model(None)
+    loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
     V = model.config.vocab_size
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     grounded_text, open_text = task_texts()
     grounded = [tokenizer.bos_id] + tokenizer.encode(grounded_text)
     open_ended = [tokenizer.bos_id] + tokenizer.encode(open_text)
-    record: dict = {"model": f"embedded default ({loaded.path.name})", "tokens": args.tokens, "cases": [],
+    record: dict = {"model": f"embedded default ({loaded.path.name})" if args.model is None else args.model, "tokens": args.tokens, "cases": [],
                     "grounded_prompt_tokens": len(grounded), "open_prompt_tokens": len(open_ended)}
 
     def case(name, prompt, spec, factory=None):
@@ -117,6 +131,9 @@ def main() -> None:
     ngram = SpeculativeConfig(drafter="ngram")
     case("grounded prompt, n-gram (adaptive)", grounded, ngram)
     case("open-ended prompt, n-gram (adaptive)", open_ended, ngram)
+    if args.only_ngram:
+        print(json.dumps(record))
+        return
     case("open-ended prompt, resident draft (all in RAM)", open_ended, SpeculativeConfig(drafter="resident"))
     target = model.greedy(grounded, args.tokens)
     for miss in (0.0, 0.1, 0.3):
@@ -146,7 +163,7 @@ def main() -> None:
               f"{row['verify_forward_ms']:.2f} ms (includes recording), rollback {row['rollback_ms']:.3f} ms")
     record["under_budget"] = {}
     for label, prompt in (("grounded", grounded), ("open-ended", open_ended)):
-        b = record["under_budget"][label] = budget_bytes(args.tokens, prompt)
+        b = record["under_budget"][label] = budget_bytes(args.tokens, prompt, args.model)
         print(f"under a {b['budget_bytes'] / 2**20:.1f} MiB budget, {label}: "
               f"{b['plain']['bytes_per_token'] / 1024:.0f} KiB read per token plain, "
               f"{b['ngram']['bytes_per_token'] / 1024:.0f} KiB with n-gram speculation")
