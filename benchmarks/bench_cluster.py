@@ -173,6 +173,8 @@ def main() -> None:
     parser.add_argument("--prefix-cache-policy", nargs="+", choices=PREFIX_CACHE_POLICIES,
                         default=[EngineConfig.prefix_cache_policy],
                         help="the replicas' checkpoint replacement; several: each run under each, alternated")
+    parser.add_argument("--prefix-wait-tokens", type=int, default=EngineConfig.prefix_wait_tokens,
+                        help="the replicas' in-flight prefix sharing threshold (0: off)")
     parser.add_argument("--no-single", action="store_true", help="leave out the cache-aware run on 1 replica")
     args = parser.parse_args()
     if args.quick:
@@ -180,7 +182,7 @@ def main() -> None:
     specs = {policy: ReplicaSpec(model=None, stream=None, speculative=None, engine=EngineConfig(
         max_model_len=1024, max_seqs=16, max_batch_tokens=512, kv_cache_bytes=32 << 20,
         num_state_checkpoints=args.state_checkpoints, checkpoint_every_blocks=args.checkpoint_every_blocks,
-        prefix_cache_policy=policy)) for policy in args.prefix_cache_policy}
+        prefix_cache_policy=policy, prefix_wait_tokens=args.prefix_wait_tokens)) for policy in args.prefix_cache_policy}
     print(f"machine: {describe_host()}")
     n = args.replicas
     start_ray(None, num_cpus=max(n, 2), replicas=n)

@@ -123,3 +123,5 @@ def test_serve_and_cluster_size_the_state_checkpoints(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args([command, "--state-checkpoints", "-1"])
     assert exit_info.value.code == 2 and "--state-checkpoints" in capsys.readouterr().err
+    assert default.prefix_wait_tokens == EngineConfig.prefix_wait_tokens
+    assert _engine_config(parser.parse_args([command, "--prefix-wait-tokens", "0"])).prefix_wait_tokens == 0

@@ -170,6 +170,10 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="also checkpoint the recurrent state every N full cache blocks of a prefill, so a "
                             "later prompt that shares only part of it can still hit (0: only at a prompt's and a "
                             "reply's end)")
+    serve.add_argument("--prefix-wait-tokens", type=cli_args.non_negative_int, default=32,
+                       help="a queued request whose prompt shares at least this many more tokens with a running "
+                            "request of the same tenant than the prefix cache holds waits until that one has "
+                            "computed them, then hits there (in-flight prefix sharing; 0: never wait)")
     serve.add_argument("--default-max-tokens", type=positive_int, default=1024,
                        help="tokens a chat request without max_tokens may generate at most")
     _add_speculative_args(serve)
@@ -291,8 +295,8 @@ def _engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
                         prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
                         checkpoint_every_blocks=args.checkpoint_every_blocks,
-                        scheduling=args.scheduling, output_cost=args.output_cost,
-                        step_interruption=args.step_interruption)
+                        prefix_wait_tokens=args.prefix_wait_tokens, scheduling=args.scheduling,
+                        output_cost=args.output_cost, step_interruption=args.step_interruption)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

@@ -304,3 +304,40 @@ def test_checkpoints_never_exceed_capacity_and_hits_equal_misses(tiny_model, dri
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ConfigError, match="prefix_cache_policy"):
         EngineConfig(prefix_cache_policy="lfu")
+
+
+@pytest.mark.parametrize("budget", [16, 64], ids=["chunked", "one-chunk"])
+def test_a_request_waits_for_a_shared_prefix_a_running_one_is_computing(tiny_model, drive, budget):
+    """Two requests with a 30-token common prefix arrive together. With prefix_wait_tokens the second waits while
+    the first computes the prefix (its chunk stops where the two part, a checkpoint is saved there), then hits it;
+    without it both compute the prefix. Tokens equal plain greedy either way."""
+    system = PROMPT + PROMPT[:8]  # 30 tokens, not a block multiple
+    prompts = [system + [100, 101, 102], system + [110, 111]]
+    for wait, want in ((8, 30), (0, 0)):
+        engine = _engine(tiny_model, max_batch_tokens=budget, prefix_wait_tokens=wait)
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        outs = drive(engine)
+        assert outs[ids[0]].num_cached_tokens == 0
+        assert outs[ids[1]].num_cached_tokens == want
+        for request_id, prompt in zip(ids, prompts):
+            assert outs[request_id].outputs[0].token_ids == tiny_model.greedy(prompt, 6)
+        assert engine.metrics.snapshot()["prefix_waits"] == (1 if wait else 0)
+
+
+def test_no_wait_across_tenants_or_for_a_short_gain(tiny_model, drive):
+    system = PROMPT + PROMPT[:8]
+    engine = _engine(tiny_model, max_batch_tokens=16, prefix_wait_tokens=8)
+    a = engine.add_request(system + [100, 101], GREEDY, tenant="a")
+    b = engine.add_request(system + [110, 111], GREEDY, tenant="b")  # another tenant: never shares
+    outs = drive(engine)
+    assert outs[b].num_cached_tokens == 0 and engine.metrics.snapshot()["prefix_waits"] == 0
+    engine = _engine(tiny_model, max_batch_tokens=16, prefix_wait_tokens=40)  # more than the 30 shared
+    engine.add_request(system + [100, 101], GREEDY)
+    second = engine.add_request(system + [110, 111], GREEDY)
+    assert drive(engine)[second].num_cached_tokens == 0
+    assert a in outs
+
+
+def test_prefix_wait_tokens_is_checked():
+    with pytest.raises(ConfigError):
+        EngineConfig(prefix_wait_tokens=-1)

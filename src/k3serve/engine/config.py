@@ -31,6 +31,8 @@ class EngineConfig:
     checkpoint_partial_blocks: bool = True  # checkpoints at any position (tail rows kept in the checkpoint);
     # False = only at block boundaries (like vLLM's 'align' mode), which cannot hit below one block
     checkpoint_every_blocks: int = 0  # also checkpoint every N full blocks of prefill (0 = never)
+    prefix_wait_tokens: int = 32  # a waiting sequence waits while a running one of the same tenant and salt still
+    # computes at least this many tokens of their shared prefix beyond the cache's hit, then hits there (0 = never)
     prefix_cache_policy: str = "slru"  # checkpoint replacement: lru, or slru (hit ones protected from one-shot ones;
     # engine/prefix_cache.py)
     num_state_slots: int | None = None  # recurrent state slots; None = max_seqs
@@ -50,7 +52,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")
-        for name in ("kv_cache_bytes", "num_state_checkpoints", "checkpoint_every_blocks"):
+        for name in ("kv_cache_bytes", "num_state_checkpoints", "checkpoint_every_blocks", "prefix_wait_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 0, got {value!r}")

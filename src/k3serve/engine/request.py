@@ -108,6 +108,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chain hashes of full blocks, grown as blocks fill
         self.num_registered_blocks = 0  # blocks of the block table indexed in the prefix cache
         self.checkpoint_targets: list[int] = []  # positions at which to save the recurrent state
+        self.waited_for_prefix = False  # held back once for a shared prefix a running sequence was computing
         self.finish_reason: FinishReason | None = None
         self.num_emitted = 0  # generated tokens already streamed
         self.num_preemptions = 0

@@ -16,7 +16,10 @@ served):
   2. then waiting sequences in the policy's order, while budget, seats, state slots and blocks last (none are
      admitted in a step that preempted; a tenant at its share is skipped). Admission looks up the prefix cache. A
      sequence that finds no seat, slot or blocks may displace one running sequence the policy names (a lower
-     priority class, or a tenant over its share);
+     priority class, or a tenant over its share). A sequence whose prompt shares at least `prefix_wait_tokens`
+     more tokens with a running sequence's (same tenant and salt) than the cache holds, while that one is still
+     computing them, waits: the running one saves a checkpoint where the two part and the waiting one hits there
+     instead of computing the same tokens beside it (in-flight prefix sharing; SGLang's in-batch prefix caching);
   3. deferred prefill chunks take the budget left over (work-conserving), without preempting.
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
 
@@ -42,6 +45,9 @@ from k3serve.engine.prefix_cache import PrefixCache, PrefixMatch
 from k3serve.engine.request import Sequence, SequenceStatus
 from k3serve.engine.state_pool import StatePool
 from k3serve.model.cache import CacheLayout
+
+
+PREFIX_WAIT_SCAN = 64  # queued sequences an admission compares its prompt with (in-flight prefix sharing)
 
 
 @dataclass
@@ -87,6 +93,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._m_preemptions = metrics.counter("preemptions", "sequences preempted (memory freed, to recompute)")
+        self._m_prefix_waits = metrics.counter(
+            "prefix_waits", "sequences held back to hit a shared prefix a running sequence was still computing")
         self.policy = make_policy(config.scheduling, config.output_cost)
         self.preemptions_by_tenant: Counter[str] = Counter()
         self._tenant_seqs: Counter[str] = Counter()  # queued + running sequences per tenant (the active ones)
@@ -257,12 +265,16 @@ class Scheduler:
         """Admit waiting sequences in the policy's order. Returns the sequence that found no seat, state slot or
         blocks (a candidate to displace a running one), or None."""
         blocked: set[str] = set()  # tenants at their share: none of theirs this step
+        held: set[int] = set()  # sequences waiting for a shared prefix that a running one is computing
         while self.waiting and self._budget(out) > 0:
-            seq = self.policy.pick_waiting(self.waiting, blocked)
+            seq = self.policy.pick_waiting((s for s in self.waiting if id(s) not in held), blocked)
             if seq is None:
                 return None
             if capped and self._at_share(seq, capped):
                 blocked.add(seq.request.tenant)
+                continue
+            if self._waits_for_shared_prefix(seq, out):
+                held.add(id(seq))
                 continue
             if len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0:
                 return seq
@@ -271,6 +283,74 @@ class Scheduler:
                 return seq
             out.scheduled.append(ScheduledSequence(seq, n))
         return None
+
+    def _shared_prefix(self, seq: Sequence, other: Sequence) -> int:
+        """Where `seq`'s tokens part from `other`'s (both with their block hashes extended), at most at
+        len(seq) - 1 (a hit must leave a token to compute), rounded down to a block where a hit needs full blocks."""
+        BS, limit = self.config.block_size, seq.num_tokens - 1
+        blocks = 0
+        for a, b in zip(seq.block_hashes, other.block_hashes):
+            if a != b:
+                break
+            blocks += 1
+        shared = min(blocks * BS, limit)
+        end = min(limit, other.num_tokens, (blocks + 1) * BS)
+        while shared < end and seq.token_ids[shared] == other.token_ids[shared]:
+            shared += 1
+        if not self.config.checkpoint_partial_blocks or not self.prefix_cache.needs_state:
+            shared -= shared % BS
+        return shared
+
+    def _parting_points(self, seq: Sequence, start: int) -> set[int]:
+        """Checkpoint targets for `seq`, being admitted from `start`, where its prompt parts from a queued
+        sequence of the same tenant and salt by at least `prefix_wait_tokens` tokens past `start`: the queued one
+        waits for that checkpoint and hits it (see `_waits_for_shared_prefix`)."""
+        wait = self.config.prefix_wait_tokens
+        if not wait or not self.prefix_cache.needs_state:
+            return set()
+        points = set()
+        for other in list(self.waiting)[:PREFIX_WAIT_SCAN]:
+            if other is seq or other.request.root_hash != seq.request.root_hash:
+                continue
+            self.prefix_cache.extend_hashes(other.request.root_hash, other.token_ids, other.block_hashes,
+                                            other.num_tokens // self.config.block_size)
+            shared = min(self._shared_prefix(other, seq), seq.num_prompt_tokens)
+            if shared - start >= wait:
+                points.add(shared)
+        return points
+
+    def _waits_for_shared_prefix(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Whether waiting `seq` should wait for a running sequence of the same tenant and salt that has not yet
+        computed at least `prefix_wait_tokens` tokens of their common prefix beyond the cache's hit for `seq`. A
+        pure-attention model reuses the full blocks the running one registers after each forward. A hybrid model's
+        state can only be reused where it was saved, so the running one needs a checkpoint target where the two
+        part (set at its admission, or here), and a chunk of it scheduled in this step that would run past that
+        point stops there."""
+        wait = self.config.prefix_wait_tokens
+        if self.prefix_cache is None or wait == 0 or seq.num_preemptions or seq.suspect:
+            return False
+        have = self._lookup(seq).num_tokens
+        scheduled = {id(s.seq): s for s in out.scheduled}
+        for other in self.running:
+            if other.request.root_hash != seq.request.root_hash or other.cache is None \
+                    or other.num_computed_tokens >= min(seq.num_tokens - 1, other.num_tokens) - wait:
+                continue
+            shared = self._shared_prefix(seq, other)
+            if shared - have < wait or other.num_computed_tokens >= shared:
+                continue
+            if self.prefix_cache.needs_state:
+                entry = scheduled.get(id(other))
+                if entry is not None and other.num_computed_tokens + entry.num_new_tokens > shared:
+                    if entry.num_draft_tokens:
+                        continue
+                    entry.num_new_tokens = shared - other.num_computed_tokens  # stop where the two part
+                if shared not in other.checkpoint_targets:
+                    other.checkpoint_targets = sorted({*other.checkpoint_targets, shared})
+            if not seq.waited_for_prefix:
+                seq.waited_for_prefix = True
+                self._m_prefix_waits.inc()
+            return True
+        return False
 
     def _usage(self, capped: bool) -> tuple[dict[str, TenantUsage], dict[str, tuple[int, int]]]:
         """Per-tenant holdings and limits (max seqs, max blocks); empty when no tenant has a share below 1."""
@@ -348,6 +428,8 @@ class Scheduler:
         start = match.num_tokens if match is not None else 0
         targets = self.prefix_cache.plan_checkpoints(match, seq.num_prompt_tokens, seq.num_tokens) \
             if match is not None else []
+        if match is not None and self.config.prefix_wait_tokens:
+            targets = sorted({*targets, *self._parting_points(seq, start)})
         seq.checkpoint_targets = targets
         n = self._chunk(seq, start, budget, alone)
         # the watermark is waived for a sequence that runs alone: it must be able to make progress
