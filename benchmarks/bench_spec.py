@@ -105,7 +105,8 @@ def main() -> None:
     grounded_text, open_text = task_texts()
     grounded = [tokenizer.bos_id] + tokenizer.encode(grounded_text)
     open_ended = [tokenizer.bos_id] + tokenizer.encode(open_text)
-    record: dict = {"model": f"embedded default ({loaded.path.name})" if args.model is None else args.model, "tokens": args.tokens, "cases": [],
+    model_name = f"embedded default ({loaded.path.name})" if args.model is None else args.model
+    record: dict = {"model": model_name, "tokens": args.tokens, "cases": [],
                     "grounded_prompt_tokens": len(grounded), "open_prompt_tokens": len(open_ended)}
 
     def case(name, prompt, spec, factory=None):
@@ -129,7 +130,8 @@ def main() -> None:
                "acceptance": round(stats.acceptance_rate, 3), "drafted": stats.drafted, "accepted": stats.accepted,
                "tokens_per_window": round(stats.emitted / max(stats.windows, 1), 2)}
         record["cases"].append(row)
-        print(f"{name:<44} {row['speedup']:>5.2f}x (decode {row['decode_speedup']:.2f}x)  plain {row['plain_tok_s']:>6.1f} tok/s  spec "
+        print(f"{name:<44} {row['speedup']:>5.2f}x (decode {row['decode_speedup']:.2f}x)  plain "
+              f"{row['plain_tok_s']:>6.1f} tok/s  spec "
               f"{row['spec_tok_s']:>6.1f} tok/s  acceptance {row['acceptance']:.0%} "
               f"({row['accepted']}/{row['drafted']}), {row['tokens_per_window']} tok/window")
         return plain_tokens

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 from k3serve.engine.config import EngineConfig
@@ -309,7 +310,7 @@ class Scheduler:
         if not wait or not self.prefix_cache.needs_state:
             return set()
         points = set()
-        for other in list(self.waiting)[:PREFIX_WAIT_SCAN]:
+        for other in islice(self.waiting, PREFIX_WAIT_SCAN):
             if other is seq or other.request.root_hash != seq.request.root_hash:
                 continue
             self.prefix_cache.extend_hashes(other.request.root_hash, other.token_ids, other.block_hashes,
@@ -329,12 +330,14 @@ class Scheduler:
         wait = self.config.prefix_wait_tokens
         if self.prefix_cache is None or wait == 0 or seq.num_preemptions or seq.suspect:
             return False
+        computing = [other for other in self.running if other.request.root_hash == seq.request.root_hash
+                     and other.cache is not None
+                     and other.num_computed_tokens < min(seq.num_tokens - 1, other.num_tokens) - wait]
+        if not computing:  # the common case: no prefill of the same tenant under way, no lookup needed
+            return False
         have = self._lookup(seq).num_tokens
         scheduled = {id(s.seq): s for s in out.scheduled}
-        for other in self.running:
-            if other.request.root_hash != seq.request.root_hash or other.cache is None \
-                    or other.num_computed_tokens >= min(seq.num_tokens - 1, other.num_tokens) - wait:
-                continue
+        for other in computing:
             shared = self._shared_prefix(seq, other)
             if shared - have < wait or other.num_computed_tokens >= shared:
                 continue
@@ -428,7 +431,7 @@ class Scheduler:
         start = match.num_tokens if match is not None else 0
         targets = self.prefix_cache.plan_checkpoints(match, seq.num_prompt_tokens, seq.num_tokens) \
             if match is not None else []
-        if match is not None and self.config.prefix_wait_tokens:
+        if match is not None:
             targets = sorted({*targets, *self._parting_points(seq, start)})
         seq.checkpoint_targets = targets
         n = self._chunk(seq, start, budget, alone)
