@@ -128,3 +128,28 @@ def test_repeat_share_is_seeded_and_checked(tmp_path):
         assert exc.code == 2
     else:
         raise AssertionError("--repeat-share + --copy-share above 1 was accepted")
+
+
+def test_eos_docs_end_every_training_document_and_keep_the_held_out_windows(tmp_path):
+    """--eos-docs 1: [BOS] document [EOS] in the training stream (the model learns to stop); the held-out streams stay
+    as they were, so held-out losses compare with runs without it. A corpus cache built without it is refused."""
+    cache_a, cache_b = tmp_path / "cache_a", tmp_path / "cache_b"
+    assert main(["--out", str(tmp_path / "a"), *ARGS, "--steps", "0", "--corpus-cache", str(cache_a)]) == 0
+    assert main(["--out", str(tmp_path / "b"), *ARGS, "--steps", "0", "--eos-docs", "1",
+                 "--corpus-cache", str(cache_b)]) == 0
+    tokenizer = Tokenizer.from_dir(tmp_path / "b")
+    plain = np.load(cache_a / "train.npz")["ids"].astype(np.int64)
+    ended = np.load(cache_b / "train.npz")["ids"].astype(np.int64)
+    eos = tokenizer.eos_ids[0]
+    assert tokenizer.decode([eos]) == "[EOS]" and not (plain == eos).any()
+    bos_at = np.flatnonzero(ended == tokenizer.bos_id)
+    assert np.array_equal(np.flatnonzero(ended == eos), np.append(bos_at[1:], len(ended)) - 1)  # just before the next
+    assert np.array_equal(ended[ended != eos], plain)  # nothing else changed
+    for kind in ("code", "prose"):
+        assert np.array_equal(np.load(cache_a / f"heldout_{kind}.npy"), np.load(cache_b / f"heldout_{kind}.npy"))
+    try:
+        main(["--out", str(tmp_path / "c"), *ARGS, "--steps", "0", "--corpus-cache", str(cache_b)])
+    except SystemExit as exc:
+        assert "--corpus-cache" in str(exc.code) and "eos_docs" in str(exc.code)
+    else:
+        raise AssertionError("a cache built with --eos-docs 1 was used for a run without it")

@@ -63,12 +63,14 @@ def training_config(tokenizer: Tokenizer, hidden_size: int = 128, kda_heads: int
     )
 
 
-def encode_docs(tokenizer: Tokenizer, docs: list[str]) -> np.ndarray:
-    """One stream: BOS before every document."""
+def encode_docs(tokenizer: Tokenizer, docs: list[str], eos: bool = False) -> np.ndarray:
+    """One stream: BOS before every document, and with `eos` the first end token ([EOS]) after each one."""
     ids: list[int] = []
     for doc in docs:
         ids.append(tokenizer.bos_id)
         ids.extend(tokenizer.encode(doc))
+        if eos:
+            ids.append(tokenizer.eos_ids[0])
     return np.asarray(ids, dtype=np.int64)
 
 
@@ -133,7 +135,7 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
     ("probe_ids", "probe_prompt_lens", "probe_want_lens": eval_copy.py's prompts and wanted continuations)."""
     corpus_args = {"code_bytes": args.code_bytes, "prose_bytes": args.prose_bytes, "copy_bytes": args.copy_bytes,
                    "copy_per_module": args.copy_per_module, "extra_code_bytes": args.extra_code_bytes,
-                   "extra_prose": args.extra_prose, "bpe_vocab": BPE_VOCAB_SIZE, "bpe_bytes": BPE_TRAIN_BYTES}
+                   "extra_prose": args.extra_prose, "eos_docs": args.eos_docs, "bpe_vocab": BPE_VOCAB_SIZE, "bpe_bytes": BPE_TRAIN_BYTES}
     cache = Path(args.corpus_cache) if args.corpus_cache else None
     if cache is not None and (cache / "corpus.json").is_file():
         meta = json.loads((cache / "corpus.json").read_text())
@@ -176,7 +178,7 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
                     source=f"k3serve.training.train: BPE {BPE_VOCAB_SIZE} on the first {BPE_TRAIN_BYTES} bytes of "
                            f"the training split (stdlib code + {corpus.prose_source})")
     tokenizer = Tokenizer.from_dir(out)
-    train_ids = encode_docs(tokenizer, corpus.train)
+    train_ids = encode_docs(tokenizer, corpus.train, eos=bool(args.eos_docs))
     heldout = {"code": encode_docs(tokenizer, corpus.heldout_code),
                "prose": encode_docs(tokenizer, corpus.heldout_prose)}
     if args.copy_bytes > 0:  # revision documents made from held-out code: does copying generalise?
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="training-only code from the installed torch package's .py files (0: none)")
     parser.add_argument("--extra-prose", type=int, default=0, choices=(0, 1),
                         help="1: also train on the book paragraphs the thinning left out")
+    parser.add_argument("--eos-docs", type=int, default=0, choices=(0, 1),
+                        help="1: end every training document with [EOS], so that the model learns to stop (the "
+                             "held-out windows stay as they were, for comparable losses)")
     parser.add_argument("--copy-share", type=float, default=0.0,
                         help="share of each batch's windows that start at a revision document (0: plain random "
                              "windows of the whole stream, the default)")
