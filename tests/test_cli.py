@@ -44,7 +44,9 @@ def test_logits_full_and_incremental_agree(tiny_dir, tmp_path):
     full, incremental = np.load(paths["full"]), np.load(paths["incremental"])
     assert full.dtype == np.float32 and full.shape == (11, 256)
     assert np.array_equal(full.argmax(1), incremental.argmax(1))
-    assert np.sqrt(np.mean((full - incremental) ** 2) / np.mean(full ** 2)) < 1e-5
+    # float32 summation order differs between a prefill and decode steps (MLA, matmuls): tests/model/test_k3.py's
+    # SAME_FUNCTION_RTOL bound (measured 1.0e-5 here; the KDA recurrence itself gives the same bits both ways)
+    assert np.sqrt(np.mean((full - incremental) ** 2) / np.mean(full ** 2)) < 5e-5
 
 
 def test_make_tiny_writes_a_loadable_oracle(tmp_path):

@@ -82,3 +82,54 @@ def test_causal_conv_taps_run_oldest_to_newest_and_tail_carries():
     a, tail_a = causal_conv(x[:4], np.zeros((3, 1), np.float32), taps)
     b, _ = causal_conv(x[4:], tail_a, taps)
     assert np.array_equal(np.concatenate([a, b]), out)
+
+
+# --- the compiled token-by-token loop (model/delta_rule.py), the engine's path at every length
+
+
+@pytest.mark.parametrize("T", [1, 5, 63, 300])
+def test_compiled_delta_rule_equals_the_recurrence(T):
+    from k3serve.model.delta_rule import delta_rule_segments
+
+    rng = np.random.default_rng(10 + T)
+    x = _inputs(rng, T, strong_decay=T == 63)
+    state = rng.normal(size=(3, 16, 16)).astype(np.float32) * 0.3
+    o_ref, s_ref = kda_recurrent(x, state)
+    o, s = delta_rule_segments(x.q, x.k, x.v, x.g, x.beta, state[None], np.array([[0, T]]))
+    assert _relative_rms(o, o_ref) < 1e-5 and _relative_rms(s[0], s_ref) < 1e-5
+    assert o.dtype == s.dtype == np.float32
+
+
+def test_compiled_delta_rule_bits_do_not_depend_on_the_split_the_batch_or_the_threads():
+    """One call, two calls, token by token, inside a batch with other sequences, serial or parallel, and a replayed
+    rollback trajectory: the same bits (prefix-cache hits and speculative rollback rely on it)."""
+    from k3serve.model import delta_rule
+    from k3serve.model.replay import delta_rule_trajectory
+
+    rng = np.random.default_rng(7)
+    x = _inputs(rng, 40)
+    state = rng.normal(size=(3, 16, 16)).astype(np.float32) * 0.3
+    run = delta_rule.delta_rule_segments
+    o_all, s_all = run(x.q, x.k, x.v, x.g, x.beta, state[None], np.array([[0, 40]]))
+    o1, s1 = run(x.q[:17], x.k[:17], x.v[:17], x.g[:17], x.beta[:17], state[None], np.array([[0, 17]]))
+    o2, s2 = run(x.q[17:], x.k[17:], x.v[17:], x.g[17:], x.beta[17:], s1, np.array([[0, 23]]))
+    assert np.array_equal(np.concatenate([o1, o2]), o_all) and np.array_equal(s2, s_all)
+    s = state[None]
+    for t in range(40):
+        o_t, s = run(x.q[t:t + 1], x.k[t:t + 1], x.v[t:t + 1], x.g[t:t + 1], x.beta[t:t + 1], s, np.array([[0, 1]]))
+        assert np.array_equal(o_t[0], o_all[t])
+    assert np.array_equal(s, s_all)
+    # a batch: sequence 0 is the 40 tokens above, sequence 1 five other tokens from another state
+    y = _inputs(rng, 5)
+    cat = [np.concatenate([getattr(x, f), getattr(y, f)]) for f in ("q", "k", "v", "g", "beta")]
+    other = rng.normal(size=(3, 16, 16)).astype(np.float32)
+    for minimum in (delta_rule.PARALLEL_MIN_WORK, 0):  # serial, then forced parallel
+        delta_rule.PARALLEL_MIN_WORK, saved = minimum, delta_rule.PARALLEL_MIN_WORK
+        try:
+            o_b, s_b = run(*cat, np.stack([state, other]), np.array([[0, 40], [40, 45]]))
+        finally:
+            delta_rule.PARALLEL_MIN_WORK = saved
+        assert np.array_equal(o_b[:40], o_all) and np.array_equal(s_b[0], s_all[0])
+    states = delta_rule_trajectory(x.k, x.v, x.g, x.beta, state, keep_all=True)
+    assert np.array_equal(states[-1], s_all[0]) and np.array_equal(states[16], s1[0])
+    assert np.array_equal(delta_rule_trajectory(x.k, x.v, x.g, x.beta, state, 17), s1[0])

@@ -183,8 +183,10 @@ def test_gguf_logits_and_greedy_equal_the_folder(tiny_dir, tiny_model, k3_gguf):
     loaded = load_model(k3_gguf)
     ids = [1, 17, 33, 90, 12, 7, 150, 41, 3, 99]
     ours, expected = loaded.model.logits(ids), tiny_model.logits(ids)
-    # A_log comes back as log(-(-exp(A_log))): equal to rounding
-    assert float(np.max(np.abs(ours - expected))) <= 1e-5 * float(np.max(np.abs(expected)))
+    # A_log comes back as log(-(-exp(A_log))): equal to rounding. That last-bit change of the KDA decay moves the
+    # logits by 1.6e-5 of their largest through the compiled delta rule (4.1e-6 through numpy's chunked form, whose
+    # rounding differs); the bound is test_k3's SAME_FUNCTION_RTOL
+    assert float(np.max(np.abs(ours - expected))) <= 5e-5 * float(np.max(np.abs(expected)))
     assert loaded.model.greedy(ids, 8) == tiny_model.greedy(ids, 8)
 
 

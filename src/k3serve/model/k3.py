@@ -24,7 +24,7 @@ from k3serve.config import DEFAULT_MAX_MODEL_LEN, K3Config
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.attn_res import attn_res
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
-from k3serve.model.kda import DEFAULT_CHUNK_SIZE, kda_forward
+from k3serve.model.kda import kda_forward
 from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
 from k3serve.model.kernels import linear, widen_bf16
 from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward
@@ -138,8 +138,10 @@ class K3Model(SingleSequenceMixin):
     """The K3 forward pass over a `WeightSource`. Stateless apart from its weights: all sequence state lives in
     the caches passed to `forward`."""
 
-    def __init__(self, source: WeightSource, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    def __init__(self, source: WeightSource, chunk_size: int | None = None,
                  attention_blocks: tuple[int, int] = (DEFAULT_QUERY_BLOCK, DEFAULT_KEY_BLOCK)) -> None:
+        if chunk_size is not None and chunk_size < 1:
+            raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
         if min(attention_blocks) < 1:
             raise ConfigError(f"attention blocks (query, key) must be >= 1, got {attention_blocks}")
         self.source = source

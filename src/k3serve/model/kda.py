@@ -6,7 +6,8 @@ Per head, with state S [D, D] (key channels x value channels), per token:
     S <- S + k_t (beta_t (v_t - u))^T
     o_t = S^T q_t                        (read from the updated S)
 
-Chunked form (used for prefill). Within a chunk of C tokens starting from state S0, let b_t = sum_{j<=t} g_j
+Chunked form (the numpy reference for prefill; the engine runs model/delta_rule.py's compiled token-by-token
+loop at every length, which is faster on a CPU). Within a chunk of C tokens starting from state S0, let b_t = sum_{j<=t} g_j
 (cumulative log decay per key channel) and w_t = beta_t (v_t - u_t). Unrolling the recurrence gives
     S_t = exp(b_t) * S0 + sum_{i<=t} (exp(b_t - b_i) * k_i) w_i^T                (* scales rows)
 so the w_t solve a unit lower-triangular system
@@ -30,6 +31,7 @@ from k3serve.config import K3Config
 from k3serve.model.kernels import linear
 from k3serve.model.ops import l2_normalize, rms_norm, sigmoid, silu
 from k3serve.model.cache import SequenceCache
+from k3serve.model.delta_rule import delta_rule_segments
 from k3serve.model.replay import DeltaRuleWindow
 from k3serve.model.weights import KDAWeights
 
@@ -46,6 +48,12 @@ class KDAInputs:
     g: np.ndarray  # [T, NH, D] log decay, in (lower_bound, 0]
     beta: np.ndarray  # [T, NH]
     conv_inputs: np.ndarray | None = None  # [T, 3P] pre-conv q, k, v (speculative rollback rebuilds the conv tail)
+
+    def part(self, start: int, end: int) -> "KDAInputs":
+        """Rows start..end-1 (one sequence's segment)."""
+        conv = None if self.conv_inputs is None else self.conv_inputs[start:end]
+        return KDAInputs(self.q[start:end], self.k[start:end], self.v[start:end], self.g[start:end],
+                         self.beta[start:end], conv)
 
     def window(self, state: np.ndarray, conv_tail: np.ndarray) -> DeltaRuleWindow:
         """This segment's record for rollback, starting from (state, conv_tail); needs `conv_inputs`."""
@@ -102,29 +110,44 @@ def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
 
 
 def kda_forward(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequence[tuple[int, int]],
-                caches: Sequence[SequenceCache], layer: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> np.ndarray:
-    """A KDA layer over a batch: x [T, H] -> [T, H], reading and writing each sequence's state.
-
-    Single-token segments (decode) advance together in one batched step; longer ones (prefill) run chunked."""
+                caches: Sequence[SequenceCache], layer: int, chunk_size: int | None = None) -> np.ndarray:
+    """A KDA layer over a batch: x [T, H] -> [T, H], reading and writing each sequence's state."""
     states = [cache.recurrent_state(layer) for cache in caches]
     inputs, out_gate, new_tails = kda_prepare(config, w, x, segments, [tail for _, tail in states])
-    o = np.empty_like(inputs.v)  # [T, NH, D]
-    decode = [i for i, (start, end) in enumerate(segments) if end - start == 1]
-    if decode:
-        rows = np.array([segments[i][0] for i in decode])
-        o[rows], new_states = kda_step_batch(
-            inputs.q[rows], inputs.k[rows], inputs.v[rows], inputs.g[rows], inputs.beta[rows],
-            np.stack([states[i][0] for i in decode]))
-        for j, i in enumerate(decode):
-            caches[i].set_recurrent_state(layer, new_states[j], new_tails[i])
+    o = run_delta_rule(inputs, segments, caches, layer, new_tails, chunk_size)
+    return kda_finish(config, w, o, out_gate)
+
+
+def run_delta_rule(inputs: KDAInputs, segments: Sequence[tuple[int, int]], caches: Sequence[SequenceCache],
+                   layer: int, new_tails: Sequence[np.ndarray], chunk_size: int | None = None) -> np.ndarray:
+    """The delta rule over every sequence of a batch (KDA and gated DeltaNet): writes each new state and conv tail,
+    and records a rollback window for every multi-token segment. -> o [T, NH, Dv].
+
+    chunk_size None (the engine's path): every segment, decode or prefill, in one compiled token-by-token call
+    (model/delta_rule.py). An int: the numpy twins instead, decode tokens batched (kda_step_batch) and longer
+    segments in the chunked form with chunks of that many tokens (parity tests and the chunked form's reference)."""
+    states = [cache.recurrent_state(layer) for cache in caches]
+    if chunk_size is None:
+        o, new_states = delta_rule_segments(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
+                                            np.stack([state for state, _ in states]), np.asarray(segments, np.int64))
+    else:
+        o = np.empty(inputs.v.shape, np.float32)
+        new_states = [None] * len(caches)
+        decode = [i for i, (start, end) in enumerate(segments) if end - start == 1]
+        if decode:
+            rows = np.array([segments[i][0] for i in decode])
+            o[rows], stepped = kda_step_batch(inputs.q[rows], inputs.k[rows], inputs.v[rows], inputs.g[rows],
+                                              inputs.beta[rows], np.stack([states[i][0] for i in decode]))
+            for j, i in enumerate(decode):
+                new_states[i] = stepped[j]
+        for i, (start, end) in enumerate(segments):
+            if end - start > 1:
+                o[start:end], new_states[i] = kda_chunked(inputs.part(start, end), states[i][0], chunk_size)
     for i, (start, end) in enumerate(segments):
         if end - start > 1:
-            part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")),
-                             conv_inputs=inputs.conv_inputs[start:end])
-            o[start:end], new_state = kda_chunked(part, states[i][0], chunk_size)
-            caches[i].record_window(layer, part.window(*states[i]))  # before the state is replaced
-            caches[i].set_recurrent_state(layer, new_state, new_tails[i])
-    return kda_finish(config, w, o, out_gate)
+            caches[i].record_window(layer, inputs.part(start, end).window(*states[i]))  # before the state is replaced
+        caches[i].set_recurrent_state(layer, new_states[i], new_tails[i])
+    return o
 
 
 def kda_recurrent(inputs: KDAInputs, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

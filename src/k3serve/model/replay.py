@@ -16,24 +16,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3serve.model.delta_rule import delta_rule_trajectory as compiled_trajectory
+
 
 def delta_rule_trajectory(k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
                           num_steps: int | None = None, keep_all: bool = False) -> np.ndarray:
     """Replay the delta rule from `state` [NH, Dk, Dv] over the first `num_steps` of k, g [T, NH, Dk],
     v [T, NH, Dv], beta [T, NH].
 
-    Returns the final state, or with `keep_all` every intermediate state [n, NH, Dk, Dv]. Same operations, in the
-    same order, as `kda.kda_step_batch` for one sequence."""
+    Returns the final state, or with `keep_all` every intermediate state [n, NH, Dk, Dv]. The compiled loop of the
+    forward pass (model/delta_rule.py), so a replayed state has the bits the forward pass left at that token."""
     n = k.shape[0] if num_steps is None else num_steps
-    S = state.astype(np.float32, copy=True)
-    states = np.empty((n,) + S.shape, np.float32) if keep_all else None
-    for t in range(n):
-        S = S * np.exp(g[t])[..., None]
-        u = np.einsum("hij,hi->hj", S, k[t])  # [NH, Dv]
-        S += k[t][..., None] * (beta[t][..., None] * (v[t] - u))[..., None, :]
-        if states is not None:
-            states[t] = S
-    return states if states is not None else S
+    return compiled_trajectory(k, v, g, beta, state, n, keep_all)
 
 
 def conv_tail_after(tail: np.ndarray, conv_inputs: np.ndarray, num_steps: int) -> np.ndarray:

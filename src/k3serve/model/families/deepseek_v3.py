@@ -161,7 +161,7 @@ def build_grouped_moe(reader: TensorReader, config: DecoderConfig, mla: MLAConfi
     return MoEBlock(layer=layer, router=router, experts=store, shared=shared, shared_gate=None)
 
 
-def build(config: DeepseekV3Config, reader: TensorReader, precision: str, chunk_size: int) -> FamilyModel:
+def build(config: DeepseekV3Config, reader: TensorReader, precision: str, chunk_size: int | None) -> FamilyModel:
     H = config.hidden_size
     rotary = rotary_from_config(config.rope, config.qk_rope_head_dim, config.max_position_embeddings,
                                 interleaved=config.rope_interleave, where=f"{reader.path} ({config.model_type})")

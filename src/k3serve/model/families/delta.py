@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3serve.model.families.decoder import Batch
-from k3serve.model.kda import KDAInputs, causal_conv, kda_chunked, kda_step_batch
+from k3serve.model.kda import KDAInputs, causal_conv, run_delta_rule
 from k3serve.model.kernels import linear
 from k3serve.model.ops import l2_normalize, rms_norm, sigmoid, silu
 
@@ -49,27 +49,6 @@ def _conv_segments(mixed: np.ndarray, taps: np.ndarray, batch: Batch, layer: int
         out[start:end], tail = causal_conv(mixed[start:end], cache.recurrent_state(layer)[1], taps)
         new_tails.append(tail)
     return silu(out), new_tails
-
-
-def _run_recurrence(inputs: KDAInputs, batch: Batch, layer: int, new_tails: list, chunk_size: int) -> np.ndarray:
-    """The delta rule over every sequence of the batch; writes each new state and conv tail. -> o [T, NH, Dv]."""
-    o = np.empty(inputs.v.shape, np.float32)
-    states = [cache.recurrent_state(layer) for cache in batch.caches]
-    decode = [i for i, (start, end) in enumerate(batch.segments) if end - start == 1]
-    if decode:
-        rows = np.array([batch.segments[i][0] for i in decode])
-        o[rows], new_states = kda_step_batch(inputs.q[rows], inputs.k[rows], inputs.v[rows], inputs.g[rows],
-                                             inputs.beta[rows], np.stack([states[i][0] for i in decode]))
-        for j, i in enumerate(decode):
-            batch.caches[i].set_recurrent_state(layer, new_states[j], new_tails[i])
-    for i, (start, end) in enumerate(batch.segments):
-        if end - start > 1:
-            part = KDAInputs(*(getattr(inputs, f)[start:end] for f in ("q", "k", "v", "g", "beta")),
-                             conv_inputs=inputs.conv_inputs[start:end])
-            o[start:end], new_state = kda_chunked(part, states[i][0], chunk_size)
-            batch.caches[i].record_window(layer, part.window(*states[i]))  # before the state is replaced
-            batch.caches[i].set_recurrent_state(layer, new_state, new_tails[i])
-    return o
 
 
 @dataclass(frozen=True)
@@ -91,7 +70,7 @@ class KimiDeltaAttention:
     num_heads: int  # NH
     head_dim: int  # D
     eps: float
-    chunk_size: int
+    chunk_size: int | None
 
     def state_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int]]:
         NH, D = self.num_heads, self.head_dim
@@ -110,7 +89,7 @@ class KimiDeltaAttention:
         z = (f_a @ w.f_b.T + w.dt_bias).reshape(T, NH, D)
         g = -w.a_exp[None, :, None] * softplus(z)  # [T, NH, D], <= 0
         inputs = KDAInputs(q=q, k=k, v=v, g=g.astype(np.float32), beta=sigmoid(b), conv_inputs=proj[:, :3 * P])
-        o = _run_recurrence(inputs, batch, self.layer, new_tails, self.chunk_size)  # [T, NH, D]
+        o = run_delta_rule(inputs, batch.segments, batch.caches, self.layer, new_tails, self.chunk_size)  # [T, NH, D]
         gate = (g_a @ w.g_b.T).reshape(T, NH, D)
         return linear((rms_norm(o, w.o_norm, self.eps) * sigmoid(gate)).reshape(T, P), w.o_proj)
 
@@ -134,7 +113,7 @@ class GatedDeltaNet:
     key_dim: int  # Dk
     value_dim: int  # Dv
     eps: float
-    chunk_size: int
+    chunk_size: int | None
 
     @property
     def conv_channels(self) -> int:
@@ -159,5 +138,5 @@ class GatedDeltaNet:
         g = -w.a_exp * softplus(a + w.dt_bias)  # [T, NVH]
         g = np.repeat(g[:, :, None], Dk, axis=2).astype(np.float32)  # equal decay on every key channel
         inputs = KDAInputs(q=q, k=k, v=v, g=g, beta=sigmoid(b), conv_inputs=proj[:, :C])
-        o = _run_recurrence(inputs, batch, self.layer, new_tails, self.chunk_size)  # [T, NVH, Dv]
+        o = run_delta_rule(inputs, batch.segments, batch.caches, self.layer, new_tails, self.chunk_size)  # [T, NVH, Dv]
         return linear((rms_norm(o, w.norm, self.eps) * silu(z)).reshape(T, NVH * Dv), w.out_proj)

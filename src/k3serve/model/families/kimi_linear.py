@@ -80,7 +80,8 @@ class KimiLinearConfig(DecoderConfig, MLAConfig):
                    linear_conv_kernel_dim=pick("linear_conv_kernel_dim", "short_conv_kernel_size"))
 
 
-def build_kda(reader: TensorReader, config: KimiLinearConfig, layer: int, chunk_size: int) -> KimiDeltaAttention:
+def build_kda(reader: TensorReader, config: KimiLinearConfig, layer: int,
+              chunk_size: int | None) -> KimiDeltaAttention:
     NH, D, K, H = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim, config.hidden_size
     P = NH * D
     a = f"model.layers.{layer}.self_attn."
@@ -112,7 +113,7 @@ def _moe_prefix(reader: TensorReader, layer: int) -> str:
     return f"{p}block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in reader else f"{p}mlp."
 
 
-def build(config: KimiLinearConfig, reader: TensorReader, precision: str, chunk_size: int) -> FamilyModel:
+def build(config: KimiLinearConfig, reader: TensorReader, precision: str, chunk_size: int | None) -> FamilyModel:
     H = config.hidden_size
     store = ExpertStore(expert_reader(reader, lambda l: _moe_prefix(reader, l), ("w1", "w3", "w2"), H,
                                       config.moe_intermediate_size), precision, config.num_experts)

@@ -21,7 +21,6 @@ from k3serve.model.families.experts import normalize_precision
 from k3serve.model.families.gguf_families import describe, hf_config, tensor_index
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.tensors import TensorReader
-from k3serve.model.kda import DEFAULT_CHUNK_SIZE
 from k3serve.weights.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
@@ -75,11 +74,11 @@ def read_family_config(folder: str | Path) -> DecoderConfig:
 
 
 def load_family_gguf(path: str | Path | GGUFFile, expert_precision: str = "native",
-                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> FamilyModel:
+                     chunk_size: int | None = None) -> FamilyModel:
     """Open a GGUF file of a supported family (`gguf_families.GGUF_ARCHITECTURES`), lazily by tensor."""
     precision = normalize_precision(expert_precision)
-    if chunk_size < 1:
-        raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     try:
         raw = hf_config(file)
@@ -96,14 +95,15 @@ def load_family_gguf(path: str | Path | GGUFFile, expert_precision: str = "nativ
 
 
 def load_family(folder: str | Path, expert_precision: str = "native",
-                chunk_size: int = DEFAULT_CHUNK_SIZE) -> FamilyModel:
+                chunk_size: int | None = None) -> FamilyModel:
     """Open a Hugging Face checkpoint folder of a supported family.
 
     expert_precision: "native" (alias "bf16": the stored values), "mxfp4" or "int8" (see `experts.py`).
-    chunk_size: tokens per chunk of the chunked delta rule in KDA / DeltaNet prefill."""
+    chunk_size: None (default) runs KDA / DeltaNet through the compiled token-by-token delta rule; an int runs
+    the numpy chunked form with chunks of that many tokens (the reference)."""
     precision = normalize_precision(expert_precision)
-    if chunk_size < 1:
-        raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
     hf = HFConfig.read(folder)
     family = family_of(hf)
     config = family.parse(hf.with_family(family.name))

@@ -111,7 +111,7 @@ def softmax_router(reader: TensorReader, config: DecoderConfig, gqa: GQAConfig, 
     return SoftmaxRouter(weight=router, top_k=gqa.num_experts_per_token, normalize=gqa.norm_topk_prob)
 
 
-def build(config: Qwen3MoeConfig, reader: TensorReader, precision: str, chunk_size: int) -> FamilyModel:
+def build(config: Qwen3MoeConfig, reader: TensorReader, precision: str, chunk_size: int | None) -> FamilyModel:
     H = config.hidden_size
     rotary = rotary_from_config(config.rope, config.rotary_dim, config.max_position_embeddings,
                                 interleaved=False, where=f"{reader.path} (qwen3_moe)")

@@ -70,7 +70,7 @@ class Qwen3NextConfig(DecoderConfig, GQAConfig):
 
 
 def build_gated_deltanet(reader: TensorReader, config: Qwen3NextConfig, layer: int,
-                         chunk_size: int) -> GatedDeltaNet:
+                         chunk_size: int | None) -> GatedDeltaNet:
     NKH, NVH = config.linear_num_key_heads, config.linear_num_value_heads
     Dk, Dv, K, H = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim, \
         config.hidden_size
@@ -97,7 +97,7 @@ def build_gated_deltanet(reader: TensorReader, config: Qwen3NextConfig, layer: i
                          value_dim=Dv, eps=config.rms_norm_eps, chunk_size=chunk_size)
 
 
-def build(config: Qwen3NextConfig, reader: TensorReader, precision: str, chunk_size: int) -> FamilyModel:
+def build(config: Qwen3NextConfig, reader: TensorReader, precision: str, chunk_size: int | None) -> FamilyModel:
     H = config.hidden_size
     one = np.float32(1.0)  # x_hat * (1 + w) norms
     rotary = rotary_from_config(config.rope, config.rotary_dim, config.max_position_embeddings,
