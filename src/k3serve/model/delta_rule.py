@@ -126,12 +126,3 @@ def delta_rule_trajectory(k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.
     _trajectory(k, v, g, beta, S, num_steps, states)
     return states if keep_all else S
 
-
-def warmup() -> None:
-    """Compile (or load from numba's cache) the kernels on tiny inputs."""
-    x = np.zeros((2, 1, 4), np.float32)
-    states = np.zeros((1, 1, 4, 4), np.float32)
-    for kernel in (_segments_serial, _segments_parallel):
-        kernel(x, x, x, x, np.zeros((2, 1), np.float32), states, np.zeros(1, np.int64), np.full(1, 2, np.int64),
-               np.empty_like(x))
-    delta_rule_trajectory(x, x, x, np.zeros((2, 1), np.float32), states[0], 2, keep_all=True)
