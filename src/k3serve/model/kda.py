@@ -7,8 +7,9 @@ Per head, with state S [D, D] (key channels x value channels), per token:
     o_t = S^T q_t                        (read from the updated S)
 
 Chunked form (the numpy reference for prefill; the engine runs model/delta_rule.py's compiled token-by-token
-loop at every length, which is faster on a CPU). Within a chunk of C tokens starting from state S0, let b_t = sum_{j<=t} g_j
-(cumulative log decay per key channel) and w_t = beta_t (v_t - u_t). Unrolling the recurrence gives
+loop at every length, which is faster on a CPU). Within a chunk of C tokens starting from state S0, let
+b_t = sum_{j<=t} g_j (cumulative log decay per key channel) and w_t = beta_t (v_t - u_t). Unrolling the
+recurrence gives
     S_t = exp(b_t) * S0 + sum_{i<=t} (exp(b_t - b_i) * k_i) w_i^T                (* scales rows)
 so the w_t solve a unit lower-triangular system
     w_t + beta_t sum_{i<t} M_ti w_i = beta_t (v_t - S0^T (exp(b_t) * k_t)),   M_ti = sum_d k_td k_id e^(b_td - b_id)

@@ -135,7 +135,8 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
     ("probe_ids", "probe_prompt_lens", "probe_want_lens": eval_copy.py's prompts and wanted continuations)."""
     corpus_args = {"code_bytes": args.code_bytes, "prose_bytes": args.prose_bytes, "copy_bytes": args.copy_bytes,
                    "copy_per_module": args.copy_per_module, "extra_code_bytes": args.extra_code_bytes,
-                   "extra_prose": args.extra_prose, "eos_docs": args.eos_docs, "bpe_vocab": BPE_VOCAB_SIZE, "bpe_bytes": BPE_TRAIN_BYTES}
+                   "extra_prose": args.extra_prose, "eos_docs": args.eos_docs, "bpe_vocab": BPE_VOCAB_SIZE,
+                   "bpe_bytes": BPE_TRAIN_BYTES}
     cache = Path(args.corpus_cache) if args.corpus_cache else None
     if cache is not None and (cache / "corpus.json").is_file():
         meta = json.loads((cache / "corpus.json").read_text())
