@@ -21,7 +21,6 @@ from k3serve.model.families import load_family
 from k3serve.model.k3 import ForwardItem
 
 LOGIT_TOLERANCE = 2e-4
-CHUNK = 16  # our chunked delta rule: a 40-token prompt is 3 chunks (16, 16, 8), 37 tokens (16, 16, 5)
 
 
 def _max_error(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -41,7 +40,7 @@ def family(request):
 @pytest.fixture
 def pair(family, tiny_hf):
     hf, folder = tiny_hf(family)
-    return hf, load_family(folder, chunk_size=CHUNK)
+    return hf, load_family(folder)  # the engine's path: the compiled delta rule
 
 
 @pytest.mark.parametrize("length", [40, 37])
@@ -121,12 +120,13 @@ def test_batch_of_sequences_equals_each_alone(family, pair):
         cache.check_integrity()
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])  # 16: a 40-token prompt is 3 chunks (16, 16, 8)
 @pytest.mark.parametrize("recurrent_family", ["kimi_linear", "qwen3_next"])
 def test_chunk_size_does_not_change_logits(recurrent_family, tiny_hf, chunk_size):
+    """The numpy chunked delta rule at any chunk size gives the compiled token loop's logits."""
     _, folder = tiny_hf(recurrent_family)
     ids = prompt(40)
-    base = load_family(folder, chunk_size=CHUNK).logits(ids)
+    base = load_family(folder).logits(ids)
     assert _max_error(load_family(folder, chunk_size=chunk_size).logits(ids), base) <= 1e-5
 
 
@@ -139,8 +139,8 @@ def test_quantized_experts_error_is_small_and_reported(family, tiny_hf, precisio
     decisions that the perturbation flips, which dominate it at these tiny sizes."""
     _, folder = tiny_hf(family)
     ids = prompt(40)
-    native_model = load_family(folder, chunk_size=CHUNK)
-    quantized_model = load_family(folder, expert_precision=precision, chunk_size=CHUNK)
+    native_model = load_family(folder)
+    quantized_model = load_family(folder, expert_precision=precision)
     runs = [m.forward([ForwardItem(np.array(ids), m.new_cache(), all_logits=True)], keep_routing=True)
             for m in (native_model, quantized_model)]
     native, quantized = runs[0].logits[0], runs[1].logits[0]
