@@ -28,7 +28,8 @@ from k3serve.model.families.moe import MoEBlock
 from k3serve.model.k3 import ForwardItem
 
 WORK = Path(os.environ.get("K3BENCH_FAMILIES_DIR", "/tmp/k3bench-families"))
-EXPERT_KERNELS = ("_dense_experts_parallel", "_dense_experts_serial", "_experts_parallel", "_experts_serial",
+EXPERT_KERNELS = ("_dense_experts_parallel", "_dense_experts_serial", "_experts_gate_up_parallel",
+                  "_experts_gate_up_serial", "_experts_down_parallel", "_experts_down_serial", "expert_activation",
                   "_accumulate_rows")
 TRUNK_KERNELS = ("_bf16_matmul_parallel", "_bf16_matmul_serial", "<method 'matmul' of 'numpy.ndarray' objects>",
                  "<built-in method numpy._core._multiarray_umath.c_einsum>")

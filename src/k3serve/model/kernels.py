@@ -53,6 +53,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.core import config as numba_config  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from k3serve.model.ops import sigmoid  # noqa: E402
 from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -319,13 +320,6 @@ def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray
 
 # ------------------------------------------------------------------------------------------- routed experts
 @njit(inline="always", fastmath=False)
-def _situ_glu(gate: np.float32, up: np.float32, beta: np.float32, linear_beta: np.float32) -> np.float32:
-    """beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta) (K3_SPEC SiTU-GLU)."""
-    sig = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
-    return beta * np.tanh(gate / beta) * sig * (linear_beta * np.tanh(up / linear_beta))
-
-
-@njit(inline="always", fastmath=False)
 def _silu_glu(gate: np.float32, up: np.float32) -> np.float32:
     """SiLU(gate) * up = gate sigmoid(gate) up (the families' experts)."""
     return gate / (np.float32(1.0) + np.exp(-gate)) * up
@@ -335,8 +329,8 @@ ACTIVATIONS = {"situ": 0, "silu": 1}
 
 
 @njit(inline="always")
-def _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, beta, linear_beta, activation,
-                  half_scales, isa, hidden, task, blocks):
+def _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up, task,
+                  blocks):
     k = task // blocks
     e = expert_ids[k]
     row_end = min(w1p.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
@@ -344,12 +338,8 @@ def _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, beta
         column = _permuted_index(row)
         for n in range(starts[k], ends[k]):
             z_row = zp[tokens[n]]
-            gate = _row_dot(w1p[e, row], w1s[e, row], z_row, half_scales, isa)
-            up = _row_dot(w3p[e, row], w3s[e, row], z_row, half_scales, isa)
-            if activation == 0:
-                hidden[n, column] = _situ_glu(gate, up, beta, linear_beta)
-            else:
-                hidden[n, column] = _silu_glu(gate, up)
+            gate[n, column] = _row_dot(w1p[e, row], w1s[e, row], z_row, half_scales, isa)
+            up[n, column] = _row_dot(w3p[e, row], w3s[e, row], z_row, half_scales, isa)
 
 
 @njit(inline="always")
@@ -363,28 +353,59 @@ def _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out
 
 
 @njit(cache=True, parallel=True)
-def _experts_parallel(w1p, w1s, w3p, w3s, w2p, w2s, expert_ids, zp, tokens, starts, ends, beta, linear_beta,
-                      activation, half_scales, isa, hidden, out):
-    """Stage 1 over (expert, w1/w3 row block), stage 2 over (expert, w2 row block); see `mxfp4_experts_run`."""
+def _experts_gate_up_parallel(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate,
+                              up):
+    """Stage 1 of `mxfp4_experts_run` over (expert, w1/w3 row block): the gate and up dots, no activation."""
     blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
-        _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, beta, linear_beta, activation,
-                      half_scales, isa, hidden, task, blocks)
+        _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up, task,
+                      blocks)
+
+
+@njit(cache=True)
+def _experts_gate_up_serial(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up):
+    blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in range(expert_ids.shape[0] * blocks):
+        _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up, task,
+                      blocks)
+
+
+@njit(cache=True, parallel=True)
+def _experts_down_parallel(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out):
+    """Stage 2 of `mxfp4_experts_run` over (expert, w2 row block)."""
     blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
         _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks)
 
 
 @njit(cache=True)
-def _experts_serial(w1p, w1s, w3p, w3s, w2p, w2s, expert_ids, zp, tokens, starts, ends, beta, linear_beta,
-                    activation, half_scales, isa, hidden, out):
-    blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in range(expert_ids.shape[0] * blocks):
-        _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, beta, linear_beta, activation,
-                      half_scales, isa, hidden, task, blocks)
+def _experts_down_serial(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out):
     blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in range(expert_ids.shape[0] * blocks):
         _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks)
+
+
+def expert_activation(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float, activation: str) -> None:
+    """gate <- act(gate, up) in place, element by element with numpy's vectorized ufuncs: SiTU-GLU is
+    `ops.situ_glu` (the dense MLP's and the shared expert's activation, the same bits), "silu" is
+    gate sigmoid(gate) up with `ops.sigmoid`. Each element's bits depend only on its own gate and up."""
+    if activation == "situ":
+        b1, b2 = np.float32(beta), np.float32(linear_beta)
+        np.divide(up, b2, out=up)
+        np.tanh(up, out=up)
+        np.multiply(up, b2, out=up)  # linear_beta tanh(up / linear_beta)
+        sig = sigmoid(gate)
+        np.divide(gate, b1, out=gate)
+        np.tanh(gate, out=gate)
+        np.multiply(gate, b1, out=gate)  # beta tanh(gate / beta)
+        np.multiply(gate, sig, out=gate)
+        np.multiply(gate, up, out=gate)
+    elif activation == "silu":
+        sig = sigmoid(gate)
+        np.multiply(gate, sig, out=gate)
+        np.multiply(gate, up, out=gate)
+    else:
+        raise ValueError(f"unknown expert activation {activation!r} (known: situ, silu)")
 
 
 @njit(cache=True, fastmath=False)
@@ -414,19 +435,26 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
     if z.ndim != 2 or z.shape[1] != latent or w2p.shape[1] != latent or 2 * w2p.shape[2] != num_inner:
         raise ValueError(f"experts [{num_inner}, {latent}] / [{w2p.shape[1]}, {2 * w2p.shape[2]}] do not fit z "
                          f"{z.shape}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     code = _isa_code(isa)
     zp = np.empty_like(z)  # [T, LT]
     permute_groups(z, zp)
-    hidden = np.empty((tokens.shape[0], num_inner), np.float32)  # [N, MI] permuted
+    gate = np.empty((tokens.shape[0], num_inner), np.float32)  # [N, MI] permuted; then the activation
+    up = np.empty((tokens.shape[0], num_inner), np.float32)  # [N, MI] permuted
     out = np.empty((tokens.shape[0], latent), np.float32)  # [N, LT]
     if tokens.shape[0] == 0:
         return out
     parallel = expert_ids.shape[0] * num_inner * latent >= PARALLEL_MIN_WEIGHTS
-    kernel = _experts_parallel if parallel else _experts_serial
-    kernel(w1p, w1s, w3p, w3s, w2p, w2s, np.ascontiguousarray(expert_ids, dtype=np.int64), zp,
-           np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64),
-           np.ascontiguousarray(ends, dtype=np.int64), np.float32(beta), np.float32(linear_beta),
-           ACTIVATIONS[activation], _HALF_SCALES, code, hidden, out)
+    expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
+    (_experts_gate_up_parallel if parallel else _experts_gate_up_serial)(
+        w1p, w1s, w3p, w3s, expert_ids, zp, np.ascontiguousarray(tokens, dtype=np.int64), starts, ends,
+        _HALF_SCALES, code, gate, up)
+    expert_activation(gate, up, beta, linear_beta, activation)
+    (_experts_down_parallel if parallel else _experts_down_serial)(w2p, w2s, expert_ids, starts, ends, _HALF_SCALES,
+                                                                   code, gate, out)
     return out
 
 
@@ -774,12 +802,14 @@ def warmup() -> None:
         kernel(packed, scales, x, _HALF_SCALES, ISA_CODES[ISA], out)
     square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] matrix
     stacked = stack_expert(square, square, square)
+    w1p, w1s, w3p, w3s, w2p, w2s = stacked
     one = np.zeros(1, np.int64)
-    args = (np.ones((2, 32), np.float32), np.zeros(2, np.int64), one, np.full(1, 2, np.int64), np.float32(4.0),
-            np.float32(25.0), 0, _HALF_SCALES, ISA_CODES[ISA], np.empty((2, 32), np.float32),
-            np.empty((2, 32), np.float32))
-    for kernel in (_experts_serial, _experts_parallel):
-        kernel(*stacked, one, *args)
+    zp, tokens, ends = np.ones((2, 32), np.float32), np.zeros(2, np.int64), np.full(1, 2, np.int64)
+    gate, up = np.empty((2, 32), np.float32), np.empty((2, 32), np.float32)
+    for kernel in (_experts_gate_up_serial, _experts_gate_up_parallel):
+        kernel(w1p, w1s, w3p, w3s, one, zp, tokens, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, up)
+    for kernel in (_experts_down_serial, _experts_down_parallel):
+        kernel(w2p, w2s, one, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, np.empty((2, 32), np.float32))
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
