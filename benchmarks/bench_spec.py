@@ -136,12 +136,13 @@ def main() -> None:
               f"({row['accepted']}/{row['drafted']}), {row['tokens_per_window']} tok/window")
         return plain_tokens
 
-    ngram = SpeculativeConfig(drafter="ngram")
-    case("grounded prompt, n-gram (adaptive)", grounded, ngram)
-    case("open-ended prompt, n-gram (adaptive)", open_ended, ngram)
-    wide = SpeculativeConfig(drafter="ngram", num_draft_tokens=8)  # --num-draft-tokens 8: longer copies per window
-    case("grounded prompt, n-gram (adaptive, k <= 8)", grounded, wide)
-    case("open-ended prompt, n-gram (adaptive, k <= 8)", open_ended, wide)
+    ngram = SpeculativeConfig(drafter="ngram")  # the default: adaptive, up to DEFAULT_DRAFT_TOKENS["ngram"] drafts
+    k = ngram.num_draft_tokens
+    case(f"grounded prompt, n-gram (adaptive, k <= {k})", grounded, ngram)
+    case(f"open-ended prompt, n-gram (adaptive, k <= {k})", open_ended, ngram)
+    short = SpeculativeConfig(drafter="ngram", num_draft_tokens=4)  # --num-draft-tokens 4: the default until 12-05
+    case("grounded prompt, n-gram (adaptive, k <= 4)", grounded, short)
+    case("open-ended prompt, n-gram (adaptive, k <= 4)", open_ended, short)
     if args.only_ngram:
         print(json.dumps(record))
         return

@@ -36,8 +36,8 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
                        help="drafter: n-gram prompt lookup, the model on its resident experts, or --draft-model")
     group.add_argument("--rollback", choices=("snapshot", "projection"), default="projection",
                        help="how KDA state goes back after rejected drafts")
-    group.add_argument("--num-draft-tokens", type=cli_args.int_range(1, 32), default=4,
-                       help="the most drafts per verify window")
+    group.add_argument("--num-draft-tokens", type=cli_args.int_range(1, 32), default=None,
+                       help="the most drafts per verify window (default: 8 for ngram, 4 for resident and model)")
     group.add_argument("--no-adaptive-draft", action="store_true", help="always draft --num-draft-tokens")
     group.add_argument("--draft-model", type=Path, default=None,
                        help="checkpoint of a small draft model, for --speculative model (default: none)")

@@ -93,7 +93,8 @@ MODULE = LabModule(
     params=(Param("drafter", "choice", "ngram", "who proposes drafts", choices=("ngram", "resident", "replay")),
             Param("prompt", "choice", "grounded", "grounded: a code excerpt then its start again; open: prose",
                   choices=("grounded", "open")),
-            Param("num_draft_tokens", "int", 4, "most drafts per window (k)", min=1, max=16),
+            Param("num_draft_tokens", "int", 8, "most drafts per window (k; the CLI's default is 8 for "
+                  "ngram, 4 for resident)", min=1, max=16),
             Param("adaptive", "bool", True, "adapt k to the recent acceptance"),
             Param("rollback", "choice", "projection", "KDA rollback method", choices=("projection", "snapshot")),
             Param("replay_miss", "float", 0.1, "replay drafter: share of wrong drafts", min=0.0, max=1.0),
