@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
+from numba import njit
 
 from k3serve.config import K3Config
 from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linear, mxfp4_experts_accumulate_stacked,
@@ -39,13 +40,36 @@ def route(config: K3Config, w: MoEWeights, x: np.ndarray) -> Routing:
 def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Routing:
     """scores [T, NE] (after sigmoid) -> Routing. Ties in s + bias go to the lower expert id."""
     top_k = config.num_experts_per_token
-    biased = scores + bias  # [T, NE]
-    # stable sort on the negated value keeps lower ids first among equal values
-    ids = np.argsort(-biased, axis=1, kind="stable")[:, :top_k]  # [T, TOPK]
+    biased = np.ascontiguousarray(scores + bias, dtype=np.float32)  # [T, NE]
+    ids = np.empty((biased.shape[0], top_k), np.int64)  # [T, TOPK]
+    _top_k_rows(biased, ids)
     chosen = np.take_along_axis(scores, ids, axis=1)
     if config.moe_renormalize:
         chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
     return Routing(expert_ids=ids, weights=(chosen * np.float32(config.routed_scaling_factor)).astype(np.float32))
+
+
+@njit(cache=True)
+def _top_k_rows(biased: np.ndarray, ids: np.ndarray) -> None:
+    """ids[t] = the ids of row t's largest values, largest first, the lower id first among equal values (a stable
+    descending sort's first TOPK; NaN counts as the smallest). One pass over the row per chosen expert."""
+    num_experts = biased.shape[1]
+    taken = np.zeros(num_experts, np.bool_)
+    for t in range(biased.shape[0]):
+        taken[:] = False
+        for j in range(ids.shape[1]):
+            best = -1
+            for e in range(num_experts):
+                if taken[e] or biased[t, e] != biased[t, e]:
+                    continue
+                if best < 0 or biased[t, e] > biased[t, best]:
+                    best = e
+            if best < 0:  # only NaN left: the lowest id not yet taken
+                best = 0
+                while taken[best]:
+                    best += 1
+            taken[best] = True
+            ids[t, j] = best
 
 
 def guess_next_layer(config: K3Config, next_layer: LayerWeights, hidden: np.ndarray
@@ -72,12 +96,32 @@ class ExpertPairs:
 
 def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
     """expert_ids [T, TOPK] -> the pairs grouped by expert (N = T*TOPK)."""
-    top_k = expert_ids.shape[1]
-    flat = expert_ids.ravel()  # [T*TOPK]
-    order = np.argsort(flat, kind="stable")  # by expert, tokens ascending within each expert
-    needed, starts = np.unique(flat[order], return_index=True)
-    ends = np.append(starts[1:], len(flat))
-    return ExpertPairs(needed, starts, ends, (order // top_k).astype(np.int64), order)
+    flat = np.ascontiguousarray(expert_ids, dtype=np.int64).ravel()  # [T*TOPK]
+    if flat.size and flat.min() < 0:
+        raise ValueError(f"expert ids must be >= 0, got {int(flat.min())}")
+    num_experts = int(flat.max()) + 1 if flat.size else 0
+    order = np.empty(flat.size, np.int64)  # by expert, tokens ascending within each expert (a stable sort)
+    counts = np.zeros(num_experts, np.int64)
+    _counting_sort(flat, order, counts)
+    present = np.flatnonzero(counts)
+    ends = np.cumsum(counts)[present]
+    top_k = max(expert_ids.shape[1], 1)
+    return ExpertPairs(present, ends - counts[present], ends, order // top_k, order)
+
+
+@njit(cache=True)
+def _counting_sort(flat: np.ndarray, order: np.ndarray, counts: np.ndarray) -> None:
+    """order = the stable argsort of flat (values 0..len(counts)-1); counts[v] = how many equal v."""
+    for v in flat:
+        counts[v] += 1
+    next_slot = np.empty_like(counts)
+    total = 0
+    for v in range(counts.shape[0]):
+        next_slot[v] = total
+        total += counts[v]
+    for i in range(flat.shape[0]):
+        order[next_slot[flat[i]]] = i
+        next_slot[flat[i]] += 1
 
 
 ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]
