@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
 from k3serve.config import K3Config
 from k3serve.model.kernels import linear
@@ -65,14 +66,23 @@ class KDAInputs:
 def causal_conv(x: np.ndarray, tail: np.ndarray, taps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Depthwise causal conv of width K along time, with the last K-1 inputs carried in `tail`.
 
-    x [T, C], tail [K-1, C], taps [C, K] (oldest to newest). Returns (out [T, C], new tail [K-1, C])."""
+    x [T, C], tail [K-1, C], taps [C, K] (oldest to newest). Returns (out [T, C], new tail [K-1, C]).
+    Each output is ((0 + in_0 w_0) + in_1 w_1) + ..., in float32, as the one-token path in `kda_prepare`."""
     K = taps.shape[1]
-    full = np.concatenate([tail, x], axis=0)  # [K-1+T, C]
-    T = x.shape[0]
-    out = np.zeros_like(x)
-    for j in range(K):
-        out += full[j:j + T] * taps[:, j]
+    full = np.concatenate([tail, x], axis=0).astype(np.float32, copy=False)  # [K-1+T, C]
+    out = np.empty(x.shape, np.float32)
+    _causal_conv(full, np.ascontiguousarray(taps, dtype=np.float32), out)
     return out, full[full.shape[0] - (K - 1):].copy()
+
+
+@njit(cache=True)
+def _causal_conv(full: np.ndarray, taps: np.ndarray, out: np.ndarray) -> None:
+    for t in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            acc = np.float32(0.0)
+            for j in range(taps.shape[1]):
+                acc += full[t + j, c] * taps[c, j]
+            out[t, c] = acc
 
 
 def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequence[tuple[int, int]],
