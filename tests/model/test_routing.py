@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3serve.model.moe import _top_k_rows, pairs_by_expert
+from k3serve.model.moe import pairs_by_expert, top_k_rows
 
 
 def _top_k(biased: np.ndarray, top_k: int) -> np.ndarray:
     ids = np.empty((biased.shape[0], top_k), np.int64)
-    _top_k_rows(np.ascontiguousarray(biased, dtype=np.float32), ids)
+    top_k_rows(np.ascontiguousarray(biased, dtype=np.float32), ids)
     return ids
 
 

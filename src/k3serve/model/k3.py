@@ -24,10 +24,10 @@ from k3serve.config import DEFAULT_MAX_MODEL_LEN, K3Config
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.attn_res import attn_res
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
-from k3serve.model.kda import kda_forward
+from k3serve.model.kda import causal_conv, kda_forward
 from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
-from k3serve.model.kernels import linear, widen_bf16
-from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward
+from k3serve.model.kernels import linear, mxfp4_expert_forward, widen_bf16
+from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward, pairs_by_expert, top_k_rows
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 from k3serve.model.weights import KDAWeights, MLAWeights, MoEWeights, WeightSource
@@ -134,6 +134,25 @@ class SingleSequenceMixin:
         return out
 
 
+_LOADED = False
+
+
+def load_compiled_loops() -> None:
+    """Load the layers' small compiled loops (router, residual mix, short conv, the serial expert stages) from
+    numba's cache, or compile them, once per process: at model load, not inside the first request's prefill."""
+    global _LOADED
+    if _LOADED:
+        return
+    ids = np.empty((1, 1), np.int64)
+    top_k_rows(np.zeros((1, 2), np.float32), ids)
+    pairs_by_expert(ids)
+    attn_res([np.ones((1, 32), np.float32)] * 2, np.ones(32, np.float32), 1e-5)
+    causal_conv(np.ones((1, 2), np.float32), np.zeros((3, 2), np.float32), np.ones((2, 4), np.float32))
+    square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] MXFP4 matrix
+    mxfp4_expert_forward(square, square, square, np.ones((1, 32), np.float32), 4.0, 25.0)
+    _LOADED = True
+
+
 class K3Model(SingleSequenceMixin):
     """The K3 forward pass over a `WeightSource`. Stateless apart from its weights: all sequence state lives in
     the caches passed to `forward`."""
@@ -149,6 +168,7 @@ class K3Model(SingleSequenceMixin):
         self.chunk_size = chunk_size
         self.attention_blocks = attention_blocks  # MLA prefill tiles: memory O(T x key block)
         self._globals = source.global_weights()
+        load_compiled_loops()
 
     @property
     def cache_layout(self) -> CacheLayout:

@@ -42,7 +42,7 @@ def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Rout
     top_k = config.num_experts_per_token
     biased = np.ascontiguousarray(scores + bias, dtype=np.float32)  # [T, NE]
     ids = np.empty((biased.shape[0], top_k), np.int64)  # [T, TOPK]
-    _top_k_rows(biased, ids)
+    top_k_rows(biased, ids)
     chosen = np.take_along_axis(scores, ids, axis=1)
     if config.moe_renormalize:
         chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
@@ -50,7 +50,7 @@ def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Rout
 
 
 @njit(cache=True)
-def _top_k_rows(biased: np.ndarray, ids: np.ndarray) -> None:
+def top_k_rows(biased: np.ndarray, ids: np.ndarray) -> None:
     """ids[t] = the ids of row t's largest values, largest first, the lower id first among equal values (a stable
     descending sort's first TOPK; NaN counts as the smallest). One pass over the row per chosen expert."""
     num_experts = biased.shape[1]
