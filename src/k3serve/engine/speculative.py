@@ -34,8 +34,8 @@ from k3serve.model.rollback import ROLLBACK_METHODS
 
 
 # The default cap on drafts per window. N-gram drafts cost nothing to make, so a long cap only costs verify
-# positions, and the adaptive length shortens windows when drafts miss: on the embedded model, grounded 1.90x ->
-# 2.25x and open-ended 1.27x -> 1.35x going from 4 to 8 (docs/SPECULATIVE.md). A drafting model pays a forward per
+# positions, and the adaptive length shortens windows when drafts miss: on the embedded model, grounded 1.81x ->
+# 2.12x and open-ended 1.29x -> 1.32x going from 4 to 8 (docs/BENCHMARKS.md). A drafting model pays a forward per
 # draft, so it keeps 4.
 DEFAULT_DRAFT_TOKENS = {"ngram": 8, "resident": 4, "model": 4}
 
