@@ -137,7 +137,7 @@ def main() -> None:
         return plain_tokens
 
     ngram = SpeculativeConfig(drafter="ngram")  # the default: adaptive, up to DEFAULT_DRAFT_TOKENS["ngram"] drafts
-    k = ngram.num_draft_tokens
+    k = ngram.max_draft_tokens
     case(f"grounded prompt, n-gram (adaptive, k <= {k})", grounded, ngram)
     case(f"open-ended prompt, n-gram (adaptive, k <= {k})", open_ended, ngram)
     short = SpeculativeConfig(drafter="ngram", num_draft_tokens=4)  # --num-draft-tokens 4: the default until 12-05

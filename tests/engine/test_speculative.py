@@ -190,18 +190,18 @@ def test_spec_storage_report_names_the_four_to_one_window():
 def test_default_draft_cap_depends_on_the_drafter():
     from k3serve.engine.speculative import DEFAULT_DRAFT_TOKENS
 
-    assert SpeculativeConfig().num_draft_tokens == DEFAULT_DRAFT_TOKENS["ngram"] == 8  # drafts that cost nothing
-    assert SpeculativeConfig(drafter="resident").num_draft_tokens == DEFAULT_DRAFT_TOKENS["resident"] == 4
-    assert SpeculativeConfig(drafter="model").num_draft_tokens == 4
-    assert SpeculativeConfig(drafter="resident", num_draft_tokens=6).num_draft_tokens == 6
+    assert SpeculativeConfig().max_draft_tokens == DEFAULT_DRAFT_TOKENS["ngram"] == 8  # drafts that cost nothing
+    assert SpeculativeConfig(drafter="resident").max_draft_tokens == DEFAULT_DRAFT_TOKENS["resident"] == 4
+    assert SpeculativeConfig(drafter="model").max_draft_tokens == 4
+    assert SpeculativeConfig(drafter="resident", num_draft_tokens=6).max_draft_tokens == 6
     with pytest.raises(RequestError, match="num_draft_tokens"):
         SpeculativeConfig(num_draft_tokens=0)
 
 
 def test_engine_drafter_by_name_takes_that_drafters_default_cap(tiny_model):
     engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_seqs=2))
-    assert engine._speculative_for("resident").num_draft_tokens == 4
-    assert engine._speculative_for(True).num_draft_tokens == 8
+    assert engine._speculative_for("resident").max_draft_tokens == 4
+    assert engine._speculative_for(True).max_draft_tokens == 8
     engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_seqs=2),
                        speculative=SpeculativeConfig(num_draft_tokens=6))
-    assert engine._speculative_for("resident").num_draft_tokens == 6  # a cap the operator chose is kept
+    assert engine._speculative_for("resident").max_draft_tokens == 6  # a cap the operator chose is kept

@@ -43,7 +43,7 @@ from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
 from k3serve.engine.drafters import Draft
 from k3serve.engine.sampling import Sampler, SamplingParams, token_logprob, validate_prompt
-from k3serve.engine.speculative import DEFAULT_DRAFT_TOKENS, DrafterFactory, SequenceSpeculation, SpeculativeConfig
+from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, SpeculativeConfig
 from k3serve.engine.verification import num_to_emit, verify
 from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -203,10 +203,7 @@ class LLMEngine:
         if choice is True:
             return default
         if isinstance(choice, str):
-            cap = default.num_draft_tokens
-            cap = None if cap == DEFAULT_DRAFT_TOKENS[default.drafter] else cap
-            # SpeculativeConfig checks the name; a default cap becomes the new drafter's default
-            choice = dataclasses.replace(default, drafter=choice, num_draft_tokens=cap)
+            choice = dataclasses.replace(default, drafter=choice)  # SpeculativeConfig checks the name
         if not isinstance(choice, SpeculativeConfig):
             raise RequestError(f"speculative must be a SpeculativeConfig, a drafter name or a bool, got "
                                f"{type(choice).__name__}")

@@ -55,15 +55,19 @@ class SpeculativeConfig:
             raise RequestError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)}")
         if self.rollback not in ROLLBACK_METHODS:
             raise RequestError(f"unknown rollback {self.rollback!r}; use one of {', '.join(ROLLBACK_METHODS)}")
-        if self.num_draft_tokens is None:
-            object.__setattr__(self, "num_draft_tokens", DEFAULT_DRAFT_TOKENS[self.drafter])
-        if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
-                or not 1 <= self.num_draft_tokens <= 32:
+        if self.num_draft_tokens is not None and (isinstance(self.num_draft_tokens, bool)
+                                                  or not isinstance(self.num_draft_tokens, int)
+                                                  or not 1 <= self.num_draft_tokens <= 32):
             raise RequestError(f"num_draft_tokens must be an integer in 1..32, got {self.num_draft_tokens!r}")
         if not isinstance(self.position_cost, (int, float)) or not 0 <= self.position_cost <= 10:
             raise RequestError(f"position_cost must be in [0, 10], got {self.position_cost!r}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise RequestError("n-gram sizes must satisfy 1 <= min_ngram <= max_ngram")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The cap on drafts per window: `num_draft_tokens`, or the drafter's default when it is unset."""
+        return self.num_draft_tokens if self.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[self.drafter]
 
 
 class DrafterFactory:
@@ -101,7 +105,7 @@ class AdaptiveDraftLength:
     """Chooses k per window from an exponential average of the per-draft acceptance rate."""
 
     def __init__(self, config: SpeculativeConfig, smoothing: float = 0.3, probe_every: int = 16) -> None:
-        self.max_k = config.num_draft_tokens
+        self.max_k = config.max_draft_tokens
         self.adaptive = config.adaptive
         self.cost = config.position_cost
         self.smoothing = smoothing

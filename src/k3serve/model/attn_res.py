@@ -15,9 +15,7 @@ from numba import njit
 
 def attn_res(sources: Sequence[np.ndarray], query: np.ndarray, eps: float) -> np.ndarray:
     """sources: S arrays [T, H]; query [H] -> [T, H]."""
-    stacked = np.stack(sources)  # [S, T, H]
-    if stacked.dtype != np.float32:
-        stacked = stacked.astype(np.float32)
+    stacked = np.stack(sources).astype(np.float32, copy=False)  # [S, T, H]
     out = np.empty(stacked.shape[1:], np.float32)  # [T, H]
     _attn_res(stacked, np.ascontiguousarray(query, dtype=np.float32), np.float32(eps), out)
     return out

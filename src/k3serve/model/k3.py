@@ -15,6 +15,7 @@ tokens of the batch share every matmul; only the recurrent and attention parts r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -134,15 +135,10 @@ class SingleSequenceMixin:
         return out
 
 
-_LOADED = False
-
-
+@functools.cache
 def load_compiled_loops() -> None:
     """Load the layers' small compiled loops (router, residual mix, short conv, the serial expert stages) from
     numba's cache, or compile them, once per process: at model load, not inside the first request's prefill."""
-    global _LOADED
-    if _LOADED:
-        return
     ids = np.empty((1, 1), np.int64)
     top_k_rows(np.zeros((1, 2), np.float32), ids)
     pairs_by_expert(ids)
@@ -150,7 +146,6 @@ def load_compiled_loops() -> None:
     causal_conv(np.ones((1, 2), np.float32), np.zeros((3, 2), np.float32), np.ones((2, 4), np.float32))
     square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] MXFP4 matrix
     mxfp4_expert_forward(square, square, square, np.ones((1, 32), np.float32), 4.0, 25.0)
-    _LOADED = True
 
 
 class K3Model(SingleSequenceMixin):

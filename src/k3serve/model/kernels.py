@@ -53,7 +53,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.core import config as numba_config  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from k3serve.model.ops import sigmoid  # noqa: E402
+from k3serve.model.ops import silu, situ_glu  # noqa: E402
 from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -386,24 +386,12 @@ def _experts_down_serial(w2p, w2s, expert_ids, starts, ends, half_scales, isa, h
 
 
 def expert_activation(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float, activation: str) -> None:
-    """gate <- act(gate, up) in place, element by element with numpy's vectorized ufuncs: SiTU-GLU is
-    `ops.situ_glu` (the dense MLP's and the shared expert's activation, the same bits), "silu" is
-    gate sigmoid(gate) up with `ops.sigmoid`. Each element's bits depend only on its own gate and up."""
+    """gate <- act(gate, up) in place with numpy's vectorized ufuncs: `ops.situ_glu` (the dense MLP's and the
+    shared expert's activation) or `ops.silu(gate) * up`. Each element's bits depend only on its own gate and up."""
     if activation == "situ":
-        b1, b2 = np.float32(beta), np.float32(linear_beta)
-        np.divide(up, b2, out=up)
-        np.tanh(up, out=up)
-        np.multiply(up, b2, out=up)  # linear_beta tanh(up / linear_beta)
-        sig = sigmoid(gate)
-        np.divide(gate, b1, out=gate)
-        np.tanh(gate, out=gate)
-        np.multiply(gate, b1, out=gate)  # beta tanh(gate / beta)
-        np.multiply(gate, sig, out=gate)
-        np.multiply(gate, up, out=gate)
+        situ_glu(gate, up, beta, linear_beta, out=gate)
     elif activation == "silu":
-        sig = sigmoid(gate)
-        np.multiply(gate, sig, out=gate)
-        np.multiply(gate, up, out=gate)
+        np.multiply(silu(gate), up, out=gate)
     else:
         raise ValueError(f"unknown expert activation {activation!r} (known: situ, silu)")
 

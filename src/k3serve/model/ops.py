@@ -26,9 +26,21 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     return out * weight if weight is not None else out
 
 
-def situ_glu(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float) -> np.ndarray:
+def situ_glu(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta), multiplied in that order; `out`
+    (which may be `gate`) receives it instead of a new array."""
     b1, b2 = np.float32(beta), np.float32(linear_beta)
-    return b1 * np.tanh(gate / b1) * sigmoid(gate) * (b2 * np.tanh(up / b2))
+    sig = sigmoid(gate)  # before `out` (maybe gate) is written
+    up_term = np.divide(up, b2)
+    np.tanh(up_term, out=up_term)
+    up_term *= b2
+    out = np.divide(gate, b1, out=out)
+    np.tanh(out, out=out)
+    out *= b1
+    out *= sig
+    out *= up_term
+    return out
 
 
 def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
