@@ -1,10 +1,12 @@
 """The training corpus: book paragraphs are cleaned and reflowed, the held-out split is deterministic, and revision
-documents repeat a function of the given code (unchanged or with one comment line added)."""
+documents repeat a function of the given code (unchanged or with one comment line added), with or without its
+docstring."""
 
 from __future__ import annotations
 
 from k3serve.training.corpus import (COPY_NOTES, COPY_REQUESTS, EXTRA_CODE_SKIP_DIRS, HOLDOUT_EVERY, book_paragraphs,
-                                     book_prose, copy_documents, extra_code, extra_code_files, split)
+                                     book_prose, copy_documents, extra_code, extra_code_files, split,
+                                     without_docstring)
 
 RUNNING = ("It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, when it\n"
            "was checked by a violent gust of wind which swept up the streets, rattling along the housetops, and\n"
@@ -105,3 +107,34 @@ def test_extra_code_leaves_out_tests_and_vendored_code():
     texts = extra_code(200_000)
     assert 200_000 <= sum(len(t.encode()) for t in texts) < 200_000 + max(len(t.encode()) for t in texts) + 1
     assert extra_code(0) == []
+
+
+def test_without_docstring_drops_only_the_docstring():
+    body = ['def f(a,', '      b):', '    """Two lines', '    of docstring."""', '', '    if a:', '        return b',
+            '    return a']
+    assert without_docstring(body) == ['def f(a,', '      b):', '    if a:', '        return b', '    return a']
+    kept = [
+        ['def f():', '    """Only a docstring."""'],  # the docstring is the whole body
+        ['def f(): """x"""; return 1', ''],  # on the def line
+        ['def f():', '    """x"""; return 1'],  # shares its line with the next statement
+        ['def f():', '    x = "not a docstring"', '    return x'],
+        ['def f():', '    return (', 'oops'],  # does not parse
+    ]
+    for lines in kept:
+        assert without_docstring(lines) == lines
+
+
+def test_revision_documents_strip_docstrings_by_share():
+    module = "\n\n".join(f'def f{i}(x):\n    """Doc {i}."""\n    y = x + {i}\n    return y * 2\n' for i in range(8))
+    plain = copy_documents([module], 1 << 20, per_module=16)
+    assert copy_documents([module], 1 << 20, per_module=16, strip_docstrings=0.0) == plain
+    assert all('"""' in doc for doc in plain)
+    stripped = copy_documents([module], 1 << 20, per_module=16, strip_docstrings=1.0)
+    assert len(stripped) == len(plain) and not any('"""' in doc for doc in stripped)
+    for n, doc in enumerate(stripped):  # both copies lose it; the rest is unchanged (the note may move)
+        def drop(text):
+            return [line for line in text.splitlines() if line.strip() not in COPY_NOTES]
+        assert drop(doc) == drop(plain[n].replace(f'    """Doc {n}."""\n', ""))
+        assert len(doc.splitlines()) == len(plain[n].splitlines()) - 2
+    half = copy_documents([module], 1 << 20, per_module=16, strip_docstrings=0.5)
+    assert ['"""' not in doc for doc in half] == [False, False, True, True] * 2  # in pairs: n // 2 = 1, 3

@@ -153,3 +153,40 @@ def test_eos_docs_end_every_training_document_and_keep_the_held_out_windows(tmp_
         assert "--corpus-cache" in str(exc.code) and "eos_docs" in str(exc.code)
     else:
         raise AssertionError("a cache built with --eos-docs 1 was used for a run without it")
+
+
+def test_copy_strip_docstrings_changes_only_the_revision_documents(tmp_path):
+    """--copy-strip-docstrings: the revision documents' functions lose their docstrings; the rest of the training
+    stream, the held-out splits (the copy split included) and the copying probe stay as they were. A cache built
+    without the flag is refused, and a share outside [0, 1] is an argument error."""
+    base = [*ARGS, "--steps", "0", "--copy-bytes", "20000", "--probe-count", "3"]
+    cache_a, cache_b = tmp_path / "cache_a", tmp_path / "cache_b"
+    assert main(["--out", str(tmp_path / "a"), *base, "--corpus-cache", str(cache_a)]) == 0
+    assert main(["--out", str(tmp_path / "b"), *base, "--copy-strip-docstrings", "1",
+                 "--corpus-cache", str(cache_b)]) == 0
+    # this small corpus is all inside the BPE's training bytes, so the two tokenizers differ: compare texts
+    tok_a, tok_b = Tokenizer.from_dir(tmp_path / "a"), Tokenizer.from_dir(tmp_path / "b")
+    plain = np.load(cache_a / "train.npz")["ids"].astype(np.int64)
+    stripped = np.load(cache_b / "train.npz")["ids"].astype(np.int64)
+    with np.load(cache_a / "extras.npz") as a, np.load(cache_b / "extras.npz") as b:
+        first_a, first_b = int(a["copy_starts"][0]), int(b["copy_starts"][0])
+        assert len(a["copy_starts"]) <= len(b["copy_starts"])  # shorter documents: as many or more fit the bytes
+        assert tok_a.decode(a["probe_ids"].tolist()) == tok_b.decode(b["probe_ids"].tolist())
+    assert tok_a.decode(plain[:first_a].tolist()) == tok_b.decode(stripped[:first_b].tolist())  # code and prose
+    copies_a, copies_b = tok_a.decode(plain[first_a:].tolist()), tok_b.decode(stripped[first_b:].tolist())
+    assert copies_a.count('"""') > 10 * max(1, copies_b.count('"""'))
+    for kind in ("code", "prose", "copy"):
+        assert (tok_a.decode(np.load(cache_a / f"heldout_{kind}.npy").tolist())
+                == tok_b.decode(np.load(cache_b / f"heldout_{kind}.npy").tolist()))
+    try:
+        main(["--out", str(tmp_path / "c"), *base, "--copy-strip-docstrings", "1", "--corpus-cache", str(cache_a)])
+    except SystemExit as exc:
+        assert "--corpus-cache" in str(exc.code) and "copy_strip_docstrings" in str(exc.code)
+    else:
+        raise AssertionError("a cache built without --copy-strip-docstrings was used for a run with it")
+    try:
+        main(["--out", str(tmp_path / "d"), *base, "--copy-strip-docstrings", "1.5"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--copy-strip-docstrings 1.5 was accepted")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import io
 import tokenize
 from pathlib import Path
@@ -192,10 +193,35 @@ def short_functions(source: str) -> list[list[str]]:
     return out
 
 
-def copy_documents(code: list[str], max_bytes: int, per_module: int = DEFAULT_COPY_PER_MODULE) -> list[str]:
+def without_docstring(body: list[str]) -> list[str]:
+    """A dedented function's lines without its docstring (and the blank lines right after it). Unchanged when it
+    has none, when the docstring is its whole body or shares the `def` line, or when the lines do not parse."""
+    try:
+        fn = ast.parse("\n".join(body)).body[0]
+    except (SyntaxError, ValueError, IndexError):
+        return body
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(fn.body) < 2:
+        return body
+    first = fn.body[0]
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)) or first.lineno == fn.body[1].lineno:
+        return body
+    if first.lineno == fn.lineno:
+        return body
+    header = body[:first.lineno - 1]
+    rest = body[first.end_lineno:]
+    while rest and not rest[0].strip():
+        rest = rest[1:]
+    return header + rest
+
+
+def copy_documents(code: list[str], max_bytes: int, per_module: int = DEFAULT_COPY_PER_MODULE,
+                   strip_docstrings: float = 0.0) -> list[str]:
     """Revision documents (see the module docstring) from the given code documents, up to max_bytes: at most
     `per_module` functions per module, dedented to column 0, the request and the added note chosen by a running
-    count."""
+    count. `strip_docstrings` is the share of them whose function loses its docstring (in both copies), spread
+    evenly over the count in pairs, so that unchanged and annotated documents lose it alike: document n is stripped
+    when floor((k + 1) * share) > floor(k * share), k = n // 2."""
     out: list[str] = []
     total = 0
     for doc in code:
@@ -205,6 +231,9 @@ def copy_documents(code: list[str], max_bytes: int, per_module: int = DEFAULT_CO
             indent = len(body[0]) - len(body[0].lstrip())
             body = [line[indent:] if line[:indent].isspace() or not line[:indent] else line for line in body]
             n = len(out)
+            k = n // 2
+            if strip_docstrings and math.floor((k + 1) * strip_docstrings) > math.floor(k * strip_docstrings):
+                body = without_docstring(body)
             again = list(body)
             if n % 2 == 1:  # a small change: one comment line inside the body
                 inner = next((line for line in body[1:] if line.strip()), "    pass")
@@ -229,7 +258,8 @@ def split(stream: list[str]) -> tuple[list[str], list[str]]:
 
 def build_corpus(max_code_bytes: int = DEFAULT_CODE_BYTES, max_prose_bytes: int = DEFAULT_PROSE_BYTES,
                  max_copy_bytes: int = DEFAULT_COPY_BYTES, copy_per_module: int = DEFAULT_COPY_PER_MODULE,
-                 extra_code_bytes: int = DEFAULT_EXTRA_CODE_BYTES, extra_prose: bool = False) -> Corpus:
+                 extra_code_bytes: int = DEFAULT_EXTRA_CODE_BYTES, extra_prose: bool = False,
+                 copy_strip_docstrings: float = 0.0) -> Corpus:
     """The documents. Revision documents and the extra streams (training only) come after the interleaved code and
     prose, so the BPE, which is learned on the first bytes of the training split, does not depend on them."""
     code = list(stdlib_corpus(max_code_bytes))
@@ -246,7 +276,8 @@ def build_corpus(max_code_bytes: int = DEFAULT_CODE_BYTES, max_prose_bytes: int 
     more_code = extra_code(extra_code_bytes) if extra_code_bytes > 0 else []
     # interleave the streams in the training order: code, prose, code, ... (deterministic)
     ratio = max(1, len(train_prose) // max(len(train_code), 1))
-    copies = copy_documents(train_code + more_code, max_copy_bytes, copy_per_module) if max_copy_bytes > 0 else []
+    copies = (copy_documents(train_code + more_code, max_copy_bytes, copy_per_module, copy_strip_docstrings)
+              if max_copy_bytes > 0 else [])
     mixed: list[str] = []
     for i, doc in enumerate(train_code):
         mixed.append(doc)

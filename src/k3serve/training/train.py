@@ -137,6 +137,8 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
                    "copy_per_module": args.copy_per_module, "extra_code_bytes": args.extra_code_bytes,
                    "extra_prose": args.extra_prose, "eos_docs": args.eos_docs, "bpe_vocab": BPE_VOCAB_SIZE,
                    "bpe_bytes": BPE_TRAIN_BYTES}
+    if args.copy_strip_docstrings:  # only when used, so caches built before the flag stay valid
+        corpus_args["copy_strip_docstrings"] = args.copy_strip_docstrings
     cache = Path(args.corpus_cache) if args.corpus_cache else None
     if cache is not None and (cache / "corpus.json").is_file():
         meta = json.loads((cache / "corpus.json").read_text())
@@ -157,7 +159,7 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Tokenizer, np.nda
         return tokenizer, train_ids, heldout, meta["summary"], extras
 
     corpus = build_corpus(args.code_bytes, args.prose_bytes, args.copy_bytes, args.copy_per_module,
-                          args.extra_code_bytes, bool(args.extra_prose))
+                          args.extra_code_bytes, bool(args.extra_prose), args.copy_strip_docstrings)
     summary = {"train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout),
                "code_bytes": corpus.num_code_bytes, "prose_bytes": corpus.num_prose_bytes,
                "copy_bytes": corpus.num_copy_bytes, "extra_code_bytes": corpus.num_extra_code_bytes,
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                              "0 (the default): none")
     parser.add_argument("--copy-per-module", type=int, default=DEFAULT_COPY_PER_MODULE,
                         help="at most this many revision documents per module")
+    parser.add_argument("--copy-strip-docstrings", type=float, default=0.0,
+                        help="share of the revision documents whose function loses its docstring, in both copies "
+                             "(0, the default: none; the held-out copy split and probe keep theirs)")
     parser.add_argument("--extra-code-bytes", type=int, default=DEFAULT_EXTRA_CODE_BYTES,
                         help="training-only code from the installed torch package's .py files (0: none)")
     parser.add_argument("--extra-prose", type=int, default=0, choices=(0, 1),
@@ -290,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--copy-share must be within [0, 1]")
     if not 0.0 <= args.repeat_share <= 1.0 or args.copy_share + args.repeat_share > 1.0:
         parser.error("--repeat-share must be within [0, 1], and with --copy-share at most 1")
+    if not 0.0 <= args.copy_strip_docstrings <= 1.0:
+        parser.error("--copy-strip-docstrings must be within [0, 1]")
     if not 0 <= args.probe_count <= PROBE_MAX_COUNT:
         parser.error(f"--probe-count must be within [0, {PROBE_MAX_COUNT}]")
     torch.set_num_threads(args.threads)
