@@ -117,6 +117,7 @@ def test_without_docstring_drops_only_the_docstring():
         ['def f():', '    """Only a docstring."""'],  # the docstring is the whole body
         ['def f(): """x"""; return 1', ''],  # on the def line
         ['def f():', '    """x"""; return 1'],  # shares its line with the next statement
+        ['def f():', '    """Two', '    lines."""; return 1'],  # its last line holds the next statement
         ['def f():', '    x = "not a docstring"', '    return x'],
         ['def f():', '    return (', 'oops'],  # does not parse
     ]

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import math
 import io
+import math
 import tokenize
 from pathlib import Path
 from dataclasses import dataclass
@@ -203,10 +203,9 @@ def without_docstring(body: list[str]) -> list[str]:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(fn.body) < 2:
         return body
     first = fn.body[0]
-    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-            and isinstance(first.value.value, str)) or first.lineno == fn.body[1].lineno:
-        return body
-    if first.lineno == fn.lineno:
+    if (not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+             and isinstance(first.value.value, str))
+            or first.lineno == fn.lineno or first.end_lineno == fn.body[1].lineno):
         return body
     header = body[:first.lineno - 1]
     rest = body[first.end_lineno:]
