@@ -47,17 +47,17 @@ def body_features(text: str) -> dict:
     """What the body's code holds: `if`/`elif`, `return`, a call, and whether any code follows the docstring.
     Strings (so the docstring) and comments never count. A continuation cut off mid-token keeps what came before."""
     body = function_text(text).split("\n", 1)[1] if "\n" in text else ""
-    names: list[tuple[int, str]] = []  # (token type, string) of the body, strings and comments dropped
+    code: list[tuple[int, str]] = []  # (token type, string) of the body, strings and comments dropped
     try:
         for tok in tokenize.generate_tokens(io.StringIO(body).readline):
             if tok.type in (tokenize.NAME, tokenize.OP, tokenize.NUMBER):
-                names.append((tok.type, tok.string))
+                code.append((tok.type, tok.string))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         pass  # cut off by max-tokens: keep the tokens before the break
-    words = [s for t, s in names if t == tokenize.NAME]
+    words = [s for t, s in code if t == tokenize.NAME]
     call = any(t == tokenize.NAME and not keyword.iskeyword(s) and nxt == "("
-               for (t, s), (_, nxt) in zip(names, names[1:]))
-    return {"code": bool(names), "if": "if" in words or "elif" in words, "return": "return" in words, "call": call}
+               for (t, s), (_, nxt) in zip(code, code[1:]))
+    return {"code": bool(code), "if": "if" in words or "elif" in words, "return": "return" in words, "call": call}
 
 
 def main() -> None:
@@ -68,6 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(args.model)
     tokenizer = loaded.tokenizer
+    stops = set(loaded.stop_ids)
     rows = []
     for signature in SIGNATURES:
         ids = [tokenizer.bos_id] + tokenizer.encode(signature)
@@ -75,7 +76,7 @@ def main() -> None:
         prompt = healing.prompt_ids if healing else ids
         tokens, _ = generate(loaded.model, prompt, SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
                              stop_ids=loaded.stop_ids, constraint=healing.allowed if healing else None)
-        tokens = [t for t in tokens if t not in set(loaded.stop_ids)]
+        tokens = [t for t in tokens if t not in stops]
         text = tokenizer.decode(list(prompt) + tokens)
         text = text[text.index(signature):]  # from the signature on (BOS and the healed tail spelled out)
         rows.append({"signature": signature, "text": text, **body_features(text)})

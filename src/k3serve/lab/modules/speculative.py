@@ -8,7 +8,7 @@ import numpy as np
 from k3serve.engine.generate import generate
 from k3serve.engine.replay_drafter import ReplayDrafter, ReplayFactory
 from k3serve.engine.sampling import SamplingParams
-from k3serve.engine.speculative import SpeculativeConfig
+from k3serve.engine.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeConfig
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 
 
@@ -93,8 +93,9 @@ MODULE = LabModule(
     params=(Param("drafter", "choice", "ngram", "who proposes drafts", choices=("ngram", "resident", "replay")),
             Param("prompt", "choice", "grounded", "grounded: a code excerpt then its start again; open: prose",
                   choices=("grounded", "open")),
-            Param("num_draft_tokens", "int", 8, "most drafts per window (k; the CLI's default is 8 for "
-                  "ngram, 4 for resident)", min=1, max=16),
+            Param("num_draft_tokens", "int", DEFAULT_DRAFT_TOKENS["ngram"],
+                  f"most drafts per window (k; the CLI's default is {DEFAULT_DRAFT_TOKENS['ngram']} for ngram, "
+                  f"{DEFAULT_DRAFT_TOKENS['resident']} for resident)", min=1, max=16),
             Param("adaptive", "bool", True, "adapt k to the recent acceptance"),
             Param("rollback", "choice", "projection", "KDA rollback method", choices=("projection", "snapshot")),
             Param("replay_miss", "float", 0.1, "replay drafter: share of wrong drafts", min=0.0, max=1.0),
