@@ -36,3 +36,19 @@ def test_histogram_buckets_are_cumulative_and_end_at_the_count():
     buckets = dict(histogram.cumulative_buckets())
     assert buckets[0.001] == 1 and buckets[0.005] == 3 and buckets[0.25] == 4 and buckets[60.0] == 4
     assert buckets[float("inf")] == histogram.count == 5
+
+
+def test_refreshers_run_before_a_read_and_a_failing_one_is_skipped():
+    registry = MetricsRegistry()
+    kept = {"bytes": 10}
+    registry.add_refresher(lambda reg: reg.counter("bytes_read").advance_to(kept["bytes"]))
+
+    def broken(reg):
+        raise RuntimeError("owner unreachable")
+
+    registry.add_refresher(broken)
+    assert registry.snapshot()["bytes_read"] == 10
+    kept["bytes"] = 25
+    assert registry.snapshot()["bytes_read"] == 25
+    kept["bytes"] = 5  # a total kept elsewhere that went down (a restarted process) never lowers a counter
+    assert registry.snapshot()["bytes_read"] == 25

@@ -69,3 +69,26 @@ def test_cache_resident_draft_over_a_streaming_source_keeps_greedy_tokens(tiny_s
     spec, _ = generate(model, prompt, params, speculative=SpeculativeConfig(drafter="resident", adaptive=False))
     assert spec == plain
     model.source.close()
+
+
+def test_metrics_report_a_streaming_sources_reads_and_cache_and_a_resident_model_none(tiny_dir, tiny_store):
+    from k3serve.serve.metrics import render_metrics
+
+    model = load_model(tiny_store.path, stream=StreamOptions(ram_budget=3 << 20, io="pread", cache="lru")).model
+    engine = LLMEngine(model, EngineConfig(max_seqs=4, num_blocks=64, block_size=16), stop_ids=())
+    engine.add_request([5, 9, 13, 200], SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats, snap = model.source.stream_stats(), engine.metrics.snapshot()  # no step between the two
+    assert snap["weights_expert_bytes_read"] == stats.expert_bytes_read > 0
+    assert snap["weights_trunk_bytes_read"] == stats.trunk_bytes_read
+    assert snap["expert_requests"] == stats.expert_requests > snap["expert_retained"] == stats.expert_retained
+    assert snap["expert_misses"] == stats.expert_misses > 0
+    assert snap["expert_retention"] == stats.expert_retained / stats.expert_requests
+    text = render_metrics(engine.metrics)[0].decode()
+    samples = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert samples["k3serve_weights_expert_bytes_read_total"] == stats.expert_bytes_read
+    assert samples["k3serve_expert_retention"] == snap["expert_retention"]
+    model.source.close()
+    resident = LLMEngine(load_model(tiny_dir).model, EngineConfig(max_seqs=4, num_blocks=64, block_size=16))
+    assert "weights_expert_bytes_read" not in resident.metrics.snapshot()

@@ -47,6 +47,7 @@ from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, Spec
 from k3serve.engine.verification import num_to_emit, verify
 from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from k3serve.engine.source_metrics import watch_source
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.families import FamilyModel
 from k3serve.model.k3 import MLP, ForwardItem, K3Model
@@ -132,6 +133,7 @@ class LLMEngine:
                                    "the scheduler's virtual token counter (weighted service received), per tenant",
                                    ("tenant",))
         self._g["state_slots_total"].set(self.scheduler.states.num_slots)
+        watch_source(self.metrics, getattr(model, "source", None))  # bytes read, expert cache (streaming, EP)
 
     # ---- submission (any thread) ----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,

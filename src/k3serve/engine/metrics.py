@@ -8,10 +8,13 @@ Histograms keep count and sum of every sample and the most recent `window` sampl
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 
 class Counter:
@@ -26,6 +29,11 @@ class Counter:
             raise ValueError(f"counter {self.name} cannot decrease (inc by {amount})")
         with self._lock:
             self._value += amount
+
+    def advance_to(self, total: float) -> None:
+        """Follow a total kept elsewhere (it never goes down; a smaller total is ignored)."""
+        with self._lock:
+            self._value = max(self._value, float(total))
 
     @property
     def value(self) -> float:
@@ -138,6 +146,23 @@ class MetricsRegistry:
         self._lock = threading.Lock()
         self._metrics: dict[str, Counter | Gauge | Histogram] = {}
         self._families: dict[str, Family] = {}
+        self._refreshers: list[Callable[[MetricsRegistry], None]] = []
+
+    def add_refresher(self, refresher: Callable[[MetricsRegistry], None]) -> None:
+        """`refresher(registry)` runs before every read (`refresh`): for counters another component keeps (a
+        weight source's bytes read), copied in when someone looks rather than on every step."""
+        with self._lock:
+            self._refreshers.append(refresher)
+
+    def refresh(self) -> None:
+        """Run the refreshers; one that fails is logged and skipped (its metrics keep their last values)."""
+        with self._lock:
+            refreshers = list(self._refreshers)
+        for refresher in refreshers:
+            try:
+                refresher(self)
+            except Exception as exc:  # a scrape must not fail because one source could not answer
+                logger.warning("metrics refresher %s failed: %s", getattr(refresher, "__name__", refresher), exc)
 
     def _get(self, kind: type, name: str, help: str) -> Any:
         with self._lock:
@@ -177,6 +202,7 @@ class MetricsRegistry:
 
     def snapshot(self) -> dict[str, Any]:
         """Every metric by name: a number for counters and gauges, a summary dict for histograms."""
+        self.refresh()
         out: dict[str, Any] = {}
         for metric in self.metrics():
             out[metric.name] = metric.summary() if isinstance(metric, Histogram) else metric.value

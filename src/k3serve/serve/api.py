@@ -114,7 +114,8 @@ def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_n
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        body, content_type = render_metrics(state.backend.metrics)
+        # in a worker thread: a refresher may wait on other processes (expert owners' counters)
+        body, content_type = await asyncio.to_thread(render_metrics, state.backend.metrics)
         return PlainTextResponse(body, media_type=content_type)
 
     @app.post("/v1/completions")

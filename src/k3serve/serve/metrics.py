@@ -70,6 +70,7 @@ def _le(bound: float) -> str:
 
 
 def render_metrics(registry: MetricsRegistry) -> tuple[bytes, str]:
+    registry.refresh()
     prometheus_registry = CollectorRegistry()
     prometheus_registry.register(_RegistryCollector(registry))
     return generate_latest(prometheus_registry), CONTENT_TYPE_LATEST
