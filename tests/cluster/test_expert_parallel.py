@@ -110,3 +110,68 @@ def test_owners_as_ray_actors_give_the_bits_of_one_process(local_ray, stores, ti
         while time.monotonic() < deadline:
             ray.get(ep.source.owners.actors[0].info.remote(), timeout=30)
             time.sleep(0.2)
+
+
+def _crashing_owners(shards, budget, marker, max_restarts):
+    """Ray owners whose owner 1 exits in the middle of a call whenever `marker` exists (it deletes the marker
+    first, so its next incarnation runs on)."""
+    import ray
+
+    from k3serve.cluster.expert_actors import OwnerActor, RayOwners
+
+    class CrashingOwner(OwnerActor):
+        def run(self, call):
+            if self.core.info.index == 1 and os.path.exists(marker):
+                os.remove(marker)
+                os._exit(1)
+            return super().run(call)
+
+    return RayOwners(shards, ShardOptions(ram_budget=budget), cpus_per_owner=0.25, max_restarts=max_restarts,
+                     actor_class=ray.remote(CrashingOwner))
+
+
+def test_an_owner_that_dies_mid_call_is_restarted_and_its_calls_give_the_same_bits(local_ray, stores, one_process,
+                                                                                    tmp_path):
+    packed, shards = stores
+    marker = tmp_path / "crash-owner-1"
+    owners = _crashing_owners(shards[2], 3 * packed.expert_stride, str(marker), max_restarts=2)
+    first_pid = owners.infos[1].pid
+    run_all, calls = owners.run_all, []
+
+    def crash_twice(batch):  # owner 1 dies inside the 3rd and the 20th layer's calls
+        calls.append(len(batch))
+        if len(calls) in (3, 20):
+            marker.touch()
+        return run_all(batch)
+
+    owners.run_all = crash_twice
+    model = _front(packed, owners, owners.infos)
+    try:
+        llm = LLM(model, ENGINE)
+        assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)] == one_process
+        assert len(calls) > 20 and not marker.exists()
+        assert owners.restarts == [0, 2] and owners.infos[1].pid != first_pid
+        model.source.check_integrity()
+        # /metrics: the restarts, the calls, and each owner's counters (owner 1's since its last start)
+        snap, per_owner = llm.engine.metrics.snapshot(), model.source.owner_stats()
+        assert snap["expert_owner_restarts"] == {"0": 0, "1": 2}
+        assert snap["expert_parallel_calls"] == model.source.network.calls > 0
+        assert snap["expert_parallel_bytes_received"] == model.source.network.bytes_received > 0
+        assert snap["expert_owner_requests"] == {str(i): s.expert_requests for i, s in enumerate(per_owner)}
+        assert 0 < per_owner[1].steps < model.source.stream_stats().steps  # owner 1 counts from its restart
+    finally:
+        model.source.close()
+
+
+def test_an_owner_that_cannot_restart_fails_the_call_with_a_clear_error(local_ray, stores, tmp_path):
+    packed, shards = stores
+    marker = tmp_path / "crash-owner-1"
+    owners = _crashing_owners(shards[2], None, str(marker), max_restarts=0)
+    model = _front(packed, owners, owners.infos)
+    try:
+        marker.touch()
+        with pytest.raises(K3Error, match=r"expert owner 1 died and its calls were lost \(no restarts"):
+            model.logits(PROMPTS[2], "full")
+        assert owners.restarts == [0, 0]
+    finally:
+        model.source.close()

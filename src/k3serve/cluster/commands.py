@@ -32,7 +32,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    default=RouterConfig.balance_rel_threshold,
                    help="cache-aware: max/min load ratio still counted as balanced")
     g.add_argument("--max-restarts", type=cli_args.non_negative_int, default=3,
-                   help="times Ray restarts a replica that died")
+                   help="times Ray restarts a replica (or an expert owner) that died")
     ep = parser.add_argument_group("expert parallelism (docs/CLUSTER.md)")
     ep.add_argument("--expert-parallel", type=cli_args.positive_int, default=None, metavar="N",
                     help="split every MoE layer's experts over N owner actors (shards i/N), the trunk and the "
@@ -179,7 +179,7 @@ def run_expert_parallel(args: argparse.Namespace, engine_config, speculative, te
         from k3serve.engine.engine import LLMEngine
         from k3serve.serve.api import create_app
 
-        ep = load_expert_parallel(packed, shard_paths, front, owner_options)
+        ep = load_expert_parallel(packed, shard_paths, front, owner_options, max_restarts=args.max_restarts)
         drafters = None
         if speculative is not None:
             from k3serve.engine.speculative import DrafterFactory

@@ -129,7 +129,7 @@ class OwnerTransport(Protocol):
 
     def run_all(self, calls: Sequence[OwnerCall]) -> list[np.ndarray]: ...
 
-    def stats(self) -> list[StreamStats]: ...
+    def stats(self, timeout: float | None = None) -> list[StreamStats]: ...
 
     def check_integrity(self) -> None: ...
 
@@ -146,7 +146,7 @@ class LocalOwners:
     def run_all(self, calls: Sequence[OwnerCall]) -> list[np.ndarray]:
         return [self.owners[c.owner].run(c) for c in calls]
 
-    def stats(self) -> list[StreamStats]:
+    def stats(self, timeout: float | None = None) -> list[StreamStats]:
         return [o.stats() for o in self.owners]
 
     def check_integrity(self) -> None:
@@ -233,9 +233,9 @@ class ExpertParallelSource(ForwardingSource):
     def resident_experts(self, layer: int) -> set[int] | None:
         return None
 
-    def owner_stats(self) -> list[StreamStats]:
-        """Each owner's counters: bytes read, retention, reads."""
-        return self.owners.stats()
+    def owner_stats(self, timeout: float | None = None) -> list[StreamStats]:
+        """Each owner's counters (bytes read, retention, reads) since it last started."""
+        return self.owners.stats(timeout)
 
     def describe(self) -> str:
         return f"expert-parallel x{self.count} (trunk: {self.inner.describe()})"
