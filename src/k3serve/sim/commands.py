@@ -77,6 +77,28 @@ def add_sim_commands(sim_sub) -> None:
                     help="write s/token by nodes as SVG (default: none)")
     cl.add_argument("--json", type=cli_args.output_file, default=None, help="write every row as JSON (default: none)")
 
+    ro = sim_sub.add_parser("router", help="the cluster's router over N modelled replicas: cache-aware against "
+                                           "round-robin prefix hit rate on a shared-prefix workload (a table: one "
+                                           "row per replicas x questions per group x checkpoints x policy)")
+    ro.add_argument("--replicas", default="2,4", help="replicas, comma-separated" + d)
+    ro.add_argument("--per-group", default="4,8", help="questions per prefix group, comma-separated" + d)
+    ro.add_argument("--checkpoints", default="8,16",
+                    help="KDA state checkpoint slots per replica (the prefix cache), comma-separated" + d)
+    ro.add_argument("--policy", default="slru", help="prefix-cache replacement, comma-separated: lru, slru" + d)
+    ro.add_argument("--groups", type=cli_args.positive_int, default=16, help="prefix groups (one tenant each)" + d)
+    ro.add_argument("--system-tokens", type=cli_args.positive_int, default=128, help="shared prefix length" + d)
+    ro.add_argument("--question-tokens", type=cli_args.positive_int, default=32, help="question length" + d)
+    ro.add_argument("--reply-tokens", type=cli_args.non_negative_int, default=24, help="reply length" + d)
+    ro.add_argument("--clients", type=cli_args.positive_int, default=8, help="closed-loop clients" + d)
+    ro.add_argument("--baseline", choices=("round-robin", "least-load", "power-of-two"), default="round-robin",
+                    help="the router cache-aware is compared with" + d)
+    ro.add_argument("--no-prefix-wait", action="store_true",
+                    help="model the engine with --prefix-wait-tokens 0 (no in-flight prefix sharing)")
+    ro.add_argument("--seeds", type=cli_args.int_range(1, 100), default=5,
+                    help="workload orders (seeds seed..seed+N-1); the ratio is their median" + d)
+    ro.add_argument("--seed", type=cli_args.seed, default=0, help="first workload seed" + d)
+    ro.add_argument("--json", type=cli_args.output_file, default=None, help="write every row as JSON (default: none)")
+
     cal = sim_sub.add_parser("calibrate", help="the C engine's published K3 figures beside the simulator's")
     cal.add_argument("--routing", choices=("flat", "skewed"), default="flat", help="synthetic routing" + d)
     cal.add_argument("--device", choices=("as-recorded", "preset"), default="as-recorded",
@@ -227,6 +249,51 @@ def _whole_number(text: str, flag: str) -> int:
         raise UsageError(f"{flag} takes whole numbers, comma-separated, got {text!r}") from None
 
 
+def cmd_sim_router(args: argparse.Namespace) -> int:
+    import statistics
+
+    from k3serve.errors import ConfigError, UsageError
+    from k3serve.sim.router import RouterSimConfig, ratio_row
+
+    def numbers(text: str, flag: str) -> list[int]:
+        values = [_whole_number(part.strip(), flag) for part in text.split(",") if part.strip()]
+        if not values or min(values) < 1:
+            raise UsageError(f"{flag} takes positive whole numbers, comma-separated, got {text!r}")
+        return values
+
+    policies = [part.strip() for part in args.policy.split(",") if part.strip()]
+    configs = []
+    try:
+        for replicas in numbers(args.replicas, "--replicas"):
+            for per_group in numbers(args.per_group, "--per-group"):
+                for checkpoints in numbers(args.checkpoints, "--checkpoints"):
+                    for policy in policies:
+                        configs.append(RouterSimConfig(
+                            replicas=replicas, checkpoints=checkpoints, policy=policy, groups=args.groups,
+                            per_group=per_group, system_tokens=args.system_tokens,
+                            question_tokens=args.question_tokens, reply_tokens=args.reply_tokens,
+                            clients=args.clients, prefix_wait=not args.no_prefix_wait, seed=args.seed))
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"shared-prefix workload: {args.groups} groups, {args.system_tokens}-token system prompts, "
+          f"{args.question_tokens}-token questions, {args.reply_tokens}-token replies, {args.clients} clients; "
+          f"median over {args.seeds} workload seeds (simulated: docs/CLUSTER.md)")
+    print(f"{'replicas':>8} {'per group':>9} {'checkpoints':>11} {'policy':>6} {'cache-aware':>11} "
+          f"{args.baseline:>12} {'ratio':>6}  (lowest-highest seed)")
+    rows = []
+    for config in configs:
+        row = ratio_row(config, args.baseline, args.seeds)
+        rows.append(row.as_dict())
+        ratios = row.ratios
+        print(f"{config.replicas:>8} {config.per_group:>9} {config.checkpoints:>11} {config.policy:>6} "
+              f"{statistics.median(row.cache_aware):>11.3f} {statistics.median(row.other):>12.3f} "
+              f"{statistics.median(ratios):>5.2f}x  ({min(ratios):.2f}-{max(ratios):.2f})")
+    if args.json:
+        args.json.write_text(json.dumps({"simulated": "k3serve sim router", "args": {
+            k: v for k, v in vars(args).items() if k not in ("json", "func")}, "rows": rows}, indent=1, default=str))
+    return 0
+
+
 def cmd_sim_calibrate(args: argparse.Namespace) -> int:
     from k3serve.sim.calibrate import calibration, cold_token_figures, table_lines
 
@@ -269,5 +336,5 @@ def cmd_sim_probe_cpu(args: argparse.Namespace) -> int:
     return 0
 
 
-SIM_COMMANDS = {"k3": cmd_sim_k3, "cluster": cmd_sim_cluster, "calibrate": cmd_sim_calibrate, "probe-disk": cmd_sim_probe_disk,
-                "probe-cpu": cmd_sim_probe_cpu}
+SIM_COMMANDS = {"k3": cmd_sim_k3, "cluster": cmd_sim_cluster, "router": cmd_sim_router, "calibrate": cmd_sim_calibrate,
+                "probe-disk": cmd_sim_probe_disk, "probe-cpu": cmd_sim_probe_cpu}
