@@ -44,6 +44,7 @@ FAST_PARAMS = {
     "speculative": {"tokens": 8, "repeats": 1, "excerpt_tokens": 32},
     "full_scale": {"ladder": False, "tokens": 1},
     "cluster_routing": {"requests": 4, "prefix_tokens": 32, "replicas": 2, "wave": 2},
+    "cluster_scale": {"groups": 16, "max_replicas": 4, "seeds": 1},
     "tenants": {"seconds": 0.5, "flood_requests": 2, "flood_prompt_tokens": 32, "flood_max_tokens": 8},
 }
 
