@@ -86,6 +86,10 @@ def test_a_conversation_goes_back_to_its_replica_and_hits_its_cache(front, refer
     assert out2.num_cached_tokens >= 80  # the replica's prefix cache served the first turn
     assert out2.outputs[0].token_ids == reference(turn2)  # a cache hit changes nothing
     assert _metric(url, "k3serve_cluster_prefix_hit_rate") > 0
+    # the replica's own engine, read at the scrape: it generated both turns and holds their checkpoints
+    served = f'{{replica="{first.route.replica}"}}'
+    assert _metric(url, "k3serve_replica_engine_generation_tokens" + served) >= len(out2.outputs[0].token_ids) + 1
+    assert _metric(url, "k3serve_replica_engine_prefix_cache_checkpoints" + served) >= 1
 
 
 def test_bad_requests_are_refused_before_routing(front):
@@ -170,9 +174,12 @@ def test_a_replica_streaming_under_a_ram_budget_answers_like_one_process(local_r
     try:
         prompts = [list(range(10, 40)), list(range(600, 650))]
         finals = asyncio.run(asyncio.wait_for(_both(backend, prompts), 120))
+        snap = backend.metrics.snapshot()  # the replica's streaming counters, read from it
     finally:
         backend.shutdown()
     assert [f.outputs[0].token_ids for f in finals] == [reference(p) for p in prompts]
+    assert snap["replica_engine_weights_expert_bytes_read"]["0"] > 0
+    assert 0 < snap["replica_engine_expert_retention"]["0"] < 1
 
 
 async def _both(backend, prompts):

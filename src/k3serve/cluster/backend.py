@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 REPLICA_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 MONITOR_INTERVAL_SECONDS = 0.5
+REPLICA_METRICS_TIMEOUT_SECONDS = 5.0
+REPLICA_ENGINE_METRICS = frozenset((  # shown per replica at the front, beside a streaming replica's weights_*/expert_*
+    "queue_length", "num_running", "kv_block_usage", "kv_blocks_cached", "state_slots_used",
+    "prefix_cache_checkpoints", "prefix_cache_protected_checkpoints", "prefix_cache_hit_rate", "preemptions",
+    "generation_tokens", "computed_tokens", "steps", "forward_failures"))
 START_TIMEOUT_SECONDS = 600.0
 
 
@@ -80,6 +85,7 @@ class ClusterBackend:
         self._m_cluster_hit_rate = m.gauge("cluster_prefix_hit_rate", "cached / all prompt tokens, all replicas")
         for replica in range(num_replicas):
             self._publish(replica)
+        m.add_refresher(self._replica_engine_metrics)
         self._monitor = threading.Thread(target=self._watch, name="k3serve-cluster-monitor", daemon=True)
         self._monitor.start()
 
@@ -173,6 +179,22 @@ class ClusterBackend:
         label = str(replica)
         self._m_load.labels(label).set(self.router.load[replica])
         self._m_healthy.labels(label).set(1.0 if self.router.healthy[replica] else 0.0)
+
+    def _replica_engine_metrics(self, registry: MetricsRegistry) -> None:
+        """Each healthy replica's own engine figures (REPLICA_ENGINE_METRICS, and a streaming replica's bytes read and
+        expert cache), read from it at each /metrics scrape, as `replica_engine_<name>{replica}` gauges: they start
+        again from zero when Ray restarts the replica."""
+        live = [r for r in range(len(self.actors)) if self.router.healthy[r]]
+        refs = [self.actors[r].metrics.remote() for r in live]
+        for replica, ref in zip(live, refs):
+            try:
+                values = ray.get(ref, timeout=REPLICA_METRICS_TIMEOUT_SECONDS)
+            except (GetTimeoutError, *REPLICA_ERRORS):
+                continue  # a dying or busy replica keeps its last values
+            for name, value in values.items():
+                if name in REPLICA_ENGINE_METRICS or name.startswith(("weights_", "expert_")):
+                    registry.family(Gauge, f"replica_engine_{name}", f"replica's {name} (its engine's own figure)",
+                                    ("replica",)).labels(str(replica)).set(value)
 
     def _watch(self) -> None:
         """Put restarted replicas back: a replica marked down is probed until Ray has restarted it."""

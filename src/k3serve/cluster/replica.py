@@ -59,6 +59,12 @@ class EngineReplica:
     def share_capacity(self, kv_share: float) -> tuple[int, int]:
         return self.engine.share_capacity(kv_share)
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's counters and gauges by name (its /metrics without histograms and tenant families): what the
+        front shows per replica."""
+        return {name: value for name, value in self.engine.metrics.snapshot().items()
+                if isinstance(value, (int, float))}
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
                        cache_salt: str | None, stop: list[str], speculative,
                        grammar_text: str | None = None) -> AsyncIterator[RequestOutput]:
