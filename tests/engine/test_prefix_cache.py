@@ -228,6 +228,32 @@ def test_one_shot_checkpoints_evict_a_recurring_prefix_under_lru_but_not_under_s
     assert protected >= 1 and slru.metrics.snapshot()["prefix_cache_protected_checkpoints"] == protected
 
 
+def test_a_prefix_evicted_before_its_first_hit_is_protected_when_saved_again(tiny_model, drive):
+    """A question on a 3-block system prompt saves a checkpoint at the prompt's end of block 3 (every 3 blocks);
+    one-shot prompts evict it before the next question can hit. That next question computes the prefix again and
+    saves the same checkpoint: under slru its key is among the recently evicted, so it goes straight to the
+    protected segment and outlives the next one-shot prompts, and a third question hits; plain LRU loses it again."""
+    system = PROMPT[:12]
+    rng = np.random.default_rng(4)
+    one_shots = [[int(t) for t in rng.integers(3, 250, 7)] for _ in range(4)]
+    cached = {}
+    for policy in PREFIX_CACHE_POLICIES:
+        engine = _engine(tiny_model, num_state_checkpoints=5, prefix_cache_policy=policy, checkpoint_every_blocks=3)
+        misses = [_tokens(engine, drive, system + [100, 101])[1]]
+        for prompt in one_shots:  # 8 one-shot checkpoints against 5 slots
+            _tokens(engine, drive, prompt)
+        misses.append(_tokens(engine, drive, system + [110, 111])[1])
+        for prompt in one_shots:
+            _tokens(engine, drive, list(reversed(prompt)))
+        prompt = system + [130, 131]
+        tokens, cached[policy] = _tokens(engine, drive, prompt)
+        assert misses == [0, 0] and tokens == tiny_model.greedy(prompt, 6)
+        engine.check_integrity()
+        recurring = engine.metrics.snapshot()["prefix_cache_checkpoints_recurring"]
+        assert recurring == (1 if policy == "slru" else 0)
+    assert cached == {"lru": 0, "slru": 12}
+
+
 def _interleaved_chats(engine, drive, model) -> int:
     """Three conversations of four turns, their turns interleaved; returns the positions restored in all."""
     rng = np.random.default_rng(2)

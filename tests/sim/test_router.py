@@ -44,6 +44,8 @@ def test_the_cache_model_hits_exactly_where_the_engine_does(tiny_model, policy, 
         model_hits.append(SYSTEM if hit else 0)
     assert engine_hits == model_hits
     assert 0 < sum(h > 0 for h in model_hits) < len(groups) - 6  # some hits, and evictions cost some
+    if policy == "slru":  # the recently-evicted list sent some re-saved checkpoints straight to protected
+        assert engine.metrics.snapshot()["prefix_cache_checkpoints_recurring"] > 0
 
 
 def test_the_simulated_cluster_routes_every_request_and_cache_aware_keeps_groups_together():

@@ -31,6 +31,10 @@ checkpoint's position: two different continuations now share it, as a system pro
 usual one is a conversation's next turn hitting the last reply's checkpoint: its only expected use, after which
 the turn saves a later checkpoint of its own. Protecting on every first hit filled the protected segment with such
 states, never asked for again (multi-turn chat on one replica: hit rate 0.49 against LRU's 0.76).
+A checkpoint can also be evicted before its first hit comes, when several requests in flight each save two or three
+one-shot states; its prefix is then computed again and the same checkpoint saved again. So slru remembers the keys
+of the last 2 x `num_state_checkpoints` evicted checkpoints (2Q's A1out list, Johnson and Shasha 1994), and a
+checkpoint saved again while its key is remembered goes straight to the protected segment: it recurs.
 
 With `checkpoint_partial_blocks=False` checkpoints are only taken at block boundaries (as vLLM's 'align' mode does);
 prompts that fit in one block can then never hit, which the cache reports with a warning and the
@@ -60,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 WARN_EVERY = 100  # repeat the cannot-hit warning once per this many affected requests
 PROTECTED_FRACTION = 0.8  # slru: share of the checkpoint slots that hit entries may keep (Caffeine's main region)
+GHOSTS_PER_SLOT = 2  # slru: evicted checkpoints' keys remembered, per slot (ARC keeps as many as it caches, per list)
 
 
 def root_hash(tenant: str, cache_salt: str | None) -> bytes:
@@ -117,6 +122,13 @@ class SegmentedLRU:
         if checkpoint.num_hits < 2 and not fork:
             self.probation[slot] = checkpoint
             return
+        self._protect(slot, checkpoint)
+
+    def promote(self, slot: int) -> None:
+        """Protect an entry without a hit (a checkpoint saved again soon after its eviction: it recurs)."""
+        self._protect(slot, self.probation.pop(slot, None) or self.protected.pop(slot))
+
+    def _protect(self, slot: int, checkpoint: StateCheckpoint) -> None:
         self.protected[slot] = checkpoint
         while len(self.protected) > self.protected_capacity:
             demoted, entry = self.protected.popitem(last=False)
@@ -162,6 +174,8 @@ class PrefixCache:
         protected = int(PROTECTED_FRACTION * engine.num_state_checkpoints) if engine.prefix_cache_policy == "slru" \
             else 0
         self._recency = SegmentedLRU(protected)  # every checkpoint, by slot, in eviction order
+        # slru: the (parent, tail) keys of the last evicted checkpoints, GHOSTS_PER_SLOT per slot (2Q's A1out)
+        self._ghosts: OrderedDict[tuple[bytes, tuple[int, ...]], None] | None = OrderedDict() if protected else None
         self._index: dict[bytes, dict[tuple[int, ...], StateCheckpoint]] = {}  # parent hash -> tail -> checkpoint
         self._children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child block hash -> tokens
         self._parent_of: dict[bytes, bytes] = {}
@@ -176,6 +190,9 @@ class PrefixCache:
             "positions whose attention blocks were cached, with or without a recurrent state")
         self._m_saved = metrics.counter("prefix_cache_checkpoints_saved", "state checkpoints admitted")
         self._m_evicted = metrics.counter("prefix_cache_checkpoints_evicted", "state checkpoints evicted or dropped")
+        self._m_readmitted = metrics.counter(
+            "prefix_cache_checkpoints_recurring",
+            "checkpoints saved again soon after their eviction, admitted straight to slru's protected segment")
         self._m_cannot_hit = metrics.counter(
             "prefix_cache_unhittable_requests", "requests that can never hit under the current settings")
         self._m_flag = metrics.gauge(
@@ -342,6 +359,9 @@ class PrefixCache:
         self._recency.add(checkpoint)
         self._index.setdefault(parent, {})[tail] = checkpoint
         self._m_saved.inc()
+        if self._ghosts is not None and self._ghosts.pop((parent, tail), False) is None:
+            self._recency.promote(slot)  # computed twice within a cache's worth of evictions: it recurs
+            self._m_readmitted.inc()
         return True
 
     # ---- eviction -------------------------------------------------------------------------------------------
@@ -353,6 +373,10 @@ class PrefixCache:
             del self._index[checkpoint.parent]
         self.store.free(checkpoint.slot)
         self._m_evicted.inc()
+        if self._ghosts is not None:
+            self._ghosts[(checkpoint.parent, checkpoint.tail)] = None
+            while len(self._ghosts) > GHOSTS_PER_SLOT * self.config.num_state_checkpoints:
+                self._ghosts.popitem(last=False)
 
     def _on_block_evicted(self, block_hash: bytes) -> None:
         """A cached block was reused: checkpoints right under it can no longer hit, and it leaves the tree."""
@@ -370,6 +394,8 @@ class PrefixCache:
         """Drop every checkpoint and every cached (unreferenced) block."""
         for checkpoint in self._recency.values():
             self._drop(checkpoint)
+        if self._ghosts is not None:
+            self._ghosts.clear()
         self.blocks.evict_all_cached()
 
     # ---- state ----------------------------------------------------------------------------------------------

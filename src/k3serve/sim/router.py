@@ -14,7 +14,8 @@ A replica's prefix cache (engine/prefix_cache.py), reduced to what a hit here de
   multiple of 8 blocks, or its branch point once a second question arrives) as its prefill passes it, then one at
   its prompt's end, and one after its reply: the last two are never used again here;
 - `checkpoints` slots, replaced by the engine's own `SegmentedLRU` (protected share `PROTECTED_FRACTION` under
-  "slru", none under "lru"); the attention blocks are assumed to outlive the checkpoints (the engine evicts a
+  "slru", none under "lru"; under slru a checkpoint saved again while its key is among the last 2 x `checkpoints`
+  evicted ones is protected at once, as the engine does); the attention blocks are assumed to outlive the checkpoints (the engine evicts a
   checkpoint when its blocks go, which only lowers both routers' rates).
 
 Time: each replica runs its requests at once, sharing one processor (prefill `prefill_ms` per uncached prompt
@@ -29,12 +30,13 @@ compares it with `bench_cluster.py`'s measured hit rates (docs/CLUSTER.md).
 from __future__ import annotations
 
 import statistics
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from k3serve.cluster.router import ROUTERS, Router, RouterConfig
-from k3serve.engine.prefix_cache import PROTECTED_FRACTION, SegmentedLRU, StateCheckpoint
+from k3serve.engine.prefix_cache import GHOSTS_PER_SLOT, PROTECTED_FRACTION, SegmentedLRU, StateCheckpoint
 from k3serve.errors import ConfigError
 
 POLICIES = ("lru", "slru")
@@ -57,6 +59,7 @@ class RouterSimConfig:
     balance_abs_threshold: int = RouterConfig.balance_abs_threshold
     balance_rel_threshold: float = RouterConfig.balance_rel_threshold
     prefix_wait: bool = True  # in-flight prefix sharing (the engine's --prefix-wait-tokens, on by default)
+    recurring: bool = True  # slru's admission of re-saved checkpoints (False: as the engine was before it)
     # a lone request's cost per uncached prompt token and per reply token; with the ~4 requests a replica runs at
     # once in bench_cluster.py they give its measured TTFT (~60 ms for 160 tokens) and request time (~310 ms with
     # 24 reply tokens): most of a request is its reply, streamed token by token through Ray and the front
@@ -107,12 +110,14 @@ class RouterSimResult:
 class ReplicaCache:
     """One replica's state checkpoints: `capacity` slots under the engine's `SegmentedLRU`."""
 
-    def __init__(self, capacity: int, policy: str) -> None:
+    def __init__(self, capacity: int, policy: str, recurring: bool = True) -> None:
         self.capacity = capacity
         self.recency = SegmentedLRU(int(PROTECTED_FRACTION * capacity) if policy == "slru" else 0)
         self.index: dict[object, StateCheckpoint] = {}  # key -> checkpoint
         self._keys: dict[int, object] = {}  # slot -> key
         self._free = list(range(capacity))
+        # the engine's recently evicted keys (slru; `recurring` False: the engine before 2026-12-05 23:30 UTC)
+        self._ghosts: OrderedDict[object, None] | None = OrderedDict() if policy == "slru" and recurring else None
 
     def admit(self, group: int) -> bool:
         """A request of `group` is admitted: a fork hit on its system prompt's checkpoint, or a miss."""
@@ -140,13 +145,20 @@ class ReplicaCache:
         if not self._free:
             victim = self.recency.victim()
             self.recency.remove(victim.slot)
-            del self.index[self._keys.pop(victim.slot)]
+            evicted = self._keys.pop(victim.slot)
+            del self.index[evicted]
             self._free.append(victim.slot)
+            if self._ghosts is not None:  # the engine's A1out list of recently evicted keys
+                self._ghosts[evicted] = None
+                while len(self._ghosts) > GHOSTS_PER_SLOT * self.capacity:
+                    self._ghosts.popitem(last=False)
         slot = self._free.pop()
         checkpoint = StateCheckpoint(slot, b"", (), position)
         self.recency.add(checkpoint)
         self.index[key] = checkpoint
         self._keys[slot] = key
+        if self._ghosts is not None and self._ghosts.pop(key, False) is None:
+            self.recency.promote(slot)  # saved again soon after its eviction: it recurs
 
 
 def shared_prefix_requests(config: RouterSimConfig) -> list[tuple[int, list[int]]]:
@@ -168,7 +180,7 @@ def simulate_router(config: RouterSimConfig) -> RouterSimResult:
     router = Router(RouterConfig(policy=c.router, block_size=c.block_size,
                                  balance_abs_threshold=c.balance_abs_threshold,
                                  balance_rel_threshold=c.balance_rel_threshold, seed=c.seed), c.replicas)
-    caches = [ReplicaCache(c.checkpoints, c.policy) for _ in range(c.replicas)]
+    caches = [ReplicaCache(c.checkpoints, c.policy, c.recurring) for _ in range(c.replicas)]
     result = RouterSimResult(c, requests_per_replica=[0] * c.replicas)
     requests = shared_prefix_requests(c)
     prompt_len = c.system_tokens + c.question_tokens
