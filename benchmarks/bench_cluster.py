@@ -236,8 +236,10 @@ def main() -> None:
               f"{ratios[policy]['computed_prompt_ratio']:.2f}x cache-aware's); TTFT p50/p99 cache-aware "
               f"{ca['ttft_p50'] * 1e3:.0f}/{ca['ttft_p99'] * 1e3:.0f} ms vs round-robin {rr['ttft_p50'] * 1e3:.0f}/"
               f"{rr['ttft_p99'] * 1e3:.0f} ms{single}")
-    print(json.dumps({"benchmark": "cluster", "args": vars(args), "machine": describe_host(), "medians": medians,
-                      "ratios": ratios, "runs": results}))
+    # what the replicas' prefix caches did that earlier records' did not (benchmarks/bench_sim_router_check.py)
+    features = {"recurring_admission": True}
+    print(json.dumps({"benchmark": "cluster", "args": vars(args), "engine_features": features,
+                      "machine": describe_host(), "medians": medians, "ratios": ratios, "runs": results}))
 
 
 if __name__ == "__main__":

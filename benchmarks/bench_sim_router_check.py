@@ -3,7 +3,8 @@
 For every record of `bench_cluster.py --workload shared-prefix` in docs/cluster/ (or the files given), the
 simulator runs the record's configuration on the same workload order (its seed) and prints the measured and
 simulated hit rates of cache-aware and round-robin, and their ratio. Nothing is fitted to these hit rates: the
-simulator's only timing constants come from the measured TTFT and request time (sim/router.py).
+simulator's only timing constants come from the measured TTFT and request time (sim/router.py). A record made before
+the prefix cache admitted re-saved checkpoints as recurring (no "engine_features" in it) is simulated without that.
 
     python benchmarks/bench_sim_router_check.py [RECORD.json ...] [--json OUT]
 """
@@ -45,7 +46,8 @@ def compare(record: dict) -> list[dict]:
             groups=a["groups"], per_group=a["per_group"], system_tokens=a["system_tokens"],
             question_tokens=a["question_tokens"], reply_tokens=a["reply_tokens"], clients=a["clients"],
             balance_abs_threshold=a["balance_abs_threshold"], balance_rel_threshold=a["balance_rel_threshold"],
-            prefix_wait=a.get("prefix_wait_tokens", 32) > 0, seed=a["seed"])).hit_rate
+            prefix_wait=a.get("prefix_wait_tokens", 32) > 0, seed=a["seed"],
+            recurring=record.get("engine_features", {}).get("recurring_admission", False))).hit_rate
             for router in measured}
         rows.append({"replicas": a["replicas"], "per_group": a["per_group"], "checkpoints": a["state_checkpoints"],
                      "policy": policy, "rounds": a["rounds"], "measured": measured, "simulated": simulated})
@@ -57,7 +59,7 @@ def main() -> None:
     parser.add_argument("records", nargs="*", type=Path, help="bench_cluster.py JSON records (default: docs/cluster)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = parser.parse_args()
-    paths = args.records or sorted(RECORDS.glob("shared_prefix_*.json"))
+    paths = args.records or sorted([*RECORDS.glob("shared_prefix_*.json"), *RECORDS.glob("recurring_*.json")])
     rows = []
     print(f"{'record':<34} {'R':>2} {'q':>2} {'C':>3} {'policy':>6}  {'measured CA / RR (ratio)':>26}  "
           f"{'simulated CA / RR (ratio)':>26}")

@@ -80,8 +80,8 @@ MODULE = LabModule(
         "groups, the hit-rate ratio is at most (q - 1) / (q / R - 1). This module runs the cluster's real router "
         "over R modelled replicas, whose prefix caches are their KDA state checkpoints under the engine's "
         "segmented LRU (on sequential requests the model hits exactly where the engine does), with time as a "
-        "processor-sharing model (k3serve.sim.router). Measured on this machine: 2 replicas 2.3-2.5x, 4 replicas "
-        "3.8x (docs/CLUSTER.md)."),
+        "processor-sharing model (k3serve.sim.router). Measured on this machine with 8 slots per replica: 2 "
+        "replicas 2.2x, 4 replicas 3.4x (docs/CLUSTER.md)."),
     params=(Param("replicas", "int", 4, "replicas for the headline numbers", min=1, max=64),
             Param("max_replicas", "int", 16, "sweep 1, 2, 4, ... up to this many", min=1, max=64),
             Param("baseline", "choice", "round-robin", "the router cache-aware is compared with",
