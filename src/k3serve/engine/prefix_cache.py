@@ -360,7 +360,7 @@ class PrefixCache:
         self._index.setdefault(parent, {})[tail] = checkpoint
         self._m_saved.inc()
         if self._ghosts is not None and self._ghosts.pop((parent, tail), False) is None:
-            self._recency.promote(slot)  # computed twice within a cache's worth of evictions: it recurs
+            self._recency.promote(slot)  # computed again within two caches' worth of evictions: it recurs
             self._m_readmitted.inc()
         return True
 
