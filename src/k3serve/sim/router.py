@@ -15,8 +15,9 @@ A replica's prefix cache (engine/prefix_cache.py), reduced to what a hit here de
   its prompt's end, and one after its reply: the last two are never used again here;
 - `checkpoints` slots, replaced by the engine's own `SegmentedLRU` (protected share `PROTECTED_FRACTION` under
   "slru", none under "lru"; under slru a checkpoint saved again while its key is among the last 2 x `checkpoints`
-  evicted ones is protected at once, as the engine does); the attention blocks are assumed to outlive the checkpoints (the engine evicts a
-  checkpoint when its blocks go, which only lowers both routers' rates).
+  evicted ones is protected at once, as the engine does);
+- the attention blocks are assumed to outlive the checkpoints (the engine evicts a checkpoint when its blocks go,
+  which only lowers both routers' rates).
 
 Time: each replica runs its requests at once, sharing one processor (prefill `prefill_ms` per uncached prompt
 token, then `decode_ms` per reply token); a request's checkpoints appear when its prefill ends. Routing sees the
