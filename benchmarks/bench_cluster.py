@@ -46,6 +46,7 @@ from k3serve.cluster.spec import ReplicaSpec
 from k3serve.engine.config import PREFIX_CACHE_POLICIES, EngineConfig
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
+from k3serve.sim.router import shared_prefix_workload
 
 
 
@@ -64,15 +65,10 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[
 def shared_prefix_requests(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int]]]:
     """SGLang's generated-shared-prefix shape, scaled down: --groups groups (one tenant each), each with a system
     prompt of --system-tokens ids and --per-group questions of --question-tokens ids; (tenant, prompt) for every
-    question, in a seeded random order (groups interleave, as independent users' requests do)."""
-    rng = np.random.default_rng(args.seed)
-    requests = []
-    for group in range(args.groups):
-        system = rng.integers(3, vocab, args.system_tokens).tolist()
-        for _ in range(args.per_group):
-            requests.append((f"group{group}", system + rng.integers(3, vocab, args.question_tokens).tolist()))
-    order = rng.permutation(len(requests))
-    return [requests[i] for i in order]
+    question, in a seeded random order (groups interleave, as independent users' requests do). The simulator's
+    router mode draws the same workload (`k3serve.sim.router.shared_prefix_workload`)."""
+    return [(f"group{group}", prompt) for group, prompt in shared_prefix_workload(
+        args.groups, args.per_group, args.system_tokens, args.question_tokens, vocab, args.seed)]
 
 
 async def run_shared_prefix(backend: ClusterBackend, requests, reply_tokens: int, clients: int) -> dict[str, float]:

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from k3serve.cluster.expert_parallel import ExpertOwnerCore, ExpertParallelSource, OwnerCall, OwnerInfo
 from k3serve.cluster.spec import SINGLE_THREAD_ENV
@@ -35,7 +35,6 @@ from k3serve.stream.stats import StreamStats
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_SECONDS = 600.0
-OWNER_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 RESTART_POLL_SECONDS = 0.1
 
 
@@ -83,7 +82,7 @@ class RayOwners:
         try:
             self.infos: list[OwnerInfo] = ray.get([a.info.remote() for a in self.actors],
                                                   timeout=START_TIMEOUT_SECONDS)
-        except OWNER_ERRORS as exc:
+        except RayActorError as exc:
             self.close()
             raise K3Error(f"an expert owner failed to start: {_cause(exc)}") from None
 
@@ -99,7 +98,7 @@ class RayOwners:
             for i, ref in refs.items():
                 try:
                     outputs[i] = ray.get(ref)
-                except OWNER_ERRORS as exc:
+                except RayActorError as exc:
                     pending.append(i)
                     cause = _cause(exc)
             if not pending:
@@ -125,7 +124,7 @@ class RayOwners:
                 time.sleep(RESTART_POLL_SECONDS)
             except GetTimeoutError:
                 raise late from None
-            except OWNER_ERRORS as exc:
+            except RayActorError as exc:
                 raise K3Error(f"expert owner {owner} died ({cause}) and was not restarted: {_cause(exc)}") from None
         if info.pid != self.infos[owner].pid or info.node != self.infos[owner].node:
             self.restarts[owner] += 1

@@ -146,6 +146,27 @@ class SegmentedLRU:
         return next(iter(self.probation.values() if self.probation else self.protected.values()))
 
 
+class EvictedKeys:
+    """The keys of the last `capacity` evicted entries (2Q's A1out list): an entry saved again while its key is
+    remembered recurs."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[object, None] = OrderedDict()
+
+    def remember(self, key: object) -> None:
+        self._keys[key] = None
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def recurs(self, key: object) -> bool:
+        """True (and the key forgotten) when `key` is remembered."""
+        return self._keys.pop(key, False) is None
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+
 @dataclass
 class PrefixMatch:
     """What the cache holds for a sequence: the usable hit and where the sequence leaves the cached tree."""
@@ -175,7 +196,7 @@ class PrefixCache:
             else 0
         self._recency = SegmentedLRU(protected)  # every checkpoint, by slot, in eviction order
         # slru: the (parent, tail) keys of the last evicted checkpoints, GHOSTS_PER_SLOT per slot (2Q's A1out)
-        self._ghosts: OrderedDict[tuple[bytes, tuple[int, ...]], None] | None = OrderedDict() if protected else None
+        self._ghosts = EvictedKeys(GHOSTS_PER_SLOT * engine.num_state_checkpoints) if protected else None
         self._index: dict[bytes, dict[tuple[int, ...], StateCheckpoint]] = {}  # parent hash -> tail -> checkpoint
         self._children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child block hash -> tokens
         self._parent_of: dict[bytes, bytes] = {}
@@ -359,7 +380,7 @@ class PrefixCache:
         self._recency.add(checkpoint)
         self._index.setdefault(parent, {})[tail] = checkpoint
         self._m_saved.inc()
-        if self._ghosts is not None and self._ghosts.pop((parent, tail), False) is None:
+        if self._ghosts is not None and self._ghosts.recurs((parent, tail)):
             self._recency.promote(slot)  # computed again within two caches' worth of evictions: it recurs
             self._m_readmitted.inc()
         return True
@@ -374,9 +395,7 @@ class PrefixCache:
         self.store.free(checkpoint.slot)
         self._m_evicted.inc()
         if self._ghosts is not None:
-            self._ghosts[(checkpoint.parent, checkpoint.tail)] = None
-            while len(self._ghosts) > GHOSTS_PER_SLOT * self.config.num_state_checkpoints:
-                self._ghosts.popitem(last=False)
+            self._ghosts.remember((checkpoint.parent, checkpoint.tail))
 
     def _on_block_evicted(self, block_hash: bytes) -> None:
         """A cached block was reused: checkpoints right under it can no longer hit, and it leaves the tree."""

@@ -40,10 +40,10 @@ NETWORK_COUNTERS = {
 OWNER_STATS_TIMEOUT_SECONDS = 5.0
 
 
-def watch_source(registry: MetricsRegistry, source) -> bool:
-    """Export `source`'s counters from `registry` (see the module docstring); False when it has none."""
+def watch_source(registry: MetricsRegistry, source) -> None:
+    """Export `source`'s counters from `registry` (see the module docstring); nothing when it has none."""
     if source is None or source.stream_stats() is None and not hasattr(source, "owner_stats"):
-        return False
+        return
 
     def weights_metrics(reg: MetricsRegistry) -> None:
         stats = source.stream_stats()
@@ -56,7 +56,6 @@ def watch_source(registry: MetricsRegistry, source) -> bool:
             _owners(reg, source)
 
     registry.add_refresher(weights_metrics)
-    return True
 
 
 def _owners(reg: MetricsRegistry, source) -> None:

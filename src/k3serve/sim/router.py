@@ -31,13 +31,13 @@ compares it with `bench_cluster.py`'s measured hit rates (docs/CLUSTER.md).
 from __future__ import annotations
 
 import statistics
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from k3serve.cluster.router import ROUTERS, Router, RouterConfig
-from k3serve.engine.prefix_cache import GHOSTS_PER_SLOT, PROTECTED_FRACTION, SegmentedLRU, StateCheckpoint
+from k3serve.engine.prefix_cache import (GHOSTS_PER_SLOT, PROTECTED_FRACTION, EvictedKeys, SegmentedLRU,
+                                        StateCheckpoint)
 from k3serve.errors import ConfigError
 
 POLICIES = ("lru", "slru")
@@ -118,7 +118,8 @@ class ReplicaCache:
         self._keys: dict[int, object] = {}  # slot -> key
         self._free = list(range(capacity))
         # the engine's recently evicted keys (slru; `recurring` False: the engine before 2026-12-05 23:30 UTC)
-        self._ghosts: OrderedDict[object, None] | None = OrderedDict() if policy == "slru" and recurring else None
+        self._ghosts = EvictedKeys(GHOSTS_PER_SLOT * capacity) if self.recency.protected_capacity and recurring \
+            else None
 
     def admit(self, group: int) -> bool:
         """A request of `group` is admitted: a fork hit on its system prompt's checkpoint, or a miss."""
@@ -149,30 +150,34 @@ class ReplicaCache:
             evicted = self._keys.pop(victim.slot)
             del self.index[evicted]
             self._free.append(victim.slot)
-            if self._ghosts is not None:  # the engine's A1out list of recently evicted keys
-                self._ghosts[evicted] = None
-                while len(self._ghosts) > GHOSTS_PER_SLOT * self.capacity:
-                    self._ghosts.popitem(last=False)
+            if self._ghosts is not None:
+                self._ghosts.remember(evicted)
         slot = self._free.pop()
         checkpoint = StateCheckpoint(slot, b"", (), position)
         self.recency.add(checkpoint)
         self.index[key] = checkpoint
         self._keys[slot] = key
-        if self._ghosts is not None and self._ghosts.pop(key, False) is None:
-            self.recency.promote(slot)  # saved again soon after its eviction: it recurs
+        if self._ghosts is not None and self._ghosts.recurs(key):
+            self.recency.promote(slot)
+
+
+def shared_prefix_workload(groups: int, per_group: int, system_tokens: int, question_tokens: int, vocab: int,
+                           seed: int) -> list[tuple[int, list[int]]]:
+    """(group, prompt token ids) for every question, in one seeded random order: what bench_cluster.py sends and
+    what the simulator routes."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for group in range(groups):
+        system = rng.integers(3, vocab, system_tokens).tolist()
+        for _ in range(per_group):
+            requests.append((group, system + rng.integers(3, vocab, question_tokens).tolist()))
+    order = rng.permutation(len(requests))
+    return [requests[i] for i in order]
 
 
 def shared_prefix_requests(config: RouterSimConfig) -> list[tuple[int, list[int]]]:
-    """(group, prompt token ids) for every question in one seeded random order: bench_cluster.py's draws (the same
-    generator calls over the same vocabulary, so the same order for the same seed)."""
-    rng = np.random.default_rng(config.seed)
-    requests = []
-    for group in range(config.groups):
-        system = rng.integers(3, config.vocab, config.system_tokens).tolist()
-        for _ in range(config.per_group):
-            requests.append((group, system + rng.integers(3, config.vocab, config.question_tokens).tolist()))
-    order = rng.permutation(len(requests))
-    return [requests[i] for i in order]
+    c = config
+    return shared_prefix_workload(c.groups, c.per_group, c.system_tokens, c.question_tokens, c.vocab, c.seed)
 
 
 def simulate_router(config: RouterSimConfig) -> RouterSimResult:
@@ -188,7 +193,7 @@ def simulate_router(config: RouterSimConfig) -> RouterSimResult:
     # processor sharing per replica: each active request has work left (ms of a lone processor)
     active: list[dict[int, list]] = [{} for _ in range(c.replicas)]  # replica -> {request: [work_left, phase]}
     sent = 0
-    info: dict[int, tuple[int, int, float]] = {}  # request -> (replica, group, submit time)
+    info: dict[int, tuple[int, float]] = {}  # request -> (group, submit time)
     last_update = [0.0] * c.replicas
     waiting: list[dict[int, list[int]]] = [{} for _ in range(c.replicas)]  # replica -> {computing: [waiters]}
 
@@ -210,10 +215,10 @@ def simulate_router(config: RouterSimConfig) -> RouterSimResult:
         replica = route.replica
         result.requests_per_replica[replica] += 1
         advance(replica, at)
-        info[request] = (replica, group, at)
+        info[request] = (group, at)
         result.prompt_tokens += prompt_len
         computing = [r for r, job in active[replica].items() if job[1] == "prefill" and not job[2]
-                     and info[r][1] == group]
+                     and info[r][0] == group]
         if c.prefix_wait and computing and ("system", group) not in caches[replica].index:
             waiting[replica].setdefault(computing[0], []).append(request)  # in-flight sharing: wait for its state
             return
@@ -240,7 +245,7 @@ def simulate_router(config: RouterSimConfig) -> RouterSimResult:
         now, replica, request = best
         advance(replica, now)
         job = active[replica][request]
-        _, group, submitted = info[request]
+        group, submitted = info[request]
         cache = caches[replica]
         if job[1] == "prefill":
             cache.prefilled(group, request, job[2], c.system_tokens, prompt_len)
