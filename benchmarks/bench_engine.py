@@ -32,7 +32,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
-from k3serve.engine.workloads import WasteMeter, ZeroRowsModel, run_all, shared_prefix_ttft
+from k3serve.lab.workloads import WasteMeter, ZeroRowsModel, run_all, shared_prefix_ttft
 from family_fixture import add_model_args, model_path
 from k3serve.loading import load_model
 from k3serve.host import describe_host

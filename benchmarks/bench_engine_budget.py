@@ -24,7 +24,7 @@ from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
 from k3serve.loading import load_model
-from k3serve.stream.budget import parse_size
+from k3serve.units import parse_size
 from k3serve.stream.options import StreamOptions
 
 CONCURRENCY = (1, 8, 32)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_stream import FIXTURE_ROOT, build_fixture, heldout_windows  # noqa: E402
 
 from k3serve.host import describe_host  # noqa: E402
-from k3serve.stream.budget import format_size, parse_size  # noqa: E402
+from k3serve.units import format_size, parse_size  # noqa: E402
 
 
 def shards_for(packed: Path, count: int) -> list[Path]:

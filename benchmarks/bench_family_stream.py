@@ -34,10 +34,10 @@ from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
 from k3serve.loading import load_model
-from k3serve.stream.budget import format_size
+from k3serve.units import format_size
 from k3serve.stream.family_pack import pack_family
 from k3serve.stream.family_source import trunk_float32_bytes
-from k3serve.stream.measure import measure_decode
+from k3serve.lab.measure import measure_decode
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.family_store import FamilyStore, is_family_store
 

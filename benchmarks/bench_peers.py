@@ -387,7 +387,7 @@ def main() -> None:
                              "e.g. 768M,1G (k3serve's packed store vs llama.cpp's mmap, cold; needs root)")
     args = parser.parse_args()
     if args.memory_limits:
-        from k3serve.stream.budget import parse_size
+        from k3serve.units import parse_size
 
         checkpoint = widened_checkpoint(args.inner, args.latent)
         gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist))

@@ -25,7 +25,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
-from k3serve.engine.workloads import run_all
+from k3serve.lab.workloads import run_all
 from k3serve.host import describe_host
 from k3serve.loading import load_model
 

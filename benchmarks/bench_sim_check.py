@@ -20,7 +20,6 @@ process each with cold caches, and compares.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -87,7 +86,7 @@ def simulate_point(store, trace, guesses, machine, budget: int | None, policy: s
 def main() -> int:
     from bench_stream import build_fixture, run_once
 
-    from k3serve.stream.budget import parse_size
+    from k3serve.units import parse_size
     from k3serve.stream.options import StreamOptions
     from k3serve.stream.trace import read_trace
     from k3serve.weights.store import PackedStore

@@ -100,7 +100,7 @@ def predict(args, packed: Path, prompts) -> dict:
     from k3serve.sim.cluster import ClusterConfig, simulate_cluster
     from k3serve.sim.full import VirtualStore, replay_config, simulate
     from k3serve.sim.machine import NetworkModel
-    from k3serve.stream.budget import parse_size
+    from k3serve.units import parse_size
     from k3serve.stream.trace import read_trace
     from k3serve.weights.store import PackedStore
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from k3serve.engine.generate import generate
-from k3serve.engine.replay_drafter import ReplayDrafter, ReplayFactory
+from k3serve.lab.replay_drafter import ReplayDrafter, ReplayFactory
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.speculative import SpeculativeConfig
 from k3serve.loading import load_model
@@ -53,7 +53,7 @@ def budget_bytes(tokens: int, prompt: list[int], model_dir: str | None = None) -
     from k3serve.stream.options import StreamOptions
     from k3serve.weights.store import PackedStore
     from k3serve.stream.budget import minimum_budget_bytes
-    from k3serve.stream.loading import default_packed_dir
+    from k3serve.loading.streaming import default_packed_dir
 
     if model_dir is None:
         packed = default_packed_dir()

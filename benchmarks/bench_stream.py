@@ -207,7 +207,7 @@ def main() -> int:
         return 0
 
     from k3serve.sim.cache_replay import replay_all
-    from k3serve.stream.budget import format_size, parse_size
+    from k3serve.units import format_size, parse_size
     from k3serve.stream.options import StreamOptions
     from k3serve.stream.trace import read_trace
     from k3serve.weights.store import PackedStore

@@ -31,7 +31,7 @@ import json
 import statistics
 from pathlib import Path
 
-from k3serve.engine.isolation import IsolationConfig, PauseSplit, measure_pause_split, run_isolation
+from k3serve.lab.isolation import IsolationConfig, PauseSplit, measure_pause_split, run_isolation
 from k3serve.loading import load_model
 from k3serve.host import describe_host
 
@@ -87,7 +87,7 @@ def main() -> None:
                                                         "repeats": args.split_repeats}, indent=1) + "\n")
         return
     if args.clock == "model":
-        from k3serve.engine.isolation import calibrate_step_cost
+        from k3serve.lab.isolation import calibrate_step_cost
 
         if args.step_cost is not None:
             fixed_ms, per_us = (float(v) for v in args.step_cost.split(","))

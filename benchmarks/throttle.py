@@ -34,7 +34,7 @@ def block_device(path: str | Path) -> str:
 
 
 def parse_rate(text: str) -> int:
-    from k3serve.stream.budget import parse_size
+    from k3serve.units import parse_size
 
     return parse_size(text)
 

@@ -51,3 +51,11 @@ def tiny_reference(tiny_dir):
     checkpoint = Checkpoint(tiny_dir)
     tensors = {name: checkpoint.read(name) for name in checkpoint.index.names()}
     return ReferenceModel(checkpoint.config, tensors)
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tiny_dir, tmp_path_factory):
+    """The tiny oracle packed in the natural layout (a streaming store)."""
+    from k3serve.weights.pack import pack_checkpoint
+
+    return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("tiny-packed"))

@@ -40,7 +40,7 @@ def test_messages_are_one_line_and_name_what_the_user_typed():
 def test_a_runtime_write_failure_is_one_error_line(tiny_dir, tmp_path, monkeypatch, capsys):
     import numpy as np
 
-    from k3serve.cli import main
+    from k3serve.cli.main import main
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "l.npy"))

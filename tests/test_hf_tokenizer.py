@@ -392,7 +392,7 @@ def test_generate_prompt_on_a_family_checkpoint_with_tokenizer_json(qwen_loaded,
     sys.path.insert(0, str(Path(__file__).parent / "model" / "families"))
     import _hf_tiny  # builds tiny transformers checkpoints (torch, transformers: test dependencies)
 
-    from k3serve.cli import main
+    from k3serve.cli.main import main
     from k3serve.engine.generate import generate
     from k3serve.engine.sampling import SamplingParams
     from k3serve.loading import load_model

@@ -1,5 +1,10 @@
-"""The import graph of k3serve has no cycles: every import counts, at module level, inside functions (lazy) and
-under TYPE_CHECKING alike, since each is a dependency of one module on another."""
+"""The import graph of k3serve: no cycles, and every import points down the floors (docs/architecture.md):
+
+    base < weights < model < stream < loading < engine < serve < cluster < sim < training < lab < cli
+
+`base` is the top-level leaf modules (config, errors, units, the tokenizers, default_model, host); `loading` is the
+one composition root (the architecture registry and `load_model`). Every import counts, at module level, inside
+functions (lazy) and under TYPE_CHECKING alike, since each is a dependency of one module on another."""
 
 from __future__ import annotations
 
@@ -83,6 +88,39 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_finder_sees_a_cycle():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+FLOORS = ("base", "weights", "model", "stream", "loading", "engine", "serve", "cluster", "sim", "training", "lab",
+          "cli")
+
+
+def floor_of(module: str) -> str:
+    """k3serve.<package>.* -> its package's floor; a top-level module (k3serve.<module>) is base."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "base"
+    if parts[1] in FLOORS:
+        return parts[1]
+    assert (ROOT / f"{parts[1]}.py").exists(), f"{module}: a package with no floor; add it to FLOORS"
+    return "base"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where the imported module sits on a higher floor than its importer."""
+    return [(m, d) for m, deps in sorted(graph.items()) for d in sorted(deps)
+            if FLOORS.index(floor_of(d)) > FLOORS.index(floor_of(m))]
+
+
+def test_the_floor_check_sees_an_upward_import():
+    graph = {"k3serve.model.k3": {"k3serve.engine.engine", "k3serve.weights.store"}, "k3serve.config": set()}
+    assert upward_imports(graph) == [("k3serve.model.k3", "k3serve.engine.engine")]
+    assert floor_of("k3serve.config") == "base" and floor_of("k3serve.cli.main") == "cli"
+
+
+def test_every_import_points_down_the_floors():
+    graph = import_graph()
+    assert {floor_of(m) for m in graph} == set(FLOORS)  # every floor exists, and no package is left out
+    assert upward_imports(graph) == []
 
 
 def test_k3serve_has_no_import_cycles():

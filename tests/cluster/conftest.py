@@ -42,7 +42,7 @@ def front(local_ray):
     """Two replicas of the embedded model behind the cache-aware router (Ray restarts a killed one), served by
     the HTTP API on loopback: yields (url, backend, tokenizer). The app's shutdown stops the replicas."""
     from k3serve.cluster.backend import ClusterBackend
-    from k3serve.cluster.commands import front_tokenizer
+    from k3serve.cli.cluster import front_tokenizer
     from k3serve.serve.api import create_app
 
     backend = ClusterBackend(ReplicaSpec(model=None, stream=None, engine=ENGINE, speculative=None), 2,

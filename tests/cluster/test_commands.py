@@ -8,7 +8,7 @@ import sys
 import pytest
 from _http_server import free_port
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 
 
 @pytest.mark.parametrize("args, message", [
@@ -35,7 +35,7 @@ def test_an_unknown_router_is_a_usage_error(capsys):
 
 
 def test_the_runtime_without_the_extra_imports_no_ray():
-    code = ("import sys, k3serve.cli, k3serve.serve.api, k3serve.cluster.commands, k3serve.cluster.router; "
-            "k3serve.cli.build_parser(); print('ray' in sys.modules)")
+    code = ("import sys, k3serve.cli.main, k3serve.serve.api, k3serve.cli.cluster, k3serve.cluster.router; "
+            "k3serve.cli.main.build_parser(); print('ray' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -3,7 +3,7 @@ again, and the printed text starts right after the prompt."""
 
 from __future__ import annotations
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 from k3serve.engine.generate import generate
 from k3serve.engine.healing import heal_prompt
 from k3serve.engine.sampling import SamplingParams

@@ -10,7 +10,7 @@ from k3serve.engine.drafters import Draft, NGramDrafter
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.generate import generate
 from k3serve.engine.sampling import Sampler, SamplingParams
-from k3serve.engine.spec_storage import storage_report
+from k3serve.cli.spec_storage import storage_report
 from k3serve.engine.speculative import AdaptiveDraftLength, DrafterFactory, SpeculativeConfig
 from k3serve.engine.verification import verify
 from k3serve.errors import RequestError

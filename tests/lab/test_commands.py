@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 
 
 def test_lab_run_prints_and_writes_the_record(tmp_path, capsys):

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="the peers extra is not installed (pip install -e '.[peers]'): llama.cpp "
                                         "interop is not tested")
 
-from k3serve.cli import main as k3serve_main  # noqa: E402
+from k3serve.cli.main import main as k3serve_main  # noqa: E402
 
 SDIST = Path(os.environ.get("K3SERVE_LLAMA_CPP_SDIST", "/tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz"))
 INTEROP_KEYS = ("hidden_act", "mla_use_nope", "num_key_value_heads", "max_position_embeddings")

@@ -121,7 +121,7 @@ def test_chat_without_max_tokens_stops_at_the_default_cap(served):
 
 
 def test_the_cli_default_cap_is_the_servers():
-    from k3serve.cli import build_parser
+    from k3serve.cli.main import build_parser
 
     assert build_parser().parse_args(["serve"]).default_max_tokens == DEFAULT_CHAT_MAX_TOKENS
 

@@ -15,12 +15,12 @@ import pytest
 from openai import AuthenticationError as OpenAIAuthError
 from openai import BadRequestError, OpenAI, RateLimitError
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.loading import load_model
 from k3serve.serve.api import create_app
-from k3serve.serve.tenant_commands import install_reload, registry_for_serve, warn_if_open
+from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
 from k3serve.serve.tenants import (CapExceeded, QuotaExceeded, TenantRegistry, TenantsError, hash_key,
                                    parse_tenants)
 
@@ -88,7 +88,7 @@ def test_a_bad_file_stops_the_server_before_it_starts(tmp_path, capsys):
 
 
 def test_serve_passes_scheduling_and_step_interruption_to_the_engine():
-    from k3serve.cli import _engine_config, build_parser
+    from k3serve.cli.main import _engine_config, build_parser
 
     args = build_parser().parse_args(["serve", "--scheduling", "priority", "--step-interruption"])
     config = _engine_config(args)

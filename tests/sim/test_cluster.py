@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 from k3serve.cluster.expert_parallel import ExpertOwnerCore, ExpertParallelSource, LocalOwners, trunk_budget
 from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams

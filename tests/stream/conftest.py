@@ -1,15 +1,10 @@
-"""Packed copies of the tiny oracle: natural layout, and co-activation layout from a recorded trace."""
+"""A routing trace of the tiny oracle's packed store (`tiny_store`, tests/conftest.py) and its co-activation layout."""
 
 from __future__ import annotations
 
 import pytest
 
 from k3serve.weights.pack import pack_checkpoint
-
-
-@pytest.fixture(scope="session")
-def tiny_store(tiny_dir, tmp_path_factory):
-    return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("tiny-packed"))
 
 
 @pytest.fixture(scope="session")

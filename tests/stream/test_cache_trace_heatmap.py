@@ -7,9 +7,9 @@ import zlib
 
 import numpy as np
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 from k3serve.stream.cache import LRUPolicy, PinnedPolicy, S3FIFOPolicy
-from k3serve.stream.heatmap import heatmap_rgb, write_png
+from k3serve.cli.heatmap import heatmap_rgb, write_png
 from k3serve.stream.trace import read_trace
 
 

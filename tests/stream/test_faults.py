@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from k3serve.loading import load_model
-from k3serve.stream.budget import BudgetError, parse_size, plan_budget
+from k3serve.stream.budget import BudgetError, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.store import StoreError
@@ -107,12 +107,6 @@ def test_trunk_comes_first_and_pin_cap_moves_the_split(tiny_store):
     assert len(generous.pinned_layers) > 0 and capped.pinned_layers == ()
     assert capped.expert_slots > generous.expert_slots
     assert generous.total_bytes <= 4_000_000 and capped.total_bytes <= 4_000_000
-
-
-def test_parse_size():
-    assert parse_size("8G") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1.5GB") == 1_500_000_000
-    with pytest.raises(BudgetError):
-        parse_size("lots")
 
 
 def test_a_missing_expert_file_is_reported_missing_not_truncated(tiny_store, tmp_path):

@@ -71,7 +71,7 @@ def test_streaming_matches_resident_bytes(resident, tiny_store, tiny_store_coact
 
 
 def test_embedded_model_streams_byte_identically():
-    from k3serve.stream.loading import default_packed_dir
+    from k3serve.loading.streaming import default_packed_dir
     from k3serve.weights.store import PackedStore
 
     resident = load_model(None).model

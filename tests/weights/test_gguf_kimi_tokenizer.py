@@ -150,7 +150,7 @@ def test_pack_streams_a_k3_gguf_as_it_runs_resident(reference, k3_gguf, tmp_path
     at its minimum budget gives the resident file's logits and greedy tokens, with the file's tokenizer."""
     import numpy as np
 
-    from k3serve.cli import main
+    from k3serve.cli.main import main
     from k3serve.stream.budget import minimum_budget_bytes
     from k3serve.stream.options import StreamOptions
     from k3serve.weights.store import PackedStore
@@ -171,7 +171,7 @@ def test_pack_streams_a_k3_gguf_as_it_runs_resident(reference, k3_gguf, tmp_path
 
 
 def test_pack_of_a_k3_gguf_refuses_what_it_cannot_do(k3_gguf, tmp_path, capsys):
-    from k3serve.cli import main
+    from k3serve.cli.main import main
 
     assert main(["pack", str(k3_gguf), str(tmp_path / "s"), "--shard", "0/2"]) != 0
     assert "is a GGUF file: --shard" in capsys.readouterr().err

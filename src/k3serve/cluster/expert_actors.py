@@ -153,14 +153,14 @@ def _cause(exc: BaseException) -> str:
 class ExpertParallelModel:
     """The front's model (a K3Model over an `ExpertParallelSource`) and what it was built from."""
 
-    loaded: object  # k3serve.loaded.LoadedModel
+    loaded: object  # k3serve.loading.loaded.LoadedModel
     source: ExpertParallelSource
 
 
 def load_expert_parallel(packed: Path, shard_paths: Sequence[str | Path], trunk_options, owner_options: ShardOptions,
                          cpus_per_owner: float = 1.0, max_restarts: int = 3) -> ExpertParallelModel:
     """Start the owners (Ray must be initialised) and open the front's trunk from the packed store `packed`."""
-    from k3serve.loaded import LoadedModel, configure_threads
+    from k3serve.loading.loaded import LoadedModel, configure_threads
     from k3serve.model.k3 import K3Model
     from k3serve.model.kernels import warmup
     from k3serve.stream.options import StreamOptions

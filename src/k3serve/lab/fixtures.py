@@ -148,7 +148,7 @@ class LabFixtures:
     # ---- a routing trace ------------------------------------------------------------------------------------
     def trace_path(self) -> Path:
         """A routing trace of the model on held-out windows (TRACE_WINDOWS x TRACE_WINDOW_TOKENS tokens)."""
-        from k3serve.stream.routing_stats import measure_routing
+        from k3serve.lab.routing_stats import measure_routing
         from k3serve.stream.trace import TraceWriter, trace_meta
 
         with self._lock:

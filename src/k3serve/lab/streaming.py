@@ -1,5 +1,5 @@
 """One streaming decode run for the lab's modules: open a packed store under options, generate on the prompts,
-close; the figures of the decode steps (k3serve.stream.measure) plus the budget plan's expert slots."""
+close; the figures of the decode steps (k3serve.lab.measure) plus the budget plan's expert slots."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from k3serve.stream.measure import DecodeMeasurement, measure_decode
+from k3serve.lab.measure import DecodeMeasurement, measure_decode
 from k3serve.stream.options import StreamOptions
 
 WIDENINGS = {"1x": (1, 1), "4x": (4, 4)}  # experts widened in units and latent (exact duplication, same routing)

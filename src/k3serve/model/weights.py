@@ -20,6 +20,7 @@ import numpy as np
 
 from k3serve.config import K3Config
 from k3serve.weights import names
+from k3serve.weights.held import TRUNK_DTYPES
 
 
 @dataclass(frozen=True)
@@ -227,46 +228,6 @@ class ForwardingSource(WeightSource):
 
 TensorReader = Callable[[str], np.ndarray]
 
-TRUNK_DTYPES = ("float32", "bf16")
-# Trunk matrices held as bf16 bits whatever the trunk dtype (the big MLP matrices) ...
-BF16_ALWAYS = ("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "shared_experts.", "routed_expert_down_proj.",
-               "routed_expert_up_proj.")
-# ... and, with a bf16 trunk, the attention projections, the embedding and the lm_head too. Everything else (norms,
-# conv taps, decay, routers, the per-head kv_b halves) is widened to float32 in both.
-BF16_IN_BF16_TRUNK = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.g_proj.",
-                      "self_attn.o_proj.", "self_attn.f_a_proj.", "self_attn.b_proj.", "self_attn.q_a_proj.",
-                      "self_attn.kv_a_proj_with_mqa.", "self_attn.q_b_proj.", "embed_tokens.", "lm_head.")
-# projections fused into one matrix at build time: bf16 only when every part is
-FUSED_GROUPS = (("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.g_proj.",
-                 "self_attn.f_a_proj.", "self_attn.b_proj."),
-                ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.g_proj."))
-
-
-def _bf16_rule(name: str, trunk_dtype: str) -> bool:
-    keys = BF16_ALWAYS + (BF16_IN_BF16_TRUNK if trunk_dtype == "bf16" else ())
-    return any(k in name for k in keys)
-
-
-def held_bytes(tensors: Sequence[tuple[str, str, tuple[int, ...]]], trunk_dtype: str = "float32") -> int:
-    """Bytes the built weights of one trunk blob hold, for tensors (name, stored dtype, shape): 2 per parameter for
-    a bf16-stored matrix the trunk dtype keeps as bf16 (a fused group only when all its parts are bf16-stored),
-    4 for everything else. The budget splitter charges this (stream/budget.py)."""
-    if trunk_dtype not in TRUNK_DTYPES:
-        raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
-    stored = {name: dtype for name, dtype, _ in tensors}
-    total = 0
-    for name, dtype, shape in tensors:
-        params = int(np.prod(shape))
-        bf16 = dtype == "BF16" and _bf16_rule(name, trunk_dtype)
-        for group in FUSED_GROUPS:
-            if bf16 and any(k in name for k in group):
-                prefix = name[:name.index("self_attn.")]
-                parts = [n for n in stored if n.startswith(prefix) and any(k in n for k in group)]
-                bf16 = all(stored[n] == "BF16" for n in parts)
-        total += params * (2 if bf16 else 4)
-    return total
-
-
 def keep_bf16(w: np.ndarray) -> np.ndarray:
     """float32 values that are all bf16 (low 16 bits zero) -> their bf16 bits (uint16); others unchanged."""
     w = np.ascontiguousarray(w, dtype=np.float32)
@@ -292,7 +253,7 @@ def _fuse(parts: list[np.ndarray]) -> np.ndarray:
 def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32") -> LayerWeights:
     """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array, or bf16 bits
     (uint16) for bf16-stored tensors. With `trunk_dtype` "bf16" the attention projections stay bf16 bits too
-    (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`held_bytes` is the accounting)."""
+    (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`k3serve.weights.held.held_bytes` is the accounting)."""
     if trunk_dtype not in TRUNK_DTYPES:
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)

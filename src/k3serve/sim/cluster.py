@@ -41,7 +41,7 @@ from k3serve.model.moe import pairs_by_expert
 from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, VirtualBuffer
 from k3serve.sim.full import ExpertWork, SimConfig, SimConfigError, SimResult, SimRun, drive_run, run_result
 from k3serve.sim.machine import Machine, NetworkModel
-from k3serve.stream.budget import format_size
+from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.shard_source import shard_slots

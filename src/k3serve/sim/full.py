@@ -42,12 +42,13 @@ from k3serve.errors import K3Error
 from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, VirtualBuffer
 from k3serve.sim.machine import ComputeModel, Machine
 from k3serve.sim.routing import DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, replay_steps, solve_skew
-from k3serve.stream.budget import BudgetError, BudgetPlan, format_size, minimum_budget_bytes, plan_budget
+from k3serve.stream.budget import BudgetError, BudgetPlan, minimum_budget_bytes, plan_budget
+from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.io import Extent
 from k3serve.stream.stats import StreamStats
-from k3serve.model.weights import held_bytes
+from k3serve.weights.held import held_bytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import ALIGNMENT, align_up, expert_parts
@@ -77,7 +78,7 @@ class VirtualBlob:
         return align_up(self.size)
 
     def held_bytes(self, trunk_dtype: str = "float32") -> int:
-        """The engine's own accounting of what the built weights hold (`k3serve.model.weights.held_bytes`)."""
+        """The engine's own accounting of what the built weights hold (`k3serve.weights.held.held_bytes`)."""
         return held_bytes(self.tensors, trunk_dtype)
 
 

@@ -11,7 +11,7 @@ budget is never exceeded silently. Charges (bytes):
                      transient copies while fusing projections)
     expert slots     slots x the 4 KiB-aligned blob stride; at least TOPK slots (one token's experts)
 
-With `trunk_dtype="bf16"` the trunk is held as the engine then holds it (`model.weights.held_bytes`: every
+With `trunk_dtype="bf16"` the trunk is held as the engine then holds it (`weights.held.held_bytes`: every
 bf16-stored matrix as bf16 bits, multiplied by `kernels.linear`; norms, conv taps, routers widened):
     globals          the globals blob's read buffer (embedding and lm_head are views of it), plus the bounded
                      float32 transient of `kernels.linear` (BF16_WIDEN_BLOCK_BYTES of rows at a time)
@@ -27,35 +27,14 @@ Default split: the trunk first (pinning layers, largest first, while the rest st
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from k3serve.errors import K3Error
+from k3serve.units import format_size
 from k3serve.weights.store import PackedStore
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
-
-
 class BudgetError(K3Error):
-    """The RAM budget cannot run the model, or a size could not be parsed."""
-
-
-def parse_size(text: str | int) -> int:
-    """'8G', '512MiB', '1.5GB', '1048576' -> bytes (K/M/G/T alone are binary units)."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise BudgetError(f"cannot read size {text!r}; write e.g. 8G, 512M, 1.5GiB or a byte count")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def format_size(nbytes: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} B"
+    """The RAM budget cannot run the model."""
 
 
 @dataclass(frozen=True)

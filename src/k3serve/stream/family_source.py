@@ -24,13 +24,9 @@ from typing import Sequence
 
 import numpy as np
 
-from k3serve.errors import CheckpointError, UsageError
-from k3serve.loaded import LoadedModel, configure_threads, family_tokenizer
-from k3serve.model.families import load_family
-from k3serve.model.families.decoder import FamilyModel
+from k3serve.errors import UsageError
 from k3serve.model.families.expert_blobs import BlobPart, view_expert
 from k3serve.model.families.experts import Expert, outputs_one_by_one
-from k3serve.model.families.moe import MoEBlock
 from k3serve.model.moe import ExpertPairs
 from k3serve.stream.budget import BudgetPlan, plan_resident_trunk
 from k3serve.stream.io import IOEngine
@@ -129,24 +125,3 @@ class StreamingExperts:
 
     def close(self) -> None:
         self.expert_io.close()
-
-
-def load_family_streaming(folder: Path, options: StreamOptions) -> LoadedModel:
-    """A `LoadedModel` of a family store: the trunk resident, the routed experts streamed."""
-    from k3serve.model.kernels import warmup as warmup_kernels
-
-    store = FamilyStore(folder)
-    model: FamilyModel = load_family(folder, expert_precision=store.precision)
-    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
-    if [b.layer for b in blocks] != store.moe_layers or any(b.router.top_k != store.top_k or
-                                                            b.router.weight.shape[0] != store.num_experts
-                                                            for b in blocks):
-        raise CheckpointError(f"packed store {folder}: its MoE layers {store.moe_layers} ({store.num_experts} "
-                              f"experts, top-{store.top_k}) differ from the model's; repack it")
-    experts = StreamingExperts(store, options, model.config.num_layers)
-    model.experts = experts  # type: ignore[assignment]
-    for block in blocks:
-        block.experts = experts  # type: ignore[assignment]
-    configure_threads(model.config.hidden_size)
-    warmup_kernels()
-    return LoadedModel(model=model, checkpoint=None, tokenizer=family_tokenizer(folder), path=folder)

@@ -19,7 +19,8 @@ import numpy as np
 
 from k3serve.errors import K3Error
 from k3serve.model.weights import ExpertWeights
-from k3serve.stream.budget import BudgetError, format_size
+from k3serve.stream.budget import BudgetError
+from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.io import IO_MODES, IOEngine
 from k3serve.stream.slots import ExpertSlots

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from k3serve.stream.budget import BudgetPlan, format_size
+from k3serve.stream.budget import BudgetPlan
+from k3serve.units import format_size
 
 @dataclass
 class StreamStats:

@@ -32,6 +32,7 @@ from k3serve.config import MXFP4_GROUP_SIZE, K3Config, load_config
 from k3serve.errors import CheckpointError
 from k3serve.weights import names
 from k3serve.weights.bf16 import bf16_bits_to_f32
+from k3serve.weights.held import held_bytes
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
 
 if TYPE_CHECKING:
@@ -134,9 +135,7 @@ class TrunkBlob:
         return sum(int(np.prod(t.shape)) * 4 for t in self.tensors)
 
     def held_bytes(self, trunk_dtype: str = "float32") -> int:
-        """The RAM its built weights hold with that trunk dtype (`k3serve.model.weights.held_bytes`)."""
-        from k3serve.model.weights import held_bytes
-
+        """The RAM its built weights hold with that trunk dtype (`k3serve.weights.held.held_bytes`)."""
         return held_bytes([(t.name, t.dtype, t.shape) for t in self.tensors], trunk_dtype)
 
     def decode(self, raw: np.ndarray, keep_bf16: bool = False) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from _hf_tiny import FAMILIES, prompt
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.generate import generate
-from k3serve.engine.replay_drafter import ReplayDrafter, ReplayFactory
+from k3serve.lab.replay_drafter import ReplayDrafter, ReplayFactory
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.speculative import SpeculativeConfig
 from k3serve.errors import RequestError

@@ -10,7 +10,7 @@ import pytest
 
 from _gguf_writer import write_gguf
 from _hf_tiny import build_tiny, prompt
-from k3serve.cli import main
+from k3serve.cli.main import main
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams

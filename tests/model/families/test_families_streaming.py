@@ -13,7 +13,7 @@ import pytest
 
 import _hf_tiny
 from _hf_tiny import prompt
-from k3serve.cli import main
+from k3serve.cli.main import main
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.streaming import WIDENINGS, streamed_run
-from k3serve.stream.budget import format_size, minimum_budget_bytes
+from k3serve.stream.budget import minimum_budget_bytes
+from k3serve.units import format_size
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.store import PackedStore
 

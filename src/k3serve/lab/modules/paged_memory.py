@@ -9,7 +9,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
-from k3serve.engine.workloads import WasteMeter, ZeroRowsModel, run_all
+from k3serve.lab.workloads import WasteMeter, ZeroRowsModel, run_all
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)

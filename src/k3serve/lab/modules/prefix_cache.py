@@ -6,7 +6,7 @@ import statistics
 
 import numpy as np
 
-from k3serve.engine.workloads import shared_prefix_ttft
+from k3serve.lab.workloads import shared_prefix_ttft
 from k3serve.lab.fixtures import MODEL_CHOICES
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 

@@ -6,7 +6,7 @@ import statistics
 import numpy as np
 
 from k3serve.engine.generate import generate
-from k3serve.engine.replay_drafter import ReplayDrafter, ReplayFactory
+from k3serve.lab.replay_drafter import ReplayDrafter, ReplayFactory
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeConfig
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param

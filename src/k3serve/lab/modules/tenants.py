@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3serve.engine.isolation import IsolationConfig, run_isolation
+from k3serve.lab.isolation import IsolationConfig, run_isolation
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 
 MODES = ("alone", "fcfs", "fair")

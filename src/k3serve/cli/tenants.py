@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from k3serve.cli_args import float_range
+from k3serve.cli.args import float_range
 from k3serve.engine.fairness import DEFAULT_OUTPUT_COST, SCHEDULING_POLICIES
 from k3serve.errors import UsageError
 from k3serve.serve.tenants import TenantRegistry, hash_key, load_tenants

@@ -109,7 +109,7 @@ def float_range(low: float, high: float = math.inf, low_open: bool = False) -> C
 
 def size(text: str) -> str:
     """A byte size such as 8G, 512M or 1048576; kept as text (parsed again where it is used)."""
-    from k3serve.stream.budget import parse_size
+    from k3serve.units import parse_size
 
     try:
         parse_size(text)

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import numpy as np
 
-from k3serve import cli_args
-from k3serve.cli_args import Parser, output_file, positive_int
-from k3serve.cluster.commands import add_cluster_args, run_cluster
+from k3serve.cli import args as cli_args
+from k3serve.cli.args import Parser, output_file, positive_int
+from k3serve.cli.cluster import add_cluster_args, run_cluster
 from k3serve.engine.config import PREFIX_CACHE_POLICIES
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
-from k3serve.lab.commands import add_lab_command
-from k3serve.serve.tenant_commands import add_tenant_args, add_tenants_command
-from k3serve.stream.commands import add_stream_args, add_subcommands, load_for_run
+from k3serve.cli.lab import add_lab_command
+from k3serve.cli.tenants import add_tenant_args, add_tenants_command
+from k3serve.cli.stream import add_stream_args, add_subcommands, load_for_run
 
 
 def _add_model_arg(parser: argparse.ArgumentParser, required: bool = False) -> None:
@@ -301,7 +301,7 @@ def _engine_config(args: argparse.Namespace):
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     """`serve` over replicas on Ray (k3serve.cluster): every argument is checked before Ray or a model starts."""
-    from k3serve.serve.tenant_commands import install_reload, registry_for_serve, warn_if_open
+    from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
 
     config = _engine_config(args)
     speculative = _speculative_config(args)
@@ -313,12 +313,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
 
     from k3serve.engine.engine import LLMEngine
     from k3serve.model.k3 import K3Model
     from k3serve.serve.api import create_app
-    from k3serve.serve.tenant_commands import install_reload, registry_for_serve, warn_if_open
+    from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
 
     config = _engine_config(args)
     speculative = _speculative_config(args)
@@ -376,15 +375,15 @@ def _serve_until_sigterm(server, listener) -> None:
 
 
 def cmd_spec_storage(args: argparse.Namespace) -> int:
-    from k3serve.engine.spec_storage import storage_report
+    from k3serve.cli.spec_storage import storage_report
 
     lines, record = storage_report(args.max_window)
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
     return 0
 
 
-STREAM_COMMANDS: dict = {}  # pack, sim, coactivation (k3serve.stream.commands)
-LAB_COMMANDS: dict = {}  # lab (k3serve.lab.commands)
+STREAM_COMMANDS: dict = {}  # pack, sim, coactivation (k3serve.cli.stream)
+LAB_COMMANDS: dict = {}  # lab (k3serve.cli.lab)
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "cluster": cmd_cluster, "logits": cmd_logits, "make-tiny": cmd_make_tiny,
             "info": cmd_info, "spec-storage": cmd_spec_storage}
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from k3serve import cli_args
+from k3serve.cli import args as cli_args
 from k3serve.cluster.router import ROUTERS, RouterConfig
 from k3serve.errors import CheckpointError, K3Error, UsageError
 
@@ -69,7 +69,7 @@ def run_cluster(args: argparse.Namespace, engine_config, speculative, tenants, l
     """Start (or join) Ray, the replicas and the HTTP front; serve until interrupted or SIGTERM (`serve(app)`: the
     server's drain, which lets in-flight requests finish); stop everything."""
     from k3serve.cluster.spec import ReplicaSpec
-    from k3serve.stream.commands import stream_options
+    from k3serve.cli.stream import stream_options
 
     if getattr(args, "trace_out", None) is not None:
         raise UsageError("--trace-out is per process: run `k3serve serve --trace-out` to record a routing trace")
@@ -139,9 +139,9 @@ def run_expert_parallel(args: argparse.Namespace, engine_config, speculative, te
     """The engine and the trunk on this process, the experts on `--expert-parallel N` owner actors (Ray)."""
     from k3serve.config import load_config
     from k3serve.loading import default_model_dir
-    from k3serve.stream.budget import parse_size
-    from k3serve.stream.commands import stream_options
-    from k3serve.stream.loading import default_packed_dir
+    from k3serve.units import parse_size
+    from k3serve.cli.stream import stream_options
+    from k3serve.loading.streaming import default_packed_dir
     from k3serve.stream.shard_source import ShardOptions
     from k3serve.weights.shard import check_shard_count
     from k3serve.weights.store import is_packed_store

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from k3serve.loading import load_model
-from k3serve.stream.measure import measure_decode
+from k3serve.lab.measure import measure_decode
 from k3serve.stream.options import StreamOptions
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from k3serve.default_model import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH, cache_root, default_model_dir,
                                    verify_checksums)
 from k3serve.errors import CheckpointError, ConfigError, TokenizerError
-from k3serve.loaded import LoadedModel, configure_threads, family_tokenizer
+from k3serve.loading.loaded import LoadedModel, configure_threads, family_tokenizer
 from k3serve.model.families import is_family_checkpoint, load_family
 from k3serve.model.families.loading import load_family_gguf
 from k3serve.gguf_tokenizer import tokenizer_from_gguf
@@ -36,7 +36,7 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
 
     if stream is not None or (path is not None and is_packed_store(path)):
         # a packed store, or any streaming option (`stream`: k3serve.stream.options.StreamOptions)
-        from k3serve.stream.loading import load_streaming
+        from k3serve.loading.streaming import load_streaming
         from k3serve.stream.options import StreamOptions
 
         return load_streaming(path, stream if stream is not None else StreamOptions())

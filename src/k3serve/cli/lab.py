@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3serve import cli_args
+from k3serve.cli import args as cli_args
 from k3serve.errors import K3Error
 
 

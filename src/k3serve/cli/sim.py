@@ -8,13 +8,13 @@ import json
 import sys
 from pathlib import Path
 
-from k3serve.stream.budget import format_size, parse_size
+from k3serve.units import format_size, parse_size
 
 RAM_LADDER = ("8G", "16G", "32G", "64G", "128G")
 
 
 def add_sim_commands(sim_sub) -> None:
-    from k3serve import cli_args
+    from k3serve.cli import args as cli_args
 
     d = " (default: %(default)s)"
     k3 = sim_sub.add_parser("k3", help="simulate the full K3 (2.78T) through k3serve's streaming code on a machine")

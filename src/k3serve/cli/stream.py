@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from k3serve import cli_args
+from k3serve.cli import args as cli_args
 from k3serve.errors import K3Error, UsageError
-from k3serve.stream.budget import format_size, parse_size
+from k3serve.units import format_size, parse_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.io import IO_MODES
 from k3serve.stream.options import PREFETCH_MODES, StreamOptions
@@ -108,7 +108,7 @@ def add_subcommands(sub) -> dict:
                        help="comma-separated policies to replay")
     cache.add_argument("--json", type=cli_args.output_file, default=None,
                        help="also write the results as JSON to this file (default: none)")
-    from k3serve.sim.commands import add_sim_commands
+    from k3serve.cli.sim import add_sim_commands
     add_sim_commands(sim_sub)  # k3, calibrate, probe-disk, probe-cpu (the full-scale simulator)
 
     co = sub.add_parser("coactivation", help="per-layer co-activation maps of a trace, as .npy and heatmap .png")
@@ -238,7 +238,7 @@ def _pack_family(args: argparse.Namespace) -> int:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from k3serve.sim.cache_replay import replay_all
-    from k3serve.sim.commands import SIM_COMMANDS
+    from k3serve.cli.sim import SIM_COMMANDS
 
     if args.sim_command in SIM_COMMANDS:
         return SIM_COMMANDS[args.sim_command](args)
@@ -268,7 +268,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_coactivation(args: argparse.Namespace) -> int:
-    from k3serve.stream.heatmap import heatmap_rgb, write_png
+    from k3serve.cli.heatmap import heatmap_rgb, write_png
     from k3serve.stream.trace import read_trace
     from k3serve.weights.layout import adjacency_score, coactivation_matrix, coactivation_order
 
@@ -310,7 +310,7 @@ def routing_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -
 
 def cmd_routing_stats(args: argparse.Namespace) -> int:
     from k3serve.loading import load_model
-    from k3serve.stream.routing_stats import measure_routing
+    from k3serve.lab.routing_stats import measure_routing
     from k3serve.stream.trace import TraceWriter, trace_meta
 
     loaded = load_model(args.model)

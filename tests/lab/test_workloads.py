@@ -8,7 +8,7 @@ from k3serve.config import tiny_config
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
-from k3serve.engine.workloads import WasteMeter, ZeroRowsModel, run_all
+from k3serve.lab.workloads import WasteMeter, ZeroRowsModel, run_all
 
 
 def _engine(block_size: int, **kw) -> LLMEngine:

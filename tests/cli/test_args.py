@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.cli import build_parser, main
-from k3serve.cli_args import HelpFormatter, walk_parsers
+from k3serve.cli.main import build_parser, main
+from k3serve.cli.args import HelpFormatter, walk_parsers
 
 FILE = "@file"  # replaced by a path to an existing regular file
 UNDER_FILE = "@file/x.out"  # a path whose parent is a file: never writable, even as root

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3serve.engine.generate import generate
-from k3serve.engine.replay_drafter import ReplayDrafter, ReplayFactory
+from k3serve.lab.replay_drafter import ReplayDrafter, ReplayFactory
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.speculative import SpeculativeConfig
 

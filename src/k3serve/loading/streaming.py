@@ -10,10 +10,14 @@ from pathlib import Path
 
 from k3serve.default_model import DEFAULT_MODEL_NAME, cache_root, default_model_dir, verify_checksums
 from k3serve.errors import CheckpointError
-from k3serve.loaded import LoadedModel, configure_threads
+from k3serve.loading.loaded import LoadedModel, configure_threads, family_tokenizer
+from k3serve.model.families import load_family
+from k3serve.model.families.decoder import FamilyModel
+from k3serve.model.families.moe import MoEBlock
+from k3serve.stream.family_source import StreamingExperts
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.source import StreamingSource
-from k3serve.weights.family_store import is_family_store
+from k3serve.weights.family_store import FamilyStore, is_family_store
 from k3serve.weights.store import PackedStore, is_packed_store
 
 logger = logging.getLogger(__name__)
@@ -56,8 +60,6 @@ def load_streaming(path: str | Path | None, options: StreamOptions):
             f"{folder} is not a packed store; streaming options (--ram-budget, --io, --cache, --prefetch, "
             f"--trace-out) read a packed store: run `k3serve pack {folder} PACKED_DIR` and pass --model PACKED_DIR")
     if is_family_store(folder):
-        from k3serve.stream.family_source import load_family_streaming
-
         return load_family_streaming(folder, options)
     store = PackedStore(folder)
     tokenizer: Tokenizer | HFTokenizer | None = None
@@ -72,3 +74,24 @@ def load_streaming(path: str | Path | None, options: StreamOptions):
     configure_threads(store.config.hidden_size)
     warmup_kernels()
     return LoadedModel(model=K3Model(source), checkpoint=None, tokenizer=tokenizer, path=folder)
+
+
+def load_family_streaming(folder: Path, options: StreamOptions) -> LoadedModel:
+    """A `LoadedModel` of a family store: the trunk resident, the routed experts streamed."""
+    from k3serve.model.kernels import warmup as warmup_kernels
+
+    store = FamilyStore(folder)
+    model: FamilyModel = load_family(folder, expert_precision=store.precision)
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+    if [b.layer for b in blocks] != store.moe_layers or any(b.router.top_k != store.top_k or
+                                                            b.router.weight.shape[0] != store.num_experts
+                                                            for b in blocks):
+        raise CheckpointError(f"packed store {folder}: its MoE layers {store.moe_layers} ({store.num_experts} "
+                              f"experts, top-{store.top_k}) differ from the model's; repack it")
+    experts = StreamingExperts(store, options, model.config.num_layers)
+    model.experts = experts  # type: ignore[assignment]
+    for block in blocks:
+        block.experts = experts  # type: ignore[assignment]
+    configure_threads(model.config.hidden_size)
+    warmup_kernels()
+    return LoadedModel(model=model, checkpoint=None, tokenizer=family_tokenizer(folder), path=folder)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from k3serve.cli import main
+from k3serve.cli.main import main
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -101,7 +101,7 @@ def test_prompts_past_the_context_are_refused_by_generate_and_logits(tiny_dir, t
 
 @pytest.mark.parametrize("command", ["serve", "cluster"])
 def test_serve_and_cluster_pass_the_prefix_cache_policy_to_the_engine(command, capsys):
-    from k3serve.cli import _engine_config, build_parser
+    from k3serve.cli.main import _engine_config, build_parser
 
     parser = build_parser()
     assert _engine_config(parser.parse_args([command])).prefix_cache_policy == "slru"
@@ -113,7 +113,7 @@ def test_serve_and_cluster_pass_the_prefix_cache_policy_to_the_engine(command, c
 
 @pytest.mark.parametrize("command", ["serve", "cluster"])
 def test_serve_and_cluster_size_the_state_checkpoints(command, capsys):
-    from k3serve.cli import _engine_config, build_parser
+    from k3serve.cli.main import _engine_config, build_parser
     from k3serve.engine.config import EngineConfig
 
     parser = build_parser()

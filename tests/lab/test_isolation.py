@@ -11,7 +11,7 @@ import pytest
 
 import numpy as np
 
-from k3serve.engine.isolation import IsolationConfig, PauseSplit, measure_pause_split, run_isolation, summary
+from k3serve.lab.isolation import IsolationConfig, PauseSplit, measure_pause_split, run_isolation, summary
 from k3serve.errors import ConfigError
 
 # the embedded model's 8 layers (ms): KDA mixers cost more than MLA ones (layers 3 and 7), layer 0's MLP is dense

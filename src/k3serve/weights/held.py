@@ -1,0 +1,47 @@
+"""Which trunk tensors stay bf16 in RAM, and the bytes a built trunk blob holds: a fact about the released tensor
+names, shared by the model (which builds the layers, model/weights.py) and the budget splitter (stream/budget.py)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+TRUNK_DTYPES = ("float32", "bf16")
+# Trunk matrices held as bf16 bits whatever the trunk dtype (the big MLP matrices) ...
+BF16_ALWAYS = ("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "shared_experts.", "routed_expert_down_proj.",
+               "routed_expert_up_proj.")
+# ... and, with a bf16 trunk, the attention projections, the embedding and the lm_head too. Everything else (norms,
+# conv taps, decay, routers, the per-head kv_b halves) is widened to float32 in both.
+BF16_IN_BF16_TRUNK = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.g_proj.",
+                      "self_attn.o_proj.", "self_attn.f_a_proj.", "self_attn.b_proj.", "self_attn.q_a_proj.",
+                      "self_attn.kv_a_proj_with_mqa.", "self_attn.q_b_proj.", "embed_tokens.", "lm_head.")
+# projections fused into one matrix at build time: bf16 only when every part is
+FUSED_GROUPS = (("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.g_proj.",
+                 "self_attn.f_a_proj.", "self_attn.b_proj."),
+                ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.g_proj."))
+
+
+def bf16_rule(name: str, trunk_dtype: str) -> bool:
+    keys = BF16_ALWAYS + (BF16_IN_BF16_TRUNK if trunk_dtype == "bf16" else ())
+    return any(k in name for k in keys)
+
+
+def held_bytes(tensors: Sequence[tuple[str, str, tuple[int, ...]]], trunk_dtype: str = "float32") -> int:
+    """Bytes the built weights of one trunk blob hold, for tensors (name, stored dtype, shape): 2 per parameter for
+    a bf16-stored matrix the trunk dtype keeps as bf16 (a fused group only when all its parts are bf16-stored),
+    4 for everything else. The budget splitter charges this (stream/budget.py)."""
+    if trunk_dtype not in TRUNK_DTYPES:
+        raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
+    stored = {name: dtype for name, dtype, _ in tensors}
+    total = 0
+    for name, dtype, shape in tensors:
+        params = int(np.prod(shape))
+        bf16 = dtype == "BF16" and bf16_rule(name, trunk_dtype)
+        for group in FUSED_GROUPS:
+            if bf16 and any(k in name for k in group):
+                prefix = name[:name.index("self_attn.")]
+                parts = [n for n in stored if n.startswith(prefix) and any(k in n for k in group)]
+                bf16 = all(stored[n] == "BF16" for n in parts)
+        total += params * (2 if bf16 else 4)
+    return total
