@@ -20,7 +20,7 @@ import numpy as np
 
 from family_fixture import add_model_args, model_path
 from k3serve.loading import load_model
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 from k3serve.host import describe_host
 
 

@@ -38,7 +38,7 @@ def run(concurrency: int, budget: int, max_tokens: int) -> dict[str, float]:
     for _ in range(concurrency):
         engine.add_request([int(t) for t in rng.integers(3, model.config.vocab_size, 16)],
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    before = model.source.stream_stats()
+    before = model.source.stats().stream
     started = time.perf_counter()
     generated = 0
     while engine.has_unfinished_requests():
@@ -46,7 +46,7 @@ def run(concurrency: int, budget: int, max_tokens: int) -> dict[str, float]:
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
     seconds = time.perf_counter() - started
-    stats = model.source.stream_stats().minus(before)
+    stats = model.source.stats().stream.minus(before)
     model.source.close()
     return {"generated_tokens": generated, "bytes_per_token": stats.bytes_read / generated,
             "expert_bytes_per_token": stats.expert_bytes_read / generated,

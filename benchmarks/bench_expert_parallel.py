@@ -54,7 +54,7 @@ def shards_for(packed: Path, count: int) -> list[Path]:
 
 def measure(model, prompts: list[list[int]], decode: int, snapshot) -> dict:
     """Prefill each prompt, then decode `decode` greedy tokens; counters and time over the decode steps only."""
-    from k3serve.model.k3 import ForwardItem
+    from k3serve.model.interface import ForwardItem
 
     seconds, tokens, deltas = 0.0, 0, None
     for prompt in prompts:
@@ -88,7 +88,7 @@ def run_single(packed: Path, budget: int, io: str, prompts, decode: int) -> dict
     loaded = load_model(packed, stream=StreamOptions(ram_budget=budget, io=io))
     source = loaded.model.source
     try:
-        result = measure(loaded.model, prompts, decode, lambda: [source.stream_stats()])
+        result = measure(loaded.model, prompts, decode, lambda: [source.stats().stream])
     finally:
         source.close()
     tokens = result["tokens"]
@@ -111,7 +111,7 @@ def run_ep(packed: Path, shards: list[Path], budget: int, io: str, prompts, deco
     net = source.network
 
     def snapshot():
-        return [source.inner.stream_stats(), *source.owner_stats(), net.bytes_total, net.wait_seconds, net.calls]
+        return [source.inner.stats().stream, *source.stats().owners, net.bytes_total, net.wait_seconds, net.calls]
 
     try:
         result = measure(ep.loaded.model, prompts, decode, snapshot)

@@ -146,7 +146,7 @@ def build_ggufs(checkpoint: Path, tree: Path) -> dict[str, Path]:
 def run_k3serve(spec: dict) -> dict:
     from k3serve.loading import load_model
     from k3serve.model.families.moe import MoEBlock
-    from k3serve.model.k3 import ForwardItem
+    from k3serve.model.interface import ForwardItem
 
     model = load_model(spec["checkpoint"], expert_precision=spec["precision"]).model  # as the CLI loads it
     for layer in model.layers:  # resident like llama.cpp's: every expert read and packed before timing

@@ -25,7 +25,7 @@ import numpy as np
 
 from k3serve.loading import load_model
 from k3serve.model.families.moe import MoEBlock
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 
 WORK = Path(os.environ.get("K3BENCH_FAMILIES_DIR", "/tmp/k3bench-families"))
 EXPERT_KERNELS = ("_dense_experts_parallel", "_dense_experts_serial", "_experts_gate_up_parallel",

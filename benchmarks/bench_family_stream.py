@@ -81,7 +81,7 @@ def streamed_run(store: FamilyStore, options: StreamOptions, prompts, tokens: in
         m = measure_decode(model, prompts, tokens)
         return m.outputs, m.decode_steps / m.decode_seconds, m
     finally:
-        model.source.close()
+        model.experts.close()
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ def main() -> None:
     from bench_peers import bytes_per_token, widened_checkpoint
     from k3serve.host import describe_host
     from k3serve.loading import load_model
-    from k3serve.model.k3 import ForwardItem
+    from k3serve.model.interface import ForwardItem
 
     checkpoint = args.model or widened_checkpoint(16, 32)
     model = load_model(checkpoint).model

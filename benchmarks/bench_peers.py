@@ -213,7 +213,7 @@ def peak_rss_mib() -> float:
 
 def run_k3serve(spec: dict) -> dict:
     from k3serve.loading import load_model
-    from k3serve.model.k3 import ForwardItem
+    from k3serve.model.interface import ForwardItem
 
     model = load_model(spec["checkpoint"]).model
     prompt = np.asarray(spec["prompt"], np.int64)

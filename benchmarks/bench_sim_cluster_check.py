@@ -51,7 +51,7 @@ def record_resident(packed: Path, prompts, decode: int, trace: Path, repeats: in
                                                          trace_out=trace if i == 0 else None))
         source = loaded.model.source
         try:
-            result = measure(loaded.model, prompts, decode, lambda: [source.stream_stats()])
+            result = measure(loaded.model, prompts, decode, lambda: [source.stats().stream])
         finally:
             source.close()
         times.append(result["seconds"] / result["tokens"])

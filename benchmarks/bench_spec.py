@@ -29,7 +29,7 @@ from k3serve.lab.replay_drafter import ReplayDrafter, ReplayFactory
 from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.speculative import SpeculativeConfig
 from k3serve.loading import load_model
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 from k3serve.model.rollback import RollbackCache
 
 
@@ -74,8 +74,8 @@ def budget_bytes(tokens: int, prompt: list[int], model_dir: str | None = None) -
         marks = []  # stats when the first token (out of the prefill) is emitted: decode reads are counted after it
         tokens_out, report = generate(loaded.model, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True),
                                       speculative=spec,
-                                      on_token=lambda _t: marks.append(source.stream_stats()) if not marks else None)
-        stats = source.stream_stats().minus(marks[0])
+                                      on_token=lambda _t: marks.append(source.stats().stream) if not marks else None)
+        stats = source.stats().stream.minus(marks[0])
         source.close()
         out[name] = {"bytes_per_token": stats.bytes_read / (len(tokens_out) - 1), "tokens": tokens_out}
     assert out["plain"]["tokens"] == out["ngram"]["tokens"], "speculation changed greedy output under a budget"

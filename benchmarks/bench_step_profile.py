@@ -30,7 +30,7 @@ from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
 from k3serve.loading import load_model
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 
 
 def decode_steps(model, batch: int, steps: int, rng: np.random.Generator, experts: list[int] | None = None,

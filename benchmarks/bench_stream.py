@@ -114,11 +114,11 @@ def worker(spec: dict) -> dict:
     decode_s, decode_steps, prefill_s, outputs = 0.0, 0, 0.0, []
     decode_stats = prefill_stats = None
     for prompt in spec["prompts"]:
-        before = source.stream_stats()
+        before = source.stats().stream
         marks = []
         out, report = generate(loaded.model, prompt, SamplingParams(max_tokens=spec["tokens"], ignore_eos=True),
-                               on_token=lambda _t: marks.append(source.stream_stats()) if not marks else None)
-        after = source.stream_stats()
+                               on_token=lambda _t: marks.append(source.stats().stream) if not marks else None)
+        after = source.stats().stream
         prefill_s += report.prefill_seconds
         decode_s += report.decode_seconds
         decode_steps += len(out) - 1

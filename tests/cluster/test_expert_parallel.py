@@ -65,7 +65,7 @@ def test_in_process_owners_under_small_budgets_give_the_bits_of_one_process(stor
     assert np.array_equal(model.logits(ids[:12], "incremental"), tiny_model.logits(ids[:12], "incremental"))
     llm = LLM(model, ENGINE)
     assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)] == one_process
-    stats = model.source.owner_stats()
+    stats = model.source.stats().owners
     assert all(s.expert_requests > 0 and s.expert_misses > s.expert_retained >= 0 for s in stats)
     assert model.source.network.calls > model.source.network.layers > 0
     model.source.check_integrity()
@@ -94,7 +94,7 @@ def test_owners_as_ray_actors_give_the_bits_of_one_process(local_ray, stores, ti
         assert os.getpid() not in {info.pid for info in ep.source.infos}  # the experts run elsewhere
         assert np.array_equal(model.logits(PROMPTS[0], "full"), tiny_model.logits(PROMPTS[0], "full"))
         assert [out.outputs[0].token_ids for out in LLM(model, ENGINE).generate(PROMPTS, GREEDY)] == one_process
-        per_owner = ep.source.owner_stats()
+        per_owner = ep.source.stats().owners
         assert [s.expert_requests > 0 and s.expert_bytes_read > 0 for s in per_owner] == [True, True]
         assert ep.source.network.bytes_received > 0 and ep.source.network.per_owner_calls[1] > 0
         ep.source.check_integrity()
@@ -153,12 +153,12 @@ def test_an_owner_that_dies_mid_call_is_restarted_and_its_calls_give_the_same_bi
         assert owners.restarts == [0, 2] and owners.infos[1].pid != first_pid
         model.source.check_integrity()
         # /metrics: the restarts, the calls, and each owner's counters (owner 1's since its last start)
-        snap, per_owner = llm.engine.metrics.snapshot(), model.source.owner_stats()
+        snap, per_owner = llm.engine.metrics.snapshot(), model.source.stats().owners
         assert snap["expert_owner_restarts"] == {"0": 0, "1": 2}
         assert snap["expert_parallel_calls"] == model.source.network.calls > 0
         assert snap["expert_parallel_bytes_received"] == model.source.network.bytes_received > 0
         assert snap["expert_owner_requests"] == {str(i): s.expert_requests for i, s in enumerate(per_owner)}
-        assert 0 < per_owner[1].steps < model.source.stream_stats().steps  # owner 1 counts from its restart
+        assert 0 < per_owner[1].steps < model.source.stats().stream.steps  # owner 1 counts from its restart
     finally:
         model.source.close()
 

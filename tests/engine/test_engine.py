@@ -184,7 +184,14 @@ class _PoisonedModel:
 
     def __init__(self, model, poison: int) -> None:
         self.model, self.poison, self.config = model, poison, model.config
-        self.cache_layout = model.cache_layout
+        self.cache_layout, self.experts = model.cache_layout, model.experts
+        self.supports_nested_forward, self.routing_traces = model.supports_nested_forward, False
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def resident_draft(self, allowed=None):
+        return None
 
     def forward(self, items, **kwargs):
         if any(self.poison in item.token_ids for item in items):

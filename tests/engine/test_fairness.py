@@ -15,7 +15,7 @@ from k3serve.engine.fairness import FairPolicy, TenantShare, make_policy
 from k3serve.engine.request import FinishReason
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
-from k3serve.model.k3 import MIXER, MLP
+from k3serve.model.interface import MIXER, MLP
 
 COST = 2.0
 

@@ -12,7 +12,7 @@ from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
 from k3serve.engine.state_pool import StatePool
 from k3serve.model.k3 import k3_cache_layout
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 
 
 def _relative_rms(a: np.ndarray, b: np.ndarray) -> float:

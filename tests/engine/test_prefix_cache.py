@@ -15,7 +15,7 @@ from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.prefix_cache import SegmentedLRU, StateCheckpoint, root_hash
 from k3serve.errors import ConfigError
 from k3serve.engine.sampling import SamplingParams
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPT = [1, 17, 200, 45, 3, 99, 128, 7, 250, 64, 31, 5, 180, 77, 12, 240, 33, 90, 150, 2, 4, 66]

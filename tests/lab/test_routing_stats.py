@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3serve.cli.main import main
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 from k3serve.model.moe import guess_next_layer
 from k3serve.lab.routing_stats import _overlap, _skew, measure_routing
 from k3serve.stream.trace import TraceWriter, read_trace, trace_meta

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 
 
 # fp32 round-off between two orders of summation (chunked vs recurrent KDA, GEMM vs GEMV, batched vs alone)
@@ -132,7 +132,7 @@ def _cache_arrays(cache, layout) -> list[np.ndarray]:
 def test_a_forward_nested_at_any_pause_point_leaves_both_exact(tiny_model):
     """The engine's step interruption runs a whole forward at a pause point of another one (after a layer's
     attention or after its MLP): both give bit-for-bit what they give alone, and the paused one's caches too."""
-    from k3serve.model.k3 import MIXER, MLP, pause_points
+    from k3serve.model.interface import MIXER, MLP, pause_points
 
     layout = tiny_model.cache_layout
     rng = np.random.default_rng(11)

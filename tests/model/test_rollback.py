@@ -8,7 +8,7 @@ import pytest
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
 from k3serve.engine.state_pool import StatePool
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 from k3serve.model.rollback import (KIMI_LINEAR_SHAPES, RecurrentShapes, RollbackCache, rollback_storage)
 from k3serve.config import full_k3_config
 

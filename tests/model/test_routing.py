@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3serve.model.moe import pairs_by_expert, top_k_rows
+from k3serve.model.moe import top_k_rows
+from k3serve.model.routing import pairs_by_expert
 
 
 def _top_k(biased: np.ndarray, top_k: int) -> np.ndarray:

@@ -40,9 +40,9 @@ def test_cluster_reads_and_sends_what_the_engine_does(tiny_shards, tmp_path, cou
                                                                         queue_depth=4, trace_out=trace_path)),
                                   owners, owners.infos)
     generate(K3Model(source), [1, 5, 9, 200, 17, 3], SamplingParams(max_tokens=9, ignore_eos=True))
-    real, net = source.owner_stats(), source.network
+    real, net = source.stats().owners, source.network
     source.close()
-    front_real = source.inner.stream_stats()
+    front_real = source.inner.stats().stream
     assert all(s.expert_misses > 0 for s in real) and net.calls > net.layers > 0
     assert policy in ("none", "lru") or any(s.expert_retained > 0 for s in real)
 

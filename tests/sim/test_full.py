@@ -39,7 +39,7 @@ def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, ex
     source = loaded.model.source
     generate(loaded.model, [1, 5, 9, 200, 17, 3], SamplingParams(max_tokens=9, ignore_eos=True))
     source.close()  # waits for the trunk read-ahead still in flight, so that its bytes are counted
-    real = source.stream_stats()
+    real = source.stats().stream
     plan = source.plan
     assert plan.streamed_layers or pin is None  # the pin=0 cases stream the trunk too
     assert real.expert_misses > 0 and (real.expert_retained > 0 or policy in ("none", "lru"))

@@ -42,10 +42,10 @@ def test_bytes_read_per_generated_token_fall_with_batch_size(tiny_store):
     per_token = {}
     for batch in (1, 8):
         model = load_model(tiny_store.path, stream=StreamOptions(ram_budget=3 << 20, io="pread", cache="lru")).model
-        before = model.source.stream_stats()
+        before = model.source.stats().stream
         prompts = [[5 + i, 9, 13] for i in range(batch)]
         outputs = _run(model, prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-        read = model.source.stream_stats().minus(before).bytes_read
+        read = model.source.stats().stream.minus(before).bytes_read
         per_token[batch] = read / sum(len(o) for o in outputs)
         model.source.close()
     assert per_token[8] < 0.5 * per_token[1], per_token
@@ -79,7 +79,7 @@ def test_metrics_report_a_streaming_sources_reads_and_cache_and_a_resident_model
     engine.add_request([5, 9, 13, 200], SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    stats, snap = model.source.stream_stats(), engine.metrics.snapshot()  # no step between the two
+    stats, snap = model.source.stats().stream, engine.metrics.snapshot()  # no step between the two
     assert snap["weights_expert_bytes_read"] == stats.expert_bytes_read > 0
     assert snap["weights_trunk_bytes_read"] == stats.trunk_bytes_read
     assert snap["expert_requests"] == stats.expert_requests > snap["expert_retained"] == stats.expert_retained

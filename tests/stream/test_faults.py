@@ -34,7 +34,7 @@ def test_a_corrupt_blob_is_refused_with_its_location(tiny_store, tmp_path):
             model.source.experts(1, expert_ids)[3]
     message = str(info.value)
     assert "layer 1 expert 3" in message and "experts.bin" in message and f"offset {offset}" in message
-    assert model.source.stats.checksum_retries == 1
+    assert model.source.counters.checksum_retries == 1
     model.source.check_integrity()  # the bad slot was freed, not kept
 
 
@@ -51,7 +51,7 @@ def test_a_transient_corruption_is_reread_once(tiny_store):
     weights = model.source.experts(2, [5])[5]
     resident = load_model(tiny_store.path).model.source.experts(2, [5])[5]
     assert (weights.w1_packed == resident.w1_packed).all()
-    assert model.source.stats.checksum_retries == 1
+    assert model.source.counters.checksum_retries == 1
 
 
 def test_io_errors_are_retried_then_reported(tiny_store):

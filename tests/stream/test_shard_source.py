@@ -28,7 +28,7 @@ def test_experts_are_the_stores_bytes_and_the_budget_sets_the_slots(shard, tiny_
         assert all(np.array_equal(getattr(got[expert], f), getattr(want, f)) for f in vars(want))
     source.begin_step(1)
     source.experts(layer, [7])[7]  # still resident from the step before: retained
-    stats = source.stream_stats()
+    stats = source.stats().stream
     assert (stats.expert_requests, stats.expert_misses, stats.expert_retained) == (5, 4, 1)
     assert stats.expert_bytes_read == 4 * shard.expert_stride
     source.check_integrity()

@@ -63,7 +63,7 @@ def test_streaming_matches_resident_bytes(resident, tiny_store, tiny_store_coact
                                                       ignore_eos=True))[0]
     assert sampled == resident["sampled"]
     source.check_integrity()
-    stats = source.stream_stats()
+    stats = source.stats().stream
     assert stats.expert_requests == stats.expert_retained + stats.expert_prefetch_hits + stats.expert_misses
     if budget != "unlimited":
         assert source.plan.total_bytes <= options.ram_budget
@@ -92,7 +92,7 @@ def test_a_prefetched_expert_is_never_counted_as_retained(tiny_store):
     model = load_model(tiny_store.path, stream=StreamOptions(cache="none", prefetch="next-layer",
                                                              prefetch_max=8)).model
     model.logits([1])  # one step from an empty cache
-    stats = model.source.stream_stats()
+    stats = model.source.stats().stream
     assert stats.expert_retained == 0
     assert stats.expert_prefetch_hits > 0  # the guesses (all experts of the next layer) were used
     assert stats.expert_misses + stats.expert_prefetch_hits == stats.expert_requests

@@ -163,7 +163,7 @@ def test_pack_streams_a_k3_gguf_as_it_runs_resident(reference, k3_gguf, tmp_path
     ids = reference.encode("The old man said: \"Once upon a time, there was a king.\"")
     assert np.array_equal(streamed.model.logits(ids), resident.model.logits(ids))
     assert streamed.model.greedy(ids, 8) == resident.model.greedy(ids, 8)
-    assert streamed.model.source.stream_stats().expert_evictions > 0
+    assert streamed.model.source.stats().stream.expert_evictions > 0
     for text in CORPUS:
         assert streamed.tokenizer.encode(text) == reference.encode(text), text[:60]
     assert streamed.tokenizer.chat_template == TEMPLATE

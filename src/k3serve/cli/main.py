@@ -263,9 +263,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     from k3serve.config import full_k3_config, load_config
     from k3serve.loading import default_model_dir
 
-    from k3serve.model.families import is_family_checkpoint, read_family_config
+    from k3serve.loading.registry import K3, of_folder
+    from k3serve.model.families import read_family_config
 
-    if args.model is not None and is_family_checkpoint(args.model):
+    if args.model is not None and of_folder(args.model) is not K3:
         print(json.dumps(read_family_config(args.model).summary(), indent=2))
         return 0
     config = full_k3_config() if args.full_k3 else load_config(args.model or default_model_dir())
@@ -315,7 +316,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
 
     from k3serve.engine.engine import LLMEngine
-    from k3serve.model.k3 import K3Model
     from k3serve.serve.api import create_app
     from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
 
@@ -345,7 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from k3serve.lab.fixtures import LabFixtures
         from k3serve.weights.store import is_packed_store
 
-        lab_model = args.model if args.model and isinstance(loaded.model, K3Model) \
+        lab_model = args.model if args.model and loaded.architecture.routing_traces \
             and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
         mount_lab(app, LabFixtures(lab_model))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)

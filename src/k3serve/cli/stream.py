@@ -71,14 +71,10 @@ def load_for_run(args: argparse.Namespace, **kwargs):
     options = stream_options(args)
     only_trace = options is not None and all(getattr(args, n, None) is None for n in _STREAM_FLAGS if n != "trace_out")
     if only_trace and args.model is not None and not is_packed_store(args.model):
-        from k3serve.model.k3 import K3Model
-        from k3serve.stream.trace import TracedSource, TraceWriter, trace_meta
-
         loaded = load_model(args.model, **kwargs)
-        if not isinstance(loaded.model, K3Model):
+        if loaded.architecture.record_routing is None:
             raise UsageError(f"{args.model}: --trace-out records K3 models only (routing traces are K3's format)")
-        source = loaded.model.source
-        loaded.model.source = TracedSource(source, TraceWriter(options.trace_out, trace_meta(source.config)))
+        loaded.architecture.record_routing(loaded.model, options.trace_out)
         return loaded
     return load_model(args.model, stream=options, **kwargs)
 
@@ -163,44 +159,38 @@ def _policies(text: str) -> list[str]:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
+    from k3serve.loading.registry import of_path
     from k3serve.stream.trace import check_trace_model, read_trace
     from k3serve.weights.checkpoint import Checkpoint
-    from k3serve.weights.pack import pack_checkpoint
+    from k3serve.weights.family_store import is_family_store
+    from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 
     if args.out.resolve() == args.src.resolve():
         raise UsageError(f"pack would write into its source checkpoint {args.src}: give another output folder")
-    from k3serve.model.families import is_family_checkpoint
-    from k3serve.weights.family_store import is_family_store
-    from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
-    from k3serve.weights.gguf_k3 import ARCHITECTURE as K3_GGUF_ARCHITECTURE
-
     if is_family_store(args.src):
         raise UsageError(f"{args.src} is a packed family store already; pack its source checkpoint folder")
-    gguf_architecture = None
-    if is_gguf_file(args.src):
-        file = GGUFFile(args.src)
-        gguf_architecture = file.architecture
-        file.close()
-    if is_family_checkpoint(args.src) or gguf_architecture not in (None, K3_GGUF_ARCHITECTURE):
-        if args.shard is not None:
-            raise UsageError(f"{args.src} is a family checkpoint: --shard (expert parallelism) is built for K3 "
-                             "stores; pack it whole")
-        return _pack_family(args)
+    architecture = of_path(args.src)
+    from_gguf = is_gguf_file(args.src)
+    if args.shard is not None and not architecture.expert_shards:
+        raise UsageError(f"{args.src} is a family checkpoint: --shard (expert parallelism) is built for K3 "
+                         "stores; pack it whole")
+    if not architecture.routing_traces:
+        return _pack_family(args, architecture)
     if args.expert_precision not in ("native", "mxfp4"):
         raise UsageError(f"K3 experts ship as MXFP4; --expert-precision {args.expert_precision!r} applies to the "
                          "other families")
     if args.shard is not None:
-        if gguf_architecture is not None:
+        if from_gguf:
             raise UsageError(f"{args.src} is a GGUF file: --shard (expert parallelism) reads safetensors checkpoint "
                              "folders; pack the file whole")
         return _pack_shard(args)
     token_sets = None
     if args.trace:  # checked against the source model before anything is written
         trace = read_trace(args.trace)
-        with (Checkpoint.from_gguf(GGUFFile(args.src)) if gguf_architecture else Checkpoint(args.src)) as checkpoint:
+        with (Checkpoint.from_gguf(GGUFFile(args.src)) if from_gguf else Checkpoint(args.src)) as checkpoint:
             check_trace_model(trace, checkpoint.config, args.trace, "--trace")
         token_sets = trace.token_sets()
-    store = pack_checkpoint(args.src, args.out, layout=args.layout, token_sets=token_sets, progress=True)
+    store = architecture.pack(args.src, args.out, args.expert_precision, layout=args.layout, token_sets=token_sets)
     print(f"packed {args.src} -> {args.out}: layout {store.layout}, {store.num_experts_total} experts of "
           f"{format_size(store.expert_blob_size)} (stride {format_size(store.expert_stride)}), expert store "
           f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_path.stat().st_size)}",
@@ -221,14 +211,12 @@ def _pack_shard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pack_family(args: argparse.Namespace) -> int:
+def _pack_family(args: argparse.Namespace, architecture) -> int:
     """`pack` of a family checkpoint: trunk resident at run time, experts at --expert-precision in the store."""
-    from k3serve.stream.family_pack import pack_family
-
     if args.layout != "natural" or args.trace is not None:
         raise UsageError(f"{args.src} is a family checkpoint: its store keeps the experts in id order (--layout "
                          "natural, no --trace); the trace-driven layouts are built for K3 stores")
-    store = pack_family(args.src, args.out, expert_precision=args.expert_precision, progress=True)
+    store = architecture.pack(args.src, args.out, args.expert_precision)
     print(f"packed {args.src} -> {args.out}: {store.model_type}, {store.num_experts_total} experts "
           f"({store.precision}, {store.kind} blobs of {format_size(store.expert_blob_size)}, stride "
           f"{format_size(store.expert_stride)}), expert store {format_size(store.expert_path.stat().st_size)}, "

@@ -30,7 +30,7 @@ from k3serve.cluster.expert_parallel import ExpertOwnerCore, ExpertParallelSourc
 from k3serve.cluster.spec import SINGLE_THREAD_ENV
 from k3serve.errors import K3Error
 from k3serve.stream.shard_source import ShardOptions
-from k3serve.stream.stats import StreamStats
+from k3serve.model.expert_source import StreamStats
 
 logger = logging.getLogger(__name__)
 
@@ -159,29 +159,27 @@ class ExpertParallelModel:
 
 def load_expert_parallel(packed: Path, shard_paths: Sequence[str | Path], trunk_options, owner_options: ShardOptions,
                          cpus_per_owner: float = 1.0, max_restarts: int = 3) -> ExpertParallelModel:
-    """Start the owners (Ray must be initialised) and open the front's trunk from the packed store `packed`."""
-    from k3serve.loading.loaded import LoadedModel, configure_threads
-    from k3serve.model.k3 import K3Model
-    from k3serve.model.kernels import warmup
+    """Start the owners (Ray must be initialised) and open the front's trunk from the packed store `packed` through
+    the one loader, its streaming source wrapped by an `ExpertParallelSource` over the owners."""
+    from k3serve.loading import load_model
     from k3serve.stream.options import StreamOptions
-    from k3serve.stream.source import StreamingSource
-    from k3serve.tokenizer import Tokenizer
     from k3serve.weights.store import PackedStore
 
     from k3serve.cluster.expert_parallel import trunk_budget
 
-    store = PackedStore(packed)
-    options = trunk_options or StreamOptions(ram_budget=trunk_budget(store))
+    options = trunk_options or StreamOptions(ram_budget=trunk_budget(PackedStore(packed)))
     if options.prefetch != "none":
         raise K3Error("--prefetch is per expert cache: with --expert-parallel the front holds no experts")
     owners = RayOwners(shard_paths, owner_options, cpus_per_owner, max_restarts=max_restarts)
+    sources: list[ExpertParallelSource] = []
+
+    def over_owners(inner):
+        sources.append(ExpertParallelSource(inner, owners, owners.infos))
+        return sources[-1]
+
     try:
-        source = ExpertParallelSource(StreamingSource(store, options), owners, owners.infos)
+        loaded = load_model(packed, stream=options, wrap_experts=over_owners)
     except BaseException:
         owners.close()
         raise
-    configure_threads(store.config.hidden_size)
-    warmup()
-    tokenizer = Tokenizer.from_dir(packed) if (packed / "tiktoken.model").exists() else None
-    loaded = LoadedModel(model=K3Model(source), checkpoint=None, tokenizer=tokenizer, path=packed)
-    return ExpertParallelModel(loaded=loaded, source=source)
+    return ExpertParallelModel(loaded=loaded, source=sources[0])

@@ -22,16 +22,17 @@ and a one-machine check can run `ExpertOwnerCore`s in this process.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from k3serve.errors import K3Error
+from k3serve.model.expert_source import NetworkStats, SourceStats, StreamStats
 from k3serve.model.moe import expert_outputs
+from k3serve.model.routing import ExpertPairs
 from k3serve.model.weights import ExpertWeights, ForwardingSource, WeightSource
 from k3serve.stream.shard_source import ShardExpertSource, ShardOptions
-from k3serve.stream.stats import StreamStats
 from k3serve.weights.shard import ExpertShard, check_shard_count
 from k3serve.weights.store import config_fingerprint
 
@@ -115,7 +116,9 @@ class ExpertOwnerCore:
                               call.z, call.tokens, call.starts, call.ends)
 
     def stats(self) -> StreamStats:
-        return self.source.stream_stats()
+        stream = self.source.stats().stream
+        assert stream is not None  # a shard source always streams
+        return stream
 
     def check_integrity(self) -> None:
         self.source.check_integrity()
@@ -126,6 +129,8 @@ class ExpertOwnerCore:
 
 class OwnerTransport(Protocol):
     """Runs calls on their owners, all at once, and returns each call's y in the calls' order."""
+
+    restarts: list[int]  # times each owner died and was restarted
 
     def run_all(self, calls: Sequence[OwnerCall]) -> list[np.ndarray]: ...
 
@@ -142,6 +147,7 @@ class LocalOwners:
     def __init__(self, owners: Sequence[ExpertOwnerCore]) -> None:
         self.owners = list(owners)
         self.infos = [o.info for o in self.owners]
+        self.restarts = [0] * len(self.owners)  # in-process owners are never restarted
 
     def run_all(self, calls: Sequence[OwnerCall]) -> list[np.ndarray]:
         return [self.owners[c.owner].run(c) for c in calls]
@@ -156,20 +162,6 @@ class LocalOwners:
     def close(self) -> None:
         for owner in self.owners:
             owner.close()
-
-
-@dataclass
-class NetworkStats:
-    calls: int = 0
-    layers: int = 0  # MoE layer passes that called owners
-    bytes_sent: int = 0  # array payloads to the owners
-    bytes_received: int = 0  # array payloads back
-    wait_seconds: float = 0.0  # the front blocked on owner calls
-    per_owner_calls: list[int] = field(default_factory=list)
-
-    @property
-    def bytes_total(self) -> int:
-        return self.bytes_sent + self.bytes_received
 
 
 class ExpertParallelSource(ForwardingSource):
@@ -203,10 +195,9 @@ class ExpertParallelSource(ForwardingSource):
     def supports_nested_forward(self) -> bool:
         return False  # the owners' calls carry the step they belong to
 
-    def expert_outputs(self, layer: int, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
-                       starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        calls = split_by_owner(expert_ids, z, tokens, starts, ends, self.experts_per_owner, self._step,
-                               self._step_tokens, layer)
+    def expert_outputs(self, layer: int, pairs: ExpertPairs, z: np.ndarray) -> np.ndarray:
+        calls = split_by_owner(pairs.expert_ids, z, pairs.tokens, pairs.starts, pairs.ends, self.experts_per_owner,
+                               self._step, self._step_tokens, layer)
         started = time.perf_counter()
         outputs = self.owners.run_all(calls)
         net = self.network
@@ -227,15 +218,17 @@ class ExpertParallelSource(ForwardingSource):
     def stacked_experts(self, layer: int) -> Any:
         return None
 
-    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
-        """No prefetch: the front holds no experts (an owner's own read-ahead is future work)."""
+    @property
+    def prefetching(self) -> bool:
+        return False  # the front holds no experts (an owner's own read-ahead is future work)
 
     def resident_experts(self, layer: int) -> set[int] | None:
         return None
 
-    def owner_stats(self, timeout: float | None = None) -> list[StreamStats]:
-        """Each owner's counters (bytes read, retention, reads) since it last started."""
-        return self.owners.stats(timeout)
+    def stats(self, timeout: float | None = None) -> SourceStats:
+        """The front's trunk reads, each owner's counters since it last started, the calls and the restarts."""
+        return SourceStats(stream=self.inner.stats().stream, owners=tuple(self.owners.stats(timeout)),
+                           network=self.network, owner_restarts=tuple(self.owners.restarts))
 
     def describe(self) -> str:
         return f"expert-parallel x{self.count} (trunk: {self.inner.describe()})"

@@ -29,12 +29,12 @@ class EngineReplica:
         from k3serve.engine.engine import LLMEngine
         from k3serve.errors import K3Error
         from k3serve.loading import load_model
-        from k3serve.model.k3 import K3Model
 
         threadpool_limits(limits=1)
         loaded = load_model(spec.model, stream=spec.stream)
-        if not isinstance(loaded.model, K3Model):
-            raise K3Error(f"{loaded.path} is not a K3 checkpoint: the cluster runs K3 models only")
+        if not loaded.architecture.cluster_replicas:
+            raise K3Error(f"{loaded.path} is a {loaded.architecture.name} model: the cluster's replicas run K3 "
+                          "models only")
         drafters = None
         if spec.speculative is not None:
             from k3serve.engine.speculative import DrafterFactory

@@ -11,7 +11,7 @@ forward itself raises, every sequence in it is reset to be recomputed and marked
 step, and one that fails alone is failed with an error output. The engine keeps going either way.
 
 Step interruption (`EngineConfig.step_interruption`, fair/priority scheduling): at every pause point of a forward
-(after each layer's attention and after each layer's MLP or MoE, `model.k3.pause_points`) the engine looks at what
+(after each layer's attention and after each layer's MLP or MoE, `model.interface.pause_points`) the engine looks at what
 was submitted meanwhile. If the policy lets an arrival interrupt (its tenant ranks no worse than every other tenant
 in the forward), the scheduler admits it (`schedule_urgent`) and it runs a whole forward of its own, is sampled and
 streamed, and then the paused forward resumes. Such arrivals found at a step boundary run in a step of their own
@@ -49,8 +49,7 @@ from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.engine.source_metrics import watch_source
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
-from k3serve.model.families import FamilyModel
-from k3serve.model.k3 import MLP, ForwardItem, K3Model
+from k3serve.model.interface import MLP, ForwardItem, Model
 
 if TYPE_CHECKING:
     from k3serve.engine.constraints import Grammar
@@ -60,11 +59,11 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Continuous batching over one model (`K3Model` or any family's `FamilyModel`: the pools follow its
+    """Continuous batching over one `Model` (model/interface.py: K3 or any family; the pools follow its
     `cache_layout`). `add_request` and `abort` may be called from any thread; `step`
     from one thread at a time (the engine loop)."""
 
-    def __init__(self, model: K3Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
+    def __init__(self, model: Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
                  metrics: MetricsRegistry | None = None, speculative: SpeculativeConfig | None = None,
                  drafters: DrafterFactory | None = None,
                  on_pause: Callable[[int, int, str], None] | None = None) -> None:
@@ -133,7 +132,7 @@ class LLMEngine:
                                    "the scheduler's virtual token counter (weighted service received), per tenant",
                                    ("tenant",))
         self._g["state_slots_total"].set(self.scheduler.states.num_slots)
-        watch_source(self.metrics, getattr(model, "source", None))  # bytes read, expert cache (streaming, EP)
+        watch_source(self.metrics, model.experts)  # bytes read, expert cache (streaming, EP)
 
     # ---- submission (any thread) ----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
@@ -595,15 +594,18 @@ def _request_reason(request: Request) -> FinishReason:
 class LLM:
     """Offline generation over an `LLMEngine`: submit a list of prompts, step until all are done."""
 
-    def __init__(self, model: K3Model | FamilyModel | LoadedModel | str | Path | None = None,
+    def __init__(self, model: Model | LoadedModel | str | Path | None = None,
                  config: EngineConfig | None = None) -> None:
-        if isinstance(model, (K3Model, FamilyModel)):
+        from k3serve.loading import LoadedModel, load_model
+
+        if model is None or isinstance(model, (str, Path)):
+            loaded = load_model(model)
+        elif isinstance(model, LoadedModel):
+            loaded = model
+        else:  # a Model without its tokenizer: token ids in and out
             self.tokenizer = None
             self.engine = LLMEngine(model, config)
             return
-        from k3serve.loading import LoadedModel, load_model
-
-        loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids)
 

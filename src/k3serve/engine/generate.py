@@ -13,12 +13,12 @@ from k3serve.engine.sampling import Sampler, SamplingParams, mask_logits, valida
 from k3serve.engine.speculative import DrafterFactory, SpeculativeConfig
 from k3serve.engine.speculative_generate import speculative_generate
 from k3serve.errors import ContextLengthError
-from k3serve.model.k3 import ForwardItem, K3Model
+from k3serve.model.interface import ForwardItem, Model
 
 __all__ = ["RunReport", "generate", "peak_rss_bytes"]
 
 
-def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
+def generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams,
              stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
              speculative: SpeculativeConfig | None = None, drafters: DrafterFactory | None = None,
              constraint: Callable[[list[int]], np.ndarray | None] | None = None,
@@ -38,8 +38,8 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
     started = time.perf_counter()
     logits = model.forward([ForwardItem(np.asarray(prompt_ids, dtype=np.int64), cache)]).logits[0][-1]
     prefill_seconds = time.perf_counter() - started
-    source = model.source  # a streaming source (K3's, or a family's experts) reports its I/O
-    after_prefill = source.stream_stats() if source is not None else None
+    source = model.experts  # a streaming source (K3's, or a family's experts) reports its I/O
+    after_prefill = source.stats().stream if source is not None else None
     tokens: list[int] = []
     finish = "length"
     started = time.perf_counter()
@@ -61,6 +61,6 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
 
         # decode phase only: per generated token after the first (which came out of the prefill)
         report.extra_lines = [f"streaming         {source.describe()}"] + stream_report_lines(
-            source.stream_stats().minus(after_prefill), max(len(tokens) - 1, 1), decode_seconds, source.plan,
+            source.stats().stream.minus(after_prefill), max(len(tokens) - 1, 1), decode_seconds, source.plan,
             report.peak_rss_bytes)
     return tokens, report

@@ -1,7 +1,7 @@
 """/metrics for the weights: what a streaming source read and kept (`k3serve serve --ram-budget`), and with expert
 parallelism (`k3serve cluster --expert-parallel N`) each owner's cache and the calls' network bytes.
 
-The counters live in the sources (stream/stats.py `StreamStats`, cluster/expert_parallel.py `NetworkStats`); they are
+The counters live in the sources and come out of `ExpertSource.stats()` as one `SourceStats` record; they are
 copied into the engine's registry when someone reads it (`MetricsRegistry.add_refresher`), not on every step. A
 resident model reads nothing and exports none of these.
 """
@@ -9,6 +9,7 @@ resident model reads nothing and exports none of these.
 from __future__ import annotations
 
 from k3serve.engine.metrics import Counter, Gauge, MetricsRegistry
+from k3serve.model.expert_source import ExpertSource, SourceStats
 
 # StreamStats field -> (metric, help)
 STREAM_COUNTERS = {
@@ -40,36 +41,33 @@ NETWORK_COUNTERS = {
 OWNER_STATS_TIMEOUT_SECONDS = 5.0
 
 
-def watch_source(registry: MetricsRegistry, source) -> None:
-    """Export `source`'s counters from `registry` (see the module docstring); nothing when it has none."""
-    if source is None or source.stream_stats() is None and not hasattr(source, "owner_stats"):
+def watch_source(registry: MetricsRegistry, source: ExpertSource | None) -> None:
+    """Export `source`'s counters (`ExpertSource.stats()`) from `registry`; nothing when it has none."""
+    if source is None or source.stats(timeout=OWNER_STATS_TIMEOUT_SECONDS).empty:
         return
 
     def weights_metrics(reg: MetricsRegistry) -> None:
-        stats = source.stream_stats()
-        if stats is not None:
+        stats = source.stats(timeout=OWNER_STATS_TIMEOUT_SECONDS)
+        if stats.stream is not None:
             for field, (name, help) in STREAM_COUNTERS.items():
-                reg.counter(name, help).advance_to(getattr(stats, field))
+                reg.counter(name, help).advance_to(getattr(stats.stream, field))
             reg.gauge("expert_retention", "retained / all expert requests since start").set(
-                stats.expert_retained / stats.expert_requests if stats.expert_requests else 0.0)
-        if hasattr(source, "owner_stats"):
-            _owners(reg, source)
+                stats.stream.expert_retained / stats.stream.expert_requests if stats.stream.expert_requests else 0.0)
+        if stats.network is not None:
+            _owners(reg, stats)
 
     registry.add_refresher(weights_metrics)
 
 
-def _owners(reg: MetricsRegistry, source) -> None:
+def _owners(reg: MetricsRegistry, stats: SourceStats) -> None:
     for field, (name, help) in NETWORK_COUNTERS.items():
-        reg.counter(name, help).advance_to(getattr(source.network, field))
-    restarts = getattr(source.owners, "restarts", None)
-    if restarts is not None:
-        family = reg.family(Counter, "expert_owner_restarts", "times an owner died and Ray restarted it", ("owner",))
-        for owner, count in enumerate(restarts):
-            family.labels(str(owner)).advance_to(count)
-    per_owner = source.owner_stats(timeout=OWNER_STATS_TIMEOUT_SECONDS)
+        reg.counter(name, help).advance_to(getattr(stats.network, field))
+    restarts = reg.family(Counter, "expert_owner_restarts", "times an owner died and Ray restarted it", ("owner",))
+    for owner, count in enumerate(stats.owner_restarts):
+        restarts.labels(str(owner)).advance_to(count)
     families = {field: reg.family(Gauge, name, help, ("owner",)) for field, (name, help) in OWNER_GAUGES.items()}
     retention = reg.family(Gauge, "expert_owner_retention", "an owner's retained / all expert requests", ("owner",))
-    for owner, stats in enumerate(per_owner):
+    for owner, owner_stats in enumerate(stats.owners):
         for field, family in families.items():
-            family.labels(str(owner)).set(getattr(stats, field))
-        retention.labels(str(owner)).set(stats.retention if stats.expert_requests else 0.0)
+            family.labels(str(owner)).set(getattr(owner_stats, field))
+        retention.labels(str(owner)).set(owner_stats.retention if owner_stats.expert_requests else 0.0)

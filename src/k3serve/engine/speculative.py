@@ -25,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from k3serve.engine.drafters import (DRAFTERS, Draft, Drafter, ModelDrafter, NGramDrafter, ResidentExperts,
-                                     resident_draft_model)
+from k3serve.engine.drafters import DRAFTERS, Draft, Drafter, ModelDrafter, NGramDrafter
 from k3serve.engine.sampling import Sampler
 from k3serve.errors import RequestError
-from k3serve.model.k3 import K3Model
+from k3serve.model.interface import Model
+from k3serve.model.restricted_routing import ResidentExperts
 from k3serve.model.rollback import ROLLBACK_METHODS
 
 
@@ -73,16 +73,22 @@ class SpeculativeConfig:
 class DrafterFactory:
     """Makes one drafter per sequence for a target model (and, for 'model', a draft model)."""
 
-    def __init__(self, target: K3Model, draft_model: K3Model | None = None,
+    def __init__(self, target: Model, draft_model: Model | None = None,
                  allowed_experts: ResidentExperts | None = None) -> None:
         self.target = target
         self.draft_model = draft_model
-        self._resident: K3Model | None = None
+        self._resident: Model | None = None
         self._allowed = allowed_experts
+
+    def _resident_draft(self) -> Model | None:
+        """The target routed among its resident experts (`Model.resident_draft`), made once; None if it has none."""
+        if self._resident is None:
+            self._resident = self.target.resident_draft(self._allowed)
+        return self._resident
 
     def check(self, config: SpeculativeConfig) -> None:
         """`RequestError` if this factory cannot make `config`'s drafter (checked when a request is made)."""
-        if config.drafter == "resident" and not isinstance(self.target, K3Model):
+        if config.drafter == "resident" and self._resident_draft() is None:
             raise RequestError(f"drafter 'resident' restricts a K3 model's routing to its cached experts; this "
                                f"{self.target.config.model_type} model holds every expert: use 'ngram' or 'model'")
         if config.drafter == "model" and self.draft_model is None:
@@ -93,9 +99,9 @@ class DrafterFactory:
         if config.drafter == "ngram":
             return NGramDrafter(config.max_ngram, config.min_ngram)
         if config.drafter == "resident":
-            if self._resident is None:
-                self._resident = resident_draft_model(self.target, self._allowed)
-            return ModelDrafter(self._resident)
+            resident = self._resident_draft()
+            assert resident is not None  # check() refused an architecture without one
+            return ModelDrafter(resident)
         if self.draft_model.config.vocab_size != self.target.config.vocab_size:
             raise RequestError("the draft model's vocabulary differs from the target's")
         return ModelDrafter(self.draft_model)

@@ -12,11 +12,11 @@ from k3serve.engine.report import RunReport, peak_rss_bytes
 from k3serve.engine.sampling import Sampler, SamplingParams, mask_logits, validate_prompt
 from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, SpeculativeConfig
 from k3serve.engine.verification import num_to_emit, verify
-from k3serve.model.k3 import ForwardItem, K3Model
+from k3serve.model.interface import ForwardItem, Model
 from k3serve.model.rollback import RollbackCache
 
 
-def speculative_generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams,
+def speculative_generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams,
                          spec: SpeculativeConfig, stop_ids: Sequence[int] = (),
                          on_token: Callable[[int], None] | None = None,
                          drafters: DrafterFactory | None = None,

@@ -83,12 +83,11 @@ class LabFixtures:
     def loaded(self):
         """The resident `LoadedModel` (K3 only), loaded once."""
         from k3serve.loading import load_model
-        from k3serve.model.k3 import K3Model
 
         with self._lock:
             if self._loaded is None:
                 loaded = load_model(self.model_dir)
-                if not isinstance(loaded.model, K3Model):
+                if not loaded.architecture.routing_traces:  # its fixtures are routing traces and K3 stores
                     raise K3Error(f"{self.model_dir}: the lab runs K3 checkpoints only")
                 if loaded.tokenizer is None:
                     raise K3Error(f"{self.model_dir}: the lab needs a tokenizer (tiktoken.model)")

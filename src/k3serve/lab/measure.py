@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from k3serve.stream.stats import StreamStats
+from k3serve.model.expert_source import StreamStats
 
 
 @dataclass
@@ -42,21 +42,21 @@ class DecodeMeasurement:
 
 def measure_decode(model, prompts: Sequence[Sequence[int]], max_tokens: int,
                    between: Callable[[], None] | None = None) -> DecodeMeasurement:
-    """Greedy-generate `max_tokens` on every prompt with `model` (a K3Model over a StreamingSource); `between()`
+    """Greedy-generate `max_tokens` on every prompt with `model` (any `Model` over a streaming `ExpertSource`); `between()`
     runs before each prompt (a cancellation check)."""
     from k3serve.engine.generate import generate
     from k3serve.engine.sampling import SamplingParams
 
-    source = model.source
+    source = model.experts
     result = DecodeMeasurement(0, 0.0, 0.0, StreamStats(), StreamStats())
     for prompt in prompts:
         if between is not None:
             between()
-        before = source.stream_stats()
+        before = source.stats().stream
         marks: list[StreamStats] = []
         out, report = generate(model, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                               on_token=lambda _t: marks.append(source.stream_stats()) if not marks else None)
-        after = source.stream_stats()
+                               on_token=lambda _t: marks.append(source.stats().stream) if not marks else None)
+        after = source.stats().stream
         result.prefill_seconds += report.prefill_seconds
         result.decode_seconds += report.decode_seconds
         result.decode_steps += len(out) - 1

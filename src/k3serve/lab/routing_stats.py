@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k3serve.model.moe import guess_next_layer
+from k3serve.model.routing import Routing
 from k3serve.stream.trace import TracedSource
 
 
@@ -64,19 +64,22 @@ class RoutingReport:
 
 class _RecordingSource(TracedSource):
     """Forwards to the inner source (and an optional trace writer); keeps each MoE layer's expert ids and the
-    next-layer guess per token."""
+    model's next-layer guess per token (asked for at every layer: it is `prefetching`, and it passes the guess on
+    only when the inner source reads ahead)."""
 
     def __init__(self, inner, writer=None) -> None:
         super().__init__(inner, writer)
         self.actual: dict[int, list[np.ndarray]] = {}
         self.predicted: dict[int, list[np.ndarray]] = {}  # keyed by the layer predicted
 
-    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
-        nxt = layer + 1
-        if nxt < self.config.num_layers and not self.config.is_dense(nxt):
-            self.predicted.setdefault(nxt, []).append(
-                guess_next_layer(self.config, self.inner.layer(nxt), hidden)[0])
-        super().prefetch_hint(layer, hidden)
+    @property
+    def prefetching(self) -> bool:
+        return True
+
+    def prefetch(self, layer: int, guess: Routing) -> None:
+        self.predicted.setdefault(layer, []).append(np.array(guess.expert_ids))
+        if self.inner.prefetching:
+            self.inner.prefetch(layer, guess)
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         self.actual.setdefault(layer, []).append(np.array(expert_ids))
@@ -97,7 +100,7 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None) -> RoutingReport:
-    """Route every sequence through `model` (a K3Model) and summarise; `writer` (a TraceWriter) also records the
+    """Route every sequence through `model` (one whose `routing_traces` is true) and summarise; `writer` (a TraceWriter) also records the
     requests as a routing trace. Sequences are independent: reuse is counted within a sequence only."""
     from k3serve.model.k3 import ForwardItem, K3Model
 

@@ -26,7 +26,7 @@ def streamed_run(store: Path, options: StreamOptions, prompts: Sequence[Sequence
     from k3serve.loading import load_model
 
     loaded = load_model(store, stream=options)
-    source = loaded.model.source
+    source = loaded.model.experts
     try:
         measurement = measure_decode(loaded.model, prompts, max_tokens, between=cancel.check)
         plan = source.plan

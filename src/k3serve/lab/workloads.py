@@ -15,8 +15,9 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
-from k3serve.model.cache import CacheLayout
-from k3serve.model.k3 import ForwardResult, k3_cache_layout
+from k3serve.model.cache import CacheLayout, DenseSequenceCache
+from k3serve.model.interface import ForwardResult
+from k3serve.model.k3 import k3_cache_layout
 
 
 class WasteMeter:
@@ -67,10 +68,20 @@ class ZeroRowsModel:
     """Stand-in for memory workloads: writes zero rows and states through the cache API, random logits. The
     scheduler and the pools are the real ones; memory depends only on lengths."""
 
+    experts = None  # no routed experts: nothing is read
+    supports_nested_forward = True
+    routing_traces = False
+
     def __init__(self, config, seed: int = 0, layout: CacheLayout | None = None) -> None:
         self.config = config
         self.cache_layout = layout if layout is not None else k3_cache_layout(config)  # a family model: its own
         self._rng = np.random.default_rng(seed)
+
+    def new_cache(self) -> DenseSequenceCache:
+        return DenseSequenceCache(self.cache_layout)
+
+    def resident_draft(self, allowed=None) -> None:
+        return None
 
     def forward(self, items, **kwargs) -> ForwardResult:
         c = self.config

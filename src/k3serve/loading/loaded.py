@@ -5,27 +5,30 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
 from k3serve.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH
-from k3serve.errors import TokenizerError
 from k3serve.hf_tokenizer import HFTokenizer
-from k3serve.model.families import FamilyModel
-from k3serve.model.k3 import K3Model
+from k3serve.model.interface import Model
 from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from k3serve.loading.registry import Architecture
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadedModel:
-    model: K3Model | FamilyModel
-    checkpoint: Checkpoint | None  # None for the other families (their tensors are read through the family)
+    model: Model
+    checkpoint: Checkpoint | None  # a K3 checkpoint read resident; None otherwise
     tokenizer: Tokenizer | HFTokenizer | None
     path: Path
+    architecture: Architecture  # its registry entry (loading/registry.py): what it offers beyond `Model`
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -51,16 +54,3 @@ def configure_threads(hidden_size: int) -> None:
     """Give small models' matmuls one BLAS thread, leaving the cores to the parallel expert kernels."""
     if hidden_size <= SINGLE_THREAD_BLAS_MAX_HIDDEN:
         threadpool_limits(limits=1, user_api="blas")
-
-
-def family_tokenizer(folder: Path) -> Tokenizer | HFTokenizer | None:
-    """A family checkpoint's (or family store's) tokenizer: tiktoken.model, else tokenizer.json; one that cannot be
-    read leaves the model usable with token ids (a warning says why)."""
-    for file, kind in (("tiktoken.model", Tokenizer), ("tokenizer.json", HFTokenizer)):
-        if (folder / file).exists():
-            try:
-                return kind.from_dir(folder)
-            except TokenizerError as exc:
-                logger.warning("%s: tokenizer not usable (%s); pass token ids instead", folder, exc)
-                return None
-    return None

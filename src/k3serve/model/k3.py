@@ -10,88 +10,33 @@ Layer l (zero-based, block size B), per token, following K3_SPEC section 5:
 and at the end logits = lm_head(RMSNorm(AttnRes(stack + [h], output query))).
 
 A batch is a list of `ForwardItem`s, each a run of new tokens of one sequence with that sequence's cache. All
-tokens of the batch share every matmul; only the recurrent and attention parts run per sequence.
+tokens of the batch share every matmul; only the recurrent and attention parts run per sequence. `K3Model` is one
+`Model` (model/interface.py); its weights come through `WeightSource` (the trunk, K3-only) and its routed experts
+through the same source as an `ExpertSource`.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from k3serve.config import DEFAULT_MAX_MODEL_LEN, K3Config
-from k3serve.errors import ConfigError, ContextLengthError, RequestError
+from k3serve.config import K3Config
+from k3serve.errors import ConfigError
 from k3serve.model.attn_res import attn_res
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
 from k3serve.model.kda import causal_conv, kda_forward
 from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
 from k3serve.model.kernels import linear, mxfp4_expert_forward, widen_bf16
-from k3serve.model.moe import Routing, dense_mlp_forward, moe_forward, pairs_by_expert, top_k_rows
+from k3serve.model.moe import dense_mlp_forward, guess_next_layer, moe_forward, top_k_rows
+from k3serve.model.routing import Routing, pairs_by_expert
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
+from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, PauseHook, RoutingObserver,
+                                     SingleSequenceMixin, finish_batch, flatten_items, logit_rows)
+from k3serve.model.restricted_routing import ResidentExperts, RestrictedRoutingSource
 from k3serve.model.weights import KDAWeights, MLAWeights, MoEWeights, WeightSource
-
-
-@dataclass
-class ForwardItem:
-    token_ids: np.ndarray  # [t] new tokens of one sequence, t >= 1
-    cache: SequenceCache
-    all_logits: bool = False  # logits for every new position, else only for the last
-
-
-@dataclass
-class ForwardResult:
-    logits: list[np.ndarray]  # per item: [t, V] if all_logits else [1, V]
-    routing: dict[int, Routing] = field(default_factory=dict)  # MoE layer -> routing of all T tokens
-    segments: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each item's rows
-
-
-RoutingObserver = Callable[[int, Routing, list[tuple[int, int]]], None]
-MIXER, MLP = "mixer", "mlp"  # the two parts of a layer: attention (KDA or MLA), then the MLP or MoE
-PauseHook = Callable[[int, str], None]  # (layer, part just finished) at every pause point of a forward
-
-
-def pause_points(num_layers: int) -> list[tuple[int, str]]:
-    """Where a forward calls its `at_pause` hook, in order: after every layer's mixer and after every layer's MLP
-    but the last (the logits follow at once there)."""
-    return [(layer, part) for layer in range(num_layers) for part in (MIXER, MLP)][:-1]
-
-
-def flatten_items(items: Sequence[ForwardItem], vocab_size: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """All new token ids of a batch [T] and each item's [start, end) rows; validates lengths and ids."""
-    segments: list[tuple[int, int]] = []
-    start = 0
-    for item in items:
-        if len(item.token_ids) == 0:
-            raise RequestError("a forward item needs at least one token")
-        segments.append((start, start + len(item.token_ids)))
-        start += len(item.token_ids)
-    ids = np.concatenate([np.asarray(item.token_ids, dtype=np.int64) for item in items])  # [T]
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise RequestError(f"token id out of range 0..{vocab_size - 1}")
-    return ids, segments
-
-
-def logit_rows(items: Sequence[ForwardItem], segments: list[tuple[int, int]]) -> np.ndarray:
-    """The rows whose logits the batch asked for: every new position of an all_logits item, else its last."""
-    rows: list[int] = []
-    for item, (begin, end) in zip(items, segments):
-        rows.extend(range(begin, end) if item.all_logits else [end - 1])
-    return np.asarray(rows)
-
-
-def finish_batch(items: Sequence[ForwardItem], segments: list[tuple[int, int]], logits: np.ndarray,
-                 result: ForwardResult) -> ForwardResult:
-    """Split logits [R, V] (rows as `logit_rows`) into one array per item and advance every cache."""
-    offset = 0
-    for item, (begin, end) in zip(items, segments):
-        n = end - begin if item.all_logits else 1
-        result.logits.append(logits[offset:offset + n])
-        offset += n
-        item.cache.advance(len(item.token_ids))
-    return result
 
 
 def k3_cache_layout(config: K3Config) -> CacheLayout:
@@ -101,38 +46,6 @@ def k3_cache_layout(config: K3Config) -> CacheLayout:
     tail = (config.short_conv_kernel_size - 1, 3 * config.kda_proj_size)
     return CacheLayout(row_widths={l: config.mla_cache_width for l in config.mla_layer_ids},
                        recurrent_shapes={l: (state, tail) for l in config.kda_layer_ids})
-
-
-class SingleSequenceMixin:
-    """`logits` and `greedy` over one sequence, for any model with `new_cache()` and `forward(items)`."""
-
-    def logits(self, token_ids: Sequence[int], mode: str = "full",
-               max_context: int = DEFAULT_MAX_MODEL_LEN) -> np.ndarray:
-        """Float32 logits [T, V] for every position: one forward over all ids ('full'), or a prefill of the first
-        id followed by one decode step per remaining id ('incremental'). Raises `ContextLengthError` for more than
-        `max_context` ids."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        ContextLengthError.check(len(ids), 0, max_context)
-        cache = self.new_cache()
-        if mode == "full":
-            return self.forward([ForwardItem(ids, cache, all_logits=True)]).logits[0]
-        if mode == "incremental":
-            return np.concatenate([self.forward([ForwardItem(ids[i:i + 1], cache)]).logits[0]
-                                   for i in range(len(ids))])
-        raise RequestError(f"unknown logits mode {mode!r}; use 'full' or 'incremental'")
-
-    def greedy(self, prompt: Sequence[int], num_tokens: int, max_context: int = DEFAULT_MAX_MODEL_LEN) -> list[int]:
-        """Greedy continuation of `prompt` by prefill then one decode step per token."""
-        ContextLengthError.check(len(prompt), num_tokens, max_context)
-        cache = self.new_cache()
-        logits = self.forward([ForwardItem(np.asarray(prompt, dtype=np.int64), cache)]).logits[0][-1]
-        out: list[int] = []
-        for step in range(num_tokens):
-            token = int(np.argmax(logits))
-            out.append(token)
-            if step + 1 < num_tokens:
-                logits = self.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]
-        return out
 
 
 @functools.cache
@@ -173,9 +86,21 @@ class K3Model(SingleSequenceMixin):
         return DenseSequenceCache(self.cache_layout)
 
     @property
+    def experts(self) -> WeightSource:
+        """The routed experts' source: the weight source itself (the trunk is read through it too)."""
+        return self.source
+
+    @property
     def supports_nested_forward(self) -> bool:
         """Whether `at_pause` may run another forward (over other caches) before this one resumes."""
         return self.source.supports_nested_forward()
+
+    routing_traces = True  # routing traces (stream/trace.py) are written in K3's layout
+
+    def resident_draft(self, allowed: ResidentExperts | None = None) -> K3Model:
+        """This model with routing restricted to the experts its source holds in RAM (or to `allowed`)."""
+        return K3Model(RestrictedRoutingSource(self.source, allowed), chunk_size=self.chunk_size,
+                       attention_blocks=self.attention_blocks)
 
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None,
@@ -216,11 +141,12 @@ class K3Model(SingleSequenceMixin):
                 at_pause(layer, MIXER)
             h = attn_res(stack + [pref], w.mlp_res_query, eps)
             x = rms_norm(h, w.post_attention_norm, eps)
-            source.prefetch_hint(layer, h)
+            if source.prefetching:
+                self._prefetch_next(layer, h)
             if isinstance(w.mlp, MoEWeights):
-                m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: self.source.experts(l, ids),
+                m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: source.experts(l, ids),
                                          stacked=source.stacked_experts(layer),
-                                         remote=lambda *args, l=layer: source.expert_outputs(l, *args))
+                                         remote=lambda pairs, z, l=layer: source.expert_outputs(l, pairs, z))
                 if keep_routing:
                     result.routing[layer] = routing
                 if on_routing is not None:
@@ -236,6 +162,15 @@ class K3Model(SingleSequenceMixin):
         out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)
         logits = linear(rms_norm(out, self._globals.final_norm, eps), self._globals.lm_head)  # [R, V]
         return finish_batch(items, segments, logits, result)
+
+    def _prefetch_next(self, layer: int, h: np.ndarray) -> None:
+        """h [T, H]: what `layer` feeds its post-attention norm. Layer layer+1's own norm, router and selection bias
+        on it guess its experts (`guess_next_layer`), which the source reads while this layer's MoE computes."""
+        nxt = layer + 1
+        if nxt >= self.config.num_layers or self.config.is_dense(nxt):
+            return
+        per_token, scores = guess_next_layer(self.config, self.source.peek_layer(nxt), h)  # [T, TOPK], [T, NE]
+        self.source.prefetch(nxt, Routing(per_token, np.take_along_axis(scores, per_token, axis=1)))
 
     def _mla(self, w: MLAWeights, x: np.ndarray, segments: list[tuple[int, int]],
              caches: Sequence[SequenceCache], layer: int) -> np.ndarray:

@@ -13,7 +13,6 @@ Shapes: T tokens, NE experts, TOPK active, LT latent, MI expert intermediate, SI
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -23,13 +22,8 @@ from k3serve.config import K3Config
 from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linear, mxfp4_experts_accumulate_stacked,
                                    mxfp4_experts_run, stack_expert)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
+from k3serve.model.routing import ExpertPairs, Routing, pairs_by_expert
 from k3serve.model.weights import DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
-
-
-@dataclass(frozen=True)
-class Routing:
-    expert_ids: np.ndarray  # [T, TOPK] int64, best first
-    weights: np.ndarray  # [T, TOPK] float32
 
 
 def route(config: K3Config, w: MoEWeights, x: np.ndarray) -> Routing:
@@ -83,50 +77,9 @@ def guess_next_layer(config: K3Config, next_layer: LayerWeights, hidden: np.ndar
     return route_scores(config, scores, next_layer.mlp.router_bias).expert_ids, scores + next_layer.mlp.router_bias
 
 
-@dataclass(frozen=True)
-class ExpertPairs:
-    """A step's (token, expert) pairs sorted by expert, tokens ascending within each: what the per-expert calls (and
-    the expert owners' calls, cluster/expert_parallel.py) work on, and what the simulator sizes those calls from."""
-    expert_ids: np.ndarray  # [K] the distinct experts, ascending
-    starts: np.ndarray  # [K] first pair of each expert
-    ends: np.ndarray  # [K]
-    tokens: np.ndarray  # [N] int64, the token of each pair
-    order: np.ndarray  # [N] each pair's index in the flattened [T*TOPK] routing
-
-
-def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
-    """expert_ids [T, TOPK] -> the pairs grouped by expert (N = T*TOPK)."""
-    flat = np.ascontiguousarray(expert_ids, dtype=np.int64).ravel()  # [T*TOPK]
-    if flat.size and flat.min() < 0:
-        raise ValueError(f"expert ids must be >= 0, got {int(flat.min())}")
-    num_experts = int(flat.max()) + 1 if flat.size else 0
-    order = np.empty(flat.size, np.int64)  # by expert, tokens ascending within each expert (a stable sort)
-    counts = np.zeros(num_experts, np.int64)
-    _counting_sort(flat, order, counts)
-    present = np.flatnonzero(counts)
-    ends = np.cumsum(counts)[present]
-    top_k = max(expert_ids.shape[1], 1)
-    return ExpertPairs(present, ends - counts[present], ends, order // top_k, order)
-
-
-@njit(cache=True)
-def _counting_sort(flat: np.ndarray, order: np.ndarray, counts: np.ndarray) -> None:
-    """order = the stable argsort of flat (values 0..len(counts)-1); counts[v] = how many equal v."""
-    for v in flat:
-        counts[v] += 1
-    next_slot = np.empty_like(counts)
-    total = 0
-    for v in range(counts.shape[0]):
-        next_slot[v] = total
-        total += counts[v]
-    for i in range(flat.shape[0]):
-        order[next_slot[flat[i]]] = i
-        next_slot[flat[i]] += 1
-
-
 ExpertFetch = Callable[[Sequence[int]], Mapping[int, ExpertWeights]]
-# (expert ids [K] ascending, z [T, LT], tokens [N], starts [K], ends [K]) -> y [N, LT], or None: compute them here
-RemoteExperts = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], "np.ndarray | None"]
+# (the step's pairs, z [T, LT]) -> y [N, LT] in pair order, or None: compute them here (`ExpertSource.expert_outputs`)
+RemoteExperts = Callable[[ExpertPairs, np.ndarray], "np.ndarray | None"]
 
 
 def expert_outputs(config: K3Config, fetch_experts: ExpertFetch, expert_ids: np.ndarray, z: np.ndarray,
@@ -161,8 +114,7 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     weights_by_expert = np.ascontiguousarray(routing.weights.ravel()[pairs.order])
     mixed = np.zeros((T, config.latent_size), np.float32)  # [T, LT]
     beta, linear_beta = config.situ_beta, config.situ_linear_beta
-    remote_y = None if remote is None else remote(needed.astype(np.int64), z, tokens_by_expert,
-                                                  starts.astype(np.int64), ends.astype(np.int64))
+    remote_y = None if remote is None else remote(pairs, z)
     if remote_y is not None:  # [T*TOPK, LT] from the expert owners
         accumulate_expert_rows(remote_y, tokens_by_expert, weights_by_expert, mixed)
     elif stacked is not None:  # every expert of the layer in one call, spread over the cores

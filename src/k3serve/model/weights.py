@@ -1,4 +1,5 @@
-"""Weight containers the model computes with, and the `WeightSource` seam it reads them through.
+"""Weight containers the K3 model computes with, and the `WeightSource` seam it reads them through (its trunk, on
+top of the `ExpertSource` seam every architecture shares, model/expert_source.py).
 
 The model never knows where bytes come from: a resident source holds everything in RAM, a streaming source
 (k3serve.stream) reads through a cache under a budget. Trunk weights arrive as float32 arrays, except the big
@@ -12,13 +13,15 @@ layer is assembled, from the released tensors.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from k3serve.config import K3Config
+from k3serve.model.expert_source import ExpertSource, SourceStats
+from k3serve.model.routing import ExpertPairs, Routing
 from k3serve.weights import names
 from k3serve.weights.held import TRUNK_DTYPES
 
@@ -106,15 +109,15 @@ class ExpertWeights:
         return sum(a.nbytes for a in vars(self).values())
 
 
-class WeightSource(ABC):
-    """Where the model gets its weights. Implementations must return identical values for identical requests.
+class WeightSource(ExpertSource):
+    """K3's weights: its trunk (this seam, K3-only, read only by `K3Model`) and its routed experts (the
+    `ExpertSource` seam every architecture shares, model/expert_source.py). Implementations must return identical
+    values for identical requests.
 
-    Three methods are required. The optional capabilities below have the defaults of a source that holds
-    everything in RAM; a source overrides the ones it offers (the streaming source: all of them), and the model,
-    the engine and the reports call them without probing."""
+    `global_weights`, `layer` and `experts` are required. `peek_layer` gives a layer's weights to compute a
+    next-layer guess from, without taking it out of a streaming source's read-ahead."""
 
     config: K3Config
-    plan: Any = None  # a streaming source's RAM budget plan (stream/budget.py); None when everything is resident
 
     @abstractmethod
     def global_weights(self) -> GlobalWeights: ...
@@ -122,52 +125,9 @@ class WeightSource(ABC):
     @abstractmethod
     def layer(self, layer: int) -> LayerWeights: ...
 
-    @abstractmethod
-    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
-        """The requested experts. A plain dict means every value stays valid at once; any other Mapping may load
-        lazily and reuse memory, so its values are read in ascending id order, each before the next lookup."""
-
-    # ---- optional capabilities --------------------------------------------------------------------------------
-    def begin_step(self, num_tokens: int) -> None:
-        """A forward over `num_tokens` positions starts (step boundaries for traces and counters)."""
-
-    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
-        """hidden [T, H], the input of `layer`'s MLP norm: the next layer's experts may be read ahead."""
-
-    def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
-        """expert_ids [T, TOPK] that `layer` routed to (routing traces)."""
-
-    def supports_nested_forward(self) -> bool:
-        """Whether a forward may run at a pause point of another one (nothing held belongs to one step)."""
-        return True
-
-    def resident_experts(self, layer: int) -> set[int] | None:
-        """Experts of `layer` in RAM now (a cache-resident draft routes among them); None = all of them."""
-        return None
-
-    def stacked_experts(self, layer: int) -> Any:
-        """Every expert of `layer` stacked for one compiled call (model/kernels.py `StackedExperts`); None when
-        the source hands experts out one by one."""
-        return None
-
-    def expert_outputs(self, layer: int, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
-                       starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
-        """The routed experts' outputs y [N, LT] computed elsewhere (expert parallelism: model/moe.py
-        `RemoteExperts`), or None: the model computes them from `experts()` / `stacked_experts()`."""
-        return None
-
-    def stream_stats(self) -> Any:
-        """Counters of the bytes read and the cache (stream/stats.py `StreamStats`); None when nothing streams."""
-        return None
-
-    def describe(self) -> str:
-        return type(self).__name__
-
-    def check_integrity(self) -> None:
-        """Internal tables consistent (tests call this after steps)."""
-
-    def close(self) -> None:
-        """Release threads and files."""
+    def peek_layer(self, layer: int) -> LayerWeights:
+        """`layer`'s weights for a next-layer guess (its post-attention norm, router and bias)."""
+        return self.layer(layer)
 
 
 class ForwardingSource(WeightSource):
@@ -179,7 +139,7 @@ class ForwardingSource(WeightSource):
         self.config = inner.config
 
     @property
-    def plan(self) -> Any:  # type: ignore[override]
+    def plan(self) -> Any:
         return self.inner.plan
 
     def global_weights(self) -> GlobalWeights:
@@ -188,14 +148,27 @@ class ForwardingSource(WeightSource):
     def layer(self, layer: int) -> LayerWeights:
         return self.inner.layer(layer)
 
+    def peek_layer(self, layer: int) -> LayerWeights:
+        return self.inner.peek_layer(layer)
+
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         return self.inner.experts(layer, expert_ids)
+
+    def stacked_experts(self, layer: int) -> Any:
+        return self.inner.stacked_experts(layer)
+
+    def expert_outputs(self, layer: int, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray | None:
+        return self.inner.expert_outputs(layer, pairs, x)
 
     def begin_step(self, num_tokens: int) -> None:
         self.inner.begin_step(num_tokens)
 
-    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
-        self.inner.prefetch_hint(layer, hidden)
+    @property
+    def prefetching(self) -> bool:
+        return self.inner.prefetching
+
+    def prefetch(self, layer: int, guess: Routing) -> None:
+        self.inner.prefetch(layer, guess)
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         self.inner.note_routing(layer, expert_ids)
@@ -206,15 +179,8 @@ class ForwardingSource(WeightSource):
     def resident_experts(self, layer: int) -> set[int] | None:
         return self.inner.resident_experts(layer)
 
-    def stacked_experts(self, layer: int) -> Any:
-        return self.inner.stacked_experts(layer)
-
-    def expert_outputs(self, layer: int, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
-                       starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
-        return self.inner.expert_outputs(layer, expert_ids, z, tokens, starts, ends)
-
-    def stream_stats(self) -> Any:
-        return self.inner.stream_stats()
+    def stats(self, timeout: float | None = None) -> SourceStats:
+        return self.inner.stats(timeout)
 
     def describe(self) -> str:
         return self.inner.describe()
@@ -253,7 +219,8 @@ def _fuse(parts: list[np.ndarray]) -> np.ndarray:
 def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32") -> LayerWeights:
     """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array, or bf16 bits
     (uint16) for bf16-stored tensors. With `trunk_dtype` "bf16" the attention projections stay bf16 bits too
-    (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`k3serve.weights.held.held_bytes` is the accounting)."""
+    (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`k3serve.weights.held.held_bytes` is
+    the accounting)."""
     if trunk_dtype not in TRUNK_DTYPES:
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)

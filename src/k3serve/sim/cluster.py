@@ -35,9 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from k3serve.cluster.expert_parallel import NetworkStats, split_by_owner
+from k3serve.cluster.expert_parallel import split_by_owner
+from k3serve.model.expert_source import NetworkStats
 from k3serve.config import K3Config
-from k3serve.model.moe import pairs_by_expert
+from k3serve.model.routing import pairs_by_expert
 from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, VirtualBuffer
 from k3serve.sim.full import ExpertWork, SimConfig, SimConfigError, SimResult, SimRun, drive_run, run_result
 from k3serve.sim.machine import Machine, NetworkModel
@@ -45,7 +46,7 @@ from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.shard_source import shard_slots
-from k3serve.stream.stats import StreamStats
+from k3serve.model.expert_source import StreamStats
 from k3serve.weights.shard import ShardLayerIndex, ShardSpec, check_shard_count
 
 OWNER_FIGURES = 6  # per owner in a snapshot: bytes read, reads, requests, retained, I/O wait, compute

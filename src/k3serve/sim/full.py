@@ -47,7 +47,7 @@ from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.io import Extent
-from k3serve.stream.stats import StreamStats
+from k3serve.model.expert_source import StreamStats
 from k3serve.weights.held import held_bytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order

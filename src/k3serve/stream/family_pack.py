@@ -30,7 +30,7 @@ from k3serve.model.families import load_family
 from k3serve.model.families.gguf_families import hf_config, tensor_index
 from k3serve.model.families.loading import load_family_gguf
 from k3serve.model.families.expert_blobs import blob_parts, blob_size, expert_arrays, write_blob
-from k3serve.model.families.experts import normalize_precision
+from k3serve.model.families.experts import ExpertStore, normalize_precision
 from k3serve.model.families.moe import MoEBlock
 from k3serve.weights.family_store import (FAMILY_EXPERT_FILE, FAMILY_STORE_FORMAT, FAMILY_STORE_VERSION,
                                           FAMILY_TRUNK_FILE, FamilyStore, config_file_sha256)
@@ -53,7 +53,7 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
     from_gguf = is_gguf_file(source)
     model = load_family_gguf(source, precision) if from_gguf else load_family(source, expert_precision=precision)
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
-    if not blocks or model.experts is None:
+    if not blocks or not isinstance(model.experts, ExpertStore):
         raise CheckpointError(f"{source}: the model has no routed experts; run it resident, there is nothing to "
                               "stream")
     num_experts = {b.router.weight.shape[0] for b in blocks}

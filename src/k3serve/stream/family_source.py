@@ -3,8 +3,8 @@ read from a family store (`k3serve.weights.family_store`) through the same exper
 engines and next-layer prefetch as K3's streaming source, under a RAM budget; the trunk (attention, recurrent
 mixers, routers, shared experts, dense layers, embeddings) stays resident.
 
-`StreamingExperts` stands where the resident `ExpertStore` stands in a `FamilyModel` (the same `fetch`, `get`,
-`begin_step`, `prefetch` and capability methods), so the model's code does not change: its MoE blocks ask for a
+`StreamingExperts` stands where the resident `ExpertStore` stands in a `FamilyModel` (both are an `ExpertSource`,
+model/expert_source.py), so the model's code does not change: its MoE blocks ask for a
 layer's experts at once, hits are used in place and misses are read in one offset-ordered, coalesced batch. A slot
 is viewed as the very expert the resident loader builds at the store's precision (bf16, float32, int8 or MXFP4;
 `k3serve.model.families.expert_blobs`), so streamed greedy tokens equal resident ones.
@@ -27,12 +27,12 @@ import numpy as np
 from k3serve.errors import UsageError
 from k3serve.model.families.expert_blobs import BlobPart, view_expert
 from k3serve.model.families.experts import Expert, outputs_one_by_one
-from k3serve.model.moe import ExpertPairs
+from k3serve.model.expert_source import ExpertSource, SourceStats, StreamStats, guess_priority
+from k3serve.model.routing import ExpertPairs, Routing
 from k3serve.stream.budget import BudgetPlan, plan_resident_trunk
 from k3serve.stream.io import IOEngine
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.slots import ExpertSlots
-from k3serve.stream.stats import StreamStats
 from k3serve.weights.family_store import FamilyStore
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
@@ -53,7 +53,7 @@ def trunk_float32_bytes(trunk: Path) -> tuple[int, dict[int, int]]:
     return globals_bytes, layers
 
 
-class StreamingExperts:
+class StreamingExperts(ExpertSource):
     """A family model's routed experts, streamed from `store` under `options` (see the module docstring)."""
 
     plan: BudgetPlan
@@ -72,44 +72,52 @@ class StreamingExperts:
         self.plan = plan_resident_trunk(options.ram_budget, globals_bytes,
                                         [layers.get(l, 0) for l in range(num_layers)], store.expert_stride,
                                         store.num_experts_total, store.top_k)
-        self.stats = StreamStats()
+        self.counters = StreamStats()
         self.expert_io = IOEngine(store.expert_path, options.io, options.queue_depth)
         parts = [BlobPart.from_json(p) for p in store.parts_json]
         kind = store.kind
         self.slots: ExpertSlots[Expert] = ExpertSlots(
-            store, self.expert_io, self.plan.expert_slots, options.cache, self.stats,
+            store, self.expert_io, self.plan.expert_slots, options.cache, self.counters,
             lambda blob: view_expert(kind, parts, blob), top_k=store.top_k, prefetch=options.prefetch != "none",
             prefetch_max=options.prefetch_max)
-        self.prefetching = options.prefetch != "none" and self.slots.cache.prefetch_max > 0
+        self._prefetching = options.prefetch != "none" and self.slots.cache.prefetch_max > 0
         logger.info("streaming experts: %s", self.plan.lines()[0])
 
     # ---- what the MoE blocks ask -------------------------------------------------------------------------------
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
-        """The experts of `layer` as views of slots, valid until the next `fetch`; read in ascending id order."""
+    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
+        """The experts of `layer` as views of slots, valid until the next `experts`; read in ascending id order."""
         return self.slots.request(layer, expert_ids)
 
     def get(self, layer: int, expert: int) -> Expert:
-        return self.fetch(layer, [expert])[int(expert)]
+        return self.experts(layer, [expert])[int(expert)]
 
     def expert_outputs(self, layer: int, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
         """As `ExpertStore.expert_outputs`, one expert at a time over the slots (the same bits)."""
-        return outputs_one_by_one(self.fetch(layer, pairs.expert_ids), pairs, x)
+        return outputs_one_by_one(self.experts(layer, pairs.expert_ids), pairs, x)
 
     def begin_step(self, num_tokens: int) -> None:
-        self.stats.steps += 1
-        self.stats.tokens += num_tokens
+        self.counters.steps += 1
+        self.counters.tokens += num_tokens
         self.slots.cache.begin_step()
 
-    def prefetch(self, layer: int, guesses: Sequence[int]) -> None:
-        """Read guessed experts of `layer` (best first) into cold slots while the current layer computes."""
-        self.slots.cache.prefetch(layer, guesses)
+    @property
+    def prefetching(self) -> bool:
+        return self._prefetching
 
-    # ---- capabilities (as `WeightSource`'s) --------------------------------------------------------------------
+    def prefetch(self, layer: int, guess: Routing) -> None:
+        """Read guessed experts of `layer` (`guess_priority` order) into cold slots while the current layer
+        computes."""
+        self.slots.cache.prefetch(layer, guess_priority(guess))
+
+    # ---- the rest of the `ExpertSource` seam -------------------------------------------------------------------
     def resident_experts(self, layer: int) -> set[int]:
         return self.slots.cache.resident_experts(layer)
 
-    def stream_stats(self) -> StreamStats:
-        s = StreamStats(**{f.name: getattr(self.stats, f.name) for f in fields(self.stats)})
+    def stats(self, timeout: float | None = None) -> SourceStats:
+        return SourceStats(stream=self._stream_stats())
+
+    def _stream_stats(self) -> StreamStats:
+        s = StreamStats(**{f.name: getattr(self.counters, f.name) for f in fields(self.counters)})
         s.expert_bytes_read = self.expert_io.counters.bytes_read
         s.num_reads = self.expert_io.counters.num_reads
         s.io_busy_seconds = self.expert_io.counters.busy_seconds

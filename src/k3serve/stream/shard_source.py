@@ -18,13 +18,13 @@ from typing import Sequence
 import numpy as np
 
 from k3serve.errors import K3Error
+from k3serve.model.expert_source import ExpertSource, SourceStats, StreamStats
 from k3serve.model.weights import ExpertWeights
 from k3serve.stream.budget import BudgetError
 from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.io import IO_MODES, IOEngine
 from k3serve.stream.slots import ExpertSlots
-from k3serve.stream.stats import StreamStats
 from k3serve.weights.shard import ExpertShard
 from k3serve.weights.store import expert_parts
 
@@ -61,12 +61,12 @@ def shard_slots(shard: ExpertShard, ram_budget: int | None) -> int:
     return int(slots)
 
 
-class ShardExpertSource:
+class ShardExpertSource(ExpertSource):
     def __init__(self, shard: ExpertShard, options: ShardOptions = ShardOptions()) -> None:
         self.shard = shard
         self.options = options
         self.config = shard.config
-        self.stats = StreamStats()
+        self.counters = StreamStats()
         self.io = IOEngine(shard.expert_path, options.io, options.queue_depth)
         parts = expert_parts(self.config)
 
@@ -78,7 +78,7 @@ class ShardExpertSource:
                 w2_packed=arrays["w2", "weight_packed"], w2_scales=arrays["w2", "weight_scale"])
 
         self.slots: ExpertSlots[ExpertWeights] = ExpertSlots(
-            shard, self.io, shard_slots(shard, options.ram_budget), options.cache, self.stats, view,
+            shard, self.io, shard_slots(shard, options.ram_budget), options.cache, self.counters, view,
             top_k=self.config.num_experts_per_token, prefetch=False, prefetch_max=None)
 
     @property
@@ -90,8 +90,8 @@ class ShardExpertSource:
         return self.num_slots * self.shard.expert_stride
 
     def begin_step(self, num_tokens: int) -> None:
-        self.stats.steps += 1
-        self.stats.tokens += num_tokens
+        self.counters.steps += 1
+        self.counters.tokens += num_tokens
         self.slots.cache.begin_step()
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
@@ -105,8 +105,11 @@ class ShardExpertSource:
     def resident_experts(self, layer: int) -> set[int]:
         return self.slots.cache.resident_experts(layer)
 
-    def stream_stats(self) -> StreamStats:
-        s = StreamStats(**{f.name: getattr(self.stats, f.name) for f in fields(self.stats)})
+    def stats(self, timeout: float | None = None) -> SourceStats:
+        return SourceStats(stream=self._stream_stats())
+
+    def _stream_stats(self) -> StreamStats:
+        s = StreamStats(**{f.name: getattr(self.counters, f.name) for f in fields(self.counters)})
         s.expert_bytes_read = self.io.counters.bytes_read
         s.num_reads = self.io.counters.num_reads
         s.io_busy_seconds = self.io.counters.busy_seconds

@@ -4,13 +4,14 @@ Per forward step (one prefill or one decode):
 - `begin_step` opens the step (retention is judged against it).
 - `layer(l)` returns a pinned layer at once, or waits for the streamed layer that was read and built in the
   background while layer l-1 computed, and starts reading the next streamed layer.
-- `prefetch_hint(l, h)` (next-layer prefetch): runs layer l+1's router on layer l's hidden state and reads up
-  to `prefetch_max` guessed experts into cold slots while layer l computes. A speculative load only takes a
+- `prefetch(l + 1, guess)` (next-layer prefetch): the model's guess of layer l+1's experts (its router on layer l's
+  hidden state, `peek_layer(l + 1)` giving the read-ahead layer) reads up to `prefetch_max` guessed experts into
+  cold slots while layer l computes. A speculative load only takes a
   free slot or one holding an earlier guess that was never used: it never evicts a warm expert.
 - `experts(l, ids)` serves the request from the expert cache: hits are used in place, misses are read in one
   offset-ordered, coalesced batch through the I/O pool, into slots freed by the cache policy.
 
-The counters are `StreamStats` (stream/stats.py), the options `StreamOptions` (stream/options.py) and the slots
+The counters are `StreamStats` (model/expert_source.py), the options `StreamOptions` (stream/options.py) and the slots
 `ExpertSlots` (stream/slots.py), all shared with the families' streaming experts (stream/family_source.py).
 
 NOTE: the arrays returned by `experts()` are views of cache slots, valid until the next `experts()` call.
@@ -28,13 +29,14 @@ from typing import Sequence
 
 import numpy as np
 
+from k3serve.model.expert_source import SourceStats, StreamStats, guess_priority
+from k3serve.model.routing import Routing
 from k3serve.model.weights import ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_globals, build_layer
 from k3serve.stream.budget import BudgetPlan, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
 from k3serve.stream.io import Extent, IOEngine
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.slots import ExpertSlots, aligned_buffer
-from k3serve.stream.stats import StreamStats
 from k3serve.stream.trace import TraceWriter, trace_meta
 from k3serve.weights.store import PackedStore, TrunkBlob, expert_parts
 
@@ -56,7 +58,7 @@ class StreamingSource(WeightSource):
         self.plan: BudgetPlan = plan_budget(store, options.ram_budget, options.pin_trunk_bytes,
                                             trunk_dtype=options.trunk_dtype)
         self._dtype = options.trunk_dtype
-        self.stats = StreamStats()
+        self.counters = StreamStats()
         self.trunk_io = IOEngine(store.trunk_path, options.io, options.queue_depth)
         self.expert_io = IOEngine(store.expert_path, options.io, options.queue_depth)
         self._trunk_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3trunk")
@@ -87,7 +89,7 @@ class StreamingSource(WeightSource):
         # expert slots: one arena, allocated once
         self._parts = expert_parts(config)
         self.slots: ExpertSlots[ExpertWeights] = ExpertSlots(
-            store, self.expert_io, self.plan.expert_slots, options.cache, self.stats, self._weights_view,
+            store, self.expert_io, self.plan.expert_slots, options.cache, self.counters, self._weights_view,
             top_k=config.num_experts_per_token, prefetch=prefetch,
             prefetch_max=options.prefetch_max, profile=profile)
         self.expert_cache = self.slots.cache
@@ -116,8 +118,8 @@ class StreamingSource(WeightSource):
 
     def begin_step(self, num_tokens: int) -> None:
         self._step += 1
-        self.stats.steps += 1
-        self.stats.tokens += num_tokens
+        self.counters.steps += 1
+        self.counters.tokens += num_tokens
         self._step_first_token = self._next_token
         self._next_token += num_tokens
         self.expert_cache.begin_step()
@@ -126,18 +128,16 @@ class StreamingSource(WeightSource):
         if self.trace is not None:
             self.trace.write(self._step, self._step_first_token, layer, expert_ids)
 
-    def prefetch_hint(self, layer: int, hidden: np.ndarray) -> None:
-        """hidden [T, H]: layer `layer`'s input to its post-attention norm."""
-        nxt = layer + 1
-        if self.options.prefetch == "none" or not self._read_ahead or self.prefetch_max == 0 \
-                or nxt >= self.config.num_layers \
-                or self.config.is_dense(nxt):
-            return
-        from k3serve.model.moe import guess_next_layer
-        per_token, scores = guess_next_layer(self.config, self._peek_trunk(nxt), hidden)  # [T, TOPK], [T, NE]
-        best = scores.max(axis=0)  # [NE]
-        guesses = sorted(set(int(e) for e in per_token.ravel()), key=lambda e: (-best[e], e))
-        self.expert_cache.prefetch(nxt, guesses)
+    @property
+    def prefetching(self) -> bool:
+        return self.options.prefetch != "none" and self._read_ahead and self.prefetch_max != 0
+
+    def prefetch(self, layer: int, guess: Routing) -> None:
+        self.expert_cache.prefetch(layer, guess_priority(guess))
+
+    def peek_layer(self, layer: int) -> LayerWeights:
+        """The layer for the model's next-layer guess: pinned, or the read-ahead (waited for, not taken)."""
+        return self._peek_trunk(layer)
 
     # ---- expert slots ------------------------------------------------------------------------------------------
     def _weights_view(self, blob: np.ndarray) -> ExpertWeights:
@@ -167,7 +167,7 @@ class StreamingSource(WeightSource):
                 del weights  # out-of-order request: drop the read-ahead, keep within the budget
             return self._load_trunk_layer(layer)
         finally:
-            self.stats.io_wait_seconds += time.perf_counter() - started
+            self.counters.io_wait_seconds += time.perf_counter() - started
 
     def _peek_trunk(self, layer: int) -> LayerWeights:
         if layer in self._pinned:
@@ -178,7 +178,7 @@ class StreamingSource(WeightSource):
         try:
             return self._trunk_pending[1].result()
         finally:
-            self.stats.io_wait_seconds += time.perf_counter() - started
+            self.counters.io_wait_seconds += time.perf_counter() - started
 
     def _load_trunk_layer(self, layer: int) -> LayerWeights:
         arrays = self._read_trunk_blob(self.store.layers[layer], f"trunk layer {layer}", self._trunk_staging)
@@ -190,7 +190,7 @@ class StreamingSource(WeightSource):
         extent = Extent(blob.offset, view, blob.size, blob.crc32)
         failed = self.trunk_io.submit([extent])[id(extent)].result()
         if failed:
-            self.stats.checksum_retries += 1
+            self.counters.checksum_retries += 1
             logger.warning("checksum mismatch on %s at offset %d of %s: re-reading", what, blob.offset,
                            self.store.trunk_path)
             if self.trunk_io.read_now(extent):
@@ -207,8 +207,11 @@ class StreamingSource(WeightSource):
         route to without touching the disk (engine/drafters.py)."""
         return self.expert_cache.resident_experts(layer)
 
-    def stream_stats(self) -> StreamStats:
-        s = StreamStats(**{f.name: getattr(self.stats, f.name) for f in fields(self.stats)})
+    def stats(self, timeout: float | None = None) -> SourceStats:
+        return SourceStats(stream=self._stream_stats())
+
+    def _stream_stats(self) -> StreamStats:
+        s = StreamStats(**{f.name: getattr(self.counters, f.name) for f in fields(self.counters)})
         s.expert_bytes_read = self.expert_io.counters.bytes_read
         s.trunk_bytes_read = self.trunk_io.counters.bytes_read
         s.num_reads = self.expert_io.counters.num_reads + self.trunk_io.counters.num_reads

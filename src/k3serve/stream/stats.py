@@ -1,48 +1,12 @@
-"""The honest counters of a streaming source (`StreamStats`) and the run-report lines they print.
-
-A request is *retained* only if its expert was resident before the step began; an expert that a prefetch brought
-in during the step is a *prefetch hit*, never a retained one. Bytes and reads come from the I/O engines, so they
-count what was actually read.
-"""
+"""The run-report lines a streaming source's counters print (`StreamStats`, model/expert_source.py: retained
+only if resident before the step began; a prefetch that arrived during the step is a prefetch hit, never a retained
+one; bytes and reads as the I/O engines counted them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
+from k3serve.model.expert_source import StreamStats
 from k3serve.stream.budget import BudgetPlan
 from k3serve.units import format_size
-
-@dataclass
-class StreamStats:
-    steps: int = 0
-    tokens: int = 0
-    expert_requests: int = 0
-    expert_retained: int = 0  # resident before the step that asked
-    expert_prefetch_hits: int = 0  # brought in by a prefetch during the same step
-    expert_misses: int = 0  # read on demand
-    expert_evictions: int = 0  # experts dropped from their slot (to make room, or released by policy none)
-    prefetch_issued: int = 0
-    prefetch_wasted: int = 0  # guesses dropped without ever being used
-    expert_bytes_read: int = 0
-    trunk_bytes_read: int = 0
-    num_reads: int = 0
-    checksum_retries: int = 0
-    io_wait_seconds: float = 0.0  # the compute thread blocked on reads
-    io_busy_seconds: float = 0.0  # summed over I/O workers
-
-    def minus(self, other: StreamStats) -> StreamStats:
-        return StreamStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    def plus(self, other: StreamStats) -> StreamStats:
-        return StreamStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-    @property
-    def bytes_read(self) -> int:
-        return self.expert_bytes_read + self.trunk_bytes_read
-
-    @property
-    def retention(self) -> float:
-        return self.expert_retained / self.expert_requests if self.expert_requests else float("nan")
 
 
 def stream_report_lines(stats: StreamStats, tokens: int, wall_seconds: float, plan: BudgetPlan,

@@ -9,7 +9,7 @@ from k3serve.errors import CheckpointError
 from k3serve.model.families.experts import (DENSE_KERNEL_MAX_TOKENS, BF16Expert, ExpertStore, FloatExpert,
                                             QuantizedExpert, outputs_one_by_one, pack_expert)
 from k3serve.model.kernels import dense_expert_reference
-from k3serve.model.moe import pairs_by_expert
+from k3serve.model.routing import pairs_by_expert
 
 
 def _bf16_round(w: np.ndarray) -> np.ndarray:

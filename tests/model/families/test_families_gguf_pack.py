@@ -59,10 +59,10 @@ def test_a_packed_gguf_streams_the_resident_gguf_tokens(family, tmp_path):
     globals_bytes, layers = trunk_float32_bytes(store.trunk_path)
     budget = globals_bytes + sum(layers.values()) + (store.top_k + 2) * store.expert_stride
     model = load_model(out, stream=StreamOptions(ram_budget=budget, io="pread")).model
-    assert isinstance(model.source, StreamingExperts)
-    assert model.source.plan.expert_slots == store.top_k + 2 < store.num_experts_total
+    assert isinstance(model.experts, StreamingExperts)
+    assert model.experts.plan.expert_slots == store.top_k + 2 < store.num_experts_total
     assert [model.greedy(p, NUM_TOKENS) for p in prompts] == want
     assert _engine_tokens(model, prompts) == want
-    stats = model.source.stream_stats()
+    stats = model.experts.stats().stream
     assert stats.expert_evictions > 0, stats
-    model.source.close()
+    model.experts.close()

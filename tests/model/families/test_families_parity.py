@@ -18,7 +18,7 @@ import pytest
 
 from _hf_tiny import FAMILIES, hf_greedy, hf_logits, hf_stepwise_logits, prompt
 from k3serve.model.families import load_family
-from k3serve.model.k3 import ForwardItem
+from k3serve.model.interface import ForwardItem
 
 LOGIT_TOLERANCE = 2e-4
 

@@ -70,7 +70,7 @@ def _engine_tokens(model, prompts) -> list[list[int]]:
             if out.finished:
                 final[out.request_id] = out.outputs[0].token_ids
         engine.check_integrity()
-        model.source.check_integrity()
+        model.experts.check_integrity()
     return [final[i] for i in ids]
 
 
@@ -107,16 +107,16 @@ def test_streaming_under_a_tight_budget_gives_the_resident_tokens(packed, family
         options = StreamOptions(ram_budget=_tight_budget(store, 2), prefetch=prefetch, io="pread")
         loaded = load_model(out, stream=options)
         model = loaded.model
-        assert isinstance(model.source, StreamingExperts)
-        assert model.source.plan.expert_slots == store.top_k + 2 < store.num_experts_total
+        assert isinstance(model.experts, StreamingExperts)
+        assert model.experts.plan.expert_slots == store.top_k + 2 < store.num_experts_total
         assert [model.greedy(p, GREEDY.max_tokens) for p in prompts] == want, prefetch
         assert _engine_tokens(model, prompts) == want, prefetch
-        stats = model.source.stream_stats()
+        stats = model.experts.stats().stream
         assert stats.expert_evictions > 0 and stats.expert_misses > store.top_k + 2, stats
         assert stats.expert_bytes_read >= stats.expert_misses * store.expert_blob_size
         if prefetch == "next-layer":
             assert stats.prefetch_issued > 0, stats
-        model.source.close()
+        model.experts.close()
 
 
 def test_family_budget_and_flags_are_checked(packed):
@@ -128,8 +128,8 @@ def test_family_budget_and_flags_are_checked(packed):
     with pytest.raises(Exception, match="--pin-trunk applies to K3 stores only"):
         load_model(out, stream=StreamOptions(ram_budget=minimum, pin_trunk_bytes=0))
     unlimited = load_model(out, stream=StreamOptions()).model
-    assert unlimited.source.plan.expert_slots == store.num_experts_total
-    unlimited.source.close()
+    assert unlimited.experts.plan.expert_slots == store.num_experts_total
+    unlimited.experts.close()
 
 
 def test_cli_generate_streams_a_family_store_and_a_plain_folder_says_to_pack(packed, capsys):

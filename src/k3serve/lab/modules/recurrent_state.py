@@ -31,7 +31,7 @@ def measured_cache_bytes(lab, context: int) -> dict[str, float]:
     model = loaded.model
     window = lab.windows(1, context)[0]
     cache = model.new_cache()
-    from k3serve.model.k3 import ForwardItem
+    from k3serve.model.interface import ForwardItem
 
     model.forward([ForwardItem(np.asarray(window, np.int64), cache)])
     kda = sum(sum(a.nbytes for a in cache.recurrent_state(l)) for l in cache.layout.recurrent_layers)

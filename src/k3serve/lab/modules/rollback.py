@@ -27,7 +27,7 @@ def shapes_for(name: str, lab) -> RecurrentShapes:
 def measure(lab, window: int, kept: int, repeats: int, progress, cancel) -> dict[str, dict[str, float]]:
     """On the model: prefill a held-out prompt, run one verify window of `window` positions through a RollbackCache,
     keep `kept`; the bytes it recorded, the verify forward's time and the rollback's, medians over `repeats`."""
-    from k3serve.model.k3 import ForwardItem
+    from k3serve.model.interface import ForwardItem
 
     model = lab.loaded().model
     prompt = np.asarray(lab.windows(1, 64)[0], np.int64)

@@ -94,11 +94,11 @@ def expert_reader(reader: TensorReader, moe_prefix: Callable[[int], str], matrix
         per_expert = f"{prefix}experts.{expert}."
         if f"{per_expert}{gate_name}.weight" in reader or f"{prefix}experts.gate_up_proj" not in reader:
             names = [f"{per_expert}{m}.weight" for m in matrix_names]
-            kept = [reader.kept(n) for n in names]
-            if all(k is not None for k in kept) and len({k[0] for k in kept}) == 1:  # type: ignore[index]
+            gate, up, down = (reader.kept(n) for n in names)
+            if gate is not None and up is not None and down is not None and gate[0] == up[0] == down[0]:
                 # a GGUF's MXFP4 or Q8_0 experts, as stored
-                matrix = MXFP4Matrix if kept[0][0] == "mxfp4" else Int8Matrix  # type: ignore[index]
-                return tuple(matrix(k[1], k[2]) for k in kept)  # type: ignore[index,return-value]
+                matrix = MXFP4Matrix if gate[0] == "mxfp4" else Int8Matrix
+                return matrix(gate[1], gate[2]), matrix(up[1], up[2]), matrix(down[1], down[2])
             return (reader.f32(f"{per_expert}{gate_name}.weight", shape=(width, hidden)),
                     reader.f32(f"{per_expert}{up_name}.weight", shape=(width, hidden)),
                     reader.f32(f"{per_expert}{down_name}.weight", shape=(hidden, width)))

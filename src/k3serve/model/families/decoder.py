@@ -14,20 +14,20 @@ Shapes: T tokens of the batch, H hidden, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from k3serve.errors import ConfigError
-from k3serve.model.k3 import (ForwardItem, ForwardResult, MIXER, MLP, PauseHook, RoutingObserver, SingleSequenceMixin,
-                              finish_batch, flatten_items, logit_rows)
+from k3serve.model.expert_source import ExpertSource
+from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, PauseHook, RoutingObserver,
+                                     SingleSequenceMixin, finish_batch, flatten_items, logit_rows)
 from k3serve.model.kernels import linear, widen_bf16
-from k3serve.model.moe import Routing
+from k3serve.model.routing import Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 
 if TYPE_CHECKING:
-    from k3serve.model.families.experts import ExpertStore
     from k3serve.model.families.tensors import TensorReader
 
 
@@ -85,6 +85,14 @@ class Mixer(Protocol):
         """x [T, H] (already normed) -> [T, H]; reads and writes each sequence's state for this layer."""
 
 
+@runtime_checkable
+class ExpertReader(Protocol):
+    """An MLP that reads routed experts (the families' `MoEBlock`): `FamilyModel.use_experts` points it at the
+    model's source."""
+
+    experts: ExpertSource
+
+
 class Mlp(Protocol):
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing | None]:
         """x [T, H] -> (out [T, H], routing of a MoE layer or None)."""
@@ -99,31 +107,41 @@ class DecoderLayer:
 
 
 class FamilyModel(SingleSequenceMixin):
-    """A decoder-only model of one of the supported families. Stateless apart from its weights."""
+    """A decoder-only model of one of the supported families (a `Model`, model/interface.py). Stateless apart from
+    its weights; its routed experts come through one `ExpertSource` (resident `ExpertStore` or streaming
+    `StreamingExperts`) that every MoE block reads."""
 
     def __init__(self, config: DecoderConfig, embed: np.ndarray, layers: list[DecoderLayer],
                  final_norm: np.ndarray, lm_head: np.ndarray, cache_layout: CacheLayout,
-                 experts: ExpertStore | None = None) -> None:
+                 experts: ExpertSource | None = None) -> None:
         self.config = config
         self.embed = embed  # [V, H]
         self.layers = layers
         self.final_norm = final_norm  # [H]
         self.lm_head = lm_head  # [V, H]
         self.cache_layout = cache_layout
-        self.experts = experts  # routed experts, read and packed on first use
+        self._experts = experts  # routed experts, read and packed on first use
 
     @property
-    def expert_precision(self) -> str:
-        return self.experts.precision if self.experts is not None else "native"
+    def experts(self) -> ExpertSource | None:
+        return self._experts
+
+    def use_experts(self, experts: ExpertSource) -> None:
+        """Read the routed experts from `experts` from now on (a streaming source over a packed store): the model
+        and every MoE block switch together."""
+        self._experts = experts
+        for layer in self.layers:
+            if isinstance(layer.mlp, ExpertReader):
+                layer.mlp.experts = experts
 
     def new_cache(self) -> DenseSequenceCache:
         return DenseSequenceCache(self.cache_layout)
 
-    @property
-    def source(self) -> ExpertStore | None:
-        """The weight capabilities the engine and the reports ask a model for (`stream_stats`, `plan`, `describe`,
-        `resident_experts`, `close`; see `WeightSource`): the routed experts' store, resident or streaming."""
-        return self.experts
+    routing_traces = False  # routing traces are K3's format
+
+    def resident_draft(self, allowed=None) -> None:
+        """No resident-expert draft: a family's routers are not restricted (use the n-gram or a draft model)."""
+        return None
 
     def _prefetch_next(self, index: int, h: np.ndarray) -> None:
         """h [T, H]: the residual after layer `index`'s mixer. Layer index+1's router on it (through that layer's
@@ -132,13 +150,10 @@ class FamilyModel(SingleSequenceMixin):
             return
         following = self.layers[index + 1]
         router = getattr(following.mlp, "router", None)
-        if router is None:
+        if router is None or self._experts is None:
             return
         guess = router(rms_norm(h, following.post_attention_norm, self.config.rms_norm_eps))  # [T, TOPK]
-        best: dict[int, float] = {}
-        for e, w in zip(guess.expert_ids.ravel().tolist(), guess.weights.ravel().tolist()):
-            best[e] = max(best.get(e, float("-inf")), w)
-        self.experts.prefetch(index + 1, sorted(best, key=lambda e: (-best[e], e)))  # type: ignore[union-attr]
+        self._experts.prefetch(index + 1, guess)
 
     @property
     def supports_nested_forward(self) -> bool:
@@ -159,7 +174,7 @@ class FamilyModel(SingleSequenceMixin):
         eps = self.config.rms_norm_eps
         result = ForwardResult(logits=[], segments=segments)
 
-        experts = self.experts
+        experts = self._experts
         if experts is not None:
             experts.begin_step(int(ids.shape[0]))
         h = widen_bf16(self.embed[ids]) if self.embed.dtype == np.uint16 else self.embed[ids]  # [T, H]
@@ -191,7 +206,7 @@ def pre_norm_layer(reader: TensorReader, prefix: str, hidden: int, mixer: Mixer,
 
 
 def assemble_model(reader: TensorReader, config: DecoderConfig, layers: list[DecoderLayer], layout: CacheLayout,
-                   store: ExpertStore | None,
+                   store: ExpertSource | None,
                    embed: np.ndarray, lm_head: np.ndarray) -> FamilyModel:
     """The model over its layers, with the final `model.norm` read as stored."""
     final_norm = reader.f32("model.norm.weight", shape=(config.hidden_size,))

@@ -26,13 +26,14 @@ at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermedia
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence, Union
 
 import numpy as np
 
 from k3serve.errors import CheckpointError, ConfigError
 from k3serve.model.kernels import dense_expert_reference, dense_experts_run, mxfp4_experts_run
-from k3serve.model.moe import ExpertPairs
+from k3serve.model.expert_source import ExpertSource
+from k3serve.model.routing import ExpertPairs
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 EXPERT_PRECISIONS = ("native", "mxfp4", "int8")
@@ -140,6 +141,14 @@ class Int8Matrix:
         return (blocks * self.scales.reshape(rows, -1, 1)).reshape(self.values.shape)
 
 
+StoredMatrix = Union[np.ndarray, MXFP4Matrix, Int8Matrix]  # a matrix as a checkpoint holds it
+
+
+def widen(m: StoredMatrix) -> np.ndarray:
+    """A stored matrix as float32 values (quantized ones dequantized)."""
+    return m.dequantize() if isinstance(m, (MXFP4Matrix, Int8Matrix)) else m
+
+
 @dataclass(frozen=True)
 class QuantizedExpert:
     gate: MXFP4Matrix | Int8Matrix
@@ -204,20 +213,18 @@ def run_one_expert(expert: Expert, x: np.ndarray) -> np.ndarray:
                        ExpertPairs(_ZERO, _ZERO, np.full(1, n, np.int64), np.arange(n), np.arange(n)), x)
 
 
-def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, precision: str) -> Expert:
+def pack_expert(gate: StoredMatrix, up: StoredMatrix, down: StoredMatrix, precision: str) -> Expert:
     """Float32 gate, up [I, H] and down [H, I] -> an expert at `precision`. MXFP4 matrices (a GGUF's experts)
     stay packed at "native" and "mxfp4"; "int8" requantizes their values. Q8_0 matrices (Int8Matrix with block
     scales) stay as stored at "native"; "int8" and "mxfp4" requantize their values."""
-    if all(isinstance(m, MXFP4Matrix) for m in (gate, up, down)):
-        if precision in ("native", "mxfp4"):
-            return QuantizedExpert(gate, up, down)  # type: ignore[arg-type]
-        gate, up, down = (m.dequantize() for m in (gate, up, down))  # type: ignore[union-attr]
-    if all(isinstance(m, Int8Matrix) for m in (gate, up, down)):
-        if precision == "native":
-            return _fused_int8(Int8Matrix(np.concatenate([gate.values, up.values]),  # type: ignore[union-attr]
-                                          np.concatenate([gate.scales, up.scales])),  # type: ignore[union-attr]
-                               gate.values.shape[0], down)  # type: ignore[union-attr, arg-type]
-        gate, up, down = (m.dequantize() for m in (gate, up, down))  # type: ignore[union-attr]
+    if isinstance(gate, MXFP4Matrix) and isinstance(up, MXFP4Matrix) and isinstance(down, MXFP4Matrix) \
+            and precision in ("native", "mxfp4"):
+        return QuantizedExpert(gate, up, down)
+    if isinstance(gate, Int8Matrix) and isinstance(up, Int8Matrix) and isinstance(down, Int8Matrix) \
+            and precision == "native":
+        gate_up = Int8Matrix(np.concatenate([gate.values, up.values]), np.concatenate([gate.scales, up.scales]))
+        return _fused_int8(gate_up, gate.values.shape[0], down)
+    gate, up, down = widen(gate), widen(up), widen(down)
     if precision == "native":
         if all(is_bf16_exact(m) for m in (gate, up, down)):
             return BF16Expert(_bf16_bits(np.concatenate([gate, up])), _bf16_bits(down))
@@ -239,7 +246,8 @@ def _fused_int8(gate_up: Int8Matrix, width: int, down: Int8Matrix) -> QuantizedE
                            Int8Matrix(gate_up.values[width:], gate_up.scales[width:]), down, gate_up=gate_up)
 
 
-ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+# (layer, expert) -> (gate, up, down) as stored: float32 arrays, or a GGUF's MXFP4 / Q8_0 matrices
+ExpertReader = Callable[[int, int], tuple[StoredMatrix, StoredMatrix, StoredMatrix]]
 
 
 def outputs_one_by_one(experts: Mapping[int, Expert], pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
@@ -251,8 +259,9 @@ def outputs_one_by_one(experts: Mapping[int, Expert], pairs: ExpertPairs, x: np.
     return y
 
 
-class ExpertStore:
-    """Every routed expert of a model, read (and packed) on first use into its layer's stack, then kept."""
+class ExpertStore(ExpertSource):
+    """Every routed expert of a model, read (and packed) on first use into its layer's stack, then kept: the
+    resident `ExpertSource` of the families (the streaming one is stream/family_source.py)."""
 
     def __init__(self, read: ExpertReader, precision: str, num_experts: int) -> None:
         self._read = read
@@ -261,12 +270,9 @@ class ExpertStore:
         self._experts: dict[tuple[int, int], Expert] = {}
         self._stacks: dict[int, ExpertParts] = {}  # layer -> its experts' parts, stacked [NE, ...]
 
-    prefetching = False  # a resident store has nothing to read ahead
-    plan = None  # a streaming store's RAM budget plan (stream/budget.py)
-
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
+    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
         """The experts `expert_ids` of `layer` (a streaming store, stream/family_source.py, hands out views that
-        stay valid until its next `fetch` and reads them in ascending id order)."""
+        stay valid until its next `experts` and reads them in ascending id order)."""
         return {int(e): self.get(layer, int(e)) for e in expert_ids}
 
     def get(self, layer: int, expert: int) -> Expert:
@@ -310,9 +316,8 @@ class ExpertStore:
 
     def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The expert's float32 (gate, up, down) as stored in the checkpoint, bypassing the packed copy."""
-        matrices = self._read(layer, expert)
-        return tuple(m.dequantize() if isinstance(m, (MXFP4Matrix, Int8Matrix)) else m  # type: ignore
-                     for m in matrices)
+        gate, up, down = self._read(layer, expert)
+        return widen(gate), widen(up), widen(down)
 
     def loaded(self) -> dict[tuple[int, int], Expert]:
         """(layer, expert) -> packed expert, for every expert used so far."""
@@ -326,24 +331,5 @@ class ExpertStore:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._experts.values())
 
-    # ---- the capabilities a streaming store offers, with a resident store's defaults (as WeightSource's) -------
-    def begin_step(self, num_tokens: int) -> None:
-        """A forward over `num_tokens` positions starts."""
-
-    def prefetch(self, layer: int, guesses: Sequence[int]) -> None:
-        """Guessed experts of `layer`, best first, may be read ahead."""
-
-    def resident_experts(self, layer: int) -> set[int] | None:
-        return None
-
-    def stream_stats(self) -> None:
-        return None
-
     def describe(self) -> str:
         return f"resident experts ({self.precision})"
-
-    def check_integrity(self) -> None:
-        """Nothing to check: a dict."""
-
-    def close(self) -> None:
-        """Nothing to release."""

@@ -40,9 +40,9 @@ _FAMILIES = {
     "qwen3_next": Family("qwen3_next", qwen3_next.Qwen3NextConfig.from_hf, qwen3_next.build),
 }
 # model_type -> family. Kimi K2 ships DeepSeek-V3's architecture under its own model_type.
-_MODEL_TYPES = {"kimi_linear": "kimi_linear", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
-                "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next"}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_MODEL_TYPES)
+MODEL_TYPE_FAMILIES = {"kimi_linear": "kimi_linear", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+                       "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next"}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(MODEL_TYPE_FAMILIES)
 
 
 def family_of(config: HFConfig) -> Family:
@@ -51,10 +51,10 @@ def family_of(config: HFConfig) -> Family:
         raise ConfigError(f"{config.source}: a nested text_config is a K3 (or multimodal) checkpoint, not one of "
                           f"the families {', '.join(SUPPORTED_MODEL_TYPES)}")
     model_type = config.get("model_type", default=None)
-    if model_type not in _MODEL_TYPES:
+    if model_type not in MODEL_TYPE_FAMILIES:
         raise ConfigError(f"{config.source}: model_type {model_type!r} is not supported by the family loader "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    return _FAMILIES[_MODEL_TYPES[model_type]]
+    return _FAMILIES[MODEL_TYPE_FAMILIES[model_type]]
 
 
 def is_family_checkpoint(folder: str | Path) -> bool:
@@ -64,7 +64,7 @@ def is_family_checkpoint(folder: str | Path) -> bool:
         config = HFConfig.read(folder)
     except ConfigError:
         return False
-    return not config.has("text_config") and config.get("model_type", default=None) in _MODEL_TYPES
+    return not config.has("text_config") and config.get("model_type", default=None) in MODEL_TYPE_FAMILIES
 
 
 def read_family_config(folder: str | Path) -> DecoderConfig:

@@ -11,7 +11,7 @@ MoE block:
     out = sum_{e chosen} weight_e * Expert_e(x) + Shared(x)          (DeepSeek-V3, Kimi Linear: shared_experts)
     out = sum_{e chosen} weight_e * Expert_e(x) + sigmoid(w_sg . x) * Shared(x)     (Qwen3-Next: shared_expert)
 Every MLP here is a SiLU-GLU: down(SiLU(gate x) * up x). Each routed expert runs once per forward on all the
-tokens routed to it, all the layer's active experts in one compiled call (`ExpertStore.expert_outputs`); the
+tokens routed to it, all the layer's active experts in one compiled call (`ExpertSource.expert_outputs`); the
 weighted outputs are added per token in ascending expert id. Ties in the top-k go to the lower expert id.
 Shapes: T tokens, NE experts, TOPK active, NG groups, H hidden, S shared width.
 """
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3serve.model.families.experts import ExpertStore
+from k3serve.model.expert_source import ExpertSource
+from k3serve.model.families.experts import outputs_one_by_one
 from k3serve.model.kernels import accumulate_expert_rows, linear
-from k3serve.model.moe import Routing, pairs_by_expert
+from k3serve.model.routing import Routing, pairs_by_expert
 from k3serve.model.ops import sigmoid, silu, softmax
 
 
@@ -98,7 +99,7 @@ class DenseMLP:
 class MoEBlock:
     layer: int
     router: SoftmaxRouter | GroupedSigmoidRouter
-    experts: ExpertStore
+    experts: ExpertSource  # the model's (FamilyModel.use_experts switches every block at once)
     shared: GLUWeights | None
     shared_gate: np.ndarray | None  # [1, H]: Qwen3-Next scales the shared expert by sigmoid(w . x)
 
@@ -106,8 +107,10 @@ class MoEBlock:
         routing = self.router(x)
         pairs = pairs_by_expert(routing.expert_ids)  # experts ascending: a fixed accumulation order per token
         out = np.zeros(x.shape, np.float32)  # [T, H]
-        accumulate_expert_rows(self.experts.expert_outputs(self.layer, pairs, x), pairs.tokens,
-                               routing.weights.ravel()[pairs.order], out)
+        y = self.experts.expert_outputs(self.layer, pairs, x)  # [N, H]
+        if y is None:  # a source that hands out experts one by one
+            y = outputs_one_by_one(self.experts.experts(self.layer, pairs.expert_ids), pairs, x)
+        accumulate_expert_rows(y, pairs.tokens, routing.weights.ravel()[pairs.order], out)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from k3serve.errors import ConfigError
+from k3serve.model.families.experts import ExpertStore
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.loading import family_of
 from k3serve.model.families.moe import MoEBlock
@@ -72,10 +73,14 @@ SYNTHETIC_FAMILIES: tuple[str, ...] = tuple(SYNTHETIC_CONFIGS)
 class _RandomReader(TensorReader):
     """Answers every tensor request with a seeded random array of the requested shape, and records it."""
 
-    def __init__(self, family: str, seed: int) -> None:
-        super().__init__(None, family, Path(f"<random {family}>"))  # type: ignore[arg-type]
+    def __init__(self, family: str, seed: int) -> None:  # no index to open: every tensor is made up
+        self.family = family
+        self.path = Path(f"<random {family}>")
         self.seed = seed
         self.tensors: dict[str, np.ndarray] = {}
+
+    def kept(self, name: str) -> None:
+        return None
 
     def __contains__(self, name: str) -> bool:
         return True
@@ -122,9 +127,9 @@ def write_random_family(family: str, folder: str | Path, seed: int = 0, bf16: bo
     reader = _RandomReader(spec.name, seed)
     model = spec.build(config, reader, "native", 64)
     for layer in model.layers:
-        if isinstance(layer.mlp, MoEBlock):
+        if isinstance(layer.mlp, MoEBlock) and isinstance(model.experts, ExpertStore):
             for expert in range(layer.mlp.router.weight.shape[0]):
-                model.experts.read(layer.mlp.layer, expert)  # type: ignore[union-attr]
+                model.experts.read(layer.mlp.layer, expert)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(folder / "model.safetensors", reader.tensors,
