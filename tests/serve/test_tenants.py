@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -269,3 +270,45 @@ def test_reload_keeps_requests_in_flight_and_refuses_a_bad_file(tenant_server):
     path.write_text("[tenants.bob\n")
     assert not registry.reload()
     assert _client(url, CAROL).completions.create(model=MODEL, prompt="y", max_tokens=1).usage.completion_tokens == 1
+
+
+# ---- open mode (no tenants file) ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def open_server(run_server):
+    loaded = load_model(None)
+    engine = LLMEngine(loaded.model, EngineConfig(max_model_len=256, max_seqs=16, kv_cache_bytes=16 << 20,
+                                                  scheduling="fair"), stop_ids=loaded.stop_ids)
+    with run_server(create_app(engine, loaded.tokenizer, MODEL)) as url:
+        yield url, engine
+
+
+def _complete(url: str, key: str | None, prompt: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(url + "/v1/completions", headers=headers, timeout=60,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_an_open_server_keeps_no_state_or_label_per_client_key(open_server):
+    url, engine = open_server
+    for i in range(40):  # every client invents its own key
+        _complete(url, f"sk-random-{i:04d}-{'x' * 40}", "x = 1")
+    _complete(url, None, "x = 1")
+    metrics = httpx.get(url + "/metrics").text
+    assert set(re.findall(r'tenant="([^"]*)"', metrics)) == {"anonymous"}
+    assert "sk-random" not in metrics
+    assert set(engine.scheduler.policy.counters) == {"anonymous"}
+
+
+def test_an_open_server_still_keeps_keys_apart_in_the_prefix_cache(open_server):
+    url, engine = open_server
+    hits = engine.metrics.counter("prefix_cache_hit_tokens")
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    _complete(url, "sk-first", prompt)
+    before = hits.value
+    _complete(url, "sk-second", prompt)  # another key: a miss
+    _complete(url, None, prompt)  # no key: a miss
+    assert hits.value == before
+    _complete(url, "sk-first", prompt + "print(fibonacci(10))\n")  # the same key: a hit on the shared prefix
+    assert hits.value > before

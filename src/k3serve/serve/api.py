@@ -9,9 +9,9 @@ others, and a client that goes away (streaming or not) cancels its request at th
 
 Tenancy (serve/tenants.py): with a tenants file, the bearer token must be one of a tenant's keys (else 401), and
 each request is checked against its tenant's caps (400 naming the cap) and quotas (429 with Retry-After and the
-x-ratelimit-* headers) before it reaches the engine. Without one, the bearer token only names the tenant (hashed;
-no token = "anonymous"). Prefix-cache entries are salted by tenant and by the request's `cache_salt`, so tenants
-never share cached state.
+x-ratelimit-* headers) before it reaches the engine. Without one, every client is the tenant "anonymous" (one
+metric label, one scheduling counter, however many keys clients invent). Prefix-cache entries are salted by tenant,
+by the bearer token's hash in open mode, and by the request's `cache_salt`, so no two keys share cached state.
 """
 
 from __future__ import annotations
@@ -220,7 +220,14 @@ def _authenticate(request: Request, state: ServerState) -> str:
         state.rejections.labels("unknown", "unauthenticated").inc()
         raise APIError(401, str(exc), code="invalid_api_key") from None
     request.state.tenant = tenant
+    request.state.cache_scope = state.tenants.cache_scope(request.headers.get("authorization"))
     return tenant
+
+
+def _cache_salt(scope: str | None, salt: str | None) -> str | None:
+    """The prefix-cache salt the engine gets: the request's `cache_salt`, and in open mode the key's scope with it
+    (always as a JSON pair there, so no client-chosen salt can equal another key's)."""
+    return salt if scope is None else json.dumps([scope, salt])
 
 
 def _admit_tenant(state: ServerState, tenant: str, body, prompts: list[_Prompt], max_tokens: int,
@@ -312,7 +319,8 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
                                     logprobs=_logprob_count(body, chat))
-            streams.append(state.backend.submit(prompt.ids, params, tenant=tenant, cache_salt=body.cache_salt,
+            streams.append(state.backend.submit(prompt.ids, params, tenant=tenant,
+                                                cache_salt=_cache_salt(request.state.cache_scope, body.cache_salt),
                                                 stop=body.stop,
                                                 speculative=body.speculative, grammar=grammar))
         except RequestError as exc:
