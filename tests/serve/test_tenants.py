@@ -26,7 +26,7 @@ from k3serve.serve.tenants import (CapExceeded, QuotaExceeded, TenantRegistry, T
                                    parse_tenants)
 
 MODEL = "k3-test"
-ALICE, BOB, CAROL = "sk-alice-123", "sk-bob-456", "sk-carol-789"
+ALICE, BOB, CAROL, OPS = "sk-alice-123", "sk-bob-456", "sk-carol-789", "sk-ops-000"
 
 
 def _file(**tenants: dict) -> str:
@@ -42,7 +42,7 @@ def _file(**tenants: dict) -> str:
 
 GOOD = _file(alice={"keys": [ALICE], "weight": 2.0, "priority": 1, "requests_per_minute": 3,
                     "tokens_per_minute": 400, "max_concurrent": 2, "kv_share": 0.5, "max_context": 96},
-             bob={"keys": [BOB]})
+             bob={"keys": [BOB]}, ops={"keys": [OPS], "admin": "true"})
 
 
 def test_hash_key_is_sha256_hex_and_the_cli_prints_it(capsys):
@@ -244,12 +244,40 @@ def test_quota_429_with_retry_after_and_rate_headers_then_success_for_others(ten
     assert statuses == [200, 200, 429]
     out = _client(url, BOB).completions.create(model=MODEL, prompt="import os", max_tokens=4)
     assert out.usage.completion_tokens == 4  # bob is not limited by alice's quota
-    metrics = httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {OPS}"}).text
     assert 'k3serve_tenant_rejections_total{reason="requests_per_minute",tenant="alice"} 1.0' in metrics
     assert 'k3serve_tenant_requests_total{tenant="bob"}' in metrics
     assert 'k3serve_tenant_virtual_counter{tenant="alice"}' in metrics
     assert 'k3serve_tenant_queue_seconds_bucket{le="+Inf",tenant="alice"}' in metrics
     assert 'k3serve_tenant_rejections_total{reason="unauthenticated",tenant="unknown"}' in metrics
+
+
+def test_metrics_need_an_admin_tenants_key(tenant_server):
+    url = tenant_server[0]
+    for headers, status, kind in (({}, 401, "authentication_error"),
+                                  ({"Authorization": "Bearer sk-nobody"}, 401, "authentication_error"),
+                                  ({"Authorization": f"Bearer {BOB}"}, 403, "permission_error")):
+        response = httpx.get(url + "/metrics", headers=headers)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["type"] == kind and set(error) == {"message", "type", "param", "code"}
+        assert "alice" not in response.text
+        assert status == 401 or "admin = true" in error["message"]
+    response = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {OPS}"})
+    assert response.status_code == 200 and "k3serve_http_requests_total" in response.text
+
+
+def test_admin_must_be_a_boolean():
+    with pytest.raises(TenantsError, match="tenant 'a': field 'admin'"):
+        parse_tenants(_file(a={"keys": [ALICE], "admin": 1}))
+    assert not parse_tenants(GOOD).get("alice").admin and parse_tenants(GOOD).get("ops").admin
+
+
+def test_docs_pages_that_load_a_cdn_are_off_and_the_schema_stays(open_server):
+    url = open_server[0]
+    assert httpx.get(url + "/docs").status_code == 404
+    assert httpx.get(url + "/redoc").status_code == 404
+    assert "/v1/chat/completions" in httpx.get(url + "/openapi.json").json()["paths"]
 
 
 def test_reload_keeps_requests_in_flight_and_refuses_a_bad_file(tenant_server):
@@ -295,7 +323,7 @@ def test_an_open_server_keeps_no_state_or_label_per_client_key(open_server):
     for i in range(40):  # every client invents its own key
         _complete(url, f"sk-random-{i:04d}-{'x' * 40}", "x = 1")
     _complete(url, None, "x = 1")
-    metrics = httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text  # open mode: no key needed
     assert set(re.findall(r'tenant="([^"]*)"', metrics)) == {"anonymous"}
     assert "sk-random" not in metrics
     assert set(engine.scheduler.policy.counters) == {"anonymous"}

@@ -9,7 +9,8 @@ others, and a client that goes away (streaming or not) cancels its request at th
 
 Tenancy (serve/tenants.py): with a tenants file, the bearer token must be one of a tenant's keys (else 401), and
 each request is checked against its tenant's caps (400 naming the cap) and quotas (429 with Retry-After and the
-x-ratelimit-* headers) before it reaches the engine. Without one, every client is the tenant "anonymous" (one
+x-ratelimit-* headers) before it reaches the engine, and /metrics needs the key of a tenant with `admin = true`
+(401 without a key, 403 for another tenant's). Without one, every client is the tenant "anonymous" (one
 metric label, one scheduling counter, however many keys clients invent). Prefix-cache entries are salted by tenant,
 by the bearer token's hash in open mode, and by the request's `cache_salt`, so no two keys share cached state.
 """
@@ -94,7 +95,8 @@ def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_n
         yield
         state.backend.shutdown()
 
-    app = FastAPI(title="k3serve", lifespan=lifespan)
+    # no /docs or /redoc: their pages load scripts from a CDN; /openapi.json stays
+    app = FastAPI(title="k3serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.k3 = state
 
     install_error_handlers(app, on_error=state.request_errors.inc)
@@ -113,7 +115,13 @@ def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_n
              "max_model_len": state.backend.max_context}]})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
+        # with tenants, /metrics names every tenant and its traffic: an admin tenant's key only
+        tenant = _authenticate(request, state)
+        if not state.tenants.may_read_metrics(tenant):
+            state.rejections.labels(tenant, "not_admin").inc()
+            raise APIError(403, f"tenant '{tenant}' may not read /metrics; it needs admin = true in the tenants file",
+                           code="permission_denied")
         # in a worker thread: a refresher may wait on other processes (expert owners' counters)
         body, content_type = await asyncio.to_thread(render_metrics, state.backend.metrics)
         return PlainTextResponse(body, media_type=content_type)

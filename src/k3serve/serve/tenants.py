@@ -11,6 +11,7 @@ A tenants file is TOML, one table per tenant; every field but `keys` is optional
     max_concurrent = 8        # requests in flight
     kv_share = 0.5            # cap on its share of KV blocks and state slots
     max_context = 4096        # prompt + max_tokens
+    admin = false             # true: its keys may read /metrics (every tenant's name and traffic)
 
 Plain keys are never stored or logged: a request's bearer token is hashed and looked up. A bad file (malformed
 TOML, a duplicate key hash, a zero or negative quota, an unknown field) raises `TenantsError` naming the tenant and
@@ -53,7 +54,7 @@ HASH_PREFIX = "sha256:"
 WINDOW_SECONDS = 60.0
 OPEN_TENANT = "anonymous"  # every client of an open server (no tenants file)
 FIELDS = ("keys", "weight", "priority", "requests_per_minute", "tokens_per_minute", "max_concurrent", "kv_share",
-          "max_context")
+          "max_context", "admin")
 
 
 class TenantsError(ConfigError):
@@ -96,6 +97,7 @@ class TenantConfig:
     max_concurrent: int | None = None
     kv_share: float = 1.0
     max_context: int | None = None
+    admin: bool = False
 
     def __post_init__(self) -> None:
         def bad(field_name: str, why: str) -> TenantsError:
@@ -122,6 +124,8 @@ class TenantConfig:
         if isinstance(self.kv_share, bool) or not isinstance(self.kv_share, (int, float)) \
                 or not 0 < self.kv_share <= 1:
             raise bad("kv_share", f"must be in (0, 1], got {self.kv_share!r}")
+        if not isinstance(self.admin, bool):
+            raise bad("admin", f"must be true or false, got {self.admin!r}")
 
     @property
     def share(self) -> TenantShare:
@@ -307,6 +311,11 @@ class TenantRegistry:
             return None
         token = _bearer_token(authorization)
         return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+
+    def may_read_metrics(self, name: str) -> bool:
+        """Whether a tenant may read /metrics: anyone in open mode, else only a tenant with `admin = true`."""
+        tenant = self.tenant(name)
+        return self.config is None or (tenant is not None and tenant.admin)
 
     def tenant(self, name: str) -> TenantConfig | None:
         return self.config.get(name) if self.config is not None else None
