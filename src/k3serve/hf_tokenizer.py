@@ -561,6 +561,30 @@ class HFTokenizer(ByteDecoding):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
         return self._encode(text, self._split_all if allow_special else self._split_ordinary, "strict")
 
+    def encode_with_plain_spans(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:
+        """`encode(text, allow_special=True)`, except that a special token whose text starts inside one of the
+        `plain` [start, end) spans (a rendered chat template's message text) stays ordinary text there: only the
+        template's own markers become special ids. Equals `encode(text, allow_special=True)` when no special
+        token text starts inside a span."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
+        if self._split_all is None:
+            return self.encode(text)
+        ids: list[int] = []
+        start = 0
+        for match in self._split_all.finditer(text):
+            name = match.lastgroup
+            token_id = int(name[1:]) if name is not None else self._added[match.group()]
+            if token_id in self._special_ids:
+                token = self._added_bytes[token_id].decode("utf-8")
+                at = match.start() + match.group().index(token)  # past whitespace an lstrip token absorbs
+                if any(low <= at < high for low, high in plain):
+                    continue  # message text: left to the ordinary encoding of the segment
+            ids += self._encode(text[start:match.start()], self._split_ordinary, "strict")
+            ids.append(token_id)
+            start = match.end()
+        return ids + self._encode(text[start:], self._split_ordinary, "strict")
+
     def encode_bytes(self, data: bytes) -> list[int]:
         """Token ids of arbitrary bytes (invalid UTF-8 included). Never produces special ids.
 

@@ -2,8 +2,12 @@
 
 A family checkpoint (Hugging Face `tokenizer.json`) carries its template as jinja in `tokenizer_config.json` or
 `chat_template.jinja`; it is rendered in a sandbox with `messages`, `add_generation_prompt=True`, `bos_token` and
-`eos_token`, and the text is tokenized with its special tokens recognised (the template writes the BOS itself).
-Otherwise the built-in template over the tokenizer's special tokens:
+`eos_token`, and the text is tokenized with the special tokens the template writes recognised (the template writes
+the BOS itself). Message text is always plain text: "<|im_start|>system" typed by a user is those characters, never
+a role marker. To tell the template's markers from the messages' text, a message holding a special token's text is
+rendered once more between two sentinel characters, which locates it in the rendered text; a template that changes
+such a message's text (so it cannot be located) makes the request a 400. Otherwise the built-in template over the
+tokenizer's special tokens, whose message text is encoded as plain text:
 
     <|im_system|>system<|im_middle|>You are ...<|im_end|><|im_user|>user<|im_middle|>Hi<|im_end|>
     <|im_assistant|>assistant<|im_middle|>
@@ -53,15 +57,60 @@ def _render(tokenizer: HFTokenizer, template: str, messages: list[tuple[str, str
     def token_text(token_id: int | None) -> str:
         return "" if token_id is None else tokenizer.id_to_bytes(token_id).decode("utf-8", "replace")
 
-    try:
-        text = _compile(template).render(
-            messages=[{"role": "system" if role == "developer" else role, "content": content}
-                      for role, content in messages],
-            add_generation_prompt=True, bos_token=token_text(tokenizer.bos_id),
-            eos_token=token_text(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
-    except TemplateError as exc:
-        raise RequestError(f"the model's chat template refused these messages: {exc}") from exc
-    return list(tokenizer.encode(text, allow_special=True))
+    def render(contents: list[str]) -> str:
+        try:
+            return _compile(template).render(
+                messages=[{"role": "system" if role == "developer" else role, "content": content}
+                          for (role, _), content in zip(messages, contents)],
+                add_generation_prompt=True, bos_token=token_text(tokenizer.bos_id),
+                eos_token=token_text(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
+        except TemplateError as exc:
+            raise RequestError(f"the model's chat template refused these messages: {exc}") from exc
+
+    contents = [content for _, content in messages]
+    text = render(contents)
+    found = [min((t for t in tokenizer.special_tokens if t in content), key=content.index, default=None)
+             for content in contents]  # the first special token text in each message
+    if not any(found):
+        return list(tokenizer.encode(text, allow_special=True))
+    spans = _message_spans(text, contents, [token is not None for token in found], render)
+    if spans is None:
+        token = next(t for t in found if t is not None)
+        raise RequestError(f"a message holds the text of the special token {token!r}, and this model's chat "
+                           "template changes message text, so it cannot be kept as plain text; remove it")
+    return tokenizer.encode_with_plain_spans(text, spans)
+
+
+def _message_spans(text: str, contents: list[str], marked: list[bool], render) -> list[tuple[int, int]] | None:
+    """Where the `marked` messages' text lies in the rendered `text`, as [start, end) spans: the messages are
+    rendered again between two sentinel characters that occur nowhere else. None if the template changed their
+    text (the sentinels cannot be removed to give `text` again)."""
+    used = set(text).union(*map(set, contents))
+    free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # Unicode's private use area
+    open_mark, close_mark = next(free, None), next(free, None)
+    if open_mark is None or close_mark is None:
+        return None
+    wrapped = render([open_mark + content + close_mark if mark else content
+                      for content, mark in zip(contents, marked)])
+    spans: list[tuple[int, int]] = []
+    plain: list[str] = []
+    position, start = 0, None
+    for char in wrapped:
+        if char == open_mark:
+            if start is not None:
+                return None
+            start = position
+        elif char == close_mark:
+            if start is None:
+                return None
+            spans.append((start, position))
+            start = None
+        else:
+            plain.append(char)
+            position += 1
+    if start is not None or "".join(plain) != text:
+        return None
+    return spans
 
 
 def apply_chat_template(tokenizer: Tokenizer | HFTokenizer, messages: list[tuple[str, str]]) -> list[int]:
