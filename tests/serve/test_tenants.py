@@ -26,7 +26,7 @@ from k3serve.serve.tenants import (CapExceeded, QuotaExceeded, TenantRegistry, T
                                    parse_tenants)
 
 MODEL = "k3-test"
-ALICE, BOB, CAROL, OPS = "sk-alice-123", "sk-bob-456", "sk-carol-789", "sk-ops-000"
+ALICE, BOB, CAROL, OPS, DAVE = "sk-alice-123", "sk-bob-456", "sk-carol-789", "sk-ops-000", "sk-dave-321"
 
 
 def _file(**tenants: dict) -> str:
@@ -42,7 +42,8 @@ def _file(**tenants: dict) -> str:
 
 GOOD = _file(alice={"keys": [ALICE], "weight": 2.0, "priority": 1, "requests_per_minute": 3,
                     "tokens_per_minute": 400, "max_concurrent": 2, "kv_share": 0.5, "max_context": 96},
-             bob={"keys": [BOB]}, ops={"keys": [OPS], "admin": "true"})
+             bob={"keys": [BOB]}, ops={"keys": [OPS], "admin": "true"},
+             dave={"keys": [DAVE], "requests_per_minute": 2, "tokens_per_minute": 1000})
 
 
 def test_hash_key_is_sha256_hex_and_the_cli_prints_it(capsys):
@@ -250,6 +251,35 @@ def test_quota_429_with_retry_after_and_rate_headers_then_success_for_others(ten
     assert 'k3serve_tenant_virtual_counter{tenant="alice"}' in metrics
     assert 'k3serve_tenant_queue_seconds_bucket{le="+Inf",tenant="alice"}' in metrics
     assert 'k3serve_tenant_rejections_total{reason="unauthenticated",tenant="unknown"}' in metrics
+
+
+def test_a_request_refused_as_over_the_context_is_not_charged(tenant_server):
+    url = tenant_server[0]
+    client = _client(url, DAVE)
+    long_text = "x = 1\n" * 200  # over the server's 256-token context, under dave's 1000 tokens per minute
+    for endpoint in ("completions", "chat", "completions", "chat"):  # charged, the third would be a 429
+        with pytest.raises(BadRequestError) as info:
+            if endpoint == "chat":
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text}])
+            else:
+                client.completions.create(model=MODEL, prompt=long_text, max_tokens=8)
+        assert info.value.body["code"] == "context_length_exceeded"
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=1)
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1"  # only this request counted
+    assert int(raw.headers["x-ratelimit-remaining-tokens"]) >= 1000 - 16
+    assert tenant_server[2].in_flight("dave") == 0
+
+
+def test_a_lease_refund_uncharges_the_request_and_its_tokens():
+    now = [0.0]
+    registry = TenantRegistry(parse_tenants(GOOD), clock=lambda: now[0])
+    for _ in range(5):
+        registry.admit("dave", 900).refund()
+    lease = registry.admit("dave", 900)
+    assert lease.headers["x-ratelimit-remaining-requests"] == "1"
+    assert lease.headers["x-ratelimit-remaining-tokens"] == "100"
+    lease.finish(50)
+    assert registry.in_flight("dave") == 0
 
 
 def test_metrics_need_an_admin_tenants_key(tenant_server):

@@ -247,6 +247,7 @@ def _admit_tenant(state: ServerState, tenant: str, body, prompts: list[_Prompt],
     if chat and config is not None and config.max_context is not None \
             and body.max_completion_tokens is None and body.max_tokens is None:
         max_tokens = max(1, min(max_tokens, config.max_context - max(lengths)))
+    _check_context(state, prompts, max_tokens)  # a request refused as too long is never charged
     try:
         state.tenants.check_caps(tenant, lengths, max_tokens, body.n, state.backend.share_capacity)
         lease = state.tenants.admit(tenant, estimate_tokens(lengths, max_tokens, body.n))
@@ -257,6 +258,14 @@ def _admit_tenant(state: ServerState, tenant: str, body, prompts: list[_Prompt],
         state.rejections.labels(tenant, exc.reason).inc()
         raise APIError(429, str(exc), param=exc.reason, code="rate_limit_exceeded", headers=exc.headers) from None
     return lease, max_tokens
+
+
+def _check_context(state: ServerState, prompts: list[_Prompt], max_tokens: int) -> None:
+    """A 400 for a prompt that cannot fit the context with max_tokens after it."""
+    for prompt in prompts:
+        if len(prompt.ids) + max_tokens > state.backend.max_context:
+            raise APIError(400, str(ContextLengthError(len(prompt.ids), max_tokens, state.backend.max_context)),
+                           param="max_tokens", code="context_length_exceeded")
 
 
 def _tokens_used(streams: list[OutputStream]) -> int:
@@ -308,8 +317,14 @@ async def _serve(request: Request, state: ServerState, body, prompts: list[_Prom
     try:
         return await _submit_and_answer(request, state, body, prompts, max_tokens, chat, tenant, lease, plan,
                                         grammar)
+    except APIError as exc:
+        if exc.status == 400:
+            lease.refund()  # refused by the engine before it ran: not charged
+        else:
+            lease.finish()
+        raise
     except BaseException:
-        lease.finish()  # refused by the engine, or the client went away: nothing more will run
+        lease.finish()  # the client went away: nothing more will run
         raise
 
 
@@ -317,12 +332,7 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
                              chat: bool, tenant: str, lease: Lease, plan: OutputPlan | None = None,
                              grammar: Grammar | None = None):
     streams: list[OutputStream] = []
-    for prompt in prompts:
-        if len(prompt.ids) + max_tokens > state.backend.max_context:
-            for stream in streams:
-                stream.abort()
-            raise APIError(400, str(ContextLengthError(len(prompt.ids), max_tokens, state.backend.max_context)),
-                           param="max_tokens", code="context_length_exceeded")
+    for prompt in prompts:  # each prompt fits the context (_check_context)
         try:
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,

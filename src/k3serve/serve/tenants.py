@@ -19,7 +19,8 @@ the field; at start the server then does not start, at reload the old configurat
 
 Quotas are sliding one-minute windows per tenant. A request is charged its estimated tokens when admitted (prompt
 plus max_tokens for each completion, as OpenAI estimates) and the estimate is corrected to the tokens actually used
-when it ends.
+when it ends. A request refused with a 400 is never charged: the context is checked before the quotas, and a
+refusal after admission (the engine's) refunds its request and tokens.
 
 Without a tenants file the server is open: there are no limits, and every client is one tenant, `anonymous`, for
 scheduling, quotas and metric labels, whatever bearer token it sends. Client-chosen strings never become state or
@@ -236,12 +237,18 @@ class Lease:
     """One admitted HTTP request's hold on its tenant's quotas: `finish(tokens_used)` releases it once."""
 
     def __init__(self, registry: TenantRegistry, tenant: str, token_event: list[float] | None,
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], request_event: list[float] | None = None) -> None:
         self.registry, self.tenant, self._token_event, self.headers = registry, tenant, token_event, headers
+        self._request_event = request_event
         self._done = False
 
     def finish(self, tokens_used: int | None = None) -> None:
         self.registry._release(self, tokens_used)
+
+    def refund(self) -> None:
+        """Release a request refused before it ran (over the context, refused by the engine): neither its
+        request nor its tokens count against the quotas."""
+        self.registry._release(self, 0, refund=True)
 
     @property
     def done(self) -> bool:
@@ -363,7 +370,8 @@ class TenantRegistry:
             elif tpm is not None and used_tokens + tokens > tpm:
                 reason, wait = "tokens_per_minute", state.tokens.seconds_until_room(now, tokens, tpm)
             if reason is None:
-                state.requests.events.append([now, 1.0])
+                request_event = [now, 1.0]
+                state.requests.events.append(request_event)
                 token_event = [now, float(tokens)]
                 state.tokens.events.append(token_event)
                 state.in_flight += 1
@@ -374,9 +382,9 @@ class TenantRegistry:
                 headers["retry-after"] = str(retry_after)
                 raise QuotaExceeded(f"tenant '{name}' is over its {reason} quota; retry after {retry_after} s",
                                     reason, retry_after, headers)
-            return Lease(self, name, token_event, headers)
+            return Lease(self, name, token_event, headers, request_event)
 
-    def _release(self, lease: Lease, tokens_used: int | None) -> None:
+    def _release(self, lease: Lease, tokens_used: int | None, refund: bool = False) -> None:
         with self._lock:
             if lease._done:
                 return
@@ -386,6 +394,8 @@ class TenantRegistry:
                 state.in_flight -= 1
             if lease._token_event is not None and tokens_used is not None:
                 lease._token_event[1] = float(min(tokens_used, lease._token_event[1]))
+            if refund and lease._request_event is not None:
+                lease._request_event[1] = 0.0
 
     def in_flight(self, name: str) -> int:
         with self._lock:
