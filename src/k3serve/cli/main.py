@@ -356,7 +356,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _uvicorn_server(app, args: argparse.Namespace):
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout))
+    from k3serve.serve.shutdown import DrainingServer
+
+    return DrainingServer(uvicorn.Config(app, log_level="warning"), args.shutdown_timeout,
+                          app.state.k3.cut_open_requests)
 
 
 def _serve_until_sigterm(server, listener) -> None:
@@ -365,12 +368,14 @@ def _serve_until_sigterm(server, listener) -> None:
     SIGTERM then lands on a handler that ignores it, so a drained server exits 0, not by the signal."""
     import signal
 
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: logging.getLogger(__name__).info("drained"))
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: logging.getLogger(__name__).info("shut down"))
     try:
         server.run(sockets=[listener])
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print("k3serve: shut down (in-flight requests drained)", file=sys.stderr)
+    cut = server.num_cut
+    outcome = f"cut {cut} stream(s) at --shutdown-timeout" if cut else "in-flight requests drained"
+    print(f"k3serve: shut down ({outcome})", file=sys.stderr)
 
 
 

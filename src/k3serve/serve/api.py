@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -78,6 +79,15 @@ class ServerState:
         self.request_errors = metrics.counter("http_request_errors_total", "HTTP requests answered with 4xx/5xx")
         self.rejections = metrics.family(Counter, "tenant_rejections", "requests refused, per tenant and reason",
                                          ("tenant", "reason"))
+        self.open_requests: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()  # one cut event per open request
+
+    def cut_open_requests(self) -> int:
+        """End every open request now (the shutdown's drain time ran out; serve/shutdown.py): a stream gets an
+        SSE error event and its finish reasons, a whole response a 503. On the event loop. Returns how many."""
+        cuts = list(self.open_requests)
+        for cut in cuts:
+            cut.set()
+        return len(cuts)
 
 
 def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_name: str,
@@ -346,19 +356,49 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
                 stream.abort()
             raise APIError(400, str(exc)) from None
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    cut = asyncio.Event()  # set when the server's shutdown drain runs out of time
+    state.open_requests.add(cut)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream_events(state, body, streams, response_id, chat, include_usage, plan)
+        events = _stream_events(state, body, streams, response_id, chat, include_usage, plan, cut)
         return StreamingResponse(_release_after(events, lease, streams), media_type="text/event-stream",
                                  headers=lease.headers)
     watcher = asyncio.create_task(_abort_on_disconnect(request, streams))
     try:
-        response = await _complete(state, body, streams, response_id, chat, plan)
+        response = await _complete(state, body, streams, response_id, chat, plan, cut)
     finally:
         watcher.cancel()
+        state.open_requests.discard(cut)
     lease.finish(_tokens_used(streams))
     response.headers.update(lease.headers)
     return response
+
+
+SHUTDOWN_MESSAGE = "the server is shutting down and its drain time ran out; this response is incomplete"
+
+
+async def _until_cut(stream: OutputStream, cut: asyncio.Event) -> AsyncIterator[RequestOutput | None]:
+    """The stream's outputs; then None, once, if `cut` is set before the stream ends."""
+    outputs = stream.__aiter__()
+    cut_wait = asyncio.ensure_future(cut.wait())
+    next_output: asyncio.Future | None = None
+    try:
+        while True:
+            next_output = asyncio.ensure_future(outputs.__anext__())
+            await asyncio.wait((next_output, cut_wait), return_when=asyncio.FIRST_COMPLETED)
+            if not next_output.done():
+                yield None
+                return
+            try:
+                output = next_output.result()
+            except StopAsyncIteration:
+                return
+            next_output = None
+            yield output
+    finally:
+        cut_wait.cancel()
+        if next_output is not None and not next_output.done():
+            next_output.cancel()
 
 
 async def _abort_on_disconnect(request: Request, streams: list[OutputStream]) -> None:
@@ -392,13 +432,16 @@ def _logprobs_field(state: ServerState, body, chat: bool, entries: list | None, 
 
 
 async def _complete(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool,
-                    plan: OutputPlan | None = None):
+                    plan: OutputPlan | None = None, cut: asyncio.Event | None = None):
     choices: list[dict] = []
     prompt_tokens = completion_tokens = 0
     try:
         for prompt_index, stream in enumerate(streams):
             final: RequestOutput | None = None
-            async for output in stream:
+            async for output in _until_cut(stream, cut or asyncio.Event()):
+                if output is None:
+                    logger.warning("cut %s at shutdown: the drain time ran out before it finished", response_id)
+                    raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
                 final = output
             assert final is not None
             if final.error is not None:
@@ -433,9 +476,11 @@ async def _complete(state: ServerState, body, streams: list[OutputStream], respo
 
 
 async def _stream_events(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool,
-                         include_usage: bool, plan: OutputPlan | None = None) -> AsyncIterator[str]:
+                         include_usage: bool, plan: OutputPlan | None = None, cut: asyncio.Event | None = None
+                         ) -> AsyncIterator[str]:
     """SSE chunks. With tools, a reply is held to its end (it may turn out to be a tool call) and sent as one
-    delta: `tool_calls` (finish_reason "tool_calls") or its content."""
+    delta: `tool_calls` (finish_reason "tool_calls") or its content. When `cut` is set (the shutdown's drain time
+    ran out) every open choice gets its held text and finish_reason "abort", then an error event ends the stream."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     trackers: dict[int, TextTracker] = {}
@@ -474,12 +519,36 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
             return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
+    def cut_short() -> list[str]:
+        logger.warning("cut stream %s at shutdown after %d generated token(s): the drain time ran out",
+                       response_id, sum(token_counts.values()))
+        choices = []
+        for index in range(len(streams) * body.n):
+            if index in done:
+                continue
+            tracker = trackers.get(index)
+            text = (held.pop(index, "") if hold_for_tools else "") + (tracker.finish() if tracker else "")
+            if chat:
+                delta: dict[str, Any] = {"content": text}
+                if tracker is None:
+                    delta["role"] = "assistant"
+                choices.append({"index": index, "delta": delta, "finish_reason": "abort", "logprobs": None})
+            else:
+                choices.append({"index": index, "text": text, "finish_reason": "abort", "logprobs": None})
+        error = {"message": SHUTDOWN_MESSAGE, "type": "server_error", "param": None, "code": "server_shutting_down"}
+        return ([event(choices)] if choices else []) + [f"data: {json.dumps({'error': error})}\n\n"]
+
     done: set[int] = set()
     token_counts: dict[int, int] = {}
+    cut = cut or asyncio.Event()
     try:
         for prompt_index, stream in enumerate(streams):
             first_output = True
-            async for output in stream:
+            async for output in _until_cut(stream, cut):
+                if output is None:
+                    for chunk in cut_short():
+                        yield chunk
+                    return
                 if output.error is not None:
                     error = {"message": f"the request failed in the engine: {output.error}", "type": "server_error",
                              "param": None, "code": None}
@@ -512,6 +581,7 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
                              "total_tokens": prompt_tokens + completion_tokens})
         yield "data: [DONE]\n\n"
     finally:
+        state.open_requests.discard(cut)
         for stream in streams:
             if not stream.finished:
-                stream.abort()  # the client disconnected mid-stream
+                stream.abort()  # the client disconnected mid-stream, or the server cut it
