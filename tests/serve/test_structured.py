@@ -10,6 +10,7 @@ from openai import BadRequestError, OpenAI
 
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
+from k3serve.errors import RequestError
 from k3serve.loading import load_model
 from k3serve.serve.api import create_app
 from k3serve.serve.structured import OutputPlan, parse_tool_calls, plan_output
@@ -149,6 +150,20 @@ def test_structured_output_errors_are_400s(client):
     with pytest.raises(BadRequestError, match="tool_choice needs tools"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, tool_choice="required")
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
+
+
+def test_a_json_schema_format_without_its_schema_is_a_400_naming_the_field(server):
+    url = server[0]
+    for json_schema in ({"name": "x"}, {"name": "x", "schema": None}):
+        response = httpx.post(url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": json_schema}})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "response_format.json_schema.schema is missing" in error["message"]
+        assert error["param"] == "response_format.json_schema" and error["type"] == "invalid_request_error"
+    with pytest.raises(RequestError, match="json_schema.schema is missing"):
+        plan_output({"type": "json_schema", "json_schema": {"name": "x"}}, None, None, True)
 
 
 def test_tokenize_and_detokenize_as_vllm(server):

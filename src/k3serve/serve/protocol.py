@@ -204,6 +204,15 @@ class JSONSchemaFormat(BaseModel):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _schema_needed(self):
+        # NOTE: OpenAI's reference marks `schema` optional without saying what its absence means; unconstrained
+        # prose would pass for success, so it is refused instead
+        if self.schema_ is None:
+            raise ValueError("response_format.json_schema.schema is missing: give the JSON Schema the reply must "
+                             "follow (type json_object asks for any JSON object)")
+        return self
+
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -55,7 +55,10 @@ def plan_output(response_format: dict | None, tools: list[dict] | None, tool_cho
         if kind == "json_object":
             schema = True
         elif kind == "json_schema":
-            schema = response_format["json_schema"].get("schema", {"type": "object"})
+            schema = response_format["json_schema"].get("schema")
+            if schema is None:  # never unconstrained prose for a request that asked for a schema
+                raise RequestError("response_format.json_schema.schema is missing: give the JSON Schema the reply "
+                                   "must follow")
     if not tools:
         if tool_choice not in (None, "none"):
             raise RequestError("tool_choice needs tools")
