@@ -135,6 +135,45 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, bod
     assert ok.status_code == 200
 
 
+def test_one_model_by_id_and_an_unknown_id_is_a_404_in_openai_shape(server, client):
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "k3serve"
+    with pytest.raises(NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found" and "no-such-model" in info.value.body["message"]
+    response = httpx.get(server[0] + "/v1/models/org/no-such-model")
+    assert response.status_code == 404
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_no_op_openai_fields_are_accepted(client):
+    out = client.completions.create(model=MODEL, prompt="x = ", max_tokens=2, temperature=0, best_of=1,
+                                    suffix=None, logit_bias={})
+    assert out.usage.completion_tokens == 2
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          logit_bias={})
+    assert chat.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("endpoint, fields, fragment", [
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"suffix": "return x"}, "suffix"),
+    ("completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "18 C"}]},
+     "tool_call_id"),
+])
+def test_unsupported_openai_values_are_a_clear_400(server, endpoint, fields, fragment):
+    body = {"model": MODEL, "max_tokens": 2}
+    body.update({"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    body.update(fields)
+    response = httpx.post(server[0] + ("/v1/completions" if endpoint == "completions" else "/v1/chat/completions"),
+                          json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(NotFoundError):
         client.completions.create(model="missing", prompt="x", max_tokens=2)

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streamed or not), /v1/models,
-/health and /metrics, over one `ServingBackend` (serve/backend.py): one engine in this process, or replicas on Ray
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streamed or not), /v1/models (and
+/v1/models/{id}), /health and /metrics, over one `ServingBackend` (serve/backend.py): one engine in this process, or replicas on Ray
 behind a router (k3serve.cluster).
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with the status mapped in one place
@@ -117,12 +117,22 @@ def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_n
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
+                "max_model_len": state.backend.max_context}
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         _authenticate(request, state)
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
-             "max_model_len": state.backend.max_context}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        _authenticate(request, state)
+        if model_id != state.model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server has '{state.model_name}'",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_card())
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:

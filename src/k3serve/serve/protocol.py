@@ -54,6 +54,7 @@ class _SamplingFields(BaseModel):
     # default, false = off, true = on with the server's settings (or n-gram), or a drafter name
     presence_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})  # not supported: only 0
     frequency_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})
+    logit_bias: dict[str, Any] | None = Field(default=None, json_schema_extra={"maxProperties": 0})  # only {}
 
     @field_validator("temperature")
     @classmethod
@@ -121,6 +122,13 @@ class _SamplingFields(BaseModel):
             raise ValueError("presence and frequency penalties are not supported; leave them at 0")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("logit_bias is not supported; send {} or leave it out")
+        return value
+
 
 MAX_TOP_LOGPROBS = 20  # as engine/sampling.MAX_LOGPROBS
 
@@ -130,6 +138,23 @@ class CompletionRequest(_SamplingFields):
                                                                                         "minItems": 1})
     echo: bool = False
     logprobs: Integer | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+    best_of: Integer | None = Field(default=None, json_schema_extra={"enum": [1]})  # only the no-op 1
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})  # only null or ""
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("best_of is not supported beyond 1 (no extra candidates are generated); use n for "
+                             "several completions")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported (no fill-in-the-middle); send null or leave it out")
+        return value
 
     @field_validator("logprobs")
     @classmethod
@@ -178,6 +203,8 @@ class ChatMessage(BaseModel):
     def _content_needed(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id, the id of the assistant's tool call it answers")
         return self
 
     def text(self) -> str:
