@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streamed or not), /v1/models (and
-/v1/models/{id}), /health and /metrics, over one `ServingBackend` (serve/backend.py): one engine in this process, or replicas on Ray
-behind a router (k3serve.cluster).
+/v1/models/{id}), /health and /metrics, over one `ServingBackend` (serve/backend.py): one engine in this process,
+or replicas on Ray behind a router (k3serve.cluster).
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with the status mapped in one place
 (`serve/errors.py`): bad input 400, unknown model or path 404, wrong method 405, a body over the size cap 413,
