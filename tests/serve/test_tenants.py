@@ -1,4 +1,4 @@
-"""Tenants (serve/tenants.py, serve/tenant_commands.py): the file and its errors, key hashes, quotas over a sliding
+"""Tenants (serve/tenants.py, cli/tenants.py): the file and its errors, key hashes, quotas over a sliding
 minute, reload on SIGHUP; then over HTTP with the official openai client: 401, 429 with Retry-After and the
 x-ratelimit-* headers, 400 naming the cap, per-tenant metrics, and a reload that drops no request."""
 
