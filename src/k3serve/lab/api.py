@@ -12,7 +12,8 @@
                                               result?: {id, params, measured, metrics, baseline, series, command,
                                                         seconds, ...}, error?}
     GET    /lab/api/jobs/{job_id}         the same job record, to poll progress and fetch the result
-    DELETE /lab/api/jobs/{job_id}         cancel: a queued job never starts, a running one stops at its next check
+    DELETE /lab/api/jobs/{job_id}         cancel: a queued job never starts, a running one stops at its next check or
+                                          its worker process is killed (lab/worker.py)
 
 Errors: `{"error": {"message", "param"}}`; an unknown or out-of-range parameter is a 400 naming it, an unknown
 module or job a 404.
@@ -29,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
 from k3serve.lab.fixtures import LabFixtures
-from k3serve.lab.jobs import RunQueue
+from k3serve.lab.jobs import LabQueueConfig, RunQueue
 from k3serve.lab.registry import LabParamError, UnknownModuleError, get_module, modules
 
 logger = logging.getLogger(__name__)
@@ -110,9 +111,9 @@ def create_lab_router(queue: RunQueue) -> APIRouter:
     return router
 
 
-def mount_lab(app, fixtures: LabFixtures, prefix: str = "/lab") -> RunQueue:
+def mount_lab(app, fixtures: LabFixtures, prefix: str = "/lab", config: LabQueueConfig | None = None) -> RunQueue:
     """Add the lab to an existing FastAPI app (its own run queue); returns the queue (close it on shutdown)."""
-    queue = RunQueue(fixtures)
+    queue = RunQueue(fixtures, config)
     app.include_router(create_lab_router(queue), prefix=prefix)
 
     @app.get(prefix, include_in_schema=False)
@@ -122,7 +123,7 @@ def mount_lab(app, fixtures: LabFixtures, prefix: str = "/lab") -> RunQueue:
     return queue
 
 
-def create_lab_app(fixtures: LabFixtures):
+def create_lab_app(fixtures: LabFixtures, config: LabQueueConfig | None = None):
     """The lab alone (`k3serve lab`): the page at /lab/, and / redirects there."""
     from contextlib import asynccontextmanager
 
@@ -136,7 +137,7 @@ def create_lab_app(fixtures: LabFixtures):
         holder["queue"].close()
 
     app = FastAPI(title="k3serve lab", lifespan=lifespan)
-    holder["queue"] = mount_lab(app, fixtures)
+    holder["queue"] = mount_lab(app, fixtures, config=config)
     app.state.lab_queue = holder["queue"]
 
     @app.get("/", include_in_schema=False)

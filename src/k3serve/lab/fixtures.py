@@ -5,6 +5,7 @@ bigger experts for I/O figures.
 Files go to `<k3serve cache>/lab/<model key>/` (the model key is the digest of the model's checksum list, or of its
 config for a folder without one), written under a temporary name and renamed, so a half-built fixture is never used.
 A model is loaded once per process; modules run one at a time (the run queue), and a lock guards the first build.
+The run queue's worker process gets its own copy (pickling sends the folders, not the loaded model).
 """
 
 from __future__ import annotations
@@ -57,17 +58,24 @@ class LabFixtures:
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         self.model_arg = str(model_dir) if model_dir is not None else None  # for reproducing commands
-        if (self.model_dir / "SHA256SUMS").exists():
-            key = verify_checksums(self.model_dir)[:12]
+        if cache_dir is not None:
+            self.root = Path(cache_dir)
         else:
-            key = hashlib.sha256((self.model_dir / "config.json").read_bytes()
-                                 + str(self.model_dir.resolve()).encode()).hexdigest()[:12]
-        self.root = Path(cache_dir) if cache_dir is not None else cache_root() / "lab" / key
+            if (self.model_dir / "SHA256SUMS").exists():
+                key = verify_checksums(self.model_dir)[:12]
+            else:
+                key = hashlib.sha256((self.model_dir / "config.json").read_bytes()
+                                     + str(self.model_dir.resolve()).encode()).hexdigest()[:12]
+            self.root = cache_root() / "lab" / key
         self._lock = threading.RLock()
         self._loaded = None
         self._config: K3Config | None = None
         self._windows: dict[str, list[int]] | None = None
         self._families: dict[str, object] = {}
+
+    def __reduce__(self):
+        """Pickled (into the lab's worker process) as its folders: the copy loads the model itself, once."""
+        return LabFixtures, (None if self.model_arg is None else self.model_dir, self.root)
 
     @property
     def model_name(self) -> str:

@@ -2,9 +2,11 @@
 
 `submit(module, params)` validates the parameters and returns a `Job`: at once finished when the same module ran
 with the same parameters before (the cached result; `rerun=True` measures again), the job already queued or running
-with those parameters, or a new job at the end of the queue. One worker thread takes jobs in order; a job reports
-its progress, can be cancelled while queued (it never starts) or running (the module stops at its next
-`cancel.check()`), and ends done, failed (the error message kept) or cancelled.
+with those parameters, or a new job at the end of the queue. One dispatcher thread takes jobs in order and runs each
+in the lab's worker process (`lab/worker.py`), which keeps the model loaded between runs. A job reports its
+progress, can be cancelled while queued (it never starts) or running (the run stops at its next `cancel.check()`,
+or its worker process is killed within about a second), and ends done, failed (the error message kept; a run past
+`LabQueueConfig.max_run_seconds` fails) or cancelled.
 """
 
 from __future__ import annotations
@@ -18,14 +20,25 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from k3serve.errors import ConfigError
 from k3serve.lab.fixtures import LabFixtures
-from k3serve.lab.registry import CancelToken, LabModule, RunCancelled, result_json
+from k3serve.lab.registry import CancelToken, LabModule
+from k3serve.lab.worker import LabWorker, RunOutcome, StopReason
 
 logger = logging.getLogger(__name__)
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 MAX_KEPT_JOBS = 256  # finished jobs kept for polling; the oldest go first
 MAX_CACHED_RESULTS = 256  # results kept for identical parameters; the least recently asked go first
+
+
+@dataclass(frozen=True)
+class LabQueueConfig:
+    max_run_seconds: float = 300.0  # a run still going after this is stopped and fails (defaults take ~10 s)
+
+    def __post_init__(self) -> None:
+        if not self.max_run_seconds > 0:
+            raise ConfigError(f"max_run_seconds must be > 0, got {self.max_run_seconds}")
 
 
 @dataclass
@@ -50,8 +63,10 @@ class Job:
 
 
 class RunQueue:
-    def __init__(self, fixtures: LabFixtures) -> None:
+    def __init__(self, fixtures: LabFixtures, config: LabQueueConfig | None = None) -> None:
         self.fixtures = fixtures
+        self.config = config if config is not None else LabQueueConfig()
+        self.worker = LabWorker(fixtures)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: deque[Job] = deque()
@@ -60,8 +75,8 @@ class RunQueue:
         self._active: dict[str, Job] = {}  # key -> queued or running job
         self._running: Job | None = None
         self._closed = False
-        self._worker = threading.Thread(target=self._work, name="k3lab-runner", daemon=True)
-        self._worker.start()
+        self._dispatcher = threading.Thread(target=self._work, name="k3lab-dispatcher", daemon=True)
+        self._dispatcher.start()
 
     # ---- the API's side -------------------------------------------------------------------------------------
     def submit(self, module: LabModule, raw_params: dict[str, Any] | None, rerun: bool = False) -> Job:
@@ -122,7 +137,7 @@ class RunQueue:
             return body
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel everything and stop the worker (a running module stops at its next check)."""
+        """Cancel everything, stop the running job and the worker process."""
         with self._lock:
             self._closed = True
             for job in list(self._queue):
@@ -132,9 +147,10 @@ class RunQueue:
             if self._running is not None:
                 self._running.cancel.cancel()
             self._wake.notify_all()
-        self._worker.join(timeout)
+        self._dispatcher.join(timeout)
+        self.worker.close()
 
-    # ---- the worker -----------------------------------------------------------------------------------------
+    # ---- the dispatcher--------------------------------------------------------------------------------------
     def _new_job(self, module: LabModule, params: dict[str, Any], key: str) -> Job:
         job = Job(id=uuid.uuid4().hex[:12], module=module, params=params, key=key)
         self._jobs[job.id] = job
@@ -166,31 +182,34 @@ class RunQueue:
                 self._running = None
                 self._active.pop(job.key, None)
 
+    def _stop_reason(self, job: Job) -> StopReason | None:
+        if self._closed:
+            return "shutdown"
+        return "cancelled" if job.cancel.cancelled else None
+
     def _run(self, job: Job) -> None:
         def progress(fraction: float, message: str) -> None:
-            job.progress = min(max(float(fraction), 0.0), 1.0)
-            job.message = message
+            with self._lock:
+                job.progress = min(max(float(fraction), 0.0), 1.0)
+                job.message = message
 
         started = time.perf_counter()
-        try:
-            job.cancel.check()
-            result = job.module.run(job.params, progress, job.cancel, self.fixtures)
-            record = result_json(job.module, job.params, result, time.perf_counter() - started,
-                                 self.fixtures.model_arg)
-        except RunCancelled:
-            with self._lock:
-                self._finish(job, "cancelled", f"cancelled after {time.perf_counter() - started:.1f} s")
-            return
-        except Exception as exc:  # noqa: BLE001 - one module's failure is reported on its job, never the server's
-            logger.exception("lab module %s failed", job.module.id)
-            with self._lock:
-                job.error = f"{type(exc).__name__}: {exc}"
-                self._finish(job, "failed", "failed")
-            return
+        outcome: RunOutcome = self.worker.run(job.module, job.params, progress, lambda: self._stop_reason(job),
+                                              self.config.max_run_seconds)
+        seconds = time.perf_counter() - started
         with self._lock:
-            job.result = record
-            self._results[job.key] = record
-            self._results.move_to_end(job.key)
-            while len(self._results) > MAX_CACHED_RESULTS:
-                self._results.popitem(last=False)
-            self._finish(job, "done", f"done in {record['seconds']:.1f} s")
+            if outcome.status == "done":
+                record = outcome.record
+                job.result = record
+                self._results[job.key] = record
+                self._results.move_to_end(job.key)
+                while len(self._results) > MAX_CACHED_RESULTS:
+                    self._results.popitem(last=False)
+                self._finish(job, "done", f"done in {record['seconds']:.1f} s")
+            elif outcome.status == "failed":
+                job.error = outcome.error
+                self._finish(job, "failed", "failed")
+            elif outcome.stop_reason == "shutdown":
+                self._finish(job, "cancelled", "the lab is shutting down")
+            else:
+                self._finish(job, "cancelled", f"cancelled after {seconds:.1f} s")

@@ -45,10 +45,11 @@ class RunCancelled(K3Error):
 
 
 class CancelToken:
-    """Set by whoever cancels; a module calls `check()` between units of work and stops at the next one."""
+    """Set by whoever cancels; a module calls `check()` between units of work and stops at the next one. `event` is
+    a `threading.Event` by default; the lab's worker process passes a `multiprocessing` one that its parent sets."""
 
-    def __init__(self) -> None:
-        self._event = threading.Event()
+    def __init__(self, event=None) -> None:
+        self._event = event if event is not None else threading.Event()
 
     def cancel(self) -> None:
         self._event.set()
