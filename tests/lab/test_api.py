@@ -152,3 +152,43 @@ def test_a_parameter_the_model_rules_out_fails_the_job_naming_it(lab_client):
     job = lab_client.post("/lab/api/modules/coactivation/run?wait=true", json={"layer": 0}).json()  # layer 0 is dense
     assert job["status"] == "failed" and "'layer'" in job["error"] and "result" not in job
     assert lab_client.get("/lab/api/modules").status_code == 200  # the server is fine
+
+
+@pytest.fixture
+def small_lab_client(lab_fixtures):
+    """A second app over the same fixtures with a queue of 1."""
+    from fastapi.testclient import TestClient
+
+    from k3serve.lab.api import create_lab_app
+    from k3serve.lab.jobs import LabQueueConfig
+
+    app = create_lab_app(lab_fixtures, LabQueueConfig(max_queued=1))
+    with TestClient(app) as client:
+        yield client
+
+
+HEAVY_CLUSTER_SCALE = {"groups": 1024, "per_group": 256, "max_replicas": 64, "replicas": 64, "clients": 1024,
+                       "seeds": 20}  # in range, and many minutes of simulation (#36)
+
+
+def test_a_full_queue_is_a_429_and_a_heavy_run_is_cancelled_within_two_seconds(small_lab_client):
+    client = small_lab_client
+    running = client.post("/lab/api/modules/cluster_scale/run", json=HEAVY_CLUSTER_SCALE).json()
+    queued = client.post("/lab/api/modules/cluster_scale/run", json={**HEAVY_CLUSTER_SCALE, "seeds": 19}).json()
+    assert queued["status"] == "queued"
+    full = client.post("/lab/api/modules/mxfp4/run", json={"rows": 64})
+    assert full.status_code == 429 and "full" in full.json()["error"]["message"]
+    assert full.json()["error"]["param"] is None
+    deadline = time.time() + 60
+    while client.get(f"/lab/api/jobs/{running['job_id']}").json()["status"] != "running":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)  # well inside the simulation, between its checks
+    for job in (queued, running):
+        started = time.monotonic()
+        client.delete(f"/lab/api/jobs/{job['job_id']}")
+        while client.get(f"/lab/api/jobs/{job['job_id']}").json()["status"] != "cancelled":
+            assert time.monotonic() - started < 2.0, job
+            time.sleep(0.02)
+    after = client.post("/lab/api/modules/mxfp4/run?wait=true", json={"rows": 64}).json()
+    assert after["status"] == "done"

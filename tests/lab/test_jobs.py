@@ -201,3 +201,21 @@ def test_the_result_cache_is_bounded(queue, monkeypatch):
         assert queue.submit(module, {"x": x}).done_event.wait(30)
     assert not queue.submit(module, {"x": 1}).cached  # evicted: measured again
     assert queue.submit(module, {"x": 3}).cached
+
+
+def test_the_queue_is_bounded():
+    from k3serve.lab.jobs import LabQueueFull
+
+    queue = RunQueue(_Fixtures(), LabQueueConfig(max_run_seconds=30, max_queued=2))
+    try:
+        module = _module("bounded_queue", cooperative)
+        running = queue.submit(module, {"x": 100000})
+        _wait_until(lambda: running.status == "running")
+        waiting = [queue.submit(module, {"x": x}) for x in (99998, 99999)]
+        with pytest.raises(LabQueueFull):
+            queue.submit(module, {"x": 99997})
+        assert queue.submit(module, {"x": 99999}) is waiting[1]  # joining a queued job adds nothing
+        queue.cancel(waiting[0].id)
+        assert queue.submit(module, {"x": 99997}).status == "queued"  # room again
+    finally:
+        queue.close()

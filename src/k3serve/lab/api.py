@@ -16,7 +16,7 @@
                                           its worker process is killed (lab/worker.py)
 
 Errors: `{"error": {"message", "param"}}`; an unknown or out-of-range parameter is a 400 naming it, an unknown
-module or job a 404.
+module or job a 404, a new job while the queue holds `max_queued` (16) jobs a 429.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
 from k3serve.lab.fixtures import LabFixtures
-from k3serve.lab.jobs import LabQueueConfig, RunQueue
+from k3serve.lab.jobs import LabQueueConfig, LabQueueFull, RunQueue
 from k3serve.lab.registry import LabParamError, UnknownModuleError, get_module, modules
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ def create_lab_router(queue: RunQueue) -> APIRouter:
             job = queue.submit(module, body, rerun=rerun)
         except LabParamError as exc:
             return _error(400, str(exc), exc.param)
+        except LabQueueFull as exc:
+            return _error(429, str(exc))
         if wait:
             await asyncio.get_running_loop().run_in_executor(None, job.done_event.wait, WAIT_LIMIT_SECONDS)
         return JSONResponse(queue.snapshot(job), status_code=200 if job.finished else 202)

@@ -2,11 +2,11 @@
 
 `submit(module, params)` validates the parameters and returns a `Job`: at once finished when the same module ran
 with the same parameters before (the cached result; `rerun=True` measures again), the job already queued or running
-with those parameters, or a new job at the end of the queue. One dispatcher thread takes jobs in order and runs each
-in the lab's worker process (`lab/worker.py`), which keeps the model loaded between runs. A job reports its
-progress, can be cancelled while queued (it never starts) or running (the run stops at its next `cancel.check()`,
-or its worker process is killed within about a second), and ends done, failed (the error message kept; a run past
-`LabQueueConfig.max_run_seconds` fails) or cancelled.
+with those parameters, or a new job at the end of the queue (`LabQueueFull` when `max_queued` jobs wait already).
+One dispatcher thread takes jobs in order and runs each in the lab's worker process (`lab/worker.py`), which keeps
+the model loaded between runs. A job reports its progress, can be cancelled while queued (it never starts) or
+running (the run stops at its next `cancel.check()`, or its worker process is killed within about a second), and
+ends done, failed (the error message kept; a run past `LabQueueConfig.max_run_seconds` fails) or cancelled.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from k3serve.errors import ConfigError
+from k3serve.errors import ConfigError, K3Error
 from k3serve.lab.fixtures import LabFixtures
 from k3serve.lab.registry import CancelToken, LabModule
 from k3serve.lab.worker import LabWorker, RunOutcome, StopReason
@@ -35,10 +35,17 @@ MAX_CACHED_RESULTS = 256  # results kept for identical parameters; the least rec
 @dataclass(frozen=True)
 class LabQueueConfig:
     max_run_seconds: float = 300.0  # a run still going after this is stopped and fails (defaults take ~10 s)
+    max_queued: int = 16  # jobs waiting behind the running one; one more is refused (HTTP 429)
 
     def __post_init__(self) -> None:
         if not self.max_run_seconds > 0:
             raise ConfigError(f"max_run_seconds must be > 0, got {self.max_run_seconds}")
+        if self.max_queued < 1:
+            raise ConfigError(f"max_queued must be >= 1, got {self.max_queued}")
+
+
+class LabQueueFull(K3Error):
+    """The run queue holds `max_queued` jobs already; try again when one has run."""
 
 
 @dataclass
@@ -94,6 +101,9 @@ class RunQueue:
                 return job
             if key in self._active:
                 return self._active[key]
+            if len(self._queue) >= self.config.max_queued:
+                raise LabQueueFull(f"the lab's run queue is full ({len(self._queue)} jobs waiting); try again when "
+                                   "one has run, or cancel one")
             job = self._new_job(module, params, key)
             self._active[key] = job
             self._queue.append(job)
