@@ -192,3 +192,23 @@ def test_a_full_queue_is_a_429_and_a_heavy_run_is_cancelled_within_two_seconds(s
             time.sleep(0.02)
     after = client.post("/lab/api/modules/mxfp4/run?wait=true", json={"rows": 64}).json()
     assert after["status"] == "done"
+
+
+def test_the_jobs_listing_shows_running_and_queued_jobs(small_lab_client):
+    client = small_lab_client
+    assert client.get("/lab/api/jobs").json() == {"jobs": []}
+    running = client.post("/lab/api/modules/cluster_scale/run", json=HEAVY_CLUSTER_SCALE).json()
+    queued = client.post("/lab/api/modules/mxfp4/run", json={"rows": 96}).json()
+    deadline = time.time() + 60
+    while (jobs := client.get("/lab/api/jobs").json()["jobs"])[0]["status"] != "running":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert [(j["job_id"], j["module"], j["status"], j["position"]) for j in jobs] == \
+        [(running["job_id"], "cluster_scale", "running", 0), (queued["job_id"], "mxfp4", "queued", 1)]
+    assert jobs[0]["params"]["groups"] == 1024 and jobs[1]["params"]["rows"] == 96
+    assert all(0 <= j["progress"] <= 1 and "result" not in j for j in jobs)
+    client.delete(f"/lab/api/jobs/{running['job_id']}")
+    client.delete(f"/lab/api/jobs/{queued['job_id']}")
+    while client.get("/lab/api/jobs").json()["jobs"]:
+        assert time.time() < deadline
+        time.sleep(0.05)

@@ -114,3 +114,48 @@ def test_the_page_in_chromium(lab_url, fast_params):
         browser.close()
     expected = "the server responded with a status of 400"  # the bad value above, shown on the page
     assert [e for e in errors if expected not in e] == [], errors
+
+
+HEAVY_CLUSTER_SCALE = {"groups": "1024", "per_group": "256", "max_replicas": "64", "replicas": "64",
+                       "clients": "1024", "seeds": "20"}  # many minutes of simulation
+
+
+def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_url):
+    _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(lab_url)
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        for name, value in HEAVY_CLUSTER_SCALE.items():
+            _set(page, "cluster_scale", name, value)
+        page.locator("#m-cluster_scale [data-action='run']").click()
+        _set(page, "mxfp4", "rows", "80")
+        page.locator("#m-mxfp4 [data-action='rerun']").click()
+        page.wait_for_function("() => document.querySelectorAll('#queue-jobs li[data-job]').length === 2")
+        page.reload()
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        # the new page follows both jobs, with their parameters in the forms, and lists them in the queue panel
+        assert page.locator("#m-cluster_scale").get_attribute("data-state") == "running"
+        assert page.locator("#m-cluster_scale [data-param='groups']").input_value() == "1024"
+        assert page.locator("#m-mxfp4 [data-param='rows']").input_value() == "80"
+        assert page.locator("#m-mxfp4 [data-action='cancel']").is_enabled()
+        page.wait_for_function("() => document.querySelector('#m-mxfp4 [data-role=message]').textContent"
+                               ".includes('queued, position 1')")
+        panel = page.locator("#queue-jobs li[data-job]")
+        assert panel.count() == 2 and panel.nth(0).get_attribute("data-status") == "running"
+        page.screenshot(path=str(SCREENSHOTS / "queue.png"))
+        panel.nth(0).locator("[data-action='cancel-job']").click()
+        # the queue moves on: the queued run starts and its result appears on the reloaded page
+        page.locator("#m-mxfp4 table.metrics").wait_for(timeout=60_000)
+        page.wait_for_function("() => document.querySelector('#m-cluster_scale [data-role=message]').textContent"
+                               ".startsWith('cancelled')")
+        assert page.locator("#m-cluster_scale").get_attribute("data-state") == "idle"
+        page.wait_for_selector("#queue-jobs li.empty", timeout=10_000)
+        browser.close()
+    assert errors == [], errors

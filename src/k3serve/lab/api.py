@@ -11,6 +11,7 @@
                                           -> {job_id, module, params, status, position, progress, message, cached,
                                               result?: {id, params, measured, metrics, baseline, series, command,
                                                         seconds, ...}, error?}
+    GET    /lab/api/jobs                  {"jobs": [job record, ...]}: the running job, then the queued ones in order
     GET    /lab/api/jobs/{job_id}         the same job record, to poll progress and fetch the result
     DELETE /lab/api/jobs/{job_id}         cancel: a queued job never starts, a running one stops at its next check or
                                           its worker process is killed (lab/worker.py)
@@ -95,6 +96,10 @@ def create_lab_router(queue: RunQueue) -> APIRouter:
         if wait:
             await asyncio.get_running_loop().run_in_executor(None, job.done_event.wait, WAIT_LIMIT_SECONDS)
         return JSONResponse(queue.snapshot(job), status_code=200 if job.finished else 202)
+
+    @router.get("/api/jobs")
+    def active_jobs() -> dict:
+        return {"jobs": queue.active()}
 
     @router.get("/api/jobs/{job_id}")
     def job_status(job_id: str) -> JSONResponse:

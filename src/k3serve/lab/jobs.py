@@ -136,15 +136,24 @@ class RunQueue:
 
     def snapshot(self, job: Job) -> dict:
         with self._lock:
-            position = self._queue.index(job) + 1 if job in self._queue else 0
-            body = {"job_id": job.id, "module": job.module.id, "params": job.params, "status": job.status,
-                    "position": position, "progress": round(job.progress, 4), "message": job.message,
-                    "cached": job.cached}
-            if job.result is not None:
-                body["result"] = job.result
-            if job.error is not None:
-                body["error"] = job.error
-            return body
+            return self._snapshot(job)
+
+    def active(self) -> list[dict]:
+        """The running job, then the queued ones in order (what a page that was reloaded needs to re-attach)."""
+        with self._lock:
+            running = [self._running] if self._running is not None and not self._running.finished else []
+            return [self._snapshot(job) for job in running + list(self._queue)]
+
+    def _snapshot(self, job: Job) -> dict:
+        position = self._queue.index(job) + 1 if job in self._queue else 0
+        body = {"job_id": job.id, "module": job.module.id, "params": job.params, "status": job.status,
+                "position": position, "progress": round(job.progress, 4), "message": job.message,
+                "cached": job.cached}
+        if job.result is not None:
+            body["result"] = job.result
+        if job.error is not None:
+            body["error"] = job.error
+        return body
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel everything, stop the running job and the worker process."""

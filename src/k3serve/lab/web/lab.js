@@ -1,10 +1,13 @@
 // The lab page: lists the modules from api/modules, runs one through the queue (POST, then poll the job),
 // shows progress with a Cancel, and draws the result: metrics against the baseline and one chart per figure,
 // each with its "measured on this machine" / "simulated (model)" mark and the command that reproduces it.
+// The queue panel lists the running and queued jobs (api/jobs) with a Cancel each; a page loaded while jobs are
+// queued or running (a reload, another tab) re-attaches each module to its job.
 "use strict";
 
 const POLL_MS = 300;
-const state = {};  // module id -> {module, job, timer}
+const QUEUE_POLL_MS = 1000;
+const state = {};  // module id -> {module, job, following}: `following` is the job id being polled, if any
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -114,6 +117,7 @@ async function run(id, rerun) {
   error.textContent = "";
   const params = readParams(section, entry.module);
   setRunning(id, true);
+  entry.following = "pending";  // the queue panel's poll must not attach to the job this POST creates
   let response, body;
   try {
     response = await fetch(`api/modules/${id}/run${rerun ? "?rerun=true" : ""}`, {
@@ -121,6 +125,7 @@ async function run(id, rerun) {
     body = await response.json();
   } catch (exc) {
     error.textContent = `the server did not answer: ${exc}`;
+    entry.following = null;
     setRunning(id, false);
     return;
   }
@@ -131,6 +136,7 @@ async function run(id, rerun) {
       const input = section.querySelector(`[data-param="${body.error.param}"]`);
       if (input) input.classList.add("bad");
     }
+    entry.following = null;
     setRunning(id, false);
     return;
   }
@@ -142,17 +148,20 @@ function follow(id, job) {
   const entry = state[id];
   showProgress(id, job);
   if (job.status === "queued" || job.status === "running") {
-    entry.timer = setTimeout(async () => {
+    entry.following = job.job_id;
+    setTimeout(async () => {
       try {
         const response = await fetch(`api/jobs/${job.job_id}`);
         follow(id, await response.json());
       } catch (exc) {
         document.querySelector(`#m-${id} [data-role="error"]`).textContent = `lost the job: ${exc}`;
+        entry.following = null;
         setRunning(id, false);
       }
     }, POLL_MS);
     return;
   }
+  entry.following = null;
   setRunning(id, false);
   const section = document.getElementById(`m-${id}`);
   if (job.status === "done") {
@@ -168,6 +177,57 @@ async function cancel(id) {
   const entry = state[id];
   if (!entry.job) return;
   await fetch(`api/jobs/${entry.job}`, {method: "DELETE"});
+}
+
+function attach(job) {
+  // follow a queued or running job this page did not start (or started before a reload), showing its parameters
+  const entry = state[job.module];
+  if (!entry || entry.following) return;
+  const section = document.getElementById(`m-${job.module}`);
+  for (const [name, value] of Object.entries(job.params)) {
+    const input = section.querySelector(`[data-param="${name}"]`);
+    if (!input) continue;
+    if (input.type === "checkbox") input.checked = !!value;
+    else input.value = String(value);
+  }
+  entry.job = job.job_id;
+  setRunning(job.module, true);
+  follow(job.module, job);
+}
+
+function renderQueue(jobs) {
+  const list = document.getElementById("queue-jobs");
+  list.innerHTML = "";
+  document.getElementById("queue").dataset.count = String(jobs.length);
+  if (!jobs.length) {
+    list.append(el("li", {class: "empty", text: "nothing queued or running"}));
+    return;
+  }
+  for (const job of jobs) {
+    const where = job.status === "running" ? `running, ${Math.round(100 * job.progress)}%`
+                                           : `queued, position ${job.position}`;
+    const title = state[job.module] ? state[job.module].module.title : job.module;
+    list.append(el("li", {"data-job": job.job_id, "data-status": job.status},
+      el("a", {href: `#m-${job.module}`, text: title}), el("span", {class: "where", text: where}),
+      el("button", {class: "cancel", type: "button", "data-action": "cancel-job", text: "Cancel",
+                    onclick: () => fetch(`api/jobs/${job.job_id}`, {method: "DELETE"}).then(refreshQueue)})));
+  }
+}
+
+async function refreshQueue() {
+  let jobs;
+  try {
+    jobs = (await (await fetch("api/jobs")).json()).jobs;
+  } catch (exc) {
+    return;  // the server is away for a moment; the next poll tries again
+  }
+  for (const job of jobs) attach(job);
+  renderQueue(jobs);
+}
+
+async function watchQueue() {
+  await refreshQueue();
+  setTimeout(watchQueue, QUEUE_POLL_MS);
 }
 
 function changeCell(metric, baseline) {
@@ -252,12 +312,14 @@ async function main() {
   const toc = document.getElementById("toc");
   const container = document.getElementById("modules");
   for (const module of modules) {
-    state[module.id] = {module, job: null, timer: null};
+    state[module.id] = {module, job: null, following: null};
     toc.append(el("a", {href: `#m-${module.id}`, text: `${module.number}. ${module.title}`}));
     container.append(renderModule(module));
   }
   status.textContent = `${modules.length} modules. Nothing runs until you press Run.`;
+  await refreshQueue();  // re-attach to jobs queued or running before this page was loaded
   document.body.dataset.ready = "true";
+  setTimeout(watchQueue, QUEUE_POLL_MS);
 }
 
 main();
