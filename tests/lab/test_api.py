@@ -148,10 +148,37 @@ def test_mount_lab_adds_the_lab_to_another_app(lab_fixtures):
         queue.close()
 
 
-def test_a_parameter_the_model_rules_out_fails_the_job_naming_it(lab_client):
-    job = lab_client.post("/lab/api/modules/coactivation/run?wait=true", json={"layer": 0}).json()  # layer 0 is dense
-    assert job["status"] == "failed" and "'layer'" in job["error"] and "result" not in job
-    assert lab_client.get("/lab/api/modules").status_code == 200  # the server is fine
+def test_ranges_the_model_sets_are_the_advertised_ones(lab_client, lab_fixtures):
+    config = lab_fixtures.config
+    slots = len(config.moe_layer_ids) * config.num_experts
+    listing = {m["id"]: {p["name"]: p for p in m["params"]} for m in lab_client.get("/lab/api/modules").json()}
+    layer = listing["coactivation"]["layer"]
+    assert (layer["min"], layer["max"]) == (min(config.moe_layer_ids), max(config.moe_layer_ids))
+    assert listing["cache_policies"]["capacity"]["max"] == slots
+    assert listing["cache_policies"]["tokens"]["max"] == lab_fixtures.trace_tokens
+    assert listing["parallel_io"]["experts_per_batch"]["max"] == slots
+
+
+@pytest.mark.parametrize("module_id, body, param", [
+    ("coactivation", {"layer": 0}, "layer"),  # layer 0 is dense
+    ("coactivation", {"layer": 8}, "layer"),  # the embedded model has layers 0..7
+    ("cache_policies", {"capacity": 449}, "capacity"),  # 7 MoE layers x 64 experts = 448 slots
+    ("cache_policies", {"tokens": 1025}, "tokens"),  # the trace holds 1,024 tokens
+    ("parallel_io", {"experts_per_batch": 449}, "experts_per_batch"),
+    ("rollback", {"window": 4, "kept": 5}, "kept"),
+])
+def test_a_value_the_model_rules_out_is_a_400_naming_it(lab_client, module_id, body, param):
+    response = lab_client.post(f"/lab/api/modules/{module_id}/run", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and repr(param) in error["message"]
+
+
+def test_the_largest_value_the_model_allows_runs_as_asked(lab_client):
+    job = lab_client.post("/lab/api/modules/cache_policies/run?wait=true", json={"capacity": 448, "tokens": 64}).json()
+    assert job["status"] == "done", job.get("error")
+    assert "--param capacity=448" in job["result"]["command"]
+    assert "at 448 slots" in job["result"]["series"][0]["title"]  # what ran is what the command says
 
 
 @pytest.fixture

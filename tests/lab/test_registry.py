@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from k3serve.lab.registry import LabModule, LabParamError, Param, get_module, modules, UnknownModuleError
@@ -53,3 +55,22 @@ def test_registry_finds_every_module_file_with_unique_ids_and_numbers():
         assert module.kind in ("measured", "simulated", "both") and module.explanation and module.summary
     with pytest.raises(UnknownModuleError):
         get_module("no-such-module")
+
+
+def _limits(lab) -> dict:
+    return {"count": (2, lab.max_count)}
+
+
+def test_limits_narrow_the_declared_range_to_the_model():
+    class Lab:
+        max_count = 6
+
+    module = dataclasses.replace(_module(), limits=_limits)
+    assert module.validate({"count": 8})["count"] == 8  # without a lab: the declared range
+    assert module.validate({"count": 6}, Lab())["count"] == 6
+    for bad in (7, 1):
+        with pytest.raises(LabParamError) as info:
+            module.validate({"count": bad}, Lab())
+        assert info.value.param == "count"
+    count = next(p for p in module.to_json(Lab())["params"] if p["name"] == "count")
+    assert (count["min"], count["max"]) == (2, 6)

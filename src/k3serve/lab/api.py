@@ -72,7 +72,7 @@ def create_lab_router(queue: RunQueue) -> APIRouter:
 
     @router.get("/api/modules")
     def list_modules() -> list[dict]:
-        return [m.to_json() for m in modules().values()]
+        return [m.to_json(queue.fixtures) for m in modules().values()]
 
     @router.post("/api/modules/{module_id}/run")
     async def run(module_id: str, request: Request, rerun: bool = False, wait: bool = False) -> JSONResponse:

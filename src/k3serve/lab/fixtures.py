@@ -153,6 +153,11 @@ class LabFixtures:
         return out
 
     # ---- a routing trace ------------------------------------------------------------------------------------
+    @property
+    def trace_tokens(self) -> int:
+        """Tokens in the routing trace (known before it is recorded)."""
+        return TRACE_WINDOWS * TRACE_WINDOW_TOKENS
+
     def trace_path(self) -> Path:
         """A routing trace of the model on held-out windows (TRACE_WINDOWS x TRACE_WINDOW_TOKENS tokens)."""
         from k3serve.lab.routing_stats import measure_routing

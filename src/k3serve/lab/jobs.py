@@ -87,7 +87,7 @@ class RunQueue:
 
     # ---- the API's side -------------------------------------------------------------------------------------
     def submit(self, module: LabModule, raw_params: dict[str, Any] | None, rerun: bool = False) -> Job:
-        params = module.validate(raw_params)  # LabParamError before anything is queued
+        params = module.validate(raw_params, self.fixtures)  # LabParamError before anything is queued
         key = module.id + ":" + json.dumps(params, sort_keys=True)
         with self._lock:
             if self._closed:

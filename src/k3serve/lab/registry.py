@@ -6,12 +6,17 @@ cancel, lab)` gets validated parameters (every declared one, defaults filled in)
 returns a `LabResult`: metrics and the baseline's metrics (the mechanism off, or the other policy), figures, and
 notes. The registry adds the module id, the parameters, the timing and the reproducing command.
 
+A range that depends on the model (a MoE layer id, the number of expert slots, the trace's length) comes from the
+module's `limits(lab)`: the page shows it, and a value outside it is refused before the run (HTTP 400 naming the
+parameter). No module caps a value silently: what runs is what the reproducing command says.
+
 Every figure says whether it was measured on this machine or computed by a model (`Figure.measured`), and what
 exactly it came from (`Figure.source`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -164,19 +169,37 @@ class LabModule:
     kind: Kind
     run: Callable[..., LabResult]  # run(params, progress, cancel, lab) -> LabResult
     check: Callable[[dict[str, Any]], None] | None = None  # rules across parameters; raises LabParamError
+    # ranges the model sets: limits(lab) -> {name: (min, max)}, narrowing the declared ones (a top-level function:
+    # modules travel to the lab's worker process by pickling)
+    limits: Callable[[Any], dict[str, tuple[float, float]]] | None = None
 
-    def validate(self, raw: dict[str, Any] | None) -> dict[str, Any]:
-        """Every declared parameter, defaults filled in; unknown or bad ones raise LabParamError naming them."""
+    def params_for(self, lab: Any = None) -> tuple[Param, ...]:
+        """The parameters with the ranges of `lab`'s model (`limits`), or as declared when there is no lab."""
+        if self.limits is None or lab is None:
+            return self.params
+        ranges = self.limits(lab)
+        out = []
+        for p in self.params:
+            if p.name in ranges:
+                low, high = ranges[p.name]
+                p = dataclasses.replace(p, min=low, max=high, default=min(max(p.default, low), high))
+            out.append(p)
+        return tuple(out)
+
+    def validate(self, raw: dict[str, Any] | None, lab: Any = None) -> dict[str, Any]:
+        """Every declared parameter, defaults filled in; unknown or bad ones raise LabParamError naming them. With
+        `lab`, the ranges are its model's (`limits`)."""
         raw = dict(raw or {})
-        known = {p.name: p for p in self.params}
+        params = self.params_for(lab)
+        known = {p.name: p for p in params}
         for name in raw:
             if name not in known:
                 raise LabParamError(name, f"unknown for module {self.id!r}; its parameters are "
                                           f"{', '.join(known) or '(none)'}")
-        params = {p.name: p.coerce(raw[p.name]) if p.name in raw else p.default for p in self.params}
+        values = {p.name: p.coerce(raw[p.name]) if p.name in raw else p.default for p in params}
         if self.check is not None:
-            self.check(params)
-        return params
+            self.check(values)
+        return values
 
     def command(self, params: dict[str, Any], model: str | None = None) -> str:
         """The shell command that reproduces a run with these (validated) parameters."""
@@ -191,9 +214,10 @@ class LabModule:
                 parts += ["--param", f"{p.name}={text}"]
         return " ".join(shlex.quote(x) for x in parts)
 
-    def to_json(self) -> dict:
+    def to_json(self, lab: Any = None) -> dict:
         return {"id": self.id, "number": self.number, "title": self.title, "summary": self.summary,
-                "explanation": self.explanation, "params": [p.to_json() for p in self.params], "kind": self.kind}
+                "explanation": self.explanation, "params": [p.to_json() for p in self.params_for(lab)],
+                "kind": self.kind}
 
 
 def _finite(value: float) -> float | None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
 from k3serve.sim.cache_replay import replay_all
 
 POLICIES = ("none", "lru", "lfu", "s3fifo", "pinned", "belady")
+
+
+def limits(lab) -> dict[str, tuple[int, int]]:
+    config = lab.config
+    return {"capacity": (1, len(config.moe_layer_ids) * config.num_experts), "tokens": (16, lab.trace_tokens)}
 
 
 def run(params, progress, cancel, lab) -> LabResult:
@@ -14,7 +19,11 @@ def run(params, progress, cancel, lab) -> LabResult:
     config = lab.config
     total = len(config.moe_layer_ids) * config.num_experts
     top_k = config.num_experts_per_token
-    capacity = min(params["capacity"], total)
+    capacity = params["capacity"]
+    if capacity > total:  # NOTE: validate() with the lab refuses these already (`limits`)
+        raise LabParamError("capacity", f"must be <= {total} (every expert of every MoE layer), got {capacity}")
+    if tokens < params["tokens"]:
+        raise LabParamError("tokens", f"must be <= {tokens} (the routing trace's length), got {params['tokens']}")
     sweep = sorted({max(top_k, int(total * f)) for f in (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)} | {capacity})
     rows = {}
     for i, c in enumerate(sweep):
@@ -58,7 +67,9 @@ MODULE = LabModule(
         "queue, pinned keeps a fixed hot set from a profile. Belady's MIN evicts the expert whose next use is "
         "farthest in the future: it needs the future, so it is the bound no online policy beats. "
         "bytes/token = misses x expert_bytes / tokens; retention = hits / requests."),
-    params=(Param("capacity", "int", 96, "expert slots in RAM (all MoE layers together)", min=1, max=100000),
+    params=(Param("capacity", "int", 96, "expert slots in RAM (all MoE layers together; at most all of them)",
+                  min=1, max=100000),
             Param("policy", "choice", "lfu", "the policy compared with Belady", choices=POLICIES[:-1]),
-            Param("tokens", "int", 1024, "trace tokens replayed", min=16, max=100000, unit="tokens")),
-    kind="both", run=run)
+            Param("tokens", "int", 1024, "trace tokens replayed (at most the trace's)", min=16, max=100000,
+                  unit="tokens")),
+    kind="both", run=run, limits=limits)

@@ -13,10 +13,15 @@ from k3serve.weights.layout import adjacency_score, coactivation_matrix, coactiv
 from k3serve.weights.store import PackedStore
 
 
+def limits(lab) -> dict[str, tuple[int, int]]:
+    layers = lab.config.moe_layer_ids
+    return {"layer": (min(layers), max(layers))}
+
+
 def run(params, progress, cancel, lab) -> LabResult:
     config = lab.config
     layer = params["layer"]
-    if layer not in config.moe_layer_ids:
+    if layer not in config.moe_layer_ids:  # NOTE: validate() with the lab refuses these already (`limits`)
         raise LabParamError("layer", f"layer {layer} has no experts; the MoE layers are "
                                      f"{', '.join(map(str, config.moe_layer_ids))}")
     progress(0.05, "co-activation of the recorded trace")
@@ -82,7 +87,8 @@ MODULE = LabModule(
         "frequent pairs are neighbours (a greedy chain: start from the most popular, always append the unplaced "
         "expert with the highest C[last, j]) lets one coalesced read fetch several experts a token needs: reads per "
         "token fall while bytes stay the same. The layout is built from one trace and measured on other text."),
-    params=(Param("layer", "int", 1, "which layer's map (a MoE layer, zero-based)", min=0, max=200),
+    params=(Param("layer", "int", 1, "which layer's map (a MoE layer, zero-based; the range is the model's)", min=0,
+                  max=200),
             Param("expert_fraction", "float", 0.0, "budget = minimum + this share of the expert store", min=0.0,
                   max=1.0),
             Param("cache", "choice", "none", "expert cache policy (none: every token reads its experts)",
@@ -90,4 +96,4 @@ MODULE = LabModule(
             Param("experts", "choice", "1x", "experts widened (exactly)", choices=tuple(WIDENINGS)),
             Param("tokens", "int", 12, "generated per prompt", min=2, max=128, unit="tokens"),
             Param("prompts", "int", 2, "held-out prompts", min=1, max=8)),
-    kind="both", run=run)
+    kind="both", run=run, limits=limits)

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
 from k3serve.lab.streaming import WIDENINGS
 from k3serve.stream.io import Extent, IOEngine
 from k3serve.weights.store import PackedStore
@@ -37,13 +37,20 @@ def read_batch(store: PackedStore, mode: str, depth: int, keys: list[tuple[int, 
         engine.close()
 
 
+def limits(lab) -> dict[str, tuple[int, int]]:
+    config = lab.config  # widening keeps the experts' number
+    return {"experts_per_batch": (1, len(config.moe_layer_ids) * config.num_experts)}
+
+
 def run(params, progress, cancel, lab) -> LabResult:
     progress(0.02, "preparing the widened store (first use only)")
     store = PackedStore(lab.packed("natural", *WIDENINGS[params["experts"]]))
     config = store.config
     rng = np.random.default_rng(params["seed"])
     everything = [(layer, e) for layer in config.moe_layer_ids for e in range(config.num_experts)]
-    count = min(params["experts_per_batch"], len(everything))
+    count = params["experts_per_batch"]
+    if count > len(everything):  # NOTE: validate() with the lab refuses these already (`limits`)
+        raise LabParamError("experts_per_batch", f"must be <= {len(everything)} (the store's experts), got {count}")
     cold = params["page_cache"] == "dropped"
     depths = [d for d in DEPTHS if d <= params["max_queue_depth"]]
     results: dict[str, list[float]] = {"pread": [], "direct": []}
@@ -99,11 +106,12 @@ MODULE = LabModule(
         "`queue depth` threads keep several reads outstanding, which an SSD needs to reach its bandwidth "
         "(throughput ~ depth x block / latency until the device saturates). O_DIRECT bypasses the page cache, so "
         "the RAM budget is really the budget; blobs are 4 KiB-aligned for it."),
-    params=(Param("experts_per_batch", "int", 64, "expert blobs read per batch", min=1, max=4096),
+    params=(Param("experts_per_batch", "int", 64, "expert blobs read per batch (at most the store's)", min=1,
+                  max=4096),
             Param("max_queue_depth", "int", 16, "deepest queue tried", min=1, max=32),
             Param("page_cache", "choice", "dropped", "drop the file's page cache before each batch",
                   choices=("dropped", "warm")),
             Param("experts", "choice", "4x", "experts widened (exactly): bigger blobs", choices=tuple(WIDENINGS)),
             Param("repeats", "int", 3, "alternated repeats (medians)", min=1, max=20),
             Param("seed", "int", 0, "which experts", min=0, max=2**31 - 1)),
-    kind="measured", run=run)
+    kind="measured", run=run, limits=limits)

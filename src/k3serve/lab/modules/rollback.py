@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from k3serve.config import full_k3_config
-from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
 from k3serve.model.rollback import KIMI_LINEAR_SHAPES, RecurrentShapes, RollbackCache, rollback_storage
 
 PRECISION_BYTES = {"bf16": 2, "fp32": 4}
@@ -92,7 +92,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                  f"D = 16: it tends to 1/T only when D^2 dwarfs the per-position vectors (6P + NH per position).")
     if params["repeats"] > 0:
         progress(0.4, "measuring on the model")
-        kept = max(1, min(params["kept"], t))
+        kept = params["kept"]  # <= t (`check`)
         measured = measure(lab, t, kept, params["repeats"], progress, cancel)
         for key in ("recorded_bytes", "rollback_ms", "verify_ms"):
             metrics[key] = measured["projection"][key]
@@ -107,6 +107,11 @@ def run(params, progress, cancel, lab) -> LabResult:
     return LabResult(metrics, baseline, figures, labels, metrics_name="projection cache",
                      baseline_name="snapshots", notes=notes,
                      related_commands=[f"k3serve spec-storage --max-window {params['max_window']}"])
+
+
+def check(params) -> None:
+    if params["kept"] > params["window"]:
+        raise LabParamError("kept", f"must be <= window ({params['window']}), got {params['kept']}")
 
 
 MODULE = LabModule(
@@ -124,6 +129,7 @@ MODULE = LabModule(
             Param("precision", "choice", "bf16", "bytes per stored value", choices=tuple(PRECISION_BYTES)),
             Param("accounting", "choice", "k3serve", "k3serve: what RollbackCache stores; anchor: the public "
                   "estimate (state only; k, u, g per position)", choices=("k3serve", "anchor")),
-            Param("kept", "int", 2, "positions kept after the measured window", min=1, max=16),
+            Param("kept", "int", 2, "positions kept after the measured window (at most the window)", min=1,
+                  max=16),
             Param("repeats", "int", 5, "measured repeats on the model (0 = computed only)", min=0, max=50)),
-    kind="both", run=run)
+    kind="both", run=run, check=check)
