@@ -32,16 +32,16 @@ def lab_client(lab_app):
 
 # parameters that keep each module's run short in tests (the page's defaults aim at ~10 s on 2 cores)
 FAST_PARAMS = {
-    "rollback": {"repeats": 2}, "recurrent_state": {"measure_tokens": 16}, "mxfp4": {"rows": 64},
+    "rollback": {"repeats": 3}, "recurrent_state": {"measure_tokens": 16}, "mxfp4": {"rows": 64},
     "cache_policies": {"tokens": 256},
     "budget_split": {"tokens": 3, "prompts": 1, "experts": "1x"},
     "prefetch": {"tokens": 3, "prompts": 1, "experts": "1x"},
     "coactivation": {"tokens": 3, "prompts": 1},
-    "parallel_io": {"repeats": 1, "max_queue_depth": 4, "experts_per_batch": 16, "experts": "1x"},
+    "parallel_io": {"max_queue_depth": 4, "experts_per_batch": 16, "experts": "1x"},
     "paged_memory": {"requests": 8, "max_prompt": 128, "prompt_tokens": 64, "max_tokens": 8},
     "prefix_cache": {"system_tokens": 64, "requests": 3},
     "batching": {"max_concurrency": 2, "max_tokens": 3, "long_prompt_tokens": 64, "max_batch_tokens": 32},
-    "speculative": {"tokens": 8, "repeats": 1, "excerpt_tokens": 32},
+    "speculative": {"tokens": 8, "excerpt_tokens": 32},
     "full_scale": {"ladder": False, "tokens": 1},
     "cluster_routing": {"requests": 4, "prefix_tokens": 32, "replicas": 2, "wave": 2},
     "cluster_scale": {"groups": 16, "max_replicas": 4, "seeds": 1},

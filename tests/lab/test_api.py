@@ -239,3 +239,15 @@ def test_the_jobs_listing_shows_running_and_queued_jobs(small_lab_client):
     while client.get("/lab/api/jobs").json()["jobs"]:
         assert time.time() < deadline
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("module_id, body, param", [
+    ("speculative", {"repeats": 2}, "repeats"), ("prefix_cache", {"rounds": 2}, "rounds"),
+    ("batching", {"repeats": 2}, "repeats"), ("parallel_io", {"repeats": 1}, "repeats"),
+    ("rollback", {"repeats": 2}, "repeats"),
+])
+def test_a_timing_is_a_median_of_at_least_three_repeats(lab_client, module_id, body, param):
+    response = lab_client.post(f"/lab/api/modules/{module_id}/run", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    listing = {m["id"]: {p["name"]: p for p in m["params"]} for m in lab_client.get("/lab/api/modules").json()}
+    assert listing[module_id][param]["default"] >= 3

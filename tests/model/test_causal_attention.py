@@ -14,7 +14,8 @@ from k3serve.errors import ContextLengthError
 from k3serve.model.causal_attention import causal_attention, causal_attention_reference
 from k3serve.model.families.attention import GQAAttention
 from k3serve.model.families.latent_attention import LatentAttention, LatentAttentionWeights
-from k3serve.model.k3 import ForwardItem, K3Model
+from k3serve.model.interface import ForwardItem
+from k3serve.model.k3 import K3Model
 from k3serve.model.mla import mla_attend, mla_attend_reference, mla_project
 
 RTOL = 2e-6  # float32 round-off between two summation orders of one softmax

@@ -37,7 +37,7 @@ from k3serve.engine.request import RequestOutput
 from k3serve.engine.metrics import _quantile
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
-from k3serve.model.k3 import MIXER, ForwardItem, K3Model
+from k3serve.model.interface import MIXER, ForwardItem, Model
 
 FLOOD, LIGHT = "A", "B"
 
@@ -93,7 +93,7 @@ class IsolationResult:
         return asdict(self)
 
 
-def run_isolation(model: K3Model, mode: str, config: IsolationConfig = IsolationConfig()) -> IsolationResult:
+def run_isolation(model: Model, mode: str, config: IsolationConfig = IsolationConfig()) -> IsolationResult:
     """One run: `mode` is 'alone' (B without A, fair), 'fcfs' or 'fair'."""
     if mode not in ("alone", "fcfs", "fair"):
         raise ConfigError(f"mode must be alone, fcfs or fair, got {mode!r}")
@@ -196,7 +196,7 @@ def run_isolation(model: K3Model, mode: str, config: IsolationConfig = Isolation
                            (generated[LIGHT] + generated[FLOOD]) / elapsed, positions / elapsed, elapsed)
 
 
-def calibrate_step_cost(model: K3Model, num_tokens: int = 256, repeats: int = 5) -> tuple[float, float]:
+def calibrate_step_cost(model: Model, num_tokens: int = 256, repeats: int = 5) -> tuple[float, float]:
     """(fixed seconds, seconds per position) of one forward, from the fastest of `repeats` timed forwards of 1
     and of `num_tokens` positions (the fastest is the least disturbed by other work on the machine)."""
     def fastest(length: int) -> float:
@@ -264,7 +264,7 @@ class PauseSplit:
             raise ConfigError(f"not a pause split record ({exc})") from exc
 
 
-def measure_pause_split(model: K3Model, lengths: tuple[int, int] = (1, 256), repeats: int = 21) -> PauseSplit:
+def measure_pause_split(model: Model, lengths: tuple[int, int] = (1, 256), repeats: int = 21) -> PauseSplit:
     """Time every part of every layer of `repeats` forwards of each length (a fresh sequence each), stamping
     `time.perf_counter` at each pause point; medians, which a busy machine disturbs less than the means."""
     num_layers = model.config.num_layers
@@ -285,7 +285,7 @@ def measure_pause_split(model: K3Model, lengths: tuple[int, int] = (1, 256), rep
     return PauseSplit(lengths, (mixer[0], mixer[1]), (mlp[0], mlp[1]))
 
 
-def compare_isolation(model: K3Model | None = None, config: IsolationConfig | None = None,
+def compare_isolation(model: Model | None = None, config: IsolationConfig | None = None,
                       modes: tuple[str, ...] = ("alone", "fcfs", "fair")) -> dict[str, IsolationResult]:
     """Run each mode once with the same workload (the embedded model when `model` is None). For the lab, small
     sizes finish in about ten seconds: `IsolationConfig(num_flood=8, duration_s=3)`."""

@@ -102,7 +102,8 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> float:
 def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None) -> RoutingReport:
     """Route every sequence through `model` (one whose `routing_traces` is true) and summarise; `writer` (a TraceWriter) also records the
     requests as a routing trace. Sequences are independent: reuse is counted within a sequence only."""
-    from k3serve.model.k3 import ForwardItem, K3Model
+    from k3serve.model.interface import ForwardItem
+    from k3serve.model.k3 import K3Model
 
     config = model.config
     recorder = _RecordingSource(model.source, writer)

@@ -13,6 +13,7 @@ from k3serve.engine.sampling import SamplingParams
 from k3serve.lab.workloads import run_all
 from k3serve.lab.fixtures import MODEL_CHOICES
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 
@@ -83,22 +84,30 @@ def long_prompt_stall(model, stop_ids, chunked: bool, params, cancel) -> float:
 def run(params, progress, cancel, lab) -> LabResult:
     model, stop_ids, model_name = lab.model_for(params["model"])
     sweep = [c for c in CONCURRENCY if c <= params["max_concurrency"]]
-    rows = {}
-    for i, c in enumerate(sweep):
-        progress(0.05 + 0.6 * i / len(sweep), f"{c} requests at once")
-        rows[c] = serve(model, stop_ids, c, 64, params, cancel)
+    progress(0.02, WARM_UP_MESSAGE)
+    serve(model, stop_ids, sweep[0], 64, params, cancel)
+    for chunked in (True, False):
+        long_prompt_stall(model, stop_ids, chunked, params, cancel)
+    repeats = params["repeats"]
+    samples: dict[int, list[dict[str, float]]] = {c: [] for c in sweep}
+    stalls: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(repeats):  # alternated: the whole sweep, then both stall runs, once per repeat
+        for i, c in enumerate(sweep):
+            progress(0.1 + 0.85 * (r + 0.7 * i / len(sweep)) / repeats, f"repeat {r + 1}: {c} requests at once")
+            samples[c].append(serve(model, stop_ids, c, 64, params, cancel))
+        progress(0.1 + 0.85 * (r + 0.7) / repeats, f"repeat {r + 1}: a long prompt arriving during decodes")
+        for chunked in (True, False):
+            stalls[chunked].append(long_prompt_stall(model, stop_ids, chunked, params, cancel))
+    rows = {c: {key: statistics.median(s[key] for s in runs) for key in runs[0]} for c, runs in samples.items()}
+    stall = {chunked: statistics.median(values) for chunked, values in stalls.items()}
     top = sweep[-1]
     # the same `top` requests one at a time: request i starts when i - 1 have finished (from the measured C = 1 run)
     one = rows[1]
     request_ms = 1e3 * params["max_tokens"] / one["tok_per_s"]
     serial = {"tok_per_s": one["tok_per_s"], "itl_ms": one["itl_ms"], "itl_p90_ms": one["itl_p90_ms"],
               "ttft_ms": statistics.median(one["ttft_ms"] + i * request_ms for i in range(top))}
-    progress(0.85, "a long prompt arriving during decodes")
-    stall = {}
-    for chunked in (True, False):
-        stall[chunked] = long_prompt_stall(model, stop_ids, chunked, params, cancel)
     source = (f"{model_name} in the engine, requests of {params['prompt_tokens']} prompt + {params['max_tokens']} "
-              f"generated tokens, this machine")
+              f"generated tokens, medians of {repeats} alternated repeats on this machine")
     figures = [
         Figure("Throughput vs concurrency", "line", True, source,
                [{"name": "continuous batching", "x": sweep, "y": [rows[c]["tok_per_s"] for c in sweep]},
@@ -110,7 +119,8 @@ def run(params, progress, cancel, lab) -> LabResult:
                 {"name": "inter-token p90", "x": sweep, "y": [rows[c]["itl_p90_ms"] for c in sweep]}],
                x_label="requests in flight", y_label="ms"),
         Figure(f"Worst decode stall while a {params['long_prompt_tokens']}-token prompt arrives", "bar", True,
-               f"4 decoding requests, max_batch_tokens {params['max_batch_tokens']}, this machine",
+               f"4 decoding requests, max_batch_tokens {params['max_batch_tokens']}, medians of {repeats} repeats on "
+               "this machine",
                [{"name": "ms", "x": ["chunked prefill", "whole prompt in one step"],
                  "y": [stall[True], stall[False]]}], y_label="ms"),
     ]
@@ -147,5 +157,6 @@ MODULE = LabModule(
             Param("long_prompt_tokens", "int", 384, "the long prompt of the stall figure", min=16, max=4000,
                   unit="tokens"),
             Param("model", "choice", MODEL_CHOICES[0], "the lab's K3 model, or a random tiny model of a family "
-                  "(its figures show the family's paths, not a released model's speed)", choices=MODEL_CHOICES)),
+                  "(its figures show the family's paths, not a released model's speed)", choices=MODEL_CHOICES),
+            repeats_param()),
     kind="measured", run=run)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
-from k3serve.lab.streaming import WIDENINGS, streamed_run
+from k3serve.lab.streaming import WIDENINGS, streamed_run, warm_up
+from k3serve.lab.timing import WARM_UP_MESSAGE
 from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.units import format_size
 from k3serve.stream.options import StreamOptions
@@ -19,6 +20,8 @@ def run(params, progress, cancel, lab) -> LabResult:
     minimum = minimum_budget_bytes(store)
     prompts = lab.windows(params["prompts"], 24, skip=40)
     fractions = sorted(set(FRACTIONS) | {params["expert_fraction"]})
+    progress(0.03, WARM_UP_MESSAGE)
+    warm_up(path, StreamOptions(ram_budget=minimum, cache=params["cache"]), prompts, cancel)
     rows: dict[tuple[str, float], object] = {}
     total = 2 * len(fractions)
     for i, fraction in enumerate(fractions):

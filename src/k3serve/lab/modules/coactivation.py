@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
-from k3serve.lab.streaming import WIDENINGS, streamed_run
+from k3serve.lab.streaming import WIDENINGS, streamed_run, warm_up
+from k3serve.lab.timing import WARM_UP_MESSAGE
 from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.layout import adjacency_score, coactivation_matrix, coactivation_order
@@ -39,6 +40,8 @@ def run(params, progress, cancel, lab) -> LabResult:
     store = PackedStore(stores["natural"])
     budget = minimum_budget_bytes(store) + int(params["expert_fraction"] * store.expert_store_bytes)
     prompts = lab.windows(params["prompts"], 24, skip=40)  # not the trace's windows
+    progress(0.25, WARM_UP_MESSAGE)
+    warm_up(stores["natural"], StreamOptions(ram_budget=budget, cache=params["cache"], io="pread"), prompts, cancel)
     runs = {}
     for i, (name, path) in enumerate(stores.items()):
         progress(0.3 + 0.3 * i, f"decoding from the {name} layout")

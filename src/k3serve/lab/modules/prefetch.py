@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
-from k3serve.lab.streaming import WIDENINGS, streamed_run
+from k3serve.lab.streaming import WIDENINGS, streamed_run, warm_up
+from k3serve.lab.timing import WARM_UP_MESSAGE
 from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.units import format_size
 from k3serve.stream.options import StreamOptions
@@ -16,6 +17,9 @@ def run(params, progress, cancel, lab) -> LabResult:
     store = PackedStore(path)
     budget = minimum_budget_bytes(store) + int(params["expert_fraction"] * store.expert_store_bytes)
     prompts = lab.windows(params["prompts"], 24, skip=44)
+    progress(0.05, WARM_UP_MESSAGE)
+    warm_up(path, StreamOptions(ram_budget=budget, io=params["io"], cache=params["cache"], prefetch="next-layer"),
+            prompts, cancel)
     runs = {}
     for i, mode in enumerate(("none", "next-layer")):
         progress(0.1 + 0.4 * i, f"prefetch {mode}")

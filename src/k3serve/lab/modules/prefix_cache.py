@@ -9,10 +9,16 @@ import numpy as np
 from k3serve.lab.workloads import shared_prefix_ttft
 from k3serve.lab.fixtures import MODEL_CHOICES
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
 
 
 def run(params, progress, cancel, lab) -> LabResult:
     model, stop_ids, model_name = lab.model_for(params["model"])
+    cancel.check()
+    progress(0.02, WARM_UP_MESSAGE)
+    for caching in (True, False):  # miss, branch point and hit paths, each prefill's kernels compiled
+        shared_prefix_ttft(model, stop_ids, caching, params["system_tokens"], min(params["requests"], 3),
+                           np.random.default_rng(10_000), cancel.check)
     runs = {True: [], False: []}
     total = 2 * params["rounds"]
     for r in range(params["rounds"]):  # alternated: with, without, with, without
@@ -69,7 +75,7 @@ MODULE = LabModule(
         "restores both and prefills only the rest: TTFT ~ (prompt - cached) / prefill speed."),
     params=(Param("system_tokens", "int", 240, "shared prefix length", min=16, max=2000, unit="tokens"),
             Param("requests", "int", 5, "requests per round", min=2, max=32),
-            Param("rounds", "int", 1, "alternated rounds (medians)", min=1, max=10),
+            repeats_param("rounds", help="alternated rounds (medians)"),
             Param("model", "choice", MODEL_CHOICES[0], "the lab's K3 model, or a random tiny model of a family "
                   "(its figures show the family's paths, not a released model's speed)", choices=MODEL_CHOICES)),
     kind="measured", run=run)

@@ -10,6 +10,7 @@ import numpy as np
 
 from k3serve.config import full_k3_config
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
+from k3serve.lab.timing import MIN_REPEATS, WARM_UP_MESSAGE
 from k3serve.model.rollback import KIMI_LINEAR_SHAPES, RecurrentShapes, RollbackCache, rollback_storage
 
 PRECISION_BYTES = {"bf16": 2, "fp32": 4}
@@ -33,6 +34,13 @@ def measure(lab, window: int, kept: int, repeats: int, progress, cancel) -> dict
     prompt = np.asarray(lab.windows(1, 64)[0], np.int64)
     drafts = np.asarray(lab.windows(1, window, skip=3)[0][:window], np.int64)
     out: dict[str, dict[str, float]] = {}
+    progress(0.38, WARM_UP_MESSAGE)
+    for method in ("snapshot", "projection"):  # each records (and restores) through its own kernels
+        cache = RollbackCache(model.new_cache(), method)
+        model.forward([ForwardItem(prompt, cache)])
+        cache.begin_window()
+        model.forward([ForwardItem(drafts, cache, all_logits=True)])
+        cache.commit(kept)
     for m, method in enumerate(("snapshot", "projection")):
         verify, restore, stored = [], [], 0
         for i in range(repeats):
@@ -110,6 +118,9 @@ def run(params, progress, cancel, lab) -> LabResult:
 
 
 def check(params) -> None:
+    if 0 < params["repeats"] < MIN_REPEATS:
+        raise LabParamError("repeats", f"must be 0 (computed only) or >= {MIN_REPEATS} (medians), got "
+                                       f"{params['repeats']}")
     if params["kept"] > params["window"]:
         raise LabParamError("kept", f"must be <= window ({params['window']}), got {params['kept']}")
 
@@ -131,5 +142,6 @@ MODULE = LabModule(
                   "estimate (state only; k, u, g per position)", choices=("k3serve", "anchor")),
             Param("kept", "int", 2, "positions kept after the measured window (at most the window)", min=1,
                   max=16),
-            Param("repeats", "int", 5, "measured repeats on the model (0 = computed only)", min=0, max=50)),
+            Param("repeats", "int", 5, f"measured repeats on the model (medians; 0 = computed only, else at least "
+                  f"{MIN_REPEATS})", min=0, max=50)),
     kind="both", run=run, check=check)

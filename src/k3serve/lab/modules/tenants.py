@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from k3serve.lab.isolation import IsolationConfig, run_isolation
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.timing import WARM_UP_MESSAGE
 
 MODES = ("alone", "fcfs", "fair")
 
@@ -15,6 +18,9 @@ def run(params, progress, cancel, lab) -> LabResult:
                              light_max_tokens=8, light_interval_s=params["light_interval_s"],
                              duration_s=params["seconds"], max_batch_tokens=params["max_batch_tokens"],
                              max_seqs=params["flood_requests"] + 32, seed=0)
+    cancel.check()
+    progress(0.02, WARM_UP_MESSAGE)
+    run_isolation(model, "fair", dataclasses.replace(config, duration_s=0.3))  # untimed: prefill and batched decode
     results = {}
     for i, mode in enumerate(MODES):  # a run cannot stop midway: cancellation takes effect between runs
         cancel.check()
