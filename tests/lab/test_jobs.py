@@ -219,3 +219,21 @@ def test_the_queue_is_bounded():
         assert queue.submit(module, {"x": 99997}).status == "queued"  # room again
     finally:
         queue.close()
+
+
+def test_a_worker_that_cannot_start_fails_the_job_and_the_queue_goes_on(queue, monkeypatch):
+    real_start = queue.worker._start
+    calls = []
+
+    def start_once_broken() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("no processes left")
+        real_start()
+
+    monkeypatch.setattr(queue.worker, "_start", start_once_broken)
+    broken = queue.submit(_module("first", sleepy), {"x": 1})
+    good = queue.submit(_module("second", sleepy), {"x": 2})
+    assert broken.done_event.wait(30) and good.done_event.wait(30)
+    assert broken.status == "failed" and "no processes left" in broken.error
+    assert good.status == "done"

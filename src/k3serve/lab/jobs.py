@@ -213,8 +213,13 @@ class RunQueue:
                 job.message = message
 
         started = time.perf_counter()
-        outcome: RunOutcome = self.worker.run(job.module, job.params, progress, lambda: self._stop_reason(job),
-                                              self.config.max_run_seconds)
+        try:
+            outcome: RunOutcome = self.worker.run(job.module, job.params, progress,
+                                                  lambda: self._stop_reason(job), self.config.max_run_seconds)
+        except Exception as exc:  # e.g. the worker process cannot start: fail this job, keep the queue going
+            logger.exception("the lab's worker failed to run %s", job.module.id)
+            self.worker.close()
+            outcome = RunOutcome("failed", error=f"the lab's worker process failed: {type(exc).__name__}: {exc}")
         seconds = time.perf_counter() - started
         with self._lock:
             if outcome.status == "done":

@@ -4,7 +4,8 @@
 One worker process serves the run queue, one run at a time, and lives across runs: its `LabFixtures` load the model
 (and numba compiles or loads its kernels) on first use and keep them, so the second run pays none of that. The
 process is started with the 'spawn' method (the server runs threads, and forking a process with threads is
-unsafe). Parent and worker talk over one pipe:
+unsafe). Spawning imports the parent's main module in the worker, so a script that starts the lab must keep its
+top-level code under `if __name__ == "__main__":` (the `k3serve` command does). Parent and worker talk over one pipe:
 
     parent -> worker   (module, params)                 run this; None: exit
     worker -> parent   ("progress", fraction, message)  any number of times during a run
