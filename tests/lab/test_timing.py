@@ -1,42 +1,12 @@
-"""Timed lab modules warm up before they time, and report medians of at least 3 repeats. Speculative decoding's first
-run in a fresh process with an empty numba cache (every kernel compiled in that process) is within 20% of the same
-run repeated; a first pass of each timed path that is slow (as a compile is) reaches no figure (#36)."""
+"""Timed lab modules warm up before they time, and report medians of at least 3 repeats: a first pass of each timed
+path that is slow (as a compile is) reaches no figure (#36). How close a fresh process's first run comes to its rerun
+is a timing, so it is measured by benchmarks/bench_lab_first_run.py, not asserted here."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 from k3serve.lab.registry import CancelToken
-
-FIRST_AND_RERUN = r"""
-import json, sys
-from k3serve.lab.fixtures import LabFixtures
-from k3serve.lab.registry import CancelToken, get_module
-
-lab = LabFixtures()
-module = get_module("speculative")
-out = {}
-for rollback in ("projection", "snapshot"):  # each compiles its own kernels on first use
-    params = module.validate({"rollback": rollback}, lab)  # the page's defaults otherwise
-    out[rollback] = [module.run(params, lambda fraction, message: None, CancelToken(), lab).metrics for _ in range(2)]
-print(json.dumps(out))
-"""
-
-
-def test_speculative_first_run_in_a_fresh_process_matches_its_rerun(tmp_path):
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # nothing compiled yet
-    done = subprocess.run([sys.executable, "-c", FIRST_AND_RERUN], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(done.stdout.strip().splitlines()[-1])
-    for rollback, (first, rerun) in runs.items():
-        assert abs(first["speedup"] / rerun["speedup"] - 1) < 0.2, (rollback, first, rerun)
-        assert first["acceptance_pct"] == rerun["acceptance_pct"]  # the same decode, only the clock differs
-
 
 COLD_SECONDS = 100.0  # what a first pass that compiles kernels would add, if it were timed
 
