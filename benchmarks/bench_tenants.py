@@ -1,4 +1,4 @@
-"""Budget isolation between tenants on the embedded default model (engine/isolation.py).
+"""Budget isolation between tenants on the embedded default model (lab/isolation.py).
 
 Tenant A floods: --flood requests live at once (prompt --flood-prompt tokens, --flood-max-tokens generated,
 each resubmitted as it finishes). Tenant B sends one short request (--light-prompt tokens, --light-max-tokens
