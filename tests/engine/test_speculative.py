@@ -77,6 +77,37 @@ def test_engine_speculates_alongside_plain_requests(tiny_model, drive, drafter, 
     assert engine.scheduler.blocks.num_used_blocks == 0
 
 
+class _FailingFactory(DrafterFactory):
+    """n-gram drafters that raise from their second proposal on."""
+
+    def create(self, config):
+        drafter = super().create(config)
+        calls = []
+
+        def propose(context, max_tokens, sampler):
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("drafter bug")
+            return type(drafter).propose(drafter, context, max_tokens, sampler)
+
+        drafter.propose = propose
+        return drafter
+
+
+def test_a_failing_drafter_costs_speculation_not_the_request(tiny_model, drive):
+    model = tiny_model
+    prompt = _prompt(model)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain, _ = generate(model, prompt, params)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_seqs=2), drafters=_FailingFactory(model))
+    spec = SpeculativeConfig(drafter="ngram", adaptive=False, num_draft_tokens=4)
+    failing, other = engine.add_request(prompt, params, speculative=spec), engine.add_request(prompt, params)
+    final = drive(engine)  # check_integrity after every step
+    assert final[failing].outputs[0].token_ids == plain and final[failing].error is None
+    assert final[other].outputs[0].token_ids == plain
+    assert engine.metrics.counter("spec_windows").value <= 1  # only the first proposal could have drafted
+
+
 def test_engine_stop_token_inside_an_accepted_window(tiny_model, drive):
     model = tiny_model
     prompt = _prompt(model)

@@ -41,7 +41,6 @@ from k3serve.engine.fairness import TenantShare
 from k3serve.engine.metrics import Counter, Gauge, Histogram, MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
-from k3serve.engine.drafters import Draft
 from k3serve.engine.sampling import Sampler, SamplingParams, token_logprob, validate_prompt
 from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, SpeculativeConfig
 from k3serve.engine.verification import num_to_emit, verify
@@ -74,8 +73,6 @@ class LLMEngine:
         self.on_pause = on_pause
         self.speculative = speculative  # the server default; a request may choose its own or none
         self.drafters = drafters if drafters is not None else DrafterFactory(model)
-        self._speculation: dict[int, SequenceSpeculation] = {}  # seq_id -> drafter and adaptive length
-        self._drafts: dict[int, Draft] = {}  # seq_id -> this step's draft
         self.model_config = model.config
         self.config = config if config is not None else EngineConfig()
         self.metrics = metrics if metrics is not None else MetricsRegistry()
@@ -277,8 +274,8 @@ class LLMEngine:
             self._m_step.observe(time.perf_counter() - started)
             self._m_batch.observe(decision.num_batched_tokens)
         for seq in [s.seq for s in decision.scheduled] + decision.preempted:
-            seq.draft_tokens = []
-            self._drafts.pop(seq.seq_id, None)
+            if seq.speculation is not None:
+                seq.speculation.draft = None
         self._update_gauges()
         return self._urgent_outputs + self._emit(touched)
 
@@ -344,22 +341,23 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Drafts for every running sequence that is about to decode and speculates (engine/speculative.py)."""
         for seq in self.scheduler.running:
-            seq.draft_tokens = []
+            spec = seq.speculation
+            if spec is not None:
+                spec.draft = None
             config = seq.request.speculative
-            if config is None or seq.num_uncomputed_tokens != 1 or seq.suspect or seq.is_finished:
+            if config is None or seq.num_uncomputed_tokens != 1 or seq.suspect or seq.is_finished \
+                    or (spec is not None and spec.stopped):
                 continue
-            spec = self._speculation.get(seq.seq_id)
             if spec is None:
-                spec = self._speculation[seq.seq_id] = SequenceSpeculation(config, self.drafters.create(config))
+                spec = seq.speculation = SequenceSpeculation(config, self.drafters.create(config))
             try:
                 draft = spec.propose(seq.token_ids, seq.num_remaining_tokens, seq.sampler)
             except Exception:  # noqa: BLE001 - a drafter's failure costs speculation, not the request
                 logger.exception("drafter failed for %s; it decodes without drafts", seq)
-                seq.request.speculative = None
+                spec.stop()
                 continue
             if len(draft):
-                seq.draft_tokens = list(draft.tokens)
-                self._drafts[seq.seq_id] = draft
+                spec.draft = draft
 
     def _run(self, decision: SchedulerOutput, touched: dict[str, Request]) -> None:
         items = []
@@ -369,7 +367,7 @@ class LLMEngine:
             ids = seq.token_ids[start:start + s.num_new_tokens - s.num_draft_tokens] \
                 + seq.draft_tokens[:s.num_draft_tokens]
             if s.num_draft_tokens:
-                window = RollbackCache(seq.cache, seq.request.speculative.rollback)
+                window = RollbackCache(seq.cache, seq.speculation.config.rollback)
                 window.begin_window()
                 items.append(ForwardItem(np.asarray(ids, np.int64), window, all_logits=True))
             else:
@@ -426,18 +424,16 @@ class LLMEngine:
                       touched: dict[str, Request]) -> None:
         """A speculative window ran: verify the drafts, roll the state back to the kept positions, emit."""
         seq, request, k = scheduled.seq, scheduled.seq.request, scheduled.num_draft_tokens
-        full = self._drafts.pop(seq.seq_id)
-        draft = Draft(full.tokens[:k], None if full.probs is None else full.probs[:k])
+        spec = seq.speculation
+        assert spec is not None  # a verify window runs only on a sequence with a draft
+        draft = spec.take_draft(k)
         result = verify(logits, draft, seq.sampler)
         m = num_to_emit(result.tokens, seq.num_output_tokens, seq.num_remaining_tokens, request.stop_ids, request.stop_hook,
                         seq.output_token_ids)
         window.commit(m)  # the last confirmed token and the first m - 1 emitted ones stay in the state
-        kept = result.tokens[:m - 1]
-        seq.token_ids.extend(kept)  # computed positions must be in token_ids while the prefix cache indexes them
-        self.scheduler.after_forward(seq, m)
-        del seq.token_ids[len(seq.token_ids) - len(kept):]
+        self.scheduler.after_forward(seq, m, pending_tokens=list(result.tokens[:m - 1]))
         seq.suspect = False
-        self._speculation[seq.seq_id].record(k, result.num_accepted, m)
+        spec.record(k, result.num_accepted, m)
         self._m_spec_windows.inc()
         self._m_spec_drafted.inc(k)
         self._m_spec_accepted.inc(result.num_accepted)
@@ -477,11 +473,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
             return
-        spec = self._speculation.pop(seq.seq_id, None)
-        if spec is not None:
-            spec.drafter.release()
-        self._drafts.pop(seq.seq_id, None)
-        seq.draft_tokens = []
+        if seq.speculation is not None and not seq.speculation.stopped:
+            seq.speculation.stop()
         self.scheduler.finish(seq, save_state=reason in (FinishReason.STOP, FinishReason.LENGTH))
         seq.finish_reason = reason
         request = seq.request

@@ -19,7 +19,7 @@ from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from k3serve.engine.speculative import SpeculativeConfig
+    from k3serve.engine.speculative import SequenceSpeculation, SpeculativeConfig
 
 StopHook = Callable[[list[int]], bool]
 """Called with a sequence's generated token ids after each new token; True finishes it (reason 'stop'). The
@@ -115,7 +115,7 @@ class Sequence:
         self.suspect = False  # its last batched forward failed: run it alone until it succeeds
         self.logprobs: list[TokenLogprob] = []  # one per generated token when the request asked for logprobs
         self.last_token_time: float | None = None
-        self.draft_tokens: list[int] = []  # speculative drafts for this step, verified after the last token
+        self.speculation: SequenceSpeculation | None = None  # drafter, adaptive length and this step's draft
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +133,12 @@ class Sequence:
     def num_remaining_tokens(self) -> int:
         """Tokens this sequence may still generate: under both max_tokens and the context limit."""
         return min(self.request.params.max_tokens - self.num_output_tokens, self.max_total_tokens - self.num_tokens)
+
+    @property
+    def draft_tokens(self) -> list[int]:
+        """This step's speculative drafts, verified after the last token (none without speculation)."""
+        draft = self.speculation.draft if self.speculation is not None else None
+        return draft.tokens if draft is not None else []
 
     @property
     def num_uncomputed_tokens(self) -> int:

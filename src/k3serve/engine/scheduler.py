@@ -144,15 +144,20 @@ class Scheduler:
             self._leave(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def after_forward(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Book `num_new_tokens` as computed; index full blocks and save a checkpoint if one is due here."""
+    def after_forward(self, seq: Sequence, num_new_tokens: int, pending_tokens: list[int] | None = None) -> None:
+        """Book `num_new_tokens` as computed; index full blocks and save a checkpoint if one is due here.
+        `pending_tokens` are computed positions past `seq.token_ids` (a verify window's accepted drafts, which the
+        engine appends as it emits them): the blocks and checkpoint are keyed by token_ids + pending_tokens."""
         seq.num_computed_tokens += num_new_tokens
         if seq.cache is None or seq.cache.num_tokens != seq.num_computed_tokens:
             raise IntegrityError(f"{seq}: the cache position disagrees with the computed count after a forward")
         if self.prefix_cache is not None:
-            self._register(seq)
+            tokens = seq.token_ids + list(pending_tokens) if pending_tokens else seq.token_ids
+            if len(tokens) < seq.num_computed_tokens:
+                raise IntegrityError(f"{seq}: {seq.num_computed_tokens} positions computed but {len(tokens)} tokens")
+            self._register(seq, tokens)
             if seq.num_computed_tokens in seq.checkpoint_targets:
-                self.prefix_cache.save_checkpoint(seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache)
+                self.prefix_cache.save_checkpoint(seq.request.root_hash, tokens, seq.block_hashes, seq.cache)
 
     def reset_for_recompute(self, seq: Sequence) -> None:
         """Drop a running sequence's memory and queue it again at the front, to be recomputed (preemption, or
@@ -473,9 +478,10 @@ class Scheduler:
         self._m_tenant_preemptions.labels(seq.request.tenant).inc()
 
     # ---- memory ---------------------------------------------------------------------------------------------
-    def _register(self, seq: Sequence) -> None:
+    def _register(self, seq: Sequence, tokens: list[int] | None = None) -> None:
         seq.num_registered_blocks = self.prefix_cache.register_blocks(
-            seq.request.root_hash, seq.token_ids, seq.block_hashes, seq.cache, seq.num_registered_blocks)
+            seq.request.root_hash, seq.token_ids if tokens is None else tokens, seq.block_hashes, seq.cache,
+            seq.num_registered_blocks)
 
     def _save_state(self, seq: Sequence) -> None:
         if self.prefix_cache is None or seq.cache is None or seq.num_computed_tokens == 0:

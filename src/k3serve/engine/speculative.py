@@ -169,18 +169,33 @@ class SpeculationStats:
 
 
 class SequenceSpeculation:
-    """Per-sequence speculative state: the drafter, the adaptive draft length and the counts."""
+    """A sequence's speculation, in one place (`Sequence.speculation`): its config, the drafter, the adaptive draft
+    length, this step's draft and the counts."""
 
     def __init__(self, config: SpeculativeConfig, drafter: Drafter) -> None:
         self.config = config
         self.drafter = drafter
         self.length = AdaptiveDraftLength(config)
         self.stats = SpeculationStats()
+        self.draft: Draft | None = None  # this step's draft, until the window that verifies it has run
+        self.stopped = False  # the drafter failed: the sequence decodes without drafts from then on
 
     def propose(self, context: Sequence[int], room: int, sampler: Sampler) -> Draft:
         """Drafts for the next window; `room` = tokens the sequence may still emit (a window emits up to k + 1)."""
         k = min(self.length.next_k(), room - 1)
         return self.drafter.propose(context, k, sampler) if k > 0 else Draft([])
+
+    def take_draft(self, k: int) -> Draft:
+        """The first `k` tokens of this step's draft (what the window verified); the step's draft is spent."""
+        full, self.draft = self.draft, None
+        if full is None:
+            raise RuntimeError("a verify window ran without a draft")
+        return Draft(full.tokens[:k], None if full.probs is None else full.probs[:k])
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.draft = None
+        self.drafter.release()
 
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         self.length.observe(num_drafted, num_accepted)
