@@ -38,7 +38,8 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.fairness import TenantShare
-from k3serve.engine.metrics import Counter, Gauge, Histogram, MetricsRegistry
+from k3serve.engine.engine_metrics import EngineMetrics
+from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
 from k3serve.engine.sampling import Sampler, SamplingParams, token_logprob, validate_prompt
@@ -92,43 +93,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}  # live requests the engine thread has taken in
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        m = self.metrics
-        self._m_added = m.counter("requests_added", "requests accepted by add_request")
-        self._m_finished = {reason: m.counter(f"requests_finished_{reason.value}", f"requests finished: {reason.value}")
-                            for reason in FinishReason}
-        self._m_generated = m.counter("generation_tokens", "tokens generated")
-        self._m_prompt = m.counter("prompt_tokens", "prompt tokens of accepted requests")
-        self._m_computed = m.counter("computed_tokens", "positions run through the model (prefill + decode)")
-        self._m_steps = m.counter("steps", "engine steps that ran a forward")
-        self._m_forward_failures = m.counter("forward_failures", "batched forwards that raised")
-        self._m_interruptions = m.counter("step_interruptions", "forwards paused at a pause point for an urgent one")
-        self._m_ttft = m.histogram("ttft_seconds", "arrival to first token")
-        self._m_itl = m.histogram("inter_token_latency_seconds", "time between consecutive tokens of a sequence")
-        self._m_e2e = m.histogram("e2e_latency_seconds", "arrival to last output")
-        self._m_step = m.histogram("step_seconds", "duration of steps that ran a forward")
-        self._m_batch = m.histogram("batch_tokens", "tokens per forward")
-        self._m_spec_windows = m.counter("spec_windows", "speculative verify windows (with at least one draft)")
-        self._m_spec_drafted = m.counter("spec_draft_tokens", "draft tokens verified")
-        self._m_spec_accepted = m.counter("spec_accepted_tokens", "draft tokens accepted")
-        self._g = {name: m.gauge(name, help) for name, help in (
-            ("queue_length", "sequences waiting"), ("num_running", "sequences running"),
-            ("kv_blocks_used", "attention blocks referenced by running sequences"), ("kv_blocks_total", "attention blocks"),
-            ("kv_block_usage", "fraction of attention blocks referenced"), ("kv_blocks_cached", "unreferenced prefix blocks"),
-            ("kv_waste_fraction", "allocated but unfilled positions in running sequences' blocks"),
-            ("state_slots_used", "recurrent state slots in use"), ("state_slots_total", "recurrent state slots"),
-            ("prefix_cache_checkpoints", "state checkpoints held"),
-            ("prefix_cache_protected_checkpoints", "state checkpoints in slru's protected segment (recurring)"),
-            ("prefix_cache_hit_rate", "positions restored / positions looked up"),
-        )}
-        self._g["kv_blocks_total"].set(self.scheduler.blocks.num_blocks)
-        self._t_requests = m.family(Counter, "tenant_requests", "requests accepted, per tenant", ("tenant",))
-        self._t_prompt = m.family(Counter, "tenant_prompt_tokens", "prompt tokens accepted, per tenant", ("tenant",))
-        self._t_generated = m.family(Counter, "tenant_generation_tokens", "tokens generated, per tenant", ("tenant",))
-        self._t_ttft = m.family(Histogram, "tenant_ttft_seconds", "arrival to first token, per tenant", ("tenant",))
-        self._t_counter = m.family(Gauge, "tenant_virtual_counter",
-                                   "the scheduler's virtual token counter (weighted service received), per tenant",
-                                   ("tenant",))
-        self._g["state_slots_total"].set(self.scheduler.states.num_slots)
+        self.figures = EngineMetrics(self.metrics, self.scheduler.blocks.num_blocks, self.scheduler.states.num_slots)
         watch_source(self.metrics, model.experts)  # bytes read, expert cache (streaming, EP)
 
     # ---- submission (any thread) ----------------------------------------------------------------------------
@@ -219,10 +184,7 @@ class LLMEngine:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
             self._live_ids.add(request.request_id)
             self._incoming.append(request)
-        self._m_added.inc()
-        self._m_prompt.inc(len(request.prompt_token_ids))
-        self._t_requests.labels(request.tenant).inc()
-        self._t_prompt.labels(request.tenant).inc(len(request.prompt_token_ids))
+        self.figures.request_added(request)
         return request.request_id
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
@@ -270,9 +232,7 @@ class LLMEngine:
             decision = self.scheduler.schedule()
         if not decision.empty:
             self._run(decision, touched)
-            self._m_steps.inc()
-            self._m_step.observe(time.perf_counter() - started)
-            self._m_batch.observe(decision.num_batched_tokens)
+            self.figures.forward_ran(time.perf_counter() - started, decision.num_batched_tokens)
         for seq in [s.seq for s in decision.scheduled] + decision.preempted:
             if seq.speculation is not None:
                 seq.speculation.draft = None
@@ -333,8 +293,7 @@ class LLMEngine:
             self._run(decision, touched)
         finally:
             self._paused = None
-        self._m_interruptions.inc()
-        self._m_batch.observe(decision.num_batched_tokens)
+        self.figures.forward_ran(None, decision.num_batched_tokens)
         self._urgent_outputs.extend(self._emit(touched))
         return True
 
@@ -384,7 +343,7 @@ class LLMEngine:
             return
         if self.on_pause is not None:  # the last layer's MLP and the logits (no pause point there)
             self.on_pause(decision.num_batched_tokens, self.model_config.num_layers - 1, MLP)
-        self._m_computed.inc(decision.num_batched_tokens)
+        self.figures.computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
             request = scheduled.seq.request
@@ -434,9 +393,7 @@ class LLMEngine:
         self.scheduler.after_forward(seq, m, pending_tokens=list(result.tokens[:m - 1]))
         seq.suspect = False
         spec.record(k, result.num_accepted, m)
-        self._m_spec_windows.inc()
-        self._m_spec_drafted.inc(k)
-        self._m_spec_accepted.inc(result.num_accepted)
+        self.figures.spec_window(k, result.num_accepted)
         touched[request.request_id] = request
         for row, token in enumerate(result.tokens[:m]):
             self._append(seq, token, now, logits[row])
@@ -450,15 +407,10 @@ class LLMEngine:
         if request.params.logprobs is not None:
             seq.logprobs.append(token_logprob(logits, token, request.params.logprobs))
         seq.token_ids.append(token)
-        self._m_generated.inc()
-        self._t_generated.labels(request.tenant).inc()
+        self.figures.token(request, seq, now)
         self.scheduler.policy.charge_output(request.tenant)
         if request.first_token_time is None:
             request.first_token_time = now
-            self._m_ttft.observe(now - request.arrival_time)
-            self._t_ttft.labels(request.tenant).observe(now - request.arrival_time)
-        if seq.last_token_time is not None:
-            self._m_itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
         reason = None
         if token in request.stop_ids:
@@ -479,8 +431,7 @@ class LLMEngine:
         seq.finish_reason = reason
         request = seq.request
         if request.finished:
-            self._m_finished[_request_reason(request)].inc()
-            self._m_e2e.observe(time.perf_counter() - request.arrival_time)
+            self.figures.request_finished(_request_reason(request), time.perf_counter() - request.arrival_time)
             self._requests.pop(request.request_id, None)
             with self._lock:
                 self._live_ids.discard(request.request_id)
@@ -495,7 +446,7 @@ class LLMEngine:
     def _forward_failed(self, decision: SchedulerOutput, exc: BaseException, touched: dict[str, Request]) -> None:
         """The batched forward raised: its partial writes cannot be trusted. Alone: fail that request. In a batch:
         recompute every member, one per step, to find the culprit."""
-        self._m_forward_failures.inc()
+        self.figures.forward_failures.inc()
         alone = len(decision.scheduled) == 1
         logger.error("a forward over %d sequences failed: %s: %s", len(decision.scheduled), type(exc).__name__, exc)
         for scheduled in decision.scheduled:
@@ -540,24 +491,7 @@ class LLMEngine:
         return outputs
 
     def _update_gauges(self) -> None:
-        s = self.scheduler
-        g = self._g
-        g["queue_length"].set(len(s.waiting))
-        g["num_running"].set(len(s.running))
-        used = s.blocks.num_used_blocks
-        g["kv_blocks_used"].set(used)
-        g["kv_block_usage"].set(used / s.blocks.num_blocks)
-        g["kv_blocks_cached"].set(s.blocks.num_cached_blocks)
-        g["kv_waste_fraction"].set(self.kv_waste_fraction())
-        g["state_slots_used"].set(s.states.num_used_slots)
-        for tenant, value in list(s.policy.counters.items()):
-            self._t_counter.labels(tenant).set(value)
-        if s.prefix_cache is not None:
-            g["prefix_cache_checkpoints"].set(s.prefix_cache.num_checkpoints)
-            g["prefix_cache_protected_checkpoints"].set(s.prefix_cache.num_protected_checkpoints)
-            queried = self.metrics.counter("prefix_cache_query_tokens").value
-            hit = self.metrics.counter("prefix_cache_hit_tokens").value
-            g["prefix_cache_hit_rate"].set(hit / queried if queried else 0.0)
+        self.figures.update(self.scheduler, self.kv_waste_fraction())
 
     def kv_waste_fraction(self) -> float:
         """Allocated but unfilled positions over allocated positions, across running sequences' block tables."""
