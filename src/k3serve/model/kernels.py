@@ -40,11 +40,13 @@ import logging
 import os
 
 # OpenMP worker threads sleep as soon as a parallel region ends instead of spinning (set before numba starts its
-# OpenMP pool; an explicit setting wins). Measured on the shared 2-core machine with other jobs running: the
+# OpenMP pool; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins, benchmarks/bench_wait_policy.py compares them).
+# Measured on the shared 2-core machine with other jobs running: the
 # widened K3 decoded at 36-47 ms per token passive and 1843 ms active, because spinning workers took the cores
 # from the thread that had work (and from OpenBLAS between the kernels); on an idle machine the difference is a
 # futex wake-up per region, a few microseconds.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
