@@ -48,10 +48,12 @@ def test_greedy_speculation_equals_plain_greedy(tiny_model, embedded_model, whic
     model = tiny_model if which == "tiny" else embedded_model
     prompt = _prompt(model)
     plain, _ = generate(model, prompt, GREEDY)
+    assert plain == model.greedy(prompt, GREEDY.max_tokens)  # the engine's plain decode, against the model's own loop
     spec, factory = _spec(model, drafter, rollback)
     tokens, report = generate(model, prompt, GREEDY, speculative=spec, drafters=factory)
     assert tokens == plain
     stats = report.speculation
+    assert stats.rollback_seconds > 0 and stats.recorded_bytes > 0  # the engine books each window's rollback
     assert stats.windows > 0 and stats.drafted > 0
     if drafter == "resident":  # all experts resident: the draft is the target itself
         assert stats.drafted > 0 and stats.accepted == stats.drafted

@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -59,10 +59,22 @@ def grammar_tokenizer(tokenizer):
         return built
 
 
+class OutputConstraint(Protocol):
+    """What a request's output must satisfy, as the engine takes it (`add_request(grammar=...)`): a fresh
+    `TokenConstraint`-like position per sequence (mask / accept / fork). `ends_on_eos`: an end-of-sequence id
+    always ends the output (a grammar's document is complete), `ignore_eos` or not."""
+
+    ends_on_eos: bool
+
+    def constraint(self): ...
+
+
 @dataclass(frozen=True)
 class Grammar:
     """A grammar in llguidance's serialised form, with the tokenizer it masks for (the model's logits may be wider
     than the tokenizer: ids past it are never allowed)."""
+
+    ends_on_eos = True  # nothing may follow a complete document
 
     text: str
     tokenizer: Any  # llguidance.LLTokenizer

@@ -52,7 +52,7 @@ from k3serve.errors import ConfigError, ContextLengthError, RequestError
 from k3serve.model.interface import MLP, ForwardItem, Model
 
 if TYPE_CHECKING:
-    from k3serve.engine.constraints import Grammar
+    from k3serve.engine.constraints import OutputConstraint
     from k3serve.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -101,16 +101,17 @@ class LLMEngine:
                     request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
                     stop_hook: StopHook | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    speculative: SpeculativeConfig | bool | str | None = None, grammar: Grammar | None = None
+                    speculative: SpeculativeConfig | bool | str | None = None, grammar: OutputConstraint | None = None
                     ) -> str:
         """Queue a request and return its id. Raises `RequestError` (and queues nothing) if it is invalid.
 
         `on_output` is called from the engine thread with every `RequestOutput` of this request (streaming);
         `stop_hook` sees each completion's generated ids after every token and may finish it. `speculative`:
         None = the engine's default, False = off, True = the default or `SpeculativeConfig()`, a drafter name =
-        that default with this drafter, or a config. `grammar` (engine/constraints.py) constrains every
-        completion's tokens; the grammar allows an end-of-sequence id only once its document is complete, so with a
-        grammar that id always ends the completion, `ignore_eos` or not (nothing may follow the document)."""
+        that default with this drafter, or a config. `grammar` (engine/constraints.py `OutputConstraint`: a grammar,
+        or token healing's spelling of the prompt's tail) constrains every completion's tokens; a grammar allows an
+        end-of-sequence id only once its document is complete, so with one (`ends_on_eos`) that id always ends the
+        completion, `ignore_eos` or not (nothing may follow the document)."""
         return self.enqueue(self.make_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
                                                cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output,
                                                speculative=speculative, grammar=grammar))
@@ -120,7 +121,7 @@ class LLMEngine:
                      stop_hook: StopHook | None = None,
                      on_output: Callable[[RequestOutput], None] | None = None,
                      speculative: SpeculativeConfig | bool | str | None = None,
-                     grammar: Grammar | None = None) -> Request:
+                     grammar: OutputConstraint | None = None) -> Request:
         """Validate and build a request without queueing it (`add_request` = this + queueing). Raises
         `RequestError`. The id is checked for duplicates, and assigned if None, when it is queued."""
         prompt = validate_prompt(prompt_token_ids, self.model_config.vocab_size)
@@ -144,7 +145,8 @@ class LLMEngine:
                 raise RequestError(f"{name} must be callable")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        stop_ids = params.stop_set(self.stop_ids) | (frozenset(self.stop_ids) if grammar is not None else frozenset())
+        ends_on_eos = grammar is not None and grammar.ends_on_eos
+        stop_ids = params.stop_set(self.stop_ids) | (frozenset(self.stop_ids) if ends_on_eos else frozenset())
         request = Request(request_id or "", prompt, params, tenant, cache_salt, root_hash(tenant, cache_salt),
                           stop_ids, stop_hook, on_output)
         request.speculative = self._speculative_for(speculative)
@@ -389,7 +391,10 @@ class LLMEngine:
         result = verify(logits, draft, seq.sampler)
         m = num_to_emit(result.tokens, seq.num_output_tokens, seq.num_remaining_tokens, request.stop_ids, request.stop_hook,
                         seq.output_token_ids)
+        spec.stats.recorded_bytes += window.recorded_bytes
+        rollback_started = time.perf_counter()
         window.commit(m)  # the last confirmed token and the first m - 1 emitted ones stay in the state
+        spec.stats.rollback_seconds += time.perf_counter() - rollback_started
         self.scheduler.after_forward(seq, m, pending_tokens=list(result.tokens[:m - 1]))
         seq.suspect = False
         spec.record(k, result.num_accepted, m)

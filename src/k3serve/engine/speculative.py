@@ -10,8 +10,9 @@ position (row i predicts the token after position i). Verification walks the dra
                p_k. Every emitted token then has exactly the target's distribution. A deterministic drafter (n-gram)
                has q = one-hot, so acceptance is p_i(d) and the residual is p_i with d removed.
 The state then keeps the first n = accepted + 1 positions (model/rollback.py). This module holds what a sequence
-speculates with (the config, its drafter, the adaptive length); `verification.py` decides what a window keeps,
-`speculative_generate.py` runs one sequence, `spec_storage.py` reports rollback storage.
+speculates with (`SequenceSpeculation`, its one home on the sequence: the config, its drafter, the adaptive length,
+this step's draft); `verification.py` decides what a window keeps, the engine runs the windows (engine.py, also for
+single-sequence `generate`), `cli/spec_storage.py` reports rollback storage.
 
 The draft length adapts per sequence (`AdaptiveDraftLength`): from the recent acceptance rate a it picks the k
 that maximises expected tokens per window (1 - a^(k+1)) / (1 - a) over the window's relative cost 1 + c k, and

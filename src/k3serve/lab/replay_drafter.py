@@ -28,7 +28,7 @@ class ReplayDrafter(Drafter):
 
 
 class ReplayFactory(DrafterFactory):
-    """Hands out one given drafter (speculative_generate asks its factory for the drafter)."""
+    """Hands out one given drafter (the engine asks its factory for each sequence's drafter)."""
 
     def __init__(self, model, drafter: Drafter) -> None:
         super().__init__(model)
