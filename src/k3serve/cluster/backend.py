@@ -27,6 +27,7 @@ from k3serve.engine.metrics import Counter, Gauge, MetricsRegistry
 from k3serve.engine.request import CompletionOutput, FinishReason, RequestOutput
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ContextLengthError, K3Error, RequestError
+from k3serve.serve.health import FailureWindow
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class ClusterBackend:
         self._capacity: dict[float, tuple[int, int]] = {}
         self.generation = [0] * num_replicas  # incarnations: a failure seen by a request sent to an older one is old news
         self._stopping = threading.Event()
+        self.failures = FailureWindow()  # the replicas' requests that failed for a server-wide cause (a bad store)
         m = self.metrics
         self._m_load = m.family(Gauge, "replica_load", "requests in flight, per replica", ("replica",))
         self._m_healthy = m.family(Gauge, "replica_healthy", "1 while the router sends to the replica", ("replica",))
@@ -93,6 +95,10 @@ class ClusterBackend:
     @property
     def alive(self) -> bool:
         return not self._stopping.is_set() and any(self.router.healthy)
+
+    @property
+    def degraded(self) -> str | None:
+        return self.failures.reason()
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
                cache_salt: str | None, stop: list[str], speculative, grammar=None) -> ClusterStream:
@@ -262,6 +268,7 @@ class ClusterStream:
                     streamed = streamed or any(c.token_ids for c in output.outputs)
                     self.last = output
                     if output.finished:
+                        self.backend.failures.record(output.error)
                         self.finished = True
                         self._release(output)
                     yield output

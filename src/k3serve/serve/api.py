@@ -4,8 +4,10 @@ or replicas on Ray behind a router (k3serve.cluster).
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with the status mapped in one place
 (`serve/errors.py`): bad input 400, unknown model or path 404, wrong method 405, a body over the size cap 413,
-engine failure of one request 500. A bad request never reaches the engine, a failing request never disturbs the
-others, and a client that goes away (streaming or not) cancels its request at the next engine step.
+engine failure of one request 500. /health is 503 when the engine stopped, and 200 with `{"status": "degraded",
+"reason"}` while recent requests fail for a server-wide cause such as a corrupt store (serve/health.py). A bad
+request never reaches the engine, a failing request never disturbs the others, and a client that goes away
+(streaming or not) cancels its request at the next engine step.
 
 Tenancy (serve/tenants.py): with a tenants file, the bearer token must be one of a tenant's keys (else 401), and
 each request is checked against its tenant's caps (400 naming the cap) and quotas (429 with Retry-After and the
@@ -115,6 +117,9 @@ def create_app(engine: LLMEngine | ServingBackend, tokenizer: Tokenizer, model_n
     async def health() -> JSONResponse:
         if not state.backend.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        reason = state.backend.degraded
+        if reason is not None:  # 200: what can be served still is; the reason says what fails (serve/health.py)
+            return JSONResponse({"status": "degraded", "reason": reason})
         return JSONResponse({"status": "ok"})
 
     def model_card() -> dict:

@@ -16,6 +16,7 @@ from k3serve.engine.fairness import TenantShare
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.request import RequestOutput
 from k3serve.engine.sampling import SamplingParams
+from k3serve.serve.health import FailureWindow
 from k3serve.serve.text import stop_hook_for
 from k3serve.tokenizer import Tokenizer
 
@@ -46,6 +47,11 @@ class ServingBackend(Protocol):
     def alive(self) -> bool:
         """False when requests can no longer be served (/health answers 503)."""
 
+    @property
+    def degraded(self) -> str | None:
+        """Why requests are served only in part (/health answers 200 with status "degraded" and this reason), or
+        None when all is well."""
+
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
                cache_salt: str | None, stop: list[str], speculative, grammar=None) -> OutputStream:
         """Queue a request; raises `RequestError` at once if it is invalid. `stop`: stop strings (the backend
@@ -69,16 +75,22 @@ class LocalBackend:
         self.max_context = engine.max_context
         self.speculative = engine.speculative
         self.metrics = engine.metrics
+        self.failures = FailureWindow()
 
     @property
     def alive(self) -> bool:
         return self.runner.alive
 
+    @property
+    def degraded(self) -> str | None:
+        return self.failures.reason()
+
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> RequestStream:
-        return self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
-                                  stop_hook=stop_hook_for(self._tokenizer, stop), speculative=speculative,
-                                  grammar=grammar)
+               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> TrackedStream:
+        stream = self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
+                                    stop_hook=stop_hook_for(self._tokenizer, stop), speculative=speculative,
+                                    grammar=grammar)
+        return TrackedStream(stream, self.failures)
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
         self.engine.set_tenant_shares(shares)
@@ -88,3 +100,31 @@ class LocalBackend:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+
+
+class TrackedStream:
+    """A `RequestStream` whose final output is recorded in a `FailureWindow` as its consumer reads it."""
+
+    def __init__(self, stream: RequestStream, failures: FailureWindow) -> None:
+        self.stream, self._failures = stream, failures
+        self.request_id = stream.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.stream.finished
+
+    @property
+    def last(self) -> RequestOutput | None:
+        return self.stream.last
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        async for output in self.stream:
+            if output.finished:
+                self._failures.record(output.error)
+            yield output
+
+    def abort(self) -> None:
+        self.stream.abort()
