@@ -201,3 +201,81 @@ def test_structured_output_is_served_by_the_replicas(front):
         parsed = json.loads(answer.choices[0].message.content)
         assert list(parsed) == ["a"] and isinstance(parsed["a"], int)
     assert sum(backend.router.load) == 0
+
+
+def _own_backend(max_restarts: int):
+    """Two replicas of half a CPU each (beside the session's front) behind least-load, restarted `max_restarts`
+    times."""
+    from k3serve.cluster.backend import ClusterBackend
+    from k3serve.cluster.router import RouterConfig
+    from k3serve.cluster.spec import ReplicaSpec
+
+    return ClusterBackend(ReplicaSpec(model=None, stream=None, engine=ENGINE, speculative=None), 2,
+                          RouterConfig(policy="least-load"), max_restarts=max_restarts, cpus_per_replica=0.5)
+
+
+def test_a_whole_request_on_a_dying_replica_starts_over_on_another(local_ray, reference):
+    ray = local_ray
+    long = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+    prompt = list(range(20, 60))
+    backend = _own_backend(max_restarts=0)
+
+    async def scenario():
+        stream = backend.submit(prompt, long, tenant="t", cache_salt=None, stop=[], speculative=None,
+                                streamed=False)
+        iterator = stream.__aiter__()
+        first = await iterator.__anext__()
+        assert first.outputs[0].token_ids and not first.finished  # the replica has generated tokens, not all
+        victim = stream.route.replica
+        ray.kill(backend.actors[victim], no_restart=False)
+        final = first
+        async for output in iterator:
+            final = output
+        return stream, victim, final
+
+    try:
+        stream, victim, final = asyncio.run(asyncio.wait_for(scenario(), 180))
+        retries = backend.metrics.snapshot()["router_retries_total"]
+    finally:
+        backend.shutdown()
+    assert final.error is None, final.error  # not "died after streaming tokens": the client had received nothing
+    assert stream.route.replica != victim and retries == 1
+    assert final.outputs[0].token_ids == reference(prompt, long)  # started over: no token of the dead replica kept
+
+
+def test_a_replica_dead_after_its_last_restart_is_gone_and_health_says_degraded(local_ray, caplog):
+    import logging
+
+    from k3serve.cli.cluster import front_tokenizer
+    from k3serve.serve.api import create_app
+    from k3serve.serve.threaded import serve_in_thread
+
+    caplog.set_level(logging.WARNING, logger="k3serve.cluster.backend")
+    backend = _own_backend(max_restarts=0)
+    submitted = []
+    submit = backend.submit
+
+    def recording_submit(*args, **kwargs):
+        submitted.append(kwargs["streamed"])
+        return submit(*args, **kwargs)
+
+    backend.submit = recording_submit
+    with serve_in_thread(create_app(backend, front_tokenizer(None), MODEL)) as url:
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        local_ray.kill(backend.actors[0], no_restart=False)  # idle: only the monitor can see it die
+        deadline = time.time() + 60
+        while (health := httpx.get(url + "/health")).json()["status"] == "ok":
+            assert time.time() < deadline, "/health stayed ok with a replica gone for good"
+            time.sleep(0.2)
+        answer = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+                            timeout=120)
+        assert answer.status_code == 200, answer.text  # the other replica serves
+    assert health.status_code == 200
+    body = health.json()
+    assert body["status"] == "degraded"
+    assert "replica 0 died after its last restart" in body["reason"] and "gone for good" in body["reason"]
+    assert "1 of 2 replicas serve" in body["reason"]
+    assert backend.gone == [True, False] and submitted == [False]  # the API says a whole response is not streamed
+    messages = [r.getMessage() for r in caplog.records if r.name == "k3serve.cluster.backend"]
+    assert any("replica 0 died" in m and "gone for good" in m for m in messages), messages
+    assert not any("until Ray restarts it" in m for m in messages), messages

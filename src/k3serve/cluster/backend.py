@@ -1,11 +1,15 @@
 """`ClusterBackend`: N engine replicas (Ray actors) behind a router, as one `ServingBackend` for the HTTP API.
 
 Faults. A replica that dies (its actor killed, its process gone) fails the calls in flight with a Ray actor error.
-A request that has streamed no token yet is sent again to another healthy replica; one that has streamed tokens
-ends with an error output naming the replica (the client's text cannot be continued elsewhere without repeating
-it). The router stops choosing the replica at once; Ray restarts it (`max_restarts`), and a monitor thread puts it
-back once it answers again, with its entries in the radix tree forgotten (its cache restarted empty). No request
-waits on a dead replica, and /health stays healthy while any replica is.
+A request whose client has received no token yet is sent again, from the start, to another healthy replica: one
+that had streamed nothing, and every non-streamed request (its client gets one whole response at the end, so
+nothing it saw needs continuing). A streamed request whose client has received tokens ends with an error output
+naming the replica (its text cannot be continued elsewhere without repeating it). The router stops choosing the
+replica at once; Ray restarts it (`max_restarts`), and a monitor thread puts it back once it answers again, with its
+entries in the radix tree forgotten (its cache restarted empty). The monitor also probes the healthy replicas, so
+a replica that dies or restarts while idle is seen too. A replica that dies after its last restart is gone for
+good: the log says so, and /health reports the fleet degraded (200, `{"status": "degraded", "reason"}`) while any
+replica is down, and 503 once none is left. No request waits on a dead replica.
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ class ClusterBackend:
     """Starts `num_replicas` replicas of `spec` (Ray must be initialised) and routes requests to them."""
 
     def __init__(self, spec: ReplicaSpec, num_replicas: int, router: RouterConfig, max_restarts: int = 3,
-                 max_attempts: int | None = None) -> None:
+                 max_attempts: int | None = None, cpus_per_replica: float = 1.0) -> None:
         self.spec = spec
+        self.max_restarts = max_restarts
         self.speculative = spec.speculative
         self.metrics = MetricsRegistry()
         self.max_attempts = max_attempts if max_attempts is not None else num_replicas
-        options = dict(num_cpus=1, max_restarts=max_restarts, max_task_retries=0,
+        options = dict(num_cpus=cpus_per_replica, max_restarts=max_restarts, max_task_retries=0,
                        runtime_env={"env_vars": SINGLE_THREAD_ENV})
         self.actors = [EngineReplica.options(**options).remote(spec, i) for i in range(num_replicas)]
         try:
@@ -66,6 +71,10 @@ class ClusterBackend:
                              RouterConfig(**{**router.__dict__, "block_size": first.block_size}), num_replicas)
         self._capacity: dict[float, tuple[int, int]] = {}
         self.generation = [0] * num_replicas  # incarnations: a failure seen by a request sent to an older one is old news
+        self.pids = [info.pid for info in self.infos]  # each replica's current process: a new pid is a restart
+        self.restarts = [0] * num_replicas  # restarts seen; a death after max_restarts of them is final
+        self.gone = [False] * num_replicas  # died after its last restart: never probed or routed to again
+        self._lock = threading.Lock()  # the fields above: the event loop (failures) and the monitor both write them
         self._stopping = threading.Event()
         self.failures = FailureWindow()  # the replicas' requests that failed for a server-wide cause (a bad store)
         m = self.metrics
@@ -98,14 +107,30 @@ class ClusterBackend:
 
     @property
     def degraded(self) -> str | None:
-        return self.failures.reason()
+        reasons = []
+        with self._lock:
+            gone = [r for r, g in enumerate(self.gone) if g]
+            down = [r for r, healthy in enumerate(self.router.healthy) if not healthy and not self.gone[r]]
+        serving = sum(self.router.healthy)
+        if gone:
+            reasons.append(f"replica {', '.join(map(str, gone))} died after its last restart (--max-restarts "
+                           f"{self.max_restarts}) and is gone for good")
+        if down:
+            reasons.append(f"replica {', '.join(map(str, down))} is down until Ray restarts it")
+        if reasons:
+            reasons[-1] += f": {serving} of {len(self.actors)} replicas serve"
+        failures = self.failures.reason()
+        if failures is not None:
+            reasons.append(failures)
+        return "; ".join(reasons) if reasons else None
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> ClusterStream:
+               cache_salt: str | None, stop: list[str], speculative, grammar=None,
+               streamed: bool = True) -> ClusterStream:
         prompt = self._validate(prompt_token_ids, params)
         # a compiled grammar holds a native tokenizer: its text travels, and the replica binds it to its own
         stream = ClusterStream(self, prompt, params, tenant, cache_salt, stop, speculative,
-                               None if grammar is None else grammar.text)
+                               None if grammar is None else grammar.text, streamed=streamed)
         stream.start(frozenset())
         return stream
 
@@ -172,13 +197,21 @@ class ClusterBackend:
             self._m_cluster_hit_rate.set(self._m_prefix_hit.value / total if total else 0.0)
 
     def _failed(self, replica: int, generation: int, exc: BaseException) -> None:
-        if generation != self.generation[replica]:
-            return  # this request was sent before the last restart: the death is counted already
-        if self.router.healthy[replica]:
-            logger.warning("replica %d died (%s); routing around it until Ray restarts it", replica,
-                           type(exc).__name__)
-            self._m_failures.labels(str(replica)).inc()
-        self.router.mark_down(replica)
+        with self._lock:
+            if generation != self.generation[replica] or self.gone[replica]:
+                return  # sent before the last restart, or the final death is known: counted already
+            if self.router.healthy[replica]:
+                self._m_failures.labels(str(replica)).inc()
+                if self.restarts[replica] >= self.max_restarts:
+                    self.gone[replica] = True
+                    serving = sum(self.router.healthy) - 1
+                    logger.error("replica %d died (%s) after its last restart (%d of --max-restarts %d): it is gone "
+                                 "for good; %d of %d replicas serve", replica, type(exc).__name__,
+                                 self.restarts[replica], self.max_restarts, serving, len(self.actors))
+                else:
+                    logger.warning("replica %d died (%s); routing around it until Ray restarts it (restart %d of "
+                                   "%d)", replica, type(exc).__name__, self.restarts[replica] + 1, self.max_restarts)
+            self.router.mark_down(replica)
         self._publish(replica)
 
     def _publish(self, replica: int) -> None:
@@ -203,30 +236,59 @@ class ClusterBackend:
                                     ("replica",)).labels(str(replica)).set(value)
 
     def _watch(self) -> None:
-        """Put restarted replicas back: a replica marked down is probed until Ray has restarted it."""
+        """Probe every replica not gone for good, each interval: a healthy one that fails is marked down (it died
+        while idle), one whose pid changed was restarted by Ray, and one marked down that answers is put back."""
         while not self._stopping.wait(MONITOR_INTERVAL_SECONDS):
-            for replica, actor in enumerate(self.actors):
+            self._probe()
+
+    def _probe(self) -> None:
+        probes = {r: self.actors[r].info.remote() for r in range(len(self.actors)) if not self.gone[r]}
+        for replica, ref in probes.items():
+            try:
+                info = ray.get(ref, timeout=MONITOR_INTERVAL_SECONDS * 4)
+            except GetTimeoutError:
+                continue  # busy, or still restarting
+            except REPLICA_ERRORS as exc:
                 if self.router.healthy[replica]:
-                    continue
-                try:
-                    info = ray.get(actor.info.remote(), timeout=MONITOR_INTERVAL_SECONDS * 4)
-                except (GetTimeoutError, *REPLICA_ERRORS):
-                    continue  # still restarting (or out of restarts: it stays out)
-                logger.warning("replica %d is back (pid %d)", replica, info.pid)
-                self.generation[replica] += 1
-                self.router.mark_up(replica, restarted=True)
+                    self._failed(replica, self.generation[replica], exc)
+                continue  # still restarting (or out of restarts: it stays out)
+            if info.pid != self.pids[replica]:
+                self._restarted(replica, info)
+            elif not self.router.healthy[replica]:  # unreachable for a while, same process: its cache is intact
+                logger.warning("replica %d answers again (pid %d)", replica, info.pid)
+                with self._lock:
+                    self.generation[replica] += 1
+                    self.router.mark_up(replica, restarted=False)
                 self._publish(replica)
+
+    def _restarted(self, replica: int, info: ReplicaInfo) -> None:
+        """Ray restarted the replica (a new process): put it back with an empty cache."""
+        with self._lock:
+            if not self.router.healthy[replica]:
+                logger.warning("replica %d is back (pid %d, restart %d of %d)", replica, info.pid,
+                               self.restarts[replica] + 1, self.max_restarts)
+            else:  # it died and came back between two probes, unseen by any request
+                self._m_failures.labels(str(replica)).inc()
+                logger.warning("replica %d was restarted by Ray (pid %d, restart %d of %d)", replica, info.pid,
+                               self.restarts[replica] + 1, self.max_restarts)
+            self.restarts[replica] += 1
+            self.pids[replica] = info.pid
+            self.generation[replica] += 1
+            self.router.mark_up(replica, restarted=True)
+        self._publish(replica)
 
 
 class ClusterStream:
     """One request's outputs from its replica, sent again elsewhere if the replica dies before any token."""
 
     def __init__(self, backend: ClusterBackend, prompt: list[int], params: SamplingParams, tenant: str,
-                 cache_salt: str | None, stop: list[str], speculative, grammar_text: str | None = None) -> None:
+                 cache_salt: str | None, stop: list[str], speculative, grammar_text: str | None = None,
+                 streamed: bool = True) -> None:
         self.request_id = uuid.uuid4().hex
         self.backend = backend
         self.prompt, self.params, self.tenant, self.cache_salt = prompt, params, tenant, cache_salt
         self.stop, self.speculative, self.grammar_text = stop, speculative, grammar_text
+        self.client_streams = streamed  # False: the client gets one whole response, so a retry can start over
         self.finished = False
         self.last: RequestOutput | None = None
         self.route: Route | None = None
@@ -283,7 +345,7 @@ class ClusterStream:
                 if self._aborted:
                     yield self._end("aborted")
                     return
-                if streamed:
+                if streamed and self.client_streams:
                     self.backend._m_lost.inc()
                     yield self._end(f"replica {replica} died after streaming tokens; the request cannot continue "
                                     "elsewhere without repeating them")
@@ -293,7 +355,10 @@ class ClusterStream:
                     yield self._end(f"replica {replica} died and no other replica could take the request")
                     return
                 self.backend._m_retries.inc()
-                logger.info("request %s sent again to replica %d", self.request_id, self.route.replica)
+                if streamed:  # its client has received nothing: what the dead replica generated is dropped
+                    self.last = None
+                logger.info("request %s sent again, from the start, to replica %d", self.request_id,
+                            self.route.replica)
             finally:
                 if self._aborted or self.finished:
                     self._release(self.last if self.finished else None)

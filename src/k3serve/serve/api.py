@@ -365,7 +365,8 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
             streams.append(state.backend.submit(prompt.ids, params, tenant=tenant,
                                                 cache_salt=_cache_salt(request.state.cache_scope, body.cache_salt),
                                                 stop=body.stop,
-                                                speculative=body.speculative, grammar=grammar))
+                                                speculative=body.speculative, grammar=grammar,
+                                                streamed=bool(body.stream)))
         except RequestError as exc:
             for stream in streams:
                 stream.abort()

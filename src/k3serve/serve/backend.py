@@ -53,9 +53,12 @@ class ServingBackend(Protocol):
         None when all is well."""
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> OutputStream:
+               cache_salt: str | None, stop: list[str], speculative, grammar=None,
+               streamed: bool = True) -> OutputStream:
         """Queue a request; raises `RequestError` at once if it is invalid. `stop`: stop strings (the backend
-        checks them with its own tokenizer); `grammar`: an engine/constraints.Grammar every completion follows."""
+        checks them with its own tokenizer); `grammar`: an engine/constraints.Grammar every completion follows;
+        `streamed`: whether the client sees outputs as they come (False: one whole response at the end, so a
+        backend may start the request over elsewhere when its engine fails midway)."""
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None: ...
 
@@ -86,7 +89,8 @@ class LocalBackend:
         return self.failures.reason()
 
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative, grammar=None) -> TrackedStream:
+               cache_salt: str | None, stop: list[str], speculative, grammar=None,
+               streamed: bool = True) -> TrackedStream:
         stream = self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
                                     stop_hook=stop_hook_for(self._tokenizer, stop), speculative=speculative,
                                     grammar=grammar)
