@@ -279,3 +279,28 @@ def test_a_replica_dead_after_its_last_restart_is_gone_and_health_says_degraded(
     messages = [r.getMessage() for r in caplog.records if r.name == "k3serve.cluster.backend"]
     assert any("replica 0 died" in m and "gone for good" in m for m in messages), messages
     assert not any("until Ray restarts it" in m for m in messages), messages
+
+
+def _wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.2)
+
+
+def test_a_restarted_replica_comes_back_with_the_current_tenant_shares(local_ray):
+    from k3serve.engine.fairness import TenantShare
+
+    ray = local_ray
+    shares = {"alice": TenantShare(weight=3.0, priority=1, kv_share=0.5), "bob": TenantShare(kv_share=0.25)}
+    backend = _own_backend(max_restarts=1)
+    try:
+        backend.set_tenant_shares(shares)
+        assert ray.get([a.tenant_shares.remote() for a in backend.actors]) == [shares, shares]
+        ray.kill(backend.actors[1], no_restart=False)  # idle: the monitor sees the new process
+        _wait_until(lambda: backend.restarts[1] == 1 and backend.router.healthy[1], 120,
+                    "the killed replica did not come back")
+        assert ray.get(backend.actors[1].tenant_shares.remote()) == shares  # before it serves any request
+        assert ray.get(backend.actors[0].tenant_shares.remote()) == shares
+    finally:
+        backend.shutdown()

@@ -75,6 +75,8 @@ class ClusterBackend:
         self.restarts = [0] * num_replicas  # restarts seen; a death after max_restarts of them is final
         self.gone = [False] * num_replicas  # died after its last restart: never probed or routed to again
         self._lock = threading.Lock()  # the fields above: the event loop (failures) and the monitor both write them
+        self.shares: dict[str, TenantShare] = {}  # the tenants' current shares: a restarted replica gets them first
+        self._shares_lock = threading.Lock()  # a reload and a restarted replica's return, one at a time
         self._stopping = threading.Event()
         self.failures = FailureWindow()  # the replicas' requests that failed for a server-wide cause (a bad store)
         m = self.metrics
@@ -135,7 +137,9 @@ class ClusterBackend:
         return stream
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
-        ray.get([a.set_tenant_shares.remote(shares) for a in self.actors])
+        with self._shares_lock:
+            ray.get([a.set_tenant_shares.remote(shares) for a in self.actors])
+            self.shares = dict(shares)
 
     def share_capacity(self, kv_share: float) -> tuple[int, int]:
         if kv_share not in self._capacity:  # every replica has the same engine configuration
@@ -262,7 +266,23 @@ class ClusterBackend:
                 self._publish(replica)
 
     def _restarted(self, replica: int, info: ReplicaInfo) -> None:
-        """Ray restarted the replica (a new process): put it back with an empty cache."""
+        """Ray restarted the replica (a new process, which started with no tenant shares): send it the current
+        shares, then put it back, its cache empty. If it fails meanwhile it stays out, and the next probe tries
+        again."""
+        with self._shares_lock:  # no reload between the shares sent and the replica put back
+            try:
+                ray.get(self.actors[replica].set_tenant_shares.remote(self.shares),
+                        timeout=MONITOR_INTERVAL_SECONDS * 4)
+            except (GetTimeoutError, *REPLICA_ERRORS) as exc:
+                logger.warning("replica %d restarted but did not take the tenant shares (%s); it stays out for now",
+                               replica, type(exc).__name__)
+                with self._lock:
+                    self.router.mark_down(replica)
+                self._publish(replica)
+                return
+            self._put_back(replica, info)
+
+    def _put_back(self, replica: int, info: ReplicaInfo) -> None:
         with self._lock:
             if not self.router.healthy[replica]:
                 logger.warning("replica %d is back (pid %d, restart %d of %d)", replica, info.pid,

@@ -45,6 +45,7 @@ class EngineReplica:
                                 drafters=drafters)
         self.runner = EngineRunner(self.engine)
         self.tokenizer = loaded.tokenizer
+        self.shares: dict[str, TenantShare] = {}
         self.info_ = ReplicaInfo(index=index, pid=os.getpid(), model_name=loaded.name,
                                  vocab_size=loaded.model.config.vocab_size, max_context=self.engine.max_context,
                                  max_seqs=spec.engine.max_seqs, block_size=spec.engine.block_size)
@@ -55,6 +56,12 @@ class EngineReplica:
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
         self.engine.set_tenant_shares(shares)
+        self.shares = dict(shares)
+
+    def tenant_shares(self) -> dict[str, TenantShare]:
+        """The shares last given to this process's engine ({} in a process Ray has just restarted, until the front
+        sends them again)."""
+        return self.shares
 
     def share_capacity(self, kv_share: float) -> tuple[int, int]:
         return self.engine.share_capacity(kv_share)
