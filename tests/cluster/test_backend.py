@@ -203,15 +203,16 @@ def test_structured_output_is_served_by_the_replicas(front):
     assert sum(backend.router.load) == 0
 
 
-def _own_backend(max_restarts: int):
-    """Two replicas of half a CPU each (beside the session's front) behind least-load, restarted `max_restarts`
-    times."""
+def _own_backend(max_restarts: int, num_replicas: int = 2, cpus_per_replica: float = 0.5):
+    """Replicas of a fraction of a CPU each (beside the session's front, in one CPU) behind least-load, restarted
+    `max_restarts` times."""
     from k3serve.cluster.backend import ClusterBackend
     from k3serve.cluster.router import RouterConfig
     from k3serve.cluster.spec import ReplicaSpec
 
-    return ClusterBackend(ReplicaSpec(model=None, stream=None, engine=ENGINE, speculative=None), 2,
-                          RouterConfig(policy="least-load"), max_restarts=max_restarts, cpus_per_replica=0.5)
+    return ClusterBackend(ReplicaSpec(model=None, stream=None, engine=ENGINE, speculative=None), num_replicas,
+                          RouterConfig(policy="least-load"), max_restarts=max_restarts,
+                          cpus_per_replica=cpus_per_replica)
 
 
 def test_a_whole_request_on_a_dying_replica_starts_over_on_another(local_ray, reference):
@@ -304,3 +305,61 @@ def test_a_restarted_replica_comes_back_with_the_current_tenant_shares(local_ray
         assert ray.get(backend.actors[0].tenant_shares.remote()) == shares
     finally:
         backend.shutdown()
+
+
+def test_a_reload_while_replicas_die_and_restart_applies_everywhere_and_says_reloaded(local_ray, tmp_path, caplog):
+    """The reload SIGHUP runs (`TenantRegistry.reload`), while one replica is dead for good and one restarts."""
+    import logging
+
+    from k3serve.engine.fairness import TenantShare
+    from k3serve.serve.tenants import TenantRegistry
+
+    ray = local_ray
+    caplog.set_level(logging.INFO)
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants.alice]\nkeys = ["sha256:' + "a" * 64 + '"]\nweight = 1.0\n')
+    backend = _own_backend(max_restarts=1, num_replicas=3, cpus_per_replica=0.3)
+    try:
+        registry = TenantRegistry.from_file(path, on_reload=lambda config: backend.set_tenant_shares(config.shares()))
+        backend.set_tenant_shares(registry.shares())
+        path.write_text('[tenants.alice]\nkeys = ["sha256:' + "a" * 64 + '"]\nweight = 5.0\npriority = 2\n')
+        new = {"alice": TenantShare(weight=5.0, priority=2)}
+        ray.kill(backend.actors[0], no_restart=True)  # gone for good
+        ray.kill(backend.actors[1], no_restart=False)  # Ray restarts it
+        assert registry.reload() is True
+        assert registry.shares() == new
+        assert ray.get(backend.actors[2].tenant_shares.remote()) == new  # the serving replica took them at once
+        _wait_until(lambda: backend.restarts[1] == 1 and backend.router.healthy[1], 120,
+                    "the restarting replica did not come back")
+        assert ray.get(backend.actors[1].tenant_shares.remote()) == new  # the restarted one before it served
+    finally:
+        backend.shutdown()
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("k3serve")]
+    assert any(m.startswith("tenants reloaded from") for m in messages), messages
+    assert not any("refused" in m for m in messages), messages
+    assert not any(r.exc_info for r in caplog.records if r.name.startswith("k3serve"))
+
+
+def test_shares_a_replica_refuses_are_undone_everywhere_and_the_reload_says_why(local_ray, tmp_path, caplog):
+    import logging
+
+    from k3serve.serve.tenants import TenantRegistry
+
+    caplog.set_level(logging.INFO)
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants.alice]\nkeys = ["sha256:' + "a" * 64 + '"]\nweight = 2.0\n')
+    backend = _own_backend(max_restarts=0)
+    try:
+        registry = TenantRegistry.from_file(path, on_reload=lambda config: backend.set_tenant_shares(
+            {**config.shares(), "mallory": "not a share"}))  # every replica's engine refuses this
+        old = registry.shares()
+        backend.set_tenant_shares(old)
+        path.write_text('[tenants.alice]\nkeys = ["sha256:' + "a" * 64 + '"]\nweight = 7.0\n')
+        assert registry.reload() is False
+        assert registry.shares() == old and backend.shares == old
+        assert local_ray.get([a.tenant_shares.remote() for a in backend.actors]) == [old, old]
+    finally:
+        backend.shutdown()
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("k3serve")]
+    assert any("tenants reload refused" in m and "refused the tenant shares" in m for m in messages), messages
+    assert not any(m.startswith("tenants reloaded") for m in messages), messages

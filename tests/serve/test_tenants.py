@@ -181,6 +181,27 @@ def test_sighup_reloads_and_a_bad_file_keeps_the_old_config(tmp_path):
         signal.signal(signal.SIGHUP, previous)
 
 
+def test_a_reload_the_engines_refuse_keeps_the_old_config_and_logs_why(tmp_path, caplog):
+    import logging
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(GOOD)
+
+    def refuse(config) -> None:
+        raise RuntimeError("replica 1 is restarting")
+
+    registry = TenantRegistry.from_file(path, on_reload=refuse)
+    caplog.set_level(logging.INFO, logger="k3serve.serve.tenants")
+    path.write_text(_file(carol={"keys": [CAROL]}))
+    assert registry.reload() is False  # nothing raised out of the reload (SIGHUP's thread printed a traceback)
+    assert registry.authenticate(f"Bearer {ALICE}") == "alice"  # the old configuration, whole
+    with pytest.raises(Exception, match="incorrect API key"):
+        registry.authenticate(f"Bearer {CAROL}")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("tenants reload refused" in m and "replica 1 is restarting" in m for m in messages), messages
+    assert not any("tenants reloaded" in m for m in messages)
+
+
 def _wait(condition, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while not condition():

@@ -43,6 +43,7 @@ REPLICA_ENGINE_METRICS = frozenset((  # shown per replica at the front, beside a
     "prefix_cache_checkpoints", "prefix_cache_protected_checkpoints", "prefix_cache_hit_rate", "preemptions",
     "generation_tokens", "computed_tokens", "steps", "forward_failures"))
 START_TIMEOUT_SECONDS = 600.0
+SHARES_TIMEOUT_SECONDS = 10.0  # a serving replica answers at once; one that does not is treated as down
 
 
 class ClusterBackend:
@@ -137,8 +138,38 @@ class ClusterBackend:
         return stream
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
+        """All or nothing across the replicas. Every serving replica takes the shares, and every other one (down,
+        restarting, or failing now) is out of the router until it has taken them (`_rejoin`). A replica that refuses
+        them (its engine raises) undoes the change everywhere and this raises `K3Error` naming it."""
         with self._shares_lock:
-            ray.get([a.set_tenant_shares.remote(shares) for a in self.actors])
+            previous = self.shares
+            live = [r for r in range(len(self.actors)) if self.router.healthy[r]]
+            calls = {r: (self.generation[r], self.actors[r].set_tenant_shares.remote(shares)) for r in live}
+            taken, refused = [], None
+            for replica, (generation, ref) in calls.items():
+                try:
+                    ray.get(ref, timeout=SHARES_TIMEOUT_SECONDS)
+                    taken.append(replica)
+                except REPLICA_ERRORS as exc:  # dying: it takes them before it serves again
+                    self._failed(replica, generation, exc)
+                except GetTimeoutError:  # alive but not answering: out until it has taken them
+                    logger.warning("replica %d did not take the tenant shares within %g s; the router leaves it out "
+                                   "until it has", replica, SHARES_TIMEOUT_SECONDS)
+                    with self._lock:
+                        self.router.mark_down(replica)
+                    self._publish(replica)
+                except Exception as exc:  # noqa: BLE001 - the replica's engine refused them: undo below
+                    refused = refused or (replica, exc)
+            if refused is not None:
+                for replica in taken:
+                    try:
+                        ray.get(self.actors[replica].set_tenant_shares.remote(previous),
+                                timeout=SHARES_TIMEOUT_SECONDS)
+                    except Exception as exc:  # noqa: BLE001 - out until it takes the current shares again
+                        self._failed(replica, self.generation[replica], exc)
+                replica, exc = refused
+                raise K3Error(f"replica {replica} refused the tenant shares ({type(exc).__name__}: {exc}); "
+                              "no replica uses them")
             self.shares = dict(shares)
 
     def share_capacity(self, kv_share: float) -> tuple[int, int]:
@@ -256,31 +287,32 @@ class ClusterBackend:
                 if self.router.healthy[replica]:
                     self._failed(replica, self.generation[replica], exc)
                 continue  # still restarting (or out of restarts: it stays out)
-            if info.pid != self.pids[replica]:
-                self._restarted(replica, info)
-            elif not self.router.healthy[replica]:  # unreachable for a while, same process: its cache is intact
-                logger.warning("replica %d answers again (pid %d)", replica, info.pid)
-                with self._lock:
-                    self.generation[replica] += 1
-                    self.router.mark_up(replica, restarted=False)
-                self._publish(replica)
+            if info.pid != self.pids[replica] or not self.router.healthy[replica]:
+                self._rejoin(replica, info)
 
-    def _restarted(self, replica: int, info: ReplicaInfo) -> None:
-        """Ray restarted the replica (a new process, which started with no tenant shares): send it the current
-        shares, then put it back, its cache empty. If it fails meanwhile it stays out, and the next probe tries
-        again."""
+    def _rejoin(self, replica: int, info: ReplicaInfo) -> None:
+        """The replica answers with a new process (Ray restarted it, with no tenant shares), or again after it was
+        marked down: send it the current shares, then put it back (a new process's cache empty). If it fails
+        meanwhile it stays out, and the next probe tries again."""
         with self._shares_lock:  # no reload between the shares sent and the replica put back
             try:
                 ray.get(self.actors[replica].set_tenant_shares.remote(self.shares),
                         timeout=MONITOR_INTERVAL_SECONDS * 4)
             except (GetTimeoutError, *REPLICA_ERRORS) as exc:
-                logger.warning("replica %d restarted but did not take the tenant shares (%s); it stays out for now",
+                logger.warning("replica %d answers but did not take the tenant shares (%s); it stays out for now",
                                replica, type(exc).__name__)
                 with self._lock:
                     self.router.mark_down(replica)
                 self._publish(replica)
                 return
-            self._put_back(replica, info)
+            if info.pid != self.pids[replica]:
+                self._put_back(replica, info)
+                return
+            logger.warning("replica %d answers again (pid %d)", replica, info.pid)
+            with self._lock:  # the same process: its cache is intact
+                self.generation[replica] += 1
+                self.router.mark_up(replica, restarted=False)
+            self._publish(replica)
 
     def _put_back(self, replica: int, info: ReplicaInfo) -> None:
         with self._lock:

@@ -280,8 +280,10 @@ class TenantRegistry:
         return self.config.shares() if self.config is not None else {}
 
     def reload(self) -> bool:
-        """Read the file again. On success the new tenants apply to new requests (in-flight ones carry on); on
-        error it is logged and the old configuration stays. Returns whether the new file was taken."""
+        """Read the file again. All or nothing: the new tenants take effect (for new requests; in-flight ones
+        carry on) only once `on_reload` has applied their shares to the engines; a bad file, or shares an engine
+        refuses, are logged with the reason and the old configuration stays. Either way the log says which:
+        "tenants reloaded" or "tenants reload refused". Returns whether the new file was taken."""
         if self.path is None:
             return False
         try:
@@ -289,10 +291,15 @@ class TenantRegistry:
         except TenantsError as exc:
             logger.error("tenants reload refused, keeping the previous configuration: %s", exc)
             return False
+        if self.on_reload is not None:
+            try:
+                self.on_reload(config)
+            except Exception as exc:  # noqa: BLE001 - whatever the engines said, the reload must end in one line
+                logger.error("tenants reload refused, keeping the previous configuration: the engines did not take "
+                             "the new shares (%s: %s)", type(exc).__name__, exc)
+                return False
         with self._lock:
             self.config, self._by_hash = config, config.by_key_hash
-        if self.on_reload is not None:
-            self.on_reload(config)
         logger.warning("tenants reloaded from %s: %d tenant(s)", self.path, len(config.tenants))
         return True
 
