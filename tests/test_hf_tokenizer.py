@@ -273,7 +273,10 @@ def test_stream_decoder_never_emits_replacement_on_valid_utf8(qwen_loaded):
         decoder = ours.stream_decoder()
         chunks = [decoder.add(token_id) for token_id in ids] + [decoder.flush()]
         assert "\ufffd" not in "".join(chunks), text[:80]
-        assert "".join(chunks) == text
+        # special tokens are control, never printed as text (tests/weights/test_gguf_kimi_tokenizer.py)
+        assert "".join(chunks) == ours.decode([t for t in ids if not ours.is_special(t)])
+        if not any(ours.is_special(t) for t in ids):
+            assert "".join(chunks) == text
     assert any(len(ours.id_to_bytes(i)) == 1 and ours.id_to_bytes(i)[0] >= 0x80 for i in ours.encode("日"))
 
 

@@ -138,9 +138,11 @@ def merge_piece_heap(piece: bytes, ranks: Mapping[bytes, int]) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------
 
 class StreamDecoder:
-    """Turns ids, one at a time, into text, holding back bytes of an unfinished UTF-8 character.
+    """Turns generated ids, one at a time, into the text to show, holding back bytes of an unfinished UTF-8
+    character. Special tokens (`[BOS]`, `[EOS]`, chat markers) are control, not text: they add nothing.
 
-    The concatenation of every `add` result and the final `flush` equals `tokenizer.decode(all_ids)`.
+    The concatenation of every `add` result and the final `flush` equals `tokenizer.decode` of the ids without the
+    special ones.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -148,8 +150,11 @@ class StreamDecoder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_id: int) -> str:
-        """Feed one id; return the text completed by it (possibly empty)."""
-        return self._decoder.decode(self._tokenizer.id_to_bytes(token_id), final=False)
+        """Feed one id; return the text completed by it (possibly empty; always empty for a special token)."""
+        data = self._tokenizer.id_to_bytes(token_id)  # an unknown id is a TokenizerError, special or not
+        if self._tokenizer.is_special(token_id):
+            return ""
+        return self._decoder.decode(data, final=False)
 
     def add_many(self, ids: Iterable[int]) -> str:
         """Feed several ids; return the text they complete."""

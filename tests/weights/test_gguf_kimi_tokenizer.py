@@ -177,3 +177,32 @@ def test_pack_of_a_k3_gguf_refuses_what_it_cannot_do(k3_gguf, tmp_path, capsys):
     assert "is a GGUF file: --shard" in capsys.readouterr().err
     assert main(["pack", str(k3_gguf), str(tmp_path / "s"), "--expert-precision", "int8"]) != 0
     assert "K3 experts ship as MXFP4" in capsys.readouterr().err
+
+
+def test_the_stream_decoder_of_a_k3_gguf_prints_no_special_token(reference, k3_gguf):
+    ours = tokenizer_from_gguf(GGUFFile(k3_gguf).metadata, "k3.gguf")
+    specials = sorted(ours.special_tokens.values())
+    ids = ours.encode("before") + specials + ours.encode(" after ünï")
+    decoder = ours.stream_decoder()
+    text = "".join(decoder.add(t) for t in ids) + decoder.flush()
+    assert text == "before after ünï"
+    assert text == ours.decode([t for t in ids if not ours.is_special(t)])
+
+
+def test_generate_on_a_k3_gguf_never_prints_special_tokens(reference, k3_gguf, capsys):
+    """With --ignore-eos the model goes on after [EOS] with [BOS] (a new document), as the real K3 does: the ids
+    hold them, the printed text does not."""
+    from k3serve.cli.main import main
+
+    run = ["generate", "--model", str(k3_gguf), "--temperature", "1", "--seed", "1", "--ignore-eos",
+           "--max-tokens", "160", "--no-token-healing"]
+    prompt = "hello"
+    assert main(run + ["--prompt-ids", ",".join(map(str, reference.encode(prompt)))]) == 0
+    ids = [int(t) for t in capsys.readouterr().out.strip().split(",")]
+    bos, eos = reference.special_tokens["[BOS]"], reference.special_tokens["[EOS]"]
+    assert bos in ids and eos in ids  # the run goes past an end of document
+    assert main(run + ["--prompt", prompt]) == 0
+    printed = capsys.readouterr().out
+    for special in reference.special_tokens:
+        assert special not in printed, special
+    assert printed == reference.decode([t for t in ids if not reference.is_special(t)]) + "\n"
