@@ -363,3 +363,31 @@ def test_shares_a_replica_refuses_are_undone_everywhere_and_the_reload_says_why(
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("k3serve")]
     assert any("tenants reload refused" in m and "refused the tenant shares" in m for m in messages), messages
     assert not any(m.startswith("tenants reloaded") for m in messages), messages
+
+
+def test_forced_tool_calls_and_json_mode_answer_like_serve(front):
+    """Parity with `serve`: the same greedy grammar requests (a forced tool call, JSON mode) give the same replies
+    from the replicas as from one process."""
+    from k3serve.engine.engine import LLMEngine
+    from k3serve.serve.api import create_app
+    from k3serve.serve.threaded import serve_in_thread
+
+    url, _, _ = front
+    loaded = load_model(None)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    requests = [dict(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                dict(tools=tools, tool_choice="required"), dict(response_format={"type": "json_object"})]
+
+    def answers(base: str) -> list[str | None]:
+        client = OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=120)
+        return [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                               max_tokens=24, temperature=0, **extra).choices[0].message.content
+                for extra in requests]
+
+    cluster = answers(url)
+    with serve_in_thread(create_app(LLMEngine(loaded.model, ENGINE, stop_ids=loaded.stop_ids), loaded.tokenizer,
+                                    MODEL)) as local:
+        single = answers(local)
+    assert cluster == single
+    assert cluster[0].startswith('{"name":"get_weather","arguments":{')  # the grammar held the replica's tokens
