@@ -391,3 +391,17 @@ def test_forced_tool_calls_and_json_mode_answer_like_serve(front):
         single = answers(local)
     assert cluster == single
     assert cluster[0].startswith('{"name":"get_weather","arguments":{')  # the grammar held the replica's tokens
+
+
+def test_a_replica_killed_for_good_with_restarts_left_is_reported_gone(local_ray):
+    """Ray will not restart an actor killed with no_restart, whatever --max-restarts says: the front learns it from
+    Ray's answer ("died", not "unavailable") instead of waiting for a restart that never comes."""
+    backend = _own_backend(max_restarts=3)
+    try:
+        local_ray.kill(backend.actors[1], no_restart=True)
+        _wait_until(lambda: backend.gone[1], 60, "the replica killed for good was never reported gone")
+        reason = backend.degraded
+    finally:
+        backend.shutdown()
+    assert reason is not None and "replica 1 died" not in reason  # its restarts were not used up
+    assert "replica 1" in reason and "gone for good" in reason and "1 of 2 replicas serve" in reason

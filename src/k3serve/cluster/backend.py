@@ -43,6 +43,7 @@ REPLICA_ENGINE_METRICS = frozenset((  # shown per replica at the front, beside a
     "prefix_cache_checkpoints", "prefix_cache_protected_checkpoints", "prefix_cache_hit_rate", "preemptions",
     "generation_tokens", "computed_tokens", "steps", "forward_failures"))
 START_TIMEOUT_SECONDS = 600.0
+DEAD_PROBES_FOR_GOOD = 2  # probes of a down replica in a row that Ray answers ActorDiedError: it will not restart
 SHARES_TIMEOUT_SECONDS = 10.0  # a serving replica answers at once; one that does not is treated as down
 
 
@@ -75,6 +76,8 @@ class ClusterBackend:
         self.pids = [info.pid for info in self.infos]  # each replica's current process: a new pid is a restart
         self.restarts = [0] * num_replicas  # restarts seen; a death after max_restarts of them is final
         self.gone = [False] * num_replicas  # died after its last restart: never probed or routed to again
+        self._gone_why: dict[int, str] = {}
+        self._dead_probes = [0] * num_replicas  # probes in a row that Ray answered "dead" (not "restarting")
         self._lock = threading.Lock()  # the fields above: the event loop (failures) and the monitor both write them
         self.shares: dict[str, TenantShare] = {}  # the tenants' current shares: a restarted replica gets them first
         self._shares_lock = threading.Lock()  # a reload and a restarted replica's return, one at a time
@@ -112,12 +115,10 @@ class ClusterBackend:
     def degraded(self) -> str | None:
         reasons = []
         with self._lock:
-            gone = [r for r, g in enumerate(self.gone) if g]
+            gone = [f"replica {r} {self._gone_why[r]}, gone for good" for r, g in enumerate(self.gone) if g]
             down = [r for r, healthy in enumerate(self.router.healthy) if not healthy and not self.gone[r]]
         serving = sum(self.router.healthy)
-        if gone:
-            reasons.append(f"replica {', '.join(map(str, gone))} died after its last restart (--max-restarts "
-                           f"{self.max_restarts}) and is gone for good")
+        reasons.extend(gone)
         if down:
             reasons.append(f"replica {', '.join(map(str, down))} is down until Ray restarts it")
         if reasons:
@@ -238,16 +239,21 @@ class ClusterBackend:
             if self.router.healthy[replica]:
                 self._m_failures.labels(str(replica)).inc()
                 if self.restarts[replica] >= self.max_restarts:
-                    self.gone[replica] = True
-                    serving = sum(self.router.healthy) - 1
-                    logger.error("replica %d died (%s) after its last restart (%d of --max-restarts %d): it is gone "
-                                 "for good; %d of %d replicas serve", replica, type(exc).__name__,
-                                 self.restarts[replica], self.max_restarts, serving, len(self.actors))
+                    self.router.mark_down(replica)
+                    self._gone_for_good(replica, f"died after its last restart ({self.restarts[replica]} of "
+                                                 f"--max-restarts {self.max_restarts})")
                 else:
                     logger.warning("replica %d died (%s); routing around it until Ray restarts it (restart %d of "
                                    "%d)", replica, type(exc).__name__, self.restarts[replica] + 1, self.max_restarts)
             self.router.mark_down(replica)
         self._publish(replica)
+
+    def _gone_for_good(self, replica: int, why: str) -> None:
+        """Under `self._lock`, the replica marked down: it is never probed or routed to again."""
+        self.gone[replica] = True
+        self._gone_why[replica] = why
+        logger.error("replica %d %s: it is gone for good; %d of %d replicas serve", replica, why,
+                     sum(self.router.healthy), len(self.actors))
 
     def _publish(self, replica: int) -> None:
         label = str(replica)
@@ -282,11 +288,23 @@ class ClusterBackend:
             try:
                 info = ray.get(ref, timeout=MONITOR_INTERVAL_SECONDS * 4)
             except GetTimeoutError:
+                self._dead_probes[replica] = 0
                 continue  # busy, or still restarting
             except REPLICA_ERRORS as exc:
+                if not isinstance(exc, ActorDiedError):
+                    self._dead_probes[replica] = 0
                 if self.router.healthy[replica]:
                     self._failed(replica, self.generation[replica], exc)
+                elif isinstance(exc, ActorDiedError):  # a restarting actor is "unavailable"; "died" is final
+                    self._dead_probes[replica] += 1
+                    if self._dead_probes[replica] >= DEAD_PROBES_FOR_GOOD:
+                        with self._lock:
+                            if not self.gone[replica]:
+                                self._gone_for_good(replica, "is dead and Ray will not restart it (its restarts "
+                                                             "used up, or killed for good)")
+                        self._publish(replica)
                 continue  # still restarting (or out of restarts: it stays out)
+            self._dead_probes[replica] = 0
             if info.pid != self.pids[replica] or not self.router.healthy[replica]:
                 self._rejoin(replica, info)
 
