@@ -32,7 +32,9 @@ def local_ray():
 
     from k3serve.cluster.runtime import start_ray
 
-    start_ray(None, num_cpus=3, replicas=2)  # 3 logical CPUs: the front's 2 replicas and one streaming replica
+    # 3 logical CPUs: the front's 2 replicas, and one for a test's own backend (a streaming replica, or replicas
+    # of a fraction of a CPU each)
+    start_ray(None, num_cpus=3, replicas=2)
     yield ray
     ray.shutdown()
 

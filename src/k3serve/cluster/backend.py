@@ -349,7 +349,8 @@ class ClusterBackend:
 
 
 class ClusterStream:
-    """One request's outputs from its replica, sent again elsewhere if the replica dies before any token."""
+    """One request's outputs from its replica, sent again from the start elsewhere if the replica dies before its
+    client has seen a token (`streamed=False`: the client sees only the final output, so always)."""
 
     def __init__(self, backend: ClusterBackend, prompt: list[int], params: SamplingParams, tenant: str,
                  cache_salt: str | None, stop: list[str], speculative, grammar_text: str | None = None,
@@ -397,7 +398,7 @@ class ClusterStream:
             try:
                 async for ref in self._generator:
                     output: RequestOutput = await ref
-                    streamed = streamed or any(c.token_ids for c in output.outputs)
+                    streamed = streamed or any(c.token_ids for c in output.outputs)  # by this replica
                     self.last = output
                     if output.finished:
                         self.backend.failures.record(output.error)
