@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from k3serve.lab.registry import modules
+from k3serve.lab.registry import AXIS_UNITS, modules
 
 
 
@@ -50,6 +50,14 @@ def test_every_module_runs_and_returns_the_documented_record(lab_client, fast_pa
     for figure in record["series"]:
         assert figure["mark"] in ("measured on this machine", "simulated (model)")
         assert figure["command"] == record["command"] and figure["source"]
+        # one labelled unit per numeric axis (a bar chart's x holds categories); log scales only on line charts
+        assert figure["y_unit"] in AXIS_UNITS, (figure["title"], figure["y_label"])
+        if figure["kind"] != "bar":
+            assert figure["x_unit"] in AXIS_UNITS, (figure["title"], figure["x_label"])
+        assert not (figure["log_y"] and figure["kind"] == "bar"), figure["title"]
+        if figure["highlight"] is not None:
+            names = {x for t in figure["traces"] for x in t["x"]} | {t["name"] for t in figure["traces"]}
+            assert figure["highlight"] in names, figure["title"]
         for trace in figure["traces"]:
             values = trace.get("z") or trace["y"]
             flat = [v for row in values for v in (row if isinstance(row, list) else [row])]

@@ -9,6 +9,7 @@ skips, except under CI=true, where it fails.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,7 @@ def test_the_page_in_chromium(lab_url, fast_params):
             assert second[metric] != first[module][metric], (module, metric)
             assert _chart_data(page, module) != charts_before, module
             page.locator(f"#m-{module}").screenshot(path=str(SCREENSHOTS / f"{module}-changed.png"))
+        _check_charts_are_readable(page)
         # a bad value is shown beside the form, not thrown
         _set(page, "mxfp4", "rows", "0")
         page.locator("#m-mxfp4 [data-action='run']").click()
@@ -114,6 +116,60 @@ def test_the_page_in_chromium(lab_url, fast_params):
         browser.close()
     expected = "the server responded with a status of 400"  # the bad value above, shown on the page
     assert [e for e in errors if expected not in e] == [], errors
+
+
+EXPONENT = re.compile(r"\d(\.\d+)?e[+-]?\d")
+
+
+def _check_charts_are_readable(page) -> None:
+    """Human units in every table and tick label; linear axes from 0; legends clear of the axis titles; the chosen
+    policy in the accent colour."""
+    shown = page.evaluate("""() => Array.from(document.querySelectorAll(
+        '#modules table td, #modules .chart text')).map(n => n.textContent)""")
+    assert shown and not [t for t in shown if EXPONENT.search(t)], [t for t in shown if EXPONENT.search(t)][:5]
+    charts = page.evaluate("""() => Array.from(document.querySelectorAll('#modules .chart')).map(d => {
+        const box = (sel) => { const n = d.querySelector(sel); if (!n) return null;
+                               const r = n.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+        const y = d._fullLayout.yaxis;
+        return {id: d.id, ytype: y.type, ymin: Math.min(...y.range), legend: box('.legend'),
+                titles: [box('.g-xtitle'), box('.g-ytitle')]}; })""")
+    for chart in charts:
+        if chart["ytype"] == "linear":
+            assert chart["ymin"] <= 0, chart["id"]
+        for title in chart["titles"]:
+            if chart["legend"] and title:
+                a, b = chart["legend"], title
+                assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1], (chart["id"], a, b)
+    colors = page.evaluate("() => document.querySelector('#m-cache_policies .chart').data[0].marker.color")
+    chosen = page.locator("#m-cache_policies [data-param='policy']").input_value()
+    x = page.evaluate("() => document.querySelector('#m-cache_policies .chart').data[0].x")
+    assert [c for c, name in zip(colors, x) if name == chosen] == ["#2457c5"]
+    assert len(set(colors)) == 2
+
+
+def test_the_page_writes_numbers_in_human_units(lab_url):
+    _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    cases = [("number", [2.349e9, "resident bytes (all weights)"], "2.35 GB"),
+             ("number", [512, "expert bytes read per token"], "512 bytes"),
+             ("number", [3.5, "storage per sequence (MiB)"], "3.5"),
+             ("number", [0.0878, "active / resident bytes"], "0.0878"),
+             ("number", [2.78e12, "parameters"], "2.78 trillion"),
+             ("number", [1.05e11, "active parameters per token"], "105 billion"),
+             ("number", [1234567, "misses (reads)"], "1.23 million"),
+             ("number", [0.000123, "relative RMS error"], "0.000123"),
+             ("number", [12.3456, "retention (%)"], "12.35"),
+             ("ratio", [4.95e5], "495,000x"), ("ratio", [0.0], "0x"), ("ratio", [0.0001], "<0.01x"),
+             ("ratio", [2.5], "2.50x"), ("ratio", [12.34], "12.3x")]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.goto(lab_url)
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        got = [page.evaluate(f"(args) => window.labFormat.{name}(...args)", args) for name, args, _ in cases]
+        browser.close()
+    assert got == [want for _, _, want in cases]
 
 
 HEAVY_CLUSTER_SCALE = {"groups": "1024", "per_group": "256", "max_replicas": "64", "replicas": "64",

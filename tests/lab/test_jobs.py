@@ -34,7 +34,7 @@ def _module(name: str, body) -> LabModule:
 
 def _result(value: float, **extra: float) -> LabResult:
     return LabResult({"v": value, **extra}, {"v": 0.0},
-                     [Figure("f", "bar", False, "test", [{"name": "a", "x": [1], "y": [value]}])])
+                     [Figure("f", "bar", False, "test", [{"name": "a", "x": [1], "y": [value]}], y_label="value (count)")])
 
 
 def timed(params, progress, cancel, lab) -> LabResult:

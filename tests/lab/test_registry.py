@@ -74,3 +74,24 @@ def test_limits_narrow_the_declared_range_to_the_model():
         assert info.value.param == "count"
     count = next(p for p in module.to_json(Lab())["params"] if p["name"] == "count")
     assert (count["min"], count["max"]) == (2, 6)
+
+
+@pytest.mark.parametrize("kind, labels, log_y", [
+    ("bar", {"y_label": "ms"}, False),  # a unit, but not in parentheses
+    ("bar", {"y_label": "time (KiB/100)"}, False),  # not a unit
+    ("line", {"x_label": "requests in flight", "y_label": "latency (ms)"}, False),  # a numeric x without a unit
+    ("bar", {"y_label": "latency (ms)"}, True),  # log-scale bars exaggerate
+])
+def test_a_figure_without_an_axis_unit_or_with_log_bars_is_refused(kind, labels, log_y):
+    from k3serve.lab.registry import Figure, FigureError
+
+    with pytest.raises(FigureError):
+        Figure("t", kind, True, "s", [{"name": "a", "x": [1], "y": [1]}], log_y=log_y, **labels)
+
+
+def test_a_figure_states_its_axis_units():
+    from k3serve.lab.registry import Figure
+
+    figure = Figure("t", "line", False, "s", [{"name": "a", "x": [1], "y": [1]}], x_label="budget (MiB)",
+                    y_label="time per token (ms/token)", highlight="a").to_json()
+    assert (figure["x_unit"], figure["y_unit"], figure["highlight"]) == ("MiB", "ms/token", "a")

@@ -21,6 +21,7 @@ import functools
 import importlib
 import math
 import pkgutil
+import re
 import shlex
 import threading
 from dataclasses import dataclass, field
@@ -126,9 +127,34 @@ class Param:
                 "choices": list(self.choices) if self.choices else None, "unit": self.unit, "help": self.help}
 
 
+# What may stand in an axis title's last parentheses, "what it is (unit)": one unit per axis. Sizes and times in
+# human units (never raw bytes), ratios as "x", counts by what they count.
+AXIS_UNITS = frozenset({
+    "B", "KiB", "MiB", "GiB", "KB", "MB", "GB", "TB", "KiB/token", "MiB/token", "MB/token",
+    "ms", "s", "ms/token", "s/token", "tok/s", "MiB/s",
+    "%", "x", "ratio", "bits",
+    "tokens", "positions", "requests", "blocks", "reads", "reads/token", "checkpoints", "experts", "slots",
+    "replicas", "count", "index", "expert id", "dimensions"})
+
+
+def axis_unit(label: str) -> str | None:
+    """The unit of an axis title "what it is (unit)", or None when it names none."""
+    found = re.search(r"\(([^()]*)\)\s*$", label)
+    return found.group(1).strip() if found else None
+
+
+class FigureError(ValueError):
+    """A figure declares an axis without a known unit, or a log scale the chart cannot carry honestly."""
+
+
 @dataclass
 class Figure:
-    """One chart. kind 'bar' or 'line': traces [{name, x, y}]; 'heatmap': traces [{name, z, x, y}]."""
+    """One chart. kind 'bar' or 'line': traces [{name, x, y}]; 'heatmap': traces [{name, z, x, y}].
+
+    Every numeric axis is titled "what it is (unit)" with a unit from `AXIS_UNITS` (a bar chart's x axis holds
+    categories and needs no unit). The page starts linear axes at 0; `log_y` is for line charts only, because a bar's
+    length on a log axis exaggerates, and the page says "log scale" on the axis. `highlight` names the bar category
+    or trace of the chosen policy, which the page draws in the accent colour."""
 
     title: str
     kind: Literal["bar", "line", "heatmap"]
@@ -138,12 +164,24 @@ class Figure:
     x_label: str = ""
     y_label: str = ""
     log_y: bool = False
+    highlight: str | None = None
+
+    def __post_init__(self) -> None:
+        numeric_axes = {"bar": ("y_label",), "line": ("x_label", "y_label"), "heatmap": ("x_label", "y_label")}
+        for name in numeric_axes[self.kind]:
+            label = getattr(self, name)
+            if axis_unit(label) not in AXIS_UNITS:
+                raise FigureError(f"figure {self.title!r}: {name} {label!r} must end with a unit in parentheses, "
+                                  f"one of {sorted(AXIS_UNITS)}")
+        if self.log_y and self.kind != "line":
+            raise FigureError(f"figure {self.title!r}: a log scale is for line charts only (bars would exaggerate)")
 
     def to_json(self) -> dict:
         return {"title": self.title, "kind": self.kind, "measured": self.measured,
                 "mark": "measured on this machine" if self.measured else "simulated (model)",
                 "source": self.source, "traces": self.traces, "x_label": self.x_label, "y_label": self.y_label,
-                "log_y": self.log_y}
+                "log_y": self.log_y, "highlight": self.highlight,
+                "x_unit": axis_unit(self.x_label), "y_unit": axis_unit(self.y_label)}
 
 
 @dataclass

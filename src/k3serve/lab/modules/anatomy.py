@@ -62,15 +62,15 @@ def run(params, progress, cancel, lab) -> LabResult:
         Figure("Where the full K3's bytes go", "bar", False, f"computed from full_k3_config() shapes, trunk in "
                f"{params['trunk_precision']}, top-{top_k}",
                [{"name": "resident (all weights)", "x": names, "y": [big[p] / 1e9 for p in parts]}],
-               y_label="GB", log_y=True),
+               y_label="bytes (GB)"),
         Figure("Resident vs active per token (full K3)", "bar", False, "computed from full_k3_config() shapes",
                [{"name": "bytes", "x": ["resident (whole model)", "active per token"],
-                 "y": [big["total_bytes"] / 1e9, big["active_bytes_per_token"] / 1e9]}], y_label="GB", log_y=True),
+                 "y": [big["total_bytes"] / 1e9, big["active_bytes_per_token"] / 1e9]}], y_label="bytes (GB)"),
         Figure(f"Where {lab.model_name}'s bytes go: its files vs the formula", "bar", True,
                f"{lab.model_dir.name}: tensor sizes read from the safetensors headers on this machine",
                [{"name": "in the files", "x": names, "y": [files[p] / 1e6 for p in parts]},
                 {"name": "computed from config", "x": names, "y": [small[p] / 1e6 for p in parts]}],
-               y_label="MB"),
+               y_label="bytes (MB)"),
     ]
     labels = {"total_bytes": "resident bytes (all weights)", "active_bytes_per_token": "bytes touched per token",
               "experts_bytes": "routed experts (bytes)", "embeddings_bytes": "embeddings (bytes)",

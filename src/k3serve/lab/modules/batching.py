@@ -112,17 +112,17 @@ def run(params, progress, cancel, lab) -> LabResult:
         Figure("Throughput vs concurrency", "line", True, source,
                [{"name": "continuous batching", "x": sweep, "y": [rows[c]["tok_per_s"] for c in sweep]},
                 {"name": "one at a time", "x": sweep, "y": [rows[1]["tok_per_s"]] * len(sweep)}],
-               x_label="requests in flight", y_label="generated tok/s"),
+               x_label="requests in flight (requests)", y_label="generated tokens per second (tok/s)"),
         Figure("Latency vs concurrency", "line", True, source,
                [{"name": "TTFT median", "x": sweep, "y": [rows[c]["ttft_ms"] for c in sweep]},
                 {"name": "inter-token median", "x": sweep, "y": [rows[c]["itl_ms"] for c in sweep]},
                 {"name": "inter-token p90", "x": sweep, "y": [rows[c]["itl_p90_ms"] for c in sweep]}],
-               x_label="requests in flight", y_label="ms"),
+               x_label="requests in flight (requests)", y_label="latency (ms)"),
         Figure(f"Worst decode stall while a {params['long_prompt_tokens']}-token prompt arrives", "bar", True,
                f"4 decoding requests, max_batch_tokens {params['max_batch_tokens']}, medians of {repeats} repeats on "
                "this machine",
                [{"name": "ms", "x": ["chunked prefill", "whole prompt in one step"],
-                 "y": [stall[True], stall[False]]}], y_label="ms"),
+                 "y": [stall[True], stall[False]]}], y_label="worst gap between decode steps (ms)"),
     ]
     batched = rows[top]
     metrics = {**batched, "decode_stall_ms": stall[True]}

@@ -40,11 +40,11 @@ def run(params, progress, cancel, lab) -> LabResult:
         Figure("Bytes read per decoded token vs budget", "line", True, source,
                [{"name": name, "x": budgets, "y": [rows[(name, f)].measurement.bytes_per_token / 2**20
                                                  for f in fractions]} for name in ("trunk first", "experts only")],
-               x_label="RAM budget (MiB)", y_label="MiB/token"),
+               x_label="RAM budget (MiB)", y_label="bytes read per token (MiB/token)"),
         Figure("Seconds per decoded token vs budget", "line", True, source,
                [{"name": name, "x": budgets, "y": [1e3 * rows[(name, f)].measurement.seconds_per_token
                                                  for f in fractions]} for name in ("trunk first", "experts only")],
-               x_label="RAM budget (MiB)", y_label="ms/token"),
+               x_label="RAM budget (MiB)", y_label="time per token (ms/token)"),
     ]
 
     def summary(r) -> dict[str, float]:

@@ -37,10 +37,11 @@ def run(params, progress, cancel, lab) -> LabResult:
     figures = [
         Figure(f"Expert bytes read per token at {capacity} slots ({capacity / total:.0%} of the experts)", "bar", False,
                source, [{"name": "KiB per token", "x": list(POLICIES),
-                         "y": [rows[(p, capacity)].bytes_per_token / 1024 for p in POLICIES]}], y_label="KiB/token"),
+                         "y": [rows[(p, capacity)].bytes_per_token / 1024 for p in POLICIES]}],
+               y_label="expert bytes read per token (KiB/token)", highlight=params["policy"]),
         Figure("Retention vs cache size", "line", False, source,
                [{"name": p, "x": sweep, "y": [100 * rows[(p, c)].retention for c in sweep]} for p in POLICIES],
-               x_label="expert slots", y_label="retention %"),
+               x_label="cache capacity (slots)", y_label="retention (%)", highlight=params["policy"]),
     ]
     metrics = {"retention_pct": 100 * chosen.retention, "bytes_per_token": chosen.bytes_per_token,
                "misses": float(chosen.misses), "vs_belady": chosen.misses / max(best.misses, 1)}

@@ -73,10 +73,12 @@ def run(params, progress, cancel, lab) -> LabResult:
     names = [p for p in ROUTERS if p in results]
     figures = [
         Figure("Prompt positions served from a replica's prefix cache", "bar", True, source,
-               [{"name": "hit %", "x": names, "y": [results[p]["hit_pct"] for p in names]}], y_label="%"),
+               [{"name": "hit %", "x": names, "y": [results[p]["hit_pct"] for p in names]}],
+               y_label="prompt positions from cache (%)",
+               highlight=params["policy"]),
         Figure("Requests per replica", "bar", True, source,
                [{"name": p, "x": [f"replica {r}" for r in range(params["replicas"])], "y": results[p]["served"]}
-                for p in names], y_label="requests"),
+                for p in names], y_label="requests served (requests)"),
     ]
     keys = ("hit_pct", "computed_per_request", "max_over_mean_load")
     metrics = {k: float(results[params["policy"]][k]) for k in keys}

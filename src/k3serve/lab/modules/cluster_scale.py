@@ -40,10 +40,10 @@ def run(params, progress, cancel, lab) -> LabResult:
     figures = [
         Figure("Prompt tokens served from a prefix cache vs replicas", "line", False, source,
                [{"name": router, "x": counts, "y": [100 * h for h in hits]} for router, hits in curves.items()],
-               x_label="replicas", y_label="%"),
+               x_label="replicas (replicas)", y_label="prompt tokens from cache (%)"),
         Figure(f"Cache-aware / {params['baseline']} hit rate vs replicas", "line", False, source,
                [{"name": "ratio", "x": counts, "y": ratios}, {"name": "3x", "x": counts, "y": [3.0] * len(counts)}],
-               x_label="replicas", y_label="x"),
+               x_label="replicas (replicas)", y_label="cache-aware hit rate / baseline's (x)"),
     ]
     best = params["system_tokens"] / (params["system_tokens"] + 32)
     metrics = {"hit_pct": 100 * curves["cache-aware"][chosen]}

@@ -60,16 +60,18 @@ def run(params, progress, cancel, lab) -> LabResult:
         Figure(f"Co-activation, layer {layer}, experts in natural order", "heatmap", False,
                f"counts from the routing trace of {lab.model_name} recorded on this machine",
                [{"name": "tokens choosing both", "z": shown.tolist(), "x": ticks, "y": ticks}],
-               x_label="expert", y_label="expert"),
+               x_label="expert (expert id)", y_label="expert (expert id)"),
         Figure(f"The same layer in co-activation chain order", "heatmap", False,
                "the greedy chain of k3serve.weights.layout: mass moves next to the diagonal",
                [{"name": "tokens choosing both", "z": shown[np.ix_(order, order)].tolist(),
-                 "x": [str(e) for e in order], "y": [str(e) for e in order]}], x_label="expert", y_label="expert"),
+                 "x": [str(e) for e in order], "y": [str(e) for e in order]}], x_label="expert (expert id)",
+               y_label="expert (expert id)"),
         Figure("Read calls per decoded token", "bar", True,
                f"{len(prompts)} held-out prompts (not in the trace) x {params['tokens']} tokens, cache "
                f"{params['cache']}, reads coalesced when adjacent",
                [{"name": "reads/token", "x": list(runs), "y": [nat["expert_reads_per_token"],
-                                                                co["expert_reads_per_token"]]}], y_label="reads"),
+                                                                co["expert_reads_per_token"]]}],
+               y_label="read calls per token (reads/token)"),
     ]
     labels = {"expert_reads_per_token": "read calls per token (trunk + experts)", "ms_per_token": "ms per token",
               "bytes_per_token": "bytes read per token", "adjacent_pairs": f"co-activations of neighbours (layer {layer})"}

@@ -71,13 +71,15 @@ def run(params, progress, cancel, lab) -> LabResult:
                       [{"name": f"k3serve (trunk {params['trunk_dtype']}, {params['policy']}, prefetch "
                                 f"{params['prefetch']}; a gap: does not fit)", "x": xs, "y": [k3_points[x] for x in xs]},
                        {"name": "C engine, its published split (LRU, no prefetch)", "x": xs,
-                        "y": [c_points[x] for x in xs]}], x_label="RAM budget (GiB)", y_label="s/token")]
+                        "y": [c_points[x] for x in xs]}], x_label="RAM budget (GiB)",
+                        y_label="time per token (s/token)")]
     if chosen is not None:
         figures.append(Figure(f"Where a token's time goes at {params['ram_gb']:g} GiB", "bar", False, source,
                               [{"name": name, "x": ["I/O wait", "compute", "I/O floor", "compute floor"],
                                 "y": [r.io_seconds_per_token, r.compute_seconds_per_token, r.floor_io_s_per_token,
                                       r.floor_compute_s_per_token]}
-                               for name, r in (("k3serve", chosen), ("C engine", baseline))], y_label="s/token"))
+                               for name, r in (("k3serve", chosen), ("C engine", baseline))],
+                               y_label="time per token (s/token)"))
         notes.append(f"plan: {chosen.plan['summary']}")
     notes.append(f"C engine baseline: {rung[0]} (pinned {rung[2]} layers, {rung[3]} GB cache), published "
                  f"{rung[4]} s/token on its own machine")

@@ -96,14 +96,14 @@ def run(params, progress, cancel, lab) -> LabResult:
     names = list(formats)
     figures = [
         Figure("Relative RMS error by format", "bar", True, f"{rows}x{cols} values of {where}, on this machine",
-               [{"name": "relative RMS error", "x": names, "y": [errors[n] for n in names]}], y_label="||x-q||/||x||",
-               log_y=True),
+               [{"name": "relative RMS error", "x": names, "y": [errors[n] for n in names]}],
+               y_label="||x-q|| / ||x|| (ratio)"),
         Figure("Bits per value (scales included)", "bar", True, f"{rows}x{cols} tensor, bytes as encoded",
-               [{"name": "bits/value", "x": names, "y": [bits[n] for n in names]}], y_label="bits"),
+               [{"name": "bits/value", "x": names, "y": [bits[n] for n in names]}], y_label="storage per value (bits)"),
         Figure("Median relative error vs |x| / group max", "line", True,
                "MXFP4 groups of 32 vs one int8 scale per row", [{"name": n, "x": centers, "y": by_bin[n]}
                                                                for n in by_bin],
-               x_label="|x| / max |x| of its group of 32", y_label="median |x-q|/|x|", log_y=True),
+               x_label="|x| / max |x| of its group of 32 (ratio)", y_label="median |x-q| / |x| (ratio)", log_y=True),
     ]
     metrics = {"relative_rms_error": errors["MXFP4"], "bits_per_value": bits["MXFP4"],
                "bytes": float(packed.nbytes + scales.nbytes), "quantize_ms": 1e3 * quantize_s}

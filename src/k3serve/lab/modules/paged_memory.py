@@ -64,14 +64,14 @@ def run(params, progress, cancel, lab) -> LabResult:
                f"16..{params['max_prompt']}, outputs 16..128", [{"name": "waste %", "x": [
                    f"paged blocks of {block}", "reserve prompt + max_tokens", f"reserve max_model_len {MAX_MODEL_LEN}"],
                    "y": [at["paged_pct"], at["reserve_prompt_plus_max_tokens_pct"], at["reserve_max_len_pct"]]}],
-               y_label="% of reserved positions"),
+               y_label="reserved positions left empty (%)"),
         Figure("Paged waste vs block size", "line", True, source,
                [{"name": "paged", "x": sizes, "y": [rows[s]["paged_pct"] for s in sizes]}],
-               x_label="block size (positions)", y_label="waste %"),
+               x_label="block size (positions)", y_label="reserved positions left empty (%)"),
         Figure(f"Blocks for one prompt of {prompt} tokens with n = {n} completions of {new}", "bar", True,
                "peak blocks in use, measured in the engine; without sharing: n full copies (computed)",
                [{"name": "blocks", "x": ["copy-on-write (measured)", "n copies (computed)"], "y": [shared, unshared]}],
-               y_label="blocks"),
+               y_label="peak blocks in use (blocks)"),
     ]
     metrics = {"waste_pct": at["paged_pct"], "blocks_for_n": float(shared)}
     baseline = {"waste_pct": at["reserve_max_len_pct"], "blocks_for_n": float(unshared)}

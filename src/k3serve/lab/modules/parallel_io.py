@@ -84,7 +84,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                       [{"name": "pread (thread pool)", "x": depths, "y": results["pread"]},
                        {"name": "O_DIRECT (thread pool)", "x": depths, "y": results["direct"]},
                        {"name": "mmap copy (one thread, baseline)", "x": depths, "y": mmap_mbps}],
-                      x_label="queue depth (reads in flight)", y_label="MiB/s")]
+                      x_label="queue depth, reads in flight (reads)", y_label="read throughput (MiB/s)")]
     metrics = {"direct_best_mib_s": best_direct, "pread_best_mib_s": best_pread,
                "direct_qd1_mib_s": results["direct"][0], "best_queue_depth": float(depths[int(np.argmax(
                    results["direct"]))])}

@@ -46,11 +46,17 @@ def run(params, progress, cancel, lab) -> LabResult:
         Figure("Where expert requests were served", "bar", True, source,
                [{"name": name, "x": ["retained (resident before the step)", "prefetched this step", "demand read"],
                  "y": [s["retention_pct"], s["prefetch_hit_pct"], 100 - s["retention_pct"] - s["prefetch_hit_pct"]]}
-                for name, s in (("prefetch off", off), ("next-layer prefetch", on))], y_label="% of expert requests"),
-        Figure("Per decoded token", "bar", True, source,
-               [{"name": name, "x": ["ms/token", "I/O wait ms/token", "expert KiB read/token / 100"],
-                 "y": [s["ms_per_token"], s["io_wait_ms_per_token"], s["expert_bytes_per_token"] / 102400]}
-                for name, s in (("prefetch off", off), ("next-layer prefetch", on))]),
+                for name, s in (("prefetch off", off), ("next-layer prefetch", on))],
+                y_label="share of expert requests (%)"),
+        Figure("Time per decoded token", "bar", True, source,
+               [{"name": name, "x": ["in all", "waiting for I/O"],
+                 "y": [s["ms_per_token"], s["io_wait_ms_per_token"]]}
+                for name, s in (("prefetch off", off), ("next-layer prefetch", on))],
+               y_label="time per token (ms/token)"),
+        Figure("Expert bytes read per decoded token (wasted guesses included)", "bar", True, source,
+               [{"name": name, "x": ["expert bytes read"], "y": [s["expert_bytes_per_token"] / 1024]}
+                for name, s in (("prefetch off", off), ("next-layer prefetch", on))],
+               y_label="bytes read per token (KiB/token)"),
     ]
     labels = {"ms_per_token": "ms per decoded token", "prefetch_hit_pct": "requests served by a prefetch (%)",
               "retention_pct": "retained (%)", "demand_misses_per_token": "demand reads per token",

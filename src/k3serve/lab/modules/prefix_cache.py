@@ -42,13 +42,13 @@ def run(params, progress, cancel, lab) -> LabResult:
         Figure("Time to first token, request by request", "line", True, source,
                [{"name": "prefix cache on", "x": list(range(1, params["requests"] + 1)), "y": per_request[True]},
                 {"name": "prefix cache off", "x": list(range(1, params["requests"] + 1)), "y": per_request[False]}],
-               x_label="request", y_label="TTFT (ms)"),
+               x_label="request (index)", y_label="time to first token (ms)"),
     ]
     if positions:  # a model without recurrent layers (Qwen3-MoE, DeepSeek-V3) hits on attention blocks alone
         figures.append(Figure("Where recurrent state checkpoints sit (KDA or DeltaNet)", "bar", True,
                               "the prefix cache's checkpoints after the cached run (positions in tokens)",
                               [{"name": "checkpoint", "x": [str(p) for p in positions], "y": [1] * len(positions)}],
-                              x_label="position", y_label="checkpoints"))
+                              x_label="position", y_label="checkpoints (checkpoints)"))
     metrics = {"steady_ttft_ms": 1e3 * steady_on, "hit_rate_pct": 100 * hit_rate,
                "checkpoints": float(len(positions))}
     baseline = {"steady_ttft_ms": 1e3 * steady_off, "hit_rate_pct": 0.0, "checkpoints": 0.0}

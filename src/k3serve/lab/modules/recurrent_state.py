@@ -59,7 +59,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                         "y": [r["all_mla_bytes"] / 2**20 for r in rows]},
                        {"name": "if every layer were plain MHA (K and V)", "x": contexts,
                         "y": [r["all_mha_bytes"] / 2**20 for r in rows]}],
-                      x_label="context (tokens)", y_label="MiB per sequence", log_y=True)]
+                      x_label="context (tokens)", y_label="memory per sequence (MiB)", log_y=True)]
     cancel.check()
     notes = []
     if params["measure_tokens"] > 0:
@@ -72,7 +72,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                                 "y": [measured["kda_state_bytes"] / 1024, measured["mla_latent_bytes"] / 1024]},
                                {"name": "formula", "x": ["KDA state", "MLA latent"],
                                 "y": [predicted["kda_state_bytes"] / 1024, predicted["mla_latent_bytes"] / 1024]}],
-                              y_label="KiB"))
+                              y_label="bytes (KiB)"))
         notes.append(f"measured on {lab.model_name}: KDA {measured['kda_state_bytes'] / 1024:.1f} KiB, MLA "
                      f"{measured['mla_latent_bytes'] / 1024:.1f} KiB after {int(measured['tokens'])} tokens")
     notes.append(f"the MLA latent overtakes the constant KDA state at about {crossover} tokens" if crossover

@@ -78,13 +78,13 @@ def run(params, progress, cancel, lab) -> LabResult:
                                        "y": [r.snapshot_bytes / 2**20 for r in rows]},
                                       {"name": "projection cache (1 state + T vectors)", "x": windows,
                                        "y": [r.projection_bytes / 2**20 for r in rows]}],
-               x_label="window T (positions per verify)", y_label="MiB per sequence"),
+               x_label="window T, positions per verify (positions)", y_label="storage per sequence (MiB)"),
         Figure(f"projection / snapshot at T = {t} as the head dim changes", "line", False,
                f"computed: {shapes.name} with its head dim replaced",
                [{"name": "projection / snapshot", "x": list(HEAD_DIMS),
                  "y": [r.projection_bytes / r.snapshot_bytes for r in by_dim]},
                 {"name": "1/4", "x": list(HEAD_DIMS), "y": [0.25] * len(HEAD_DIMS)}],
-               x_label="KDA head dim D", y_label="ratio"),
+               x_label="KDA head dim D (dimensions)", y_label="projection / snapshot bytes (ratio)"),
     ]
     at = rollback_storage(shapes, t, width, accounting)
     metrics = {"projection_bytes": float(at.projection_bytes), "projection_over_snapshot": 1 / at.ratio}
@@ -105,12 +105,15 @@ def run(params, progress, cancel, lab) -> LabResult:
         for key in ("recorded_bytes", "rollback_ms", "verify_ms"):
             metrics[key] = measured["projection"][key]
             baseline[key] = measured["snapshot"][key]
-        figures.append(Figure(f"Measured on {lab.model_name}: T = {t}, keep {kept}", "bar", True,
-                              f"RollbackCache on {lab.model_name}, medians of {params['repeats']} on this machine",
-                              [{"name": "recorded KiB", "x": ["snapshot", "projection"],
-                                "y": [measured[m]["recorded_bytes"] / 1024 for m in ("snapshot", "projection")]},
-                               {"name": "rollback ms", "x": ["snapshot", "projection"],
-                                "y": [measured[m]["rollback_ms"] for m in ("snapshot", "projection")]}]))
+        source = f"RollbackCache on {lab.model_name}, medians of {params['repeats']} on this machine"
+        figures.append(Figure(f"Bytes recorded on {lab.model_name}: T = {t}, keep {kept}", "bar", True, source,
+                              [{"name": "recorded", "x": ["snapshot", "projection"],
+                                "y": [measured[m]["recorded_bytes"] / 1024 for m in ("snapshot", "projection")]}],
+                              y_label="recorded per sequence (KiB)"))
+        figures.append(Figure(f"Rollback time on {lab.model_name}: T = {t}, keep {kept}", "bar", True, source,
+                              [{"name": "rollback", "x": ["snapshot", "projection"],
+                                "y": [measured[m]["rollback_ms"] for m in ("snapshot", "projection")]}],
+                              y_label="rollback time (ms)"))
     progress(1.0, "done")
     return LabResult(metrics, baseline, figures, labels, metrics_name="projection cache",
                      baseline_name="snapshots", notes=notes,

@@ -69,15 +69,15 @@ def run(params, progress, cancel, lab) -> LabResult:
     figures = [
         Figure("Decode speed", "bar", True, source,
                [{"name": "tok/s", "x": ["plain greedy", f"speculative ({params['drafter']})"],
-                 "y": [plain_rate, spec_rate]}], y_label="tokens/s"),
+                 "y": [plain_rate, spec_rate]}], y_label="decode speed (tok/s)"),
         Figure("Decode speed, repeat by repeat (after an untimed warm-up pass)", "line", True, source,
                [{"name": "plain greedy", "x": list(range(1, params["repeats"] + 1)),
                  "y": [(tokens - 1) / s for s in plain_s]},
                 {"name": f"speculative ({params['drafter']})", "x": list(range(1, params["repeats"] + 1)),
-                 "y": [(tokens - 1) / s for s in spec_s]}], x_label="repeat", y_label="tokens/s"),
+                 "y": [(tokens - 1) / s for s in spec_s]}], x_label="repeat (index)", y_label="decode speed (tok/s)"),
         Figure("Drafts and verify windows", "bar", True, source,
                [{"name": "count", "x": ["drafted", "accepted", "verify forwards", "plain forwards"],
-                 "y": [stats.drafted, stats.accepted, stats.windows, tokens]}]),
+                 "y": [stats.drafted, stats.accepted, stats.windows, tokens]}], y_label="how many (count)"),
     ]
     labels = {"tok_per_s": "decode tokens per second (after the prefill)", "acceptance_pct": "drafts accepted (%)",
               "tokens_per_forward": "tokens per forward", "forwards": "forwards after the prefill",

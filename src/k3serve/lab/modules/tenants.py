@@ -40,11 +40,12 @@ def run(params, progress, cancel, lab) -> LabResult:
     figures = [
         Figure("Tenant B's time to first token", "bar", True, source,
                [{"name": name, "x": list(MODES), "y": [rows[m][key] for m in MODES]}
-                for name, key in (("p50", "b_ttft_p50_ms"), ("p99", "b_ttft_p99_ms"))], y_label="ms", log_y=True),
+                for name, key in (("p50", "b_ttft_p50_ms"), ("p99", "b_ttft_p99_ms"))],
+                y_label="time to first token (ms)"),
         Figure("Generated tokens per second", "bar", True, source,
                [{"name": name, "x": list(MODES), "y": [rows[m][key] for m in MODES]}
                 for name, key in (("all tenants", "total_tok_per_s"), ("tenant B", "b_tok_per_s"))],
-               y_label="tok/s"),
+               y_label="generated tokens per second (tok/s)"),
     ]
     labels = {"b_ttft_p50_ms": "B's median TTFT (ms)", "b_ttft_p99_ms": "B's p99 TTFT (ms)",
               "b_unserved": "B requests still waiting at the end", "b_tok_per_s": "B's generated tok/s",

@@ -21,13 +21,46 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-function formatNumber(value) {
-  if (value === null || value === undefined) return "n/a";
+// Numbers in human units, never "2.349e+9": bytes as kB/MB/GB/TB, big counts in words, ratios as "495,000x" or
+// "<0.01x". Exposed as window.labFormat so the browser test can check the rules.
+const SIZE_UNITS = ["bytes", "kB", "MB", "GB", "TB", "PB"];
+const WORDS = [[1e12, "trillion"], [1e9, "billion"], [1e6, "million"]];
+
+function plain(value, digits) {
+  // at most `digits` significant digits, thousands separated, no exponent whatever the size
+  if (value === 0) return "0";
   const abs = Math.abs(value);
-  if (abs !== 0 && (abs >= 1e7 || abs < 1e-3)) return value.toExponential(3);
-  if (Number.isInteger(value)) return value.toLocaleString("en-US");
-  return value.toLocaleString("en-US", {maximumSignificantDigits: 4});
+  if (abs < 1e-6) return value > 0 ? "<0.000001" : ">-0.000001";
+  if (abs >= 10 ** digits) return Math.round(value).toLocaleString("en-US");
+  return value.toLocaleString("en-US", {maximumSignificantDigits: digits});
 }
+
+function formatBytes(value) {
+  let scaled = value, unit = 0;
+  while (Math.abs(scaled) >= 1000 && unit < SIZE_UNITS.length - 1) { scaled /= 1000; unit += 1; }
+  return `${plain(scaled, 3)} ${SIZE_UNITS[unit]}`;
+}
+
+function formatNumber(value, label) {
+  if (value === null || value === undefined || !Number.isFinite(value)) return "n/a";
+  const text = label || "";
+  // a value in raw bytes ("expert bytes read per token"); not one already in a size unit ("(MiB)"), nor a ratio of
+  // bytes ("active / resident bytes")
+  if (/\bbytes\b/i.test(text) && !/\((K|M|G|T)i?B\b/.test(text) && !text.includes("/")) return formatBytes(value);
+  const abs = Math.abs(value);
+  for (const [size, word] of WORDS) if (abs >= size) return `${plain(value / size, 3)} ${word}`;
+  return plain(value, Number.isInteger(value) ? 7 : 4);
+}
+
+function formatRatio(ratio) {
+  if (ratio === null || ratio === undefined || !Number.isFinite(ratio)) return "";
+  if (ratio === 0) return "0x";
+  if (Math.abs(ratio) < 0.01) return "<0.01x";
+  if (Math.abs(ratio) >= 100) return `${Number(ratio.toPrecision(3)).toLocaleString("en-US")}x`;
+  return `${ratio.toFixed(Math.abs(ratio) >= 10 ? 1 : 2)}x`;
+}
+
+window.labFormat = {number: formatNumber, bytes: formatBytes, ratio: formatRatio};
 
 function paramInput(moduleId, param) {
   const id = `p-${moduleId}-${param.name}`;
@@ -234,8 +267,7 @@ function changeCell(metric, baseline) {
   if (metric === null || baseline === null || baseline === 0 || metric === undefined || baseline === undefined) {
     return el("td", {text: ""});
   }
-  const ratio = metric / baseline;
-  return el("td", {text: `${ratio >= 100 || ratio < 0.01 ? ratio.toExponential(2) : ratio.toFixed(3)}x`});
+  return el("td", {class: "ratio", text: formatRatio(metric / baseline)});
 }
 
 function renderResult(id, result, cached) {
@@ -248,9 +280,10 @@ function renderResult(id, result, cached) {
   const tbody = el("tbody");
   for (const [key, value] of Object.entries(result.metrics)) {
     const base = key in result.baseline ? result.baseline[key] : null;
-    tbody.append(el("tr", {"data-metric": key}, el("td", {text: result.labels[key] || key}),
-                    el("td", {class: "value", "data-value": String(value), text: formatNumber(value)}),
-                    el("td", {class: "baseline", text: formatNumber(base)}), changeCell(value, base)));
+    const label = result.labels[key] || key;
+    tbody.append(el("tr", {"data-metric": key}, el("td", {text: label}),
+                    el("td", {class: "value", "data-value": String(value), text: formatNumber(value, label)}),
+                    el("td", {class: "baseline", text: formatNumber(base, label)}), changeCell(value, base)));
   }
   table.append(tbody);
   target.append(table);
@@ -280,21 +313,60 @@ function renderResult(id, result, cached) {
                                                  related}));
 }
 
-function draw(div, figure) {
-  const traces = figure.traces.map((t) => {
-    if (figure.kind === "heatmap") return {type: "heatmap", z: t.z, x: t.x, y: t.y, name: t.name, colorscale: "Viridis"};
-    if (figure.kind === "bar") return {type: "bar", x: t.x, y: t.y, name: t.name};
-    return {type: "scatter", mode: "lines+markers", x: t.x, y: t.y, name: t.name};
+const HIGHLIGHT = "#2457c5";
+const MUTED_BAR = "#a9b3c4";
+
+function axisLayout(label, numeric, log) {
+  // one titled unit per axis; a linear numeric axis starts at 0, a log one says so in its title
+  const axis = {title: {text: log ? `${label}, log scale` : label, standoff: 6}, automargin: true,
+                exponentformat: "none", separatethousands: true};
+  if (log) axis.type = "log";
+  else if (numeric) axis.rangemode = "tozero";
+  return axis;
+}
+
+function drawTraces(figure) {
+  const named = figure.traces.some((t) => t.name === figure.highlight);
+  return figure.traces.map((t) => {
+    if (figure.kind === "heatmap") {
+      return {type: "heatmap", z: t.z, x: t.x, y: t.y, name: t.name, colorscale: "Viridis",
+              colorbar: {title: {text: t.name, side: "right"}, thickness: 12}};
+    }
+    const chosen = figure.highlight !== null && figure.highlight !== undefined;
+    if (figure.kind === "bar") {
+      const trace = {type: "bar", x: t.x, y: t.y, name: t.name};
+      if (chosen && !named && figure.traces.length === 1) {  // the chosen category in the accent colour
+        trace.marker = {color: t.x.map((x) => (x === figure.highlight ? HIGHLIGHT : MUTED_BAR))};
+      } else if (chosen && named) {
+        trace.marker = {opacity: t.name === figure.highlight ? 1 : 0.45};
+      }
+      return trace;
+    }
+    const trace = {type: "scatter", mode: "lines+markers", x: t.x, y: t.y, name: t.name};
+    if (chosen && named) {
+      trace.line = {width: t.name === figure.highlight ? 4 : 1.5};
+      if (t.name !== figure.highlight) trace.opacity = 0.6;
+    }
+    return trace;
   });
+}
+
+function draw(div, figure) {
+  const traces = drawTraces(figure);
   const logX = figure.kind === "line" && figure.traces.length &&
     figure.traces[0].x.length > 2 && figure.traces[0].x[figure.traces[0].x.length - 1] / figure.traces[0].x[0] > 200;
-  const layout = {margin: {l: 60, r: 10, t: 10, b: 50}, barmode: "group", showlegend: figure.traces.length > 1,
-                  legend: {orientation: "h", y: -0.25, font: {size: 11}}, font: {size: 11},
-                  xaxis: {title: {text: figure.x_label}, type: logX ? "log" : undefined, automargin: true},
-                  yaxis: {title: {text: figure.y_label}, type: figure.log_y ? "log" : undefined, automargin: true}};
+  const numericX = figure.kind === "line";
+  const style = getComputedStyle(document.body);
+  const layout = {margin: {l: 60, r: 10, t: 10, b: 40}, barmode: "group", showlegend: figure.traces.length > 1,
+                  // the legend sits above the plot, clear of both axis titles
+                  legend: {orientation: "h", x: 0, xanchor: "left", y: 1.02, yanchor: "bottom", font: {size: 11}},
+                  font: {size: 11, color: style.color}, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+                  xaxis: axisLayout(figure.x_label, numericX, logX), yaxis: axisLayout(figure.y_label, true, figure.log_y)};
   if (figure.kind === "heatmap") {  // expert ids in a chosen order are categories, not numbers
     layout.xaxis.type = "category";
     layout.yaxis.type = "category";
+    delete layout.xaxis.rangemode;
+    delete layout.yaxis.rangemode;
   }
   if (div.clientWidth) layout.width = div.clientWidth;  // the grid cell's width, not plotly's 700 px default
   Plotly.newPlot(div, traces, layout, {displaylogo: false, responsive: true});
