@@ -215,3 +215,56 @@ def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_
         page.wait_for_selector("#queue-jobs li.empty", timeout=10_000)
         browser.close()
     assert errors == [], errors
+
+
+def _overflow(page) -> tuple[int, int]:
+    return page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+
+
+def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode(lab_url):
+    _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 400, "height": 800}, color_scheme="dark")
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(lab_url)
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        section = page.locator("#m-rollback")
+        # progress and results are announced; errors too
+        assert section.locator("[data-role=message]").get_attribute("aria-live") == "polite"
+        assert section.locator("[data-role=result]").get_attribute("aria-live") == "polite"
+        assert section.locator("[data-role=error]").get_attribute("role") == "alert"
+        # Enter in a field runs the module (computed only: repeats 0)
+        _set(page, "rollback", "repeats", "0")
+        section.locator("[data-param='window']").focus()
+        page.keyboard.press("Enter")
+        section.locator("table.metrics").wait_for(timeout=60_000)
+        section.locator(".chart .main-svg").first.wait_for()
+        figures = section.locator(".figure")
+        assert figures.count() == 2 and section.locator(".figure details table.data").count() == 2
+        rows = section.locator(".figure").nth(0).locator("table.data tbody tr")
+        assert rows.count() == 8  # windows 1..8 (max_window), one row each
+        assert rows.nth(3).locator("th").text_content() == "4"
+        width, inner = _overflow(page)
+        assert width <= inner == 400, (width, inner)
+        section.screenshot(path=str(SCREENSHOTS / "narrow-dark.png"))
+        background = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
+        assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) < 3 * 64, background  # dark
+        page.set_viewport_size({"width": 1400, "height": 900})
+        width, inner = _overflow(page)
+        assert width <= inner == 1400, (width, inner)
+        page.set_viewport_size({"width": 400, "height": 800})  # and back: the charts follow their cells
+        page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth", timeout=5_000)
+        light = browser.new_page(viewport={"width": 1400, "height": 900}, color_scheme="light")
+        light.goto(lab_url)
+        light.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        background = light.evaluate("() => getComputedStyle(document.body).backgroundColor")
+        assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) > 3 * 192, background  # light
+        width, inner = _overflow(light)
+        assert width <= inner == 1400, (width, inner)
+        browser.close()
+    assert errors == [], errors

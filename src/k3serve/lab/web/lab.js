@@ -105,7 +105,13 @@ function renderModule(module) {
        el("span", {class: "kind", text: kinds[module.kind] || module.kind})),
     el("p", {class: "summary", text: module.summary}),
     el("p", {class: "explanation", text: module.explanation}));
-  const form = el("form", {class: "params", onsubmit: (e) => { e.preventDefault(); run(module.id, false); }});
+  const form = el("form", {class: "params", onsubmit: (e) => { e.preventDefault(); run(module.id, false); },
+                           // Enter in any field runs the module (a form without a submit button would not submit)
+                           onkeydown: (e) => {
+                             if (e.key !== "Enter" || e.target.tagName !== "INPUT") return;
+                             e.preventDefault();
+                             if (state[module.id].following === null) run(module.id, false);
+                           }});
   for (const param of module.params) form.append(paramInput(module.id, param));
   section.append(form);
   const runButton = el("button", {class: "run", type: "button", "data-action": "run", text: "Run",
@@ -118,9 +124,9 @@ function renderModule(module) {
   const bar = el("div", {class: "progress", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": "100"},
                  el("div"));
   section.append(el("div", {class: "controls"}, runButton, rerunButton, cancelButton, bar,
-                    el("span", {class: "message", "data-role": "message"})));
-  section.append(el("div", {class: "error", "data-role": "error"}));
-  section.append(el("div", {class: "result", "data-role": "result"}));
+                    el("span", {class: "message", "data-role": "message", role: "status", "aria-live": "polite"})));
+  section.append(el("div", {class: "error", "data-role": "error", role: "alert", "aria-live": "assertive"}));
+  section.append(el("div", {class: "result", "data-role": "result", "aria-live": "polite"}));
   return section;
 }
 
@@ -286,7 +292,7 @@ function renderResult(id, result, cached) {
                     el("td", {class: "baseline", text: formatNumber(base, label)}), changeCell(value, base)));
   }
   table.append(tbody);
-  target.append(table);
+  target.append(el("div", {class: "table-wrap"}, table));
   if (result.notes && result.notes.length) {
     const notes = el("ul", {class: "notes"});
     for (const note of result.notes) notes.append(el("li", {text: note}));
@@ -301,6 +307,7 @@ function renderResult(id, result, cached) {
       el("div", {class: "head"}, el("span", {class: "title", text: figure.title}),
          el("span", {class: `mark ${figure.measured ? "measured" : "simulated"}`, text: figure.mark})),
       chart,
+      dataTable(figure),
       el("div", {class: "source", text: figure.source}),
       el("div", {class: "command"}, "reproduce: ", el("code", {text: figure.command})));
     figures.append(box);
@@ -311,6 +318,34 @@ function renderResult(id, result, cached) {
     ? ` Related: ${result.related_commands.join("  |  ")}` : "";
   target.append(el("p", {class: "meta", text: `${cached ? "cached result, " : ""}ran in ${result.seconds} s.` +
                                                  related}));
+}
+
+function dataTable(figure) {
+  // the chart's numbers as text, for screen readers and for copying, formatted like the metrics table
+  const table = el("table", {class: "data"});
+  const body = el("tbody");
+  if (figure.kind === "heatmap") {
+    const trace = figure.traces[0];
+    table.append(el("thead", {}, el("tr", {}, el("th", {text: `${figure.y_label} \\ ${figure.x_label}`}),
+                                    ...trace.x.map((x) => el("th", {text: String(x)})))));
+    trace.y.forEach((y, row) => body.append(el("tr", {}, el("th", {text: String(y)}),
+      ...trace.z[row].map((v) => el("td", {text: formatNumber(v, trace.name)})))));
+  } else {
+    const xs = [];
+    for (const trace of figure.traces) for (const x of trace.x) if (!xs.includes(x)) xs.push(x);
+    table.append(el("thead", {}, el("tr", {}, el("th", {text: figure.x_label || ""}),
+                                    ...figure.traces.map((t) => el("th", {text: `${t.name}, ${figure.y_label}`})))));
+    for (const x of xs) {
+      body.append(el("tr", {}, el("th", {text: typeof x === "number" ? formatNumber(x, figure.x_label) : String(x)}),
+        ...figure.traces.map((t) => {
+          const at = t.x.indexOf(x);
+          return el("td", {text: at < 0 ? "" : formatNumber(t.y[at], figure.y_label)});
+        })));
+    }
+  }
+  table.append(body);
+  return el("details", {class: "data-table"}, el("summary", {text: "the numbers behind this chart"}),
+            el("div", {class: "table-wrap"}, table));
 }
 
 const HIGHLIGHT = "#2457c5";
@@ -357,11 +392,13 @@ function draw(div, figure) {
     figure.traces[0].x.length > 2 && figure.traces[0].x[figure.traces[0].x.length - 1] / figure.traces[0].x[0] > 200;
   const numericX = figure.kind === "line";
   const style = getComputedStyle(document.body);
+  const grid = style.getPropertyValue("--line").trim() || "#d9dee7";
   const layout = {margin: {l: 60, r: 10, t: 10, b: 40}, barmode: "group", showlegend: figure.traces.length > 1,
                   // the legend sits above the plot, clear of both axis titles
                   legend: {orientation: "h", x: 0, xanchor: "left", y: 1.02, yanchor: "bottom", font: {size: 11}},
                   font: {size: 11, color: style.color}, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
                   xaxis: axisLayout(figure.x_label, numericX, logX), yaxis: axisLayout(figure.y_label, true, figure.log_y)};
+  for (const axis of [layout.xaxis, layout.yaxis]) Object.assign(axis, {gridcolor: grid, zerolinecolor: grid, linecolor: grid});
   if (figure.kind === "heatmap") {  // expert ids in a chosen order are categories, not numbers
     layout.xaxis.type = "category";
     layout.yaxis.type = "category";
@@ -371,6 +408,18 @@ function draw(div, figure) {
   if (div.clientWidth) layout.width = div.clientWidth;  // the grid cell's width, not plotly's 700 px default
   Plotly.newPlot(div, traces, layout, {displaylogo: false, responsive: true});
 }
+
+function fitCharts() {
+  // a narrower window (a phone turned, a split screen) must not leave charts wider than their cells
+  for (const div of document.querySelectorAll(".chart.js-plotly-plot")) {
+    if (div.clientWidth && div._fullLayout && Math.abs(div._fullLayout.width - div.clientWidth) > 1) {
+      Plotly.relayout(div, {width: div.clientWidth});
+    }
+  }
+}
+
+let fitTimer = null;
+window.addEventListener("resize", () => { clearTimeout(fitTimer); fitTimer = setTimeout(fitCharts, 100); });
 
 async function main() {
   const status = document.getElementById("status");
