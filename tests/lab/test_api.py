@@ -259,3 +259,39 @@ def test_a_timing_is_a_median_of_at_least_three_repeats(lab_client, module_id, b
     assert response.status_code == 400 and response.json()["error"]["param"] == param
     listing = {m["id"]: {p["name"]: p for p in m["params"]} for m in lab_client.get("/lab/api/modules").json()}
     assert listing[module_id][param]["default"] >= 3
+
+
+def test_a_result_exports_as_json_and_csv(lab_client):
+    import csv
+    import io
+
+    from k3serve.lab.export import CSV_COLUMNS
+
+    job = lab_client.post("/lab/api/modules/rollback/run?wait=true", json={"repeats": 0, "window": 5}).json()
+    record = job["result"]
+    as_json = lab_client.get(f"/lab/api/jobs/{job['job_id']}/result.json")
+    assert as_json.status_code == 200 and as_json.json() == record
+    assert f'filename="rollback-{job["job_id"]}.json"' in as_json.headers["content-disposition"]
+    as_csv = lab_client.get(f"/lab/api/jobs/{job['job_id']}/result.csv")
+    assert as_csv.status_code == 200 and as_csv.headers["content-type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(as_csv.text)))
+    assert tuple(as_csv.text.splitlines()[0].split(",")) == CSV_COLUMNS
+    metrics = {r["name"]: (float(r["value"]), float(r["baseline"])) for r in rows if r["part"] == "metric"}
+    assert metrics == {k: (v, record["baseline"][k]) for k, v in record["metrics"].items()}
+    points = [r for r in rows if r["part"] == "figure"]
+    assert len(points) == sum(len(t["x"]) for f in record["series"] for t in f["traces"])
+    first = record["series"][0]
+    at_window_5 = [r for r in points if r["name"] == first["title"] and r["x"] == "5"]
+    assert [float(r["value"]) for r in at_window_5] == [t["y"][4] for t in first["traces"]]
+    assert {r["unit"] for r in at_window_5} == {"MiB"}
+    assert lab_client.get(f"/lab/api/jobs/{job['job_id']}/result.xml").status_code == 404
+    assert lab_client.get("/lab/api/jobs/nope/result.csv").status_code == 404
+
+
+def test_a_job_without_a_result_has_nothing_to_export(lab_client):
+    job = lab_client.post("/lab/api/modules/rollback/run?rerun=true", json={"repeats": 50}).json()
+    lab_client.delete(f"/lab/api/jobs/{job['job_id']}")
+    job = lab_client.get(f"/lab/api/jobs/{job['job_id']}").json()
+    assert job["status"] in ("queued", "running", "cancelled") and "result" not in job
+    response = lab_client.get(f"/lab/api/jobs/{job['job_id']}/result.json")
+    assert response.status_code == 409 and job["job_id"] in response.json()["error"]["message"]

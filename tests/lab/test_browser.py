@@ -268,3 +268,46 @@ def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode
         assert width <= inner == 1400, (width, inner)
         browser.close()
     assert errors == [], errors
+
+
+def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_dashed(lab_url):
+    _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{lab_url}?module=rollback&window=6&repeats=0&precision=fp32")
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        form = page.locator("#m-rollback")
+        assert [form.locator(f"[data-param='{n}']").input_value() for n in ("window", "repeats", "precision")] == \
+            ["6", "0", "fp32"]
+        assert form.locator("table.metrics").count() == 0  # a permalink fills the form; it runs nothing
+        _set(page, "rollback", "window", "7")
+        link = form.locator("[data-role=permalink]").get_attribute("href")
+        assert "module=rollback" in link and "window=7" in link and "precision=fp32" in link
+        _run(page, "rollback")
+        assert not page.evaluate("() => document.querySelectorAll('#m-rollback .chart')[1].data"
+                                 ".some(t => t.meta === 'previous')")
+        for kind in ("json", "csv"):
+            href = form.locator(f"[data-role=export-{kind}]").get_attribute("href")
+            response = page.request.get(lab_url + href)
+            assert response.ok, href
+            if kind == "json":
+                assert response.json()["params"]["window"] == 7
+            else:
+                assert response.text().startswith("part,name,label,series,x,y,value,baseline,unit")
+        _set(page, "rollback", "window", "5")
+        _run(page, "rollback")
+        traces = page.evaluate("""() => document.querySelectorAll('#m-rollback .chart')[1].data
+            .map(t => [t.name, t.meta || '', (t.line || {}).dash || ''])""")
+        previous = [t for t in traces if t[1] == "previous"]
+        assert previous and all(t[2] == "dash" and "previous: window=7" in t[0] for t in previous), traces
+        assert len(previous) == len(traces) - len(previous)  # each trace of the previous run, once
+        assert "Dashed: the previous run (window=7)" in form.locator(".export").inner_text()
+        form.screenshot(path=str(SCREENSHOTS / "rollback-previous.png"))
+        browser.close()
+    assert errors == [], errors

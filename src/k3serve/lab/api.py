@@ -13,11 +13,13 @@
                                                         seconds, ...}, error?}
     GET    /lab/api/jobs                  {"jobs": [job record, ...]}: the running job, then the queued ones in order
     GET    /lab/api/jobs/{job_id}         the same job record, to poll progress and fetch the result
+    GET    /lab/api/jobs/{job_id}/result.json   a finished job's result record, as a download
+    GET    /lab/api/jobs/{job_id}/result.csv    the same as CSV: one row per metric and per plotted point (lab/export.py)
     DELETE /lab/api/jobs/{job_id}         cancel: a queued job never starts, a running one stops at its next check or
                                           its worker process is killed (lab/worker.py)
 
 Errors: `{"error": {"message", "param"}}`; an unknown or out-of-range parameter is a 400 naming it, an unknown
-module or job a 404, a new job while the queue holds `max_queued` (16) jobs a 429.
+module or job a 404, the result of a job that has none (yet) a 409, a new job while the queue holds `max_queued` (16) jobs a 429.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
+from k3serve.lab.export import result_csv
 from k3serve.lab.fixtures import LabFixtures
 from k3serve.lab.jobs import LabQueueConfig, LabQueueFull, RunQueue
 from k3serve.lab.registry import LabParamError, UnknownModuleError, get_module, modules
@@ -107,6 +110,22 @@ def create_lab_router(queue: RunQueue) -> APIRouter:
         if job is None:
             return _error(404, f"no job {job_id!r}")
         return JSONResponse(queue.snapshot(job))
+
+    @router.get("/api/jobs/{job_id}/result.{extension}")
+    def job_result(job_id: str, extension: str) -> Response:
+        job = queue.get(job_id)
+        if job is None:
+            return _error(404, f"no job {job_id!r}")
+        if extension not in ("json", "csv"):
+            return _error(404, f"no export {extension!r}; there are result.json and result.csv")
+        record = queue.snapshot(job).get("result")
+        if record is None:
+            return _error(409, f"job {job_id!r} has no result ({job.status})")
+        filename = f"{job.module.id}-{job_id}.{extension}"
+        headers = {"Content-Disposition": f'attachment; filename="{filename}"'}
+        if extension == "json":
+            return JSONResponse(record, headers=headers)
+        return Response(result_csv(record), media_type="text/csv", headers=headers)
 
     @router.delete("/api/jobs/{job_id}")
     def cancel(job_id: str) -> JSONResponse:

@@ -7,7 +7,9 @@
 
 const POLL_MS = 300;
 const QUEUE_POLL_MS = 1000;
-const state = {};  // module id -> {module, job, following}: `following` is the job id being polled, if any
+// module id -> {module, job, following, last}: `following` is the job id being polled, if any; `last` the result
+// shown now, whose figures become the dashed "previous run" when the module runs again with other parameters
+const state = {};
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -96,6 +98,37 @@ function readParams(section, module) {
   return params;
 }
 
+function defaults(module) {
+  return Object.fromEntries(module.params.map((p) => [p.name, p.default]));
+}
+
+function permalink(id, params) {
+  // ?module=ID&name=value...: opening it fills that module's form (nothing runs until Run)
+  const query = new URLSearchParams({module: id});
+  for (const [name, value] of Object.entries(params)) query.set(name, String(value));
+  return `${location.pathname}?${query}#m-${id}`;
+}
+
+function fillForm(section, params) {
+  for (const [name, value] of Object.entries(params)) {
+    const input = section.querySelector(`[data-param="${name}"]`);
+    if (!input) continue;
+    if (input.type === "checkbox") input.checked = value === true || value === "true";
+    else input.value = String(value);
+  }
+}
+
+function openPermalink() {
+  const query = new URLSearchParams(location.search);
+  const id = query.get("module");
+  if (!id || !state[id]) return;
+  query.delete("module");
+  const section = document.getElementById(`m-${id}`);
+  fillForm(section, Object.fromEntries(query));
+  section.querySelector('[data-role="permalink"]').href = permalink(id, readParams(section, state[id].module));
+  section.scrollIntoView();
+}
+
 function renderModule(module) {
   const section = el("section", {class: "module", id: `m-${module.id}`, "data-module": module.id});
   const kinds = {measured: "measured on this machine", simulated: "simulated (model)",
@@ -123,7 +156,12 @@ function renderModule(module) {
                                      disabled: "", onclick: () => cancel(module.id)});
   const bar = el("div", {class: "progress", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": "100"},
                  el("div"));
-  section.append(el("div", {class: "controls"}, runButton, rerunButton, cancelButton, bar,
+  const link = el("a", {class: "permalink", "data-role": "permalink", href: permalink(module.id, defaults(module)),
+                        title: "a link that opens this page with these parameters in the form",
+                        text: "link to these parameters"});
+  form.addEventListener("input", () => { link.href = permalink(module.id, readParams(section, module)); });
+  form.addEventListener("change", () => { link.href = permalink(module.id, readParams(section, module)); });
+  section.append(el("div", {class: "controls"}, runButton, rerunButton, cancelButton, link, bar,
                     el("span", {class: "message", "data-role": "message", role: "status", "aria-live": "polite"})));
   section.append(el("div", {class: "error", "data-role": "error", role: "alert", "aria-live": "assertive"}));
   section.append(el("div", {class: "result", "data-role": "result", "aria-live": "polite"}));
@@ -204,7 +242,7 @@ function follow(id, job) {
   setRunning(id, false);
   const section = document.getElementById(`m-${id}`);
   if (job.status === "done") {
-    renderResult(id, job.result, job.cached);
+    renderResult(id, job.result, job.cached, job.job_id);
   } else if (job.status === "failed") {
     section.querySelector('[data-role="error"]').textContent = `the run failed: ${job.error}`;
   } else if (job.status === "cancelled") {
@@ -222,13 +260,7 @@ function attach(job) {
   // follow a queued or running job this page did not start (or started before a reload), showing its parameters
   const entry = state[job.module];
   if (!entry || entry.following) return;
-  const section = document.getElementById(`m-${job.module}`);
-  for (const [name, value] of Object.entries(job.params)) {
-    const input = section.querySelector(`[data-param="${name}"]`);
-    if (!input) continue;
-    if (input.type === "checkbox") input.checked = !!value;
-    else input.value = String(value);
-  }
+  fillForm(document.getElementById(`m-${job.module}`), job.params);
   entry.job = job.job_id;
   setRunning(job.module, true);
   follow(job.module, job);
@@ -276,8 +308,17 @@ function changeCell(metric, baseline) {
   return el("td", {class: "ratio", text: formatRatio(metric / baseline)});
 }
 
-function renderResult(id, result, cached) {
+function changedParams(before, after) {
+  return Object.keys(after).filter((k) => JSON.stringify(before[k]) !== JSON.stringify(after[k]))
+    .map((k) => `${k}=${before[k]}`).join(", ");
+}
+
+function renderResult(id, result, cached, jobId) {
+  const entry = state[id];
+  const previous = entry.last && changedParams(entry.last.params, result.params) ? entry.last : null;
+  entry.last = result;
   const section = document.getElementById(`m-${id}`);
+  section.querySelector('[data-role="permalink"]').href = permalink(id, result.params);
   const target = section.querySelector('[data-role="result"]');
   target.innerHTML = "";
   const table = el("table", {class: "metrics", "data-role": "metrics"});
@@ -301,7 +342,11 @@ function renderResult(id, result, cached) {
   const figures = el("div", {class: "figures"});
   target.append(figures);
   const pending = [];  // draw once every box is in the grid, so each chart takes its final cell width
+  const changed = previous ? changedParams(previous.params, result.params) : "";
   result.series.forEach((figure, index) => {
+    const before = previous && previous.series[index];
+    const overlay = before && before.kind === figure.kind && figure.kind !== "heatmap" &&
+      before.y_label === figure.y_label ? before : null;
     const chart = el("div", {class: "chart", id: `chart-${id}-${index}`});
     const box = el("div", {class: "figure", "data-measured": String(figure.measured)},
       el("div", {class: "head"}, el("span", {class: "title", text: figure.title}),
@@ -311,13 +356,21 @@ function renderResult(id, result, cached) {
       el("div", {class: "source", text: figure.source}),
       el("div", {class: "command"}, "reproduce: ", el("code", {text: figure.command})));
     figures.append(box);
-    pending.push([chart, figure]);
+    pending.push([chart, figure, overlay, changed]);
   });
-  for (const [chart, figure] of pending) draw(chart, figure);
+  for (const [chart, figure, overlay, changed] of pending) draw(chart, figure, overlay, changed);
   const related = result.related_commands && result.related_commands.length
     ? ` Related: ${result.related_commands.join("  |  ")}` : "";
   target.append(el("p", {class: "meta", text: `${cached ? "cached result, " : ""}ran in ${result.seconds} s.` +
                                                  related}));
+  if (jobId) {
+    target.append(el("p", {class: "export"}, "Download this result: ",
+      el("a", {href: `api/jobs/${jobId}/result.json`, download: `${id}-${jobId}.json`, "data-role": "export-json",
+               text: "JSON"}), ", ",
+      el("a", {href: `api/jobs/${jobId}/result.csv`, download: `${id}-${jobId}.csv`, "data-role": "export-csv",
+               text: "CSV"}),
+      previous ? ` Dashed: the previous run (${changed}).` : ""));
+  }
 }
 
 function dataTable(figure) {
@@ -349,6 +402,7 @@ function dataTable(figure) {
 }
 
 const HIGHLIGHT = "#2457c5";
+const COLORWAY = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
 const MUTED_BAR = "#a9b3c4";
 
 function axisLayout(label, numeric, log) {
@@ -386,14 +440,41 @@ function drawTraces(figure) {
   });
 }
 
-function draw(div, figure) {
-  const traces = drawTraces(figure);
+function previousTraces(figure, changed) {
+  // the previous run of this module (other parameters) under the new one: dashed lines, hatched pale bars
+  return figure.traces.map((t) => {
+    const name = `${t.name} (previous: ${changed})`;
+    if (figure.kind === "bar") {
+      return {type: "bar", x: t.x, y: t.y, name, opacity: 0.45, marker: {pattern: {shape: "/"}}, "meta": "previous"};
+    }
+    return {type: "scatter", mode: "lines", x: t.x, y: t.y, name, line: {dash: "dash", width: 1.5},
+            "meta": "previous"};
+  });
+}
+
+function draw(div, figure, overlay, changed) {
+  const current = drawTraces(figure);
+  const before = overlay ? previousTraces(overlay, changed) : [];
+  // a previous trace takes the colour of the current trace of its name (or place), dashed or hatched
+  current.forEach((trace, i) => {
+    const color = COLORWAY[i % COLORWAY.length];
+    if (trace.type === "scatter") trace.line = Object.assign({color}, trace.line);
+    else if (trace.type === "bar") trace.marker = Object.assign({color}, trace.marker);
+  });
+  before.forEach((trace, i) => {
+    const match = overlay.traces[i].name;
+    const at = figure.traces.findIndex((t) => t.name === match);
+    const color = COLORWAY[(at < 0 ? i : at) % COLORWAY.length];
+    if (trace.type === "scatter") trace.line.color = color;
+    else trace.marker.color = color;
+  });
+  const traces = current.concat(before);
   const logX = figure.kind === "line" && figure.traces.length &&
     figure.traces[0].x.length > 2 && figure.traces[0].x[figure.traces[0].x.length - 1] / figure.traces[0].x[0] > 200;
   const numericX = figure.kind === "line";
   const style = getComputedStyle(document.body);
   const grid = style.getPropertyValue("--line").trim() || "#d9dee7";
-  const layout = {margin: {l: 60, r: 10, t: 10, b: 40}, barmode: "group", showlegend: figure.traces.length > 1,
+  const layout = {margin: {l: 60, r: 10, t: 10, b: 40}, barmode: "group", showlegend: traces.length > 1,
                   // the legend sits above the plot, clear of both axis titles
                   legend: {orientation: "h", x: 0, xanchor: "left", y: 1.02, yanchor: "bottom", font: {size: 11}},
                   font: {size: 11, color: style.color}, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
@@ -438,6 +519,7 @@ async function main() {
     container.append(renderModule(module));
   }
   status.textContent = `${modules.length} modules. Nothing runs until you press Run.`;
+  openPermalink();
   await refreshQueue();  // re-attach to jobs queued or running before this page was loaded
   document.body.dataset.ready = "true";
   setTimeout(watchQueue, QUEUE_POLL_MS);
