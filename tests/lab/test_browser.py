@@ -311,3 +311,58 @@ def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_das
         form.screenshot(path=str(SCREENSHOTS / "rollback-previous.png"))
         browser.close()
     assert errors == [], errors
+
+
+def _cost_numbers(text: str) -> tuple[float, float]:
+    found = re.fullmatch(r"\$([\d,.]+) per million tokens, ([\d,.]+) J/token", text.strip())
+    assert found, text
+    return float(found.group(1).replace(",", "")), float(found.group(2).replace(",", ""))
+
+
+def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
+    _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(lab_url)
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        # the arithmetic: $/M tokens = price per hour / (tok/s x 3600) x 1e6; J/token = W / (tok/s)
+        cost = page.evaluate("() => window.labCost.costOf(100, {pricePerHour: 0.36, watts: 50})")
+        assert cost["dollarsPerMillion"] == pytest.approx(1.0) and cost["joulesPerToken"] == pytest.approx(0.5)
+        cost = page.evaluate("() => window.labCost.costOf(2500, {pricePerHour: 3.0, watts: 700})")
+        assert cost["dollarsPerMillion"] == pytest.approx(3.0 / 9e6 * 1e6) and cost["joulesPerToken"] == pytest.approx(0.28)
+        assert page.evaluate("() => window.labCost.costOf(0, {pricePerHour: 1, watts: 1})") is None
+        # the defaults are stated and in the fields
+        assert page.locator("#profile-defaults").inner_text() == "$0.10 per hour, 65 W"
+        assert (page.locator("#price-per-hour").input_value(), page.locator("#watts").input_value()) == ("0.1", "65")
+        for name, value in fast_params["speculative"].items():
+            _set(page, "speculative", name, str(value))
+        _run(page, "speculative")
+        row = page.locator("#m-speculative tr[data-metric='tok_per_s']")
+        rate = float(row.locator("td.value").get_attribute("data-value"))
+        dollars, joules = _cost_numbers(row.locator("td.value .cost").inner_text())
+        assert dollars == pytest.approx(0.10 / (rate * 3600) * 1e6, rel=5e-3)
+        assert joules == pytest.approx(65 / rate, rel=5e-3)
+        assert row.locator("td.baseline .cost").count() == 1  # the baseline's throughput too
+        assert page.locator("#m-speculative .figure table.data .cost").count() >= 2  # and the tok/s charts' tables
+        # an edited profile changes every cost at once and is kept across a reload
+        page.locator("#price-per-hour").fill("0.36")
+        page.locator("#watts").fill("50")
+        dollars, joules = _cost_numbers(row.locator("td.value .cost").inner_text())
+        assert dollars == pytest.approx(0.36 / (rate * 3600) * 1e6, rel=5e-3)
+        assert joules == pytest.approx(50 / rate, rel=5e-3)
+        page.locator("header").screenshot(path=str(SCREENSHOTS / "profile.png"))
+        page.locator("#m-speculative table.metrics").screenshot(path=str(SCREENSHOTS / "speculative-cost.png"))
+        page.reload()
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        assert (page.locator("#price-per-hour").input_value(), page.locator("#watts").input_value()) == ("0.36", "50")
+        page.locator("#profile-reset").click()
+        assert page.evaluate("() => localStorage.getItem('k3serve-lab-profile')") is None
+        assert page.locator("#watts").input_value() == "65"
+        browser.close()
+    assert errors == [], errors

@@ -64,6 +64,70 @@ function formatRatio(ratio) {
 
 window.labFormat = {number: formatNumber, bytes: formatBytes, ratio: formatRatio};
 
+// Cost and energy of a throughput on a machine profile (price per hour, power draw):
+//   dollars per million tokens = price_per_hour / (tok/s x 3600 s/h) x 1e6;  joules per token = watts / (tok/s)
+const DEFAULT_PROFILE = {pricePerHour: 0.10, watts: 65};  // a small 2-core cloud VM and its share of a server
+const PROFILE_KEY = "k3serve-lab-profile";
+
+function costOf(tokPerSecond, profile) {
+  if (!(tokPerSecond > 0)) return null;
+  return {dollarsPerMillion: profile.pricePerHour / (tokPerSecond * 3600) * 1e6,
+          joulesPerToken: profile.watts / tokPerSecond};
+}
+
+function loadProfile() {
+  try {
+    const saved = JSON.parse(localStorage.getItem(PROFILE_KEY) || "null");
+    if (saved && saved.pricePerHour >= 0 && saved.watts >= 0) return saved;
+  } catch (exc) { /* a malformed entry: fall back to the defaults */ }
+  return {...DEFAULT_PROFILE};
+}
+
+function costText(tokPerSecond, profile) {
+  const cost = costOf(tokPerSecond, profile);
+  if (cost === null) return "";
+  return `$${plain(cost.dollarsPerMillion, 3)} per million tokens, ${plain(cost.joulesPerToken, 3)} J/token`;
+}
+
+function isThroughput(label) {
+  return /tok\/s|tokens per second/i.test(label || "");
+}
+
+function costSpan(tokPerSecond) {
+  return el("span", {class: "cost", "data-tok-per-s": String(tokPerSecond), text: costText(tokPerSecond, loadProfile())});
+}
+
+function refreshCosts() {
+  const profile = loadProfile();
+  for (const span of document.querySelectorAll(".cost[data-tok-per-s]")) {
+    span.textContent = costText(Number(span.dataset.tokPerS), profile);
+  }
+}
+
+function setUpProfile() {
+  const price = document.getElementById("price-per-hour");
+  const watts = document.getElementById("watts");
+  document.getElementById("profile-defaults").textContent =
+    `$${DEFAULT_PROFILE.pricePerHour.toFixed(2)} per hour, ${DEFAULT_PROFILE.watts} W`;
+  const show = (profile) => { price.value = String(profile.pricePerHour); watts.value = String(profile.watts); };
+  show(loadProfile());
+  const save = () => {
+    const profile = {pricePerHour: Number(price.value), watts: Number(watts.value)};
+    if (price.value === "" || watts.value === "" || !(profile.pricePerHour >= 0) || !(profile.watts >= 0)) return;
+    localStorage.setItem(PROFILE_KEY, JSON.stringify(profile));
+    refreshCosts();
+  };
+  price.addEventListener("input", save);
+  watts.addEventListener("input", save);
+  document.getElementById("profile-reset").addEventListener("click", () => {
+    localStorage.removeItem(PROFILE_KEY);
+    show(DEFAULT_PROFILE);
+    refreshCosts();
+  });
+}
+
+window.labCost = {costOf, costText, defaults: DEFAULT_PROFILE};
+
 function paramInput(moduleId, param) {
   const id = `p-${moduleId}-${param.name}`;
   let input;
@@ -328,9 +392,14 @@ function renderResult(id, result, cached, jobId) {
   for (const [key, value] of Object.entries(result.metrics)) {
     const base = key in result.baseline ? result.baseline[key] : null;
     const label = result.labels[key] || key;
-    tbody.append(el("tr", {"data-metric": key}, el("td", {text: label}),
-                    el("td", {class: "value", "data-value": String(value), text: formatNumber(value, label)}),
-                    el("td", {class: "baseline", text: formatNumber(base, label)}), changeCell(value, base)));
+    const cell = (number, cls) => {
+      const td = el("td", {class: cls, text: formatNumber(number, label)});
+      if (cls === "value") td.dataset.value = String(number);
+      if (isThroughput(label) && number > 0) td.append(el("br"), costSpan(number));  // cost beside the throughput
+      return td;
+    };
+    tbody.append(el("tr", {"data-metric": key}, el("td", {text: label}), cell(value, "value"),
+                    cell(base, "baseline"), changeCell(value, base)));
   }
   table.append(tbody);
   target.append(el("div", {class: "table-wrap"}, table));
@@ -392,7 +461,9 @@ function dataTable(figure) {
       body.append(el("tr", {}, el("th", {text: typeof x === "number" ? formatNumber(x, figure.x_label) : String(x)}),
         ...figure.traces.map((t) => {
           const at = t.x.indexOf(x);
-          return el("td", {text: at < 0 ? "" : formatNumber(t.y[at], figure.y_label)});
+          const td = el("td", {text: at < 0 ? "" : formatNumber(t.y[at], figure.y_label)});
+          if (at >= 0 && figure.y_unit === "tok/s" && t.y[at] > 0) td.append(el("br"), costSpan(t.y[at]));
+          return td;
         })));
     }
   }
@@ -503,6 +574,7 @@ let fitTimer = null;
 window.addEventListener("resize", () => { clearTimeout(fitTimer); fitTimer = setTimeout(fitCharts, 100); });
 
 async function main() {
+  setUpProfile();
   const status = document.getElementById("status");
   let modules;
   try {
