@@ -2,7 +2,9 @@
 
 Opens the page served by uvicorn, runs every module (at the API tests' reduced sizes), changes a parameter in three
 modules and checks that their numbers and charts change, that every figure carries its mark and command, and that
-the console shows no errors. Screenshots of each module go to out/lab/ (git-ignored). Without chromium the test
+the console shows no errors, and that charts are readable (human units, axes from 0, legends clear of axis titles).
+Smaller tests check the number formatter, the page at 400 and 1400 px with the keyboard, live regions, data tables
+and dark mode, permalinks, exports and the dashed previous run, and the cost and energy of a throughput. Screenshots of each module go to out/lab/ (git-ignored). Without chromium the test
 skips, except under CI=true, where it fails.
 """
 

@@ -3,6 +3,11 @@
 // each with its "measured on this machine" / "simulated (model)" mark and the command that reproduces it.
 // The queue panel lists the running and queued jobs (api/jobs) with a Cancel each; a page loaded while jobs are
 // queued or running (a reload, another tab) re-attaches each module to its job.
+// Charts: one titled unit per axis, linear axes from 0, legends above the plot, the chosen policy in the accent
+// colour, a text table behind each, numbers in human units (labFormat). A permalink per module fills its form from
+// the URL; a result downloads as JSON or CSV; a module run again with other parameters shows the previous run
+// dashed. The machine profile (price per hour, watts; localStorage) puts $ per million tokens and J/token beside
+// every tok/s.
 "use strict";
 
 const POLL_MS = 300;
