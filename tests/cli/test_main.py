@@ -127,3 +127,30 @@ def test_serve_and_cluster_size_the_state_checkpoints(command, capsys):
     assert exit_info.value.code == 2 and "--state-checkpoints" in capsys.readouterr().err
     assert default.prefix_wait_tokens == EngineConfig.prefix_wait_tokens
     assert _engine_config(parser.parse_args([command, "--prefix-wait-tokens", "0"])).prefix_wait_tokens == 0
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\x17random bytes, not the GGUF magic" * 40])
+def test_an_empty_or_random_gguf_file_is_not_a_valid_gguf_file(tmp_path, capsys, content):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    for argv in (["generate", "--model", str(path), "--prompt-ids", "1"], ["info", "--model", str(path)],
+                 ["pack", str(path), str(tmp_path / "out")]):
+        with pytest.raises(SystemExit) as exit_info:  # a bad argument: the parser's one line and exit 2
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{path} is not a valid GGUF file" in err and "is a GGUF file" not in err, err
+
+
+def test_a_missing_gguf_file_is_not_called_a_checkpoint_folder(tmp_path, capsys):
+    from k3serve.errors import CheckpointError
+    from k3serve.weights.checkpoint import Checkpoint
+
+    path = tmp_path / "x.gguf"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["logits", "--model", str(path), "--ids", "1", "--out", str(tmp_path / "l.npy")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"GGUF file {path} does not exist" in err and "checkpoint folder" not in err
+    with pytest.raises(CheckpointError, match="GGUF file .* does not exist"):
+        Checkpoint(path)

@@ -69,3 +69,76 @@ def test_cli_pack_sim_and_coactivation(tiny_dir, tiny_trace, tmp_path, capsys):
     assert main(["logits", "--model", str(out), "--ids", ids, "--out", str(tmp_path / "l.npy"),
                  "--ram-budget", "10K"]) == 2
     assert "minimum" in capsys.readouterr().err
+
+
+# --- issue 32, item 18: bad trace files are one clear error naming the file, never a traceback
+
+def _binary_trace(tmp_path):
+    path = tmp_path / "binary.trace"
+    path.write_bytes(bytes(range(256)) * 8)  # not UTF-8
+    return path
+
+
+def test_a_binary_file_given_as_a_trace_is_a_typed_error_naming_it(tmp_path):
+    from k3serve.stream.trace import TraceError
+
+    path = _binary_trace(tmp_path)
+    try:
+        read_trace(path)
+    except TraceError as exc:
+        assert str(path) in str(exc) and "binary" in str(exc)
+    else:
+        raise AssertionError("a binary trace was read")
+
+
+def _trace_commands(tiny_dir, tiny_store, trace, tmp_path):
+    return {
+        "sim cache": ["sim", "cache", str(trace), "--capacity", "4"],
+        "sim k3": ["sim", "k3", "--routing-trace", str(trace)],
+        "coactivation": ["coactivation", str(trace), "--out", str(tmp_path / "maps")],
+        "pack --trace": ["pack", str(tiny_dir), str(tmp_path / "packed"), "--layout", "frequency", "--trace",
+                         str(trace)],
+        "generate --cache-profile": ["generate", "--model", str(tiny_store.path), "--prompt-ids", "1,2",
+                                     "--max-tokens", "1", "--cache", "pinned", "--cache-profile", str(trace)],
+    }
+
+
+def test_every_command_that_reads_a_trace_refuses_a_binary_file_in_one_line(tiny_dir, tiny_store, tmp_path, capsys):
+    trace = _binary_trace(tmp_path)
+    for name, argv in _trace_commands(tiny_dir, tiny_store, trace, tmp_path).items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("k3serve: error: ") and str(trace) in err and err.count("\n") == 1, (name, err)
+
+
+def _out_of_range_trace(tiny_trace, tmp_path):
+    lines = tiny_trace.read_text().splitlines()
+    meta = read_trace(tiny_trace).meta
+    step, token, layer, *_ = lines[1].split()
+    ids = [str(meta["num_experts"] + 3)] + ["0"] * (meta["top_k"] - 1)
+    path = tmp_path / "bad-id.trace"
+    path.write_text("\n".join([lines[0], lines[1], " ".join([step, token, layer, *ids]), *lines[2:]]) + "\n")
+    return path, meta["num_experts"] + 3
+
+
+def test_an_expert_id_past_the_expert_count_is_refused_by_sim_cache_and_coactivation(tiny_trace, tmp_path, capsys):
+    path, bad_id = _out_of_range_trace(tiny_trace, tmp_path)
+    for argv in (["sim", "cache", str(path), "--capacity", "4"], ["coactivation", str(path), "--out",
+                                                                  str(tmp_path / "maps")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{path}:3" in err and f"expert id {bad_id}" in err and "num_experts" in err, err
+
+
+def test_sim_cache_warns_that_a_routing_stats_trace_has_no_decode_step(tiny_model, tiny_trace, tmp_path, capsys):
+    from k3serve.lab.routing_stats import measure_routing
+    from k3serve.stream.trace import TraceWriter, trace_meta
+
+    stats_trace = tmp_path / "stats.trace"  # what `routing-stats --trace-out` writes: one prefill step per window
+    writer = TraceWriter(stats_trace, trace_meta(tiny_model.config))
+    measure_routing(tiny_model, [[1, 5, 9, 200, 17, 3, 88, 41], [2, 250, 7, 9, 11, 13]], writer)
+    writer.close()
+    assert main(["sim", "cache", str(stats_trace), "--capacity", "4"]) == 0
+    assert "holds no decode step" in capsys.readouterr().err
+    assert main(["sim", "cache", str(tiny_trace), "--capacity", "4"]) == 0  # a generation's trace: no warning
+    assert "warning" not in capsys.readouterr().err

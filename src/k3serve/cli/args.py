@@ -41,6 +41,20 @@ class Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USER_ERROR)
 
 
+def model_path(text: str) -> Path:
+    """A --model (or pack source) path: a `.gguf` name must be an existing file that starts with the GGUF magic
+    (folders and stores are checked when they load)."""
+    path = Path(text)
+    if path.suffix.lower() == ".gguf":
+        from k3serve.weights.gguf_file import check_gguf_path
+
+        try:
+            check_gguf_path(path)
+        except K3Error as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
+
+
 def add_verbose_everywhere(parser: argparse.ArgumentParser) -> None:
     """Accept `-v/--verbose` after any subcommand too (`k3serve generate -v ...`), not only before it."""
     for action in parser._actions:

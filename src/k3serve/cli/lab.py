@@ -18,12 +18,12 @@ def add_lab_command(sub) -> dict:
                                      "before/after, in the browser (docs/LAB.md)")
     lab.add_argument("--host", default="127.0.0.1", help="address to listen on")
     lab.add_argument("--port", type=cli_args.port, default=8100, help="TCP port to listen on")
-    lab.add_argument("--model", type=Path, default=None, help="K3 checkpoint folder (default: the embedded model)")
+    lab.add_argument("--model", type=cli_args.model_path, default=None, help="K3 checkpoint folder (default: the embedded model)")
     lab_sub = lab.add_subparsers(dest="lab_command")
     run = lab_sub.add_parser("run", help="run one module from the shell and print its figures")
     run.add_argument("module", help="module id (see `k3serve lab list`)")
     run.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a parameter (repeatable)")
-    run.add_argument("--model", type=Path, default=None, dest="run_model",
+    run.add_argument("--model", type=cli_args.model_path, default=None, dest="run_model",
                      help="K3 checkpoint folder (default: the embedded model)")
     run.add_argument("--json", type=cli_args.output_file, default=None,
                      help="also write the full result record as JSON (default: none)")

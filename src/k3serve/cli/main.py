@@ -21,7 +21,7 @@ from k3serve.cli.stream import add_stream_args, add_subcommands, load_for_run
 
 
 def _add_model_arg(parser: argparse.ArgumentParser, required: bool = False) -> None:
-    parser.add_argument("--model", type=Path, required=required,
+    parser.add_argument("--model", type=cli_args.model_path, required=required,
                         help="checkpoint folder (config.json + safetensors); default: the embedded model")
 
 
@@ -39,7 +39,7 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-draft-tokens", type=cli_args.int_range(1, 32), default=None,
                        help="the most drafts per verify window (default: 8 for ngram, 4 for resident and model)")
     group.add_argument("--no-adaptive-draft", action="store_true", help="always draft --num-draft-tokens")
-    group.add_argument("--draft-model", type=Path, default=None,
+    group.add_argument("--draft-model", type=cli_args.model_path, default=None,
                        help="checkpoint of a small draft model, for --speculative model (default: none)")
 
 

@@ -81,7 +81,7 @@ def load_for_run(args: argparse.Namespace, **kwargs):
 
 def add_subcommands(sub) -> dict:
     pack = sub.add_parser("pack", help="rewrite a checkpoint into a trunk file + aligned, checksummed expert store")
-    pack.add_argument("src", type=Path, help="safetensors checkpoint folder, or a GGUF file")
+    pack.add_argument("src", type=cli_args.model_path, help="safetensors checkpoint folder, or a GGUF file")
     pack.add_argument("out", type=cli_args.output_dir, help="output folder (not the source folder)")
     pack.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural",
                       help="order of the experts in the store")
@@ -113,7 +113,7 @@ def add_subcommands(sub) -> dict:
 
     stats = sub.add_parser("routing-stats", help="expert popularity skew, reuse between tokens and next-layer "
                                                   "predictability of a model on text")
-    stats.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the embedded model)")
+    stats.add_argument("--model", type=cli_args.model_path, default=None, help="checkpoint folder (default: the embedded model)")
     group = stats.add_mutually_exclusive_group()
     group.add_argument("--text", type=Path, action="append", default=None,
                        help="text file to route (repeatable; each file is cut into --window-token windows)")
@@ -230,9 +230,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
     if args.sim_command in SIM_COMMANDS:
         return SIM_COMMANDS[args.sim_command](args)
-    from k3serve.stream.trace import read_trace
+    from k3serve.stream.trace import prefill_only, read_trace
 
     trace = read_trace(args.trace)
+    if prefill_only(trace):
+        print(f"k3serve: warning: {args.trace} holds no decode step (every step routes many tokens at once, as "
+              "`routing-stats` records its windows): each request is the union of a whole window's experts, so these "
+              "figures say little about a decode cache; record a generation with --trace-out instead",
+              file=sys.stderr)
     expert_bytes = int(trace.meta.get("expert_bytes", 1))
     capacities = [int(part) if part.isdigit() else max(1, parse_size(part) // expert_bytes) for part in args.capacity]
     policies = args.policies

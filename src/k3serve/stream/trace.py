@@ -88,15 +88,27 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> Trace:
+    """Read and check a trace: a text file with the header, then records whose layers and expert ids fit the
+    header's model (a binary file, or an id past the expert count, is a TraceError naming the file)."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode("utf-8").splitlines()
     except OSError as exc:
-        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise TraceError(f"{path} is not a k3serve routing trace (a binary file, not text; write one with "
+                         "--trace-out)") from None
     if not lines or not lines[0].startswith(TRACE_MAGIC):
         raise TraceError(f"{path} is not a k3serve routing trace (write one with --trace-out)")
     try:
         meta = json.loads(lines[0][len(TRACE_MAGIC):])
+        if not isinstance(meta, dict):
+            raise TraceError(f"{path}: malformed trace header: expected a JSON object")
+        num_experts, top_k = meta.get("num_experts"), meta.get("top_k")
+        for key, value in (("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TraceError(f"{path}: malformed trace header: {key} must be a positive integer, got {value!r}")
+        num_layers = meta.get("num_layers")
         trace = Trace(meta)
         for number, line in enumerate(lines[1:], start=2):
             if not line.strip():
@@ -104,10 +116,27 @@ def read_trace(path: str | Path) -> Trace:
             fields = [int(x) for x in line.split()]
             if len(fields) < 4:
                 raise TraceError(f"{path}:{number}: expected STEP TOKEN LAYER EXPERT..., got {line!r}")
-            trace.records.append((fields[0], fields[1], fields[2], tuple(fields[3:])))
+            step, token, layer, ids = fields[0], fields[1], fields[2], tuple(fields[3:])
+            if min(step, token, layer) < 0:
+                raise TraceError(f"{path}:{number}: STEP, TOKEN and LAYER are never negative, got {line!r}")
+            if isinstance(num_layers, int) and layer >= num_layers:
+                raise TraceError(f"{path}:{number}: layer {layer} is past the header's num_layers {num_layers}")
+            bad = [e for e in ids if not 0 <= e < num_experts]
+            if bad:
+                raise TraceError(f"{path}:{number}: expert id {bad[0]} is outside 0..{num_experts - 1} (the "
+                                 f"header's num_experts is {num_experts})")
+            trace.records.append((step, token, layer, ids))
     except (ValueError, json.JSONDecodeError) as exc:
         raise TraceError(f"{path}: malformed trace: {exc}") from exc
     return trace
+
+
+def prefill_only(trace: Trace) -> bool:
+    """True when no step of the trace routes a single token: every step is a prefill of many tokens (what
+    `routing-stats` records, one step per window), so a step's request is the union of hundreds of tokens' experts
+    and a cache replay of it says nothing about decode."""
+    tokens_per_step = Counter(step for step, _ in {(r[0], r[1]) for r in trace.records})
+    return bool(tokens_per_step) and min(tokens_per_step.values()) > 1
 
 
 MODEL_IDENTITY = ("num_layers", "num_experts", "top_k", "moe_layers", "hidden_size", "vocab_size")

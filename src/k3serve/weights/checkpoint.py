@@ -13,7 +13,7 @@ import numpy as np
 from k3serve.config import K3Config, load_config
 from k3serve.errors import CheckpointError
 from k3serve.weights import names
-from k3serve.weights.gguf_file import GGUFFile
+from k3serve.weights.gguf_file import GGUFFile, check_gguf_path
 from k3serve.weights.gguf_k3 import GGUFK3Index, k3_config
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
@@ -24,6 +24,8 @@ _MAX_LISTED_PROBLEMS = 8
 class Checkpoint:
     def __init__(self, path: str | Path, validate: bool = True) -> None:
         self.path = Path(path)
+        if self.path.suffix.lower() == ".gguf":
+            check_gguf_path(self.path)
         if self.path.is_file() and self.path.suffix.lower() == ".gguf":
             # GGUF files of the families load through k3serve.loading (model/families/gguf_families.py)
             raise CheckpointError(f"{self.path} is a GGUF file: a K3 checkpoint here is a safetensors folder or a "

@@ -66,6 +66,16 @@ def is_gguf_file(path: str | Path) -> bool:
         return path.suffix.lower() == ".gguf"
 
 
+def check_gguf_path(path: str | Path) -> None:
+    """Raise a CheckpointError unless `path` (named *.gguf) is an existing file that starts with the GGUF magic: a
+    missing file is not a "checkpoint folder", and an empty or foreign file is not a GGUF file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    if path.is_file() and not is_gguf_file(path):
+        raise CheckpointError(f"{path} is not a valid GGUF file (it does not start with the GGUF magic bytes)")
+
+
 class GGUFFile:
     """Metadata (key -> Python value) and tensors (name -> `GGUFTensor`) of one GGUF file."""
 
