@@ -154,3 +154,82 @@ def test_a_missing_gguf_file_is_not_called_a_checkpoint_folder(tmp_path, capsys)
     assert f"GGUF file {path} does not exist" in err and "checkpoint folder" not in err
     with pytest.raises(CheckpointError, match="GGUF file .* does not exist"):
         Checkpoint(path)
+
+
+# --- issue 32, item 20: a full disk names the path, and outputs are whole or absent
+
+def _full_disk(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")  # what a write() on a full disk raises: no file name
+
+
+def _left_in(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_logits_on_a_full_disk_names_the_path_and_leaves_no_file(tiny_dir, tmp_path, capsys, monkeypatch):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "l.npy"
+
+    def save_half_then_fail(file, array, *args, **kwargs):
+        file.write(b"\x93NUMPY partial")
+        _full_disk()
+
+    monkeypatch.setattr(np, "save", save_half_then_fail)
+    assert main(["logits", "--model", str(tiny_dir), "--ids", "1,5,9", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"k3serve: error: {out}: No space left on device\n"
+    assert _left_in(out_dir) == []  # neither the output nor its temporary file
+
+
+def test_logits_out_in_a_folder_that_does_not_exist_is_refused_and_nothing_is_made(tmp_path, capsys):
+    out = tmp_path / "new" / "dir" / "l.npy"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["logits", "--ids", "1", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert "--out" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_routing_stats_on_a_full_disk_names_the_trace_and_leaves_no_file(tmp_path, capsys, monkeypatch):
+    from k3serve.stream.trace import TraceWriter
+
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 20)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    trace = out_dir / "r.trace"
+    monkeypatch.setattr(TraceWriter, "write", _full_disk)
+    assert main(["routing-stats", "--text", str(text), "--tokens", "32", "--window", "16",
+                 "--trace-out", str(trace)]) == 2
+    assert f"k3serve: error: {trace}: No space left on device" in capsys.readouterr().err
+    assert _left_in(out_dir) == []
+
+
+def test_pack_on_a_full_disk_names_the_output_and_leaves_no_folder(tiny_dir, tmp_path, capsys, monkeypatch):
+    import k3serve.weights.pack
+
+    monkeypatch.setattr(k3serve.weights.pack, "expert_blob", _full_disk)
+    out = tmp_path / "packed"
+    assert main(["pack", str(tiny_dir), str(out)]) == 2
+    assert capsys.readouterr().err.endswith(f"\nk3serve: error: {out}: No space left on device\n")
+    assert _left_in(tmp_path) == []  # no half store, no staging folder
+
+
+def test_first_use_packing_removes_the_staging_folders_of_killed_packers(tmp_path, monkeypatch):
+    import os
+
+    from k3serve.loading.streaming import default_packed_dir
+
+    monkeypatch.setenv("K3SERVE_CACHE", str(tmp_path))
+    models = tmp_path / "models"
+    dead, unnamed, live = (models / ".staging-999999999-ab12", models / ".staging-xy34",
+                           models / f".staging-{os.getpid()}-cd56")  # 999999999: above any Linux pid_max
+    for folder in (dead, unnamed, live):
+        folder.mkdir(parents=True)
+        (folder / "trunk.bin").write_bytes(b"half")
+    target = default_packed_dir()
+    assert not dead.exists() and not unnamed.exists()
+    assert live.exists()  # a packer still running keeps its folder
+    assert (target / "store.json").exists()

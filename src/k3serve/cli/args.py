@@ -157,7 +157,7 @@ def _writable_parent(path: Path) -> None:
 
 
 def output_file(text: str) -> Path:
-    """A file we will write: not a folder, and its folder exists (or can be made) and is writable."""
+    """A file we will write: not a folder, and its folder exists and is writable (no folder is made for it)."""
     if not text:
         raise argparse.ArgumentTypeError("needs a file name")
     path = Path(text)
@@ -165,6 +165,10 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: not writable")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(parent)!r} does not exist "
+                                         "(create it first)")
     _writable_parent(path)
     return path
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from k3serve.atomic_file import write_text
 from k3serve.cli import args as cli_args
 from k3serve.errors import K3Error
 
@@ -85,7 +86,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         print(f"command: {record['command']}")
         if args.json:
-            args.json.write_text(json.dumps(record, indent=1) + "\n")
+            write_text(args.json, json.dumps(record, indent=1) + "\n")
         return 0
 
     import uvicorn

@@ -240,8 +240,10 @@ def _print_report(loaded, report) -> None:
 def cmd_logits(args: argparse.Namespace) -> int:
     loaded = load_for_run(args, expert_precision=args.expert_precision)
     logits = loaded.model.logits(args.ids, mode=args.mode, max_context=args.max_model_len)  # [T, V]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(args.out, logits.astype(np.float32))
+    from k3serve.atomic_file import atomic_output
+
+    with atomic_output(args.out) as staging, open(staging, "wb") as file:  # whole or absent, never 0 bytes
+        np.save(file, logits.astype(np.float32))
     print(f"wrote {args.out}: float32 {list(logits.shape)} ({args.mode})", file=sys.stderr)
     return 0
 

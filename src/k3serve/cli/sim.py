@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from k3serve.atomic_file import write_text
 from k3serve.units import format_size, parse_size
 
 RAM_LADDER = ("8G", "16G", "32G", "64G", "128G")
@@ -166,17 +167,17 @@ def cmd_sim_k3(args: argparse.Namespace) -> int:
             records.append({"ram": size, **r.to_dict()})
             points.append((parse_size(size) / 2**30, r.s_per_token))
         if args.plot is not None and points:
-            args.plot.write_text(line_chart(f"full K3 on {args.machine}: s/token by RAM", "RAM (GiB)", "s/token",
+            write_text(args.plot, line_chart(f"full K3 on {args.machine}: s/token by RAM", "RAM (GiB)", "s/token",
                                             {f"{args.engine} {args.policy}": points}))
         if args.json:
-            args.json.write_text(json.dumps(records, indent=1))
+            write_text(args.json, json.dumps(records, indent=1))
         return 0
     r = simulate(_sim_config(args, _ram(args.ram)))
     print("\n".join(r.lines()))
     if args.timeline:
         print("\n".join(r.timeline_lines()))
     if args.json:
-        args.json.write_text(json.dumps(r.to_dict(), indent=1))
+        write_text(args.json, json.dumps(r.to_dict(), indent=1))
     return 0
 
 
@@ -232,11 +233,11 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
                     series.setdefault(f"{ram}/node, front {front_ram}, {name}", []).append((n, r.s_per_token))
     if args.plot is not None and series:
         first_link = next(iter(networks))
-        args.plot.write_text(line_chart(f"full K3, expert parallelism on {args.machine} boxes: s/token by owners",
+        write_text(args.plot, line_chart(f"full K3, expert parallelism on {args.machine} boxes: s/token by owners",
                                         "expert owner boxes", "s/token", series,
                                         dashed=[n for n in series if not n.endswith(f", {first_link}")]))
     if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
+        write_text(args.json, json.dumps(records, indent=1))
     return 0
 
 
@@ -289,7 +290,7 @@ def cmd_sim_router(args: argparse.Namespace) -> int:
               f"{statistics.median(row.cache_aware):>11.3f} {statistics.median(row.other):>12.3f} "
               f"{statistics.median(ratios):>5.2f}x  ({min(ratios):.2f}-{max(ratios):.2f})")
     if args.json:
-        args.json.write_text(json.dumps({"simulated": "k3serve sim router", "args": {
+        write_text(args.json, json.dumps({"simulated": "k3serve sim router", "args": {
             k: v for k, v in vars(args).items() if k not in ("json", "func")}, "rows": rows}, indent=1, default=str))
     return 0
 
@@ -302,7 +303,7 @@ def cmd_sim_calibrate(args: argparse.Namespace) -> int:
     rows = calibration(args.routing, args.device)
     print("\n".join(table_lines(rows)))
     if args.json:
-        args.json.write_text(json.dumps({"cold_reads": reads, "cold_gb": gb,
+        write_text(args.json, json.dumps({"cold_reads": reads, "cold_gb": gb,
                                          "rows": [r.__dict__ | {"error": r.error} for r in rows]}, indent=1))
     return 0
 
@@ -317,7 +318,7 @@ def cmd_sim_probe_disk(args: argparse.Namespace) -> int:
     for s, row in zip(disk.sizes, disk.throughput):
         print(f"{format_size(s):>10} " + " ".join(f"{v / 1e6:>10.0f}" for v in row))
     if args.out:
-        args.out.write_text(json.dumps({"sizes": list(disk.sizes), "queue_depths": list(disk.queue_depths),
+        write_text(args.out, json.dumps({"sizes": list(disk.sizes), "queue_depths": list(disk.queue_depths),
                                         "throughput": [list(r) for r in disk.throughput],
                                         "path": str(args.path)}, indent=1))
     return 0
@@ -332,7 +333,7 @@ def cmd_sim_probe_cpu(args: argparse.Namespace) -> int:
     for key, value in asdict(compute).items():
         print(f"{key:<28} {value:.4g}")
     if args.out:
-        args.out.write_text(json.dumps({"compute": asdict(compute), "raw": raw}, indent=1))
+        write_text(args.out, json.dumps({"compute": asdict(compute), "raw": raw}, indent=1))
     return 0
 
 

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from k3serve.atomic_file import atomic_output, staged_folder, write_text
 from k3serve.cli import args as cli_args
 from k3serve.errors import K3Error, UsageError
 from k3serve.units import format_size, parse_size
@@ -190,11 +192,13 @@ def cmd_pack(args: argparse.Namespace) -> int:
         with (Checkpoint.from_gguf(GGUFFile(args.src)) if from_gguf else Checkpoint(args.src)) as checkpoint:
             check_trace_model(trace, checkpoint.config, args.trace, "--trace")
         token_sets = trace.token_sets()
-    store = architecture.pack(args.src, args.out, args.expert_precision, layout=args.layout, token_sets=token_sets)
-    print(f"packed {args.src} -> {args.out}: layout {store.layout}, {store.num_experts_total} experts of "
-          f"{format_size(store.expert_blob_size)} (stride {format_size(store.expert_stride)}), expert store "
-          f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_path.stat().st_size)}",
-          file=sys.stderr)
+    with staged_folder(args.out) as staging:
+        store = architecture.pack(args.src, staging, args.expert_precision, layout=args.layout,
+                                  token_sets=token_sets)
+        summary = (f"layout {store.layout}, {store.num_experts_total} experts of {format_size(store.expert_blob_size)} "
+                   f"(stride {format_size(store.expert_stride)}), expert store "
+                   f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_path.stat().st_size)}")
+    print(f"packed {args.src} -> {args.out}: {summary}", file=sys.stderr)
     return 0
 
 
@@ -204,10 +208,12 @@ def _pack_shard(args: argparse.Namespace) -> int:
     if args.trace or args.layout != "natural":
         raise UsageError("--shard writes the shard's experts in natural order: leave out --layout and --trace")
     spec = ShardSpec.parse(args.shard)
-    shard = pack_shard(args.src, args.out, spec)
+    with staged_folder(args.out) as staging:
+        shard = pack_shard(args.src, staging, spec)
+        expert_bytes = shard.expert_path.stat().st_size
     print(f"packed shard {spec} of {args.src} -> {args.out}: experts {shard.owned.start}..{shard.owned.stop - 1} of "
-          f"{len(shard.experts)} MoE layers, {shard.num_experts_total} blobs, "
-          f"{format_size(shard.expert_path.stat().st_size)}", file=sys.stderr)
+          f"{len(shard.experts)} MoE layers, {shard.num_experts_total} blobs, {format_size(expert_bytes)}",
+          file=sys.stderr)
     return 0
 
 
@@ -216,11 +222,13 @@ def _pack_family(args: argparse.Namespace, architecture) -> int:
     if args.layout != "natural" or args.trace is not None:
         raise UsageError(f"{args.src} is a family checkpoint: its store keeps the experts in id order (--layout "
                          "natural, no --trace); the trace-driven layouts are built for K3 stores")
-    store = architecture.pack(args.src, args.out, args.expert_precision)
+    with staged_folder(args.out) as staging:
+        store = architecture.pack(args.src, staging, args.expert_precision)
+        expert_bytes, trunk_bytes = store.expert_path.stat().st_size, store.trunk_path.stat().st_size
     print(f"packed {args.src} -> {args.out}: {store.model_type}, {store.num_experts_total} experts "
           f"({store.precision}, {store.kind} blobs of {format_size(store.expert_blob_size)}, stride "
-          f"{format_size(store.expert_stride)}), expert store {format_size(store.expert_path.stat().st_size)}, "
-          f"trunk {format_size(store.trunk_path.stat().st_size)}", file=sys.stderr)
+          f"{format_size(store.expert_stride)}), expert store {format_size(expert_bytes)}, "
+          f"trunk {format_size(trunk_bytes)}", file=sys.stderr)
     return 0
 
 
@@ -255,7 +263,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         print(f"{r.capacity:>9} {r.policy:>8} {100 * r.retention:>9.1f}% {format_size(r.bytes_per_token):>12} "
               f"{ratio:>9.2f}x")
     if args.json:
-        args.json.write_text(json.dumps([{**r.__dict__, "retention": r.retention,
+        write_text(args.json, json.dumps([{**r.__dict__, "retention": r.retention,
                                           "bytes_per_token": r.bytes_per_token} for r in results], indent=1))
     return 0
 
@@ -276,7 +284,7 @@ def cmd_coactivation(args: argparse.Namespace) -> int:
         order = coactivation_order(matrix)
         summary[layer] = {"tokens": len(sets), "natural_adjacency": adjacency_score(range(num_experts), matrix),
                           "chain_adjacency": adjacency_score(order, matrix), "chain_order": order}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_text(args.out / "summary.json", json.dumps(summary, indent=1))
     print(f"wrote {len(summary)} layers to {args.out} (layer_LLL.npy counts, layer_LLL.png heatmaps, summary.json)",
           file=sys.stderr)
     return 0
@@ -329,15 +337,18 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
     windows = routing_windows(loaded.tokenizer, texts, args.window, args.tokens)
     if not windows:
         raise K3Error("no text to route (empty input)")
-    writer = TraceWriter(args.trace_out, trace_meta(loaded.model.config)) if args.trace_out else None
-    report = measure_routing(loaded.model, windows, writer)
-    if writer is not None:
-        writer.close()
+    with contextlib.ExitStack() as outputs:  # the trace is written beside its name and renamed when whole
+        writer = None
+        if args.trace_out:
+            staging = outputs.enter_context(atomic_output(args.trace_out))
+            writer = TraceWriter(staging, trace_meta(loaded.model.config))
+            outputs.callback(writer.close)
+        report = measure_routing(loaded.model, windows, writer)
     print(f"routing of {args.model or 'the embedded model'} on {source}: {report.num_tokens} tokens in "
           f"{len(windows)} windows, {report.num_experts} experts top-{report.top_k}")
     print(report.table())
     if args.json:
-        args.json.write_text(json.dumps({"source": source, "num_tokens": report.num_tokens,
+        write_text(args.json, json.dumps({"source": source, "num_tokens": report.num_tokens,
                                          "num_experts": report.num_experts, "top_k": report.top_k,
                                          "layers": [l.__dict__ for l in report.layers]}, indent=1) + "\n")
     return 0
