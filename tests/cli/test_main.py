@@ -233,3 +233,59 @@ def test_first_use_packing_removes_the_staging_folders_of_killed_packers(tmp_pat
     assert not dead.exists() and not unnamed.exists()
     assert live.exists()  # a packer still running keeps its folder
     assert (target / "store.json").exists()
+
+
+# --- issue 32, item 21: flags that do not go together are a clear error or one warning
+
+def _parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_info_full_k3_with_a_model_is_refused(tmp_path, capsys):
+    assert main(["info", "--full-k3", "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3serve: error: --full-k3") and "--model" in err
+
+
+def test_step_interruption_under_fcfs_scheduling_is_refused(capsys):
+    assert main(["serve", "--scheduling", "fcfs", "--step-interruption"]) == 2
+    err = capsys.readouterr().err
+    assert "--step-interruption" in err and "--scheduling fair or priority" in err
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_an_empty_served_model_name_is_refused(capsys, name):
+    assert "argument --served-model-name: must not be empty" in _parse_error(
+        ["serve", "--served-model-name", name], capsys)
+
+
+def test_pack_over_an_existing_store_is_refused_and_the_store_is_kept(tiny_dir, tiny_store, capsys):
+    before = sorted((p.name, p.stat().st_size) for p in tiny_store.path.iterdir())
+    assert main(["pack", str(tiny_dir), str(tiny_store.path)]) == 2
+    assert f"{tiny_store.path} already holds a packed store" in capsys.readouterr().err
+    assert sorted((p.name, p.stat().st_size) for p in tiny_store.path.iterdir()) == before
+
+
+def test_next_layer_prefetch_without_a_slot_to_prefetch_into_warns_once(tiny_store, tmp_path, caplog):
+    from k3serve.stream.budget import minimum_budget_bytes
+
+    minimum = minimum_budget_bytes(tiny_store)  # exactly top-k expert slots: all taken by the running layer
+    roomy = minimum + 2 * tiny_store.config.num_experts_per_token * tiny_store.expert_stride
+    for budget, warned in ((minimum, True), (roomy, False)):
+        caplog.clear()
+        assert main(["logits", "--model", str(tiny_store.path), "--ids", "1,5,9", "--out", str(tmp_path / "l.npy"),
+                     "--ram-budget", str(budget), "--prefetch", "next-layer"]) == 0
+        messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "prefetch" in
+                    r.getMessage()]
+        assert len(messages) == (1 if warned else 0), (budget, messages)
+        if warned:
+            assert "no guess has a slot" in messages[0] and "--ram-budget" in messages[0]
+
+
+def test_lab_on_a_checkpoint_without_a_tokenizer_is_refused_at_start(tiny_dir, capsys):
+    assert main(["lab", "--model", str(tiny_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {tiny_dir} has no tokenizer" in err and "the lab is on" not in err

@@ -41,6 +41,13 @@ class Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USER_ERROR)
 
 
+def non_empty(text: str) -> str:
+    """A name that must say something (not empty, not only spaces)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def model_path(text: str) -> Path:
     """A --model (or pack source) path: a `.gguf` name must be an existing file that starts with the GGUF magic
     (folders and stores are checked when they load)."""

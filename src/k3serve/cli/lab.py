@@ -11,7 +11,7 @@ from pathlib import Path
 
 from k3serve.atomic_file import write_text
 from k3serve.cli import args as cli_args
-from k3serve.errors import K3Error
+from k3serve.errors import K3Error, UsageError
 
 
 def add_lab_command(sub) -> dict:
@@ -93,6 +93,12 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     from k3serve.lab.api import create_lab_app
 
+    if args.model is not None:  # every module needs the tokenizer: refuse a checkpoint without one at start
+        from k3serve.loading import load_model
+
+        if load_model(args.model).tokenizer is None:
+            raise UsageError(f"--model {args.model} has no tokenizer (tiktoken.model or tokenizer.json): every lab "
+                             "module encodes text, so the lab needs a checkpoint with one")
     listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails before the announcement
     fixtures = LabFixtures(args.model)
     print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/ ({len(modules())} modules)", file=sys.stderr)

@@ -151,7 +151,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--shutdown-timeout", type=positive_int, default=30,
                        help="seconds SIGTERM waits for in-flight requests before closing them; then exit 0")
     serve.add_argument("--port", type=cli_args.port, default=8000, help="TCP port to listen on")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    serve.add_argument("--served-model-name", type=cli_args.non_empty, default=None, help="the model id clients send (default: folder name)")
     serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
     serve.add_argument("--max-seqs", type=positive_int, default=64, help="sequences running at once")
     serve.add_argument("--max-model-len", type=positive_int, default=4096,
@@ -268,6 +268,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     from k3serve.loading.registry import K3, of_folder
     from k3serve.model.families import read_family_config
 
+    if args.full_k3 and args.model is not None:
+        raise UsageError("--full-k3 describes the built-in full Kimi K3 shapes: leave out --model (or leave out "
+                         "--full-k3 to describe that checkpoint)")
     if args.model is not None and of_folder(args.model) is not K3:
         print(json.dumps(read_family_config(args.model).summary(), indent=2))
         return 0
@@ -293,6 +296,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _engine_config(args: argparse.Namespace):
     from k3serve.engine.config import EngineConfig
 
+    if args.step_interruption and args.scheduling == "fcfs":
+        raise UsageError("--step-interruption pauses a forward for a tenant ranked ahead, and --scheduling fcfs "
+                         "ranks no tenant ahead: use --scheduling fair or priority, or leave out --step-interruption")
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,

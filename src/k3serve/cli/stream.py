@@ -166,9 +166,14 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from k3serve.weights.checkpoint import Checkpoint
     from k3serve.weights.family_store import is_family_store
     from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
+    from k3serve.weights.store import is_packed_store
 
     if args.out.resolve() == args.src.resolve():
         raise UsageError(f"pack would write into its source checkpoint {args.src}: give another output folder")
+    if args.out.is_dir() and any(args.out.iterdir()):
+        what = "a packed store" if is_packed_store(args.out) or is_family_store(args.out) else "files"
+        raise UsageError(f"{args.out} already holds {what}: pack writes into a new or empty folder (remove it first, "
+                         "or give another)")
     if is_family_store(args.src):
         raise UsageError(f"{args.src} is a packed family store already; pack its source checkpoint folder")
     architecture = of_path(args.src)

@@ -85,6 +85,12 @@ class StreamingSource(WeightSource):
         prefetch = options.prefetch != "none" and self._read_ahead
         if options.prefetch != "none" and not prefetch:
             logger.warning("next-layer prefetch is off: the budget has no room for a second streamed trunk layer")
+        elif prefetch and self.plan.expert_slots <= config.num_experts_per_token:
+            prefetch = False  # every slot holds an expert of the layer that runs: a guess has nowhere to land
+            logger.warning("next-layer prefetch is off: the budget holds %d expert slots, all taken by the top-%d "
+                           "experts of the layer that runs, so no guess has a slot to be read into (raise "
+                           "--ram-budget by at least one expert, %d bytes)", self.plan.expert_slots,
+                           config.num_experts_per_token, store.expert_stride)
 
         # expert slots: one arena, allocated once
         self._parts = expert_parts(config)
