@@ -289,3 +289,51 @@ def test_lab_on_a_checkpoint_without_a_tokenizer_is_refused_at_start(tiny_dir, c
     assert main(["lab", "--model", str(tiny_dir)]) == 2
     err = capsys.readouterr().err
     assert f"--model {tiny_dir} has no tokenizer" in err and "the lab is on" not in err
+
+
+# --- issue 32, item 22: errors speak in flags, and say what is true
+
+def test_sim_c_engine_without_its_split_names_the_flags(capsys):
+    assert main(["sim", "k3", "--engine", "c-engine"]) == 2
+    err = capsys.readouterr().err
+    assert "--c-pinned and --c-cache" in err and "needs pinned_layers and cache_bytes" not in err
+
+
+def test_sim_k3_below_the_float32_floor_points_to_the_bf16_trunk_and_the_floors(capsys):
+    assert main(["sim", "k3", "--ram", "8G"]) == 2
+    err = capsys.readouterr().err
+    assert "--trunk-dtype bf16 runs from 9.06 GiB" in err and "docs/SIMULATOR.md" in err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_step_interruption_on_a_traced_model_names_the_flag(tmp_path, capsys):
+    assert main(["serve", "--step-interruption", "--trace-out", str(tmp_path / "r.trace"), "--port",
+                 str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "k3serve: error: --step-interruption needs" in err and "step_interruption" not in err
+
+
+def test_trace_out_is_not_listed_as_needing_a_packed_store(tiny_dir, tmp_path, capsys):
+    from k3serve.cli.main import build_parser
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    assert "any of these but --trace-out reads the model from a packed store" in help_text
+    assert main(["logits", "--model", str(tiny_dir), "--ids", "1", "--out", str(tmp_path / "l.npy"),
+                 "--ram-budget", "2M", "--trace-out", str(tmp_path / "r.trace")]) == 2
+    err = capsys.readouterr().err
+    assert "--ram-budget reads a packed store" in err and "--prefetch, --trace-out) read" not in err
+
+
+def test_prompt_ids_out_of_range_name_the_id_and_the_flag(tiny_dir, tmp_path, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", "1,99999999", "--max-tokens", "1"]) == 2
+    assert "--prompt-ids: token id 99999999 (number 2 in the list) is out of range: this model's vocabulary is 0..255" \
+        in capsys.readouterr().err
+    assert main(["logits", "--model", str(tiny_dir), "--ids", "300", "--out", str(tmp_path / "l.npy")]) == 2
+    assert "--ids: token id 300 (number 1 in the list)" in capsys.readouterr().err

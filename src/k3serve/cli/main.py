@@ -191,6 +191,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     loaded = load_for_run(args, expert_precision=args.expert_precision)
     drafters = _drafters(args, speculative, loaded.model)
     if args.prompt_ids is not None:
+        _check_ids(args.prompt_ids, loaded.model.config.vocab_size, "--prompt-ids")
         tokens, report = generate(loaded.model, args.prompt_ids, params, stop_ids=loaded.stop_ids,
                                   speculative=speculative, drafters=drafters, max_context=args.max_model_len)
         print(",".join(str(t) for t in tokens))
@@ -231,6 +232,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_ids(ids: list[int], vocab_size: int, flag: str) -> None:
+    """Refuse the first id outside the model's vocabulary, naming it, its place and the flag."""
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise UsageError(f"{flag}: token id {token} (number {position + 1} in the list) is out of range: this "
+                             f"model's vocabulary is 0..{vocab_size - 1}")
+
+
 def _print_report(loaded, report) -> None:
     print(f"--- run report ({loaded.name})", file=sys.stderr)
     for line in report.lines():
@@ -239,6 +248,7 @@ def _print_report(loaded, report) -> None:
 
 def cmd_logits(args: argparse.Namespace) -> int:
     loaded = load_for_run(args, expert_precision=args.expert_precision)
+    _check_ids(args.ids, loaded.model.config.vocab_size, "--ids")
     logits = loaded.model.logits(args.ids, mode=args.mode, max_context=args.max_model_len)  # [T, V]
     from k3serve.atomic_file import atomic_output
 
@@ -336,6 +346,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
                       "one")
+    if config.step_interruption and not loaded.model.supports_nested_forward:
+        raise UsageError("--step-interruption needs a model whose weights allow a forward inside another: resident "
+                         "K3 weights (no --ram-budget or other streaming flag, no --trace-out, not a family model)")
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative,
                        drafters=_drafters(args, speculative, loaded.model))
     if speculative is not None:

@@ -24,7 +24,8 @@ _STREAM_FLAGS = ("ram_budget", "io", "queue_depth", "cache", "cache_profile", "p
 
 
 def add_stream_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("streaming (any of these reads the model from a packed store)")
+    g = parser.add_argument_group("streaming (any of these but --trace-out reads the model from a packed store; "
+                                  "--trace-out alone also records a resident checkpoint)")
     g.add_argument("--ram-budget", type=cli_args.size, default=None,
                    help="cap on all weight memory, e.g. 8G, 512M (default: none)")
     g.add_argument("--io", choices=IO_MODES, default=None, help="mmap (naive), pread or direct (O_DIRECT); "
@@ -78,6 +79,12 @@ def load_for_run(args: argparse.Namespace, **kwargs):
             raise UsageError(f"{args.model}: --trace-out records K3 models only (routing traces are K3's format)")
         loaded.architecture.record_routing(loaded.model, options.trace_out)
         return loaded
+    if options is not None and args.model is not None and not is_packed_store(args.model):
+        given = ", ".join("--" + name.replace("_", "-") for name in _STREAM_FLAGS
+                          if name != "trace_out" and getattr(args, name, None) is not None)
+        raise UsageError(f"{args.model} is not a packed store; {given} read{'s' if ',' not in given else ''} a "
+                         f"packed store (--trace-out alone also records a checkpoint): run `k3serve pack "
+                         f"{args.model} PACKED_DIR` and pass --model PACKED_DIR")
     return load_model(args.model, stream=options, **kwargs)
 
 

@@ -216,7 +216,8 @@ class SimConfig:
         if not 0.0 <= self.acceptance < 1.0:
             raise SimConfigError(f"acceptance must be in [0, 1), got {self.acceptance}")
         if self.engine == "c-engine" and (self.pinned_layers is None or self.cache_bytes is None):
-            raise SimConfigError("the c-engine profile needs pinned_layers and cache_bytes (its published split)")
+            raise SimConfigError("the c-engine profile needs its published split: --c-pinned and --c-cache "
+                                 "(SimConfig.pinned_layers and cache_bytes)")
 
     @property
     def tokens_per_step(self) -> float:
@@ -414,8 +415,13 @@ class SimRun:
             return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes, trunk_dtype=cfg.trunk_dtype)
         except BudgetError as exc:
             message = str(exc).replace("--ram-budget", "--ram")
+            hint = ""
+            if cfg.trunk_dtype == "float32":  # the other floor: the trunk held as its stored bf16
+                floor = minimum_budget_bytes(store, trunk_dtype="bf16")
+                hint = (f"; --trunk-dtype bf16 runs from {format_size(floor)} ({floor} bytes)"
+                        + (", still above this --ram" if cfg.ram_bytes is not None and cfg.ram_bytes < floor else ""))
             raise BudgetError(f"{message} (simulated {self.config.num_layers}-layer model, trunk held as "
-                              f"{cfg.trunk_dtype})") from exc
+                              f"{cfg.trunk_dtype}){hint}; the floors are in docs/SIMULATOR.md") from exc
 
     # -- trunk, as StreamingSource.layer / _take_trunk / _peek_trunk do it
     def _trunk_read(self, layer: int) -> float:
