@@ -6,7 +6,8 @@ from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 2  # bad arguments, bad files, anything the user can fix (argparse's code too)
-EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it (a SIGTERM: 143)
+SIGTERM = 15
 
 
 class K3Error(Exception):
@@ -46,7 +47,7 @@ def user_message(exc: BaseException, cli: bool = False) -> str:
     if cli and isinstance(exc, ContextLengthError):
         return exc.text("--max-tokens")
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
+        return "terminated (SIGTERM)" if getattr(exc, "signum", None) == SIGTERM else "interrupted"
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror or exc}"
     if isinstance(exc, RecursionError):
@@ -57,8 +58,9 @@ def user_message(exc: BaseException, cli: bool = False) -> str:
 
 def exit_code(exc: BaseException) -> int | None:
     """The CLI's exit code for `exc`, or None for an unexpected error (a bug: let its traceback show)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C; a SIGTERM the CLI turned into one carries its `signum`
+        signum = getattr(exc, "signum", None)
+        return EXIT_INTERRUPTED if signum is None else 128 + signum
     if isinstance(exc, (K3Error, OSError)):  # OSError: unreadable input, unwritable output
         return EXIT_USER_ERROR
     return None

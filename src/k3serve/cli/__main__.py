@@ -2,6 +2,6 @@
 
 import sys
 
-from k3serve.cli.main import main
+from k3serve.cli.entry import main
 
 sys.exit(main())

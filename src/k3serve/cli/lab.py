@@ -91,6 +91,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from k3serve.cli.interrupts import serve_until_signal
     from k3serve.lab.api import create_lab_app
 
     if args.model is not None:  # every module needs the tokenizer: refuse a checkpoint without one at start
@@ -102,5 +103,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
     listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails before the announcement
     fixtures = LabFixtures(args.model)
     print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/ ({len(modules())} modules)", file=sys.stderr)
-    uvicorn.Server(uvicorn.Config(create_lab_app(fixtures), log_level="warning")).run(sockets=[listener])
+    server = uvicorn.Server(uvicorn.Config(create_lab_app(fixtures), log_level="warning"))
+    serve_until_signal(server, [listener])  # SIGTERM or Ctrl-C: drain and exit 0; a second: exit at once
+    print("k3serve: the lab shut down", file=sys.stderr)
     return 0

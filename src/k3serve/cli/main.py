@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from k3serve.cli import args as cli_args
+from k3serve.cli import interrupts
 from k3serve.cli.args import Parser, output_file, positive_int
 from k3serve.cli.cluster import add_cluster_args, run_cluster
 from k3serve.engine.config import PREFIX_CACHE_POLICIES
@@ -384,16 +385,12 @@ def _uvicorn_server(app, args: argparse.Namespace):
 
 
 def _serve_until_sigterm(server, listener) -> None:
-    """Run uvicorn. On SIGTERM (or Ctrl-C) it closes the listener (no new requests), lets in-flight requests
-    finish for up to --shutdown-timeout seconds, then stops the engine. uvicorn re-raises the signal once done;
-    SIGTERM then lands on a handler that ignores it, so a drained server exits 0, not by the signal."""
-    import signal
+    """Run uvicorn. On SIGTERM or Ctrl-C it closes the listener (no new requests), lets in-flight requests
+    finish for up to --shutdown-timeout seconds, then stops the engine, and the command exits 0; a second signal
+    exits at once with one line (cli/interrupts.py)."""
+    from k3serve.cli.interrupts import serve_until_signal
 
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: logging.getLogger(__name__).info("shut down"))
-    try:
-        server.run(sockets=[listener])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    serve_until_signal(server, [listener])
     cut = server.num_cut
     outcome = f"cut {cut} stream(s) at --shutdown-timeout" if cut else "in-flight requests drained"
     print(f"k3serve: shut down ({outcome})", file=sys.stderr)
@@ -416,12 +413,14 @@ COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "cluster": cmd_cluster
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Every error the user can cause ends as one `k3serve: error:` line and the exit code of
-    `errors.exit_code` (2; 130 for Ctrl-C); an unexpected one (a bug) keeps its traceback."""
+    `errors.exit_code` (2; 130 for Ctrl-C, 143 for SIGTERM, 0 for a server that drained); an unexpected one (a
+    bug) keeps its traceback."""
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                             format="%(levelname)s %(name)s: %(message)s")
-        return {**COMMANDS, **STREAM_COMMANDS, **LAB_COMMANDS}[args.command](args)
+        with interrupts.policy():  # the first SIGINT/SIGTERM stops or drains, the second exits at once
+            return {**COMMANDS, **STREAM_COMMANDS, **LAB_COMMANDS}[args.command](args)
     except BrokenPipeError:
         return 0
     except (K3Error, OSError, KeyboardInterrupt) as exc:
