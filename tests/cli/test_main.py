@@ -337,3 +337,74 @@ def test_prompt_ids_out_of_range_name_the_id_and_the_flag(tiny_dir, tmp_path, ca
         in capsys.readouterr().err
     assert main(["logits", "--model", str(tiny_dir), "--ids", "300", "--out", str(tmp_path / "l.npy")]) == 2
     assert "--ids: token id 300 (number 1 in the list)" in capsys.readouterr().err
+
+
+# --- issue 32, item 24: affordances
+
+def test_generate_reads_the_prompt_from_a_file_or_stdin_as_the_same_text(tmp_path, capsys, monkeypatch):
+    import io
+
+    text = "def fibonacci(n):\n    "
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(text)
+    outputs = []
+    for source in (["--prompt", text], ["--prompt-file", str(prompt_file)], ["--prompt-file", "-"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+        assert main(["generate", *source, "--max-tokens", "8", "--ignore-eos"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0].strip() and outputs[0] == outputs[1] == outputs[2]
+
+
+def test_a_missing_or_binary_prompt_file_is_named_before_the_model_loads(tmp_path, capsys):
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(b"\xff\xfe\x00 not utf-8")
+    for path, says in ((tmp_path / "missing.txt", "No such file"), (binary, "is not UTF-8 text")):
+        assert main(["generate", "--model", str(tmp_path / "no-model"), "--prompt-file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--prompt-file {path}" in err and says in err and "no-model" not in err, err
+
+
+def test_routing_stats_reports_its_progress_on_stderr(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return [x * i for i in range(10)]\n" * 20)
+    assert main(["routing-stats", "--text", str(text), "--tokens", "32", "--window", "16"]) == 0
+    err = capsys.readouterr().err
+    assert "[ 50.0%] routed 16 of 32 tokens" in err and "[100.0%] routed 32 of 32 tokens" in err
+
+
+def test_sim_calibrate_reports_its_progress_on_stderr(capsys, monkeypatch):
+    import types
+
+    import k3serve.sim.calibrate as calibrate
+
+    def fake_row(row, routing="flat", device="as-recorded"):  # the real rows take 13 s: the wiring is tested
+        return calibrate.CalibrationRow(row[0], 1.0, 1.0, 1.0, 1.0, routing)
+
+    fake_run = types.SimpleNamespace(s_per_token=1.0, expert_bytes_per_token=1e9, expert_requests_per_token=1.0)
+    monkeypatch.setattr(calibrate, "calibrate_row", fake_row)
+    monkeypatch.setattr(calibrate, "c_engine_run", lambda *args, **kwargs: fake_run)
+    assert main(["sim", "calibrate"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "published runs" in line]
+    total = len(calibrate.LADDER + calibrate.SPLIT) + 1
+    assert len(lines) == total and lines[-1].startswith(f"[100.0%] simulated {total} of {total} published runs")
+
+
+def test_lab_list_prints_whole_numbers_and_the_models_own_ranges(capsys):
+    from k3serve.cli.lab import _range
+    from k3serve.lab.registry import Param
+
+    assert main(["lab", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "e+" not in out and "seed=0  (0..2147483647)" in out
+    assert "layer=1  (1..7)" in out  # coactivation: the embedded model's MoE layers (its limits), not the declared 0..200
+    assert _range(Param("n", "int", 1, "", min=1)) == ">= 1" and _range(Param("x", "float", 0.5, "", max=0.5)) \
+        == "<= 0.5"
+
+
+def test_the_size_flags_say_which_units_are_binary_and_which_decimal():
+    from k3serve.cli.main import build_parser
+    from k3serve.units import format_size, parse_size
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert "8G = 8 GiB" in help_text and f"8GB = 8e9 bytes = {format_size(parse_size('8GB'))}" in help_text
+    assert parse_size("8G") == 8 << 30 and parse_size("8GB") == 8 * 10**9

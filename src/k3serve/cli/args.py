@@ -128,6 +128,10 @@ def float_range(low: float, high: float = math.inf, low_open: bool = False) -> C
     return parse
 
 
+# said in the help of every size flag: K/M/G/T are binary, KB/MB/GB/TB decimal (units.py)
+SIZE_UNITS = "G, M, K, T and GiB, MiB are binary (8G = 8 GiB); GB, MB are decimal (8GB = 8e9 bytes = 7.45 GiB)"
+
+
 def size(text: str) -> str:
     """A byte size such as 8G, 512M or 1048576; kept as text (parsed again where it is used)."""
     from k3serve.units import parse_size

@@ -42,6 +42,22 @@ def _parse_params(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _number(value: float) -> str:
+    """A bound as a person reads it: integers whole (131072, 2147483647), other numbers short (0.15)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _range(p) -> str:
+    """`min..max`, an open end as `>= min` / `<= max`, or the type when neither is set."""
+    if p.min is not None and p.max is not None:
+        return f"{_number(p.min)}..{_number(p.max)}"
+    if p.min is not None:
+        return f">= {_number(p.min)}"
+    if p.max is not None:
+        return f"<= {_number(p.max)}"
+    return p.type
+
+
 def _format(value: float | None) -> str:
     if value is None:
         return "n/a"
@@ -55,11 +71,11 @@ def cmd_lab(args: argparse.Namespace) -> int:
     from k3serve.lab.registry import get_module, modules
 
     if args.lab_command == "list":
+        lab = LabFixtures(args.model)  # the ranges its model sets (module.limits): reads config.json only
         for module in modules().values():
             print(f"{module.number:>2}. {module.id:<18} {module.title} [{module.kind}]")
-            for p in module.params:
-                extra = f"one of {', '.join(p.choices)}" if p.choices else \
-                    f"{p.min:g}..{p.max:g}" if p.min is not None and p.max is not None else p.type
+            for p in module.params_for(lab):
+                extra = f"one of {', '.join(p.choices)}" if p.choices else _range(p)
                 print(f"      {p.name}={p.default}  ({extra}{' ' + p.unit if p.unit else ''}) {p.help}")
         return 0
     if args.lab_command == "run":

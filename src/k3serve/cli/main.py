@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", type=cli_args.token_ids, help="prompt as comma-separated token ids")
+    prompt.add_argument("--prompt-file", type=Path, metavar="FILE",
+                        help="prompt text read from FILE as it is (UTF-8), or from stdin with '-': contexts too long "
+                             "for a command line")
     _add_precision_arg(gen)
     gen.add_argument("--max-tokens", type=positive_int, default=64, help="the most tokens to generate")
     gen.add_argument("--temperature", type=cli_args.float_range(0.0), default=0.0, help="0 = greedy")
@@ -189,6 +192,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     speculative = _speculative_config(args)  # every argument is checked before the model loads
+    prompt_text = args.prompt if args.prompt_file is None else _read_prompt_file(args.prompt_file)
     loaded = load_for_run(args, expert_precision=args.expert_precision)
     drafters = _drafters(args, speculative, loaded.model)
     if args.prompt_ids is not None:
@@ -201,7 +205,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no tokenizer (tiktoken.model or tokenizer.json); pass --prompt-ids instead")
     tokenizer = loaded.tokenizer
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = tokenizer.encode(prompt_text)
     if not args.no_bos and tokenizer.bos_id is not None:
         prompt_ids = [tokenizer.bos_id] + prompt_ids
     healing = None
@@ -231,6 +235,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     _print_report(loaded, report)
     return 0
+
+
+def _read_prompt_file(path: Path) -> str:
+    """--prompt-file: the file's text as it is, or stdin for '-'; an unreadable or non-UTF-8 file names itself."""
+    try:
+        data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--prompt-file {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = "stdin" if str(path) == "-" else str(path)
+        raise UsageError(f"--prompt-file {where} is not UTF-8 text (byte {exc.start})") from None
 
 
 def _check_ids(ids: list[int], vocab_size: int, flag: str) -> None:

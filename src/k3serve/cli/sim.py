@@ -19,7 +19,8 @@ def add_sim_commands(sim_sub) -> None:
 
     d = " (default: %(default)s)"
     k3 = sim_sub.add_parser("k3", help="simulate the full K3 (2.78T) through k3serve's streaming code on a machine")
-    k3.add_argument("--ram", default="32G", help="RAM budget for weights, e.g. 8G, or 'unlimited'" + d)
+    k3.add_argument("--ram", default="32G", help="RAM budget for weights, e.g. 8G, or 'unlimited'; "
+                    + cli_args.SIZE_UNITS + d)
     k3.add_argument("--machine", default="laptop",
                     help="a preset (c-engine, c-engine-v1, laptop, this-machine) or a machine file (.json/.toml)" + d)
     k3.add_argument("--engine", choices=("k3serve", "c-engine"), default="k3serve", help="engine profile" + d)
@@ -298,9 +299,13 @@ def cmd_sim_router(args: argparse.Namespace) -> int:
 def cmd_sim_calibrate(args: argparse.Namespace) -> int:
     from k3serve.sim.calibrate import calibration, cold_token_figures, table_lines
 
+    def progress(done: int, total: int, label: str) -> None:
+        print(f"[{100 * done / total:5.1f}%] simulated {done} of {total} published runs ({label})", file=sys.stderr,
+              flush=True)
+
     reads, gb = cold_token_figures()
-    print(f"cold token: {reads:.0f} expert reads, {gb:.2f} GB (C engine: 1,472 and 25.83 GB)")
-    rows = calibration(args.routing, args.device)
+    print(f"cold token: {reads:.0f} expert reads, {gb:.2f} GB (C engine: 1,472 and 25.83 GB)", flush=True)
+    rows = calibration(args.routing, args.device, progress=progress)
     print("\n".join(table_lines(rows)))
     if args.json:
         write_text(args.json, json.dumps({"cold_reads": reads, "cold_gb": gb,

@@ -27,7 +27,7 @@ def add_stream_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("streaming (any of these but --trace-out reads the model from a packed store; "
                                   "--trace-out alone also records a resident checkpoint)")
     g.add_argument("--ram-budget", type=cli_args.size, default=None,
-                   help="cap on all weight memory, e.g. 8G, 512M (default: none)")
+                   help=f"cap on all weight memory, e.g. 8G, 512M; {cli_args.SIZE_UNITS} (default: none)")
     g.add_argument("--io", choices=IO_MODES, default=None, help="mmap (naive), pread or direct (O_DIRECT); "
                                                                   "default pread")
     g.add_argument("--queue-depth", type=cli_args.int_range(1, 1024), default=None,
@@ -321,6 +321,10 @@ def routing_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -
     return out
 
 
+def _routing_progress(done: int, total: int) -> None:
+    print(f"[{100 * done / total:5.1f}%] routed {done:,} of {total:,} tokens", file=sys.stderr, flush=True)
+
+
 def cmd_routing_stats(args: argparse.Namespace) -> int:
     from k3serve.loading import load_model
     from k3serve.lab.routing_stats import measure_routing
@@ -355,7 +359,7 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
             staging = outputs.enter_context(atomic_output(args.trace_out))
             writer = TraceWriter(staging, trace_meta(loaded.model.config))
             outputs.callback(writer.close)
-        report = measure_routing(loaded.model, windows, writer)
+        report = measure_routing(loaded.model, windows, writer, progress=_routing_progress)
     print(f"routing of {args.model or 'the embedded model'} on {source}: {report.num_tokens} tokens in "
           f"{len(windows)} windows, {report.num_experts} experts top-{report.top_k}")
     print(report.table())

@@ -16,7 +16,7 @@ decode) through a recording wrapper around the model's weight source; `TraceWrit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -99,9 +99,11 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> float:
     return float(hits / (a.shape[0] * k))
 
 
-def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None) -> RoutingReport:
+def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None,
+                    progress: Callable[[int, int], None] | None = None) -> RoutingReport:
     """Route every sequence through `model` (one whose `routing_traces` is true) and summarise; `writer` (a TraceWriter) also records the
-    requests as a routing trace. Sequences are independent: reuse is counted within a sequence only."""
+    requests as a routing trace; `progress(done, total)` hears of each sequence routed. Sequences are independent:
+    reuse is counted within a sequence only."""
     from k3serve.model.interface import ForwardItem
     from k3serve.model.k3 import K3Model
 
@@ -110,6 +112,7 @@ def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None) -> R
     traced = K3Model(recorder, chunk_size=model.chunk_size, attention_blocks=model.attention_blocks)
     reuse_pairs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     num_tokens = 0
+    total_tokens = sum(len(seq) for seq in sequences)
     for seq in sequences:
         ids = np.asarray(seq, dtype=np.int64)
         if len(ids) == 0:
@@ -117,6 +120,8 @@ def measure_routing(model, sequences: Sequence[Sequence[int]], writer=None) -> R
         before = {l: len(v) for l, v in recorder.actual.items()}
         traced.forward([ForwardItem(ids, traced.new_cache())])
         num_tokens += len(ids)
+        if progress is not None:
+            progress(num_tokens, total_tokens)
         for layer, rows in recorder.actual.items():
             if len(rows) > before.get(layer, 0) and len(ids) > 1:
                 latest = rows[-1]

@@ -21,6 +21,7 @@ Two device inputs (docs/SIMULATOR.md, "Calibration"):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from k3serve.sim.full import SimConfig, SimResult, simulate
 from k3serve.sim.machine import Machine
@@ -115,12 +116,22 @@ def calibrate_row(row: tuple, routing: str = "flat", device: str = "as-recorded"
     return CalibrationRow(label, published, r.s_per_token, gb, steady.expert_bytes_per_token / GB, routing, rate)
 
 
-def calibration(routing: str = "flat", device: str = "as-recorded") -> list[CalibrationRow]:
-    rows = [calibrate_row(row, routing, device) for row in LADDER + SPLIT]
+def calibration(routing: str = "flat", device: str = "as-recorded",
+                progress: Callable[[int, int, str], None] | None = None) -> list[CalibrationRow]:
+    """Every published run beside the simulator's; `progress(done, total, label)` hears of each row (the whole
+    takes seconds)."""
+    runs = LADDER + SPLIT
+    rows = []
+    for number, row in enumerate(runs, start=1):
+        rows.append(calibrate_row(row, routing, device))
+        if progress is not None:
+            progress(number, len(runs) + 1, row[0])
     label, total, pinned, cache, published, gb, _ = TRUNK_RESIDENT
     r = c_engine_run(c_engine_v1(), total, pinned, cache, routing, steady=True)
     rows.append(CalibrationRow(label + " (steady)", published, r.s_per_token, gb, r.expert_bytes_per_token / GB,
                                routing))
+    if progress is not None:
+        progress(len(rows), len(rows), label + " (steady)")
     return rows
 
 
