@@ -63,7 +63,7 @@ def test_the_readme_command_summary_shows_real_flags_and_which_are_required():
         unknown = shown - set(options) - {"--param"}  # `lab run MODULE --param k=v` is shown on the `lab` line
         assert not unknown, f"README shows {sorted(unknown)} that `{' '.join(words[:2])}` does not take: {line}"
         outside = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", _unbracketed(line))) & set(options)
-        for flag in outside - {mode_flag}:  # shown without brackets: the command must need it (or one of a required group)
+        for flag in outside - {mode_flag}:  # unbracketed: the command needs it (or one of a required group)
             action = options[flag]
             in_required_group = any(action in group._group_actions and group.required
                                     for group in parser._mutually_exclusive_groups)

@@ -396,7 +396,7 @@ def test_lab_list_prints_whole_numbers_and_the_models_own_ranges(capsys):
     assert main(["lab", "list"]) == 0
     out = capsys.readouterr().out
     assert "e+" not in out and "seed=0  (0..2147483647)" in out
-    assert "layer=1  (1..7)" in out  # coactivation: the embedded model's MoE layers (its limits), not the declared 0..200
+    assert "layer=1  (1..7)" in out  # coactivation: the embedded model's MoE layers (limits), not the declared 0..200
     assert _range(Param("n", "int", 1, "", min=1)) == ">= 1" and _range(Param("x", "float", 0.5, "", max=0.5)) \
         == "<= 0.5"
 

@@ -19,7 +19,8 @@ def add_lab_command(sub) -> dict:
                                      "before/after, in the browser (docs/LAB.md)")
     lab.add_argument("--host", default="127.0.0.1", help="address to listen on")
     lab.add_argument("--port", type=cli_args.port, default=8100, help="TCP port to listen on")
-    lab.add_argument("--model", type=cli_args.model_path, default=None, help="K3 checkpoint folder (default: the embedded model)")
+    lab.add_argument("--model", type=cli_args.model_path, default=None,
+                     help="K3 checkpoint folder (default: the embedded model)")
     lab_sub = lab.add_subparsers(dest="lab_command")
     run = lab_sub.add_parser("run", help="run one module from the shell and print its figures")
     run.add_argument("module", help="module id (see `k3serve lab list`)")

@@ -155,7 +155,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--shutdown-timeout", type=positive_int, default=30,
                        help="seconds SIGTERM waits for in-flight requests before closing them; then exit 0")
     serve.add_argument("--port", type=cli_args.port, default=8000, help="TCP port to listen on")
-    serve.add_argument("--served-model-name", type=cli_args.non_empty, default=None, help="the model id clients send (default: folder name)")
+    serve.add_argument("--served-model-name", type=cli_args.non_empty, default=None,
+                       help="the model id clients send (default: folder name)")
     serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
     serve.add_argument("--max-seqs", type=positive_int, default=64, help="sequences running at once")
     serve.add_argument("--max-model-len", type=positive_int, default=4096,

@@ -122,7 +122,8 @@ def add_subcommands(sub) -> dict:
 
     stats = sub.add_parser("routing-stats", help="expert popularity skew, reuse between tokens and next-layer "
                                                   "predictability of a model on text")
-    stats.add_argument("--model", type=cli_args.model_path, default=None, help="checkpoint folder (default: the embedded model)")
+    stats.add_argument("--model", type=cli_args.model_path, default=None,
+                       help="checkpoint folder (default: the embedded model)")
     group = stats.add_mutually_exclusive_group()
     group.add_argument("--text", type=Path, action="append", default=None,
                        help="text file to route (repeatable; each file is cut into --window-token windows)")
