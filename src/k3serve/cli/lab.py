@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from k3serve.atomic_file import write_text
 from k3serve.cli import args as cli_args
