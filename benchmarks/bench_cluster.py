@@ -47,6 +47,7 @@ from k3serve.engine.config import PREFIX_CACHE_POLICIES, EngineConfig
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
 from k3serve.sim.router import shared_prefix_workload
+from k3serve.engine.request import RequestSpec
 
 
 
@@ -83,7 +84,7 @@ async def run_shared_prefix(backend: ClusterBackend, requests, reply_tokens: int
         while queue:
             tenant, prompt = queue.pop()
             start = time.perf_counter()
-            stream = backend.submit(prompt, params, tenant=tenant, cache_salt=None, stop=[], speculative=None)
+            stream = backend.submit(RequestSpec(tuple(prompt), params, tenant=tenant))
             first, final = None, None
             async for output in stream:
                 if first is None and output.outputs[0].token_ids:
@@ -117,7 +118,7 @@ async def run_workload(backend: ClusterBackend, work, reply_tokens: int) -> dict
         for user in turns:
             context += user
             start = time.perf_counter()
-            stream = backend.submit(context, params, tenant=tenant, cache_salt=None, stop=[], speculative=None)
+            stream = backend.submit(RequestSpec(tuple(context), params, tenant=tenant))
             first = None
             final = None
             async for output in stream:

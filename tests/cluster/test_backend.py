@@ -13,6 +13,7 @@ from openai import OpenAI
 from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import default_model_dir, load_model
+from k3serve.engine.request import RequestSpec
 
 from .conftest import ENGINE, MAX_MODEL_LEN, MODEL
 
@@ -39,7 +40,7 @@ async def _collect(stream, timeout: float = 120.0):
 
 
 def _submit(backend, prompt, params=GREEDY, tenant="t"):
-    return backend.submit(prompt, params, tenant=tenant, cache_salt=None, stop=[], speculative=None)
+    return backend.submit(RequestSpec(tuple(prompt), params, tenant=tenant))
 
 
 def _metric(url: str, line_start: str) -> float:
@@ -222,8 +223,7 @@ def test_a_whole_request_on_a_dying_replica_starts_over_on_another(local_ray, re
     backend = _own_backend(max_restarts=0)
 
     async def scenario():
-        stream = backend.submit(prompt, long, tenant="t", cache_salt=None, stop=[], speculative=None,
-                                streamed=False)
+        stream = backend.submit(RequestSpec(tuple(prompt), long, tenant="t", streamed=False))
         iterator = stream.__aiter__()
         first = await iterator.__anext__()
         assert first.outputs[0].token_ids and not first.finished  # the replica has generated tokens, not all
@@ -256,9 +256,9 @@ def test_a_replica_dead_after_its_last_restart_is_gone_and_health_says_degraded(
     submitted = []
     submit = backend.submit
 
-    def recording_submit(*args, **kwargs):
-        submitted.append(kwargs["streamed"])
-        return submit(*args, **kwargs)
+    def recording_submit(spec):
+        submitted.append(spec.streamed)
+        return submit(spec)
 
     backend.submit = recording_submit
     with serve_in_thread(create_app(backend, front_tokenizer(None), MODEL)) as url:

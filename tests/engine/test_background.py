@@ -11,7 +11,7 @@ import pytest
 from k3serve.engine.background import EngineRunner
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
-from k3serve.engine.request import FinishReason
+from k3serve.engine.request import FinishReason, RequestSpec
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import RequestError
 
@@ -28,7 +28,7 @@ def test_threads_submit_and_consume_blocking(runner, tiny_model):
     results: dict[int, list[int]] = {}
 
     def client(i: int) -> None:
-        stream = runner.submit(prompts[i], SamplingParams(max_tokens=4, ignore_eos=True))
+        stream = runner.submit(RequestSpec(tuple(prompts[i]), SamplingParams(max_tokens=4, ignore_eos=True)))
         tokens = []
         for out in stream:
             tokens += out.outputs[0].new_token_ids
@@ -41,15 +41,15 @@ def test_threads_submit_and_consume_blocking(runner, tiny_model):
         t.join(60)
     assert {i: results[i] for i in range(4)} == {i: tiny_model.greedy(prompts[i], 4) for i in range(4)}
     with pytest.raises(RequestError):
-        runner.submit([], SamplingParams())
+        runner.submit(RequestSpec((), SamplingParams()))
     assert runner.alive
 
 
 def test_async_consumption_and_abort_on_disconnect(runner, tiny_model):
     async def main():
-        done = runner.submit([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        done = runner.submit(RequestSpec((5, 6, 7), SamplingParams(max_tokens=3, ignore_eos=True)))
         tokens = [t async for out in done for t in out.outputs[0].new_token_ids]
-        long = runner.submit([8, 9], SamplingParams(max_tokens=10_000 // 100, ignore_eos=True))
+        long = runner.submit(RequestSpec((8, 9), SamplingParams(max_tokens=10_000 // 100, ignore_eos=True)))
         seen = []
         async for out in long:
             seen.append(out)
@@ -71,7 +71,7 @@ def test_async_consumption_and_abort_on_disconnect(runner, tiny_model):
 
 def test_shutdown_fails_live_requests(tiny_model):
     runner = EngineRunner(LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=128)))
-    stream = runner.submit([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+    stream = runner.submit(RequestSpec((5, 6, 7), SamplingParams(max_tokens=100, ignore_eos=True)))
     runner.shutdown()
     outs = list(stream)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason in (FinishReason.ERROR, FinishReason.LENGTH)

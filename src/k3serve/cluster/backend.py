@@ -28,7 +28,7 @@ from k3serve.cluster.spec import SINGLE_THREAD_ENV, ReplicaInfo, ReplicaSpec
 from k3serve.cluster.router import Route, Router, RouterConfig
 from k3serve.engine.fairness import TenantShare
 from k3serve.engine.metrics import Counter, Gauge, MetricsRegistry
-from k3serve.engine.request import CompletionOutput, FinishReason, RequestOutput
+from k3serve.engine.request import CompletionOutput, FinishReason, RequestOutput, RequestSpec
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ContextLengthError, K3Error, RequestError
 from k3serve.serve.health import FailureWindow
@@ -128,14 +128,10 @@ class ClusterBackend:
             reasons.append(failures)
         return "; ".join(reasons) if reasons else None
 
-    def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative, grammar=None,
-               streamed: bool = True) -> ClusterStream:
-        prompt = self._validate(prompt_token_ids, params)
-        # a compiled grammar holds a native tokenizer: its text travels, and the replica binds it to its own
-        stream = ClusterStream(self, prompt, params, tenant, cache_salt, stop, speculative,
-                               None if grammar is None else grammar.text, streamed=streamed)
-        stream.start(frozenset())
+    def submit(self, spec: RequestSpec) -> ClusterStream:
+        self._validate(spec.prompt_token_ids, spec.params)
+        stream = ClusterStream(self, spec)  # the record travels to the replica as it is (stop strings and grammar
+        stream.start(frozenset())           # as text, bound there to the replica's tokenizer)
         return stream
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
@@ -211,7 +207,8 @@ class ClusterBackend:
         return prompt
 
     def _route(self, stream: ClusterStream, exclude: frozenset[int]) -> Route | None:
-        route = self.router.choose(stream.prompt, stream.tenant, stream.cache_salt, exclude)
+        route = self.router.choose(list(stream.spec.prompt_token_ids), stream.spec.tenant, stream.spec.cache_salt,
+                                   exclude)
         if route is not None:
             self._m_decisions.labels(route.reason).inc()
             self._publish(route.replica)
@@ -352,14 +349,10 @@ class ClusterStream:
     """One request's outputs from its replica, sent again from the start elsewhere if the replica dies before its
     client has seen a token (`streamed=False`: the client sees only the final output, so always)."""
 
-    def __init__(self, backend: ClusterBackend, prompt: list[int], params: SamplingParams, tenant: str,
-                 cache_salt: str | None, stop: list[str], speculative, grammar_text: str | None = None,
-                 streamed: bool = True) -> None:
+    def __init__(self, backend: ClusterBackend, spec: RequestSpec) -> None:
         self.request_id = uuid.uuid4().hex
         self.backend = backend
-        self.prompt, self.params, self.tenant, self.cache_salt = prompt, params, tenant, cache_salt
-        self.stop, self.speculative, self.grammar_text = stop, speculative, grammar_text
-        self.client_streams = streamed  # False: the client gets one whole response, so a retry can start over
+        self.spec = spec  # spec.streamed False: the client gets one whole response, so a retry can start over
         self.finished = False
         self.last: RequestOutput | None = None
         self.route: Route | None = None
@@ -377,8 +370,7 @@ class ClusterStream:
         self._generation = self.backend.generation[route.replica]
         self._tried.add(route.replica)
         actor = self.backend.actors[route.replica]
-        self._generator = actor.generate.options(num_returns="streaming").remote(
-            self.prompt, self.params, self.tenant, self.cache_salt, self.stop, self.speculative, self.grammar_text)
+        self._generator = actor.generate.options(num_returns="streaming").remote(self.spec)
         return True
 
     def _release(self, output: RequestOutput | None) -> None:
@@ -416,7 +408,7 @@ class ClusterStream:
                 if self._aborted:
                     yield self._end("aborted")
                     return
-                if streamed and self.client_streams:
+                if streamed and self.spec.streamed:
                     self.backend._m_lost.inc()
                     yield self._end(f"replica {replica} died after streaming tokens; the request cannot continue "
                                     "elsewhere without repeating them")
@@ -440,8 +432,8 @@ class ClusterStream:
         self._release(None)
         previous = self.last.outputs if self.last is not None else []
         tokens = {c.index: c.token_ids for c in previous}
-        outputs = [CompletionOutput(i, tokens.get(i, []), [], FinishReason.ERROR) for i in range(self.params.n)]
-        final = RequestOutput(self.request_id, self.prompt, outputs, finished=True, error=message)
+        outputs = [CompletionOutput(i, tokens.get(i, []), [], FinishReason.ERROR) for i in range(self.spec.params.n)]
+        final = RequestOutput(self.request_id, list(self.spec.prompt_token_ids), outputs, finished=True, error=message)
         self.last = final
         return final
 

@@ -15,8 +15,8 @@ import ray
 
 from k3serve.cluster.spec import ReplicaInfo, ReplicaSpec
 from k3serve.engine.fairness import TenantShare
-from k3serve.engine.request import RequestOutput
-from k3serve.engine.sampling import SamplingParams
+from k3serve.engine.request import RequestOutput, RequestSpec
+
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +72,13 @@ class EngineReplica:
         return {name: value for name, value in self.engine.metrics.snapshot().items()
                 if isinstance(value, (int, float))}
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
-                       cache_salt: str | None, stop: list[str], speculative,
-                       grammar_text: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        from k3serve.engine.constraints import bound_grammar
         from k3serve.serve.text import stop_hook_for
 
-        grammar = None
-        if grammar_text is not None:  # checked by the front against the same model's tokenizer
-            from k3serve.engine.constraints import Grammar, grammar_tokenizer
-
-            grammar = Grammar(grammar_text, grammar_tokenizer(self.tokenizer))
-        stream = self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
-                                    stop_hook=stop_hook_for(self.tokenizer, stop), speculative=speculative,
-                                    grammar=grammar)
+        # the grammar was checked by the front against the same model's tokenizer; bound here to this one's
+        stream = self.runner.submit(spec, stop_hook=stop_hook_for(self.tokenizer, list(spec.stop)),
+                                    constraint=bound_grammar(spec.grammar, self.tokenizer))
         try:
             async for output in stream:
                 yield output

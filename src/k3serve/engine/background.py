@@ -1,7 +1,7 @@
 """The engine on a background thread, for servers: submit from any thread, consume outputs sync or async.
 
     runner = EngineRunner(LLMEngine(model, config))
-    stream = runner.submit(prompt_ids, SamplingParams(max_tokens=64))   # RequestError if invalid
+    stream = runner.submit(RequestSpec(tuple(prompt_ids), SamplingParams(max_tokens=64)))   # RequestError if invalid
     async for out in stream:            # or: for out in stream (blocking)
         send(out.outputs[0].new_token_ids)
     ...
@@ -18,11 +18,14 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 from k3serve.engine.engine import LLMEngine
-from k3serve.engine.request import RequestOutput, StopHook
-from k3serve.engine.sampling import SamplingParams
+from k3serve.engine.request import RequestOutput, RequestSpec, StopHook
+
+if TYPE_CHECKING:
+    from k3serve.engine.constraints import OutputConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +111,14 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="k3serve-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,
-               stop_hook: StopHook | None = None, speculative=None, grammar=None) -> RequestStream:
-        """Queue a request; raises `RequestError` at once if it is invalid."""
+    def submit(self, spec: RequestSpec, *, request_id: str | None = None, stop_hook: StopHook | None = None,
+               constraint: OutputConstraint | None = None) -> RequestStream:
+        """Queue the request `spec` describes (`LLMEngine.submit`); raises `RequestError` at once if it is invalid."""
         if self._stopping:
             raise RuntimeError("the engine runner is shut down")
         stream = RequestStream(self)
-        stream.request_id = self.engine.add_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
-                                                    cache_salt=cache_salt, stop_hook=stop_hook,
-                                                    on_output=stream.put, speculative=speculative, grammar=grammar)
+        stream.request_id = self.engine.submit(spec, request_id=request_id, stop_hook=stop_hook,
+                                               on_output=stream.put, constraint=constraint)
         self._wake.set()
         return stream
 

@@ -113,6 +113,11 @@ class Grammar:
         return TokenConstraint(matcher, self.tokenizer.vocab_size)
 
 
+def bound_grammar(text: str | None, tokenizer) -> Grammar | None:
+    """A grammar's serialised text (as a request carries it) bound to the tokenizer of the process that runs it."""
+    return None if text is None else Grammar(text, grammar_tokenizer(tokenizer))
+
+
 class TokenConstraint:
     """One sequence's position in a grammar: the allowed next tokens, advanced token by token."""
 

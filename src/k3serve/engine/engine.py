@@ -41,7 +41,8 @@ from k3serve.engine.fairness import TenantShare
 from k3serve.engine.engine_metrics import EngineMetrics
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
-from k3serve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, StopHook
+from k3serve.engine.request import (CompletionOutput, FinishReason, Request, RequestOutput, RequestSpec, Sequence,
+                                    StopHook)
 from k3serve.engine.sampling import Sampler, SamplingParams, token_logprob, validate_prompt
 from k3serve.engine.speculative import DrafterFactory, SequenceSpeculation, SpeculativeConfig
 from k3serve.engine.verification import num_to_emit, verify
@@ -115,6 +116,15 @@ class LLMEngine:
         return self.enqueue(self.make_request(prompt_token_ids, params, request_id=request_id, tenant=tenant,
                                                cache_salt=cache_salt, stop_hook=stop_hook, on_output=on_output,
                                                speculative=speculative, grammar=grammar))
+
+    def submit(self, spec: RequestSpec, *, request_id: str | None = None, stop_hook: StopHook | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None,
+               constraint: OutputConstraint | None = None) -> str:
+        """Queue the request `spec` describes, with what the calling process binds to it: the stop hook of its stop
+        strings and the constraint of its grammar (both over that process's tokenizer), and where outputs go."""
+        return self.add_request(spec.prompt_token_ids, spec.params, request_id=request_id, tenant=spec.tenant,
+                                cache_salt=spec.cache_salt, stop_hook=stop_hook, on_output=on_output,
+                                speculative=spec.speculative, grammar=constraint)
 
     def make_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None, tenant: str = "default", cache_salt: str | None = None,

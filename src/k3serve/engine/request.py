@@ -39,6 +39,23 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request failed; the others carried on
 
 
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request as its client asked for it: built once where it enters (serve's API) and passed down unchanged
+    through the serving backend, the cluster's replica and the engine runner to `LLMEngine.submit`, so a new
+    request option is one field here and code only where it is read. Picklable (it crosses to Ray replicas): the
+    stop strings and the grammar travel as text, bound to the tokenizer of whichever process runs them."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    tenant: str = "default"
+    cache_salt: str | None = None
+    stop: tuple[str, ...] = ()  # stop strings (serve/text.py turns them into a stop hook over the tokenizer)
+    speculative: SpeculativeConfig | bool | str | None = None  # None: the engine's default (LLMEngine.add_request)
+    grammar: str | None = None  # a grammar in llguidance's serialised form (engine/constraints.py)
+    streamed: bool = True  # the client sees outputs as they come (False: one whole response, so it may start over)
+
+
 @dataclass
 class CompletionOutput:
     """One of the n completions of a request, as of this output."""

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from k3serve.engine.constraints import Grammar
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.metrics import Counter
-from k3serve.engine.request import FinishReason, RequestOutput
+from k3serve.engine.request import FinishReason, RequestOutput, RequestSpec
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ContextLengthError, RequestError
 from k3serve.serve.backend import LocalBackend, OutputStream, ServingBackend
@@ -362,11 +362,11 @@ async def _submit_and_answer(request: Request, state: ServerState, body, prompts
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     max_tokens=max_tokens, seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
                                     logprobs=_logprob_count(body, chat))
-            streams.append(state.backend.submit(prompt.ids, params, tenant=tenant,
-                                                cache_salt=_cache_salt(request.state.cache_scope, body.cache_salt),
-                                                stop=body.stop,
-                                                speculative=body.speculative, grammar=grammar,
-                                                streamed=bool(body.stream)))
+            spec = RequestSpec(tuple(int(t) for t in prompt.ids), params, tenant=tenant,
+                               cache_salt=_cache_salt(request.state.cache_scope, body.cache_salt),
+                               stop=tuple(body.stop), speculative=body.speculative,
+                               grammar=None if grammar is None else grammar.text, streamed=bool(body.stream))
+            streams.append(state.backend.submit(spec))
         except RequestError as exc:
             for stream in streams:
                 stream.abort()

@@ -7,15 +7,15 @@ behind a router (`k3serve cluster`, k3serve.cluster.backend). A backend takes va
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
 from k3serve.engine.background import EngineRunner, RequestStream
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.fairness import TenantShare
 from k3serve.engine.metrics import MetricsRegistry
-from k3serve.engine.request import RequestOutput
-from k3serve.engine.sampling import SamplingParams
+from k3serve.engine.constraints import bound_grammar
+from k3serve.engine.request import RequestOutput, RequestSpec
 from k3serve.serve.health import FailureWindow
 from k3serve.serve.text import stop_hook_for
 from k3serve.tokenizer import Tokenizer
@@ -52,13 +52,11 @@ class ServingBackend(Protocol):
         """Why requests are served only in part (/health answers 200 with status "degraded" and this reason), or
         None when all is well."""
 
-    def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative, grammar=None,
-               streamed: bool = True) -> OutputStream:
-        """Queue a request; raises `RequestError` at once if it is invalid. `stop`: stop strings (the backend
-        checks them with its own tokenizer); `grammar`: an engine/constraints.Grammar every completion follows;
-        `streamed`: whether the client sees outputs as they come (False: one whole response at the end, so a
-        backend may start the request over elsewhere when its engine fails midway)."""
+    def submit(self, spec: RequestSpec) -> OutputStream:
+        """Queue the request `spec` describes (engine/request.py: built once by the API, passed down unchanged);
+        raises `RequestError` at once if it is invalid. The backend binds the stop strings and the grammar to its own
+        tokenizer; a request that is not `streamed` (one whole response at the end) may be started over elsewhere
+        when its engine fails midway."""
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None: ...
 
@@ -88,12 +86,9 @@ class LocalBackend:
     def degraded(self) -> str | None:
         return self.failures.reason()
 
-    def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams, *, tenant: str,
-               cache_salt: str | None, stop: list[str], speculative, grammar=None,
-               streamed: bool = True) -> TrackedStream:
-        stream = self.runner.submit(prompt_token_ids, params, tenant=tenant, cache_salt=cache_salt,
-                                    stop_hook=stop_hook_for(self._tokenizer, stop), speculative=speculative,
-                                    grammar=grammar)
+    def submit(self, spec: RequestSpec) -> TrackedStream:
+        stream = self.runner.submit(spec, stop_hook=stop_hook_for(self._tokenizer, list(spec.stop)),
+                                    constraint=bound_grammar(spec.grammar, self._tokenizer))
         return TrackedStream(stream, self.failures)
 
     def set_tenant_shares(self, shares: dict[str, TenantShare]) -> None:
