@@ -77,6 +77,35 @@ def test_engine_tokens_from_the_cache_equal_tokens_computed_from_scratch(tiny_mo
     assert hit_tokens == _tokens(cold, drive, extended)[0] == tiny_model.greedy(extended, 6)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=6, temperature=0.9, seed=3, n=2,
+                                                            ignore_eos=True)], ids=["greedy", "seeded-n2"])
+def test_an_exact_repeat_of_a_prompt_hits_whole_with_the_tokens_of_a_miss(tiny_model, drive, params):
+    """The prompt-end checkpoint keeps the logits after the prompt, so the same prompt again restores every token
+    and samples its first token without a forward (issue 32, item 13)."""
+    warm, cold = _engine(tiny_model), _engine(tiny_model, enable_prefix_caching=False)
+    prompt = PROMPT[:14]
+    first_id = warm.add_request(prompt, params)
+    first = drive(warm)[first_id]
+    computed = warm.metrics.counter("computed_tokens").value
+    again_id = warm.add_request(prompt, params)
+    again = drive(warm)[again_id]
+    cold_id = cold.add_request(prompt, params)
+    miss = drive(cold)[cold_id]
+    assert again.num_cached_tokens == len(prompt) and first.num_cached_tokens == 0
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs] \
+        == [c.token_ids for c in miss.outputs]
+    # no prompt position was computed again: only the decode steps after the first token (n completions)
+    assert warm.metrics.counter("computed_tokens").value - computed == params.n * (params.max_tokens - 1)
+    warm.check_integrity()
+
+
+def test_a_repeat_of_a_prompt_from_another_tenant_does_not_hit(tiny_model, drive):
+    engine = _engine(tiny_model)
+    _tokens(engine, drive, PROMPT[:14], tenant="a")
+    assert _tokens(engine, drive, PROMPT[:14], tenant="b")[1] == 0
+    assert _tokens(engine, drive, PROMPT[:14], tenant="a")[1] == 14
+
+
 def test_second_turn_hits_at_the_last_generated_token(tiny_model, drive):
     engine = _engine(tiny_model)
     first, cached = _tokens(engine, drive, PROMPT[:9])

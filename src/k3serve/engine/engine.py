@@ -331,6 +331,12 @@ class LLMEngine:
                 spec.draft = draft
 
     def _run(self, decision: SchedulerOutput, touched: dict[str, Request]) -> None:
+        whole = [s for s in decision.scheduled if s.num_new_tokens == 0]  # admitted whole from the prefix cache
+        if whole:
+            self._sample_cached(whole, touched)
+            decision = SchedulerOutput([s for s in decision.scheduled if s.num_new_tokens], decision.preempted)
+            if decision.empty:
+                return
         items = []
         windows: list[RollbackCache | None] = []
         for s in decision.scheduled:
@@ -370,11 +376,25 @@ class LLMEngine:
                 logger.exception("request %s failed while processing its step", request.request_id)
                 self._fail(request, exc, touched)
 
+    def _sample_cached(self, scheduled: list[ScheduledSequence], touched: dict[str, Request]) -> None:
+        """Sequences the prefix cache restored whole, with the logits after their last token: they sample from those
+        (the same logits a forward would give) and decode from the next step on."""
+        now = time.perf_counter()
+        for s in scheduled:
+            logits, s.seq.cached_logits = s.seq.cached_logits, None
+            if s.seq.request.finished or logits is None:
+                continue
+            try:
+                self._after_forward(s, logits, now, touched)
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("request %s failed while processing its step", s.seq.request.request_id)
+                self._fail(s.seq.request, exc, touched)
+
     def _after_forward(self, scheduled: ScheduledSequence, logits: np.ndarray, now: float,
                        touched: dict[str, Request]) -> None:
         seq = scheduled.seq
         completes = scheduled.completes
-        self.scheduler.after_forward(seq, scheduled.num_new_tokens)
+        self.scheduler.after_forward(seq, scheduled.num_new_tokens, logits=logits)
         seq.suspect = False
         if not completes:
             return

@@ -87,6 +87,8 @@ class StateCheckpoint:
     tail: tuple[int, ...]  # the tokens after that block, position % BS of them
     position: int
     num_hits: int = 0
+    logits: np.ndarray | None = None  # [V] the next-token logits at `position` (kept at a prompt's end): a request
+    # with exactly these tokens restores all of them and samples its first token without a forward
 
 
 class SegmentedLRU:
@@ -177,6 +179,11 @@ class PrefixMatch:
     branch_point: int | None  # where this sequence leaves a path the cache has seen (None: no such path)
     num_block_tokens: int  # positions covered by cached attention blocks alone (what a pure-attention model reuses)
 
+    @property
+    def logits(self) -> np.ndarray | None:
+        """The next-token logits of a hit that covers every token (the prompt is then computed: no forward)."""
+        return self.checkpoint.logits if self.checkpoint is not None else None
+
 
 class PrefixCache:
     """Block hashes in the `BlockPool`, state checkpoints in a slot pool of their own, and the match logic."""
@@ -235,9 +242,10 @@ class PrefixCache:
 
     # ---- lookup ---------------------------------------------------------------------------------------------
     def match(self, root: bytes, tokens: list[int], hashes: list[bytes]) -> PrefixMatch:
-        """The longest usable hit for `tokens` (p <= len(tokens) - 1) and the branch point. `hashes` must cover
-        every full block of `tokens` (see `extend_hashes`)."""
-        BS, limit = self.block_size, len(tokens) - 1
+        """The longest usable hit for `tokens` and the branch point: p <= len(tokens) - 1 (the last token is
+        computed for its logits), or p = len(tokens) from a checkpoint that kept its logits (an exact repeat).
+        `hashes` must cover every full block of `tokens` (see `extend_hashes`)."""
+        BS, limit, full = self.block_size, len(tokens) - 1, len(tokens)
         matched: list[int] = []
         for block_hash in hashes:
             block = self.blocks.lookup(block_hash)
@@ -245,14 +253,14 @@ class PrefixCache:
                 break
             matched.append(block)
         hit: StateCheckpoint | None = None
-        for j in range(min(len(matched), limit // BS), -1, -1):
+        for j in range(min(len(matched), full // BS), -1, -1):
             group = self._index.get(hashes[j - 1] if j else root)
             if not group:
                 continue
             for tail, checkpoint in group.items():
                 end = j * BS + len(tail)
-                if end <= limit and (hit is None or end > hit.position) \
-                        and tuple(tokens[j * BS:end]) == tail:
+                usable = end <= limit or (end == full and checkpoint.logits is not None)
+                if usable and (hit is None or end > hit.position) and tuple(tokens[j * BS:end]) == tail:
                     hit = checkpoint
             if hit is not None:
                 break
@@ -354,8 +362,9 @@ class PrefixCache:
         return max(registered, num_full)
 
     def save_checkpoint(self, root: bytes, tokens: list[int], hashes: list[bytes],
-                        cache: PagedSequenceCache) -> bool:
-        """Save the recurrent state of `cache` at its current position (its full blocks must be registered)."""
+                        cache: PagedSequenceCache, logits: np.ndarray | None = None) -> bool:
+        """Save the recurrent state of `cache` at its current position (its full blocks must be registered), with
+        `logits` [V], the next-token logits there, when given (a prompt's end: an exact repeat then hits whole)."""
         BS, position = self.block_size, cache.num_tokens
         if self.config.num_state_checkpoints == 0 or position == 0:
             return False
@@ -370,13 +379,16 @@ class PrefixCache:
         existing = self._index.get(parent, {}).get(tail)
         if existing is not None:  # often the same sequence again (a one-token reply, a preemption): not a hit
             self._recency.touch(existing.slot)
+            if existing.logits is None and logits is not None:
+                existing.logits = np.array(logits, dtype=np.float32)
             return False
         if self.store.num_free_slots == 0:
             self._drop(self._recency.victim())
         slot = self.store.allocate()
         self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
         self.tails[slot, : self.num_attention_layers, : len(tail)] = cache.tail_rows(position)
-        checkpoint = StateCheckpoint(slot, parent, tail, position)
+        checkpoint = StateCheckpoint(slot, parent, tail, position,
+                                     logits=None if logits is None else np.array(logits, dtype=np.float32))
         self._recency.add(checkpoint)
         self._index.setdefault(parent, {})[tail] = checkpoint
         self._m_saved.inc()

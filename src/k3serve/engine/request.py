@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.sampling import Sampler, SamplingParams, TokenLogprob
 
@@ -133,6 +135,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []  # one per generated token when the request asked for logprobs
         self.last_token_time: float | None = None
         self.speculation: SequenceSpeculation | None = None  # drafter, adaptive length and this step's draft
+        self.cached_logits: np.ndarray | None = None  # [V] admitted whole from the prefix cache: the logits after
+        # its last token, sampled from instead of a forward
 
     @property
     def num_tokens(self) -> int:

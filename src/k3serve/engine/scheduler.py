@@ -35,6 +35,8 @@ from collections import Counter, deque
 from itertools import islice
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.fairness import TenantUsage, make_policy
@@ -144,10 +146,12 @@ class Scheduler:
             self._leave(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def after_forward(self, seq: Sequence, num_new_tokens: int, pending_tokens: list[int] | None = None) -> None:
+    def after_forward(self, seq: Sequence, num_new_tokens: int, pending_tokens: list[int] | None = None,
+                      logits: np.ndarray | None = None) -> None:
         """Book `num_new_tokens` as computed; index full blocks and save a checkpoint if one is due here.
         `pending_tokens` are computed positions past `seq.token_ids` (a verify window's accepted drafts, which the
-        engine appends as it emits them): the blocks and checkpoint are keyed by token_ids + pending_tokens."""
+        engine appends as it emits them): the blocks and checkpoint are keyed by token_ids + pending_tokens.
+        `logits` [V] are the next-token logits at the new position: a checkpoint at the prompt's end keeps them."""
         seq.num_computed_tokens += num_new_tokens
         if seq.cache is None or seq.cache.num_tokens != seq.num_computed_tokens:
             raise IntegrityError(f"{seq}: the cache position disagrees with the computed count after a forward")
@@ -157,7 +161,9 @@ class Scheduler:
                 raise IntegrityError(f"{seq}: {seq.num_computed_tokens} positions computed but {len(tokens)} tokens")
             self._register(seq, tokens)
             if seq.num_computed_tokens in seq.checkpoint_targets:
-                self.prefix_cache.save_checkpoint(seq.request.root_hash, tokens, seq.block_hashes, seq.cache)
+                at_prompt_end = seq.num_computed_tokens == seq.num_prompt_tokens
+                self.prefix_cache.save_checkpoint(seq.request.root_hash, tokens, seq.block_hashes, seq.cache,
+                                                  logits if at_prompt_end else None)
 
     def reset_for_recompute(self, seq: Sequence) -> None:
         """Drop a running sequence's memory and queue it again at the front, to be recomputed (preemption, or
@@ -238,7 +244,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0:
                 break
             n = self._admit(seq, self._budget(out), alone=not out.scheduled)
-            if n == 0:
+            if n is None:
                 blocked.add(tenant)
                 continue
             out.scheduled.append(ScheduledSequence(seq, n))
@@ -285,7 +291,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_seqs or self.states.num_free_slots == 0:
                 return seq
             n = self._admit(seq, self._budget(out), alone=not out.scheduled)
-            if n == 0:
+            if n is None:
                 return seq
             out.scheduled.append(ScheduledSequence(seq, n))
         return None
@@ -398,7 +404,7 @@ class Scheduler:
                                 or not self._fits(seq, self.config.max_batch_tokens)):
             self._preempt(self.running[-1], out)
         n = self._admit(seq, self.config.max_batch_tokens, alone=True)
-        if n:
+        if n is not None:
             out.scheduled.append(ScheduledSequence(self.running[-1], n))
 
     def _chunk(self, seq: Sequence, start: int, budget: int, alone: bool) -> int:
@@ -430,8 +436,9 @@ class Scheduler:
         revived = self.prefix_cache.blocks_to_take(match) if match is not None else 0
         return revived + -(-(start + n) // BS) - start // BS
 
-    def _admit(self, seq: Sequence, budget: int, alone: bool) -> int:
-        """Admit waiting `seq` if it fits; returns its scheduled token count (0 if it did not)."""
+    def _admit(self, seq: Sequence, budget: int, alone: bool) -> int | None:
+        """Admit waiting `seq` if it fits; returns its scheduled token count (None if it did not; 0 when the prefix
+        cache held every token and the logits after them: the engine samples without a forward)."""
         match = self._lookup(seq)
         start = match.num_tokens if match is not None else 0
         targets = self.prefix_cache.plan_checkpoints(match, seq.num_prompt_tokens, seq.num_tokens) \
@@ -439,12 +446,14 @@ class Scheduler:
         if match is not None:
             targets = sorted({*targets, *self._parting_points(seq, start)})
         seq.checkpoint_targets = targets
-        n = self._chunk(seq, start, budget, alone)
+        whole = match is not None and start == seq.num_tokens  # an exact repeat: computed, its logits kept
+        n = 0 if whole else self._chunk(seq, start, budget, alone)
         # the watermark is waived for a sequence that runs alone: it must be able to make progress
         reserve = 0 if alone and not self.running else self.watermark_blocks
-        if n == 0 or self._blocks_for_admission(match, start, n) + reserve > self.blocks.num_free_blocks:
+        if (n == 0 and not whole) \
+                or self._blocks_for_admission(match, start, max(n, 1)) + reserve > self.blocks.num_free_blocks:
             seq.checkpoint_targets = []
-            return 0
+            return None
         self.waiting.remove(seq)
         cache = PagedSequenceCache(self.blocks, self.states)
         if match is not None:
@@ -462,6 +471,7 @@ class Scheduler:
         cache.reserve(n)
         seq.cache = cache
         seq.num_computed_tokens = cache.num_tokens
+        seq.cached_logits = match.logits if whole else None
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return n
@@ -496,6 +506,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.checkpoint_targets = []
+        seq.cached_logits = None
 
     # ---- checks ---------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
