@@ -336,3 +336,18 @@ def test_fcfs_never_interrupts_and_unsupported_models_are_refused(tiny_model, ti
     traced = K3Model(TracedSource(tiny_model.source, None))  # a step-by-step recorder cannot nest forwards
     with pytest.raises(ConfigError, match="step_interruption"):
         LLMEngine(traced, EngineConfig(scheduling="fair", step_interruption=True))
+
+
+def test_auto_step_interruption_is_on_under_a_ranked_policy_where_the_model_can_nest(tiny_model):
+    from k3serve.model.k3 import K3Model
+    from k3serve.stream.trace import TracedSource
+
+    def resolved(model, scheduling: str) -> bool:
+        return LLMEngine(model, EngineConfig(scheduling=scheduling, step_interruption="auto")).config.step_interruption
+
+    traced = K3Model(TracedSource(tiny_model.source, None))  # cannot nest: auto turns it off, no error
+    assert resolved(tiny_model, "fair") is True and resolved(tiny_model, "priority") is True
+    assert resolved(tiny_model, "fcfs") is False and resolved(traced, "fair") is False
+    with pytest.raises(ConfigError, match="step_interruption must be true, false or 'auto'"):
+        EngineConfig(step_interruption="sometimes")
+

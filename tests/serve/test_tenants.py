@@ -94,8 +94,11 @@ def test_serve_passes_scheduling_and_step_interruption_to_the_engine():
 
     args = build_parser().parse_args(["serve", "--scheduling", "priority", "--step-interruption"])
     config = _engine_config(args)
-    assert config.scheduling == "priority" and config.step_interruption
-    assert not _engine_config(build_parser().parse_args(["serve"])).step_interruption
+    assert config.scheduling == "priority" and config.step_interruption is True
+    # the server's default: on wherever it can help (the engine resolves it against its model and policy)
+    assert _engine_config(build_parser().parse_args(["serve"])).step_interruption == "auto"
+    assert _engine_config(build_parser().parse_args(["serve", "--step-interruption", "off"])).step_interruption \
+        is False
 
 
 def test_an_open_server_beyond_loopback_warns(capsys):

@@ -325,7 +325,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _engine_config(args: argparse.Namespace):
     from k3serve.engine.config import EngineConfig
 
-    if args.step_interruption and args.scheduling == "fcfs":
+    if args.step_interruption == "on" and args.scheduling == "fcfs":
         raise UsageError("--step-interruption pauses a forward for a tenant ranked ahead, and --scheduling fcfs "
                          "ranks no tenant ahead: use --scheduling fair or priority, or leave out --step-interruption")
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
@@ -334,7 +334,8 @@ def _engine_config(args: argparse.Namespace):
                         prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
                         checkpoint_every_blocks=args.checkpoint_every_blocks,
                         prefix_wait_tokens=args.prefix_wait_tokens, scheduling=args.scheduling,
-                        output_cost=args.output_cost, step_interruption=args.step_interruption)
+                        output_cost=args.output_cost,
+                        step_interruption={"on": True, "off": False}.get(args.step_interruption, "auto"))
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -365,7 +366,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
                       "one")
-    if config.step_interruption and not loaded.model.supports_nested_forward:
+    if config.step_interruption is True and not loaded.model.supports_nested_forward:
         raise UsageError("--step-interruption needs a model whose weights allow a forward inside another: resident "
                          "K3 weights (no --ram-budget or other streaming flag, no --trace-out, not a family model)")
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative,

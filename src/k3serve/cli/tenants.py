@@ -30,10 +30,10 @@ def add_tenant_args(parser: argparse.ArgumentParser) -> None:
                        help="between tenants: first come first served, fair (virtual token counter) or priority")
     group.add_argument("--output-cost", type=float_range(0.0), default=DEFAULT_OUTPUT_COST,
                        help="fair scheduling: an output token's charge relative to a prompt token")
-    group.add_argument("--step-interruption", action="store_true",
+    group.add_argument("--step-interruption", nargs="?", const="on", choices=("auto", "on", "off"), default="auto",
                        help="fair/priority: a forward pauses after a layer's attention or MLP to run an arriving "
                             "request of a tenant ranked ahead first (shorter first-token waits for light tenants; "
-                            "resident K3 weights only)")
+                            "resident K3 weights only). auto: on under fair and priority when the model allows it")
 
 
 def add_tenants_command(sub) -> dict:

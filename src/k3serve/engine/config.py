@@ -40,8 +40,9 @@ class EngineConfig:
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
     scheduling: str = "fcfs"  # between tenants: fcfs, fair (Virtual Token Counter) or priority (engine/fairness.py)
     output_cost: float = 2.0  # fair/priority: an output token's charge relative to a prompt token
-    step_interruption: bool = False  # fair/priority: a forward pauses at a pause point for an arrival of a
-    # tenant ranked no worse than every other tenant in it, which runs in a forward of its own first (engine.py)
+    step_interruption: bool | str = False  # fair/priority: a forward pauses at a pause point for an arrival of a
+    # tenant ranked no worse than every other tenant in it, which runs in a forward of its own first (engine.py);
+    # "auto" (the server's default): on under fair and priority when the model allows a nested forward
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_seqs", "max_model_len"):
@@ -56,8 +57,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 0, got {value!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "checkpoint_partial_blocks",
-                     "step_interruption"):
+        if self.step_interruption != "auto" and not isinstance(self.step_interruption, bool):
+            raise ConfigError("EngineConfig.step_interruption must be true, false or 'auto' (on under fair and "
+                              f"priority scheduling when the model allows a nested forward), got "
+                              f"{self.step_interruption!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "checkpoint_partial_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.admission_watermark, bool) or not isinstance(self.admission_watermark, (int, float)) \

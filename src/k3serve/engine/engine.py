@@ -79,6 +79,9 @@ class LLMEngine:
         self.config = config if config is not None else EngineConfig()
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.stop_ids = frozenset(self.model_config.eos_token_ids if stop_ids is None else stop_ids)
+        if self.config.step_interruption == "auto":  # on wherever it can help: a ranked policy, a nestable model
+            self.config = dataclasses.replace(self.config, step_interruption=self.config.scheduling != "fcfs"
+                                              and model.supports_nested_forward)
         if self.config.step_interruption and not model.supports_nested_forward:
             raise ConfigError("step_interruption needs a model whose weights allow a forward inside "
                               "another (resident K3 weights; not a streaming or traced source, not a family model)")
