@@ -14,7 +14,7 @@ checks and failures, RSS after warm-up and its slope (MiB per minute, least squa
 first --warmup seconds), and the latency percentiles (p50/p95 of whole non-streamed completions) per window of
 --window seconds. One summary line, then a JSON record on the last line.
 
-    python benchmarks/soak.py [--seconds 120] [--clients 6] [--window 30] [--warmup 20]
+    python benchmarks/soak.py [--seconds 120] [--clients 6] [--window 30] [--warmup 20] [--key-churn]
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def _check_whole(response: httpx.Response, feature: str | None) -> str | None:
     return None
 
 
-def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int, shared: str) -> None:
+def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int, shared: str,
+            key_churn: bool = False) -> None:
     rng = random.Random(seed)
     words = ["def", "return", "import", "class", "for", "while", "value", "items", "print", "self", "data"]
     with httpx.Client(base_url=url, timeout=300) as http:
@@ -151,19 +152,21 @@ def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int
                 if rng.random() < 0.1:
                     body["logprobs"], feature = rng.randint(0, 5), "completion_logprobs"
             streamed, cancel = rng.random() < 0.5, rng.random() < 0.15
+            # key churn: every request a bearer key never seen before (an open server must keep no state per key)
+            headers = {"Authorization": f"Bearer sk-churn-{rng.getrandbits(64):016x}"} if key_churn else {}
             tally.add("sent")
             started = time.perf_counter()
             try:
                 if streamed or cancel:
                     body["stream"] = True
-                    with http.stream("POST", path, json=body) as response:
+                    with http.stream("POST", path, json=body, headers=headers) as response:
                         if response.status_code != 200:
                             tally.add("failed", error=f"{response.status_code}: {response.read()[:200]!r}")
                             continue
                         outcome, error = read_stream(response.iter_lines(), cancel)
                         tally.add(outcome, error=error)
                 else:
-                    response = http.post(path, json=body)
+                    response = http.post(path, json=body, headers=headers)
                     problem = _check_whole(response, feature)
                     if problem is not None:
                         tally.add("failed", error=f"{path} {feature or 'plain'}: {problem}")
@@ -175,7 +178,8 @@ def _client(url: str, model: str, stop: threading.Event, tally: Tally, seed: int
                 tally.add("failed", error=f"{type(exc).__name__}: {exc}")
 
 
-def run_soak(seconds: float, clients: int = 6, window: float = 30, warmup: float = 20) -> dict:
+def run_soak(seconds: float, clients: int = 6, window: float = 30, warmup: float = 20,
+             key_churn: bool = False) -> dict:
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
     from k3serve.engine.speculative import SpeculativeConfig
@@ -206,7 +210,7 @@ def run_soak(seconds: float, clients: int = 6, window: float = 30, warmup: float
     url = server.enter_context(serve_in_thread(app))
     tally, stop = Tally(), threading.Event()
     shared = "class Cache:\n    " + "def method(self, key, value):\n        return key\n    " * 40
-    threads = [threading.Thread(target=_client, args=(url, "soak", stop, tally, seed, shared))
+    threads = [threading.Thread(target=_client, args=(url, "soak", stop, tally, seed, shared, key_churn))
                for seed in range(clients)]
     begin = time.time()
     for thread in threads:
@@ -237,7 +241,8 @@ def run_soak(seconds: float, clients: int = 6, window: float = 30, warmup: float
             "integrity_failures": checks["failures"], "first_integrity_failure": checks["first_failure"],
             "unfinished_after_drain": engine.has_unfinished_requests(),
             "rss_mib_first": rss[0][1] if rss else None, "rss_mib_after_warmup": after[0][1] if after else None,
-            "rss_mib_last": rss[-1][1] if rss else None, "rss_slope_mib_per_min": slope, "windows": windows}
+            "rss_mib_last": rss[-1][1] if rss else None, "rss_slope_mib_per_min": slope, "key_churn": key_churn,
+            "windows": windows}
 
 
 def main() -> None:
@@ -246,14 +251,18 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--window", type=float, default=30)
     parser.add_argument("--warmup", type=float, default=20)
+    parser.add_argument("--key-churn", action="store_true",
+                        help="every request sends a bearer key never seen before (open mode must keep no state per key)")
     args = parser.parse_args()
-    record = run_soak(args.seconds, args.clients, args.window, args.warmup)
+    record = run_soak(args.seconds, args.clients, args.window, args.warmup, args.key_churn)
     p95 = " ".join(f"{w['p95_s']:.2f}" for w in record["windows"])
     print(f"soak {args.seconds:.0f} s: {record['sent']} sent, {record['completed']} completed, "
           f"{record['cancelled']} cancelled, {record['failed']} failed, {record['lost']} lost; integrity "
           f"{record['integrity_checks']} checks, {record['integrity_failures']} failures; RSS "
           f"{record['rss_mib_after_warmup']:.0f} -> {record['rss_mib_last']:.0f} MiB "
-          f"({record['rss_slope_mib_per_min']:+.2f} MiB/min); p95 per window {p95} s")
+          f"({record['rss_slope_mib_per_min']:+.2f} MiB/min, "
+          f"{100 * (record['rss_mib_last'] / record['rss_mib_after_warmup'] - 1):+.1f}%)"
+          f"{' with key churn' if args.key_churn else ''}; p95 per window {p95} s")
     print(json.dumps(record))
 
 
