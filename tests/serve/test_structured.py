@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -10,6 +11,8 @@ from openai import BadRequestError, OpenAI
 
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
+from k3serve.engine.metrics import MetricsRegistry
+from k3serve.engine.request import CompletionOutput, FinishReason, RequestOutput
 from k3serve.errors import RequestError
 from k3serve.loading import load_model
 from k3serve.serve.api import create_app
@@ -109,13 +112,7 @@ def test_forced_tool_calls_are_parsed_by_the_client(client, choice):
         assert call.function.name == "get_time" and isinstance(arguments["utc"], bool)
     else:
         assert call.function.name in ("get_weather", "get_time") and arguments
-    # streamed: one tool_calls delta at the end, and the history round-trips through the template
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK],
-                                                 tool_choice=choice, parallel_tool_calls=False, max_tokens=80,
-                                                 temperature=0, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.name == call.function.name
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # the history round-trips through the template (streaming: test_a_streamed_forced_tool_call_*)
     follow = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}])
@@ -185,3 +182,133 @@ def test_tokenize_and_detokenize_as_vllm(server):
                       ("/tokenize", {"model": "other", "prompt": "a"})):
         response = httpx.post(url + path, json=bad)
         assert response.status_code in (400, 404) and "error" in response.json(), (path, bad, response.text)
+
+
+def _accumulate(chunks) -> tuple[list[dict], str | None, str | None, int]:
+    """A client's view of a streamed reply: (tool calls by index, content, last finish_reason, number of chunks
+    that carried arguments), with each call's first delta checked against OpenAI's shape."""
+    calls: dict[int, dict] = {}
+    content, reason, argument_chunks = None, None, 0
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reason = choice.finish_reason
+            delta = choice.delta
+            if delta.content:
+                content = (content or "") + delta.content
+            for call in delta.tool_calls or []:
+                if call.index not in calls:  # the first delta of a call names it, with empty arguments
+                    assert call.id.startswith("call_") and call.type == "function" and call.function.name
+                    assert call.function.arguments == ""
+                    calls[call.index] = {"id": call.id, "type": call.type, "name": call.function.name,
+                                         "arguments": ""}
+                else:
+                    assert call.id is None and call.function.name is None
+                    calls[call.index]["arguments"] += call.function.arguments
+                    argument_chunks += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)], content, reason, argument_chunks
+
+
+def _as_plain(calls) -> list[dict]:
+    return [{"type": c.type, "name": c.function.name, "arguments": c.function.arguments} for c in calls]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_streamed_forced_tool_call_arrives_in_pieces_equal_to_the_whole_reply(client, parallel):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], temperature=0, max_tokens=140,
+                  tool_choice="required" if parallel else {"type": "function", "function": {"name": "get_weather"}},
+                  parallel_tool_calls=parallel)
+    reply = client.chat.completions.create(**kwargs)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    calls, content, reason, argument_chunks = _accumulate(chunks)
+    assert [{k: c[k] for k in ("type", "name", "arguments")} for c in calls] \
+        == _as_plain(reply.choices[0].message.tool_calls)
+    assert content is None and reason == "tool_calls"
+    assert argument_chunks > 1  # the arguments arrive as they are generated, not as one piece at the end
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+class _ScriptedStream:
+    """A request's outputs that generate `ids` one token a step."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.finished, self.last = ids, False, None
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for count in range(1, len(self.ids) + 1):
+            await asyncio.sleep(0)
+            done = count == len(self.ids)
+            self.last = RequestOutput("scripted", [1, 2, 3], [CompletionOutput(
+                0, self.ids[:count], self.ids[count - 1:count], FinishReason.STOP if done else None)], done)
+            self.finished = done
+            yield self.last
+
+    def abort(self) -> None:
+        self.finished = True
+
+
+class _ScriptedBackend:
+    """A ServingBackend whose every request generates the text of `self.reply` (a model that calls tools)."""
+
+    max_context, speculative = 4096, None
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.metrics, self.reply = tokenizer, MetricsRegistry(), ""
+        self.alive, self.degraded = True, None
+
+    def submit(self, spec) -> _ScriptedStream:
+        return _ScriptedStream(self.tokenizer.encode(self.reply))
+
+    def set_tenant_shares(self, shares) -> None:
+        pass
+
+    def share_capacity(self, kv_share: float) -> tuple[int, int]:
+        return 1 << 20, 1 << 20
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def scripted(server, run_server):
+    backend = _ScriptedBackend(server[2])
+    with run_server(create_app(backend, server[2], MODEL)) as url:
+        yield backend, OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "units": "metric"}}</tool_call>'
+
+
+@pytest.mark.parametrize("reply", [CALL, "\n" + CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n"])
+def test_a_streamed_auto_tool_call_arrives_in_pieces_equal_to_the_whole_reply(scripted, reply):
+    backend, client = scripted
+    backend.reply = reply
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=300)
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    calls, content, reason, argument_chunks = _accumulate(chunks)
+    assert [{k: c[k] for k in ("type", "name", "arguments")} for c in calls] \
+        == _as_plain(whole.choices[0].message.tool_calls)
+    assert len(calls) == reply.count("<tool_call>") and content is None and reason == "tool_calls"
+    assert argument_chunks > len(calls)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("reply", ["It is sunny. " + CALL, CALL + " Shall I look again?", CALL[:-3],
+                                   '<tool_call>{"name": "get_weather"}</tool_call>', "Just prose, no call."])
+def test_a_streamed_auto_reply_that_is_no_call_streams_as_the_whole_reply_content(scripted, reply):
+    backend, client = scripted
+    backend.reply = reply
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=300)
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].message.content == reply and whole.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    _, content, reason, _ = _accumulate(chunks)
+    assert content == reply and reason == "stop"
+    if not reply.startswith("<tool_call>"):  # prose streams as it is generated, not held to the end
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1

@@ -50,6 +50,7 @@ from k3serve.serve.structured import (OutputPlan, chat_logprobs, completion_logp
 from k3serve.serve.tenants import (AuthenticationError, CapExceeded, Lease, QuotaExceeded, TenantRegistry,
                                    estimate_tokens)
 from k3serve.serve.text import TextTracker
+from k3serve.serve.tool_stream import ToolCallStreamer
 from k3serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -494,8 +495,9 @@ async def _complete(state: ServerState, body, streams: list[OutputStream], respo
 async def _stream_events(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool,
                          include_usage: bool, plan: OutputPlan | None = None, cut: asyncio.Event | None = None
                          ) -> AsyncIterator[str]:
-    """SSE chunks. With tools, a reply is held to its end (it may turn out to be a tool call) and sent as one
-    delta: `tool_calls` (finish_reason "tool_calls") or its content. When `cut` is set (the shutdown's drain time
+    """SSE chunks. With tools, a reply's calls are streamed as OpenAI streams them (serve/tool_stream.py): each
+    call's first delta (index, id, type, name), then its arguments as they are generated, then finish_reason
+    "tool_calls"; a reply that is no call streams as content. When `cut` is set (the shutdown's drain time
     ran out) every open choice gets its held text and finish_reason "abort", then an error event ends the stream."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -509,31 +511,42 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
             payload["usage"] = usage
         return f"data: {json.dumps(payload)}\n\n"
 
-    hold_for_tools = chat and plan is not None and plan.uses_tools
-    held: dict[int, str] = {}
+    with_tools = chat and plan is not None and plan.uses_tools
+    streamers: dict[int, ToolCallStreamer] = {}
     logprobs_sent: dict[int, int] = {}
     text_sent: dict[int, int] = {}
 
-    def choice(index: int, text: str, reason: str | None, first: bool, completion) -> dict:
+    def choices_for(index: int, text: str, reason: str | None, first: bool, completion) -> list[dict]:
+        """One choice per chunk to send: a tool call's first delta and its arguments go in chunks of their own."""
         entries = None
         if completion.logprobs is not None:
             entries = completion.logprobs[logprobs_sent.get(index, 0):]
             logprobs_sent[index] = len(completion.logprobs)
         logprobs = _logprobs_field(state, body, chat, entries, text_sent.get(index, 0))
         text_sent[index] = text_sent.get(index, 0) + len(text)
-        if chat:
-            delta: dict[str, Any] = {"content": text}
-            if hold_for_tools:
-                held[index] = held.get(index, "") + text
-                delta["content"] = held.pop(index) if reason is not None else ""
-                calls = parse_tool_calls(delta["content"], plan) if reason == "stop" else None
-                if calls:
-                    delta = {"content": None, "tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
-                    reason = "tool_calls"
-            if first:
-                delta["role"] = "assistant"
-            return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+        if not chat:
+            return [{"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}]
+        if not with_tools:
+            deltas: list[dict[str, Any]] = [{"content": text}]
+        else:
+            if index not in streamers:
+                streamers[index] = ToolCallStreamer(plan)
+            streamer = streamers[index]
+            pieces = streamer.add(text)
+            if reason is not None:
+                last, reason = streamer.finish(reason)
+                pieces += last
+            deltas = [{"content": None, "tool_calls": piece.tool_calls} if piece.tool_calls
+                      else {"content": piece.content} for piece in pieces]
+            if not deltas:
+                if not (first or reason or logprobs):
+                    return []
+                deltas = [{} if reason == "tool_calls" else {"content": ""}]
+        if first:
+            deltas[0]["role"] = "assistant"
+        choices = [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None} for delta in deltas]
+        choices[0]["logprobs"], choices[-1]["finish_reason"] = logprobs, reason
+        return choices
 
     def cut_short() -> list[str]:
         logger.warning("cut stream %s at shutdown after %d generated token(s): the drain time ran out",
@@ -543,7 +556,10 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
             if index in done:
                 continue
             tracker = trackers.get(index)
-            text = (held.pop(index, "") if hold_for_tools else "") + (tracker.finish() if tracker else "")
+            text = tracker.finish() if tracker else ""
+            if index in streamers:  # what is held back (a call is never finished here) goes out as content
+                streamers[index].add(text)
+                text = "".join(piece.content for piece in streamers[index].finish(None)[0])
             if chat:
                 delta: dict[str, Any] = {"content": text}
                 if tracker is None:
@@ -573,7 +589,7 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
                 if first_output:
                     prompt_tokens += len(output.prompt_token_ids)
                     first_output = False
-                choices = []
+                rounds: list[list[dict]] = []  # rounds[k]: the k-th chunk's choices
                 for completion in output.outputs:
                     index = prompt_index * body.n + completion.index
                     token_counts[index] = len(completion.token_ids)
@@ -588,8 +604,11 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
                         reason = _finish_reason(completion.finish_reason or FinishReason.STOP, tracker)
                         done.add(index)
                     if text or reason or first or completion.new_token_ids and completion.logprobs:
-                        choices.append(choice(index, text, reason, first, completion))
-                if choices:
+                        for k, one in enumerate(choices_for(index, text, reason, first, completion)):
+                            if k == len(rounds):
+                                rounds.append([])
+                            rounds[k].append(one)
+                for choices in rounds:
                     yield event(choices)
         if include_usage:
             completion_tokens = sum(token_counts.values())
