@@ -408,3 +408,69 @@ def test_the_size_flags_say_which_units_are_binary_and_which_decimal():
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
     assert "8G = 8 GiB" in help_text and f"8GB = 8e9 bytes = {format_size(parse_size('8GB'))}" in help_text
     assert parse_size("8G") == 8 << 30 and parse_size("8GB") == 8 * 10**9
+
+
+def _serve_app(monkeypatch, capsys, *flags: str):
+    """Run `serve` up to the point where it would listen: the app it built and what it said on stderr. The
+    listener is a stand-in, so no socket is bound beyond loopback."""
+    import k3serve.cli.main as cli_main
+    from k3serve.lab.fixtures import LabFixtures
+
+    built: dict = {}
+    monkeypatch.setattr(cli_main.cli_args, "bind_listener", lambda host, port: object())
+    monkeypatch.setattr(cli_main, "_serve_until_sigterm", lambda server, listener: built.setdefault("app",
+                        server.config.app))
+    loads: list = []
+    real_loaded = LabFixtures.loaded
+    monkeypatch.setattr(LabFixtures, "loaded", lambda self: loads.append(self) or real_loaded(self))
+    assert main(["serve", "--port", "8000", *flags]) == 0
+    from fastapi.testclient import TestClient
+
+    mounted = TestClient(built["app"]).get("/lab/api/modules").status_code == 200  # no lifespan: no engine thread
+    return mounted, capsys.readouterr().err, loads
+
+
+def test_serve_mounts_the_lab_on_loopback_only_unless_asked(monkeypatch, capsys):
+    mounted, err, loads = _serve_app(monkeypatch, capsys, "--host", "127.0.0.1")
+    assert mounted and "the lab is on http://127.0.0.1:8000/lab/" in err
+    assert "warning" not in err
+    assert loads == []  # the server process never loads the lab's model: the lab's worker process does
+
+    mounted, err, _ = _serve_app(monkeypatch, capsys, "--host", "0.0.0.0")
+    assert not mounted and "the lab is on" not in err
+    assert "the lab is not mounted on 0.0.0.0" in err and "--lab" in err
+    assert "without --tenants" in err and "/lab" not in err.split("warning:")[1].splitlines()[0]
+
+    mounted, err, _ = _serve_app(monkeypatch, capsys, "--host", "0.0.0.0", "--lab")
+    assert mounted and "the lab is on http://0.0.0.0:8000/lab/" in err
+    warning = err.split("warning:")[1].splitlines()[0]
+    assert "without --tenants" in warning and "the lab at /lab" in warning and "no authentication" in warning
+
+    mounted, err, _ = _serve_app(monkeypatch, capsys, "--host", "127.0.0.1", "--no-lab")
+    assert not mounted and "lab" not in err
+
+
+def test_serve_refuses_lab_and_no_lab_together(capsys):
+    assert "not allowed with argument" in _parse_error(["serve", "--lab", "--no-lab"], capsys)
+
+
+def test_the_lab_beside_serve_answers_without_loading_a_model_in_the_server(monkeypatch):
+    """Listing modules (their model-dependent ranges) reads the config only; runs go to the worker process."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from k3serve.lab.api import mount_lab
+    from k3serve.lab.fixtures import LabFixtures
+
+    def refuse(self):
+        raise AssertionError("the server process loaded the lab's model")
+
+    monkeypatch.setattr(LabFixtures, "loaded", refuse)
+    app = FastAPI()
+    queue = mount_lab(app, LabFixtures())
+    try:
+        modules = TestClient(app).get("/lab/api/modules").json()
+        assert any(p["name"] == "layer" and p["max"] is not None for m in modules for p in m["params"])
+        assert queue.worker.pid is None  # no worker process (the lab's copy of the model) before a run
+    finally:
+        queue.close()

@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_serve_args(serve)
-    serve.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
+    lab_choice = serve.add_mutually_exclusive_group()
+    lab_choice.add_argument("--lab", action="store_true",
+                            help="mount the lab page at /lab on any address (default: only on a loopback --host; "
+                                 "the lab has no authentication)")
+    lab_choice.add_argument("--no-lab", action="store_true", help="do not mount the lab page at /lab")
 
     cluster = sub.add_parser("cluster", help="the server over N engine replicas on Ray, behind a router "
                                              "(docs/CLUSTER.md; needs the cluster extra)")
@@ -355,13 +359,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from k3serve.engine.engine import LLMEngine
     from k3serve.serve.api import create_app
-    from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
+    from k3serve.cli.tenants import install_reload, is_loopback, registry_for_serve, warn_if_open
 
     config = _engine_config(args)
     speculative = _speculative_config(args)
     tenants = registry_for_serve(args)  # a bad tenants file fails here, before the model loads
     listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here: before loading, before "serving"
-    warn_if_open(tenants, args.host)
+    # the lab has no keys: never beside an API that requires them, and beyond loopback only when asked for
+    mount_lab_page = not args.no_lab and tenants.open and (args.lab or is_loopback(args.host))
+    warn_if_open(tenants, args.host, lab_mounted=mount_lab_page)
     loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
@@ -378,10 +384,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tenants.on_reload = lambda config: engine.set_tenant_shares(config.shares())
     install_reload(tenants)
     app = create_app(engine, loaded.tokenizer, name, default_max_tokens=args.default_max_tokens, tenants=tenants)
-    if not args.no_lab and not tenants.open:  # the lab has no keys: never beside an API that requires them
+    if not args.no_lab and not tenants.open:
         print("k3serve: the lab is not mounted on a server with --tenants (it has no authentication); run "
               "`k3serve lab` on loopback instead", file=sys.stderr)
-    elif not args.no_lab:  # the lab page beside the API, on its own run queue (k3serve.lab)
+    elif not args.no_lab and not mount_lab_page:
+        print(f"k3serve: the lab is not mounted on {args.host} (it has no authentication; pass --lab to mount it "
+              "there, or run `k3serve lab` on loopback)", file=sys.stderr)
+    elif mount_lab_page:  # the lab page beside the API, on its own run queue (k3serve.lab)
         from k3serve.lab.api import mount_lab
         from k3serve.lab.fixtures import LabFixtures
         from k3serve.weights.store import is_packed_store

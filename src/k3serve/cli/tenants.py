@@ -76,11 +76,13 @@ def registry_for_serve(args: argparse.Namespace) -> TenantRegistry:
     return TenantRegistry() if args.tenants is None else TenantRegistry.from_file(args.tenants)
 
 
-def warn_if_open(registry: TenantRegistry, host: str) -> None:
-    """An open server (no tenants file) on an address beyond loopback accepts anyone: say so."""
+def warn_if_open(registry: TenantRegistry, host: str, lab_mounted: bool = False) -> None:
+    """An open server (no tenants file) on an address beyond loopback accepts anyone: say so, and say that the
+    lab (`serve --lab`) is open too: anyone can queue its runs, which take the machine's CPU for minutes."""
     if registry.open and not is_loopback(host):
+        lab = (" and the lab at /lab runs anyone's jobs (it has no authentication)" if lab_mounted else "")
         print(f"k3serve: warning: serving on {host} without --tenants: every client is accepted and no quota "
-              "applies", file=sys.stderr)
+              f"applies{lab}", file=sys.stderr)
 
 
 def install_reload(registry: TenantRegistry) -> None:
