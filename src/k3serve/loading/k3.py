@@ -62,7 +62,7 @@ def record_routing(model: K3Model, path: Path) -> None:
     """Record every forward's routing to `path` (`--trace-out` on a resident model; K3's trace layout)."""
     from k3serve.stream.trace import TracedSource, TraceWriter, trace_meta
 
-    model.source = TracedSource(model.source, TraceWriter(path, trace_meta(model.config)))
+    model.source = TracedSource(model.source, TraceWriter(path, trace_meta(model.config), best_effort=True))
 
 
 def pack(source: Path, out: Path, expert_precision: str = "native", **options):

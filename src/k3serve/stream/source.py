@@ -65,8 +65,10 @@ class StreamingSource(WeightSource):
         self._step = -1
         self._next_token = 0
         self._step_first_token = 0
-        self.trace: TraceWriter | None = (TraceWriter(options.trace_out, trace_meta(config, store.expert_blob_size))
-                                          if options.trace_out else None)
+        # best effort: a full disk stops the trace, never a request (TraceWriter)
+        self.trace: TraceWriter | None = (
+            TraceWriter(options.trace_out, trace_meta(config, store.expert_blob_size), best_effort=True)
+            if options.trace_out else None)
 
         # trunk: globals and pinned layers now, one staging buffer for the streamed ones
         self._globals: GlobalWeights = build_globals(

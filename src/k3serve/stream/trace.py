@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,8 @@ import numpy as np
 
 from k3serve.errors import K3Error
 from k3serve.model.weights import ForwardingSource, WeightSource
+
+logger = logging.getLogger(__name__)
 
 TRACE_MAGIC = "# k3serve-trace 1 "
 
@@ -65,26 +69,72 @@ class Trace:
 
 
 class TraceWriter:
-    def __init__(self, path: str | Path, meta: Mapping[str, object]) -> None:
+    """Writes a trace file. With `best_effort` (`--trace-out` beside `generate` and `serve`) a write error never
+    reaches the forward pass that routed the tokens: the writer logs one warning naming the file and the error,
+    cuts the file back to its last whole record (a readable trace), stops, and counts every record it could not
+    write in `dropped_records`. Without it (routing-stats, the lab, whose output is the trace) the error is raised."""
+
+    def __init__(self, path: str | Path, meta: Mapping[str, object], best_effort: bool = False) -> None:
         self.path = Path(path)
+        self.best_effort = best_effort
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "w")
-        self._file.write(TRACE_MAGIC + json.dumps(dict(meta), sort_keys=True) + "\n")
+        self._file: IO[bytes] | None = open(self.path, "wb")
+        self._file.write((TRACE_MAGIC + json.dumps(dict(meta), sort_keys=True) + "\n").encode())
+        self._file.flush()  # a disk full at start fails the command at start, naming the file
+        self._bytes_written = self._file.tell()  # NOTE: the file's length up to its last whole record
         self.num_records = 0
+        self.dropped_records = 0
+        self.error: OSError | None = None  # the write error that stopped a best-effort trace
         atexit.register(self.close)  # flush a trace even when the caller never closes the source
 
     def write(self, step: int, first_token: int, layer: int, expert_ids: np.ndarray) -> None:
         """expert_ids [T, TOPK]: one row per token, tokens numbered from `first_token`."""
+        rows = np.asarray(expert_ids)  # [T, TOPK]
+        if self.error is not None:
+            self.dropped_records += len(rows)
+            return
         assert self._file is not None
         lines = [f"{step} {first_token + t} {layer} " + " ".join(str(int(e)) for e in row)
-                 for t, row in enumerate(np.asarray(expert_ids))]
-        self._file.write("\n".join(lines) + "\n")
+                 for t, row in enumerate(rows)]
+        data = ("\n".join(lines) + "\n").encode()
+        try:
+            self._file.write(data)
+            if self.best_effort:
+                self._file.flush()  # per call, so that a write error loses this call's records only
+        except OSError as exc:
+            if not self.best_effort:
+                raise
+            self._stop(exc, len(lines))
+            return
+        self._bytes_written += len(data)
         self.num_records += len(lines)
 
+    def _stop(self, error: OSError, num_lost: int) -> None:
+        self.error = error
+        self.dropped_records += num_lost
+        file, self._file = self._file, None
+        try:
+            file.close()  # closes the descriptor even when flushing the failed bytes raises again
+        except OSError:
+            pass
+        try:
+            os.truncate(self.path, self._bytes_written)  # a torn last line would make the trace unreadable
+        except OSError:
+            pass
+        logger.warning("--trace-out %s: %s; routing tracing stopped (requests go on), the trace keeps its first "
+                       "%d records and the rest are counted as dropped", self.path, error.strerror or error,
+                       self.num_records)
+
     def close(self) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self._file.close()
-            self._file = None
+        except OSError as exc:
+            if not self.best_effort:
+                raise
+            self._stop(exc, 0)
+        self._file = None
 
 
 def read_trace(path: str | Path) -> Trace:
