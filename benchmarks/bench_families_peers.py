@@ -207,8 +207,8 @@ RUNNERS = {"k3serve": run_k3serve, "llama.cpp": run_llama_cpp, "transformers": r
 
 def child(engine: str, spec: dict) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "NUMBA_NUM_THREADS": str(spec["threads"])}
-    if engine == "llama.cpp":
-        env["OMP_WAIT_POLICY"] = "PASSIVE"  # as k3serve's workers (bench_peers.py explains why on this machine)
+    if engine == "llama.cpp" and spec.get("llama_omp_wait_policy"):  # a second row; the headline is its default
+        env["OMP_WAIT_POLICY"] = spec["llama_omp_wait_policy"]
     out = subprocess.run([sys.executable, __file__, "--child", engine, json.dumps(spec)], env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
@@ -236,6 +236,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--expert-width", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--llama-omp-wait-policy", choices=("ACTIVE", "PASSIVE"), default=None,
+                        help="OMP_WAIT_POLICY for llama.cpp (default: none set, llama.cpp at its own default)")
     args = parser.parse_args()
 
     records = {}
@@ -244,7 +246,7 @@ def main() -> None:
         ggufs = build_ggufs(checkpoint, args.llama_tree)
         prompt = np.random.default_rng(0).integers(3, args.vocab, size=args.prompt_len).tolist()
         base = {"checkpoint": str(checkpoint), "prompt": prompt, "threads": args.threads,
-                "decode_steps": args.decode_steps}
+                "decode_steps": args.decode_steps, "llama_omp_wait_policy": args.llama_omp_wait_policy}
         configs = {f"k3serve {ours}": ("k3serve", {**base, "precision": ours}) for ours, _ in PAIRS}
         configs.update({f"llama.cpp {theirs}": ("llama.cpp", {**base, "gguf": str(ggufs[theirs])})
                         for _, theirs in PAIRS})
@@ -276,7 +278,7 @@ def main() -> None:
         print(f"{family}: {line}", flush=True)
     record = {"benchmark": "families_peers", "machine": describe_host(), "rounds": args.rounds,
               "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "threads": args.threads,
-              "families": records}
+              "llama_omp_wait_policy": args.llama_omp_wait_policy or "llama.cpp default", "families": records}
     print(json.dumps(record))
 
 

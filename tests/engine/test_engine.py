@@ -185,7 +185,7 @@ class _PoisonedModel:
     def __init__(self, model, poison: int) -> None:
         self.model, self.poison, self.config = model, poison, model.config
         self.cache_layout, self.experts = model.cache_layout, model.experts
-        self.supports_nested_forward, self.routing_traces = model.supports_nested_forward, False
+        self.supports_nested_forward = model.supports_nested_forward
 
     def new_cache(self):
         return self.model.new_cache()

@@ -10,6 +10,7 @@ skips, except under CI=true, where it fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -33,6 +34,27 @@ def _chromium_or_skip() -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium (apt-get install -y chromium)")
     pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
+
+
+@contextlib.contextmanager
+def _open_page(url: str, viewport: dict | None = None, **page_options):
+    """Chromium with one page at `url`, ready; yields (browser, page, errors: console and page errors so far). The
+    browser closes on leaving."""
+    _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport=viewport or {"width": 1280, "height": 900}, **page_options)
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url)
+            page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+            yield browser, page, errors
+        finally:
+            browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +95,10 @@ def _chart_data(page, module: str) -> list:
 
 
 def test_the_page_in_chromium(lab_url, fast_params):
-    _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
     from k3serve.lab.registry import modules
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(lab_url)
-        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    with _open_page(lab_url) as (browser, page, errors):
         ids = list(modules())
         assert page.locator("section.module").count() == len(ids)
         first: dict[str, dict] = {}
@@ -115,7 +127,6 @@ def test_the_page_in_chromium(lab_url, fast_params):
         page.locator("#m-mxfp4 [data-action='run']").click()
         page.wait_for_function("() => document.querySelector('#m-mxfp4 [data-role=error]').textContent.includes('rows')")
         page.screenshot(path=str(SCREENSHOTS / "page.png"), full_page=True)
-        browser.close()
     expected = "the server responded with a status of 400"  # the bad value above, shown on the page
     assert [e for e in errors if expected not in e] == [], errors
 
@@ -150,9 +161,6 @@ def _check_charts_are_readable(page) -> None:
 
 
 def test_the_page_writes_numbers_in_human_units(lab_url):
-    _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
     cases = [("number", [2.349e9, "resident bytes (all weights)"], "2.35 GB"),
              ("number", [512, "expert bytes read per token"], "512 bytes"),
              ("number", [3.5, "storage per sequence (MiB)"], "3.5"),
@@ -164,13 +172,8 @@ def test_the_page_writes_numbers_in_human_units(lab_url):
              ("number", [12.3456, "retention (%)"], "12.35"),
              ("ratio", [4.95e5], "495,000x"), ("ratio", [0.0], "0x"), ("ratio", [0.0001], "<0.01x"),
              ("ratio", [2.5], "2.50x"), ("ratio", [12.34], "12.3x")]
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page()
-        page.goto(lab_url)
-        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    with _open_page(lab_url) as (_, page, _):
         got = [page.evaluate(f"(args) => window.labFormat.{name}(...args)", args) for name, args, _ in cases]
-        browser.close()
     assert got == [want for _, _, want in cases]
 
 
@@ -179,17 +182,7 @@ HEAVY_CLUSTER_SCALE = {"groups": "1024", "per_group": "256", "max_replicas": "64
 
 
 def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_url):
-    _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(lab_url)
-        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    with _open_page(lab_url) as (browser, page, errors):
         for name, value in HEAVY_CLUSTER_SCALE.items():
             _set(page, "cluster_scale", name, value)
         page.locator("#m-cluster_scale [data-action='run']").click()
@@ -215,7 +208,6 @@ def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_
                                ".startsWith('cancelled')")
         assert page.locator("#m-cluster_scale").get_attribute("data-state") == "idle"
         page.wait_for_selector("#queue-jobs li.empty", timeout=10_000)
-        browser.close()
     assert errors == [], errors
 
 
@@ -224,17 +216,8 @@ def _overflow(page) -> tuple[int, int]:
 
 
 def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode(lab_url):
-    _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 400, "height": 800}, color_scheme="dark")
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(lab_url)
-        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    with _open_page(lab_url, viewport={"width": 400, "height": 800}, color_scheme="dark") as (browser, page,
+                                                                                            errors):
         section = page.locator("#m-rollback")
         # progress and results are announced; errors too
         assert section.locator("[data-role=message]").get_attribute("aria-live") == "polite"
@@ -268,22 +251,12 @@ def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode
         assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) > 3 * 192, background  # light
         width, inner = _overflow(light)
         assert width <= inner == 1400, (width, inner)
-        browser.close()
     assert errors == [], errors
 
 
 def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_dashed(lab_url):
-    _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(f"{lab_url}?module=rollback&window=6&repeats=0&precision=fp32")
-        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    link = f"{lab_url}?module=rollback&window=6&repeats=0&precision=fp32"
+    with _open_page(link) as (browser, page, errors):
         form = page.locator("#m-rollback")
         assert [form.locator(f"[data-param='{n}']").input_value() for n in ("window", "repeats", "precision")] == \
             ["6", "0", "fp32"]
@@ -311,7 +284,6 @@ def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_das
         assert len(previous) == len(traces) - len(previous)  # each trace of the previous run, once
         assert "Dashed: the previous run (window=7)" in form.locator(".export").inner_text()
         form.screenshot(path=str(SCREENSHOTS / "rollback-previous.png"))
-        browser.close()
     assert errors == [], errors
 
 
@@ -322,17 +294,7 @@ def _cost_numbers(text: str) -> tuple[float, float]:
 
 
 def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
-    _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(lab_url)
-        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    with _open_page(lab_url) as (browser, page, errors):
         # the arithmetic: $/M tokens = price per hour / (tok/s x 3600) x 1e6; J/token = W / (tok/s)
         cost = page.evaluate("() => window.labCost.costOf(100, {pricePerHour: 0.36, watts: 50})")
         assert cost["dollarsPerMillion"] == pytest.approx(1.0) and cost["joulesPerToken"] == pytest.approx(0.5)
@@ -366,5 +328,4 @@ def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
         page.locator("#profile-reset").click()
         assert page.evaluate("() => localStorage.getItem('k3serve-lab-profile')") is None
         assert page.locator("#watts").input_value() == "65"
-        browser.close()
     assert errors == [], errors

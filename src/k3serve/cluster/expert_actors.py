@@ -171,15 +171,12 @@ def load_expert_parallel(packed: Path, shard_paths: Sequence[str | Path], trunk_
     if options.prefetch != "none":
         raise K3Error("--prefetch is per expert cache: with --expert-parallel the front holds no experts")
     owners = RayOwners(shard_paths, owner_options, cpus_per_owner, max_restarts=max_restarts)
-    sources: list[ExpertParallelSource] = []
-
-    def over_owners(inner):
-        sources.append(ExpertParallelSource(inner, owners, owners.infos))
-        return sources[-1]
-
     try:
-        loaded = load_model(packed, stream=options, wrap_experts=over_owners)
+        loaded = load_model(packed, stream=options,
+                            wrap_experts=lambda inner: ExpertParallelSource(inner, owners, owners.infos))
     except BaseException:
         owners.close()
         raise
-    return ExpertParallelModel(loaded=loaded, source=sources[0])
+    source = loaded.model.experts
+    assert isinstance(source, ExpertParallelSource)  # the wrapper's, as the K3 entry built the model on it
+    return ExpertParallelModel(loaded=loaded, source=source)

@@ -367,17 +367,7 @@ class LLMEngine:
         self.figures.computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
-            request = scheduled.seq.request
-            if request.finished:
-                continue
-            try:
-                if window is not None:
-                    self._after_verify(scheduled, logits, window, now, touched)
-                else:
-                    self._after_forward(scheduled, logits[-1], now, touched)
-            except Exception as exc:  # noqa: BLE001
-                logger.exception("request %s failed while processing its step", request.request_id)
-                self._fail(request, exc, touched)
+            self._process(scheduled, logits, window, now, touched)
 
     def _sample_cached(self, scheduled: list[ScheduledSequence], touched: dict[str, Request]) -> None:
         """Sequences the prefix cache restored whole, with the logits after their last token: they sample from those
@@ -385,13 +375,24 @@ class LLMEngine:
         now = time.perf_counter()
         for s in scheduled:
             logits, s.seq.cached_logits = s.seq.cached_logits, None
-            if s.seq.request.finished or logits is None:
-                continue
-            try:
-                self._after_forward(s, logits, now, touched)
-            except Exception as exc:  # noqa: BLE001
-                logger.exception("request %s failed while processing its step", s.seq.request.request_id)
-                self._fail(s.seq.request, exc, touched)
+            if logits is not None:
+                self._process(s, logits[None], None, now, touched)
+
+    def _process(self, scheduled: ScheduledSequence, logits: np.ndarray, window: RollbackCache | None, now: float,
+                 touched: dict[str, Request]) -> None:
+        """One scheduled sequence after its forward (logits [t, V]): verify a window or sample; a failure here fails
+        only its request."""
+        request = scheduled.seq.request
+        if request.finished:
+            return
+        try:
+            if window is not None:
+                self._after_verify(scheduled, logits, window, now, touched)
+            else:
+                self._after_forward(scheduled, logits[-1], now, touched)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("request %s failed while processing its step", request.request_id)
+            self._fail(request, exc, touched)
 
     def _after_forward(self, scheduled: ScheduledSequence, logits: np.ndarray, now: float,
                        touched: dict[str, Request]) -> None:

@@ -156,11 +156,14 @@ class Scheduler:
         if seq.cache is None or seq.cache.num_tokens != seq.num_computed_tokens:
             raise IntegrityError(f"{seq}: the cache position disagrees with the computed count after a forward")
         if self.prefix_cache is not None:
-            tokens = seq.token_ids + list(pending_tokens) if pending_tokens else seq.token_ids
-            if len(tokens) < seq.num_computed_tokens:
+            due = seq.num_computed_tokens in seq.checkpoint_targets
+            fills = seq.cache.num_tokens // self.config.block_size > seq.num_registered_blocks
+            # the copy only when a block or checkpoint is keyed by the pending tokens (not at every window)
+            tokens = seq.token_ids + pending_tokens if pending_tokens and (due or fills) else seq.token_ids
+            if (due or fills) and len(tokens) < seq.num_computed_tokens:
                 raise IntegrityError(f"{seq}: {seq.num_computed_tokens} positions computed but {len(tokens)} tokens")
             self._register(seq, tokens)
-            if seq.num_computed_tokens in seq.checkpoint_targets:
+            if due:
                 at_prompt_end = seq.num_computed_tokens == seq.num_prompt_tokens
                 self.prefix_cache.save_checkpoint(seq.request.root_hash, tokens, seq.block_hashes, seq.cache,
                                                   logits if at_prompt_end else None)

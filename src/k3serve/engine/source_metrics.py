@@ -42,8 +42,9 @@ OWNER_STATS_TIMEOUT_SECONDS = 5.0
 
 
 def watch_source(registry: MetricsRegistry, source: ExpertSource | None) -> None:
-    """Export `source`'s counters (`ExpertSource.stats()`) from `registry`; nothing when it has none."""
-    if source is None or source.stats(timeout=OWNER_STATS_TIMEOUT_SECONDS).empty:
+    """Export `source`'s counters (`ExpertSource.stats()`) from `registry` at each read; a resident source has
+    none and exports nothing. Nothing is asked at construction (an expert-parallel source asks its owners)."""
+    if source is None:
         return
 
     def weights_metrics(reg: MetricsRegistry) -> None:

@@ -70,7 +70,6 @@ class ZeroRowsModel:
 
     experts = None  # no routed experts: nothing is read
     supports_nested_forward = True
-    routing_traces = False
 
     def __init__(self, config, seed: int = 0, layout: CacheLayout | None = None) -> None:
         self.config = config

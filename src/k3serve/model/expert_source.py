@@ -85,16 +85,12 @@ class NetworkStats:
 
 @dataclass(frozen=True)
 class SourceStats:
-    """What a source read and kept. A resident source has none of it (`SourceStats()`, `empty`)."""
+    """What a source read and kept. A resident source has none of it (`SourceStats()`)."""
 
     stream: StreamStats | None = None  # this process's reads and expert cache; None when nothing streams here
     owners: tuple[StreamStats, ...] = ()  # expert parallelism: each owner's counters since it last (re)started
     network: NetworkStats | None = None  # expert parallelism: the front's calls to the owners
     owner_restarts: tuple[int, ...] = ()  # expert parallelism: times each owner died and was restarted
-
-    @property
-    def empty(self) -> bool:
-        return self.stream is None and self.network is None and not self.owners
 
 
 def guess_priority(guess: Routing) -> list[int]:

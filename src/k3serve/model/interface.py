@@ -8,15 +8,15 @@ lab and the cluster know a model only through `Model`:
     forward(items)    one step over a batch of `ForwardItem`s from several sequences (`ForwardResult`), with the
                       routing observer and the pause points (`pause_points`) step interruption uses
     experts           its `ExpertSource` (model/expert_source.py), or None for a model without routed experts
-    supports_nested_forward, routing_traces, resident_draft(allowed): questions the engine and the commands ask
-                      instead of asking which architecture it is
+    supports_nested_forward, resident_draft(allowed): questions the engine asks instead of asking which
+                      architecture it is (what an architecture offers beyond this: loading/registry.py)
 `SingleSequenceMixin` gives every model `logits(ids)` and `greedy(prompt, n)` over `new_cache` and `forward`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -132,7 +132,6 @@ class ModelConfig(Protocol):
     eos_token_ids: tuple[int, ...]
 
 
-@runtime_checkable
 class Model(Protocol):
     """A model the engine can serve (see the module docstring)."""
 
@@ -147,10 +146,6 @@ class Model(Protocol):
     @property
     def supports_nested_forward(self) -> bool:
         """Whether `at_pause` may run another forward (over other caches) before this one resumes."""
-
-    @property
-    def routing_traces(self) -> bool:
-        """Whether its routing can be recorded as a routing trace (`--trace-out`; the lab's fixtures)."""
 
     def new_cache(self) -> SequenceCache: ...
 

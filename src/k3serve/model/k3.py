@@ -95,8 +95,6 @@ class K3Model(SingleSequenceMixin):
         """Whether `at_pause` may run another forward (over other caches) before this one resumes."""
         return self.source.supports_nested_forward()
 
-    routing_traces = True  # routing traces (stream/trace.py) are written in K3's layout
-
     def resident_draft(self, allowed: ResidentExperts | None = None) -> K3Model:
         """This model with routing restricted to the experts its source holds in RAM (or to `allowed`)."""
         return K3Model(RestrictedRoutingSource(self.source, allowed), chunk_size=self.chunk_size,

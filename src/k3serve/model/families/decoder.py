@@ -137,8 +137,6 @@ class FamilyModel(SingleSequenceMixin):
     def new_cache(self) -> DenseSequenceCache:
         return DenseSequenceCache(self.cache_layout)
 
-    routing_traces = False  # routing traces are K3's format
-
     def resident_draft(self, allowed=None) -> None:
         """No resident-expert draft: a family's routers are not restricted (use the n-gram or a draft model)."""
         return None
