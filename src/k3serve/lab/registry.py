@@ -184,6 +184,22 @@ class Figure:
                 "x_unit": axis_unit(self.x_label), "y_unit": axis_unit(self.y_label)}
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One generated sentence on a result: did the mechanism win or lose here, by how much, and when it would flip.
+
+    `outcome` is "won", "lost" or "even" (within `even_band` of 1.0); `factor` is the mechanism's gain as a ratio
+    (>1 is better, whatever the metric's direction); `flips_when` names the condition under which the outcome would
+    reverse, computed from the module's own model or a sweep (never prose written by hand), or "" when the module
+    has no such model. `sentence` is what the page shows."""
+
+    outcome: Literal["won", "lost", "even"]
+    factor: float
+    metric: str  # the metric key the factor compares
+    sentence: str
+    flips_when: str = ""
+
+
 @dataclass
 class LabResult:
     metrics: dict[str, float]  # the mechanism on (or the policy under study)
@@ -194,6 +210,7 @@ class LabResult:
     metrics_name: str = "with the mechanism"
     notes: list[str] = field(default_factory=list)
     related_commands: list[str] = field(default_factory=list)  # native k3serve commands for the same figures
+    verdict: Verdict | None = None  # the generated verdict sentence (see Verdict)
 
 
 @dataclass(frozen=True)
