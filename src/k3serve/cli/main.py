@@ -18,7 +18,7 @@ from k3serve.engine.config import PREFIX_CACHE_POLICIES
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
 from k3serve.cli.lab import add_lab_command
 from k3serve.cli.tenants import add_tenant_args, add_tenants_command
-from k3serve.cli.stream import add_stream_args, add_subcommands, load_for_run
+from k3serve.cli.stream import add_routing_args, add_stream_args, add_subcommands, load_for_run
 
 
 def _add_model_arg(parser: argparse.ArgumentParser, required: bool = False) -> None:
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_context_arg(gen)
 
     add_stream_args(gen)
+    add_routing_args(gen)
 
     logits = sub.add_parser("logits", help="write float32 logits for every position to a .npy file")
     _add_model_arg(logits)
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_context_arg(logits)
     _add_precision_arg(logits)
     add_stream_args(logits)
+    add_routing_args(logits)
 
     tiny = sub.add_parser("make-tiny", help="write the tiny oracle checkpoint (K3_SPEC tiny shapes)")
     tiny.add_argument("out", type=cli_args.output_dir, help="folder to write (must not exist or be empty)")
@@ -187,6 +189,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="tokens a chat request without max_tokens may generate at most")
     _add_speculative_args(serve)
     add_stream_args(serve)
+    add_routing_args(serve)
     add_tenant_args(serve)
 
 

@@ -17,6 +17,7 @@ from k3serve.errors import K3Error, UsageError
 from k3serve.units import format_size, parse_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.io import IO_MODES
+from k3serve.model.routing import ExpertTopP
 from k3serve.stream.options import PREFETCH_MODES, StreamOptions
 
 _STREAM_FLAGS = ("ram_budget", "io", "queue_depth", "cache", "cache_profile", "prefetch", "prefetch_max",
@@ -48,6 +49,25 @@ def add_stream_args(parser: argparse.ArgumentParser) -> None:
                         "budget; see docs/SIMULATOR.md) (default: float32)")
 
 
+def add_routing_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("routing (any model with routed experts, resident or streamed)")
+    g.add_argument("--expert-top-p", type=cli_args.float_range(0.0, 1.0, low_open=True), default=None,
+                   help="keep each token's heaviest routed experts until their share of its routing weight reaches "
+                        "P, the kept weights renormalized as the router does (docs/STREAMING.md; default 1: all)")
+    g.add_argument("--expert-top-p-min", type=cli_args.int_range(1), default=None,
+                   help=f"keep at least this many experts per token under --expert-top-p (default "
+                        f"{ExpertTopP().min_kept})")
+
+
+def expert_top_p(args: argparse.Namespace) -> ExpertTopP | None:
+    top_p, min_kept = getattr(args, "expert_top_p", None), getattr(args, "expert_top_p_min", None)
+    if top_p is None:
+        if min_kept is not None:
+            raise UsageError("--expert-top-p-min goes with --expert-top-p P")
+        return None
+    return ExpertTopP(top_p, min_kept if min_kept is not None else ExpertTopP().min_kept)
+
+
 def stream_options(args: argparse.Namespace) -> StreamOptions | None:
     if all(getattr(args, name, None) is None for name in _STREAM_FLAGS):
         return None
@@ -72,6 +92,7 @@ def load_for_run(args: argparse.Namespace, **kwargs):
     from k3serve.weights.store import is_packed_store
 
     options = stream_options(args)
+    kwargs.setdefault("expert_top_p", expert_top_p(args))
     only_trace = options is not None and all(getattr(args, n, None) is None for n in _STREAM_FLAGS if n != "trace_out")
     if only_trace and args.model is not None and not is_packed_store(args.model):
         loaded = load_model(args.model, **kwargs)

@@ -111,6 +111,10 @@ def generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams,
         report.extra_lines = [f"streaming         {source.describe()}"] + stream_report_lines(
             source.stats().stream.minus(after_prefill), max(len(tokens) - 1, 1), ended - first, source.plan,
             report.peak_rss_bytes)
+    limit = getattr(model, "expert_top_p", None)
+    if limit is not None and limit.active:
+        report.extra_lines.append(model.kept_experts.line() + f" (--expert-top-p {limit.top_p:g}, "
+                                  f"min {limit.min_kept}; prompt and generated tokens)")
     if seq.speculation is not None:
         report.speculation = seq.speculation.stats
         report.extra_lines = report.extra_lines + seq.speculation.stats.lines()

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from k3serve.default_model import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH, cache_root, default_model_dir,
                                    verify_checksums)
-from k3serve.errors import CheckpointError, TokenizerError
+from k3serve.errors import CheckpointError, TokenizerError, UsageError
 from k3serve.gguf_tokenizer import tokenizer_from_gguf
 from k3serve.loading import registry
 from k3serve.loading.loaded import LoadedModel, configure_threads
 from k3serve.loading.opened import ExpertWrapper, Opened
 from k3serve.loading.streaming import default_packed_dir
 from k3serve.model.kernels import warmup as warmup_kernels
+from k3serve.model.routing import ExpertTopP
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.store import is_packed_store
@@ -33,13 +34,14 @@ __all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_MODEL_PATH", "LoadedModel", "cache_roo
 
 
 def load_model(path: str | Path | None = None, expert_precision: str = "native", stream: StreamOptions | None = None,
-               wrap_experts: ExpertWrapper | None = None) -> LoadedModel:
+               wrap_experts: ExpertWrapper | None = None, expert_top_p: ExpertTopP | None = None) -> LoadedModel:
     """Open `path` (None: the embedded default model).
 
     A packed store, or any streaming option (`stream`), streams: the default model is packed into the user cache
     on first use. A GGUF file takes its tokenizer and chat template from its metadata. `expert_precision` quantizes
     a family's routed experts at load ("native", "bf16", "mxfp4", "int8"; K3's ship as MXFP4). `wrap_experts`
-    wraps a K3 store's streaming source before the model is built on it (expert parallelism)."""
+    wraps a K3 store's streaming source before the model is built on it (expert parallelism). `expert_top_p`
+    keeps only each token's heaviest routed experts (--expert-top-p, model/routing.py)."""
     if stream is not None or wrap_experts is not None or (path is not None and is_packed_store(path)):
         folder = Path(path) if path is not None else default_packed_dir()
         if not is_packed_store(folder):
@@ -57,6 +59,10 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
         architecture = registry.of_folder(folder)
         opened = architecture.open_folder(folder, expert_precision)
     _check_vocabulary(opened, folder)
+    if expert_top_p is not None and expert_top_p.active:
+        if opened.model.kept_experts.counts.shape[0] <= 1:
+            raise UsageError(f"{folder}: --expert-top-p needs a model with routed experts")
+        opened.model.limit_experts(expert_top_p)
     configure_threads(opened.model.config.hidden_size)  # the trunk's BLAS must not fight the expert kernels
     _load_kernels()  # compile (or load the cached) numba kernels now, not inside the first request
     return LoadedModel(model=opened.model, checkpoint=opened.checkpoint, tokenizer=opened.tokenizer, path=folder,

@@ -51,6 +51,8 @@ class StreamStats:
     checksum_retries: int = 0
     io_wait_seconds: float = 0.0  # the compute thread blocked on reads
     io_busy_seconds: float = 0.0  # summed over I/O workers
+    routed_pairs: int = 0  # (token, MoE layer) pairs routed
+    experts_kept: int = 0  # experts those pairs kept (TOPK each, fewer under --expert-top-p)
 
     def minus(self, other: StreamStats) -> StreamStats:
         return StreamStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
@@ -61,6 +63,10 @@ class StreamStats:
     @property
     def bytes_read(self) -> int:
         return self.expert_bytes_read + self.trunk_bytes_read
+
+    @property
+    def mean_experts_kept(self) -> float:
+        return self.experts_kept / self.routed_pairs if self.routed_pairs else float("nan")
 
     @property
     def retention(self) -> float:

@@ -24,7 +24,7 @@ from k3serve.config import DEFAULT_MAX_MODEL_LEN
 from k3serve.errors import ContextLengthError, RequestError
 from k3serve.model.cache import CacheLayout, SequenceCache
 from k3serve.model.expert_source import ExpertSource
-from k3serve.model.routing import Routing
+from k3serve.model.routing import ExpertTopP, Routing
 
 
 @dataclass
@@ -152,6 +152,10 @@ class Model(Protocol):
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None,
                 at_pause: PauseHook | None = None) -> ForwardResult: ...
+
+    def limit_experts(self, limit: ExpertTopP) -> None:
+        """Keep only each token's heaviest routed experts up to `limit.top_p` of their weight (--expert-top-p,
+        model/routing.py); `kept_experts` counts what each (token, MoE layer) kept."""
 
     def resident_draft(self, allowed: Callable[[int], set[int] | None] | None = None) -> Model | None:
         """The same model routed only among the experts its source holds in RAM (a speculative drafter that reads

@@ -29,8 +29,8 @@ from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOC
 from k3serve.model.kda import causal_conv, kda_forward
 from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
 from k3serve.model.kernels import linear, mxfp4_expert_forward, widen_bf16
-from k3serve.model.moe import dense_mlp_forward, guess_next_layer, moe_forward, top_k_rows
-from k3serve.model.routing import Routing, pairs_by_expert
+from k3serve.model.moe import dense_mlp_forward, guess_next_layer, moe_forward, route, top_k_rows
+from k3serve.model.routing import ExpertTopP, KeptExperts, Routing, keep_top_p, pairs_by_expert
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, PauseHook, RoutingObserver,
@@ -76,7 +76,13 @@ class K3Model(SingleSequenceMixin):
         self.chunk_size = chunk_size
         self.attention_blocks = attention_blocks  # MLA prefill tiles: memory O(T x key block)
         self._globals = source.global_weights()
+        self.expert_top_p = ExpertTopP()  # keep every routed expert (`limit_experts` sets --expert-top-p)
+        self.kept_experts = KeptExperts(self.config.num_experts_per_token)  # per (token, MoE layer) of every forward
         load_compiled_loops()
+
+    def limit_experts(self, limit: ExpertTopP) -> None:
+        """Keep only each token's heaviest experts up to `limit.top_p` of their weight (model/routing.py)."""
+        self.expert_top_p = limit
 
     @property
     def cache_layout(self) -> CacheLayout:
@@ -97,8 +103,10 @@ class K3Model(SingleSequenceMixin):
 
     def resident_draft(self, allowed: ResidentExperts | None = None) -> K3Model:
         """This model with routing restricted to the experts its source holds in RAM (or to `allowed`)."""
-        return K3Model(RestrictedRoutingSource(self.source, allowed), chunk_size=self.chunk_size,
-                       attention_blocks=self.attention_blocks)
+        draft = K3Model(RestrictedRoutingSource(self.source, allowed), chunk_size=self.chunk_size,
+                        attention_blocks=self.attention_blocks)
+        draft.limit_experts(self.expert_top_p)
+        return draft
 
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None,
@@ -142,7 +150,9 @@ class K3Model(SingleSequenceMixin):
             if source.prefetching:
                 self._prefetch_next(layer, h)
             if isinstance(w.mlp, MoEWeights):
-                m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: source.experts(l, ids),
+                routing = keep_top_p(route(c, w.mlp, x), self.expert_top_p, c.moe_renormalize)
+                self.kept_experts.add(routing.expert_ids)
+                m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: source.experts(l, ids), routing=routing,
                                          stacked=source.stacked_experts(layer),
                                          remote=lambda pairs, z, l=layer: source.expert_outputs(l, pairs, z))
                 if keep_routing:

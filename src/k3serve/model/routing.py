@@ -1,6 +1,17 @@
 """What a router decides, as data: `Routing` (each token's experts and weights) and `ExpertPairs` (the step's
 (token, expert) pairs grouped by expert, what per-expert calls work on). Shared by every model's MoE, the expert
-sources (model/expert_source.py) and the simulator. Shapes: T tokens, TOPK active, K distinct experts, N = T*TOPK.
+sources (model/expert_source.py) and the simulator. Shapes: T tokens, TOPK active, K distinct experts, N = T*TOPK
+(fewer when slots are dropped).
+
+Fewer experts by the router's own weights (`--expert-top-p P`, opt-in; colibri's K3_TOPP): per token, with the
+chosen experts' weights w_1..w_TOPK sorted descending and q_i = w_i / sum_j w_j,
+
+    n = max(min_kept, smallest n with q_1 + ... + q_n >= P)          (n <= TOPK)
+
+the n heaviest are kept and the rest dropped: their slot holds `DROPPED` (-1) and weight 0, after the kept ones.
+Kept weights are renormalized over the kept set when the router renormalizes over its chosen set (K3's
+moe_renormalize: w_e = s_e / sum_{kept} s * routed_scaling_factor), and kept as they are when it does not.
+P = 1 keeps every slot untouched (the same arrays, so the same bits).
 """
 
 from __future__ import annotations
@@ -10,11 +21,90 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from k3serve.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Routing:
     expert_ids: np.ndarray  # [T, TOPK] int64, best first
     weights: np.ndarray  # [T, TOPK] float32
+
+
+DROPPED = -1  # an expert slot that top-p dropped (after the kept ones in its row, weight 0)
+
+
+@dataclass(frozen=True)
+class ExpertTopP:
+    """The top-p rule's two knobs. `min_kept` defaults to 2: K3's routed path ends in an RMSNorm of the weighted
+    sum, which removes its scale, so one kept expert would hand the layer that expert's output direction alone;
+    two keep a mixture. At K3's 16 active it rarely binds (colibri keeps ~8 at P = 0.7)."""
+
+    top_p: float = 1.0
+    min_kept: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"--expert-top-p must be in (0, 1], got {self.top_p}")
+        if self.min_kept < 1:
+            raise ConfigError(f"--expert-top-p-min must be >= 1, got {self.min_kept}")
+
+    @property
+    def active(self) -> bool:
+        return self.top_p < 1.0
+
+
+def keep_top_p(routing: Routing, limit: ExpertTopP, renormalize: bool) -> Routing:
+    """The routing with each token's lightest experts dropped (the module docstring's rule). Rows keep TOPK
+    slots: kept experts first in their original order, then DROPPED slots of weight 0."""
+    if not limit.active:
+        return routing
+    ids, weights = routing.expert_ids, routing.weights  # [T, TOPK]
+    T, top_k = ids.shape
+    order = np.argsort(-weights, axis=1, kind="stable")  # [T, TOPK] heaviest first, ties to the earlier slot
+    ranked = np.take_along_axis(weights, order, axis=1).astype(np.float64)
+    totals = ranked.sum(axis=1, keepdims=True)  # [T, 1]
+    cumulative = np.cumsum(ranked / np.where(totals > 0, totals, 1.0), axis=1)  # [T, TOPK]
+    reached = np.sum(cumulative < limit.top_p, axis=1) + 1  # the smallest n whose share reaches P
+    num_kept = np.clip(np.maximum(reached, limit.min_kept), 1, top_k)  # [T]
+    keep = np.zeros((T, top_k), bool)
+    np.put_along_axis(keep, order, np.arange(top_k)[None, :] < num_kept[:, None], axis=1)
+    slot = np.argsort(~keep, axis=1, kind="stable")  # kept slots first, each group in original order
+    new_ids = np.where(np.take_along_axis(keep, slot, axis=1), np.take_along_axis(ids, slot, axis=1), DROPPED)
+    new_weights = np.where(new_ids >= 0, np.take_along_axis(weights, slot, axis=1), np.float32(0))
+    if renormalize:  # the router's normalisation over the kept set: w_e * (sum of all) / (sum of kept)
+        kept_sum = new_weights.sum(axis=1, keepdims=True)  # [T, 1]
+        cut = (num_kept < top_k)[:, None] & (kept_sum > 0)  # rows that keep every slot keep their bits
+        new_weights = np.where(cut, new_weights * (weights.sum(axis=1, keepdims=True) / np.where(cut, kept_sum, 1)),
+                               new_weights)
+    return Routing(expert_ids=new_ids.astype(np.int64), weights=new_weights.astype(np.float32))
+
+
+class KeptExperts:
+    """How many experts each (token, MoE layer) kept: counts[n] = pairs that kept n (0..TOPK)."""
+
+    def __init__(self, top_k: int) -> None:
+        self.counts = np.zeros(top_k + 1, np.int64)
+
+    def add(self, expert_ids: np.ndarray) -> None:
+        """expert_ids [T, TOPK], DROPPED slots excluded."""
+        self.counts += np.bincount(np.sum(expert_ids >= 0, axis=1), minlength=self.counts.shape[0])
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def mean(self) -> float:
+        n = self.num_pairs
+        return float(np.dot(np.arange(self.counts.shape[0]), self.counts) / n) if n else float("nan")
+
+    def histogram(self) -> dict[int, int]:
+        return {n: int(c) for n, c in enumerate(self.counts) if c}
+
+    def line(self) -> str:
+        top_k = self.counts.shape[0] - 1
+        shares = ", ".join(f"{n}: {100 * c / max(self.num_pairs, 1):.1f}%" for n, c in self.histogram().items())
+        return f"experts kept      {self.mean:.2f} of {top_k} per token and layer ({shares})"
 
 
 @dataclass(frozen=True)
@@ -29,10 +119,16 @@ class ExpertPairs:
 
 
 def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
-    """expert_ids [T, TOPK] -> the pairs grouped by expert (N = T*TOPK)."""
+    """expert_ids [T, TOPK] -> the pairs grouped by expert (N = T*TOPK less the DROPPED slots)."""
     flat = np.ascontiguousarray(expert_ids, dtype=np.int64).ravel()  # [T*TOPK]
     if flat.size and flat.min() < 0:
-        raise ValueError(f"expert ids must be >= 0, got {int(flat.min())}")
+        if flat.min() < DROPPED:
+            raise ValueError(f"expert ids must be >= 0 (or {DROPPED}, a dropped slot), got {int(flat.min())}")
+        kept = np.flatnonzero(flat >= 0)  # [N]
+        pairs = pairs_by_expert(flat[kept].reshape(-1, 1))
+        top_k = max(expert_ids.shape[1], 1)
+        order = kept[pairs.order]
+        return ExpertPairs(pairs.expert_ids, pairs.starts, pairs.ends, order // top_k, order)
     num_experts = int(flat.max()) + 1 if flat.size else 0
     order = np.empty(flat.size, np.int64)  # by expert, tokens ascending within each expert (a stable sort)
     counts = np.zeros(num_experts, np.int64)

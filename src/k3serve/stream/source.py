@@ -133,6 +133,8 @@ class StreamingSource(WeightSource):
         self.expert_cache.begin_step()
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
+        self.counters.routed_pairs += int(expert_ids.shape[0])
+        self.counters.experts_kept += int(np.count_nonzero(expert_ids >= 0))
         if self.trace is not None:
             self.trace.write(self._step, self._step_first_token, layer, expert_ids)
 

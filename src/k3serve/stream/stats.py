@@ -23,6 +23,7 @@ def stream_report_lines(stats: StreamStats, tokens: int, wall_seconds: float, pl
         f"retention         {100 * stats.retention:.1f}% of {stats.expert_requests} expert requests resident "
         f"before their step (+{stats.expert_prefetch_hits} prefetch hits; {served} served without a demand read)",
         f"prefetch          {stats.prefetch_issued} issued, {stats.prefetch_wasted} dropped unused",
+        f"experts kept      {stats.mean_experts_kept:.2f} per token and MoE layer",
         f"time split        I/O wait {stats.io_wait_seconds:.3f} s, compute {max(wall_seconds - stats.io_wait_seconds, 0):.3f} s",
     ]
     budget = "unlimited" if plan.budget_bytes is None else format_size(plan.budget_bytes)

@@ -3,7 +3,7 @@
 File format (text, one record per line):
 
     # k3serve-trace 1 {"num_layers": L, "num_experts": NE, "top_k": TOPK, "expert_bytes": B, ...}
-    STEP TOKEN LAYER E1 E2 ... ETOPK
+    STEP TOKEN LAYER E1 E2 ... ETOPK          (fewer than TOPK where --expert-top-p dropped some)
 
 STEP numbers forward passes (a prefill is one step, each decode one more); TOKEN numbers tokens over the whole
 run. A step's request for a layer is the union of its tokens' experts: that is what a source must load.
@@ -94,8 +94,8 @@ class TraceWriter:
             self.dropped_records += len(rows)
             return
         assert self._file is not None
-        lines = [f"{step} {first_token + t} {layer} " + " ".join(str(int(e)) for e in row)
-                 for t, row in enumerate(rows)]
+        lines = [f"{step} {first_token + t} {layer} " + " ".join(str(int(e)) for e in row if e >= 0)
+                 for t, row in enumerate(rows)]  # a slot --expert-top-p dropped (-1) is not written
         data = ("\n".join(lines) + "\n").encode()
         try:
             self._file.write(data)

@@ -23,7 +23,7 @@ from k3serve.model.expert_source import ExpertSource
 from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, PauseHook, RoutingObserver,
                                      SingleSequenceMixin, finish_batch, flatten_items, logit_rows)
 from k3serve.model.kernels import linear, widen_bf16
-from k3serve.model.routing import Routing
+from k3serve.model.routing import ExpertTopP, KeptExperts, Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 
@@ -121,6 +121,17 @@ class FamilyModel(SingleSequenceMixin):
         self.lm_head = lm_head  # [V, H]
         self.cache_layout = cache_layout
         self._experts = experts  # routed experts, read and packed on first use
+        routers = [getattr(layer.mlp, "router", None) for layer in layers]
+        self.expert_top_p = ExpertTopP()
+        self.kept_experts = KeptExperts(max((r.top_k for r in routers if r is not None), default=0))
+
+    def limit_experts(self, limit: ExpertTopP) -> None:
+        """Keep only each token's heaviest experts up to `limit.top_p` of their weight (model/routing.py), in every
+        MoE block."""
+        self.expert_top_p = limit
+        for layer in self.layers:
+            if hasattr(layer.mlp, "top_p"):
+                layer.mlp.top_p = limit
 
     @property
     def experts(self) -> ExpertSource | None:
@@ -185,6 +196,7 @@ class FamilyModel(SingleSequenceMixin):
             m, routing = layer.mlp(rms_norm(h, layer.post_attention_norm, eps))
             h = h + m
             if routing is not None:
+                self.kept_experts.add(routing.expert_ids)
                 if keep_routing:
                     result.routing[index] = routing
                 if on_routing is not None:

@@ -25,7 +25,7 @@ import numpy as np
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.families.experts import outputs_one_by_one
 from k3serve.model.kernels import accumulate_expert_rows, linear
-from k3serve.model.routing import Routing, pairs_by_expert
+from k3serve.model.routing import ExpertTopP, Routing, keep_top_p, pairs_by_expert
 from k3serve.model.ops import sigmoid, silu, softmax
 
 
@@ -102,9 +102,11 @@ class MoEBlock:
     experts: ExpertSource  # the model's (FamilyModel.use_experts switches every block at once)
     shared: GLUWeights | None
     shared_gate: np.ndarray | None  # [1, H]: Qwen3-Next scales the shared expert by sigmoid(w . x)
+    top_p: ExpertTopP = ExpertTopP()  # --expert-top-p (FamilyModel.limit_experts); kept weights renormalized as
+    # the router normalizes its chosen set (norm_topk_prob)
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing]:
-        routing = self.router(x)
+        routing = keep_top_p(self.router(x), self.top_p, self.router.normalize)
         pairs = pairs_by_expert(routing.expert_ids)  # experts ascending: a fixed accumulation order per token
         out = np.zeros(x.shape, np.float32)  # [T, H]
         y = self.experts.expert_outputs(self.layer, pairs, x)  # [N, H]
