@@ -11,6 +11,7 @@ from k3serve.cli.main import main
 from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
+from k3serve.model.routing import ExpertTopP
 from k3serve.sim.full import SimConfig, SimConfigError, VirtualStore, replay_config, simulate
 from k3serve.sim.machine import MachineError, load_machine
 from k3serve.sim.presets import PRESETS, c_engine, laptop
@@ -26,18 +27,21 @@ def tiny_packed(tiny_dir, tmp_path_factory):
     return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("sim-tiny-packed"))
 
 
-@pytest.mark.parametrize("policy,extra_slots,pin,dtype", [("lru", 3, 0, "float32"), ("lfu", 9, None, "float32"),
-                                                          ("s3fifo", 20, None, "float32"), ("none", 5, 0, "float32"),
-                                                          ("lru", 2, None, "bf16"), ("lfu", 40, None, "bf16")])
-def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, extra_slots, pin, dtype):
+@pytest.mark.parametrize("policy,extra_slots,pin,dtype,top_p", [
+    ("lru", 3, 0, "float32", 1.0), ("lfu", 9, None, "float32", 1.0), ("s3fifo", 20, None, "float32", 1.0),
+    ("none", 5, 0, "float32", 1.0), ("lru", 2, None, "bf16", 1.0), ("lfu", 40, None, "bf16", 1.0),
+    ("lru", 3, 0, "float32", 0.6), ("lfu", 9, None, "bf16", 0.6)])
+def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, extra_slots, pin, dtype, top_p):
     store = tiny_packed
     budget = minimum_budget_bytes(store, trunk_dtype=dtype) + extra_slots * store.expert_stride
     trace_path = tmp_path / "run.trace"
     options = StreamOptions(ram_budget=budget, io="pread", queue_depth=4, cache=policy, prefetch="none",
                             pin_trunk_bytes=pin, trace_out=trace_path, trunk_dtype=dtype)
-    loaded = load_model(store.path, stream=options)
+    loaded = load_model(store.path, stream=options, expert_top_p=ExpertTopP(top_p, 1))
     source = loaded.model.source
     generate(loaded.model, [1, 5, 9, 200, 17, 3], SamplingParams(max_tokens=9, ignore_eos=True))
+    kept = source.stats().stream.mean_experts_kept
+    assert kept == 2.0 if top_p == 1.0 else 1.0 < kept < 2.0  # top-p 0.6 drops some of the tiny model's 2
     source.close()  # waits for the trunk read-ahead still in flight, so that its bytes are counted
     real = source.stats().stream
     plan = source.plan

@@ -505,7 +505,7 @@ class SimRun:
 
     def routed_experts(self, layer: int, rows: np.ndarray) -> None:
         """rows [T, TOPK]: the layer's routed experts, here (the cluster mode sends them to their owners)."""
-        needed, counts = np.unique(rows, return_counts=True)
+        needed, counts = np.unique(rows[rows >= 0], return_counts=True)  # -1: a slot top-p dropped
         self.experts.serve(layer, dict(zip((int(e) for e in needed), (int(n) for n in counts))), self._note)
 
     def _wide(self) -> bool:

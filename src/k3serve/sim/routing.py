@@ -170,7 +170,7 @@ def replay_steps(trace: Trace, recall: float | None, seed: int,
     out = []
     for step in sorted(by_step):
         layers = by_step[step]
-        experts = {l: np.stack(rows) for l, rows in layers.items()}
+        experts = {l: _padded(rows, top_k) for l, rows in layers.items()}
         step_guesses = {}
         for l, rows in layers.items():
             if guesses is not None:
@@ -183,6 +183,14 @@ def replay_steps(trace: Trace, recall: float | None, seed: int,
                         ranked.append(e)
             step_guesses[l] = ranked
         out.append(StepRouting(experts, step_guesses))
+    return out
+
+
+def _padded(rows: list[np.ndarray], top_k: int) -> np.ndarray:
+    """Rows of up to TOPK experts (fewer where --expert-top-p dropped some) -> [T, TOPK], -1 in dropped slots."""
+    out = np.full((len(rows), top_k), -1, np.int64)
+    for t, ids in enumerate(rows):
+        out[t, :len(ids)] = ids
     return out
 
 
