@@ -162,3 +162,31 @@ def test_routing_fit_recovers_skew_and_reuse(tiny_packed, tmp_path):
 def test_every_preset_builds():
     for name, make in PRESETS.items():
         assert make().name == name
+
+
+def test_top_p_keeps_the_drawn_count_and_reads_that_many_experts():
+    from k3serve.sim.routing import kept_from_histogram, kept_from_mean
+
+    assert kept_from_mean(8.1, 16)[7:9] == pytest.approx((0.9, 0.1)) and kept_from_mean(16.0, 16)[15] == 1.0
+    assert kept_from_histogram({2: 30, 3: 60, 4: 10}, 4, 16) == pytest.approx((0,) * 7 + (0.3,) + (0,) * 3 + (0.6,)
+                                                                            + (0,) * 3 + (0.1,))
+    cold = dict(machine=c_engine(), engine="c-engine", ram_bytes=8 << 30, pinned_layers=0, cache_bytes=490_000_000,
+                prefetch="none", routing="flat", tokens=2, warmup=1)
+    half = simulate(SimConfig(experts_kept=kept_from_mean(8.0, 16), **cold))
+    assert half.expert_requests_per_token == 92 * 8 and half.experts_kept_per_token == 8.0
+    assert half.expert_bytes_per_token == 92 * 8 * 17_547_264
+    full = simulate(SimConfig(**cold))
+    assert full.s_per_token > half.s_per_token
+    assert full.dollars_per_million_tokens == pytest.approx(full.s_per_token / 3600 * 1e6)  # at $1/hour
+
+
+def test_a_chunked_prefill_reads_each_experts_union_once():
+    cold = dict(machine=c_engine(), engine="c-engine", ram_bytes=8 << 30, pinned_layers=0, cache_bytes=490_000_000,
+                prefetch="none", routing="flat", tokens=1, warmup=0, prompt_tokens=12)
+    chunked = simulate(SimConfig(**cold)).prefill
+    one_by_one = simulate(SimConfig(prefill_chunk=1, **cold)).prefill
+    assert (chunked["steps"], one_by_one["steps"]) == (1, 12)
+    assert one_by_one["expert_bytes"] == 12 * 92 * 16 * 17_547_264  # no cache: every token reads its 16
+    # 12 tokens x 16 of 896 flat: 896 (1 - (1 - 16/896)^12) = 174 distinct experts per layer expected, not 192
+    ratio = one_by_one["expert_bytes"] / chunked["expert_bytes"]
+    assert 1.06 < ratio < 1.16

@@ -51,6 +51,19 @@ def add_sim_commands(sim_sub) -> None:
                     help="c-engine: pinned layers (default: none given)")
     k3.add_argument("--c-cache", type=cli_args.size, default=None, help="c-engine: expert cache size (default: none given)")
     k3.add_argument("--seed", type=cli_args.seed, default=0, help="routing seed" + d)
+    kept = k3.add_mutually_exclusive_group()
+    kept.add_argument("--expert-top-p", type=float, choices=(0.9, 0.8, 0.7), default=None,
+                      help="keep experts as --expert-top-p P (min 2) kept them on the embedded model, scaled to 16 "
+                           "(docs/STREAMING.md) (default: all 16)")
+    kept.add_argument("--experts-kept", type=cli_args.float_range(1.0, 16.0), default=None,
+                      help="keep this mean number of the 16 experts per token and layer (colibri's K3_TOPP=0.7: "
+                           "8.1) (default: all 16)")
+    k3.add_argument("--prompt-tokens", type=cli_args.non_negative_int, default=0,
+                    help="prefill a prompt of this many tokens first and report its expert bytes per token" + d)
+    k3.add_argument("--prefill-chunk", type=cli_args.positive_int, default=None,
+                    help="prompt positions per prefill step (1: token at a time; default: the whole prompt)")
+    k3.add_argument("--price-per-hour", type=cli_args.float_range(0.0), default=None,
+                    help="$ per machine-hour for the cost line (default: $1, an assumption; docs/SIMULATOR.md)")
     k3.add_argument("--timeline", action="store_true", help="print the per-layer timeline")
     k3.add_argument("--sweep", choices=("ram",), default=None, help="run the memory ladder 8..128G (default: off)")
     k3.add_argument("--plot", type=cli_args.output_file, default=None,
@@ -145,7 +158,22 @@ def _sim_config(args: argparse.Namespace, ram: int | None):
         pin_trunk_bytes=parse_size(args.pin_trunk) if args.pin_trunk else None, queue_depth=args.queue_depth,
         trunk_dtype=args.trunk_dtype, batch=args.batch, speculative=args.speculative, acceptance=args.acceptance,
         tokens=args.tokens, warmup=args.warmup, routing=args.routing, routing_model=routing_model, seed=args.seed,
-        pinned_layers=args.c_pinned, cache_bytes=parse_size(args.c_cache) if args.c_cache else None)
+        pinned_layers=args.c_pinned, cache_bytes=parse_size(args.c_cache) if args.c_cache else None,
+        experts_kept=_experts_kept(args), prompt_tokens=args.prompt_tokens, prefill_chunk=args.prefill_chunk,
+        **({} if args.price_per_hour is None else {"price_per_hour": args.price_per_hour}))
+
+
+def _experts_kept(args: argparse.Namespace) -> tuple[float, ...]:
+    from k3serve.config import full_k3_config
+    from k3serve.sim.routing import MEASURED_KEPT, kept_from_histogram, kept_from_mean
+
+    top_k = full_k3_config().num_experts_per_token
+    if args.experts_kept is not None:
+        return kept_from_mean(args.experts_kept, top_k)
+    if args.expert_top_p is not None:
+        measured_top_k, histogram = MEASURED_KEPT[args.expert_top_p]
+        return kept_from_histogram(histogram, measured_top_k, top_k)
+    return ()
 
 
 def cmd_sim_k3(args: argparse.Namespace) -> int:

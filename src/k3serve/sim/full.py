@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -56,6 +56,9 @@ from k3serve.weights.store import ALIGNMENT, align_up, expert_parts
 logger = logging.getLogger(__name__)
 
 ENGINES = ("k3serve", "c-engine")
+# $ per machine-hour for the cost column: an assumed round figure for renting one box of the C engine's class (a
+# many-core EPYC with a fast NVMe drive) by the hour; cost scales linearly, so rescale for another price
+DEFAULT_PRICE_PER_HOUR = 1.0
 ROUTINGS = ("skewed", "flat")
 
 
@@ -193,6 +196,9 @@ class SimConfig:
     pinned_layers: int | None = None  # c-engine: layers pinned (largest first, as the budget splitter pins)
     cache_bytes: int | None = None  # c-engine: the expert cache size
     trunk_read_bytes_per_s: float | None = None  # the trunk stream's delivered rate where a run recorded it
+    experts_kept: tuple[float, ...] = ()  # --expert-top-p: P(n experts kept), n = 1..TOPK (sim/routing.py)
+    prefill_chunk: int | None = None  # prompt positions per prefill step and sequence (None: the whole prompt)
+    price_per_hour: float = DEFAULT_PRICE_PER_HOUR  # $ per machine-hour, for the cost column
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -213,6 +219,10 @@ class SimConfig:
                 raise SimConfigError(f"{key} must be >= {low}, got {getattr(self, key)}")
         if self.trunk_read_bytes_per_s is not None and not self.trunk_read_bytes_per_s > 0:
             raise SimConfigError(f"trunk read rate must be positive, got {self.trunk_read_bytes_per_s}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise SimConfigError(f"prefill chunk must be >= 1, got {self.prefill_chunk}")
+        if not self.price_per_hour >= 0:
+            raise SimConfigError(f"price per hour must be >= 0, got {self.price_per_hour}")
         if not 0.0 <= self.acceptance < 1.0:
             raise SimConfigError(f"acceptance must be in [0, 1), got {self.acceptance}")
         if self.engine == "c-engine" and (self.pinned_layers is None or self.cache_bytes is None):
@@ -259,6 +269,9 @@ class SimResult:
     step_seconds: list[float]
     timeline: list[LayerTime] = field(default_factory=list)
     totals: dict = field(default_factory=dict)
+    experts_kept_per_token: float = 0.0  # mean experts per (token, MoE layer): TOPK, fewer under top-p
+    dollars_per_million_tokens: float = 0.0  # s/token x price per hour / 3600 x 1e6
+    prefill: dict = field(default_factory=dict)  # the prompt's steps: tokens, steps, expert bytes, seconds
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -278,7 +291,17 @@ class SimResult:
             f"device            busy {100 * self.device_busy_share:.0f}% of the time",
             f"floors            I/O {self.floor_io_s_per_token:.3f} s/token (bytes that must move at the best "
             f"bandwidth), compute {self.floor_compute_s_per_token:.3f} s/token",
-        ]
+            f"experts           {self.experts_kept_per_token:.2f} per token and MoE layer",
+            f"cost              ${self.dollars_per_million_tokens:,.0f} per million tokens at "
+            f"${self.config['price_per_hour']:g}/hour",
+        ] + self.prefill_lines()
+
+    def prefill_lines(self) -> list[str]:
+        p = self.prefill
+        if not p:
+            return []
+        return [f"prefill           {p['tokens']} prompt tokens in {p['steps']} steps of <= {p['chunk']} positions: "
+                f"experts {format_size(p['expert_bytes_per_token'])}/token, {p['s_per_token']:.3f} s/token"]
 
     def timeline_lines(self, every: int = 1) -> list[str]:
         out = [f"{'layer':>5} {'trunk wait':>10} {'expert wait':>11} {'compute':>9} {'reads':>7}  (s per step)"]
@@ -342,6 +365,8 @@ class SimRun:
         config = cfg.model or (cfg.store.config if cfg.store is not None else full_k3_config())
         self.config = config
         self.routing = cfg.routing_model or default_routing(config, cfg.routing)
+        if cfg.experts_kept:
+            self.routing = replace(self.routing, kept=tuple(cfg.experts_kept))
         if self.routing.num_experts != config.num_experts or self.routing.top_k != config.num_experts_per_token:
             raise SimConfigError(f"routing model is {self.routing.num_experts} experts top-{self.routing.top_k}, "
                                  f"the model {config.num_experts} top-{config.num_experts_per_token}")
@@ -372,6 +397,7 @@ class SimRun:
         self.pending: tuple[int, float] | None = None  # (layer, time its weights are ready)
         self.timeline = [LayerTime(l) for l in range(config.num_layers)]
         self.measuring = False
+        self.prefill: dict = {}
 
     # -- setup
     def _build_store(self) -> VirtualStore:
@@ -384,7 +410,7 @@ class SimRun:
             for _ in range(64):
                 step = sample.step(list(range(4)))
                 for l, rows in step.experts.items():
-                    token_sets[l].extend(rows.tolist())
+                    token_sets[l].extend([e for e in row if e >= 0] for row in rows.tolist())
             orders = {l: layer_order(cfg.layout, config.num_experts, token_sets[l]) for l in config.moe_layer_ids}
         return VirtualStore(config, orders, dtype, cfg.layout)
 
@@ -393,7 +419,7 @@ class SimRun:
         counts: Counter = Counter()
         for _ in range(64):
             for l, rows in sample.step([0]).experts.items():
-                counts.update((l, int(e)) for e in rows.ravel())
+                counts.update((l, int(e)) for e in rows.ravel() if e >= 0)
         return counts
 
     def _plan(self) -> BudgetPlan:
@@ -572,8 +598,19 @@ def drive_run(run: SimRun) -> tuple[list[float], list[float], float]:
         tokens = float(len(step_times))
     else:
         if cfg.prompt_tokens:
-            prompt_positions = [s for s in range(cfg.batch) for _ in range(cfg.prompt_tokens)]
-            run.step(prompt_positions, run.next_routing(prompt_positions), cfg.batch)
+            before = run.snapshot()
+            chunk = cfg.prefill_chunk or cfg.prompt_tokens
+            steps = 0
+            for begin in range(0, cfg.prompt_tokens, chunk):
+                positions = [s for s in range(cfg.batch) for _ in range(min(chunk, cfg.prompt_tokens - begin))]
+                run.step(positions, run.next_routing(positions), cfg.batch)
+                steps += 1
+            after = run.snapshot()
+            prompt = cfg.batch * cfg.prompt_tokens
+            run.prefill = {"tokens": prompt, "steps": steps, "chunk": chunk, "expert_bytes": after[3] - before[3],
+                           "expert_bytes_per_token": (after[3] - before[3]) / prompt,
+                           "trunk_bytes": after[4] - before[4], "seconds": after[0] - before[0],
+                           "s_per_token": (after[0] - before[0]) / prompt}
         for _ in range(cfg.warmup if not cfg.count_prefill else 0):
             run.step(decode_positions, run.next_routing(decode_positions), len(decode_positions))
         if not cfg.count_prefill:
@@ -630,6 +667,8 @@ def run_result(run: SimRun, d: list[float], step_times: list[float], tokens: flo
         device_busy_share=min(busy / seconds, 1.0) if seconds > 0 else 0.0,
         floor_io_s_per_token=floor_io / per, floor_compute_s_per_token=compute / per,
         step_seconds=step_times, timeline=run.timeline,
+        experts_kept_per_token=run.routing.mean_kept if cfg.replay is None else float("nan"),
+        dollars_per_million_tokens=seconds / per * cfg.price_per_hour / 3600 * 1e6, prefill=run.prefill,
         totals={"expert_bytes": run.expert_io.counters.bytes_read, "trunk_bytes": run.trunk_io.counters.bytes_read,
                 "num_reads": run.expert_io.counters.num_reads + run.trunk_io.counters.num_reads,
                 "expert_requests": run.stats.expert_requests, "tokens": tokens, "seconds": seconds},

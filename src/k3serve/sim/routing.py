@@ -8,7 +8,8 @@ A `RoutingModel` draws, for each sequence, token and MoE layer, TOPK distinct ex
         hidden permutation) of the previous fresh pick; otherwise
         from the popularity law p_i ∝ (rank_i + 1)^-skew  (rank: a fixed random permutation per layer)
 
-and a next-layer guess per token for prefetch: each true expert is named with probability `recall`, the rest of
+then, under `--expert-top-p`, keeps the first n of them (n drawn from `kept`, the probabilities of n = 1..TOPK; the
+dropped slots are -1, as the engine's), and a next-layer guess per token for prefetch: each true expert is named with probability `recall`, the rest of
 the TOPK guesses are wrong experts. Flat routing (the C engine's observation on K3: Quantile Balancing flattens
 usage, 0% steady-state retention) is skew 0, reuse 0, coactivation 0, recall TOPK / NE.
 
@@ -47,6 +48,7 @@ class RoutingModel:
     coactivation: float = 0.0
     recall: float | None = None  # None: chance (TOPK / NE)
     name: str = "flat"
+    kept: tuple[float, ...] = ()  # --expert-top-p: P(a token keeps n experts), n = 1..TOPK; empty: all TOPK
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.num_experts < self.top_k:
@@ -58,6 +60,13 @@ class RoutingModel:
             raise RoutingError(f"routing recall must be in [0, 1], got {self.recall}")
         if self.skew < 0:
             raise RoutingError(f"routing skew must be >= 0, got {self.skew}")
+        if self.kept and (len(self.kept) != self.top_k or min(self.kept) < 0 or abs(sum(self.kept) - 1) > 1e-6):
+            raise RoutingError(f"routing kept must be {self.top_k} probabilities (n = 1..TOPK) summing to 1, got "
+                               f"{self.kept}")
+
+    @property
+    def mean_kept(self) -> float:
+        return float(np.dot(np.arange(1, self.top_k + 1), self.kept)) if self.kept else float(self.top_k)
 
     @property
     def guess_recall(self) -> float:
@@ -66,6 +75,37 @@ class RoutingModel:
 
 def flat_routing(num_experts: int, top_k: int) -> RoutingModel:
     return RoutingModel(num_experts, top_k, name="flat")
+
+
+# What --expert-top-p P (min 2) kept on the embedded trained model (64 experts, top-4): {kept: (token, MoE layer)
+# pairs} over 16 windows of 256 held-out code and 16 of prose (benchmarks/eval_top_p.py, docs/STREAMING.md)
+MEASURED_KEPT: dict[float, tuple[int, dict[int, int]]] = {
+    0.9: (4, {2: 289, 3: 4663, 4: 52392}),
+    0.8: (4, {2: 2366, 3: 35875, 4: 19103}),
+    0.7: (4, {2: 9676, 3: 47668}),
+}
+
+
+def kept_from_mean(mean: float, top_k: int) -> tuple[float, ...]:
+    """P(n kept) with the given mean and the least spread: floor(mean) or the next count (a published mean such as
+    colibri's 8.1 of 16 at K3_TOPP=0.7, with no histogram beside it)."""
+    if not 1.0 <= mean <= top_k:
+        raise RoutingError(f"experts kept must be in [1, {top_k}], got {mean}")
+    low = min(int(math.floor(mean)), top_k - 1) if mean < top_k else top_k - 1
+    out = [0.0] * top_k
+    out[low], out[low - 1] = mean - low, 1.0 - (mean - low)  # counts low+1 and low
+    return tuple(out)
+
+
+def kept_from_histogram(histogram: dict[int, int], measured_top_k: int, top_k: int) -> tuple[float, ...]:
+    """A kept-count histogram measured at another TOPK (the embedded model: 4), scaled by the kept share:
+    n kept of `measured_top_k` -> round(n * top_k / measured_top_k) of `top_k`."""
+    out = [0.0] * top_k
+    total = sum(histogram.values())
+    for n, count in histogram.items():
+        scaled = min(max(int(round(int(n) * top_k / measured_top_k)), 1), top_k)
+        out[scaled - 1] += count / total
+    return tuple(out)
 
 
 @dataclass
@@ -106,6 +146,7 @@ class RoutingStream:
         chosen: list[int] = []
         if previous is not None and m.reuse > 0:
             keep = int(rng.binomial(m.top_k, m.reuse))
+            keep = min(keep, len(previous))  # fewer where top-p dropped some of the previous token's
             if keep:
                 chosen.extend(int(e) for e in rng.choice(previous, size=keep, replace=False))
         p = self._pop[layer].copy()
@@ -126,11 +167,13 @@ class RoutingStream:
             chosen.append(pick)
             p[pick] = 0.0
             last_fresh = pick
+        if m.kept:
+            chosen = chosen[:int(rng.choice(m.top_k, p=m.kept)) + 1]
         return np.array(chosen, dtype=np.int64)
 
     def _guess(self, truth: np.ndarray) -> list[int]:
         m, rng = self.model, self.rng
-        named = [int(e) for e in truth if rng.random() < m.guess_recall]
+        named = [int(e) for e in truth if e >= 0 and rng.random() < m.guess_recall]
         truth_set = set(int(e) for e in truth)
         while len(named) < m.top_k:
             e = int(rng.integers(m.num_experts))
@@ -148,7 +191,7 @@ class RoutingStream:
                 ids = self._draw(layer, self._previous.get((seq, layer)))
                 self._previous[(seq, layer)] = ids
                 rows.append(ids)
-            experts[layer] = np.stack(rows)  # [T, TOPK]
+            experts[layer] = _padded(rows, self.model.top_k)  # [T, TOPK], -1 where top-p dropped
             ranked: list[int] = []
             for row in rows:
                 for e in self._guess(row):
