@@ -238,3 +238,38 @@ def test_engine_drafter_by_name_takes_that_drafters_default_cap(tiny_model):
     engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_seqs=2),
                        speculative=SpeculativeConfig(num_draft_tokens=6))
     assert engine._speculative_for("resident").max_draft_tokens == 6  # a cap the operator chose is kept
+
+
+def test_io_aware_length_weighs_the_measured_union_growth():
+    fixed = AdaptiveDraftLength(SpeculativeConfig(num_draft_tokens=8))
+    aware = AdaptiveDraftLength(SpeculativeConfig(num_draft_tokens=8, io_aware=True))
+    assert aware.cost == fixed.cost == 0.15  # nothing measured yet: the assumed cost
+    aware.observe_step(1, 1000)
+    aware.observe_step(5, 1000 + 4 * 600)  # each extra position read 60% of a one-position step's bytes
+    assert aware.cost == pytest.approx(0.6)
+    assert aware.best_k(0.7) < fixed.best_k(0.7)
+    cheap = AdaptiveDraftLength(SpeculativeConfig(num_draft_tokens=8, io_aware=True))
+    cheap.observe_step(1, 1000)
+    cheap.observe_step(3, 1000)  # the window's experts were all resident: extra positions cost no bytes
+    assert cheap.cost == 0.0 and cheap.best_k(0.9) == 8 > fixed.best_k(0.9)
+
+
+def test_io_aware_speculation_measures_a_streamed_model_and_keeps_greedy_tokens(tiny_store):
+    from k3serve.stream.budget import minimum_budget_bytes
+    from k3serve.stream.options import StreamOptions
+
+    budget = minimum_budget_bytes(tiny_store) + 2 * tiny_store.expert_stride
+    model = load_model(tiny_store.path, stream=StreamOptions(ram_budget=budget, prefetch="none")).model
+    prompt = [1, 5, 9, 5, 9, 5, 9, 5, 9, 5]
+    plain, _ = generate(model, prompt, GREEDY)
+    spec = SpeculativeConfig(drafter="ngram", num_draft_tokens=4, min_ngram=1, io_aware=True)
+    factory = DrafterFactory(model)
+    engine = LLMEngine(model, EngineConfig(max_seqs=1), speculative=spec, drafters=factory)
+    request = engine.make_request(prompt, GREEDY, speculative=True)
+    engine.enqueue(request)
+    while not request.finished:
+        engine.step()
+    assert list(request.sequences[0].output_token_ids) == plain
+    length = request.sequences[0].speculation.length
+    assert length.one_position_bytes > 0 and length.extra_position_bytes is not None
+    assert length.cost == pytest.approx(length.extra_position_bytes / length.one_position_bytes)

@@ -40,6 +40,9 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-draft-tokens", type=cli_args.int_range(1, 32), default=None,
                        help="the most drafts per verify window (default: 8 for ngram, 4 for resident and model)")
     group.add_argument("--no-adaptive-draft", action="store_true", help="always draft --num-draft-tokens")
+    group.add_argument("--speculative-io-aware", action="store_true",
+                       help="choose the draft length from the bytes a streamed model's windows read (the measured "
+                            "growth of the drafts' expert union) against the measured acceptance (docs/SPECULATIVE.md)")
     group.add_argument("--draft-model", type=cli_args.model_path, default=None,
                        help="checkpoint of a small draft model, for --speculative model (default: none)")
 
@@ -55,7 +58,8 @@ def _speculative_config(args: argparse.Namespace):
     from k3serve.engine.speculative import SpeculativeConfig
 
     return SpeculativeConfig(drafter=args.speculative, rollback=args.rollback,
-                             num_draft_tokens=args.num_draft_tokens, adaptive=not args.no_adaptive_draft)
+                             num_draft_tokens=args.num_draft_tokens, adaptive=not args.no_adaptive_draft,
+                             io_aware=args.speculative_io_aware)
 
 
 def _drafters(args: argparse.Namespace, config, target):

@@ -354,6 +354,8 @@ class LLMEngine:
                 window = None
                 items.append(ForwardItem(np.asarray(ids, np.int64), seq.cache))
             windows.append(window)
+        io_aware = self._io_aware_window(decision)
+        bytes_before = self._bytes_read() if io_aware is not None else None
         try:
             if self.on_pause is None and not self.config.step_interruption:
                 result = self.model.forward(items)
@@ -364,10 +366,28 @@ class LLMEngine:
             return
         if self.on_pause is not None:  # the last layer's MLP and the logits (no pause point there)
             self.on_pause(decision.num_batched_tokens, self.model_config.num_layers - 1, MLP)
+        if io_aware is not None and bytes_before is not None:
+            io_aware.length.observe_step(decision.num_batched_tokens, self._bytes_read() - bytes_before)
         self.figures.computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
             self._process(scheduled, logits, window, now, touched)
+
+    def _io_aware_window(self, decision: SchedulerOutput):
+        """The speculation of the step's one sequence when it measures what its windows read (--speculative-io-aware)
+        and this step is a decode or a verify window of it; else None."""
+        if len(decision.scheduled) != 1:
+            return None
+        s = decision.scheduled[0]
+        spec = s.seq.speculation
+        if spec is None or not spec.config.io_aware or s.num_new_tokens != s.num_draft_tokens + 1:
+            return None
+        return spec
+
+    def _bytes_read(self) -> int | None:
+        source = self.model.experts
+        stats = source.stats().stream if source is not None else None
+        return None if stats is None else stats.bytes_read
 
     def _sample_cached(self, scheduled: list[ScheduledSequence], touched: dict[str, Request]) -> None:
         """Sequences the prefix cache restored whole, with the logits after their last token: they sample from those

@@ -16,7 +16,11 @@ single-sequence `generate`), `cli/spec_storage.py` reports rollback storage.
 
 The draft length adapts per sequence (`AdaptiveDraftLength`): from the recent acceptance rate a it picks the k
 that maximises expected tokens per window (1 - a^(k+1)) / (1 - a) over the window's relative cost 1 + c k, and
-k = 0 (plain decode) when no k > 0 pays, probing again now and then.
+k = 0 (plain decode) when no k > 0 pays, probing again now and then. With `io_aware` (`--speculative-io-aware`,
+for a model streamed under a RAM budget) c is measured instead of assumed: the bytes the source read for a
+one-position step (b1, trunk and experts) and, from verify windows of T positions, the bytes each extra position
+added, m = (b_T - b1) / (T - 1) (the growth of the window's expert union); c = m / b1. Each is an exponential
+average over the sequence's own steps (batch-1 steps only: a shared step's bytes are not one sequence's).
 
 Shapes: T window positions, k drafts, V vocabulary.
 """
@@ -48,6 +52,7 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None  # the most drafts per window (k); None: DEFAULT_DRAFT_TOKENS[drafter]
     adaptive: bool = True  # adapt k to the recent acceptance rate
     position_cost: float = 0.15  # relative cost of one extra window position vs a one-token decode step
+    io_aware: bool = False  # measure position_cost from the bytes the streaming source reads (module docstring)
     max_ngram: int = 4
     min_ngram: int = 2
 
@@ -114,11 +119,33 @@ class AdaptiveDraftLength:
     def __init__(self, config: SpeculativeConfig, smoothing: float = 0.3, probe_every: int = 16) -> None:
         self.max_k = config.max_draft_tokens
         self.adaptive = config.adaptive
-        self.cost = config.position_cost
+        self.assumed_cost = config.position_cost
+        self.io_aware = config.io_aware
         self.smoothing = smoothing
         self.probe_every = probe_every
         self.acceptance = 0.7  # optimistic start: try speculating
         self._idle_steps = 0
+        self.one_position_bytes: float | None = None  # b1: bytes read by a one-position step
+        self.extra_position_bytes: float | None = None  # m: bytes each further window position added
+
+    @property
+    def cost(self) -> float:
+        """c: one extra window position's cost relative to a one-position step (measured when io_aware)."""
+        b1, m = self.one_position_bytes, self.extra_position_bytes
+        if self.io_aware and b1 and m is not None:
+            return m / b1
+        return self.assumed_cost
+
+    def observe_step(self, positions: int, bytes_read: int) -> None:
+        """One batch-1 step of this sequence: `positions` fed (1, or a window's 1 + k) and the bytes it read."""
+        if positions == 1:
+            self.one_position_bytes = self._average(self.one_position_bytes, float(bytes_read))
+        elif positions > 1 and self.one_position_bytes is not None:
+            extra = max((bytes_read - self.one_position_bytes) / (positions - 1), 0.0)
+            self.extra_position_bytes = self._average(self.extra_position_bytes, extra)
+
+    def _average(self, old: float | None, sample: float) -> float:
+        return sample if old is None else (1 - self.smoothing) * old + self.smoothing * sample
 
     def next_k(self) -> int:
         if not self.adaptive:
