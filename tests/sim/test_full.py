@@ -190,3 +190,17 @@ def test_a_chunked_prefill_reads_each_experts_union_once():
     # 12 tokens x 16 of 896 flat: 896 (1 - (1 - 16/896)^12) = 174 distinct experts per layer expected, not 192
     ratio = one_by_one["expert_bytes"] / chunked["expert_bytes"]
     assert 1.06 < ratio < 1.16
+
+
+def test_io_aware_speculation_picks_k_from_the_measured_window_bytes():
+    cold = dict(machine=c_engine(), engine="c-engine", ram_bytes=8 << 30, pinned_layers=0, cache_bytes=490_000_000,
+                prefetch="none", routing="flat", tokens=1, warmup=0, speculative=4, speculative_io_aware=True)
+    sure = simulate(SimConfig(acceptance=0.9, **cold))
+    # cold, flat: a one-position step reads the bf16 trunk (~109 GB) and 92 x 16 experts (25.8 GB); each extra
+    # position ~92 x 15.7 experts more (25.4 GB): c ~ 0.19
+    assert 0.15 < sure.speculation["measured_position_cost"] < 0.23
+    assert sure.speculation["chosen_k"] == 4
+    unsure = simulate(SimConfig(acceptance=0.1, **cold))
+    assert unsure.speculation["chosen_k"] == 0 and unsure.speculation["tokens_per_step"] == 1.0
+    with pytest.raises(SimConfigError, match="draft cap"):
+        SimConfig(machine=laptop(), speculative_io_aware=True)

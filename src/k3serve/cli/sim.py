@@ -58,6 +58,9 @@ def add_sim_commands(sim_sub) -> None:
     kept.add_argument("--experts-kept", type=cli_args.float_range(1.0, 16.0), default=None,
                       help="keep this mean number of the 16 experts per token and layer (colibri's K3_TOPP=0.7: "
                            "8.1) (default: all 16)")
+    k3.add_argument("--speculative-io-aware", action="store_true",
+                    help="choose k <= --speculative from the measured bytes per window position against "
+                         "--acceptance, as the engine's --speculative-io-aware does")
     k3.add_argument("--prompt-tokens", type=cli_args.non_negative_int, default=0,
                     help="prefill a prompt of this many tokens first and report its expert bytes per token" + d)
     k3.add_argument("--prefill-chunk", type=cli_args.positive_int, default=None,
@@ -159,7 +162,8 @@ def _sim_config(args: argparse.Namespace, ram: int | None):
         trunk_dtype=args.trunk_dtype, batch=args.batch, speculative=args.speculative, acceptance=args.acceptance,
         tokens=args.tokens, warmup=args.warmup, routing=args.routing, routing_model=routing_model, seed=args.seed,
         pinned_layers=args.c_pinned, cache_bytes=parse_size(args.c_cache) if args.c_cache else None,
-        experts_kept=_experts_kept(args), prompt_tokens=args.prompt_tokens, prefill_chunk=args.prefill_chunk,
+        experts_kept=_experts_kept(args), prompt_tokens=args.prompt_tokens,
+        speculative_io_aware=args.speculative_io_aware, prefill_chunk=args.prefill_chunk,
         **({} if args.price_per_hour is None else {"price_per_hour": args.price_per_hour}))
 
 

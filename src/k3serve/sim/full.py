@@ -182,7 +182,8 @@ class SimConfig:
     queue_depth: int = 16
     trunk_dtype: str = "float32"
     batch: int = 1
-    speculative: int = 0  # draft tokens per step per sequence (0: off)
+    speculative: int = 0  # draft tokens per step per sequence (0: off); the cap when speculative_io_aware
+    speculative_io_aware: bool = False  # choose k as --speculative-io-aware does (drive_run)
     acceptance: float = 0.7  # per draft token, when speculating
     tokens: int = 4  # decode steps measured
     warmup: int = 1  # decode steps run before measuring (the cache fills)
@@ -219,6 +220,8 @@ class SimConfig:
                 raise SimConfigError(f"{key} must be >= {low}, got {getattr(self, key)}")
         if self.trunk_read_bytes_per_s is not None and not self.trunk_read_bytes_per_s > 0:
             raise SimConfigError(f"trunk read rate must be positive, got {self.trunk_read_bytes_per_s}")
+        if self.speculative_io_aware and self.speculative < 1:
+            raise SimConfigError("I/O-aware speculation needs a draft cap: speculative >= 1")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise SimConfigError(f"prefill chunk must be >= 1, got {self.prefill_chunk}")
         if not self.price_per_hour >= 0:
@@ -231,11 +234,14 @@ class SimConfig:
 
     @property
     def tokens_per_step(self) -> float:
+        return self.tokens_per_window(self.speculative)
+
+    def tokens_per_window(self, k: int) -> float:
         """Generated tokens per sequence per step: 1, or with k drafts accepted at rate a, (1 - a^(k+1)) / (1 - a)."""
-        if not self.speculative:
+        if not k:
             return 1.0
         a = self.acceptance
-        return (1 - a ** (self.speculative + 1)) / (1 - a)
+        return (1 - a ** (k + 1)) / (1 - a)
 
 
 @dataclass
@@ -272,6 +278,7 @@ class SimResult:
     experts_kept_per_token: float = 0.0  # mean experts per (token, MoE layer): TOPK, fewer under top-p
     dollars_per_million_tokens: float = 0.0  # s/token x price per hour / 3600 x 1e6
     prefill: dict = field(default_factory=dict)  # the prompt's steps: tokens, steps, expert bytes, seconds
+    speculation: dict = field(default_factory=dict)  # speculative_io_aware: the chosen k and the measured cost
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -294,7 +301,10 @@ class SimResult:
             f"experts           {self.experts_kept_per_token:.2f} per token and MoE layer",
             f"cost              ${self.dollars_per_million_tokens:,.0f} per million tokens at "
             f"${self.config['price_per_hour']:g}/hour",
-        ] + self.prefill_lines()
+        ] + self.prefill_lines() + ([f"speculation       I/O-aware: k = {self.speculation['chosen_k']} (measured "
+                                     f"position cost {self.speculation['measured_position_cost']:.3f}), "
+                                     f"{self.speculation['tokens_per_step']:.2f} tokens/step"]
+                                    if self.speculation else [])
 
     def prefill_lines(self) -> list[str]:
         p = self.prefill
@@ -398,6 +408,8 @@ class SimRun:
         self.timeline = [LayerTime(l) for l in range(config.num_layers)]
         self.measuring = False
         self.prefill: dict = {}
+        self.chosen_draft_length: int | None = None  # speculative_io_aware: the k chosen
+        self.measured_position_cost: float | None = None
 
     # -- setup
     def _build_store(self) -> VirtualStore:
@@ -553,6 +565,24 @@ class SimRun:
             return self._replay.pop(0)
         return self.stream.step(positions)
 
+    def choose_draft_length(self) -> int:
+        """k as `--speculative-io-aware` picks it (engine/speculative.py's AdaptiveDraftLength, its own code): one
+        step of one position and one window of 1 + cap positions per sequence give b1 and m from the bytes read;
+        best_k weighs them against the configured acceptance."""
+        from k3serve.engine.speculative import AdaptiveDraftLength, SpeculativeConfig
+
+        cfg = self.cfg
+        length = AdaptiveDraftLength(SpeculativeConfig(num_draft_tokens=cfg.speculative, io_aware=True))
+        for k in (0, cfg.speculative):
+            positions = [s for s in range(cfg.batch) for _ in range(k + 1)]
+            before = self.snapshot()
+            self.step(positions, self.next_routing(positions), len(positions))
+            after = self.snapshot()
+            length.observe_step(k + 1, int(after[3] - before[3] + after[4] - before[4]))
+        self.chosen_draft_length = length.best_k(cfg.acceptance)
+        self.measured_position_cost = length.cost
+        return self.chosen_draft_length
+
     def snapshot(self) -> tuple:
         return (self.clock.now, self.clock.io_wait, self.clock.compute, self.expert_io.counters.bytes_read,
                 self.trunk_io.counters.bytes_read, self.expert_io.counters.num_reads + self.trunk_io.counters.num_reads,
@@ -573,6 +603,8 @@ def drive_run(run: SimRun) -> tuple[list[float], list[float], float]:
     spec = cfg.speculative
     decode_positions = [s for s in range(cfg.batch) for _ in range(spec + 1)]
     replaying = cfg.replay is not None
+    if cfg.speculative_io_aware and (replaying or cfg.count_prefill):
+        raise SimConfigError("I/O-aware speculation is simulated on synthetic routing, decode steps measured")
     end_override: list[float] = []
     if cfg.count_prefill:
         run.measuring = True
@@ -613,6 +645,9 @@ def drive_run(run: SimRun) -> tuple[list[float], list[float], float]:
                            "s_per_token": (after[0] - before[0]) / prompt}
         for _ in range(cfg.warmup if not cfg.count_prefill else 0):
             run.step(decode_positions, run.next_routing(decode_positions), len(decode_positions))
+        if cfg.speculative_io_aware:
+            spec = run.choose_draft_length()
+            decode_positions = [s for s in range(cfg.batch) for _ in range(spec + 1)]
         if not cfg.count_prefill:
             run.measuring = True
             start = run.snapshot()
@@ -621,7 +656,7 @@ def drive_run(run: SimRun) -> tuple[list[float], list[float], float]:
             t0 = run.clock.now
             run.step(decode_positions, run.next_routing(decode_positions), len(decode_positions))
             step_times.append(run.clock.now - t0)
-        tokens = cfg.batch * cfg.tokens * cfg.tokens_per_step
+        tokens = cfg.batch * cfg.tokens * cfg.tokens_per_window(spec)
         if cfg.count_prefill and cfg.prompt_tokens:
             tokens += cfg.batch  # the prefill step yields each sequence's first token
     end = end_override if replaying else run.snapshot()
@@ -669,6 +704,9 @@ def run_result(run: SimRun, d: list[float], step_times: list[float], tokens: flo
         step_seconds=step_times, timeline=run.timeline,
         experts_kept_per_token=run.routing.mean_kept if cfg.replay is None else float("nan"),
         dollars_per_million_tokens=seconds / per * cfg.price_per_hour / 3600 * 1e6, prefill=run.prefill,
+        speculation={} if run.chosen_draft_length is None else {
+            "chosen_k": run.chosen_draft_length, "measured_position_cost": run.measured_position_cost,
+            "tokens_per_step": cfg.tokens_per_window(run.chosen_draft_length)},
         totals={"expert_bytes": run.expert_io.counters.bytes_read, "trunk_bytes": run.trunk_io.counters.bytes_read,
                 "num_reads": run.expert_io.counters.num_reads + run.trunk_io.counters.num_reads,
                 "expert_requests": run.stats.expert_requests, "tokens": tokens, "seconds": seconds},
