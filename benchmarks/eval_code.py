@@ -6,7 +6,7 @@ and strings are left out, and Python's tokenizer finds what the body's code hold
 and a call (a name followed by `(`, keywords excepted). Issue #20's fibonacci target asks for all three; this
 counts how many of the 24 signatures meet it, so that a model is judged on more than the one prompt.
 
-    .venv/bin/python benchmarks/eval_code.py [--model DIR] [--max-tokens 64] [--json OUT]
+    .venv/bin/python benchmarks/eval_code.py [--model DIR] [--max-tokens 64] [--json OUT] [--expert-top-p P]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from k3serve.engine.generate import generate
 from k3serve.engine.healing import heal_prompt
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
+from k3serve.model.routing import ExpertTopP
 
 SIGNATURES = (
     "def fibonacci(n):", "def factorial(n):", "def is_prime(n):", "def gcd(a, b):", "def reverse(s):",
@@ -63,10 +64,12 @@ def body_features(text: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--expert-top-p", type=float, default=1.0, help="keep experts up to this routing weight")
+    parser.add_argument("--expert-top-p-min", type=int, default=ExpertTopP().min_kept)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", default=None, help="also write the record (with every continuation) here")
     args = parser.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, expert_top_p=ExpertTopP(args.expert_top_p, args.expert_top_p_min))
     tokenizer = loaded.tokenizer
     stops = set(loaded.stop_ids)
     rows = []

@@ -3,7 +3,7 @@ from held-out stdlib code): the prompt is a function, the request for it again a
 should reproduce the rest. Prints the mean share of the remaining tokens reproduced before the first mistake and
 how many functions came out whole.
 
-    .venv/bin/python benchmarks/eval_copy.py [--model DIR] [--count 20]
+    .venv/bin/python benchmarks/eval_copy.py [--model DIR] [--count 20] [--expert-top-p P]
 """
 
 from __future__ import annotations
@@ -12,15 +12,18 @@ import argparse
 import json
 
 from k3serve.loading import load_model
+from k3serve.model.routing import ExpertTopP
 from k3serve.training.corpus import build_corpus, copy_probe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--expert-top-p", type=float, default=1.0, help="keep experts up to this routing weight")
+    parser.add_argument("--expert-top-p-min", type=int, default=ExpertTopP().min_kept)
     parser.add_argument("--count", type=int, default=20, help="unchanged copies to try")
     args = parser.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, expert_top_p=ExpertTopP(args.expert_top_p, args.expert_top_p_min))
     tokenizer = loaded.tokenizer
     shares = []
     for prompt, rest in copy_probe(build_corpus().heldout_code, args.count):
