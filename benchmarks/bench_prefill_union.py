@@ -41,14 +41,16 @@ def main() -> None:
         stats = model.source.stats().stream
         model.source.close()
         rows.append({"chunk": chunk, "prompt_tokens": len(ids), "steps": stats.steps,
-                     "expert_bytes": stats.expert_bytes_read, "expert_bytes_per_token": stats.expert_bytes_read / len(ids),
+                     "expert_bytes": stats.expert_bytes_read,
+                     "expert_bytes_per_token": stats.expert_bytes_read / len(ids),
                      "expert_requests": stats.expert_requests, "budget_bytes": budget,
                      "expert_slots": model.source.plan.expert_slots})
     base = rows[0]["expert_bytes"]
     for r in rows:
         r["dedup_vs_first"] = base / r["expert_bytes"] if r["expert_bytes"] else float("inf")
-        print(f"chunk {r['chunk']:>4}: {r['steps']:>4} steps, expert bytes/token {r['expert_bytes_per_token'] / 1024:8.1f}"
-              f" KiB, {r['dedup_vs_first']:.2f}x fewer than chunk {rows[0]['chunk']} "
+        print(f"chunk {r['chunk']:>4}: {r['steps']:>4} steps, expert bytes/token "
+              f"{r['expert_bytes_per_token'] / 1024:8.1f} KiB, {r['dedup_vs_first']:.2f}x fewer than chunk "
+              f"{rows[0]['chunk']} "
               f"({r['expert_slots']} slots, budget {budget / 2**20:.1f} MiB)")
     print(json.dumps({"prompt_tokens": len(ids), "dedup": {r["chunk"]: round(r["dedup_vs_first"], 3) for r in rows}}))
     if args.json:

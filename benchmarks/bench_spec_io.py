@@ -1,6 +1,7 @@
-"""I/O-aware speculation on a streamed model: bytes read per generated token and tokens/s, plain decode vs the
-n-gram drafter with the assumed window cost (position_cost 0.15) vs `--speculative-io-aware` (the cost measured
-from the bytes each window position adds), on the embedded model packed and streamed under a RAM budget.
+"""I/O-aware speculation on a streamed model: bytes read per generated token and tokens/s. Plain decode, the n-gram
+drafter at a fixed k = 8 (`--no-adaptive-draft`), adaptive k with the assumed window cost (0.15), and adaptive k
+with `--speculative-io-aware` (the cost measured from the bytes each window position adds), on the embedded model
+packed and streamed under a RAM budget.
 
 Prompts: `--count` held-out copy probes (`copy_probe`: a function, a request for it again and its first line, so
 drafts from the prompt are often right) and as many open-ended ones (the first 12 lines of held-out code
@@ -26,6 +27,7 @@ from k3serve.training.corpus import build_corpus, copy_probe
 from k3serve.weights.store import PackedStore
 
 MODES = {"plain": None,
+         "k=8": SpeculativeConfig(drafter="ngram", adaptive=False, num_draft_tokens=8),
          "fixed": SpeculativeConfig(drafter="ngram"),
          "io-aware": SpeculativeConfig(drafter="ngram", io_aware=True)}
 

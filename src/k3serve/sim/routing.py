@@ -8,9 +8,9 @@ A `RoutingModel` draws, for each sequence, token and MoE layer, TOPK distinct ex
         hidden permutation) of the previous fresh pick; otherwise
         from the popularity law p_i ∝ (rank_i + 1)^-skew  (rank: a fixed random permutation per layer)
 
-then, under `--expert-top-p`, keeps the first n of them (n drawn from `kept`, the probabilities of n = 1..TOPK; the
-dropped slots are -1, as the engine's), and a next-layer guess per token for prefetch: each true expert is named with probability `recall`, the rest of
-the TOPK guesses are wrong experts. Flat routing (the C engine's observation on K3: Quantile Balancing flattens
+then, under `--expert-top-p`, keeps the first n of them (n drawn from `kept`, the probabilities of n = 1..TOPK;
+the dropped slots are -1, as the engine's), and a next-layer guess per token for prefetch: each true expert is
+named with probability `recall`, the rest of the TOPK guesses are wrong experts. Flat routing (the C engine's observation on K3: Quantile Balancing flattens
 usage, 0% steady-state retention) is skew 0, reuse 0, coactivation 0, recall TOPK / NE.
 
 Fit (`fit_routing`): from a measured trace of the trained model (64 experts, top-4), two scale-free figures:
