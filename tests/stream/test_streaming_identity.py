@@ -96,3 +96,23 @@ def test_a_prefetched_expert_is_never_counted_as_retained(tiny_store):
     assert stats.expert_retained == 0
     assert stats.expert_prefetch_hits > 0  # the guesses (all experts of the next layer) were used
     assert stats.expert_misses + stats.expert_prefetch_hits == stats.expert_requests
+
+
+def test_top_p_streams_byte_identically_and_its_prefetch_guesses_only_kept_experts(tiny_dir, tiny_store):
+    from k3serve.model.routing import ExpertTopP
+
+    limit = ExpertTopP(0.6, 1)
+    prompt = [1, 5, 9, 200, 17, 3, 44, 8, 90, 12]
+    want = load_model(tiny_dir, expert_top_p=limit).model.logits(prompt)
+    budget = minimum_budget_bytes(tiny_store) + 8 * tiny_store.expert_stride
+    issued = {}
+    for top_p in (limit, None):
+        options = StreamOptions(ram_budget=budget, cache="lru", prefetch="next-layer")
+        model = load_model(tiny_store.path, stream=options, expert_top_p=top_p).model
+        if top_p is not None:
+            np.testing.assert_array_equal(model.logits(prompt), want)
+        before = model.source.stats().stream.prefetch_issued
+        model.greedy(prompt[:2], 10)  # one-token steps: a decode guess names a token's experts, at most TOPK
+        issued[top_p is None] = model.source.stats().stream.prefetch_issued - before
+        model.source.close()
+    assert 0 < issued[False] < issued[True]  # fewer guesses once top-p trims them

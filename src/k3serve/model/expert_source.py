@@ -104,7 +104,8 @@ def guess_priority(guess: Routing) -> list[int]:
     the largest weight any token gave it, then by id. The order a source reads ahead in."""
     best: dict[int, float] = {}
     for e, w in zip(guess.expert_ids.ravel().tolist(), guess.weights.ravel().tolist()):
-        best[e] = max(best.get(e, float("-inf")), w)
+        if e >= 0:  # -1: a slot --expert-top-p dropped
+            best[e] = max(best.get(e, float("-inf")), w)
     return sorted(best, key=lambda e: (-best[e], e))
 
 

@@ -177,8 +177,14 @@ class K3Model(SingleSequenceMixin):
         nxt = layer + 1
         if nxt >= self.config.num_layers or self.config.is_dense(nxt):
             return
-        per_token, scores = guess_next_layer(self.config, self.source.peek_layer(nxt), h)  # [T, TOPK], [T, NE]
-        self.source.prefetch(nxt, Routing(per_token, np.take_along_axis(scores, per_token, axis=1)))
+        following = self.source.peek_layer(nxt)
+        per_token, scores = guess_next_layer(self.config, following, h)  # [T, TOPK], [T, NE]
+        if self.expert_top_p.active:  # guess only what top-p would keep, by the guessed experts' unbiased weights
+            unbiased = np.take_along_axis(scores - following.mlp.router_bias, per_token, axis=1)  # [T, TOPK]
+            per_token = keep_top_p(Routing(per_token, unbiased.astype(np.float32)), self.expert_top_p,
+                                   False).expert_ids
+        ranked = np.take_along_axis(scores, np.maximum(per_token, 0), axis=1)  # -1 slots are skipped by priority
+        self.source.prefetch(nxt, Routing(per_token, ranked))
 
     def _mla(self, w: MLAWeights, x: np.ndarray, segments: list[tuple[int, int]],
              caches: Sequence[SequenceCache], layer: int) -> np.ndarray:

@@ -175,7 +175,8 @@ class RoutingStream:
         m, rng = self.model, self.rng
         named = [int(e) for e in truth if e >= 0 and rng.random() < m.guess_recall]
         truth_set = set(int(e) for e in truth)
-        while len(named) < m.top_k:
+        guesses = int(np.count_nonzero(truth >= 0)) if m.kept else m.top_k  # top-p trims the guess as the engine does
+        while len(named) < guesses:
             e = int(rng.integers(m.num_experts))
             if e not in truth_set and e not in named:
                 named.append(e)
