@@ -252,6 +252,16 @@ def test_io_aware_length_weighs_the_measured_union_growth():
     cheap.observe_step(1, 1000)
     cheap.observe_step(3, 1000)  # the window's experts were all resident: extra positions cost no bytes
     assert cheap.cost == 0.0 and cheap.best_k(0.9) == 8 > fixed.best_k(0.9)
+    concave = AdaptiveDraftLength(SpeculativeConfig(num_draft_tokens=8, io_aware=True))
+    for positions, bytes_read in ((1, 1000), (3, 2000), (9, 2600)):  # the union saturates: 500, then 100/position
+        concave.observe_step(positions, bytes_read)
+    assert concave.window_cost(2) == 2.0 and concave.window_cost(8) == 2.6
+    assert concave.window_cost(5) == pytest.approx(2.3)  # interpolated between the sizes seen
+    assert concave.best_k(0.8) >= 6  # a straight line through 1 and 3 positions (c = 0.5) stops at k = 1
+    straight = AdaptiveDraftLength(SpeculativeConfig(num_draft_tokens=8, io_aware=True))
+    straight.observe_step(1, 1000)
+    straight.observe_step(3, 2000)
+    assert straight.window_cost(8) == pytest.approx(5.0) and straight.best_k(0.8) == 1
 
 
 def test_io_aware_speculation_measures_a_streamed_model_and_keeps_greedy_tokens(tiny_store):
@@ -271,5 +281,6 @@ def test_io_aware_speculation_measures_a_streamed_model_and_keeps_greedy_tokens(
         engine.step()
     assert list(request.sequences[0].output_token_ids) == plain
     length = request.sequences[0].speculation.length
-    assert length.one_position_bytes > 0 and length.extra_position_bytes is not None
-    assert length.cost == pytest.approx(length.extra_position_bytes / length.one_position_bytes)
+    assert length.one_position_bytes > 0 and any(t > 1 for t in length.step_bytes)  # plain steps and windows
+    largest = max(length.step_bytes)
+    assert length.window_cost(largest - 1) == pytest.approx(length.step_bytes[largest] / length.one_position_bytes)

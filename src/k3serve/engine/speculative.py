@@ -17,10 +17,12 @@ single-sequence `generate`), `cli/spec_storage.py` reports rollback storage.
 The draft length adapts per sequence (`AdaptiveDraftLength`): from the recent acceptance rate a it picks the k
 that maximises expected tokens per window (1 - a^(k+1)) / (1 - a) over the window's relative cost 1 + c k, and
 k = 0 (plain decode) when no k > 0 pays, probing again now and then. With `io_aware` (`--speculative-io-aware`,
-for a model streamed under a RAM budget) c is measured instead of assumed: the bytes the source read for a
-one-position step (b1, trunk and experts) and, from verify windows of T positions, the bytes each extra position
-added, m = (b_T - b1) / (T - 1) (the growth of the window's expert union); c = m / b1. Each is an exponential
-average over the sequence's own steps (batch-1 steps only: a shared step's bytes are not one sequence's).
+for a model streamed under a RAM budget) the window's cost is measured instead of assumed: b_T, the bytes the
+source read (trunk and experts) for a step of T positions of this sequence, an exponential average per T over its
+batch-1 steps (a shared step's bytes are not one sequence's). A window of k drafts costs b_{k+1} / b_1: the growth
+of the drafts' expert union, concave where the union saturates. A T not yet seen is interpolated between the
+nearest seen sizes, or extended from the largest with the last measured growth per position (1 + c per position
+before any window is seen).
 
 Shapes: T window positions, k drafts, V vocabulary.
 """
@@ -125,27 +127,51 @@ class AdaptiveDraftLength:
         self.probe_every = probe_every
         self.acceptance = 0.7  # optimistic start: try speculating
         self._idle_steps = 0
-        self.one_position_bytes: float | None = None  # b1: bytes read by a one-position step
-        self.extra_position_bytes: float | None = None  # m: bytes each further window position added
+        self.step_bytes: dict[int, float] = {}  # T -> b_T, bytes read by a step of T positions (io_aware)
+
+    @property
+    def one_position_bytes(self) -> float | None:
+        return self.step_bytes.get(1)
+
+    def window_cost(self, k: int) -> float:
+        """A window of k drafts' cost relative to a one-position step: b_{k+1} / b_1 measured (io_aware, module
+        docstring), else 1 + c k with the assumed c."""
+        b1 = self.step_bytes.get(1)
+        if not self.io_aware or not b1:
+            return 1 + self.assumed_cost * k
+        return self._bytes_at(k + 1) / b1
 
     @property
     def cost(self) -> float:
-        """c: one extra window position's cost relative to a one-position step (measured when io_aware)."""
-        b1, m = self.one_position_bytes, self.extra_position_bytes
-        if self.io_aware and b1 and m is not None:
-            return m / b1
-        return self.assumed_cost
+        """The mean cost of one extra position at the largest window seen, relative to a one-position step (the
+        assumed c until a window is measured)."""
+        sizes = sorted(t for t in self.step_bytes if t > 1)
+        if not self.io_aware or not self.step_bytes.get(1) or not sizes:
+            return self.assumed_cost
+        return (self.window_cost(sizes[-1] - 1) - 1) / (sizes[-1] - 1)
+
+    def _bytes_at(self, positions: int) -> float:
+        b = self.step_bytes
+        if positions in b:
+            return b[positions]
+        below = max(t for t in b if t < positions)  # 1 is always there
+        above = [t for t in b if t > positions]
+        if above:
+            hi = min(above)
+            return b[below] + (b[hi] - b[below]) * (positions - below) / (hi - below)
+        if below == 1:
+            return b[1] * (1 + self.assumed_cost * (positions - 1))
+        previous = max(t for t in b if t < below)
+        growth = max((b[below] - b[previous]) / (below - previous), 0.0)
+        return b[below] + growth * (positions - below)
 
     def observe_step(self, positions: int, bytes_read: int) -> None:
         """One batch-1 step of this sequence: `positions` fed (1, or a window's 1 + k) and the bytes it read."""
-        if positions == 1:
-            self.one_position_bytes = self._average(self.one_position_bytes, float(bytes_read))
-        elif positions > 1 and self.one_position_bytes is not None:
-            extra = max((bytes_read - self.one_position_bytes) / (positions - 1), 0.0)
-            self.extra_position_bytes = self._average(self.extra_position_bytes, extra)
-
-    def _average(self, old: float | None, sample: float) -> float:
-        return sample if old is None else (1 - self.smoothing) * old + self.smoothing * sample
+        if positions < 1:
+            return
+        old = self.step_bytes.get(positions)
+        sample = float(bytes_read)
+        self.step_bytes[positions] = sample if old is None else (1 - self.smoothing) * old + self.smoothing * sample
 
     def next_k(self) -> int:
         if not self.adaptive:
@@ -162,7 +188,7 @@ class AdaptiveDraftLength:
         best, best_rate = 0, 1.0  # k = 0: one token per one-token step
         for k in range(1, self.max_k + 1):
             expected = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-            rate = expected / (1 + self.cost * k)
+            rate = expected / self.window_cost(k)
             if rate > best_rate * 1.02:  # a small margin: do not speculate for nothing
                 best, best_rate = k, rate
         return best
