@@ -474,3 +474,16 @@ def test_the_lab_beside_serve_answers_without_loading_a_model_in_the_server(monk
         assert queue.worker.pid is None  # no worker process (the lab's copy of the model) before a run
     finally:
         queue.close()
+
+
+def test_generate_expert_top_p_reports_the_kept_experts_and_a_lone_min_is_refused(tiny_dir, capsys):
+    args = ["generate", "--model", str(tiny_dir), "--prompt-ids", "1,5,9,200", "--max-tokens", "4", "--ignore-eos"]
+    assert main(args + ["--expert-top-p", "0.6", "--expert-top-p-min", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "experts kept" in err and "of 2 per token and layer" in err and "--expert-top-p 0.6, min 1" in err
+    assert main(args) == 0
+    assert "experts kept" not in capsys.readouterr().err  # off by default: no line
+    assert main(args + ["--expert-top-p-min", "1"]) == 2
+    assert "--expert-top-p-min goes with --expert-top-p" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(args + ["--expert-top-p", "0"])
