@@ -25,14 +25,15 @@ GiB = 1 << 30
 TOP_P_07 = kept_from_histogram(MEASURED_KEPT[0.7][1], MEASURED_KEPT[0.7][0], 16)
 COLIBRI_08_1 = kept_from_mean(8.1, 16)
 
-# (label, published s/token, source)
+# (label, published s/token, source, the C engine's split to simulate it with: (GB, pinned layers, cache GB) from
+# sim/calibrate.py's ladder, or None where the simulator cannot model the configuration)
 ANCHORS = (
-    ("kimi-k3-in-c README, 8 GB", 26.5, "its README ladder"),
-    ("kimi-k3-in-c README, 32 GB", 24.2, "its README ladder"),
-    ("kimi-k3-in-c README, 64 GB", 19.8, "its README ladder"),
-    ("kimi-k3-in-c README, >= 128 GB", 5.6, "its README ladder"),
-    ("colibri, O_DIRECT parallel reads, quantized trunk resident", 9.4, "its README"),
-    ("colibri, K3_TOPP=0.7 (~8.1 of 16 kept)", 3.0, "its README; perplexity 2.694 -> 2.811"),
+    ("kimi-k3-in-c README, 8 GB", 26.5, "its README ladder", (8, 0, 0.49)),
+    ("kimi-k3-in-c README, 32 GB", 24.2, "its README ladder", (32, 11, 10.80)),
+    ("kimi-k3-in-c README, 64 GB", 19.8, "its README ladder", (64, 27, 23.59)),
+    ("kimi-k3-in-c README, >= 128 GB", 5.6, "its README ladder", (128, 93, 13.0)),
+    ("colibri, O_DIRECT parallel reads, quantized trunk resident", 9.4, "its README", None),
+    ("colibri, K3_TOPP=0.7 (~8.1 of 16 kept)", 3.0, "its README; perplexity 2.694 -> 2.811", None),
 )
 
 
@@ -53,10 +54,17 @@ def levers(ram: int) -> list[tuple[str, dict]]:
 def c_engine_rows() -> list[tuple[str, dict]]:
     split = dict(engine="c-engine", ram_bytes=8 * 10**9, pinned_layers=0, cache_bytes=490_000_000,
                  prefetch="none")
+    resident = dict(engine="c-engine", ram_bytes=128 * 10**9, pinned_layers=93, cache_bytes=13 * 10**9,
+                    prefetch="none")
     return [("C engine's policy, 8 GB", split),
             ("C engine's policy, 8 GB + top-p 8.1 of 16", {**split, "experts_kept": COLIBRI_08_1}),
             ("C engine's policy, 8 GB + top-p 8.1 + I/O-aware speculation (k <= 8)",
-             {**split, "experts_kept": COLIBRI_08_1, "speculative": 8, "speculative_io_aware": True})]
+             {**split, "experts_kept": COLIBRI_08_1, "speculative": 8, "speculative_io_aware": True}),
+            ("C engine's policy, 128 GB, trunk resident", resident),
+            ("C engine's policy, 128 GB, trunk resident + top-p 8.1 of 16",
+             {**resident, "experts_kept": COLIBRI_08_1}),
+            ("C engine's policy, 128 GB, trunk resident + top-p 8.1 + I/O-aware speculation (k <= 8)",
+             {**resident, "experts_kept": COLIBRI_08_1, "speculative": 8, "speculative_io_aware": True})]
 
 
 def main() -> None:
@@ -67,12 +75,21 @@ def main() -> None:
     machine = c_engine_v1()
     price = args.price_per_hour
     rows = []
-    for label, published, source in ANCHORS:
-        rows.append({"group": "anchor", "label": label, "s_per_token": published, "source": source,
-                     "dollars_per_million_tokens": published * price / 3600 * 1e6})
+    for label, published, source, split in ANCHORS:
+        row = {"group": "anchor", "label": label, "s_per_token": published, "source": source,
+               "dollars_per_million_tokens": published * price / 3600 * 1e6}
+        if split is not None:
+            gb, pinned, cache_gb = split
+            r = simulate(SimConfig(machine=machine, engine="c-engine", ram_bytes=gb * 10**9, pinned_layers=pinned,
+                                   cache_bytes=int(cache_gb * 1e9), prefetch="none", tokens=2, warmup=1,
+                                   price_per_hour=price))
+            row.update(simulated_s_per_token=r.s_per_token, simulated_gb_per_token=r.bytes_per_token / 1e9)
+            print(f"anchor {label:<40} published {published:5.1f} s/token, simulated {r.s_per_token:6.2f} "
+                  f"({row['simulated_gb_per_token']:.1f} GB/token)", flush=True)
+        rows.append(row)
     plans = [("10 GiB", label, cfg) for label, cfg in levers(10 * GiB)] + \
             [("64 GiB", label, cfg) for label, cfg in levers(64 * GiB)] + \
-            [("8 GB", label, cfg) for label, cfg in c_engine_rows()]
+            [("128 GB" if "128 GB" in label else "8 GB", label, cfg) for label, cfg in c_engine_rows()]
     for ram, label, cfg in plans:
         started = time.perf_counter()
         r = simulate(SimConfig(machine=machine, tokens=2, warmup=1, price_per_hour=price, **cfg))
