@@ -17,6 +17,7 @@ from k3serve.cli.main import main
     (["--replicas", "3", "--num-cpus", "2"], "--replicas 3 needs 3 CPUs"),
     (["--model", "/nonexistent/model"], "/nonexistent/model does not exist"),
     (["--trace-out", "/tmp/k3-cluster-trace.bin"], "--trace-out is per process"),
+    (["--expert-top-p", "0.7"], "--expert-top-p is not carried to cluster replicas"),
     (["--expert-parallel", "3"], "3 shards do not divide the model's 64 experts"),
     (["--expert-parallel", "2", "--replicas", "2"], "--replicas does not combine with --expert-parallel"),
     (["--expert-parallel", "2", "--expert-shards", "/data/shard"], "--expert-shards needs {i}"),

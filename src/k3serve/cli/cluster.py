@@ -73,6 +73,9 @@ def run_cluster(args: argparse.Namespace, engine_config, speculative, tenants, l
 
     if getattr(args, "trace_out", None) is not None:
         raise UsageError("--trace-out is per process: run `k3serve serve --trace-out` to record a routing trace")
+    if getattr(args, "expert_top_p", None) is not None or getattr(args, "expert_top_p_min", None) is not None:
+        raise UsageError("--expert-top-p is not carried to cluster replicas or expert owners yet: run `k3serve serve "
+                         "--expert-top-p P` (docs/STREAMING.md)")
     if args.expert_parallel is not None:
         return run_expert_parallel(args, engine_config, speculative, tenants, listener, install_reload, serve)
     if args.expert_shards is not None or args.expert_ram_budget is not None:
