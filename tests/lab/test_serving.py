@@ -1,0 +1,119 @@
+"""The `serving` module's server child: it answers, it is stopped on cancel, it dies with a killed parent, a failed
+start says why; and the module's verdict follows its numbers. (A whole run at small parameters is in test_api.py's
+every-module test, through the lab's worker process.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from k3serve.lab.registry import CancelToken, RunCancelled
+from k3serve.lab.server_process import ServerProcess, ServerStartError
+from k3serve.lab.serving_load import StreamedRequest, percentiles
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_dead(pid: int, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_cancelled_serving_run_stops_both_servers(lab_fixtures, monkeypatch):
+    from k3serve.lab.modules import serving
+
+    started: list[ServerProcess] = []
+
+    class Recorded(ServerProcess):
+        def launch(self):
+            started.append(self)
+            return super().launch()
+
+    monkeypatch.setattr(serving, "ServerProcess", Recorded)
+    cancel = CancelToken()
+
+    def progress(fraction: float, message: str) -> None:
+        if message.startswith("warming up"):  # both servers answer /health by now
+            assert all(_alive(s.pid) for s in started)
+            threading.Timer(0.2, cancel.cancel).start()  # mid-traffic
+
+    params = serving.MODULE.validate({"max_tokens": 256, "max_concurrency": 2, "tenant_seconds": 5.0}, lab_fixtures)
+    with pytest.raises(RunCancelled):
+        serving.MODULE.run(params, progress, cancel, lab_fixtures)
+    assert len(started) == 2
+    for server in started:
+        assert server.process.returncode is not None and not _alive(server.pid)
+
+
+def test_the_server_dies_with_a_killed_parent(tmp_path):
+    """The lab's worker is SIGKILLed when a run ignores Cancel: no Python runs then, the kernel stops the child."""
+    parent = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {SRC!r})
+        from k3serve.lab.server_process import ServerProcess
+        server = ServerProcess([]).start()
+        print(server.pid, flush=True)
+        time.sleep(600)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(process.stdout.readline())
+        assert _alive(server_pid)
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        assert _wait_dead(server_pid), "the server outlived its killed parent"
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path):
+    server = ServerProcess(["--model", str(tmp_path / "no-such-model")], ready_timeout_s=60)
+    with pytest.raises(ServerStartError, match="exited with code") as error:
+        server.start()
+    assert "no-such-model" in str(error.value)
+    assert server.process.returncode is not None and not _alive(server.pid)
+
+
+def test_percentiles_and_streamed_gaps():
+    assert percentiles([]) == {50: pytest.approx(float("nan"), nan_ok=True), 90: pytest.approx(float("nan"),
+                                                                                               nan_ok=True),
+                               99: pytest.approx(float("nan"), nan_ok=True)}
+    got = percentiles([float(v) for v in range(1, 101)])
+    assert got[50] == pytest.approx(50.5) and got[90] == pytest.approx(90.1) and got[99] == pytest.approx(99.01)
+    request = StreamedRequest(sent=1.0, first_token=1.5, token_times=[1.5, 1.6, 1.8])
+    assert request.ttft == pytest.approx(0.5) and request.gaps() == pytest.approx([0.1, 0.2])
+
+
+@pytest.mark.parametrize("fcfs_ms, fair_ms, outcome", [(300.0, 100.0, "won"), (100.0, 300.0, "lost"),
+                                                       (100.0, 98.0, "even")])
+def test_the_verdict_follows_the_measured_p99(fcfs_ms, fair_ms, outcome):
+    from k3serve.lab.modules.serving import _verdict
+
+    tenants = {"fcfs": {"b_ttft_p99_ms": fcfs_ms, "total_tok_per_s": 200.0},
+               "fair": {"b_ttft_p99_ms": fair_ms, "total_tok_per_s": 190.0}}
+    verdict = _verdict(tenants)
+    assert verdict.outcome == outcome and verdict.factor == pytest.approx(fcfs_ms / fair_ms)
+    assert verdict.metric == "b_ttft_p99_ms" and "0.95x" in verdict.sentence
+    assert f"{fcfs_ms:.0f} ms" in verdict.flips_when
