@@ -77,7 +77,7 @@ def run(params, progress, cancel, lab) -> LabResult:
         progress(0.1, WARM_UP_MESSAGE)
         concurrency_run(base["fair"], keys["A"], SERVED_NAME, prompts, max(sweep), 1, params["max_tokens"], cancel)
         for mode in MODES:
-            tenants_pass(mode, min(0.5, params["tenant_seconds"]))
+            tenants_pass(mode, 0.3)
 
         samples: dict[int, list] = {c: [] for c in sweep}
         tenant_runs: dict[str, list] = {mode: [] for mode in MODES}
@@ -198,7 +198,7 @@ MODULE = LabModule(
             Param("flood_max_tokens", "int", 32, "tenant A's generated tokens per request", min=1, max=256,
                   unit="tokens"),
             Param("light_interval_s", "float", 0.1, "tenant B's arrival period", min=0.01, max=5.0, unit="s"),
-            Param("tenant_seconds", "float", 1.0, "traffic per tenants run (fcfs and fair, each repeat)",
+            Param("tenant_seconds", "float", 0.8, "traffic per tenants run (fcfs and fair, each repeat)",
                   min=0.5, max=30.0, unit="s"),
             repeats_param()),
     kind="measured", run=run)
