@@ -60,7 +60,7 @@ def test_without_llama_cpp_the_recorded_figures_are_shown_with_date_and_command(
     assert record["measured"] and record["series"]
     for figure in record["series"]:
         assert figure["mark"] == f"recorded {stored['date']}" and figure["recorded"] == stored["date"]
-        assert figure["source"].startswith(f"recorded {stored['date']} on {stored['machine']['cpu']}")
+        assert figure["source"].startswith(f"recorded {stored['date']} on {stored['machine']['cpu']} (")
     first = result.notes[0]
     assert first.startswith("recorded figures, not measured by this run: llama-cpp-python is not installed (test).")
     assert stored["command"] in first and stored["date"] in first

@@ -14,7 +14,7 @@ import numpy as np
 from k3serve.errors import K3Error
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param, Verdict
 from k3serve.lab.streaming import WIDENINGS
-from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
+from k3serve.lab.timing import repeats_param
 
 ENGINES = ("k3serve", "llama.cpp")
 ROWS = ("in RAM", "under RAM")
@@ -61,7 +61,7 @@ def measure_live(params, progress, cancel, lab) -> dict:
             "decode_tokens": params["decode_tokens"]}
     repeats = params["repeats"]
     cgroup = peers.cgroup_problem() if params["under_ram"] else "not asked for (--param under_ram=false)"
-    steps = 2 + repeats * 2 * (2 if cgroup is None else 1)
+    steps = repeats * 2 * (2 if cgroup is None else 1)
     done = 0
 
     def step(message: str) -> None:
@@ -71,9 +71,8 @@ def measure_live(params, progress, cancel, lab) -> dict:
         done += 1
 
     runs: dict[str, dict[str, list[dict]]] = {row: {e: [] for e in ENGINES} for row in ROWS}
-    for engine in ENGINES:
-        step(f"{WARM_UP_MESSAGE}: {engine}")
-        peers.measure(engine, spec)
+    # NOTE: no warm-up process: each fresh process warms itself up (the load, numba's kernel cache, an untimed
+    # prefill and decode step) before it times anything (peers.py)
     for r in range(repeats):  # alternated, one fresh process per run
         for engine in ENGINES:
             step(f"in RAM, repeat {r + 1}: {engine}")
@@ -152,12 +151,12 @@ def build_result(measured: dict, recorded: str | None, why_recorded: str = "") -
     rows, limits = measured["rows"], measured.get("limits_mib", {})
     p = measured["params"]
     shown = [row for row in ROWS if all(rows[row][e] for e in ENGINES)]
-    when = f"recorded {recorded} on {measured['machine']['cpu']} ({measured['machine']['cores']} cores), " \
-        if recorded else "on this machine, "
-    source = (f"{when}the lab model (experts widened {p['experts']}) as one GGUF ({measured['gguf']}, "
+    where = f"recorded {recorded} on {measured['machine']['cpu']} ({measured['machine']['cores']} cores): " \
+        if recorded else ""
+    source = (f"{where}the lab model (experts widened {p['experts']}) as one GGUF ({measured['gguf']}, "
               f"{measured['weights_mib']:.1f} MiB, llama.cpp's converter), a {p['prompt_tokens']}-token prompt then "
               f"{p['decode_tokens']} greedy steps at batch 1, {p['threads']} threads each, fresh processes, "
-              f"alternated, medians of {p['repeats']}")
+              f"alternated, medians of {p['repeats']}" + ("" if recorded else " on this machine"))
 
     def bars(title: str, key: str, label: str) -> Figure:
         return Figure(title, "bar", True, source,
