@@ -40,7 +40,11 @@ def _wait_dead(pid: int, seconds: float = 10.0) -> bool:
     return False
 
 
-def test_a_cancelled_serving_run_stops_both_servers(lab_fixtures, monkeypatch):
+@pytest.mark.parametrize("cancel_at, params", [
+    ("warming up", {"max_tokens": 256, "max_concurrency": 2}),  # in concurrent streams
+    ("repeat 1: tenant A floods", {"max_tokens": 2, "max_concurrency": 1, "tenant_seconds": 30.0}),  # two tenants
+])
+def test_a_cancelled_serving_run_stops_both_servers(lab_fixtures, monkeypatch, cancel_at, params):
     from k3serve.lab.modules import serving
 
     started: list[ServerProcess] = []
@@ -53,14 +57,17 @@ def test_a_cancelled_serving_run_stops_both_servers(lab_fixtures, monkeypatch):
     monkeypatch.setattr(serving, "ServerProcess", Recorded)
     cancel = CancelToken()
 
+    cancelled_at = []
+
     def progress(fraction: float, message: str) -> None:
-        if message.startswith("warming up"):  # both servers answer /health by now
+        if message.startswith(cancel_at) and not cancelled_at:  # both servers answer /health by now
             assert all(_alive(s.pid) for s in started)
+            cancelled_at.append(time.monotonic() + 0.2)
             threading.Timer(0.2, cancel.cancel).start()  # mid-traffic
 
-    params = serving.MODULE.validate({"max_tokens": 256, "max_concurrency": 2, "tenant_seconds": 5.0}, lab_fixtures)
     with pytest.raises(RunCancelled):
-        serving.MODULE.run(params, progress, cancel, lab_fixtures)
+        serving.MODULE.run(serving.MODULE.validate(params, lab_fixtures), progress, cancel, lab_fixtures)
+    assert time.monotonic() - cancelled_at[0] < 8.0  # seen within a chunk or 50 ms, then the servers' SIGTERM
     assert len(started) == 2
     for server in started:
         assert server.process.returncode is not None and not _alive(server.pid)

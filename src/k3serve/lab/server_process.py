@@ -26,7 +26,7 @@ from pathlib import Path
 
 from k3serve.errors import K3Error
 
-STOP_WAIT_SECONDS = 5.0  # SIGTERM drains in-flight requests (--shutdown-timeout 1); then SIGKILL
+STOP_WAIT_SECONDS = 0.5  # SIGTERM, then SIGKILL: within the lab worker's 0.8 s grace after a cancel (worker.py)
 READY_POLL_SECONDS = 0.1
 
 # The child's first lines: die with the parent, then run the `k3serve` entry point with the given arguments.
@@ -149,23 +149,38 @@ class ServerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM to the server's process group, SIGKILL after STOP_WAIT_SECONDS; returns its exit code."""
+        stop_all([self])
+        return None if self.process is None else self.process.returncode
+
+    def _terminate(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+
+    def _reap(self, deadline: float) -> None:
         process = self.process
         if process is None:
-            return None
-        if process.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            try:
-                process.wait(STOP_WAIT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self._signal_group(signal.SIGKILL)
-                process.wait()
+            return
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            process.wait()
         self._signal_group(signal.SIGKILL)  # anything the server started in its group
-        if self._log is not None:
+        if self._log is not None and not self._log.closed:
             self._log.close()
-        return process.returncode
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    """Stop several servers at once: SIGTERM to every group first, then one shared STOP_WAIT_SECONDS before SIGKILL
+    (a cancelled run has 0.8 s before the lab kills its worker; the servers would then die by PR_SET_PDEATHSIG)."""
+    for server in servers:
+        server._terminate()
+    deadline = time.monotonic() + STOP_WAIT_SECONDS
+    for server in servers:
+        server._reap(deadline)

@@ -43,6 +43,12 @@ def percentiles(values: list[float]) -> dict[int, float]:
     return {p: float(np.percentile(values, p)) for p in PERCENTILES}
 
 
+def import_client() -> None:
+    """Import `openai` now (about a second, more on a loaded machine), e.g. while servers start, rather than inside
+    the first timed or cancellable pass. Not at module level: the lab imports every module to list them."""
+    import openai  # noqa: F401
+
+
 def make_client(base_url: str, api_key: str, timeout_s: float = 120.0):
     from openai import AsyncOpenAI
 
@@ -79,6 +85,23 @@ async def stream_completion(client, model: str, prompt: list[int], max_tokens: i
                 record.token_times.append(last + (now - last) * i / tokens)
             last = now
     return record
+
+
+async def with_cancel(work, cancel, poll_s: float = 0.05):
+    """Await `work` (a coroutine), but raise RunCancelled within `poll_s` of a cancel, even while a request waits
+    for its first chunk (a fresh server's first forward can take seconds)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if cancel is not None and cancel.cancelled:
+                raise RunCancelled("the run was cancelled")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -119,8 +142,8 @@ def concurrency_run(base_url: str, api_key: str, model: str, prompts: list[list[
     async def main() -> ConcurrencyPoint:
         client = make_client(base_url, api_key)
         try:
-            return await _concurrency_run(client, model, prompts, concurrency, requests_per_stream, max_tokens,
-                                          cancel)
+            return await with_cancel(_concurrency_run(client, model, prompts, concurrency, requests_per_stream,
+                                                      max_tokens, cancel), cancel)
         finally:
             await client.close()
 
@@ -164,7 +187,8 @@ def tenants_run(base_url: str, keys: dict[str, str], model: str, flood_prompt: l
         dues = np.arange(time.perf_counter(), deadline, light_interval_s)
         lights = [asyncio.ensure_future(light(float(due))) for due in dues]
         try:
-            await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+            while (left := deadline - time.perf_counter()) > 0 and not cancel.cancelled:
+                await asyncio.sleep(min(0.05, left))  # a cancel is seen within 50 ms, not at the run's end
             cancel.check()
         finally:
             ended = time.perf_counter()

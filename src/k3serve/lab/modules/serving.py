@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param, Verdict
-from k3serve.lab.server_process import ServerProcess
-from k3serve.lab.serving_load import PERCENTILES, concurrency_run, tenants_run
+from k3serve.lab.server_process import ServerProcess, stop_all
+from k3serve.lab.serving_load import PERCENTILES, concurrency_run, import_client, tenants_run
 from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -58,12 +58,12 @@ def run(params, progress, cancel, lab) -> LabResult:
     with tempfile.TemporaryDirectory(prefix="k3lab-serving-") as folder, contextlib.ExitStack() as stack:
         tenants = _tenants_file(Path(folder), keys)
         progress(0.01, "starting two servers (fcfs and fair scheduling) on free loopback ports")
-        servers = {}
-        for mode in MODES:
-            server = ServerProcess([*model_args, "--served-model-name", SERVED_NAME, "--tenants", str(tenants),
-                                    "--scheduling", mode], cancel=cancel)
-            stack.callback(server.stop)  # registered before it starts: stopped on every way out
-            servers[mode] = server.launch()
+        servers = {mode: ServerProcess([*model_args, "--served-model-name", SERVED_NAME, "--tenants",
+                                        str(tenants), "--scheduling", mode], cancel=cancel) for mode in MODES}
+        stack.callback(stop_all, list(servers.values()))  # registered before they start: stopped on every way out
+        for server in servers.values():
+            server.launch()
+        import_client()  # while the servers start
         for server in servers.values():
             server.wait_ready()
         base = {mode: server.base_url for mode, server in servers.items()}
