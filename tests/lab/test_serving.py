@@ -4,6 +4,7 @@ every-module test, through the lab's worker process.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,11 +33,14 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_dead(pid: int, seconds: float = 10.0) -> bool:
+    """True when `pid` is gone within `seconds`; a survivor is killed (the test started it) and False returned."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if not _alive(pid):
             return True
         time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     return False
 
 
@@ -124,3 +128,41 @@ def test_the_verdict_follows_the_measured_p99(fcfs_ms, fair_ms, outcome):
     assert verdict.outcome == outcome and verdict.factor == pytest.approx(fcfs_ms / fair_ms)
     assert verdict.metric == "b_ttft_p99_ms" and "0.95x" in verdict.sentence
     assert f"{fcfs_ms:.0f} ms" in verdict.flips_when
+
+
+def _servers_of_a_serving_run() -> list[int]:
+    """Pids of live `k3serve serve` children started by a serving run (their tenants file is in k3lab-serving-*)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in command and any(b"/k3lab-serving-" in part for part in command) and _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_lab_worker_takes_its_servers_with_it(lab_fixtures):
+    """What the lab does to a run that does not stop within its grace: the worker process is SIGKILLed."""
+    from k3serve.lab.modules import serving
+    from k3serve.lab.worker import LabWorker
+
+    worker = LabWorker(lab_fixtures)
+    seen: list[int] = []
+
+    def on_progress(fraction: float, message: str) -> None:
+        if message.startswith("warming up") and not seen:
+            seen.extend(_servers_of_a_serving_run())
+            os.kill(worker.pid, signal.SIGKILL)
+
+    try:
+        params = serving.MODULE.validate({"max_tokens": 256, "max_concurrency": 2}, lab_fixtures)
+        outcome = worker.run(serving.MODULE, params, on_progress, lambda: None, time_limit=120)
+    finally:
+        worker.close()
+    assert outcome.status == "failed" and outcome.worker_replaced and "died" in outcome.error
+    assert len(seen) == 2, seen  # both servers were up when the worker died
+    for pid in seen:
+        assert _wait_dead(pid), f"server {pid} outlived the killed worker"
