@@ -117,17 +117,34 @@ def test_percentiles_and_streamed_gaps():
     assert request.ttft == pytest.approx(0.5) and request.gaps() == pytest.approx([0.1, 0.2])
 
 
-@pytest.mark.parametrize("fcfs_ms, fair_ms, outcome", [(300.0, 100.0, "won"), (100.0, 300.0, "lost"),
-                                                       (100.0, 98.0, "even")])
-def test_the_verdict_follows_the_measured_p99(fcfs_ms, fair_ms, outcome):
+def _row(tok_per_s: float, itl_ms: float) -> dict[str, float]:
+    return {"tok_per_s": tok_per_s, "itl_p50_ms": itl_ms, "itl_p99_ms": 2 * itl_ms}
+
+
+def test_the_verdict_follows_the_sweep():
     from k3serve.lab.modules.serving import _verdict
+
+    growing = _verdict({1: _row(50.0, 10.0), 2: _row(90.0, 11.0), 4: _row(150.0, 13.0)})
+    assert growing.outcome == "won" and growing.factor == pytest.approx(3.0) and growing.metric == "tok_per_s"
+    assert "150 tok/s to 4 concurrent openai clients here, 3.00x one client's 50 tok/s, at 1.30x" in growing.sentence
+    assert growing.flips_when.startswith("throughput still grew at every step up to 4 streams")
+    saturated = _verdict({1: _row(50.0, 10.0), 2: _row(90.0, 11.0), 4: _row(80.0, 25.0), 8: _row(95.0, 40.0)})
+    assert saturated.outcome == "won" and saturated.flips_when == "more streams stopped paying at 4: 80 tok/s " \
+        "against 90 at 2"
+    assert _verdict({1: _row(50.0, 10.0), 2: _row(49.0, 20.0)}).outcome == "even"
+    assert _verdict({1: _row(50.0, 10.0), 2: _row(30.0, 20.0)}).outcome == "lost"
+
+
+@pytest.mark.parametrize("fcfs_ms, fair_ms, said", [(300.0, 100.0, "cut tenant B's p99 time to first token 3.00x"),
+                                                    (100.0, 300.0, "raised tenant B's p99 time to first token 3.00x"),
+                                                    (100.0, 98.0, "left tenant B's p99 time to first token even")])
+def test_the_tenants_sentence_follows_the_measured_p99(fcfs_ms, fair_ms, said):
+    from k3serve.lab.modules.serving import _tenants_sentence
 
     tenants = {"fcfs": {"b_ttft_p99_ms": fcfs_ms, "total_tok_per_s": 200.0},
                "fair": {"b_ttft_p99_ms": fair_ms, "total_tok_per_s": 190.0}}
-    verdict = _verdict(tenants)
-    assert verdict.outcome == outcome and verdict.factor == pytest.approx(fcfs_ms / fair_ms)
-    assert verdict.metric == "b_ttft_p99_ms" and "0.95x" in verdict.sentence
-    assert f"{fcfs_ms:.0f} ms" in verdict.flips_when
+    sentence = _tenants_sentence(tenants)
+    assert sentence.startswith(f"Fair scheduling {said}") and "at 0.95x fcfs's total throughput" in sentence
 
 
 def _servers_of_a_serving_run() -> list[int]:
