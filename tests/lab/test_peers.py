@@ -97,3 +97,27 @@ def test_a_missing_converter_says_where_it_looked(tmp_path, monkeypatch):
 def test_no_memory_cgroup_is_a_reason_not_a_crash(tmp_path, monkeypatch):
     monkeypatch.setattr(peers, "CGROUP_ROOT", tmp_path / "nothing")
     assert "no cgroup-v1 memory controller" in peers.cgroup_problem()
+
+
+def test_the_converter_is_unpacked_from_the_sdist_once_and_only_its_python(tmp_path, monkeypatch):
+    import tarfile
+
+    root = tmp_path / "src" / "llama_cpp_python-0.3.36"
+    files = {"vendor/llama.cpp/conversion/kimi_k3.py": "converter", "vendor/llama.cpp/gguf-py/gguf/__init__.py": "",
+             "vendor/llama.cpp/convert_hf_to_gguf.py": "", "vendor/llama.cpp/ggml/src/big.c": "not needed",
+             "llama_cpp/__init__.py": "not needed"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    sdist = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
+    with tarfile.open(sdist, "w:gz") as archive:
+        archive.add(root, arcname=root.name)
+    monkeypatch.delenv("K3SERVE_LLAMA_CPP_TREE", raising=False)
+    monkeypatch.setenv("K3SERVE_LLAMA_CPP_SDIST", str(sdist))
+    tree = peers.converter_tree(tmp_path / "cache")
+    assert tree == tmp_path / "cache" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    assert (tree / "conversion" / "kimi_k3.py").read_text() == "converter"
+    assert (tree / "gguf-py" / "gguf" / "__init__.py").exists() and (tree / "convert_hf_to_gguf.py").exists()
+    assert not (tree / "ggml").exists() and not (tmp_path / "cache" / "llama_cpp_python-0.3.36" / "llama_cpp").exists()
+    sdist.unlink()  # the second time the unpacked tree is used
+    assert peers.converter_tree(tmp_path / "cache") == tree
