@@ -6,7 +6,8 @@ leave through `ServerProcess.stop()` (a context manager's exit); the fourth runs
 tied to its parent by the kernel: it starts by asking for SIGKILL when its parent dies (Linux's
 PR_SET_PDEATHSIG, set by the child itself before it imports anything heavy, so no `preexec_fn` runs in a process
 with threads), and it checks its parent is still the one that started it, closing the window between fork and that
-call. The server runs in a process group of its own, and `stop()` signals the group: SIGTERM (the server drains),
+call. (Linux sends that signal when the *thread* that started the child ends: a lab run executes on its worker's
+main thread.) The server runs in a process group of its own, and `stop()` / `stop_all()` signal the group: SIGTERM,
 then SIGKILL after `STOP_WAIT_SECONDS`.
 """
 
