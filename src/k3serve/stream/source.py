@@ -34,7 +34,7 @@ from k3serve.model.routing import Routing
 from k3serve.model.weights import ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_globals, build_layer
 from k3serve.stream.budget import BudgetPlan, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
-from k3serve.stream.io import Extent, IOEngine
+from k3serve.stream.io import Extent, open_reader
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.slots import ExpertSlots, aligned_buffer
 from k3serve.stream.trace import TraceWriter, trace_meta
@@ -59,8 +59,9 @@ class StreamingSource(WeightSource):
                                             trunk_dtype=options.trunk_dtype)
         self._dtype = options.trunk_dtype
         self.counters = StreamStats()
-        self.trunk_io = IOEngine(store.trunk_path, options.io, options.queue_depth)
-        self.expert_io = IOEngine(store.expert_path, options.io, options.queue_depth)
+        # one reader per store file; a striped store's has a queue of `queue_depth` workers per drive
+        self.trunk_io = open_reader(store.trunk_files, store.stripe_chunk_bytes, options.io, options.queue_depth)
+        self.expert_io = open_reader(store.expert_files, store.stripe_chunk_bytes, options.io, options.queue_depth)
         self._trunk_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3trunk")
         self._step = -1
         self._next_token = 0
