@@ -137,3 +137,31 @@ def test_pack_refuses_bad_stripe_lists_and_leaves_no_folder_behind(tiny_dir, tmp
     with pytest.raises(StoreError, match="not a positive multiple of 4096"):
         pack_checkpoint(tiny_dir, tmp_path / "s3", stripe_dirs=[tmp_path / "a"], stripe_chunk=1000)
     assert list((tmp_path / "a").iterdir()) == []
+
+
+def test_cli_pack_stripe_and_its_errors(tiny_dir, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import k3serve.weights.pack
+    from k3serve.cli.main import main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert main(["pack", str(tiny_dir), str(tmp_path / "s"), "--stripe", f"{a},{b}"]) == 0
+    assert "striped over 2 drives in 4.00 KiB chunks" in capsys.readouterr().err
+    store = PackedStore(tmp_path / "s")
+    assert [f.parent for f in store.stripe_folders] == [a, b]
+    assert main(["pack", str(tiny_dir), str(tmp_path / "t"), "--stripe", f"{a},{tmp_path / 'c'}"]) == 2
+    assert f"stripe directory {tmp_path / 'c'} does not exist" in capsys.readouterr().err
+    assert main(["pack", str(tiny_dir), str(tmp_path / "t"), "--stripe", f"{a}", "--shard", "0/2"]) == 2
+    assert "--stripe lays out a whole store" in capsys.readouterr().err
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(k3serve.weights.pack, "expert_blob", full_disk)
+    assert main(["pack", str(tiny_dir), str(tmp_path / "u"), "--stripe", f"{a},{b}"]) == 2
+    capsys.readouterr()
+    assert [p.name for p in a.iterdir()] == [store.stripe_folders[0].name]  # the failed pack's folders are gone
+    assert not (tmp_path / "u").exists()
