@@ -165,3 +165,17 @@ def test_cli_pack_stripe_and_its_errors(tiny_dir, tmp_path, capsys, monkeypatch)
     capsys.readouterr()
     assert [p.name for p in a.iterdir()] == [store.stripe_folders[0].name]  # the failed pack's folders are gone
     assert not (tmp_path / "u").exists()
+
+
+def test_drive_shares_are_the_pieces_summed_by_drive():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        drives = int(rng.integers(1, 6))
+        chunk = 4096 * int(rng.integers(1, 4))
+        offset, length = int(rng.integers(0, 20 * chunk)), int(rng.integers(0, 30 * chunk))
+        from k3serve.weights.stripes import drive_shares
+
+        expected = [0] * drives
+        for p in stripe_pieces(offset, length, chunk, drives):
+            expected[p.drive] += p.length
+        assert drive_shares(offset, length, chunk, drives) == expected

@@ -36,6 +36,26 @@ def stripe_pieces(offset: int, length: int, chunk_bytes: int, num_drives: int) -
     return pieces
 
 
+def drive_shares(offset: int, length: int, chunk_bytes: int, num_drives: int) -> list[int]:
+    """Bytes of the virtual range [offset, offset + length) on each drive (the sums of `stripe_pieces` by drive,
+    in O(num_drives): the simulator's reads of a 1 GB trunk layer span thousands of chunks)."""
+    shares = [0] * num_drives
+    if length <= 0:
+        return shares
+    end = offset + length
+    first, last = offset // chunk_bytes, (end - 1) // chunk_bytes
+    if first == last:
+        shares[first % num_drives] = length
+        return shares
+    shares[first % num_drives] += (first + 1) * chunk_bytes - offset
+    shares[last % num_drives] += end - last * chunk_bytes
+    middle = last - first - 1  # whole chunks between, dealt round robin from drive (first + 1) mod N
+    for k in range(num_drives):
+        extra = 1 if (k - (first + 1)) % num_drives < middle % num_drives else 0
+        shares[k] += (middle // num_drives + extra) * chunk_bytes
+    return shares
+
+
 def striped_file_sizes(total: int, chunk_bytes: int, num_drives: int) -> list[int]:
     """Bytes each drive's file holds of a virtual file of `total` bytes."""
     full, tail = divmod(total, chunk_bytes)
