@@ -4,8 +4,9 @@
 
 The limits (`blkio.throttle.read_bps_device`, `blkio.throttle.read_iops_device`) apply to the whole block device
 that holds `--path`, for every process in the cgroup `/sys/fs/cgroup/blkio/<name>`; the command is moved into it
-before it starts. Per-device mode: `--path` given several times (or `Throttle([p1, p2], ...)`) throttles each
-device holding one of them to the same limits, each on its own (two drives at 100 MB/s read 200 MB/s together) (and, with `--memory`, into a memory cgroup of that size too, page cache included). Needs root
+before it starts (and, with `--memory`, into a memory cgroup of that size too, page cache included). Per-device
+mode: `--path` given several times (or `Throttle([p1, p2], ...)`) throttles each device holding one of them to
+the same limits, each on its own (two drives at 100 MB/s read 200 MB/s together). Needs root
 and a cgroup-v1 blkio hierarchy. O_DIRECT reads and page-cache misses are both throttled at the block layer.
 
 As a library: `Throttle(path, bps, iops)` is a context manager whose `wrap(command)` prefixes a command so that it

@@ -123,7 +123,7 @@ def test_truncated_stripe_file_is_named(striped, tmp_path):
     experts = next(drives[1].glob("k3stripe-*")) / EXPERT_FILE
     with open(experts, "r+b") as f:
         f.truncate(experts.stat().st_size - 4096)
-    with pytest.raises(StoreError, match=r"drive1/k3stripe-[0-9a-f]+-1of2/experts.bin is \d+ bytes, the index "
+    with pytest.raises(StoreError, match=r"drive1/k3stripe-[0-9a-f]+-2of2/experts.bin is \d+ bytes, the index "
                                          r"needs \d+ \(truncated\?\)"):
         PackedStore(store)
 

@@ -113,7 +113,8 @@ class IOEngine:
         if mode == "mmap":
             self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if self._size else None
         else:
-            self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix=f"k3io-{name or self.path.stem}")
+            self._pool = ThreadPoolExecutor(max_workers=queue_depth,
+                                            thread_name_prefix=f"k3io-{name or self.path.stem}")
 
     # ---- submission --------------------------------------------------------------------------------------------
     def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:

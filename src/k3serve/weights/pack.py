@@ -93,7 +93,7 @@ class _Stripes:
 
     def mark(self) -> None:
         for k, folder in enumerate(self.folders):
-            marker = {"format": STRIPE_FORMAT, "version": STRIPE_VERSION, "store_id": self.store_id, "stripe": k,
+            marker = {"format": STRIPE_FORMAT, "version": STRIPE_VERSION, "store_id": self.store_id, "stripe": k + 1,
                       "num_stripes": len(self.folders), "chunk_bytes": self.chunk_bytes}
             (folder / STRIPE_INDEX).write_text(json.dumps(marker) + "\n")
 

@@ -14,9 +14,9 @@ Blob layout of one expert (sizes from the config, identical for every expert):
     | w2_packed [LT, MI/2] | w2_scales [LT, MI/32] | zero padding to the stride
 
 A striped store (`k3serve pack --stripe DIR1,...,DIRN`) keeps config.json and store.json in its folder and lays
-trunk.bin and experts.bin over N drives, RAID 0 fashion in chunks of `chunk_bytes` (`k3serve.stream.io`): drive k
-holds the folder DIRk/k3stripe-<store id>-<k>of<N> with that drive's share of each file and a stripe.json naming
-the store id, k and N. The index's offsets stay those of the unstriped files, so a striped store reads back byte
+trunk.bin and experts.bin over N drives, RAID 0 fashion in chunks of `chunk_bytes` (`k3serve.weights.stripes`):
+drive k (from 1) holds the folder DIRk/k3stripe-<store id>-<k>of<N> with that drive's share of each file and a
+stripe.json naming the store id, k and N. The index's offsets stay those of the unstriped files, so a striped store reads back byte
 for byte as the unstriped one; store.json records the store id, the chunk and the drive folders.
 
 Opening a store checks it against its config before any weight is read: the config fingerprint, every trunk
@@ -37,11 +37,11 @@ import numpy as np
 
 from k3serve.config import MXFP4_GROUP_SIZE, K3Config, load_config
 from k3serve.errors import CheckpointError
-from k3serve.weights.stripes import striped_file_sizes
 from k3serve.weights import names
 from k3serve.weights.bf16 import bf16_bits_to_f32
 from k3serve.weights.held import held_bytes
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
+from k3serve.weights.stripes import striped_file_sizes
 
 if TYPE_CHECKING:
     from k3serve.weights.checkpoint import Checkpoint
@@ -121,7 +121,8 @@ def read_index(index_file: Path, fmt: str, version: int, missing: str) -> dict:
 
 
 def stripe_folder_name(store_id: str, stripe: int, num_stripes: int) -> str:
-    return f"k3stripe-{store_id}-{stripe}of{num_stripes}"
+    """The folder of drive `stripe` (counted from 0) on that drive; named counting from 1, as the errors do."""
+    return f"k3stripe-{store_id}-{stripe + 1}of{num_stripes}"
 
 
 def stripe_chunk_bytes(expert_stride: int, num_stripes: int) -> int:
@@ -293,7 +294,7 @@ class PackedStore:
                 continue
             found = (marker.get("format"), marker.get("version"), marker.get("store_id"), marker.get("stripe"),
                      marker.get("num_stripes"), marker.get("chunk_bytes"))
-            wanted = (STRIPE_FORMAT, STRIPE_VERSION, self.store_id, k, count, self.stripe_chunk_bytes)
+            wanted = (STRIPE_FORMAT, STRIPE_VERSION, self.store_id, k + 1, count, self.stripe_chunk_bytes)
             if found != wanted:
                 problems.append(f"{where}: {folder} belongs to another store (its stripe.json says store "
                                 f"{marker.get('store_id')}, stripe {marker.get('stripe')} of "
