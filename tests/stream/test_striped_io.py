@@ -47,6 +47,7 @@ def test_striped_store_streams_byte_identically(tiny_model, striped, io, depth, 
     drives = model.source.expert_io.drive_counters()
     assert all(c.bytes_read > 0 for c in drives)
     assert sum(c.bytes_read for c in drives) == model.source.stats().stream.expert_bytes_read
+    assert f"drives=3 (qd {depth} each; read " in model.source.describe()
     model.source.close()
 
 
