@@ -253,6 +253,9 @@ def _pack_shard(args: argparse.Namespace) -> int:
 
 def _pack_family(args: argparse.Namespace, architecture) -> int:
     """`pack` of a family checkpoint: trunk resident at run time, experts at --expert-precision in the store."""
+    if args.stripe is not None:
+        raise UsageError(f"{args.src} is a family checkpoint: --stripe (several drives) is built for K3 stores; "
+                         "pack it into one folder")
     if args.layout != "natural" or args.trace is not None:
         raise UsageError(f"{args.src} is a family checkpoint: its store keeps the experts in id order (--layout "
                          "natural, no --trace); the trace-driven layouts are built for K3 stores")
