@@ -102,7 +102,8 @@ def test_a_bad_byte_on_one_drive_is_a_corrupt_blob(striped, tmp_path):
             f.seek(piece.drive_offset)
             f.write(bytes([original[piece.drive_offset] ^ 0xFF]))
         model = load_model(striped.path, stream=StreamOptions(io="pread", cache="none")).model
-        with pytest.raises(StoreCorruptError, match=f"layer {layer} expert {expert}"):
+        with pytest.raises(StoreCorruptError, match=f"layer {layer} expert {expert} in .*experts.bin \\(striped over "
+                                                    f".*{path.parent.name}/experts.bin"):
             model.source.experts(layer, [expert])[expert]
         assert model.source.counters.checksum_retries == 1
         model.source.close()
