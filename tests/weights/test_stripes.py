@@ -11,7 +11,8 @@ import pytest
 
 from k3serve.weights.pack import pack_checkpoint
 from k3serve.weights.shard import ShardSpec, pack_shard
-from k3serve.weights.store import EXPERT_FILE, STRIPE_INDEX, TRUNK_FILE, PackedStore, StoreError, stripe_chunk_bytes
+from k3serve.weights.store import (EXPERT_FILE, STRIPE_INDEX, TRUNK_FILE, PackedStore, StoreError, stripe_chunk_bytes,
+                                   trunk_stripe_chunk_bytes)
 from k3serve.weights.stripes import StripedWriter, read_striped, stripe_pieces, striped_file_sizes
 
 
@@ -41,6 +42,8 @@ def test_default_chunk_splits_an_expert_over_every_drive():
     assert stripe_chunk_bytes(8192, 2) == 4096
     assert stripe_chunk_bytes(17_547_264, 4) == 256 << 10  # a full K3 expert: 67 chunks, 17 or 16 per drive
     assert stripe_chunk_bytes(4096, 3) == 4096  # never below the O_DIRECT granularity
+    assert trunk_stripe_chunk_bytes(1_100_000_000, 4) == 4 << 20  # a full K3 layer: 275 chunks
+    assert trunk_stripe_chunk_bytes(300_000, 2) == 4096
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +58,15 @@ def striped(tiny_dir, tiny_store, tmp_path_factory):
 def test_pack_stripe_lands_in_each_drive_and_reads_back_as_the_unstriped_store(striped, tiny_store):
     assert striped.num_stripes == 2 and striped.stripe_chunk_bytes == 4096
     assert not striped.expert_path.exists() and not striped.trunk_path.exists()  # nothing left in the store folder
-    for name, plain, files in ((EXPERT_FILE, tiny_store.expert_path, striped.expert_files),
-                               (TRUNK_FILE, tiny_store.trunk_path, striped.trunk_files)):
+    assert striped.trunk_stripe_chunk_bytes == 4096  # the tiny layers are small: 1/64 of a share is under 4 KiB
+    for name, plain, files, chunk in (
+            (EXPERT_FILE, tiny_store.expert_path, striped.expert_files, striped.stripe_chunk_bytes),
+            (TRUNK_FILE, tiny_store.trunk_path, striped.trunk_files, striped.trunk_stripe_chunk_bytes)):
         whole = plain.read_bytes()
         assert [f.name for f in files] == [name, name]
-        assert [f.stat().st_size for f in files] == striped_file_sizes(len(whole), 4096, 2)
+        assert [f.stat().st_size for f in files] == striped_file_sizes(len(whole), chunk, 2)
         assert all(f.stat().st_size > 0 for f in files)
-        assert read_striped(files, 4096, 0, len(whole)) == whole
+        assert read_striped(files, chunk, 0, len(whole)) == whole
     plain_index = json.loads((tiny_store.path / "store.json").read_text())
     striped_index = json.loads((striped.path / "store.json").read_text())
     assert striped_index.pop("stripes")["dirs"] == [str(f.parent) for f in striped.stripe_folders]

@@ -51,7 +51,8 @@ from k3serve.model.expert_source import StreamStats
 from k3serve.weights.held import held_bytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
-from k3serve.weights.store import ALIGNMENT, align_up, expert_parts, stripe_chunk_bytes
+from k3serve.weights.store import (ALIGNMENT, align_up, expert_parts, stripe_chunk_bytes,
+                                   trunk_stripe_chunk_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -361,9 +362,11 @@ class SimRun:
             self.expert_io = SimIOEngine("experts", self.clock, self.device, qd)
             self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd, rate=cfg.trunk_read_bytes_per_s)
         else:  # as `pack --stripe`: both files over every drive, a queue per drive and file
-            chunk = stripe_chunk_bytes(self.store.expert_stride, cfg.drives)
-            self.expert_io = SimStripedIO("experts", self.clock, self.devices, qd, chunk)
-            self.trunk_io = SimStripedIO("trunk", self.clock, self.devices, qd, chunk,
+            largest = max(b.read_size for b in self.store.layers)
+            self.expert_io = SimStripedIO("experts", self.clock, self.devices, qd,
+                                          stripe_chunk_bytes(self.store.expert_stride, cfg.drives))
+            self.trunk_io = SimStripedIO("trunk", self.clock, self.devices, qd,
+                                         trunk_stripe_chunk_bytes(largest, cfg.drives),
                                          rate=cfg.trunk_read_bytes_per_s)
         # as StreamingSource: no next-layer prefetch when the plan has no room for a second streamed layer
         prefetch = cfg.engine == "k3serve" and cfg.prefetch != "none" and self.plan.trunk_read_ahead

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from k3serve.errors import CheckpointError
-from k3serve.weights.stripes import stripe_pieces
 
 IO_MODES = ("mmap", "pread", "direct")
 DEFAULT_MAX_COALESCE_BYTES = 8 << 20
+MAX_IOVECS = 1024  # buffers per preadv (IOV_MAX on Linux)
 
 
 class StoreIOError(CheckpointError):
@@ -140,19 +140,43 @@ class IOEngine:
         """Read one extent on the calling thread (the re-read after a checksum failure)."""
         return self._read_run([extent])
 
+    def submit_scatter(self, offset: int, buffers: list[memoryview]) -> Future:
+        """Read the bytes at `offset` into `buffers`, in order, as one read (a striped file's share of a run on this
+        drive: `StripedIO`); no checksum here, the caller verifies whole extents. The future's result is []."""
+        if self._pool is None:
+            future: Future = Future()
+            try:
+                future.set_result(self._read_scatter(offset, buffers))
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future like the pool does
+                future.set_exception(exc)
+            return future
+        return self._pool.submit(self._read_scatter, offset, buffers)
+
     # ---- the read itself ---------------------------------------------------------------------------------------
     def _read_run(self, run: list[Extent]) -> list[Extent]:
         started = time.perf_counter()
-        offset = run[0].offset
         total = sum(len(e.buffer) for e in run)
+        calls = self._read_with_retries(run[0].offset, [e.buffer for e in run], total, run)
+        failed = [e for e in run if e.check_bytes and zlib.crc32(e.buffer[:e.check_bytes]) != e.crc32]
+        self._count(total, calls, started)
+        return failed
+
+    def _read_scatter(self, offset: int, buffers: list[memoryview]) -> list[Extent]:
+        started = time.perf_counter()
+        total = sum(len(b) for b in buffers)
+        self._count(total, self._read_with_retries(offset, buffers, total, ()), started)
+        return []
+
+    def _read_with_retries(self, offset: int, buffers: list[memoryview], total: int, run: Sequence[Extent]) -> int:
+        """The system calls it took; `run`: the extents the `fault` hook sees after each read."""
         attempts = 0
         while True:
             try:
-                calls = self._read_into(offset, [e.buffer for e in run], total)
+                calls = self._read_into(offset, buffers, total)
                 if self.fault is not None:
                     for extent in run:
                         self.fault(extent.offset, extent.buffer)
-                break
+                return calls
             except (OSError, StoreIOError) as exc:
                 attempts += 1
                 with self.counters.lock:
@@ -160,12 +184,12 @@ class IOEngine:
                 if attempts >= self.max_attempts:
                     raise StoreIOError(f"{self.path}: read of {total} bytes at offset {offset} failed after "
                                        f"{attempts} attempts: {exc}") from exc
-        failed = [e for e in run if e.check_bytes and zlib.crc32(e.buffer[:e.check_bytes]) != e.crc32]
+
+    def _count(self, nbytes: int, calls: int, started: float) -> None:
         with self.counters.lock:
-            self.counters.bytes_read += total
+            self.counters.bytes_read += nbytes
             self.counters.num_reads += calls
             self.counters.busy_seconds += time.perf_counter() - started
-        return failed
 
     def _read_into(self, offset: int, buffers: list[memoryview], total: int) -> int:
         if offset + total > self._size and self.mode != "direct":
@@ -277,28 +301,48 @@ class StripedIO:
         """As `IOEngine.submit`: {id(extent): future of its run's failed checksums}."""
         runs = coalesce(extents, self.max_coalesce_bytes) if self.mode != "mmap" else \
             [[e] for e in sorted(extents, key=lambda e: e.offset)]
-        per_drive: list[list[Extent]] = [[] for _ in self.drives]
-        run_pieces: list[list[Extent]] = []
-        for run in runs:
-            pieces = []
-            position = run[0].offset
-            for extent in run:
-                for p in stripe_pieces(position, len(extent.buffer), self.chunk_bytes, self.num_drives):
-                    piece = Extent(p.drive_offset, extent.buffer[p.start:p.start + p.length])
-                    per_drive[p.drive].append(piece)
-                    pieces.append(piece)
-                position += len(extent.buffer)
-            run_pieces.append(pieces)
-        drive_futures: dict[int, Future] = {}
-        for engine, pieces in zip(self.drives, per_drive):
-            if pieces:
-                drive_futures.update(engine.submit(pieces))
         futures: dict[int, Future] = {}
-        for run, pieces in zip(runs, run_pieces):
-            future = _RunFuture(run, [drive_futures[id(p)] for p in pieces])
+        for run in runs:
+            reads = []
+            for engine, (start, buffers) in zip(self.drives, self._split(run)):
+                for offset, group in self._groups(start, buffers):
+                    reads.append(engine.submit_scatter(offset, group))
+            future = _RunFuture(run, reads)
             for extent in run:
                 futures[id(extent)] = future
         return futures
+
+    def _split(self, run: list[Extent]) -> list[tuple[int, list[memoryview]]]:
+        """Each drive's share of a run: its first offset in the drive's file and the run's buffer slices that land
+        there, in order (they are adjacent in the drive's file: `k3serve.weights.stripes`)."""
+        chunk_bytes, n = self.chunk_bytes, self.num_drives
+        starts, parts = [-1] * n, [[] for _ in range(n)]
+        position = run[0].offset
+        for extent in run:
+            buffer, length, done = extent.buffer, len(extent.buffer), 0
+            while done < length:
+                chunk, within = divmod(position, chunk_bytes)
+                take = min(chunk_bytes - within, length - done)
+                drive = chunk % n
+                if starts[drive] < 0:
+                    starts[drive] = chunk // n * chunk_bytes + within
+                parts[drive].append(buffer[done:done + take])
+                done += take
+                position += take
+        return list(zip(starts, parts))
+
+    def _groups(self, start: int, buffers: list[memoryview]) -> list[tuple[int, list[memoryview]]]:
+        """A drive's share as reads of at most `max_coalesce_bytes` and `MAX_IOVECS` buffers each."""
+        groups, offset, group, size = [], start, [], 0
+        for buffer in buffers:
+            if group and (size + len(buffer) > self.max_coalesce_bytes or len(group) == MAX_IOVECS):
+                groups.append((offset, group))
+                offset, group, size = offset + size, [], 0
+            group.append(buffer)
+            size += len(buffer)
+        if group:
+            groups.append((offset, group))
+        return groups
 
     def read_now(self, extent: Extent) -> list[Extent]:
         return self.submit([extent])[id(extent)].result()

@@ -61,7 +61,8 @@ class StreamingSource(WeightSource):
         self._dtype = options.trunk_dtype
         self.counters = StreamStats()
         # one reader per store file; a striped store's has a queue of `queue_depth` workers per drive
-        self.trunk_io = open_reader(store.trunk_files, store.stripe_chunk_bytes, options.io, options.queue_depth)
+        self.trunk_io = open_reader(store.trunk_files, store.trunk_stripe_chunk_bytes, options.io,
+                                    options.queue_depth)
         self.expert_io = open_reader(store.expert_files, store.stripe_chunk_bytes, options.io, options.queue_depth)
         self._trunk_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3trunk")
         self._step = -1

@@ -33,7 +33,8 @@ from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
                                    STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE,
                                    PackedStore, StoreError, TensorEntry, TrunkBlob, align_up, config_fingerprint,
-                                   expert_blob, expert_parts, stripe_chunk_bytes, stripe_folder_name)
+                                   expert_blob, expert_parts, stripe_chunk_bytes, stripe_folder_name,
+                                   trunk_stripe_chunk_bytes)
 from k3serve.weights.stripes import StripedWriter
 
 logger = logging.getLogger(__name__)
@@ -66,9 +67,10 @@ def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offse
 class _Stripes:
     """The drive folders of a striped pack: made at the start, marked at the end, removed if the pack fails."""
 
-    def __init__(self, dirs: Sequence[str | Path], chunk_bytes: int) -> None:
+    def __init__(self, dirs: Sequence[str | Path], chunk_bytes: int, trunk_chunk_bytes: int) -> None:
         self.dirs = [Path(d).resolve() for d in dirs]
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes  # experts.bin's
+        self.trunk_chunk_bytes = trunk_chunk_bytes
         self.store_id = uuid.uuid4().hex[:16]
         self.folders = [d / stripe_folder_name(self.store_id, k, len(dirs)) for k, d in enumerate(self.dirs)]
 
@@ -89,12 +91,13 @@ class _Stripes:
     def files(self, name: str) -> Iterator[StripedWriter]:
         with ExitStack() as stack:
             handles = [stack.enter_context(open(folder / name, "wb")) for folder in self.folders]
-            yield StripedWriter(handles, self.chunk_bytes)
+            yield StripedWriter(handles, self.trunk_chunk_bytes if name == TRUNK_FILE else self.chunk_bytes)
 
     def mark(self) -> None:
         for k, folder in enumerate(self.folders):
             marker = {"format": STRIPE_FORMAT, "version": STRIPE_VERSION, "store_id": self.store_id, "stripe": k + 1,
-                      "num_stripes": len(self.folders), "chunk_bytes": self.chunk_bytes}
+                      "num_stripes": len(self.folders), "chunk_bytes": self.chunk_bytes,
+                      "trunk_chunk_bytes": self.trunk_chunk_bytes}
             (folder / STRIPE_INDEX).write_text(json.dumps(marker) + "\n")
 
     def remove(self) -> None:
@@ -102,7 +105,8 @@ class _Stripes:
             shutil.rmtree(folder, ignore_errors=True)
 
     def to_json(self) -> dict:
-        return {"chunk_bytes": self.chunk_bytes, "dirs": [str(d) for d in self.dirs]}
+        return {"chunk_bytes": self.chunk_bytes, "trunk_chunk_bytes": self.trunk_chunk_bytes,
+                "dirs": [str(d) for d in self.dirs]}
 
 
 def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural",
@@ -111,7 +115,8 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                     stripe_chunk: int | None = None) -> PackedStore:
     """Pack `source` into `out`. `token_sets[layer]` lists the experts each traced token chose (for the
     frequency and coactivation layouts). `stripe_dirs`: one folder per drive to lay trunk.bin and experts.bin
-    over (`stripe_chunk`: the chunk, by default `stripe_chunk_bytes` of the expert stride)."""
+    over (`stripe_chunk`: both files' chunk; by default `stripe_chunk_bytes` of the expert stride for experts.bin and
+    `trunk_stripe_chunk_bytes` of the largest layer for trunk.bin)."""
     if stripe_dirs is not None:
         _Stripes.check(stripe_dirs)
         if stripe_chunk is not None and (stripe_chunk < ALIGNMENT or stripe_chunk % ALIGNMENT):
@@ -131,7 +136,10 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
     total = sum(checkpoint.index.info(s.name).nbytes for s in names.all_specs(config))
     stripes = None
     if stripe_dirs is not None:
-        stripes = _Stripes(stripe_dirs, stripe_chunk or stripe_chunk_bytes(stride, len(stripe_dirs)))
+        largest_layer = max(sum(align_up(checkpoint.index.info(s.name).nbytes, TENSOR_ALIGNMENT)
+                                for s in names.layer_trunk_specs(config, layer)) for layer in range(config.num_layers))
+        stripes = _Stripes(stripe_dirs, stripe_chunk or stripe_chunk_bytes(stride, len(stripe_dirs)),
+                           stripe_chunk or trunk_stripe_chunk_bytes(largest_layer, len(stripe_dirs)))
         for folder in stripes.folders:
             folder.mkdir()
 

@@ -14,10 +14,11 @@ Blob layout of one expert (sizes from the config, identical for every expert):
     | w2_packed [LT, MI/2] | w2_scales [LT, MI/32] | zero padding to the stride
 
 A striped store (`k3serve pack --stripe DIR1,...,DIRN`) keeps config.json and store.json in its folder and lays
-trunk.bin and experts.bin over N drives, RAID 0 fashion in chunks of `chunk_bytes` (`k3serve.weights.stripes`):
-drive k (from 1) holds the folder DIRk/k3stripe-<store id>-<k>of<N> with that drive's share of each file and a
-stripe.json naming the store id, k and N. The index's offsets stay those of the unstriped files, so a striped store reads back byte
-for byte as the unstriped one; store.json records the store id, the chunk and the drive folders.
+trunk.bin and experts.bin over N drives, RAID 0 fashion in chunks (`k3serve.weights.stripes`; each file its own
+chunk): drive k (from 1) holds the folder DIRk/k3stripe-<store id>-<k>of<N> with that drive's share of each file
+and a stripe.json naming the store id, k, N and the chunks. The index's offsets stay those of the unstriped files,
+so a striped store reads back byte for byte as the unstriped one; store.json records the store id, the chunks and
+the drive folders.
 
 Opening a store checks it against its config before any weight is read: the config fingerprint, every trunk
 tensor's name, shape and dtype, the expert blob size, that every blob lies inside its file, and for a striped
@@ -56,7 +57,8 @@ TENSOR_ALIGNMENT = 64  # tensors inside a trunk blob
 STRIPE_INDEX = "stripe.json"
 STRIPE_FORMAT = "k3serve-stripe"
 STRIPE_VERSION = 1
-MAX_STRIPE_CHUNK = 256 << 10  # small enough that a 17.5 MB K3 expert splits evenly (to 1.5%) over 2-4 drives
+MAX_STRIPE_CHUNK = 256 << 10  # experts.bin: a 17.5 MB K3 expert splits evenly (to 1.5%) over 2-4 drives
+MAX_TRUNK_STRIPE_CHUNK = 4 << 20  # trunk.bin: a 1.1 GB K3 layer is 275 chunks, few pieces for the reader to cut
 
 
 class StoreError(CheckpointError):
@@ -131,6 +133,13 @@ def stripe_chunk_bytes(expert_stride: int, num_stripes: int) -> int:
     aligned on every drive)."""
     share = expert_stride // num_stripes // ALIGNMENT * ALIGNMENT
     return max(ALIGNMENT, min(MAX_STRIPE_CHUNK, share))
+
+
+def trunk_stripe_chunk_bytes(largest_layer_bytes: int, num_stripes: int) -> int:
+    """The chunk of trunk.bin: at most `MAX_TRUNK_STRIPE_CHUNK`, at most 1/64 of a drive's share of the largest
+    layer (so a layer's read is even to within 1.6%), a multiple of `ALIGNMENT`."""
+    share = largest_layer_bytes // num_stripes // 64 // ALIGNMENT * ALIGNMENT
+    return max(ALIGNMENT, min(MAX_TRUNK_STRIPE_CHUNK, share))
 
 
 class TensorEntry(NamedTuple):
@@ -211,7 +220,8 @@ class PackedStore:
         self.expert_path = self.path / raw["expert_file"]
         stripes = raw.get("stripes")
         self.store_id: str | None = raw.get("store_id")
-        self.stripe_chunk_bytes = int(stripes["chunk_bytes"]) if stripes else 0
+        self.stripe_chunk_bytes = int(stripes["chunk_bytes"]) if stripes else 0  # experts.bin's
+        self.trunk_stripe_chunk_bytes = int(stripes["trunk_chunk_bytes"]) if stripes else 0
         self.stripe_folders: tuple[Path, ...] = tuple(
             Path(d) / stripe_folder_name(str(self.store_id), k, len(stripes["dirs"]))
             for k, d in enumerate(stripes["dirs"])) if stripes else ()
@@ -253,8 +263,9 @@ class PackedStore:
             stripe_problems = self._stripe_problems()
             if stripe_problems:  # the files' sizes say nothing while a folder is missing or another store's
                 raise StoreError(f"striped store {self.path}:\n  " + "\n  ".join(stripe_problems))
-        for files, end in ((self.trunk_files, trunk_end), (self.expert_files, expert_end)):
-            needs = striped_file_sizes(end, self.stripe_chunk_bytes, len(files)) if len(files) > 1 else [end]
+        for files, end, chunk in ((self.trunk_files, trunk_end, self.trunk_stripe_chunk_bytes),
+                                  (self.expert_files, expert_end, self.stripe_chunk_bytes)):
+            needs = striped_file_sizes(end, chunk, len(files)) if len(files) > 1 else [end]
             for path, need in zip(files, needs):
                 name = path.name if len(files) == 1 else str(path)
                 if not path.exists():
@@ -274,8 +285,9 @@ class PackedStore:
     def _stripe_problems(self) -> list[str]:
         """Each stripe folder exists and its stripe.json names this store, this stripe and this many stripes."""
         problems, count = [], len(self.stripe_folders)
-        if self.stripe_chunk_bytes < ALIGNMENT or self.stripe_chunk_bytes % ALIGNMENT:
-            problems.append(f"stripe chunk {self.stripe_chunk_bytes} is not a multiple of {ALIGNMENT}")
+        for chunk in (self.stripe_chunk_bytes, self.trunk_stripe_chunk_bytes):
+            if chunk < ALIGNMENT or chunk % ALIGNMENT:
+                problems.append(f"stripe chunk {chunk} is not a multiple of {ALIGNMENT}")
         for k, folder in enumerate(self.stripe_folders):
             where = f"stripe {k + 1} of {count} ({folder.parent})"
             if not folder.parent.is_dir():
@@ -293,8 +305,9 @@ class PackedStore:
                 problems.append(f"{where}: {folder / STRIPE_INDEX} is unreadable: {exc}")
                 continue
             found = (marker.get("format"), marker.get("version"), marker.get("store_id"), marker.get("stripe"),
-                     marker.get("num_stripes"), marker.get("chunk_bytes"))
-            wanted = (STRIPE_FORMAT, STRIPE_VERSION, self.store_id, k + 1, count, self.stripe_chunk_bytes)
+                     marker.get("num_stripes"), marker.get("chunk_bytes"), marker.get("trunk_chunk_bytes"))
+            wanted = (STRIPE_FORMAT, STRIPE_VERSION, self.store_id, k + 1, count, self.stripe_chunk_bytes,
+                      self.trunk_stripe_chunk_bytes)
             if found != wanted:
                 problems.append(f"{where}: {folder} belongs to another store (its stripe.json says store "
                                 f"{marker.get('store_id')}, stripe {marker.get('stripe')} of "
