@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -136,6 +137,8 @@ def main() -> int:
         return 0
     if os.geteuid() != 0:
         parser.error("needs root (loop devices, mounts and the blkio cgroup)")
+    # a kill (SIGTERM) unwinds like Ctrl-C does, so the mounts and loop devices are removed either way
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from k3serve.weights.pack import pack_checkpoint
 
     args.dir.mkdir(parents=True, exist_ok=True)
