@@ -101,6 +101,7 @@ class VirtualStore:
         self.layout = layout
         self.trunk_path = Path("<virtual trunk.bin>")
         self.expert_path = Path("<virtual experts.bin>")
+        self.stripe_chunk_bytes = self.trunk_stripe_chunk_bytes = 0  # `pack --stripe`'s, by `--drives` (SimRun)
         self.expert_blob_size = sum(p.nbytes for p in expert_parts(config))
         self.expert_stride = align_up(self.expert_blob_size)
         wide = 4 if trunk_dtype == "float32" else 2
@@ -154,6 +155,8 @@ class VirtualStore:
         self.layers = [blob(b) for b in store.layers]
         self.experts = {l: VirtualExpertIndex(e.order, e.offsets, (0,) * len(e.offsets))
                         for l, e in store.experts.items()}
+        self.stripe_chunk_bytes = store.stripe_chunk_bytes  # a striped store's own chunks (0: not striped)
+        self.trunk_stripe_chunk_bytes = store.trunk_stripe_chunk_bytes
         return self
 
     @property
@@ -363,10 +366,10 @@ class SimRun:
             self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd, rate=cfg.trunk_read_bytes_per_s)
         else:  # as `pack --stripe`: both files over every drive, a queue per drive and file
             largest = max(b.read_size for b in self.store.layers)
-            self.expert_io = SimStripedIO("experts", self.clock, self.devices, qd,
-                                          stripe_chunk_bytes(self.store.expert_stride, cfg.drives))
-            self.trunk_io = SimStripedIO("trunk", self.clock, self.devices, qd,
-                                         trunk_stripe_chunk_bytes(largest, cfg.drives),
+            expert_chunk = self.store.stripe_chunk_bytes or stripe_chunk_bytes(self.store.expert_stride, cfg.drives)
+            trunk_chunk = self.store.trunk_stripe_chunk_bytes or trunk_stripe_chunk_bytes(largest, cfg.drives)
+            self.expert_io = SimStripedIO("experts", self.clock, self.devices, qd, expert_chunk)
+            self.trunk_io = SimStripedIO("trunk", self.clock, self.devices, qd, trunk_chunk,
                                          rate=cfg.trunk_read_bytes_per_s)
         # as StreamingSource: no next-layer prefetch when the plan has no room for a second streamed layer
         prefetch = cfg.engine == "k3serve" and cfg.prefetch != "none" and self.plan.trunk_read_ahead
