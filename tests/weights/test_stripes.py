@@ -154,7 +154,7 @@ def test_cli_pack_stripe_and_its_errors(tiny_dir, tmp_path, capsys, monkeypatch)
     a.mkdir()
     b.mkdir()
     assert main(["pack", str(tiny_dir), str(tmp_path / "s"), "--stripe", f"{a},{b}"]) == 0
-    assert "striped over 2 drives in 4.00 KiB chunks" in capsys.readouterr().err
+    assert "striped over 2 drives in chunks of 4.00 KiB (experts) and 4.00 KiB (trunk)" in capsys.readouterr().err
     store = PackedStore(tmp_path / "s")
     assert [f.parent for f in store.stripe_folders] == [a, b]
     assert main(["pack", str(tiny_dir), str(tmp_path / "t"), "--stripe", f"{a},{tmp_path / 'c'}"]) == 2

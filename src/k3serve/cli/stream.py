@@ -230,8 +230,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
                    f"(stride {format_size(store.expert_stride)}), expert store "
                    f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_store_bytes)}")
         if args.stripe is not None:
-            summary += (f", striped over {store.num_stripes} drives in {format_size(store.stripe_chunk_bytes)} "
-                        f"chunks ({', '.join(str(f) for f in store.stripe_folders)})")
+            summary += (f", striped over {store.num_stripes} drives in chunks of "
+                        f"{format_size(store.stripe_chunk_bytes)} (experts) and "
+                        f"{format_size(store.trunk_stripe_chunk_bytes)} (trunk) "
+                        f"({', '.join(str(f) for f in store.stripe_folders)})")
     print(f"packed {args.src} -> {args.out}: {summary}", file=sys.stderr)
     return 0
 

@@ -10,8 +10,9 @@
   adjacent extents merged) but whose reads are scheduled on the device. Its futures are `SimFuture`s: `done()`
   says whether the simulated read has finished by now, `result()` advances the clock to its end.
 - `SimStripedIO`: the `StripedIO` of a store striped over several drives (`--drives N`): the same virtual runs,
-  each split into one read per drive of that drive's share (`k3serve.weights.stripes.drive_shares`), each drive
-  with its own workers (a queue per device) and its own `SimDevice`; a run ends when its last share does.
+  each split into each drive's share (`k3serve.weights.stripes.drive_shares`), read in parts of up to
+  `max_coalesce_bytes` as the live reader cuts it, each drive with its own workers (a queue per device) and its
+  own `SimDevice`; a run ends when its last share does.
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ class SimStripedIO:
             shares = drive_shares(run[0].offset, nbytes, self.chunk_bytes, len(self.drives))
             end = 0.0
             for drive, share in zip(self.drives, shares):
-                # a drive's chunks of a run are adjacent: its engine merges them into reads of up to
-                # max_coalesce_bytes, issued on its workers together
+                # a drive's chunks of a run are adjacent: the reader sends them as reads of up to
+                # max_coalesce_bytes, issued on that drive's workers together
                 count = -(-share // self.max_coalesce_bytes)
                 for i in range(count):
                     part = share // count + (1 if i < share % count else 0)

@@ -101,7 +101,7 @@ class _Stripes:
             (folder / STRIPE_INDEX).write_text(json.dumps(marker) + "\n")
 
     def remove(self) -> None:
-        for folder in self.folders:
+        for folder in self.folders:  # made with a fresh store id: no other store's folder has its name
             shutil.rmtree(folder, ignore_errors=True)
 
     def to_json(self) -> dict:
@@ -140,8 +140,6 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                                 for s in names.layer_trunk_specs(config, layer)) for layer in range(config.num_layers))
         stripes = _Stripes(stripe_dirs, stripe_chunk or stripe_chunk_bytes(stride, len(stripe_dirs)),
                            stripe_chunk or trunk_stripe_chunk_bytes(largest_layer, len(stripe_dirs)))
-        for folder in stripes.folders:
-            folder.mkdir()
 
     def output(name: str):
         return stripes.files(name) if stripes is not None else open(out / name, "wb")
@@ -151,6 +149,8 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pack", leave=True)
     try:
+        for folder in stripes.folders if stripes is not None else ():
+            folder.mkdir()
         with output(TRUNK_FILE) as f:
             globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0)
             _write_padded(f, data)
