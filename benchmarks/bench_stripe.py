@@ -12,7 +12,7 @@ process in the throttled cgroup.
 
 Fixture (built once under `--dir`): a random K3 checkpoint with the tiny oracle's trunk and `--experts` experts of
 `--inner` x `--latent` per layer (0.84 MB blobs by default), packed `--stripe A` (one drive) and `--stripe A,B`.
-The loop devices, mounts and the cgroup's limits are removed afterwards, also on failure or Ctrl-C.
+The loop devices, mounts and the cgroup (its limits first) are removed afterwards, also on failure, Ctrl-C or a kill.
 """
 
 from __future__ import annotations
@@ -154,7 +154,9 @@ def main() -> int:
             shutil.rmtree(store, ignore_errors=True)
             stack.callback(shutil.rmtree, store, ignore_errors=True)  # its stripes go with the drives
             pack_checkpoint(checkpoint, store, stripe_dirs=drives[:count])
-        throttle = stack.enter_context(Throttle(drives, bps, None, name="k3stripe"))
+        throttle = Throttle(drives, bps, None, name="k3stripe")
+        stack.callback(lambda: throttle.blkio.exists() and throttle.blkio.rmdir())  # after the limits are lifted
+        stack.enter_context(throttle)
         print(f"throttle: devices {throttle.device}, each {args.bps} B/s read", file=sys.stderr)
         for repeat in range(args.repeats):
             for count, store in stores.items():
