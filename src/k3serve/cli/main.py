@@ -368,7 +368,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the lab has no keys: never beside an API that requires them, and beyond loopback only when asked for
     mount_lab_page = not args.no_lab and tenants.open and (args.lab or is_loopback(args.host))
     warn_if_open(tenants, args.host, lab_mounted=mount_lab_page)
-    loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
+    # resident, or streamed from a packed store under --ram-budget; beside the lab, a resident K3 checkpoint's
+    # weights go to read-only shared pages, which the lab's worker maps instead of loading a second copy
+    loaded = load_for_run(args, share_weights=mount_lab_page)
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
                       "one")
@@ -397,7 +399,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         lab_model = args.model if args.model and loaded.architecture.routing_traces \
             and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
-        mount_lab(app, LabFixtures(lab_model))
+        # shared weights exist only for a resident K3 folder, which is then the lab's model too; a streamed,
+        # GGUF or family model is not the lab's, whose worker loads its own (small) copy as before
+        mount_lab(app, LabFixtures(lab_model, shared_weights=loaded.shared_weights))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
     _serve_until_sigterm(_uvicorn_server(app, args), listener)
     return 0
