@@ -450,6 +450,53 @@ def test_serve_mounts_the_lab_on_loopback_only_unless_asked(monkeypatch, capsys)
     assert not mounted and "lab" not in err
 
 
+def _memfd_inodes(pid: int) -> set[int]:
+    from pathlib import Path
+
+    return {int(line.split()[4]) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if "/memfd:k3serve-weights" in line}
+
+
+def test_serve_lends_its_model_to_the_lab_worker_read_only(monkeypatch, capsys):
+    """Beside the lab, `serve` holds the model's weights in sealed shared pages (read-only views) and the lab's
+    worker maps those same pages (the same memory file) instead of loading its own copy."""
+    import os
+
+    import k3serve.lab.api as lab_api
+    from fastapi.testclient import TestClient
+
+    from k3serve.weights.shared_pages import supported
+
+    if not supported():
+        pytest.skip("shared pages need Linux's memfd_create")
+    queues: list = []
+    real_mount = lab_api.mount_lab
+    monkeypatch.setattr(lab_api, "mount_lab", lambda app, fixtures, **kw: queues.append(real_mount(app, fixtures,
+                                                                                                  **kw)) or queues[-1])
+    import k3serve.cli.main as cli_main
+
+    built: dict = {}
+    monkeypatch.setattr(cli_main.cli_args, "bind_listener", lambda host, port: object())
+    monkeypatch.setattr(cli_main, "_serve_until_sigterm", lambda server, listener: built.setdefault("app",
+                        server.config.app))
+    assert main(["serve", "--port", "8000", "--host", "127.0.0.1"]) == 0
+    queue = queues[0]
+    try:
+        shared = queue.fixtures.shared_weights
+        assert shared is not None
+        served = built["app"].state.k3.backend.engine.model.source
+        embed = served.global_weights().embed
+        assert not embed.flags.writeable and not served.stacked_experts(1)[0].flags.writeable
+        assert shared.arrays.pages.inode in _memfd_inodes(os.getpid())
+        run = TestClient(built["app"]).post("/lab/api/modules/prefix_cache/run?wait=true",
+                                            json={"system_tokens": 64, "requests": 3})
+        assert run.json()["status"] == "done", run.json()
+        assert _memfd_inodes(queue.worker.pid) == {shared.arrays.pages.inode}
+    finally:
+        queue.close()
+        built["app"].state.k3.backend.shutdown()
+
+
 def test_serve_refuses_lab_and_no_lab_together(capsys):
     assert "not allowed with argument" in _parse_error(["serve", "--lab", "--no-lab"], capsys)
 
