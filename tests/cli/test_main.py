@@ -217,6 +217,39 @@ def test_pack_on_a_full_disk_names_the_output_and_leaves_no_folder(tiny_dir, tmp
     assert _left_in(tmp_path) == []  # no half store, no staging folder
 
 
+def test_coactivation_on_a_full_disk_leaves_no_torn_npy_or_png(tmp_path, capsys, monkeypatch):
+    import k3serve.cli.heatmap
+    from k3serve.stream.trace import TraceWriter
+
+    trace = tmp_path / "r.trace"
+    writer = TraceWriter(trace, {"num_layers": 3, "num_experts": 8, "top_k": 2})
+    for token in range(6):
+        writer.write(token, token, 1, [[token % 8, (token + 3) % 8]])
+    writer.close()
+    out = tmp_path / "maps"
+    real_save = np.save
+
+    def save_half_then_fail(file, array, *args, **kwargs):
+        file.write(b"\x93NUMPY partial")
+        _full_disk()
+
+    monkeypatch.setattr(np, "save", save_half_then_fail)
+    assert main(["coactivation", str(trace), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"k3serve: error: {out / 'layer_001.npy'}: No space left on device\n"
+    assert _left_in(out) == []  # neither the .npy nor its temporary file
+
+    def png_half_then_fail(path, rgb):
+        open(path, "wb").write(b"\x89PNG partial")
+        _full_disk()
+
+    monkeypatch.setattr(np, "save", real_save)
+    monkeypatch.setattr(k3serve.cli.heatmap, "write_png", png_half_then_fail)
+    assert main(["coactivation", str(trace), "--out", str(out)]) == 2
+    assert f"{out / 'layer_001.png'}: No space left on device" in capsys.readouterr().err
+    assert _left_in(out) == ["layer_001.npy"]  # the whole .npy written before the disk filled; no torn .png
+    assert np.load(out / "layer_001.npy").shape == (8, 8)
+
+
 def test_first_use_packing_removes_the_staging_folders_of_killed_packers(tmp_path, monkeypatch):
     import os
 

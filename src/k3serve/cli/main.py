@@ -199,6 +199,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     speculative = _speculative_config(args)  # every argument is checked before the model loads
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt_file(args.prompt_file)
     loaded = load_for_run(args, expert_precision=args.expert_precision)
+    try:
+        return _generate_loaded(args, loaded, params, speculative, prompt_text)
+    finally:
+        if loaded.model.experts is not None:
+            loaded.model.experts.close()  # a --trace-out trace is whole under its name from here (stream/trace.py)
+
+
+def _generate_loaded(args: argparse.Namespace, loaded, params, speculative, prompt_text: str) -> int:
+    from k3serve.engine.generate import generate
+
     drafters = _drafters(args, speculative, loaded.model)
     if args.prompt_ids is not None:
         _check_ids(args.prompt_ids, loaded.model.config.vocab_size, "--prompt-ids")

@@ -318,8 +318,11 @@ def cmd_coactivation(args: argparse.Namespace) -> int:
     summary = {}
     for layer, sets in sorted(trace.token_sets().items()):
         matrix = coactivation_matrix(sets, num_experts)
-        np.save(args.out / f"layer_{layer:03d}.npy", matrix)
-        write_png(args.out / f"layer_{layer:03d}.png", heatmap_rgb(matrix, cell=max(1, 512 // num_experts)))
+        # each output whole or absent (atomic_file.py): a full disk or Ctrl-C leaves no torn .npy or .png
+        with atomic_output(args.out / f"layer_{layer:03d}.npy") as staging, open(staging, "wb") as file:
+            np.save(file, matrix)
+        with atomic_output(args.out / f"layer_{layer:03d}.png") as staging:
+            write_png(staging, heatmap_rgb(matrix, cell=max(1, 512 // num_experts)))
         order = coactivation_order(matrix)
         summary[layer] = {"tokens": len(sets), "natural_adjacency": adjacency_score(range(num_experts), matrix),
                           "chain_adjacency": adjacency_score(order, matrix), "chain_order": order}

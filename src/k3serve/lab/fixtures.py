@@ -15,13 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from k3serve.atomic_file import atomic_output, new_staging_folder, remove_stale_staging, write_text
 from k3serve.config import K3Config, load_config
 from k3serve.errors import K3Error
 
@@ -39,11 +38,13 @@ TRACE_WINDOW_TOKENS = 128
 
 
 def _atomic_dir(target: Path, build: Callable[[Path], None]) -> Path:
-    """Build a folder under a temporary name next to `target`, then rename it into place."""
+    """Build a folder under a temporary name next to `target`, then rename it into place. A build that fails is
+    removed; one whose process was killed (a cancelled run's worker) is removed by the next build in that folder
+    (`remove_stale_staging`: its `.staging-PID-*` names a process that is gone)."""
+    remove_stale_staging(target.parent)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    staging = new_staging_folder(target.parent)
     try:
         build(staging)
         try:
@@ -143,9 +144,7 @@ class LabFixtures:
                     streams = {"code": tokenizer.encode("".join(corpus.heldout_code)[:200_000]),
                                "prose": tokenizer.encode("\n".join(corpus.heldout_prose)[:200_000])}
                     self.root.mkdir(parents=True, exist_ok=True)
-                    staging = path.with_suffix(".tmp")
-                    staging.write_text(json.dumps(streams))
-                    os.replace(staging, path)
+                    write_text(path, json.dumps(streams))
                 self._windows = json.loads(path.read_text())
             return self._windows
 
@@ -177,11 +176,14 @@ class LabFixtures:
             path = self.root / "routing.trace"
             if not path.exists():
                 model = self.loaded().model
-                staging = path.with_suffix(".tmp")
-                writer = TraceWriter(staging, trace_meta(model.config))
-                measure_routing(model, self.windows(TRACE_WINDOWS, TRACE_WINDOW_TOKENS), writer)
-                writer.close()
-                os.replace(staging, path)
+                windows = self.windows(TRACE_WINDOWS, TRACE_WINDOW_TOKENS)
+                self.root.mkdir(parents=True, exist_ok=True)
+                with atomic_output(path) as staging:
+                    writer = TraceWriter(staging, trace_meta(model.config))
+                    try:
+                        measure_routing(model, windows, writer)
+                    finally:
+                        writer.close()
             return path
 
     def trace(self):
