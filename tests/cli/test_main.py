@@ -530,6 +530,22 @@ def test_serve_lends_its_model_to_the_lab_worker_read_only(monkeypatch, capsys):
         built["app"].state.k3.backend.shutdown()
 
 
+def test_the_lab_beside_serve_runs_on_the_served_model_only_when_it_is_a_k3_folder(tiny_dir, tiny_store, tmp_path):
+    """A K3 GGUF file used to reach LabFixtures, which needs a folder, and stopped `serve` at start."""
+    from types import SimpleNamespace
+
+    from k3serve.cli.main import _lab_model
+    from k3serve.loading.registry import ARCHITECTURES, K3
+
+    k3, family = SimpleNamespace(architecture=K3), SimpleNamespace(architecture=ARCHITECTURES[1])
+    gguf = tmp_path / "k3.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert _lab_model(str(tiny_dir), k3) == str(tiny_dir)
+    assert _lab_model(None, k3) is None  # the embedded default
+    assert _lab_model(str(tiny_store.path), k3) is None and _lab_model(str(gguf), k3) is None
+    assert _lab_model(str(tiny_dir), family) is None
+
+
 def test_serve_refuses_lab_and_no_lab_together(capsys):
     assert "not allowed with argument" in _parse_error(["serve", "--lab", "--no-lab"], capsys)
 

@@ -405,16 +405,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif mount_lab_page:  # the lab page beside the API, on its own run queue (k3serve.lab)
         from k3serve.lab.api import mount_lab
         from k3serve.lab.fixtures import LabFixtures
-        from k3serve.weights.store import is_packed_store
 
-        lab_model = args.model if args.model and loaded.architecture.routing_traces \
-            and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
+        lab_model = _lab_model(args.model, loaded)
         # shared weights exist only for a resident K3 folder, which is then the lab's model too; a streamed,
         # GGUF or family model is not the lab's, whose worker loads its own (small) copy as before
         mount_lab(app, LabFixtures(lab_model, shared_weights=loaded.shared_weights))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
     _serve_until_sigterm(_uvicorn_server(app, args), listener)
     return 0
+
+
+def _lab_model(model: str | Path | None, loaded) -> str | Path | None:
+    """The lab's model beside `serve`: the served one when it is a K3 checkpoint folder (the lab's fixtures are K3
+    folders: routing traces, packed and widened stores); anything else (a family, a packed store, a GGUF file): the
+    embedded default (None)."""
+    from k3serve.weights.store import is_packed_store
+
+    if model is None or not loaded.architecture.routing_traces or not Path(model).is_dir() or is_packed_store(model):
+        return None
+    return model
 
 
 def _uvicorn_server(app, args: argparse.Namespace):
