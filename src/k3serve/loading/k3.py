@@ -18,8 +18,7 @@ from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile
 from k3serve.weights.shared_pages import SharedArrays
-from k3serve.weights.store import config_fingerprint
-from k3serve.weights.store import PackedStore
+from k3serve.weights.store import PackedStore, config_fingerprint
 
 K3_EXPERT_PRECISIONS = ("native", "mxfp4")
 

@@ -6,7 +6,8 @@ store, how it is packed, and what it offers beyond the `Model` interface. `load_
 one composition root over it; the commands, the lab and the cluster ask an `Architecture` what it offers instead of
 asking which one it is.
 
-    name         model_type(s)           GGUF             routing traces, expert shards, cluster replicas, shared weights
+    name         model_type(s)           GGUF             routing traces, expert shards, cluster replicas,
+                                                          shared weights
     kimi_k3      kimi_k3 (and the rest)  kimi-k3          yes
     kimi_linear  kimi_linear             kimi-linear      no
     deepseek_v3  deepseek_v3, kimi_k2    deepseek2        no
