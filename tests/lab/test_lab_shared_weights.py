@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from _shared_weights import PROMPT, inside, memfd_spans, weight_arrays
 from k3serve.lab.fixtures import LabFixtures
 from k3serve.lab.jobs import RunQueue
 from k3serve.lab.registry import CancelToken, LabModule, LabResult, Param, get_module
 from k3serve.loading import load_model
 from k3serve.weights.shared_pages import supported
-from tests.loading.test_share_weights import PROMPT, inside, memfd_spans, weight_arrays
 
 pytestmark = pytest.mark.skipif(not supported(), reason="shared pages need Linux's memfd_create")
 
