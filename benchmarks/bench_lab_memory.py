@@ -2,7 +2,7 @@
 with the lab mounted (loopback), after one completion and after the page lists its modules; then the memory of the
 lab's worker process after one run that loads the lab's model (`recurrent_state` with measured tokens).
 
-    python benchmarks/bench_lab_memory.py [--model DIR] [--repeats N]
+    python benchmarks/bench_lab_memory.py [--model DIR] [--repeats N] [--widen N]
 
 Each process is read from /proc/PID/smaps_rollup: RSS, PSS (each shared page divided among the processes that map
 it) and Private (pages only this process maps). Beside the lab, `serve` holds a resident K3 model's weights in
@@ -116,7 +116,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the embedded model)")
     parser.add_argument("--repeats", type=int, default=3, help="servers measured with and without the lab each")
+    parser.add_argument("--widen", type=int, default=1, metavar="N",
+                        help="serve the model with every expert's inner width and latent repeated N times "
+                             "(weights/widen.py: the same function, about N*N times the expert bytes)")
     args = parser.parse_args()
+    if args.widen > 1:
+        import tempfile
+
+        from k3serve.loading import default_model_dir
+        from k3serve.weights.widen import widen_experts
+
+        source = Path(args.model) if args.model else default_model_dir()
+        args.model = str(widen_experts(source, Path(tempfile.mkdtemp(prefix="k3-widened-")) / "model",
+                                       inner=args.widen, latent=args.widen))
     host = describe_host()
     print(host)
     runs = [(measure(False, args.model), measure(True, args.model)) for _ in range(args.repeats)]
