@@ -62,8 +62,9 @@ class ResidentSource(WeightSource):
     def share(self) -> SharedArrays:
         """Move every weight into sealed shared pages, in place: afterwards this source reads read-only views of
         them, and the returned handle lets another process map the same pages (pickled into a spawned process, it
-        travels as a file descriptor). The arrays move one layer at a time, so RAM peaks at about one layer over
-        the model."""
+        travels as a file descriptor). The arrays move one layer at a time, so at most one layer is held twice. If
+        it fails (no memory for the pages) the source is left unusable and the error goes to the caller, whose
+        load fails."""
         writer = SharedPagesWriter("k3serve-weights")
         try:
             self._experts = {}  # views into the stacks: dropped so that each stack is freed once written
