@@ -373,7 +373,7 @@ class LLMEngine:
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
             self._process(scheduled, logits, window, now, touched)
 
-    def _io_aware_window(self, decision: SchedulerOutput):
+    def _io_aware_window(self, decision: SchedulerOutput) -> SequenceSpeculation | None:
         """The speculation of the step's one sequence when it measures what its windows read (--speculative-io-aware)
         and this step is a decode or a verify window of it; else None."""
         if len(decision.scheduled) != 1:
