@@ -35,6 +35,9 @@ class EngineConfig:
     # computes at least this many tokens of their shared prefix beyond the cache's hit, then hits there (0 = never)
     prefix_cache_policy: str = "slru"  # checkpoint replacement: lru, or slru (hit ones protected from one-shot ones;
     # engine/prefix_cache.py)
+    prefix_cache_dir: str | None = None  # the prefix cache's disk tier: checkpoints that leave RAM are written
+    # here and restored by a later hit (engine/prefix_disk.py); None = RAM only
+    prefix_cache_disk_bytes: int = 0  # the disk tier's size (required with prefix_cache_dir)
     num_state_slots: int | None = None  # recurrent state slots; None = max_seqs
     admission_watermark: float = 0.01  # fraction of blocks (at least one) left free when admitting a sequence,
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
@@ -75,6 +78,16 @@ class EngineConfig:
         if isinstance(self.output_cost, bool) or not isinstance(self.output_cost, (int, float)) \
                 or not self.output_cost >= 0:
             raise ConfigError(f"EngineConfig.output_cost must be a number >= 0, got {self.output_cost!r}")
+        if self.prefix_cache_dir is not None:
+            if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
+                raise ConfigError(f"EngineConfig.prefix_cache_dir must be a folder path, got {self.prefix_cache_dir!r}")
+            if isinstance(self.prefix_cache_disk_bytes, bool) or not isinstance(self.prefix_cache_disk_bytes, int) \
+                    or self.prefix_cache_disk_bytes <= 0:
+                raise ConfigError("EngineConfig.prefix_cache_dir needs a positive prefix_cache_disk_bytes, got "
+                                  f"{self.prefix_cache_disk_bytes!r}")
+            if not self.enable_prefix_caching:
+                raise ConfigError("EngineConfig.prefix_cache_dir is the prefix cache's disk tier: it needs "
+                                  "enable_prefix_caching")
         if self.num_blocks is None and self.kv_cache_bytes == 0:
             raise ConfigError("EngineConfig needs num_blocks or a positive kv_cache_bytes")
         if self.num_state_slots is not None and self.num_state_slots < self.max_seqs:

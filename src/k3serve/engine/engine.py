@@ -67,10 +67,12 @@ class LLMEngine:
     def __init__(self, model: Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
                  metrics: MetricsRegistry | None = None, speculative: SpeculativeConfig | None = None,
                  drafters: DrafterFactory | None = None,
-                 on_pause: Callable[[int, int, str], None] | None = None) -> None:
+                 on_pause: Callable[[int, int, str], None] | None = None,
+                 model_identity: str | None = None) -> None:
         """`on_pause(num_positions, layer, part)` is called at every pause point of every forward the engine runs
         and once more at its end (layer num_layers - 1, part MLP) (instruments: the isolation experiment's model
-        clock, engine/isolation.py)."""
+        clock, engine/isolation.py). `model_identity` (the store's or checkpoint's checksum,
+        `loading.model_identity`) keys the prefix cache's disk tier (`config.prefix_cache_dir`)."""
         self.model = model
         self.on_pause = on_pause
         self.speculative = speculative  # the server default; a request may choose its own or none
@@ -85,7 +87,7 @@ class LLMEngine:
         if self.config.step_interruption and not model.supports_nested_forward:
             raise ConfigError("step_interruption needs a model whose weights allow a forward inside "
                               "another (resident K3 weights; not a streaming or traced source, not a family model)")
-        self.scheduler = Scheduler(self.config, model.cache_layout, self.metrics)
+        self.scheduler = Scheduler(self.config, model.cache_layout, self.metrics, model_identity)
         self._paused: SchedulerOutput | None = None  # the forward paused for an urgent one (step interruption)
         self._urgent_outputs: list[RequestOutput] = []  # outputs of the urgent forward inside this step
         self.max_context = min(self.config.max_model_len, self.scheduler.capacity_tokens)
