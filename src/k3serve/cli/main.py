@@ -339,6 +339,9 @@ def _engine_config(args: argparse.Namespace):
     if args.step_interruption == "on" and args.scheduling == "fcfs":
         raise UsageError("--step-interruption pauses a forward for a tenant ranked ahead, and --scheduling fcfs "
                          "ranks no tenant ahead: use --scheduling fair or priority, or leave out --step-interruption")
+    if args.charge == "io" and args.scheduling == "fcfs":
+        raise UsageError("--charge io advances the tenants' virtual counters, which --scheduling fcfs does not rank "
+                         "by: use --scheduling fair or priority")
     if (args.prefix_cache_dir is None) != (args.prefix_cache_disk is None):
         raise UsageError("--prefix-cache-dir and --prefix-cache-disk go together: the folder of the prefix cache's "
                          "disk tier and its size")
@@ -350,7 +353,7 @@ def _engine_config(args: argparse.Namespace):
                         prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
                         checkpoint_every_blocks=args.checkpoint_every_blocks,
                         prefix_wait_tokens=args.prefix_wait_tokens, scheduling=args.scheduling,
-                        output_cost=args.output_cost,
+                        output_cost=args.output_cost, charge=args.charge, io_cost=args.io_cost,
                         prefix_cache_dir=None if args.prefix_cache_dir is None else str(args.prefix_cache_dir),
                         prefix_cache_disk_bytes=0 if args.prefix_cache_disk is None else parse_size(
                             args.prefix_cache_disk),

@@ -43,6 +43,9 @@ class EngineConfig:
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
     scheduling: str = "fcfs"  # between tenants: fcfs, fair (Virtual Token Counter) or priority (engine/fairness.py)
     output_cost: float = 2.0  # fair/priority: an output token's charge relative to a prompt token
+    charge: str = "tokens"  # what advances a tenant's virtual counter: tokens, or io (tokens and seconds waiting
+    # on the disk, engine/io_usage.py)
+    io_cost: float = 1000.0  # charge='io': tokens one second of waiting on reads costs
     step_interruption: bool | str = False  # fair/priority: a forward pauses at a pause point for an arrival of a
     # tenant ranked no worse than every other tenant in it, which runs in a forward of its own first (engine.py);
     # "auto" (the server's default): on under fair and priority when the model allows a nested forward
@@ -88,6 +91,10 @@ class EngineConfig:
             if not self.enable_prefix_caching:
                 raise ConfigError("EngineConfig.prefix_cache_dir is the prefix cache's disk tier: it needs "
                                   "enable_prefix_caching")
+        if self.charge not in ("tokens", "io"):
+            raise ConfigError(f"EngineConfig.charge must be tokens or io, got {self.charge!r}")
+        if isinstance(self.io_cost, bool) or not isinstance(self.io_cost, (int, float)) or not self.io_cost >= 0:
+            raise ConfigError(f"EngineConfig.io_cost must be a number >= 0, got {self.io_cost!r}")
         if self.num_blocks is None and self.kv_cache_bytes == 0:
             raise ConfigError("EngineConfig needs num_blocks or a positive kv_cache_bytes")
         if self.num_state_slots is not None and self.num_state_slots < self.max_seqs:

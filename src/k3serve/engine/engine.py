@@ -38,6 +38,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.fairness import TenantShare
+from k3serve.engine.io_usage import split_step
 from k3serve.engine.engine_metrics import EngineMetrics
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
@@ -50,6 +51,7 @@ from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.engine.source_metrics import watch_source
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
+from k3serve.model.expert_source import StreamStats
 from k3serve.model.interface import MLP, ForwardItem, Model
 
 if TYPE_CHECKING:
@@ -356,20 +358,40 @@ class LLMEngine:
                 window = None
                 items.append(ForwardItem(np.asarray(ids, np.int64), seq.cache))
             windows.append(window)
+        source = self.model.experts
+        before = source.local_stats() if source is not None else None
         try:
             if self.on_pause is None and not self.config.step_interruption:
                 result = self.model.forward(items)
             else:
                 result = self.model.forward(items, at_pause=self._at_pause(decision))
         except Exception as exc:  # noqa: BLE001 - isolate, never kill the loop
+            self._charge_io(decision, before)
             self._forward_failed(decision, exc, touched)
             return
+        self._charge_io(decision, before)
         if self.on_pause is not None:  # the last layer's MLP and the logits (no pause point there)
             self.on_pause(decision.num_batched_tokens, self.model_config.num_layers - 1, MLP)
         self.figures.computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
             self._process(scheduled, logits, window, now, touched)
+
+    def _charge_io(self, decision: SchedulerOutput, before: StreamStats | None) -> None:
+        """Charge the reads of the forward that just ran (the source's counters since `before`) to its requests, by
+        their share of its tokens (engine/io_usage.py), in their usage, the per-tenant series and, with
+        `charge='io'`, the tenants' virtual counters."""
+        if before is None:
+            return
+        step = self.model.experts.local_stats().minus(before)
+        if not (step.bytes_read or step.expert_misses or step.io_wait_seconds):
+            return
+        shares = split_step(step, [s.num_new_tokens for s in decision.scheduled])
+        for scheduled, share in zip(decision.scheduled, shares):
+            request = scheduled.seq.request
+            request.io.add(share)
+            self.figures.io_charged(request.tenant, share)
+            self.scheduler.policy.charge_io(request.tenant, share.io_wait_seconds)
 
     def _sample_cached(self, scheduled: list[ScheduledSequence], touched: dict[str, Request]) -> None:
         """Sequences the prefix cache restored whole, with the logits after their last token: they sample from those
@@ -522,7 +544,8 @@ class LLMEngine:
                 seq.num_emitted = len(generated)
             ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
             out = RequestOutput(request.request_id, list(request.prompt_token_ids), completions, request.finished,
-                                request.error, request.num_cached_tokens, ttft)
+                                request.error, request.num_cached_tokens, ttft, request.io.bytes_read,
+                                request.io.expert_misses, 1000.0 * request.io.io_wait_seconds)
             outputs.append(out)
             if request.on_output is not None:
                 try:

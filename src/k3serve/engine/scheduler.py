@@ -110,7 +110,8 @@ class Scheduler:
         self._m_preemptions = metrics.counter("preemptions", "sequences preempted (memory freed, to recompute)")
         self._m_prefix_waits = metrics.counter(
             "prefix_waits", "sequences held back to hit a shared prefix a running sequence was still computing")
-        self.policy = make_policy(config.scheduling, config.output_cost)
+        self.policy = make_policy(config.scheduling, config.output_cost,
+                                  config.io_cost if config.charge == "io" else 0.0)
         self.preemptions_by_tenant: Counter[str] = Counter()
         self._tenant_seqs: Counter[str] = Counter()  # queued + running sequences per tenant (the active ones)
         self._m_tenant_preemptions = metrics.family(

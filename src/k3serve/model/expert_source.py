@@ -152,6 +152,11 @@ class ExpertSource(ABC):
         """The counters (`SourceStats`); `timeout` bounds a remote owner's answer (expert parallelism)."""
         return SourceStats()
 
+    def local_stats(self) -> StreamStats | None:
+        """This process's read counters, without asking anyone else (the engine reads them around every forward
+        to charge each request its step's bytes); None when nothing streams here."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__
 

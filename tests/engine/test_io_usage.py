@@ -1,0 +1,93 @@
+"""Disk reads charged to the requests that caused them: each step's bytes, expert misses and I/O wait split by the
+sequences' shares of its tokens, summing to the source's totals; per-tenant series; `charge='io'` advances the
+virtual counter by disk seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLMEngine
+from k3serve.engine.fairness import make_policy
+from k3serve.engine.io_usage import split_step
+from k3serve.engine.sampling import SamplingParams
+from k3serve.errors import ConfigError
+from k3serve.loading import load_model
+from k3serve.model.expert_source import StreamStats
+from k3serve.serve.metrics import render_metrics
+from k3serve.stream.budget import minimum_budget_bytes
+from k3serve.stream.options import StreamOptions
+
+PROMPTS = {"a": [1, 5, 9, 200, 17, 33, 4, 90, 12], "b": [250, 3, 3, 71, 8], "c": [42, 43, 44, 45, 46, 47, 48]}
+
+
+@pytest.mark.parametrize("tokens", [[1], [3, 1, 1], [2000, 1, 1, 1], [7, 0, 5], [1, 1, 1]])
+def test_a_steps_reads_are_split_by_token_share_and_sum_exactly(tokens):
+    step = StreamStats(expert_bytes_read=1_000_003, trunk_bytes_read=17, expert_misses=11, io_wait_seconds=0.3)
+    shares = split_step(step, tokens)
+    assert sum(s.bytes_read for s in shares) == step.bytes_read
+    assert sum(s.expert_misses for s in shares) == step.expert_misses
+    assert sum(s.io_wait_seconds for s in shares) == pytest.approx(step.io_wait_seconds)
+    for share, n in zip(shares, tokens):
+        assert abs(share.bytes_read - step.bytes_read * n / sum(tokens)) < 1
+        assert abs(share.expert_misses - step.expert_misses * n / sum(tokens)) < 1
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny_store):
+    loaded = load_model(tiny_store.path, stream=StreamOptions(ram_budget=minimum_budget_bytes(tiny_store),
+                                                              cache="lru", io="pread"))
+    yield loaded.model
+    loaded.model.source.close()
+
+
+def _serve(model, config: EngineConfig, drive):
+    engine = LLMEngine(model, config)
+    before = model.experts.local_stats()
+    ids = {engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), tenant=tenant): tenant
+           for tenant, prompt in PROMPTS.items()}
+    finals = drive(engine)
+    return engine, {ids[r]: out for r, out in finals.items()}, model.experts.local_stats().minus(before)
+
+
+def test_usage_fields_sum_to_the_sources_reads(streamed, drive):
+    engine, outputs, total = _serve(streamed, EngineConfig(block_size=4, num_blocks=64, max_seqs=4), drive)
+    assert total.bytes_read > 0 and total.expert_misses > 0
+    assert sum(o.bytes_read for o in outputs.values()) == total.bytes_read
+    assert sum(o.expert_misses for o in outputs.values()) == total.expert_misses
+    assert sum(o.io_wait_ms for o in outputs.values()) == pytest.approx(1000 * total.io_wait_seconds)
+    assert all(o.bytes_read > 0 for o in outputs.values())
+    text = render_metrics(engine.metrics)[0].decode()
+    family = engine.figures.tenant_bytes_read
+    assert {t: family.labels(t).value for t in PROMPTS} == {t: outputs[t].bytes_read for t in PROMPTS}
+    assert engine.figures.tenant_expert_misses.labels("a").value == outputs["a"].expert_misses
+    series = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("k3serve_tenant_")}
+    for tenant in PROMPTS:
+        assert series[f'k3serve_tenant_bytes_read_total{{tenant="{tenant}"}}'] == outputs[tenant].bytes_read
+        assert series[f'k3serve_tenant_expert_misses_total{{tenant="{tenant}"}}'] == outputs[tenant].expert_misses
+
+
+def test_charge_io_advances_the_virtual_counter_by_disk_seconds(streamed, drive):
+    base = dict(block_size=4, num_blocks=64, max_seqs=4, scheduling="fair")
+    tokens_engine, tokens_out, _ = _serve(streamed, EngineConfig(**base), drive)
+    io_engine, io_out, _ = _serve(streamed, EngineConfig(**base, charge="io", io_cost=5000.0), drive)
+    for tenant in PROMPTS:
+        waited = io_engine.figures.tenant_io_wait.labels(tenant).value
+        assert waited > 0
+        extra = io_engine.scheduler.policy.counter(tenant) - tokens_engine.scheduler.policy.counter(tenant)
+        # the same tokens, plus 5000 tokens per second of waiting (lifts at activation may move the floor)
+        assert extra == pytest.approx(5000.0 * waited, rel=0.3) and extra > 0
+
+
+def test_charge_io_is_checked():
+    with pytest.raises(ConfigError, match="charge"):
+        EngineConfig(charge="bytes")
+    with pytest.raises(ConfigError, match="io_cost"):
+        EngineConfig(io_cost=-1.0)
+    policy = make_policy("fair", io_cost=100.0)
+    policy.charge_io("t", 0.5)
+    assert policy.counter("t") == 50.0
+    free = make_policy("fair")
+    free.charge_io("t", 0.5)
+    assert free.counter("t") == 0.0
