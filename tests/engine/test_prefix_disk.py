@@ -177,44 +177,99 @@ def test_a_disk_tier_needs_the_model_identity_and_a_size(tiny_model, tmp_path):
 
 
 WRITER = """
-import sys
+import os, sys, time
 import numpy as np
-from pathlib import Path
+from k3serve.engine import prefix_disk
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.prefix_disk import CheckpointPayload, PrefixDiskTier
 from k3serve.model.cache import CacheLayout
+folder, stop = sys.argv[1], sys.argv[2]  # stop: none, mid-data or before-rename (of the 4th entry)
+count = [0]
+real_write, real_replace = os.write, os.replace
+
+def hold():
+    print("holding", flush=True)
+    time.sleep(600)
+
+def write(fd, data):
+    if stop == "mid-data" and count[0] == 3 and len(data) > 8192:
+        real_write(fd, data[:len(data) // 2])
+        hold()
+    return real_write(fd, data)
+
+def replace(a, b):
+    if stop == "before-rename" and count[0] == 3:
+        hold()
+    return real_replace(a, b)
+
+os.write, os.replace = write, replace
 layout = CacheLayout({0: 256}, {1: ((4, 16, 16), (2, 8))})
-tier = PrefixDiskTier(sys.argv[1], 1 << 34, layout, "m", "slru", MetricsRegistry())
+tier = PrefixDiskTier(folder, 1 << 34, layout, "m", "slru", MetricsRegistry())
 for i in range(10 ** 6):
     rows = np.full((1, 4096, 256), i % 251, np.float32)  # 4 MiB per entry
     tier.write(root_hash("t", None), i.to_bytes(16, "little"), (i,), 4096, CheckpointPayload(
         rows, [np.full((4, 16, 16), i, np.float32)], [np.full((2, 8), i, np.float32)], None), protected=False)
+    count[0] += 1
     print(i, flush=True)
 """
 
 
-def test_kill_9_during_writes_then_a_restart_hits_only_whole_entries(tmp_path):
-    """A writer killed mid-stream leaves at most a temporary file; the restart removes it and every entry it
-    indexes reads back whole (its checksum holds and its values are the writer's)."""
+@pytest.mark.parametrize("stop", ["mid-data", "before-rename", "none"])
+def test_kill_9_during_writes_then_a_restart_hits_only_whole_entries(tmp_path, stop):
+    """A writer killed while it writes an entry's data, before its rename, or at a random point leaves at most a
+    temporary file; the restart removes it and every entry it indexes reads back whole (its checksum holds and its
+    values are the writer's)."""
     layout = CacheLayout({0: 256}, {1: ((4, 16, 16), (2, 8))})
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env,
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), stop], stdout=subprocess.PIPE, env=env,
                               text=True)
     written = []
     while len(written) < 3:
         written.append(int(writer.stdout.readline()))
-    time.sleep(0.01 * (os.getpid() % 7))  # somewhere inside the next writes
+    if stop == "none":
+        time.sleep(0.01 * (os.getpid() % 7))  # somewhere inside the next writes
+    else:
+        assert writer.stdout.readline().strip() == "holding"  # inside the 4th write
+        assert list(tmp_path.glob("*" + TEMP_MARK + "*"))
     writer.send_signal(signal.SIGKILL)
     writer.wait()
-    (tmp_path / f"{'0' * 32}{SUFFIX}{TEMP_MARK}{writer.pid}").write_bytes(b"K3PC" + b"\0" * 100)  # a cut temp
     tier = PrefixDiskTier(tmp_path, 1 << 34, layout, "m", "slru", MetricsRegistry())
     assert not list(tmp_path.glob("*" + TEMP_MARK + "*"))
     entries = [entry for group in tier._index.values() for entry in group.values()]
-    assert {int.from_bytes(e.parent, "little") for e in entries} >= set(written)
+    indexed = {int.from_bytes(e.parent, "little") for e in entries}
+    assert indexed >= set(written)
+    if stop != "none":
+        assert indexed == set(written)  # the held write never became an entry
     for entry in entries:
         i = int.from_bytes(entry.parent, "little")
         payload = tier.read(entry)
         assert payload is not None and payload.rows.shape == (1, 4096, 256)
         assert payload.rows[0, -1, -1] == i % 251 and payload.states[0][0, 0, 0] == i
     assert tier.num_entries == len(_files(tmp_path))
+
+
+def test_a_temporary_file_of_a_live_writer_is_left_alone(tmp_path):
+    alive = tmp_path / f"{'0' * 32}{SUFFIX}{TEMP_MARK}1"  # pid 1 is always alive
+    dead = tmp_path / f"{'1' * 32}{SUFFIX}{TEMP_MARK}999999999"
+    for path in (alive, dead):
+        path.write_bytes(b"K3PC" + b"\0" * 100)
+    PrefixDiskTier(tmp_path, 1 << 20, LAYOUT, "m", "slru", MetricsRegistry())
+    assert alive.exists() and not dead.exists()
+
+
+def test_a_checkpoint_protected_in_ram_stays_protected_on_disk(tiny_model, drive, tmp_path):
+    """The two tiers share the segmented policy: a checkpoint that recurred (a fork at it) and leaves RAM while
+    protected (the blocks under it were reused) enters disk's protected segment."""
+    engine = _engine(tiny_model, tmp_path, num_state_checkpoints=3, num_blocks=16)
+    cache = engine.scheduler.prefix_cache
+    _run(engine, drive, PROMPT_A)
+    _run(engine, drive, PROMPT_A + [7, 7])
+    _run(engine, drive, PROMPT_A + [8, 8])  # parts from the last one at len(PROMPT_A): a fork, protected
+    parent, tail = next((c.parent, c.tail) for c in cache._recency.protected.values()
+                        if c.position == len(PROMPT_A))
+    for k in range(8):  # other prompts take the blocks under it
+        _run(engine, drive, [k + 3] + PROMPT_C[k:])
+    assert tail not in cache._index.get(parent, {})  # it left RAM
+    assert cache.disk.group(parent)[tail].key in cache.disk._segments.protected
+    assert _run(engine, drive, PROMPT_A + [9, 9])[1] == len(PROMPT_A)  # and it hits from there
