@@ -62,7 +62,7 @@ def run(loaded, mode: str, args: argparse.Namespace, step_cost: tuple[float, flo
     usage = {HIT: [0, 0, 0], MISS: [0, 0, 0]}  # misses, bytes, positions
 
     def hit_prompt() -> list[int]:
-        start = int(rng.integers(0, len(code_ids) - args.light_prompt))
+        start = int(rng.integers(0, len(code_ids) - args.light_prompt + 1))
         return code_ids[start:start + args.light_prompt]
 
     def on_hit_output(out) -> None:
@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--flood-max-tokens", type=int, default=32)
     parser.add_argument("--light-prompt", type=int, default=32)
     parser.add_argument("--light-max-tokens", type=int, default=4)
+    parser.add_argument("--hit-text-tokens", type=int, default=96,
+                        help="H's windows come from the first this many tokens of one source file (a narrow domain)")
     parser.add_argument("--interval", type=float, default=0.25)
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--io-cost", type=float, default=1000.0)
@@ -137,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     resident = load_model(None)
     step_cost = calibrate_step_cost(resident.model)
-    code_ids = list(resident.tokenizer.encode(SOURCE_TEXT.read_text()))
+    code_ids = list(resident.tokenizer.encode(SOURCE_TEXT.read_text()))[:args.hit_text_tokens]
     del resident
     loaded = load_model(None, stream=StreamOptions(ram_budget=parse_size(args.ram_budget), io="direct",
                                                    cache="lru"))

@@ -13,7 +13,9 @@ from k3serve.engine.io_usage import split_step
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
 from k3serve.loading import load_model
-from k3serve.model.expert_source import StreamStats
+import numpy as np
+
+from k3serve.model.expert_source import StepReads, StreamStats
 from k3serve.serve.metrics import render_metrics
 from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.stream.options import StreamOptions
@@ -31,6 +33,26 @@ def test_a_steps_reads_are_split_by_token_share_and_sum_exactly(tokens):
     for share, n in zip(shares, tokens):
         assert abs(share.bytes_read - step.bytes_read * n / sum(tokens)) < 1
         assert abs(share.expert_misses - step.expert_misses * n / sum(tokens)) < 1
+
+
+def test_a_miss_is_charged_to_the_tokens_routed_to_its_expert():
+    """Sequence 0 (3 tokens) alone routes to expert 5; one token of each routes to expert 7; sequence 2 (2 tokens)
+    routes to resident experts only and pays none of the misses, only its token share of the trunk bytes."""
+    routing = np.array([[5, 1], [5, 7], [2, 5], [7, 1], [3, 1], [1, 2], [3, 2]])  # [T=7, TOPK=2]
+    reads = StepReads([(4, 5, 8192), (4, 7, 8192)], {4: routing})
+    step = StreamStats(expert_bytes_read=2 * 8192, trunk_bytes_read=700, expert_misses=2, io_wait_seconds=0.2)
+    a, b, c = split_step(step, [3, 2, 2], reads)
+    # misses: a 1 + 1/2, b 1/2, c 0; bytes: 12288 + 300, 4096 + 200, 0 + 200
+    assert (a.expert_misses, b.expert_misses, c.expert_misses) == (2, 0, 0)
+    assert (a.bytes_read, b.bytes_read, c.bytes_read) == (12288 + 300, 4096 + 200, 200)
+    assert a.io_wait_seconds + b.io_wait_seconds + c.io_wait_seconds == pytest.approx(0.2)
+    assert c.io_wait_seconds == pytest.approx(0.2 * 200 / (2 * 8192 + 700))
+
+
+def test_without_the_routing_a_step_is_charged_by_token_share():
+    step = StreamStats(expert_bytes_read=8192, expert_misses=1, io_wait_seconds=0.1)
+    reads = StepReads([(4, 5, 8192)], {})  # the layer's routing was not recorded
+    assert [s.bytes_read for s in split_step(step, [1, 3], reads)] == [2048, 6144]
 
 
 @pytest.fixture(scope="module")

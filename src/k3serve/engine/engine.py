@@ -378,15 +378,16 @@ class LLMEngine:
             self._process(scheduled, logits, window, now, touched)
 
     def _charge_io(self, decision: SchedulerOutput, before: StreamStats | None) -> None:
-        """Charge the reads of the forward that just ran (the source's counters since `before`) to its requests, by
-        their share of its tokens (engine/io_usage.py), in their usage, the per-tenant series and, with
-        `charge='io'`, the tenants' virtual counters."""
+        """Charge the reads of the forward that just ran (the source's counters since `before`) to its requests: a
+        miss to the tokens routed to its expert, the rest by share of the tokens (engine/io_usage.py), in their
+        usage, the per-tenant series and, with `charge='io'`, the tenants' virtual counters."""
         if before is None:
             return
-        step = self.model.experts.local_stats().minus(before)
+        source = self.model.experts
+        step = source.local_stats().minus(before)
         if not (step.bytes_read or step.expert_misses or step.io_wait_seconds):
             return
-        shares = split_step(step, [s.num_new_tokens for s in decision.scheduled])
+        shares = split_step(step, [s.num_new_tokens for s in decision.scheduled], source.step_reads())
         for scheduled, share in zip(decision.scheduled, shares):
             request = scheduled.seq.request
             request.io.add(share)

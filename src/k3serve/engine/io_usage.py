@@ -1,21 +1,28 @@
-"""Charging a step's disk reads to the requests in it.
+"""Charging a step's disk reads to the requests that caused them.
 
-A batched forward reads each expert and trunk layer once for every token that needs it, so the bytes cannot be
-split by who asked first. The rule: the step's counters (what the source read between the forward's start and its
-end: bytes, on-demand expert reads, seconds the compute thread waited on them) are split by each sequence's share
-of the step's tokens,
-    x_i = X * n_i / sum_j n_j,
-integer counts by largest remainder, so that the shares of bytes and misses add up to the step's totals exactly.
-A sequence of 2,000 prefill tokens in a step with three decodes pays 2000/2003 of that step's reads. A step whose
-routing is one tenant's domain and another's decodes thus charges them by size, not by whose tokens missed: the
-per-expert split would need the model's routing per token, which the source does not see.
+A batched forward reads each expert and trunk layer once for every token that needs it. The rule, per forward
+(the source's counters between its start and its end):
+  - an expert read on demand (a miss) is charged to the tokens routed to that expert in that layer in this forward,
+    split equally among them, so each sequence pays (its tokens routed there) / (all tokens routed there) of the
+    miss and of its bytes. A sequence whose tokens hit resident experts pays nothing for another's misses in the
+    same step. This needs the source's record of the step (`ExpertSource.step_reads`: the misses and the routing
+    per layer); a source without one (families, shards, expert parallelism) is charged by the next rule;
+  - every other byte (trunk layers streamed, experts read ahead on a guess, checksum retries) is charged by token
+    share: sequence i pays n_i / sum_j n_j of it (n: positions it computed in the forward);
+  - the seconds the compute thread waited on reads are charged in proportion to the bytes charged.
+Integer counts (bytes, misses) are rounded by largest remainder, so the charges of a step add up to its totals
+exactly.
+
+Shapes: T tokens of the forward (the sequences' tokens concatenated in batch order), TOPK experts per token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3serve.model.expert_source import StreamStats
+import numpy as np
+
+from k3serve.model.expert_source import StepReads, StreamStats
 
 
 @dataclass
@@ -32,10 +39,10 @@ class IOUsage:
         self.io_wait_seconds += other.io_wait_seconds
 
 
-def _largest_remainder(total: int, weights: list[int]) -> list[int]:
-    """`total` split in proportion to `weights` (integers that sum to `total`)."""
-    whole = sum(weights)
-    if whole == 0 or total == 0:
+def largest_remainder(total: int, weights: list[float]) -> list[int]:
+    """`total` split in proportion to `weights` (integers that sum to `total`; ties to the earlier index)."""
+    whole = float(sum(weights))
+    if whole <= 0 or total == 0:
         return [0] * len(weights)
     exact = [total * w / whole for w in weights]
     parts = [int(x) for x in exact]
@@ -45,11 +52,40 @@ def _largest_remainder(total: int, weights: list[int]) -> list[int]:
     return parts
 
 
-def split_step(step: StreamStats, num_tokens: list[int]) -> list[IOUsage]:
-    """The step's reads (`step`: the source's counters over one forward) charged to sequences that computed
-    `num_tokens` positions each (see the module docstring)."""
-    whole = sum(num_tokens)
-    bytes_read = _largest_remainder(step.bytes_read, num_tokens)
-    misses = _largest_remainder(step.expert_misses, num_tokens)
-    return [IOUsage(b, m, step.io_wait_seconds * n / whole if whole else 0.0)
-            for b, m, n in zip(bytes_read, misses, num_tokens)]
+def _miss_weights(reads: StepReads, num_tokens: list[int]) -> tuple[np.ndarray, int] | None:
+    """(each sequence's share of the step's misses [S] (floats summing to the number of misses it could place),
+    the bytes of those misses), or None when the routing does not cover the step."""
+    bounds = np.cumsum([0] + num_tokens)  # sequence i owns rows bounds[i]:bounds[i + 1]
+    shares = np.zeros(len(num_tokens))
+    placed_bytes = 0
+    for layer, expert, nbytes in reads.misses:
+        routing = reads.routing.get(layer)
+        if routing is None or routing.shape[0] != bounds[-1]:
+            return None
+        routed = np.any(routing == expert, axis=1)  # [T]
+        counts = np.add.reduceat(routed.astype(np.int64), bounds[:-1]) if len(num_tokens) else np.zeros(0)
+        counts = np.where(np.asarray(num_tokens) > 0, counts, 0)  # reduceat repeats a row for empty ranges
+        if counts.sum() == 0:
+            return None
+        shares += counts / counts.sum()
+        placed_bytes += nbytes
+    return shares, placed_bytes
+
+
+def split_step(step: StreamStats, num_tokens: list[int], reads: StepReads | None = None) -> list[IOUsage]:
+    """The step's reads (`step`: the source's counters over one forward; `reads`: its misses and routing, when the
+    source records them) charged to sequences that computed `num_tokens` positions each (see the module
+    docstring)."""
+    weights = _miss_weights(reads, num_tokens) if reads is not None and reads.misses else None
+    if weights is None or weights[1] > step.bytes_read or len(reads.misses) != step.expert_misses:
+        miss_shares, miss_bytes = [float(n) for n in num_tokens], 0  # token share for everything
+        misses = largest_remainder(step.expert_misses, miss_shares)
+    else:
+        miss_shares, miss_bytes = weights[0].tolist(), weights[1]
+        misses = largest_remainder(step.expert_misses, miss_shares)
+    other = largest_remainder(step.bytes_read - miss_bytes, [float(n) for n in num_tokens])
+    charged = [o + b for o, b in zip(other, largest_remainder(miss_bytes, miss_shares))]
+    total = sum(charged)
+    waits = [step.io_wait_seconds * b / total if total else step.io_wait_seconds * n / max(sum(num_tokens), 1)
+             for b, n in zip(charged, num_tokens)]
+    return [IOUsage(b, m, w) for b, m, w in zip(charged, misses, waits)]

@@ -67,6 +67,7 @@ class ExpertCache:
         self.store = store
         self.io = io
         self.stats = stats
+        self.step_misses: list[tuple[int, int, int]] = []  # (layer, expert, bytes) read on demand in this step
         self._slot_buffer = slot_buffer
         self._slots = [_Slot(i) for i in range(num_slots)]
         self._table: dict[Key, int] = {}
@@ -89,6 +90,7 @@ class ExpertCache:
 
     def begin_step(self) -> None:
         self._step += 1
+        self.step_misses = []  # (layer, expert, bytes) read on demand in this step
 
     # ---- demand loads ------------------------------------------------------------------------------------------
     def load(self, layer: int, group: Sequence[int]) -> list[int]:
@@ -127,6 +129,8 @@ class ExpertCache:
             slot.warm = True
             self.policy.admit(slot.key)
             loading.append(index)
+        for index in loading:
+            self.step_misses.append((layer, self._slots[index].key[1], len(self._slots[index].extent.buffer)))
         if loading:
             extents = [self._slots[i].extent for i in loading]
             started = time.perf_counter()
