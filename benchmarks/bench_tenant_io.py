@@ -2,12 +2,13 @@
 (issue 35, item 3).
 
 The embedded model is packed (once) and streamed under --ram-budget with O_DIRECT reads (`io=direct`, LRU expert
-cache). Tenant H sends one short request every --interval seconds, each a window of Python source (one domain);
-tenant M keeps --flood requests live, each a prompt of random token ids (no domain: its routing spreads over the
+cache). Tenant H sends one short request every --interval seconds, each a --light-prompt window of the first
+--hit-text-tokens tokens of one Python source file (by default one fixed 8-token prompt: alone, its experts stay
+cached and it barely reads); tenant M keeps --flood requests live, each a prompt of random token ids (no domain: its routing spreads over the
 experts). Each round runs, alternating: H alone (fair), H + M under fair charged by tokens, H + M under fair with
 charge io (--io-cost tokens per second of waiting on reads). Reported per mode (medians over rounds): H's TTFT p50
 and p99, and each tenant's expert misses and bytes per computed token from the requests' own usage fields
-(engine/io_usage.py: each step's reads split by token share).
+(engine/io_usage.py: a miss charged to the tokens routed to its expert, other bytes by token share).
 
 Clock (--clock model, the default): every forward runs for real, but time is a virtual clock advanced after each
 step by the step's compute cost (fixed + per position, calibrated once on the resident model: no I/O in it) plus
@@ -16,7 +17,7 @@ does not enter the compute part, while the disk waits stay real. --clock wall us
 
 Prints the machine, one summary line, and a JSON record on the last line.
 
-    python benchmarks/bench_tenant_io.py [--rounds 3] [--duration 10] [--ram-budget 6M] [--clock model|wall]
+    python benchmarks/bench_tenant_io.py [--rounds 3] [--duration 10] [--ram-budget 8M] [--clock model|wall]
 """
 
 from __future__ import annotations
@@ -123,13 +124,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per run (clock seconds)")
-    parser.add_argument("--ram-budget", default="6M")
+    parser.add_argument("--ram-budget", default="8M")
     parser.add_argument("--flood", type=int, default=8)
     parser.add_argument("--flood-prompt", type=int, default=128)
     parser.add_argument("--flood-max-tokens", type=int, default=32)
-    parser.add_argument("--light-prompt", type=int, default=32)
+    parser.add_argument("--light-prompt", type=int, default=8)
     parser.add_argument("--light-max-tokens", type=int, default=4)
-    parser.add_argument("--hit-text-tokens", type=int, default=96,
+    parser.add_argument("--hit-text-tokens", type=int, default=8,
                         help="H's windows come from the first this many tokens of one source file (a narrow domain)")
     parser.add_argument("--interval", type=float, default=0.25)
     parser.add_argument("--max-batch-tokens", type=int, default=256)

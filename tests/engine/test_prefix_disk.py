@@ -273,3 +273,14 @@ def test_a_checkpoint_protected_in_ram_stays_protected_on_disk(tiny_model, drive
     assert tail not in cache._index.get(parent, {})  # it left RAM
     assert cache.disk.group(parent)[tail].key in cache.disk._segments.protected
     assert _run(engine, drive, PROMPT_A + [9, 9])[1] == len(PROMPT_A)  # and it hits from there
+
+
+def test_a_long_tail_header_spans_pages_and_round_trips(tmp_path):
+    """A block size of 1,024 gives tails of up to 1,023 tokens: 8 KiB of header."""
+    tier = PrefixDiskTier(tmp_path, 1 << 20, LAYOUT, "m", "lru", MetricsRegistry())
+    tail = tuple(range(700))
+    payload = _payload(1024 + 700, 3)
+    assert tier.write(root_hash("t", None), b"p" * 16, tail, 1024 + 700, payload, protected=False)
+    restarted = PrefixDiskTier(tmp_path, 1 << 20, LAYOUT, "m", "lru", MetricsRegistry())
+    got = restarted.read(restarted.group(b"p" * 16)[tail])
+    assert got is not None and np.array_equal(got.rows, payload.rows)

@@ -267,6 +267,9 @@ class PrefixDiskTier:
             try:
                 with open(path, "rb") as f:
                     head = f.read(ALIGNMENT)
+                    if len(head) >= _FIXED.size:  # a long tail (a large block size) runs past the first page
+                        tail_len = _FIXED.unpack_from(head, 0)[6]
+                        head += f.read(max(0, _FIXED.size + 8 * tail_len + _CRC.size - len(head)))
                     size = os.fstat(f.fileno()).st_size
                     mtime = os.fstat(f.fileno()).st_mtime
                 header = _parse_header(head)
@@ -428,7 +431,7 @@ class PrefixDiskTier:
         self._m_reads.inc()
         self._m_read_bytes.inc(size)
         try:
-            header = _parse_header(memoryview(buffer)[:ALIGNMENT])
+            header = _parse_header(memoryview(buffer))
         except (CorruptEntry, ValueError) as exc:
             return self._discard(entry, str(exc))
         if (header.identity, header.root, header.parent, header.tail, header.position) != \
