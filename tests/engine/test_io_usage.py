@@ -9,7 +9,7 @@ import pytest
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.fairness import make_policy
-from k3serve.engine.io_usage import split_step
+from k3serve.engine.io_usage import PollutionLedger, split_step
 from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import ConfigError
 from k3serve.loading import load_model
@@ -39,7 +39,7 @@ def test_a_miss_is_charged_to_the_tokens_routed_to_its_expert():
     """Sequence 0 (3 tokens) alone routes to expert 5; one token of each routes to expert 7; sequence 2 (2 tokens)
     routes to resident experts only and pays none of the misses, only its token share of the trunk bytes."""
     routing = np.array([[5, 1], [5, 7], [2, 5], [7, 1], [3, 1], [1, 2], [3, 2]])  # [T=7, TOPK=2]
-    reads = StepReads([(4, 5, 8192), (4, 7, 8192)], {4: routing})
+    reads = StepReads([(4, 5, 8192, ()), (4, 7, 8192, ())], {4: routing})
     step = StreamStats(expert_bytes_read=2 * 8192, trunk_bytes_read=700, expert_misses=2, io_wait_seconds=0.2)
     a, b, c = split_step(step, [3, 2, 2], reads)
     # misses: a 1 + 1/2, b 1/2, c 0; bytes: 12288 + 300, 4096 + 200, 0 + 200
@@ -51,8 +51,23 @@ def test_a_miss_is_charged_to_the_tokens_routed_to_its_expert():
 
 def test_without_the_routing_a_step_is_charged_by_token_share():
     step = StreamStats(expert_bytes_read=8192, expert_misses=1, io_wait_seconds=0.1)
-    reads = StepReads([(4, 5, 8192)], {})  # the layer's routing was not recorded
+    reads = StepReads([(4, 5, 8192, ())], {})  # the layer's routing was not recorded
     assert [s.bytes_read for s in split_step(step, [1, 3], reads)] == [2048, 6144]
+
+
+def test_charge_io_bills_a_miss_on_an_expert_another_tenant_evicted_to_that_tenant():
+    ledger = PollutionLedger()
+    # step 1: M's tokens load expert 5 of layer 4, whose slot held H's expert 9 (evicted); a cold miss: M's
+    step = StreamStats(expert_bytes_read=8192, trunk_bytes_read=8192, expert_misses=1, io_wait_seconds=0.2)
+    reads = StepReads([(4, 5, 8192, ((4, 9),))], {4: np.array([[5, 1], [2, 3]])})
+    assert ledger.causes(step, reads, [1, 1], ["M", "H"]) == pytest.approx({"M": 0.1 + 0.05, "H": 0.05})
+    # step 2: H alone misses expert 9 again (evicting expert 1): M's read caused it, M pays the miss's share
+    reads = StepReads([(4, 9, 8192, ((4, 1),))], {4: np.array([[9, 2]])})
+    assert ledger.causes(step, reads, [1], ["H"]) == pytest.approx({"M": 0.1, "H": 0.1})
+    # step 3: H misses expert 1, which H's own read evicted: H's; the ledger forgets what it billed
+    reads = StepReads([(4, 1, 8192, ())], {4: np.array([[1, 2]])})
+    assert ledger.causes(step, reads, [1], ["H"]) == pytest.approx({"H": 0.2})
+    assert len(ledger) == 0
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +108,14 @@ def test_usage_fields_sum_to_the_sources_reads(streamed, drive):
 def test_charge_io_advances_the_virtual_counter_by_disk_seconds(streamed, drive):
     base = dict(block_size=4, num_blocks=64, max_seqs=4, scheduling="fair")
     tokens_engine, tokens_out, _ = _serve(streamed, EngineConfig(**base), drive)
-    io_engine, io_out, _ = _serve(streamed, EngineConfig(**base, charge="io", io_cost=5000.0), drive)
+    io_engine, io_out, total = _serve(streamed, EngineConfig(**base, charge="io", io_cost=5000.0), drive)
+    caused = {tenant: io_engine.figures.tenant_io_caused.labels(tenant).value for tenant in PROMPTS}
+    assert sum(caused.values()) == pytest.approx(total.io_wait_seconds)  # every second of waiting is billed
+    assert not any(tokens_engine.figures.tenant_io_caused.labels(t).value for t in PROMPTS)
     for tenant in PROMPTS:
-        waited = io_engine.figures.tenant_io_wait.labels(tenant).value
-        assert waited > 0
         extra = io_engine.scheduler.policy.counter(tenant) - tokens_engine.scheduler.policy.counter(tenant)
-        # the same tokens, plus 5000 tokens per second of waiting (lifts at activation may move the floor)
-        assert extra == pytest.approx(5000.0 * waited, rel=0.3) and extra > 0
+        # the same tokens, plus 5000 tokens per second of waiting caused (lifts at activation may move the floor)
+        assert caused[tenant] > 0 and extra == pytest.approx(5000.0 * caused[tenant], rel=0.3) and extra > 0
 
 
 def test_charge_io_is_checked():

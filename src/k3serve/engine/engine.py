@@ -38,7 +38,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.fairness import TenantShare
-from k3serve.engine.io_usage import split_step
+from k3serve.engine.io_usage import PollutionLedger, split_step
 from k3serve.engine.engine_metrics import EngineMetrics
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
@@ -99,6 +99,7 @@ class LLMEngine:
         self._new_shares: dict[str, TenantShare] | None = None  # set_tenant_shares, applied at the next step
         self._live_ids: set[str] = set()  # submitted and not yet finished (guarded by _lock)
         self._requests: dict[str, Request] = {}  # live requests the engine thread has taken in
+        self._pollution = PollutionLedger()  # who evicted each expert (charge='io')
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.figures = EngineMetrics(self.metrics, self.scheduler.blocks.num_blocks, self.scheduler.states.num_slots)
@@ -380,19 +381,25 @@ class LLMEngine:
     def _charge_io(self, decision: SchedulerOutput, before: StreamStats | None) -> None:
         """Charge the reads of the forward that just ran (the source's counters since `before`) to its requests: a
         miss to the tokens routed to its expert, the rest by share of the tokens (engine/io_usage.py), in their
-        usage, the per-tenant series and, with `charge='io'`, the tenants' virtual counters."""
+        usage and the per-tenant series; with `charge='io'`, each tenant's virtual counter pays for the waits it caused
+        (a miss on an expert another tenant's read evicted is that tenant's: `PollutionLedger`)."""
         if before is None:
             return
         source = self.model.experts
         step = source.local_stats().minus(before)
         if not (step.bytes_read or step.expert_misses or step.io_wait_seconds):
             return
-        shares = split_step(step, [s.num_new_tokens for s in decision.scheduled], source.step_reads())
-        for scheduled, share in zip(decision.scheduled, shares):
+        reads = source.step_reads()
+        num_tokens = [s.num_new_tokens for s in decision.scheduled]
+        for scheduled, share in zip(decision.scheduled, split_step(step, num_tokens, reads)):
             request = scheduled.seq.request
             request.io.add(share)
             self.figures.io_charged(request.tenant, share)
-            self.scheduler.policy.charge_io(request.tenant, share.io_wait_seconds)
+        if self.scheduler.policy.io_cost:  # --charge io bills each miss to its cause (engine/io_usage.py)
+            tenants = [s.seq.request.tenant for s in decision.scheduled]
+            for tenant, seconds in self._pollution.causes(step, reads, num_tokens, tenants).items():
+                self.scheduler.policy.charge_io(tenant, seconds)
+                self.figures.io_caused(tenant, seconds)
 
     def _sample_cached(self, scheduled: list[ScheduledSequence], touched: dict[str, Request]) -> None:
         """Sequences the prefix cache restored whole, with the logits after their last token: they sample from those

@@ -63,6 +63,10 @@ class EngineMetrics:
         self.tenant_io_wait = m.family(Counter, "tenant_io_wait_seconds",
                                        "seconds of the compute thread's wait on reads charged to the tenant",
                                        ("tenant",))
+        self.tenant_io_caused = m.family(Counter, "tenant_io_wait_caused_seconds",
+                                         "--charge io: seconds of waiting on reads billed to the tenant's virtual "
+                                         "counter (a miss on an expert another tenant's read evicted is that "
+                                         "tenant's)", ("tenant",))
         self.tenant_counter = m.family(Gauge, "tenant_virtual_counter",
                                        "the scheduler's virtual token counter (weighted service received), per tenant",
                                        ("tenant",))
@@ -88,6 +92,10 @@ class EngineMetrics:
         self.tenant_bytes_read.labels(tenant).inc(usage.bytes_read)
         self.tenant_expert_misses.labels(tenant).inc(usage.expert_misses)
         self.tenant_io_wait.labels(tenant).inc(usage.io_wait_seconds)
+
+    def io_caused(self, tenant: str, seconds: float) -> None:
+        """--charge io billed `seconds` of waiting on reads to `tenant`."""
+        self.tenant_io_caused.labels(tenant).inc(seconds)
 
     def spec_window(self, num_drafted: int, num_accepted: int) -> None:
         self.spec_windows.inc()

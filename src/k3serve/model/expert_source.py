@@ -72,7 +72,8 @@ class StepReads:
     """What the current forward read on demand, and the routing that asked for it: enough to charge each miss to
     the tokens routed to its expert (engine/io_usage.py)."""
 
-    misses: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, expert, bytes) read on demand
+    # (layer, expert, bytes, the (layer, expert) keys its slot evicted) for each expert read on demand
+    misses: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
     routing: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> expert_ids [T, TOPK] of this forward
 
 
