@@ -64,8 +64,8 @@ def run_once(loaded, use_disk: bool, args: argparse.Namespace, folder: str) -> d
     seconds = time.perf_counter() - started
     read = model.source.stats().stream.minus(before)
     disk = engine.scheduler.prefix_cache.disk
-    return {"ttft_s": out.ttft_seconds if out.ttft_seconds is not None else seconds, "cached_tokens": out.num_cached_tokens,
-            "turn_tokens": len(turn), "weights_bytes_read": read.bytes_read,
+    return {"ttft_s": out.ttft_seconds if out.ttft_seconds is not None else seconds,
+            "cached_tokens": out.num_cached_tokens, "turn_tokens": len(turn), "weights_bytes_read": read.bytes_read,
             "disk_tier_read_bytes": engine.metrics.counter("prefix_cache_disk_read_bytes", "").value,
             "o_direct": bool(disk.direct) if disk is not None else None}
 

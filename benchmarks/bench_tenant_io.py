@@ -4,11 +4,12 @@
 The embedded model is packed (once) and streamed under --ram-budget with O_DIRECT reads (`io=direct`, LRU expert
 cache). Tenant H sends one short request every --interval seconds, each a --light-prompt window of the first
 --hit-text-tokens tokens of one Python source file (by default one fixed 8-token prompt: alone, its experts stay
-cached and it barely reads); tenant M keeps --flood requests live, each a prompt of random token ids (no domain: its routing spreads over the
-experts). Each round runs, alternating: H alone (fair), H + M under fair charged by tokens, H + M under fair with
-charge io (--io-cost tokens per second of waiting on reads). Reported per mode (medians over rounds): H's TTFT p50
-and p99, and each tenant's expert misses and bytes per computed token from the requests' own usage fields
-(engine/io_usage.py: a miss charged to the tokens routed to its expert, other bytes by token share).
+cached and it barely reads); tenant M keeps --flood requests live, each a prompt of random token ids (no domain:
+its routing spreads over the experts). Each round runs, alternating: H alone (fair), H + M under fair charged by
+tokens, H + M under fair with charge io (--io-cost tokens per second of waiting on reads). Reported per mode
+(medians over rounds): H's TTFT p50 and p99, and each tenant's expert misses and bytes per computed position from
+the requests' own usage fields (engine/io_usage.py: a miss charged to the tokens routed to its expert, other bytes
+by token share).
 
 Clock (--clock model, the default): every forward runs for real, but time is a virtual clock advanced after each
 step by the step's compute cost (fixed + per position, calibrated once on the resident model: no I/O in it) plus
@@ -156,9 +157,10 @@ def main() -> None:
               "hit_p99_over_alone": ratio, "rounds": rounds}
     print(f"machine: {record['machine']}")
     m = rounds[0]["fair"]["misses_per_position"]
-    print(f"H p99 TTFT: alone {summary['alone']['hit_ttft_p99'] * 1000:.0f} ms, fair {summary['fair']['hit_ttft_p99'] * 1000:.0f}"
-          f" ms ({ratio['fair']:.2f}x), fair --charge io {summary['fair_io']['hit_ttft_p99'] * 1000:.0f} ms "
-          f"({ratio['fair_io']:.2f}x) | expert misses per position H {m[HIT]:.3f} M {m[MISS]:.3f} | "
+    print(f"H p99 TTFT: alone {summary['alone']['hit_ttft_p99'] * 1000:.0f} ms, "
+          f"fair {summary['fair']['hit_ttft_p99'] * 1000:.0f} ms ({ratio['fair']:.2f}x), "
+          f"fair --charge io {summary['fair_io']['hit_ttft_p99'] * 1000:.0f} ms ({ratio['fair_io']:.2f}x) | "
+          f"expert misses per position H {m[HIT]:.3f} M {m[MISS]:.3f} | "
           f"budget {args.ram_budget}, clock {args.clock}")
     print(json.dumps(record))
 
