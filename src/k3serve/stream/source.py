@@ -34,10 +34,11 @@ from k3serve.model.routing import Routing
 from k3serve.model.weights import ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_globals, build_layer
 from k3serve.stream.budget import BudgetPlan, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
-from k3serve.stream.io import Extent, IOEngine
+from k3serve.stream.io import Extent, StripedIO, open_reader
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.slots import ExpertSlots, aligned_buffer
 from k3serve.stream.trace import TraceWriter, trace_meta
+from k3serve.units import format_size
 from k3serve.weights.store import PackedStore, TrunkBlob, expert_parts
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ class StreamingSource(WeightSource):
                                             trunk_dtype=options.trunk_dtype)
         self._dtype = options.trunk_dtype
         self.counters = StreamStats()
-        self.trunk_io = IOEngine(store.trunk_path, options.io, options.queue_depth)
-        self.expert_io = IOEngine(store.expert_path, options.io, options.queue_depth)
+        # one reader per store file; a striped store's has a queue of `queue_depth` workers per drive
+        self.trunk_io = open_reader(store.trunk_files, store.trunk_stripe_chunk_bytes, options.io,
+                                    options.queue_depth)
+        self.expert_io = open_reader(store.expert_files, store.stripe_chunk_bytes, options.io, options.queue_depth)
         self._trunk_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3trunk")
         self._step = -1
         self._next_token = 0
@@ -237,8 +240,14 @@ class StreamingSource(WeightSource):
 
     def describe(self) -> str:
         o = self.options
-        return (f"io={o.io} qd={o.queue_depth} cache={o.cache} prefetch={o.prefetch} layout={self.store.layout} "
+        text = (f"io={o.io} qd={o.queue_depth} cache={o.cache} prefetch={o.prefetch} layout={self.store.layout} "
                 f"slots={self.expert_cache.num_slots} pinned_layers={len(self._pinned)}/{self.config.num_layers}")
+        if isinstance(self.expert_io, StripedIO):  # what each drive has served since the store was opened
+            shares = [a.bytes_read + b.bytes_read for a, b in zip(self.expert_io.drive_counters(),
+                                                                  self.trunk_io.drive_counters())]
+            text += (f" drives={len(shares)} (qd {o.queue_depth} each; read "
+                     f"{' / '.join(format_size(n) for n in shares)} since load)")
+        return text
 
     def check_integrity(self) -> None:
         """Slot table, free list and cold set agree (tests call this after steps)."""
