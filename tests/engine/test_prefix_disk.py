@@ -284,3 +284,23 @@ def test_a_long_tail_header_spans_pages_and_round_trips(tmp_path):
     restarted = PrefixDiskTier(tmp_path, 1 << 20, LAYOUT, "m", "lru", MetricsRegistry())
     got = restarted.read(restarted.group(b"p" * 16)[tail])
     assert got is not None and np.array_equal(got.rows, payload.rows)
+
+
+def test_a_failed_write_drops_the_checkpoint_and_keeps_the_entries(tmp_path, monkeypatch):
+    """A full disk (ENOSPC) costs the one checkpoint: nothing is evicted for it, no file is left, it is counted."""
+    import errno
+
+    metrics = MetricsRegistry()
+    tier = PrefixDiskTier(tmp_path, 2 * 8192, LAYOUT, "m", "slru", metrics)
+    root = root_hash("t", None)
+    for i in range(2):
+        assert tier.write(root, bytes([i]) * 16, (i,), 5, _payload(5, i), protected=False)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    assert not tier.write(root, b"x" * 16, (9,), 5, _payload(5, 9), protected=False)
+    assert tier.num_entries == 2 and len(list(tmp_path.iterdir())) == 2
+    assert metrics.counter("prefix_cache_disk_write_failures", "").value == 1
+    tier.check_integrity()

@@ -357,8 +357,6 @@ class PrefixDiskTier:
         packed = header.pack()
         buffer[:len(packed)] = packed
         key = entry_key(parent, tail)
-        while self.used_bytes + total > self.capacity_bytes:
-            self._evict(self._segments.victim())
         try:
             self._write_file(key, view)
         except OSError as exc:
@@ -368,8 +366,13 @@ class PrefixDiskTier:
             return False
         finally:
             del body
-            view.release()
-            buffer.close()
+            try:
+                view.release()
+                buffer.close()
+            except BufferError:  # a failed write's traceback still holds a slice: the buffer is freed with it
+                pass
+        while self.used_bytes + total > self.capacity_bytes:  # room is made once the entry is safely written
+            self._evict(self._segments.victim())
         self._insert(DiskEntry(key, root, parent, tail, position, bool(num_logits), total), protected)
         self._m_writes.inc()
         self._m_write_bytes.inc(total)
