@@ -5,10 +5,42 @@ from __future__ import annotations
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.streaming import WIDENINGS, streamed_run, warm_up
 from k3serve.lab.timing import WARM_UP_MESSAGE
+from k3serve.lab.verdict import judge
 from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.units import format_size
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.store import PackedStore
+
+
+def break_even_read_ms(on: dict[str, float], off: dict[str, float]) -> float | None:
+    """The demand read latency (ms) at which prefetch and no prefetch take the same time per token, from this run:
+    time = compute + demand reads x read latency, with prefetched reads hidden behind compute. compute is the time
+    outside I/O wait (prefetch adds its guesses' router work there). None when prefetch saves no demand reads."""
+    saved_reads = off["demand_misses_per_token"] - on["demand_misses_per_token"]
+    if saved_reads <= 0:
+        return None
+    extra_compute = (on["ms_per_token"] - on["io_wait_ms_per_token"]) - (off["ms_per_token"]
+                                                                        - off["io_wait_ms_per_token"])
+    return max(extra_compute, 0.0) / saved_reads
+
+
+def verdict(on: dict[str, float], off: dict[str, float]):
+    flip = break_even_read_ms(on, off)
+    now = off["io_wait_ms_per_token"] / max(off["demand_misses_per_token"], 1e-9)
+    if flip is None:
+        flips_when = "it saves no demand reads here, so no read latency would make it pay"
+    elif flip == 0:
+        flips_when = (f"it costs no extra compute per token here, so it wins at any read latency (a demand read "
+                      f"waits {now:.3f} ms now)")
+    else:
+        side = "win" if on["ms_per_token"] > off["ms_per_token"] else "lose"
+        flips_when = (f"it would {side} when a demand read takes {'longer' if side == 'win' else 'less'} than "
+                      f"{flip:.3f} ms (now {now:.3f} ms per read): it saves "
+                      f"{off['demand_misses_per_token'] - on['demand_misses_per_token']:.1f} demand reads per token "
+                      f"for {flip * (off['demand_misses_per_token'] - on['demand_misses_per_token']):.2f} ms of extra "
+                      "compute, its own reads hidden behind compute")
+    return judge("Next-layer prefetch", "no prefetch", "ms_per_token", "time per token", on["ms_per_token"],
+                 off["ms_per_token"], higher_is_better=False, flips_when=flips_when)
 
 
 def run(params, progress, cancel, lab) -> LabResult:
@@ -66,6 +98,7 @@ def run(params, progress, cancel, lab) -> LabResult:
     progress(1.0, "done")
     same = runs["none"].measurement.outputs == runs["next-layer"].measurement.outputs
     return LabResult(on, off, figures, labels, metrics_name="next-layer prefetch", baseline_name="prefetch off",
+                     verdict=verdict(on, off),
                      notes=[f"{issued} guesses issued, {wasted} never used ({wasted / max(issued, 1):.0%} wasted)",
                             "prefetch only fills free or never-used slots: it never evicts a warm expert",
                             "generated tokens identical with and without prefetch" if same else
