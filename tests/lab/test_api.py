@@ -62,8 +62,32 @@ def test_every_module_runs_and_returns_the_documented_record(lab_client, fast_pa
             values = trace.get("z") or trace["y"]
             flat = [v for row in values for v in (row if isinstance(row, list) else [row])]
             assert any(v is not None and math.isfinite(v) for v in flat), figure["title"]
+    verdict = record["verdict"]  # every module judges its own result, in one generated sentence
+    assert verdict is not None and verdict["outcome"] in ("won", "lost", "even"), verdict
+    assert verdict["metric"] in record["metrics"] and verdict["sentence"].endswith(".")
+    assert verdict["outcome"] in verdict["sentence"]
+    assert verdict["flips_when"] and verdict["flips_when"][1:] in verdict["sentence"], "the flip condition is said"
+    assert record["date"].endswith("+00:00")
     again = lab_client.post(f"/lab/api/modules/{module_id}/run", json=fast).json()
     assert again["cached"] and again["result"] == record
+
+
+def test_the_overview_shows_stored_figures_until_a_run_here_replaces_them(lab_client):
+    from k3serve.lab.overview import HEADLINES, load_stored_runs
+
+    stored = load_stored_runs()
+    before = lab_client.get("/lab/api/overview").json()
+    assert [h["slot"] for h in before["headlines"]] == [h.slot for h in HEADLINES]
+    assert [row["module"] for row in before["modules"]] == list(modules())
+    assert before["stored"]["date"] == stored["date"] and before["stored"]["machine"] == stored["machine"]
+    for headline in before["headlines"]:  # a slot whose module never ran says so, whatever module fills it
+        known = headline["module"] in stored["runs"] or headline["status"] == "done"
+        assert headline["status"] == ("done" if known else "not yet run"), headline
+    lab_client.post("/lab/api/modules/anatomy/run?wait=true", json={"trunk_precision": "fp8"})
+    after = {row["module"]: row for row in lab_client.get("/lab/api/overview").json()["modules"]}
+    anatomy = after["anatomy"]
+    assert anatomy["source"] == "run on this server" and anatomy["badge"] == "measured"
+    assert "trunk_precision=fp8" in anatomy["command"] and anatomy["verdict"]["outcome"] == "won"
 
 
 @pytest.mark.parametrize("module_id, family", [("batching", "qwen3_next"), ("prefix_cache", "kimi_linear")])

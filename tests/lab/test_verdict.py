@@ -52,14 +52,20 @@ def test_speculative_break_even_acceptance_pays_exactly_for_the_window():
 
 
 def test_prefetch_break_even_latency_ties_the_two_time_models():
-    from k3serve.lab.modules.prefetch import break_even_read_ms
+    from k3serve.lab.modules.prefetch import break_even_read_ms, read_ms_here
 
     off = {"ms_per_token": 9.0, "io_wait_ms_per_token": 3.0, "demand_misses_per_token": 24.0}
     on = {"ms_per_token": 10.0, "io_wait_ms_per_token": 1.5, "demand_misses_per_token": 12.0}
-    t = break_even_read_ms(on, off)
-    compute_on, compute_off = on["ms_per_token"] - on["io_wait_ms_per_token"], off["ms_per_token"] - off["io_wait_ms_per_token"]
-    assert compute_on + on["demand_misses_per_token"] * t == pytest.approx(compute_off + off["demand_misses_per_token"] * t)
+    here, flip = read_ms_here(off), break_even_read_ms(on, off)
+    assert flip > here  # prefetch loses here, so it needs slower reads to win
+
+    def time(run: dict, latency: float) -> float:  # the module's model: the rest + demand reads x latency
+        return run["ms_per_token"] - run["demand_misses_per_token"] * here + run["demand_misses_per_token"] * latency
+
+    assert time(on, here) == on["ms_per_token"] and time(off, here) == off["ms_per_token"]
+    assert time(on, flip) == pytest.approx(time(off, flip))
     assert break_even_read_ms({**on, "demand_misses_per_token": 30.0}, off) is None
+    assert break_even_read_ms({**on, "ms_per_token": 1.0}, off) == 0.0
 
 
 def test_recurrent_state_break_even_context_is_where_the_hybrid_meets_mha():

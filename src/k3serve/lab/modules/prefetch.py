@@ -13,32 +13,37 @@ from k3serve.weights.store import PackedStore
 
 
 def break_even_read_ms(on: dict[str, float], off: dict[str, float]) -> float | None:
-    """The demand read latency (ms) at which prefetch and no prefetch take the same time per token, from this run:
-    time = compute + demand reads x read latency, with prefetched reads hidden behind compute. compute is the time
-    outside I/O wait (prefetch adds its guesses' router work there). None when prefetch saves no demand reads."""
+    """The demand read latency (ms per read) at which prefetch and no prefetch take the same time per token, from
+    this run: time(t) = rest + demand reads x t, with prefetched reads hidden behind compute. The demand reads per
+    token are exact counts; `rest` is each run's time less its demand reads at this machine's latency t_here (the
+    I/O wait per demand read without prefetch), so the model gives this run's times at t_here. Then
+    t* = t_here + (ms_on - ms_off) / (reads_off - reads_on), at least 0 (0.0: prefetch wins at any latency);
+    None when prefetch saves no demand reads."""
     saved_reads = off["demand_misses_per_token"] - on["demand_misses_per_token"]
     if saved_reads <= 0:
         return None
-    extra_compute = (on["ms_per_token"] - on["io_wait_ms_per_token"]) - (off["ms_per_token"]
-                                                                        - off["io_wait_ms_per_token"])
-    return max(extra_compute, 0.0) / saved_reads
+    return max(read_ms_here(off) + (on["ms_per_token"] - off["ms_per_token"]) / saved_reads, 0.0)
+
+
+def read_ms_here(off: dict[str, float]) -> float:
+    """The I/O wait per demand read without prefetch on this machine (ms)."""
+    return off["io_wait_ms_per_token"] / max(off["demand_misses_per_token"], 1e-9)
 
 
 def verdict(on: dict[str, float], off: dict[str, float]):
     flip = break_even_read_ms(on, off)
-    now = off["io_wait_ms_per_token"] / max(off["demand_misses_per_token"], 1e-9)
+    now = read_ms_here(off)
+    saved = off["demand_misses_per_token"] - on["demand_misses_per_token"]
     if flip is None:
         flips_when = "it saves no demand reads here, so no read latency would make it pay"
     elif flip == 0:
-        flips_when = (f"it costs no extra compute per token here, so it wins at any read latency (a demand read "
-                      f"waits {now:.3f} ms now)")
+        flips_when = (f"it wins at any read latency: it saves {saved:.1f} demand reads per token and costs no time "
+                      f"here (a demand read waits {now:.3f} ms now)")
     else:
         side = "win" if on["ms_per_token"] > off["ms_per_token"] else "lose"
         flips_when = (f"it would {side} when a demand read takes {'longer' if side == 'win' else 'less'} than "
-                      f"{flip:.3f} ms (now {now:.3f} ms per read): it saves "
-                      f"{off['demand_misses_per_token'] - on['demand_misses_per_token']:.1f} demand reads per token "
-                      f"for {flip * (off['demand_misses_per_token'] - on['demand_misses_per_token']):.2f} ms of extra "
-                      "compute, its own reads hidden behind compute")
+                      f"{flip:.3f} ms (here {now:.3f} ms, from the page cache or this disk): it saves {saved:.1f} "
+                      f"demand reads per token, each worth one read's latency once its own reads hide behind compute")
     return judge("Next-layer prefetch", "no prefetch", "ms_per_token", "time per token", on["ms_per_token"],
                  off["ms_per_token"], higher_is_better=False, flips_when=flips_when)
 
