@@ -17,11 +17,11 @@ import datetime
 import json
 import math
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3serve.host import describe_host
 from k3serve.lab.verdict import judge, sentence_case
 
 STORED_RUNS_PATH = Path(__file__).parent / "web" / "stored_runs.json"
@@ -50,21 +50,14 @@ HEADLINES = (
 
 
 def machine_description() -> str:
-    """The CPU model, its cores, the RAM and the OS, e.g. 'AMD EPYC 7B13, 2 cores, 23.5 GiB RAM, Linux'."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    """The CPU model, its cores, the RAM and the load when asked, e.g. 'AMD EPYC, 2 cores, 23.5 GiB RAM, load 1.2'
+    (k3serve.host's description; the load says how shared the machine was)."""
+    host = describe_host()
     try:
         ram = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM"
     except (ValueError, OSError, AttributeError):
         ram = ""
-    return f"{model}, {os.cpu_count()} cores{ram}, {platform.system()}"
+    return f"{host['cpu']}, {host['cores']} cores{ram}, load {host['load_average']:.1f}"
 
 
 def stored_runs_json(records: dict[str, dict], command: str = RUN_ALL_COMMAND) -> dict:
@@ -110,7 +103,7 @@ def _entry(record: dict | None, stored: dict, from_store: bool) -> dict:
     if record is None:
         return {"status": "not yet run"}
     return {"status": "done", "badge": _badge(record, from_store), "date": record.get("date") or stored.get("date"),
-            "machine": stored.get("machine") if from_store else machine_description(),
+            "machine": stored.get("machine") if from_store else "this machine",
             "source": "stored run" if from_store else "run on this server", "command": record.get("command", "")}
 
 
