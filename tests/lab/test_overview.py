@@ -91,3 +91,20 @@ def test_the_shipped_stored_runs_are_every_module_at_its_defaults_with_a_verdict
         assert verdict["outcome"] in ("won", "lost", "even") and verdict["sentence"] and verdict["flips_when"]
         value = record["metrics"][verdict["metric"]]
         assert value is not None and math.isfinite(value), module_id
+
+
+def test_docs_lab_md_quotes_the_shipped_verdicts_and_marks_the_timings():
+    from pathlib import Path
+
+    from k3serve.lab.overview import is_timing
+
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "LAB.md").read_text().split())
+    stored = load_stored_runs()
+    assert stored["date"][:10] in docs and stored["machine"] in docs
+    for module_id, record in stored["runs"].items():
+        row = f"| `{module_id}` | {record['verdict']['outcome']} |"
+        assert row in docs, row
+        if is_timing(record):  # a timing moves with the machine and its load: the docs say so instead
+            assert f"| `{module_id}` | {record['verdict']['outcome']} | a timing" in docs, module_id
+        else:  # bytes, counts, shapes and simulations repeat exactly: the docs quote the page's sentence
+            assert " ".join(record["verdict"]["sentence"].split()) in docs, module_id

@@ -17,6 +17,7 @@ import datetime
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,17 @@ def load_stored_runs(path: Path = STORED_RUNS_PATH) -> dict:
     return stored
 
 
+TIME_UNITS = re.compile(r"\b(ms|s|seconds?|tok/s|MiB/s)\b|per second|TTFT", re.IGNORECASE)
+
+
+def is_timing(record: dict) -> bool:
+    """Whether the verdict compares times measured on a machine (ms, tok/s, MiB/s): such a figure moves with the
+    machine and its load, while bytes, counts, ratios of shapes and simulations repeat exactly."""
+    verdict = record.get("verdict") or {}
+    label = record.get("labels", {}).get(verdict.get("metric", ""), verdict.get("metric", ""))
+    return bool(record.get("measured")) and bool(TIME_UNITS.search(label))
+
+
 def _badge(record: dict, stored: bool) -> str:
     if not record.get("measured"):
         return "simulated"
@@ -102,7 +114,8 @@ def _entry(record: dict | None, stored: dict, from_store: bool) -> dict:
     """Where a figure came from: its badge, date, machine and command."""
     if record is None:
         return {"status": "not yet run"}
-    return {"status": "done", "badge": _badge(record, from_store), "date": record.get("date") or stored.get("date"),
+    return {"status": "done", "badge": _badge(record, from_store), "timing": is_timing(record),
+            "date": record.get("date") or stored.get("date"),
             "machine": stored.get("machine") if from_store else "this machine",
             "source": "stored run" if from_store else "run on this server", "command": record.get("command", "")}
 
@@ -167,6 +180,22 @@ def overview(modules: list[dict], stored: dict, latest: dict[str, dict]) -> dict
     return {"stored": {"date": stored.get("date"), "machine": stored.get("machine"), "command": stored.get("command"),
                        "modules": len(stored_runs)},
             "headlines": headlines, "modules": rows}
+
+
+def verdicts_markdown(stored: dict) -> str:
+    """The stored runs' verdicts as the table in docs/LAB.md: exact figures quoted, timings marked as such.
+
+        python -c "from k3serve.lab.overview import *; print(verdicts_markdown(load_stored_runs()))"
+    """
+    lines = [f"Stored runs of {stored['date'][:10]} on {stored['machine']} (`{stored['command']}`):", "",
+             "| # | module | outcome | verdict at the defaults |", "|---|---|---|---|"]
+    for number, (module_id, record) in enumerate(stored["runs"].items(), start=1):
+        verdict = record["verdict"]
+        text = verdict["sentence"]
+        if is_timing(record):
+            text = f"a timing (it moves with the machine and its load); in the stored run: {text}"
+        lines.append(f"| {number} | `{module_id}` | {verdict['outcome']} | {text} |")
+    return "\n".join(lines)
 
 
 def clean(value: Any) -> Any:

@@ -554,7 +554,8 @@ function renderOverview(data) {
       }
       item.append(" ", badge(row.badge), el("p", {class: "sentence", "data-role": "verdict",
                                                    text: row.verdict ? row.verdict.sentence : "no verdict"}),
-                  el("span", {class: "when", text: whenText(row)}));
+                  el("span", {class: "when", text: whenText(row) +
+                    (row.timing ? "; a timing: it moves with the machine and its load" : "")}));
     }
     list.append(item);
     const latest = document.querySelector(`#m-${row.module} [data-role="latest"]`);
