@@ -321,7 +321,7 @@ def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
         dollars, joules = _cost_numbers(row.locator("td.value .cost").inner_text())
         assert dollars == pytest.approx(0.36 / (rate * 3600) * 1e6, rel=5e-3)
         assert joules == pytest.approx(50 / rate, rel=5e-3)
-        page.locator("header").screenshot(path=str(SCREENSHOTS / "profile.png"))
+        page.locator("#about").screenshot(path=str(SCREENSHOTS / "profile.png"))
         page.locator("#m-speculative table.metrics").screenshot(path=str(SCREENSHOTS / "speculative-cost.png"))
         page.reload()
         page.wait_for_selector("body[data-ready='true']", timeout=30_000)
