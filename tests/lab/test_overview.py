@@ -13,7 +13,8 @@ from k3serve.lab.overview import HEADLINES, STORED_RUNS_PATH, load_stored_runs, 
 MODULES = [{"id": "full_scale", "number": 16, "title": "Full scale"}, {"id": "mxfp4", "number": 2, "title": "MXFP4"}]
 
 
-def _record(module: str, measured: bool, metrics: dict, baseline: dict, date: str, sentence: str = "X won here.") -> dict:
+def _record(module: str, measured: bool, metrics: dict, baseline: dict, date: str,
+            sentence: str = "X won here.") -> dict:
     return {"id": module, "measured": measured, "metrics": metrics, "baseline": baseline, "labels": {},
             "metrics_name": "on", "baseline_name": "off", "command": f"k3serve lab run {module}", "date": date,
             "verdict": {"outcome": "won", "factor": 2.0, "metric": next(iter(metrics)), "sentence": sentence,

@@ -70,7 +70,8 @@ def run(params, progress, cancel, lab) -> LabResult:
     saved = off["trunk_bytes_per_token"] - on["trunk_bytes_per_token"]
     cost = on["expert_bytes_per_token"] - off["expert_bytes_per_token"]
     if flip is not None:
-        flips_when = f"the two read the same bytes at about {flip:.1f} MiB (the budget sweep); past it the outcome reverses"
+        flips_when = (f"the two read the same bytes at about {flip:.1f} MiB (the budget sweep); past it the outcome "
+                      "reverses")
     else:
         flips_when = (f"experts-only read fewer bytes at no budget swept ({budgets[0]:.1f} to {budgets[-1]:.1f} MiB); "
                       f"pinning would lose only where the expert re-reads it causes ({cost / 1e6:+.2f} MB per token "

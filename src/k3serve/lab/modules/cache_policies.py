@@ -14,7 +14,7 @@ def limits(lab) -> dict[str, tuple[int, int]]:
     return {"capacity": (1, len(config.moe_layer_ids) * config.num_experts), "tokens": (16, lab.trace_tokens)}
 
 
-ONLINE = ("lru", "lfu", "s3fifo", "pinned")  # the policies a server can run (none keeps nothing; Belady needs the future)
+ONLINE = ("lru", "lfu", "s3fifo", "pinned")  # what a server can run (none keeps nothing; Belady needs the future)
 
 
 def policy_verdict(policy: str, capacity: int, sweep: list[int], rows: dict):

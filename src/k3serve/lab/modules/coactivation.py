@@ -84,7 +84,8 @@ def run(params, progress, cancel, lab) -> LabResult:
                     flips_when=f"the gain rests on neighbours that fire together: in layer {layer} chain neighbours "
                                f"share {chain_score} co-activations against {natural_score} in id order "
                                f"({adjacency:.1f}x) on the trace; on text where they co-fire no more than in id order "
-                               "(1x) it reads as many calls as the natural layout, and the bytes are the same either way")
+                               "(1x) it reads as many calls as the natural layout, and the bytes are the same either "
+                               "way")
     return LabResult(co, nat, figures, labels, metrics_name="co-activation layout", baseline_name="natural layout",
                      verdict=verdict,
                      notes=[f"layer {layer}: neighbours in the chain order share {chain_score} token co-activations, "

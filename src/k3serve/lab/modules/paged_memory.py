@@ -80,7 +80,8 @@ def run(params, progress, cancel, lab) -> LabResult:
     baseline = {"waste_pct": at["reserve_max_len_pct"], "reserved_per_filled": 100 / (100 - at["reserve_max_len_pct"]),
                 "blocks_for_n": float(unshared)}
     labels = {"waste_pct": "reserved but empty positions (%)",
-              "reserved_per_filled": "positions reserved per position filled", "blocks_for_n": f"blocks for n = {n} completions"}
+              "reserved_per_filled": "positions reserved per position filled",
+              "blocks_for_n": f"blocks for n = {n} completions"}
     exact = [rows[s]["reserve_prompt_plus_max_tokens_pct"] for s in sizes]
     flip = crossing(sizes, [rows[s]["paged_pct"] for s in sizes], exact, higher_is_better=False)
     if flip is not None:

@@ -66,7 +66,8 @@ def run(params, progress, cancel, lab) -> LabResult:
                       "it gains whenever a prefix comes back")
     else:
         flips_when = (f"it would lose if fewer than {miss_cost / (miss_cost + hit_saving):.0%} of requests found their "
-                      f"prefix: a miss costs {miss_cost:.1f} ms more with the cache on, a hit saves {hit_saving:.1f} ms")
+                      f"prefix: a miss costs {miss_cost:.1f} ms more with the cache on, a hit saves "
+                      f"{hit_saving:.1f} ms")
     verdict = judge("The prefix cache", "no cache", "steady_ttft_ms", "time to first token", metrics["steady_ttft_ms"],
                     baseline["steady_ttft_ms"], higher_is_better=False, flips_when=flips_when)
     progress(1.0, "done")

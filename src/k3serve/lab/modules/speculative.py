@@ -57,7 +57,8 @@ def verdict(stats, plain_s: list[float], spec_s: list[float], tokens: int, rate:
     elif flip == 0.0:
         flips_when = f"a window costs no more than a plain step here ({window_cost:.2f}x), so it pays at any acceptance"
     else:
-        flips_when = (f"it would {'lose' if rate >= plain_rate else 'win'} {'below' if rate >= plain_rate else 'above'} "
+        ahead = rate >= plain_rate
+        flips_when = (f"it would {'lose' if ahead else 'win'} {'below' if ahead else 'above'} "
                       f"{flip:.0%} acceptance (now {stats.acceptance_rate:.0%}): a window of {drafts:.1f} drafts costs "
                       f"{window_cost:.2f} plain steps here and yields (1 - a^(k+1)) / (1 - a) tokens")
     return judge("Speculative decoding", "plain greedy", "tok_per_s", "decoding", rate, plain_rate,
