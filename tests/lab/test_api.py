@@ -311,6 +311,10 @@ def test_a_result_exports_as_json_and_csv(lab_client):
     at_window_5 = [r for r in points if r["name"] == first["title"] and r["x"] == "5"]
     assert [float(r["value"]) for r in at_window_5] == [t["y"][4] for t in first["traces"]]
     assert {r["unit"] for r in at_window_5} == {"MiB"}
+    verdict = [r for r in rows if r["part"] == "verdict"]
+    assert [(r["name"], r["label"], r["series"], float(r["value"])) for r in verdict] == \
+        [(record["verdict"]["metric"], record["verdict"]["sentence"], record["verdict"]["outcome"],
+          record["verdict"]["factor"])]
     assert lab_client.get(f"/lab/api/jobs/{job['job_id']}/result.xml").status_code == 404
     assert lab_client.get("/lab/api/jobs/nope/result.csv").status_code == 404
 
