@@ -70,7 +70,16 @@ def test_a_malformed_stored_runs_file_is_an_error_naming_it(tmp_path):
         load_stored_runs(bad)
     assert load_stored_runs(tmp_path / "missing.json")["runs"] == {}
     written = stored_runs_json({}, "k3serve lab run --all")
-    assert written["machine"] and written["date"].endswith("+00:00")
+    assert written["machine"] and written["date"].endswith("+00:00") and written["model"] is None
+
+
+def test_stored_runs_of_another_model_are_not_shown():
+    from k3serve.lab.overview import stored_runs_for
+
+    stored = {"model": None, "runs": {"mxfp4": {}}, "date": "2026-12-06", "machine": "m", "command": "c"}
+    assert stored_runs_for(stored, None) == (stored, None)
+    shown, why = stored_runs_for(stored, "/models/other-k3")
+    assert shown["runs"] == {} and "embedded model" in why and "/models/other-k3" in why
 
 
 def test_the_shipped_stored_runs_are_every_module_at_its_defaults_with_a_verdict():

@@ -95,7 +95,8 @@ def _run_all(args: argparse.Namespace) -> int:
         print(f"{module.number:>2}. {module.id:<16} {record['seconds']:6.1f} s  {sentence}")
     command = RUN_ALL_COMMAND + (f" --model {args.run_model}" if args.run_model else "")
     target = args.json or STORED_RUNS_PATH
-    write_text(target, json.dumps(clean(stored_runs_json(records, command)), indent=1, allow_nan=False) + "\n")
+    stored = stored_runs_json(records, command, fixtures.model_arg)
+    write_text(target, json.dumps(clean(stored), indent=1, allow_nan=False) + "\n")
     print(f"{len(records)} modules in {time.perf_counter() - started_all:.1f} s; stored runs written to {target}")
     return 0
 

@@ -37,7 +37,8 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from k3serve.lab.export import result_csv
 from k3serve.lab.fixtures import LabFixtures
 from k3serve.lab.jobs import LabQueueConfig, LabQueueFull, RunQueue
-from k3serve.lab.overview import STORED_RUNS_PATH, clean, empty_stored_runs, load_stored_runs, overview
+from k3serve.lab.overview import (STORED_RUNS_PATH, clean, empty_stored_runs, load_stored_runs, overview,
+                                  stored_runs_for)
 from k3serve.lab.registry import LabParamError, UnknownModuleError, get_module, modules
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,7 @@ def create_lab_router(queue: RunQueue, stored_runs: Path = STORED_RUNS_PATH) -> 
         return JSONResponse(queue.snapshot(job), status_code=200 if job.finished else 202)
 
     try:
-        stored = load_stored_runs(stored_runs)
-        stored_error = None
+        stored, stored_error = stored_runs_for(load_stored_runs(stored_runs), queue.fixtures.model_arg)
     except ValueError as exc:  # the page still works; the overview says what is wrong
         logger.error("%s", exc)
         stored, stored_error = empty_stored_runs(), str(exc)

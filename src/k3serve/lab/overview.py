@@ -61,11 +61,21 @@ def machine_description() -> str:
     return f"{host['cpu']}, {host['cores']} cores{ram}, load {host['load_average']:.1f}"
 
 
-def stored_runs_json(records: dict[str, dict], command: str = RUN_ALL_COMMAND) -> dict:
-    """The stored-runs file's content: {version, date, machine, command, runs: {module id: run record}}."""
+def stored_runs_json(records: dict[str, dict], command: str = RUN_ALL_COMMAND, model: str | None = None) -> dict:
+    """The stored-runs file's content: {version, date, machine, command, model, runs: {module id: run record}};
+    `model` is the lab's --model (None: the embedded model)."""
     return {"version": STORED_RUNS_VERSION,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine_description(), "command": command, "runs": records}
+            "machine": machine_description(), "command": command, "model": model, "runs": records}
+
+
+def stored_runs_for(stored: dict, model: str | None) -> tuple[dict, str | None]:
+    """The stored runs if they were made on the lab's model (`model`: its --model, None for the embedded one), else
+    none and the reason: figures of one model never stand for another's."""
+    if stored.get("model") == model or not stored.get("runs"):
+        return stored, None
+    return empty_stored_runs(), (f"the stored runs are of {stored.get('model') or 'the embedded model'}, not of "
+                                 f"{model or 'the embedded model'}: their figures are not shown")
 
 
 def empty_stored_runs() -> dict:
