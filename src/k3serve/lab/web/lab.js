@@ -7,7 +7,8 @@
 // colour, a text table behind each, numbers in human units (labFormat). A permalink per module fills its form from
 // the URL; a result downloads as JSON or CSV; a module run again with other parameters shows the previous run
 // dashed. The machine profile (price per hour, watts; localStorage) puts $ per million tokens and J/token beside
-// every tok/s.
+// every tok/s. The overview on top (api/overview) gives the answers first: headline figures and every module's
+// verdict, from the stored runs until a run here replaces them; Run all queues every module at its defaults.
 "use strict";
 
 const POLL_MS = 300;
