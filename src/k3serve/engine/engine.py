@@ -104,6 +104,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.figures = EngineMetrics(self.metrics, self.scheduler.blocks.num_blocks, self.scheduler.states.num_slots)
         watch_source(self.metrics, model.experts)  # bytes read, expert cache (streaming, EP)
+        self.ram_steering = None  # one RAM budget over the pools, moved between steps (engine/ram_pools.py)
 
     # ---- submission (any thread) ----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
@@ -257,6 +258,9 @@ class LLMEngine:
             if seq.speculation is not None:
                 seq.speculation.draft = None
         self._update_gauges()
+        if self.ram_steering is not None:  # between steps: no view of a slot or block is held now
+            self.ram_steering.after_step(decision.preempted, time.perf_counter() - started,
+                                         decision.num_batched_tokens)
         return self._urgent_outputs + self._emit(touched)
 
     def _take_submissions(self, touched: dict[str, Request]) -> None:

@@ -6,7 +6,8 @@ block id in a sequence's block table addresses the same positions in all attenti
     free       ref count 0, no hash                        (reusable at once)
     cached     ref count 0, hash registered, LRU ordered   (holds a reusable prefix; evicted when space runs out)
     in use     ref count >= 1                              (in one or more block tables; may also be hashed)
-A full block's content is immutable, so several sequences may share it; a partial block that is shared (a forked
+A fourth state, `withheld`, holds blocks the RAM controller took out of use (ref count 0, no hash, neither free nor
+cached; `withhold` / `give_back`). A full block's content is immutable, so several sequences may share it; a partial block that is shared (a forked
 sequence) is copied before it is written (copy-on-write, see `paged_cache.PagedSequenceCache`).
 
 Shapes: LA attention layers, NB blocks, BS block size, W row width.
@@ -38,6 +39,7 @@ class BlockPool:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
         self._eviction_listeners: list[EvictionListener] = []
+        self._withheld: list[int] = []  # taken out of use by the RAM controller (engine/ram_controller.py)
 
     # ---- counts ---------------------------------------------------------------------------------------------
     @property
@@ -48,6 +50,36 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_withheld_blocks(self) -> int:
+        return len(self._withheld)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks in service: all but the withheld ones."""
+        return self.num_blocks - len(self._withheld)
+
+    def withhold(self, num_blocks: int) -> int:
+        """Take up to `num_blocks` unreferenced blocks out of use, free ones first, then the least recently used
+        cached ones (evicted); blocks in use are never taken. Returns how many were taken."""
+        taken = 0
+        while taken < num_blocks and (self._free or self._cached):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._cached.popitem(last=False)
+                self._unregister(block)
+            self._withheld.append(block)
+            taken += 1
+        return taken
+
+    def give_back(self, num_blocks: int) -> int:
+        """Return up to `num_blocks` withheld blocks to the free list; returns how many."""
+        count = min(num_blocks, len(self._withheld))
+        for _ in range(count):
+            self._free.append(self._withheld.pop())
+        return count
 
     @property
     def num_cached_blocks(self) -> int:
@@ -150,9 +182,14 @@ class BlockPool:
         free = list(self._free)
         if len(set(free)) != len(free):
             raise IntegrityError("a block is on the free list twice")
-        free_set, cached_set = set(free), set(self._cached)
+        free_set, cached_set, withheld_set = set(free), set(self._cached), set(self._withheld)
         if free_set & cached_set:
             raise IntegrityError(f"blocks both free and cached: {sorted(free_set & cached_set)[:8]}")
+        if len(withheld_set) != len(self._withheld) or withheld_set & (free_set | cached_set):
+            raise IntegrityError("a withheld block is listed twice, or also free or cached")
+        for block in withheld_set:
+            if self.ref_counts[block] != 0 or self._hash_of[block] is not None:
+                raise IntegrityError(f"withheld block {block} is referenced or hashed")
         for block in range(self.num_blocks):
             refs = int(self.ref_counts[block])
             if refs < 0:
@@ -160,7 +197,7 @@ class BlockPool:
             in_free, in_cached = block in free_set, block in cached_set
             if refs > 0 and (in_free or in_cached):
                 raise IntegrityError(f"block {block} is in use ({refs} refs) but also listed free or cached")
-            if refs == 0 and not (in_free or in_cached):
+            if refs == 0 and not (in_free or in_cached or block in withheld_set):
                 raise IntegrityError(f"block {block} has no references and is neither free nor cached: leaked")
             if in_free and self._hash_of[block] is not None:
                 raise IntegrityError(f"free block {block} still carries a hash")

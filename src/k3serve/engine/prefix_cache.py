@@ -221,6 +221,13 @@ class PrefixCache:
         self._parent_of: dict[bytes, bytes] = {}
         self._num_cannot_hit = 0
         self.disk = disk
+        self.checkpoint_limit = engine.num_state_checkpoints  # checkpoints kept now (`resize_checkpoints`)
+        # shadow counts for the RAM controller (`track_shadow`): evicted checkpoints' keys -> position, most recent
+        # last; per recurrence, (depth, position); this interval's restored positions per checkpoint slot
+        self._shadow: OrderedDict[tuple, int] = OrderedDict()
+        self._shadow_capacity = 0
+        self.shadow_recurrences: list[tuple[int, int]] = []
+        self.interval_hit_tokens: dict[int, int] = {}
         blocks.add_eviction_listener(self._on_block_evicted)
         self._m_queries = metrics.counter("prefix_cache_queries", "sequences looked up at admission")
         self._m_hits = metrics.counter("prefix_cache_hits", "lookups that restored at least one position")
@@ -380,6 +387,9 @@ class PrefixCache:
             cache.write_rows(self.tails[checkpoint.slot, : self.num_attention_layers, : len(checkpoint.tail)])
             cache.states.copy_slot(checkpoint.slot, cache.slot, source_pool=self.store)
             self._recency.hit(checkpoint.slot, fork=match.branch_point == checkpoint.position)
+            if self._shadow_capacity:
+                self.interval_hit_tokens[checkpoint.slot] = (self.interval_hit_tokens.get(checkpoint.slot, 0)
+                                                             + match.num_tokens)
         self._m_hits.inc()
         self._m_hit_tokens.inc(match.num_tokens)
 
@@ -453,8 +463,14 @@ class PrefixCache:
             if existing.logits is None and logits is not None:
                 existing.logits = np.array(logits, dtype=np.float32)
             return False
-        if self.store.num_free_slots == 0:
+        while self.store.num_free_slots == 0 or len(self._recency) >= self.checkpoint_limit:
+            if not len(self._recency):
+                return False  # resized to no checkpoints
             self._drop(self._recency.victim())
+        if self._shadow_capacity and (parent, tail) in self._shadow:
+            keys = list(self._shadow)
+            self.shadow_recurrences.append((len(keys) - keys.index((parent, tail)), position))
+            del self._shadow[(parent, tail)]
         slot = self.store.allocate()
         self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
         self.tails[slot, : self.num_attention_layers, : len(tail)] = cache.tail_rows(position)
@@ -478,7 +494,13 @@ class PrefixCache:
         if not group:
             del self._index[checkpoint.parent]
         self.store.free(checkpoint.slot)
+        self.interval_hit_tokens.pop(checkpoint.slot, None)
         self._m_evicted.inc()
+        if self._shadow_capacity:
+            self._shadow[(checkpoint.parent, checkpoint.tail)] = checkpoint.position
+            self._shadow.move_to_end((checkpoint.parent, checkpoint.tail))
+            while len(self._shadow) > self._shadow_capacity:
+                self._shadow.popitem(last=False)
         if self._ghosts is not None:
             self._ghosts.remember((checkpoint.parent, checkpoint.tail))
 
@@ -531,6 +553,40 @@ class PrefixCache:
             self._ghosts.clear()
         self.blocks.evict_all_cached()
 
+    # ---- resizing and shadow counts (the RAM controller, engine/ram_controller.py) -------------------------------
+    @property
+    def checkpoint_bytes(self) -> int:
+        """RAM of one checkpoint slot: its recurrent state and its tail rows."""
+        return self.store.slot_bytes + self.tails[0].nbytes if self.store.num_slots else 0
+
+    def track_shadow(self, ghost_checkpoints: int) -> None:
+        """Remember the keys of the last `ghost_checkpoints` evicted checkpoints: one saved again while remembered
+        was computed again, which a cache that many checkpoints larger would have saved. 0: off."""
+        self._shadow_capacity = max(0, ghost_checkpoints)
+        while len(self._shadow) > self._shadow_capacity:
+            self._shadow.popitem(last=False)
+
+    def take_shadow(self, num_checkpoints: int) -> tuple[list[tuple[int, int]], int]:
+        """(this interval's recurrences as (depth, position): a checkpoint computed again that `depth` more
+        checkpoints would have kept, positions `num_checkpoints` fewer would have cost) since the last call, which
+        starts a new interval. A recurrence counts its whole position (an upper bound: part of the prefix may have
+        been restored from an earlier checkpoint); losses are this interval's restored positions of the
+        checkpoints hit least."""
+        recurrences = self.shadow_recurrences
+        counts = sorted(self.interval_hit_tokens.get(c.slot, 0) for c in self._recency.values())
+        lost = sum(counts[:num_checkpoints])
+        self.shadow_recurrences = []
+        self.interval_hit_tokens = {}
+        return recurrences, lost
+
+    def resize_checkpoints(self, num_checkpoints: int) -> int:
+        """Keep at most `num_checkpoints` checkpoints (clamped to [0, the slot pool]); a shrink evicts the
+        replacement policy's victims now (to the disk tier when there is one). Returns the limit reached."""
+        self.checkpoint_limit = max(0, min(int(num_checkpoints), self.store.num_slots))
+        while len(self._recency) > self.checkpoint_limit:
+            self._drop(self._recency.victim())
+        return self.checkpoint_limit
+
     # ---- state ----------------------------------------------------------------------------------------------
     @property
     def num_checkpoints(self) -> int:
@@ -554,6 +610,8 @@ class PrefixCache:
             raise IntegrityError(f"{len(recency.protected)} protected checkpoints exceed the segment's "
                                  f"{recency.protected_capacity}")
         self.store.check_integrity([c.slot for c in recency.values()])
+        if len(recency) > self.checkpoint_limit:
+            raise IntegrityError(f"{len(recency)} checkpoints exceed the limit {self.checkpoint_limit}")
         indexed = [c for group in self._index.values() for c in group.values()]
         if len(indexed) != len(recency) or any(recency.get(c.slot) is not c for c in indexed):
             raise IntegrityError("prefix-cache checkpoint index and recency segments disagree")

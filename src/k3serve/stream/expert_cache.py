@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from typing import Callable, Protocol, Sequence
 
@@ -78,12 +78,28 @@ class ExpertCache:
         self._step = -1
         self.policy = make_policy(policy, num_slots, profile, working_slots=top_k)
         self.prefetch_max = top_k if prefetch_max is None else prefetch_max
+        self.top_k = top_k
+        self._prefetch = prefetch
+        self._limit = num_slots  # slots in use; `resize` moves it within [top_k, len(self._slots)]
+        self._set_warm_capacity()
+        # shadow counts (`track_shadow`): keys evicted lately, most recent last, and this interval's hits per key
+        self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._ghost_capacity = 0
+        self.ghost_hit_depths: list[int] = []  # per miss on a ghost: how many slots more would have made it a hit
+        self.interval_hits: Counter = Counter()
+
+    def _set_warm_capacity(self) -> None:
         # guesses for the layer about to run and for the one after it live side by side: two layers' worth
-        reserve = min(2 * self.prefetch_max, num_slots - top_k) if prefetch else 0
-        self._warm_capacity = num_slots - max(reserve, 0)
+        reserve = min(2 * self.prefetch_max, self._limit - self.top_k) if self._prefetch else 0
+        self._warm_capacity = self._limit - max(reserve, 0)
 
     @property
     def num_slots(self) -> int:
+        """Slots in use now (`resize` changes it); `max_slots` is the arena's."""
+        return self._limit
+
+    @property
+    def max_slots(self) -> int:
         return len(self._slots)
 
     def slot_key(self, index: int) -> Key | None:
@@ -108,7 +124,11 @@ class ExpertCache:
             index = self._table.get(key)
             if index is None:
                 misses.append(expert)
+                if self._ghost_capacity and key in self._ghost:
+                    self._note_ghost_hit(key)
                 continue
+            if self._ghost_capacity:
+                self.interval_hits[key] += 1
             slot = self._slots[index]
             if slot.loaded_step < self._step:
                 self.stats.expert_retained += 1
@@ -249,6 +269,11 @@ class ExpertCache:
             self.policy.remove(slot.key)
             self.stats.expert_evictions += 1
             self._evicted.append(slot.key)
+            if self._ghost_capacity:
+                self._ghost[slot.key] = None
+                self._ghost.move_to_end(slot.key)
+                while len(self._ghost) > self._ghost_capacity:
+                    self._ghost.popitem(last=False)
         slot.key = None
         slot.warm = False
 
@@ -321,6 +346,72 @@ class ExpertCache:
         slot.future = None
         self._free.append(index)
 
+    # ---- resizing and shadow counts (the RAM controller, engine/ram_controller.py) -------------------------------
+    def track_shadow(self, ghost_slots: int) -> None:
+        """Remember the last `ghost_slots` evicted keys: a miss on one is a hit a cache that many slots larger would
+        have had (exact for LRU; an estimate for the other policies). 0 turns the counting off."""
+        self._ghost_capacity = max(0, ghost_slots)
+        while len(self._ghost) > self._ghost_capacity:
+            self._ghost.popitem(last=False)
+
+    def _note_ghost_hit(self, key: Key) -> None:
+        keys = list(self._ghost)
+        self.ghost_hit_depths.append(len(keys) - keys.index(key))  # 1 = the latest eviction
+        del self._ghost[key]
+
+    def take_shadow(self, num_slots: int) -> tuple[list[int], int]:
+        """(this interval's ghost-hit depths: a hit at depth d needs d more slots, hits `num_slots` fewer slots
+        would have lost) since the last call, which starts a new interval. The loss counts this interval's hits on
+        the `num_slots` resident keys hit least (those a smaller cache would have dropped)."""
+        depths = self.ghost_hit_depths
+        counts = sorted(self.interval_hits.get(key, 0) for key in self._table)
+        lost = sum(counts[:num_slots])
+        self.ghost_hit_depths = []
+        self.interval_hits = Counter()
+        return depths, lost
+
+    def resize(self, num_slots: int) -> int:
+        """Use `num_slots` slots (clamped to [top_k, max_slots]); between steps only. A shrink drops unused guesses
+        and the policy's victims until the rest fits, then copies the experts held in slots past the new end into
+        free slots below it. Returns the slot count reached; the slots past it hold nothing (their pages may be
+        returned to the OS by the owner)."""
+        target = max(self.top_k, min(int(num_slots), len(self._slots)))
+        if target >= self._limit:
+            self._free = [i for i in range(target - 1, self._limit - 1, -1)] + self._free
+            self._limit = target
+            self._set_warm_capacity()
+            return self._limit
+        for index in list(self._cold):
+            self._drop_guess(index)
+            self._free.append(index)
+        while len(self._table) > target:
+            victim = self.policy.victim(())
+            if victim is None:
+                break
+            index = self._table[victim]
+            self._evict(index)
+            self._free.append(index)
+        target = max(target, len(self._table))
+        low_free = sorted((i for i in self._free if i < target), reverse=True)
+        for index in range(target, self._limit):
+            slot = self._slots[index]
+            if slot.key is None:
+                continue
+            assert slot.future is None, "a demand read is still in flight between steps"
+            into = self._slots[low_free.pop()]
+            self._slot_buffer(into.index)[:] = self._slot_buffer(index)
+            into.key, into.warm, into.loaded_step, into.prefetched = slot.key, slot.warm, slot.loaded_step, False
+            into.future = None
+            into.extent = Extent(slot.extent.offset, self._slot_buffer(into.index), slot.extent.check_bytes,
+                                 slot.extent.crc32, tag=into.index)
+            self._table[slot.key] = into.index
+            slot.key, slot.warm, slot.extent = None, False, None
+        self._free = [i for i in low_free]
+        self._limit = target
+        self._active = []
+        self._set_warm_capacity()
+        return self._limit
+
     # ---- reporting ---------------------------------------------------------------------------------------------
     def resident_experts(self, layer: int) -> set[int]:
         """Experts of `layer` whose bytes are in a slot now (read and verified)."""
@@ -337,7 +428,9 @@ class ExpertCache:
             assert self._slots[index].key == key, (key, index)
             seen.add(index)
         assert not (seen & set(self._free)), "a slot is both free and holding an expert"
-        assert len(seen) + len(self._free) == len(self._slots), "a slot leaked"
+        assert len(seen) + len(self._free) == self._limit, "a slot leaked"
+        assert all(i < self._limit for i in seen | set(self._free)), "a slot past the limit is in use"
+        assert len(set(self._free)) == len(self._free), "a slot is free twice"
         for index in self._cold:
             assert self._slots[index].prefetched and index in seen
 

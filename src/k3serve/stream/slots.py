@@ -72,6 +72,16 @@ class ExpertSlots(Generic[W]):
     def num_slots(self) -> int:
         return self.cache.num_slots
 
+    def resize(self, num_slots: int) -> int:
+        """Use `num_slots` slots of the arena (`ExpertCache.resize`; between steps); the pages of the slots given up
+        go back to the OS at once (MADV_DONTNEED: they read as zeros if used again). Returns the slots in use."""
+        before = self.cache.num_slots
+        after = self.cache.resize(num_slots)
+        self._generation += 1  # views handed out before the move are no longer valid
+        if after < before and hasattr(mmap, "MADV_DONTNEED"):
+            self._arena.madvise(mmap.MADV_DONTNEED, after * self.stride, (before - after) * self.stride)
+        return after
+
     def _slot_buffer(self, index: int) -> memoryview:
         return self._arena_view[index * self.stride:(index + 1) * self.stride]
 
