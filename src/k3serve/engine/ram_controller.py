@@ -94,14 +94,14 @@ class RamPool(ABC):
 class RamMove:
     step: int  # engine steps seen when the move was made
     donor: str  # "" when the bytes came from the ledger's headroom
-    receiver: str
+    receiver: str  # "" when a donor freed less than one unit of the receiver: the bytes wait in the headroom
     num_bytes: int
     donor_loss_per_mib: float  # seconds per MiB per interval
     receiver_gain_per_mib: float
 
     def line(self) -> str:
-        source = self.donor or "headroom"
-        return (f"step {self.step}: {format_size(self.num_bytes)} {source} -> {self.receiver} "
+        return (f"step {self.step}: {format_size(self.num_bytes)} {self.donor or 'headroom'} -> "
+                f"{self.receiver or 'headroom'} "
                 f"(gain {self.receiver_gain_per_mib:.4g} s/MiB > loss {self.donor_loss_per_mib:.4g} s/MiB)")
 
 
@@ -256,13 +256,17 @@ class RamController:
         before = pools[receiver].size_bytes
         grown = pools[receiver].resize(before + give) - before
         assert self.pools.total_bytes <= self.pools.budget_bytes
-        if grown <= 0 and not donor:
-            return None
+        if grown <= 0:
+            if not donor:
+                return None
+            # the donor stopped short of one receiver unit: its bytes wait in the headroom for the next decision
+            receiver, grown = "", freed
         move = RamMove(self._num_steps, donor, receiver, grown, loss, gain)
         self.moves.append(move)
         if donor:
             self._gave_at[donor] = self._interval
-        self._received_at[receiver] = self._interval
+        if receiver:
+            self._received_at[receiver] = self._interval
         self._m_moves.inc()
         self._m_moved.inc(max(grown, freed))
         self._update_gauges()
