@@ -228,6 +228,12 @@ class PrefixCache:
         self._shadow_capacity = 0
         self.shadow_recurrences: list[tuple[int, int]] = []
         self.interval_hit_tokens: dict[int, int] = {}
+        # and for the KV pool: hashes of cached blocks evicted lately; per lookup that would have matched more
+        # blocks had they stayed, (depth, positions)
+        self._block_ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._block_ghost_capacity = 0
+        self.block_shadow_hits: list[tuple[int, int]] = []
+        self._pending_block_hit: tuple[int, int] | None = None
         blocks.add_eviction_listener(self._on_block_evicted)
         self._m_queries = metrics.counter("prefix_cache_queries", "sequences looked up at admission")
         self._m_hits = metrics.counter("prefix_cache_hits", "lookups that restored at least one position")
@@ -278,6 +284,8 @@ class PrefixCache:
             if block is None:
                 break
             matched.append(block)
+        if self._block_ghost_capacity:
+            self._pending_block_hit = self._block_ghost_run(hashes[len(matched):])
         hit: StateCheckpoint | None = None
         for j in range(min(len(matched), full // BS), -1, -1):
             group = self._index.get(hashes[j - 1] if j else root)
@@ -356,6 +364,9 @@ class PrefixCache:
         sequence could never hit under the current settings."""
         self._m_queries.inc()
         self._m_query_tokens.inc(num_tokens)
+        if self._pending_block_hit is not None:
+            self.block_shadow_hits.append(self._pending_block_hit)
+            self._pending_block_hit = None
         self._m_block_tokens.inc(min(match.num_block_tokens, num_tokens - 1))
         if self.needs_state and not self.config.checkpoint_partial_blocks and num_tokens - 1 < self.block_size:
             self._report_cannot_hit(num_tokens)
@@ -463,14 +474,17 @@ class PrefixCache:
             if existing.logits is None and logits is not None:
                 existing.logits = np.array(logits, dtype=np.float32)
             return False
+        if self.checkpoint_limit == 0:  # resized to none: kept only as a shadow (saved, evicted at once)
+            if self._shadow_capacity:
+                self._note_recurrence(parent, tail, position)
+                self._shadow[(parent, tail)] = position
+                while len(self._shadow) > self._shadow_capacity:
+                    self._shadow.popitem(last=False)
+            return False
         while self.store.num_free_slots == 0 or len(self._recency) >= self.checkpoint_limit:
-            if not len(self._recency):
-                return False  # resized to no checkpoints
             self._drop(self._recency.victim())
-        if self._shadow_capacity and (parent, tail) in self._shadow:
-            keys = list(self._shadow)
-            self.shadow_recurrences.append((len(keys) - keys.index((parent, tail)), position))
-            del self._shadow[(parent, tail)]
+        if self._shadow_capacity:
+            self._note_recurrence(parent, tail, position)
         slot = self.store.allocate()
         self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
         self.tails[slot, : self.num_attention_layers, : len(tail)] = cache.tail_rows(position)
@@ -535,6 +549,11 @@ class PrefixCache:
 
     def _on_block_evicted(self, block_hash: bytes) -> None:
         """A cached block was reused: checkpoints right under it can no longer hit, and it leaves the tree."""
+        if self._block_ghost_capacity:
+            self._block_ghost[block_hash] = None
+            self._block_ghost.move_to_end(block_hash)
+            while len(self._block_ghost) > self._block_ghost_capacity:
+                self._block_ghost.popitem(last=False)
         for checkpoint in list(self._index.get(block_hash, {}).values()):
             self._drop(checkpoint)
         parent = self._parent_of.pop(block_hash, None)
@@ -578,6 +597,37 @@ class PrefixCache:
         self.shadow_recurrences = []
         self.interval_hit_tokens = {}
         return recurrences, lost
+
+    def _note_recurrence(self, parent: bytes, tail: tuple[int, ...], position: int) -> None:
+        if (parent, tail) in self._shadow:
+            keys = list(self._shadow)
+            self.shadow_recurrences.append((len(keys) - keys.index((parent, tail)), position))
+            del self._shadow[(parent, tail)]
+
+    def track_block_shadow(self, ghost_blocks: int) -> None:
+        """Remember the hashes of the last `ghost_blocks` cached blocks evicted: a lookup whose match would have gone
+        on through them is a reuse a pool that many blocks larger would have had. 0: off."""
+        self._block_ghost_capacity = max(0, ghost_blocks)
+        while len(self._block_ghost) > self._block_ghost_capacity:
+            self._block_ghost.popitem(last=False)
+
+    def _block_ghost_run(self, hashes: list[bytes]) -> tuple[int, int] | None:
+        """(blocks more needed, positions) of the evicted blocks that continue a match, or None."""
+        run = 0
+        for block_hash in hashes:
+            if block_hash not in self._block_ghost:
+                break
+            run += 1
+        if not run:
+            return None
+        keys = list(self._block_ghost)
+        depth = max(len(keys) - keys.index(h) for h in hashes[:run])
+        return depth, run * self.block_size
+
+    def take_block_shadow(self) -> list[tuple[int, int]]:
+        """This interval's block ghost hits as (depth in blocks, positions); starts a new interval."""
+        hits, self.block_shadow_hits = self.block_shadow_hits, []
+        return hits
 
     def resize_checkpoints(self, num_checkpoints: int) -> int:
         """Keep at most `num_checkpoints` checkpoints (clamped to [0, the slot pool]); a shrink evicts the

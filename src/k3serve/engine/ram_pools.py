@@ -5,7 +5,7 @@ under one budget on a running engine.
 |-------------|----------------------------|------------------------------------------|---------------------------------|---------------------------------------|
 | experts     | one slot (the blob stride) | `ExpertSlots.resize` (pages returned)    | ghost hits x blob bytes x read  | hits on the least-hit resident experts |
 | checkpoints | one checkpoint slot        | `PrefixCache.resize_checkpoints` (evict) | recomputed positions x compute  | positions restored from the least-hit  |
-| kv          | one attention block        | `BlockPool.withhold / give_back`         | preempted positions x compute   | cached-block reuse it would drop, and a preemption if the peak would not fit |
+| kv          | one attention block        | `BlockPool.withhold / give_back`         | preempted and ghost-block positions x compute | cached-block reuse it would drop, and a preemption if the peak would not fit |
 
 Seconds come from `Prices`: the measured read wait per byte of the expert store, and the measured compute time per
 position (forward seconds less read wait, per batched token). The trunk and the I/O buffers stay where the
@@ -126,8 +126,12 @@ class KVBlockPool(RamPool):
 
     name = "kv"
 
-    def __init__(self, blocks: BlockPool, block_bytes: int, min_blocks: int) -> None:
+    def __init__(self, blocks: BlockPool, block_bytes: int, min_blocks: int,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.blocks = blocks
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.track_block_shadow(blocks.num_blocks)
         self.block_bytes = max(block_bytes, 1)
         self.min_blocks = min(min_blocks, blocks.num_blocks)
         self.preempted_tokens = 0
@@ -163,8 +167,9 @@ class KVBlockPool(RamPool):
         if self.peak_in_use + k > self.blocks.num_usable_blocks:
             # the peak would not have fit: one sequence of the peak's mean length preempted and computed again
             lost_tokens += self.peak_in_use * self.blocks.block_size / self.peak_running
-        signal = PoolSignal(self.preempted_tokens * prices.compute_seconds_per_token,
-                            lost_tokens * prices.compute_seconds_per_token)
+        shadow = self.prefix_cache.take_block_shadow() if self.prefix_cache is not None else []
+        gained = self.preempted_tokens + best_gain_per_step(shadow, k)
+        signal = PoolSignal(gained * prices.compute_seconds_per_token, lost_tokens * prices.compute_seconds_per_token)
         self.preempted_tokens = self.reused_block_tokens = 0
         self.peak_in_use = self.peak_running = 0
         return signal
@@ -241,7 +246,7 @@ def attach_ram_controller(engine: LLMEngine, budget_bytes: int, config: Controll
     layout = engine.model.cache_layout
     if layout.attention_layers:
         need = -(-engine.max_context // engine.config.block_size) + scheduler.watermark_blocks
-        kv_pool = KVBlockPool(scheduler.blocks, engine.config.block_bytes(layout), need)
+        kv_pool = KVBlockPool(scheduler.blocks, engine.config.block_bytes(layout), need, scheduler.prefix_cache)
         if kv_blocks is not None:
             kv_pool.resize(kv_blocks * kv_pool.unit_bytes)
         pools.append(kv_pool)

@@ -1,0 +1,177 @@
+"""One RAM budget, priced (issue 35, item 2): the RAM controller against fixed splits of the same budget between
+expert slots, state checkpoints and attention (KV) blocks, on a mixed workload with a phase change.
+
+The embedded model is packed (once, into the user cache) and streamed with O_DIRECT reads. Workload, the same
+for every arm:
+  phase A (shared prefixes): --groups system prompts of --prefix-tokens tokens; --rounds rounds, each sending one
+           request per group (the prompt plus 8 tokens of its own, 2 generated): prefixes recur, so checkpoints and
+           cached blocks save their recompute;
+  phase B (decode-heavy chat): --chats short prompts (8 tokens), 48 greedy tokens each, 8 at a time: routed
+           experts recur, so expert slots save their reads.
+The pools share --budget (expert slots are charged their 4 KiB-aligned stride, a checkpoint its state and tail
+rows, a block its rows). Arms:
+  default     budget.py's rule carried to one budget: expert slots first; KV blocks at the floor the engine needs
+              (one sequence of max_model_len plus the watermark) and one checkpoint;
+  fixed       every split of a grid (KV blocks x checkpoints, expert slots get the rest); the best is reported;
+  controller  starts at the default split; RamController moves steps between the pools (engine/ram_pools.py).
+Cost of a run, priced the controller's way (the same prices for every arm, measured once on a warm-up run):
+    cost = expert and trunk bytes read x read seconds per byte + positions computed x compute seconds per position
+Counts are exact; wall times (medians of --runs alternated runs) are reported beside them.
+
+Prints the machine, one summary line, and a JSON record on the last line.
+
+    python benchmarks/bench_ram_controller.py [--budget 2560K] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import numpy as np
+
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLMEngine
+from k3serve.engine.ram_controller import ControllerConfig, Prices
+from k3serve.engine.ram_pools import attach_ram_controller
+from k3serve.engine.sampling import SamplingParams
+from k3serve.host import describe_host
+from k3serve.loading import load_model
+from k3serve.stream.options import StreamOptions
+from k3serve.units import parse_size
+
+MAX_MODEL_LEN = 512
+BLOCK_SIZE = 16
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[list[int]], int]]:
+    """Phases as (name, batches of prompts, max_tokens)."""
+    rng = np.random.default_rng(11)
+    systems = [[int(t) for t in rng.integers(3, vocab - 8, args.prefix_tokens)] for _ in range(args.groups)]
+    prefix_rounds = [[s + [int(t) for t in rng.integers(3, vocab - 8, 8)] for s in systems]
+                     for _ in range(args.rounds)]
+    chats = [[int(t) for t in rng.integers(3, vocab - 8, 8)] for _ in range(args.chats)]
+    chat_batches = [chats[i:i + 8] for i in range(0, len(chats), 8)]
+    return [("prefix", prefix_rounds, 2), ("chat", chat_batches, 48)]
+
+
+def run_once(args: argparse.Namespace, split: tuple[int, int, int] | None, controller: bool,
+             prices: Prices | None) -> dict:
+    """`split`: (expert slots, checkpoints, KV blocks) at the start."""
+    loaded = load_model(None, stream=StreamOptions(io="direct", cache="lru"))
+    model = loaded.model
+    config = EngineConfig(max_seqs=8, max_batch_tokens=1024, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                          num_blocks=args.max_blocks, num_state_checkpoints=args.max_checkpoints)
+    engine = LLMEngine(model, config, stop_ids=())
+    experts, checkpoints, blocks = split
+    ctl = attach_ram_controller(engine, args.budget, ControllerConfig(
+        interval_steps=args.interval, step_bytes=args.step, hysteresis=args.hysteresis, cooldown_intervals=2),
+        experts=(experts, model.experts.slots.cache.max_slots), checkpoints=checkpoints, kv_blocks=blocks,
+        enabled=controller)
+    start_sizes = {name: pool.size_bytes for name, pool in ctl.pools.pools.items()}
+    before = model.source.stats().stream
+    started = time.perf_counter()
+    for _, batches, max_tokens in workload(args, model.config.vocab_size):
+        for batch in batches:
+            for prompt in batch:
+                engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+                assert ctl.pools.total_bytes <= ctl.pools.budget_bytes
+    seconds = time.perf_counter() - started
+    read = model.source.stats().stream.minus(before)
+    computed = int(engine.figures.computed.value)
+    steering = engine.ram_steering
+    measured = steering.prices() if steering is not None else None
+    model.source.close()
+    record = {"split": list(split), "controller": controller, "wall_s": seconds,
+              "bytes_read": read.bytes_read, "expert_bytes_read": read.expert_bytes_read,
+              "io_wait_s": read.io_wait_seconds, "positions_computed": computed,
+              "prefix_hit_tokens": engine.metrics.counter("prefix_cache_hit_tokens").value,
+              "preemptions": engine.metrics.counter("preemptions").value,
+              "moves": [m.line() for m in ctl.moves], "start_bytes": start_sizes,
+              "end_bytes": {name: pool.size_bytes for name, pool in ctl.pools.pools.items()}}
+    if prices is not None:
+        record["cost_s"] = read.bytes_read * prices.read_seconds_per_byte + computed * prices.compute_seconds_per_token
+    if measured is not None:
+        record["measured_prices"] = [measured.read_seconds_per_byte, measured.compute_seconds_per_token]
+    return record
+
+
+def kib(n: int) -> str:
+    return f"{n / 1024:.0f}K"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", default="2560K", help="RAM for expert slots + checkpoints + KV blocks")
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--prefix-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--chats", type=int, default=16)
+    parser.add_argument("--max-blocks", type=int, default=320, help="the KV cap (blocks)")
+    parser.add_argument("--max-checkpoints", type=int, default=16, help="the checkpoint cap")
+    parser.add_argument("--interval", type=int, default=2, help="controller: steps between decisions")
+    parser.add_argument("--step", default="256K", help="controller: bytes per move")
+    parser.add_argument("--hysteresis", type=float, default=0.25)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    args.budget = parse_size(args.budget)
+    args.step = parse_size(args.step)
+    probe = load_model(None, stream=StreamOptions(io="direct", cache="lru")).model
+    stride = probe.experts.slots.stride
+    max_slots = probe.experts.slots.cache.max_slots
+    probe_engine = LLMEngine(probe, EngineConfig(max_seqs=8, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                                                 num_blocks=args.max_blocks,
+                                                 num_state_checkpoints=args.max_checkpoints), stop_ids=())
+    checkpoint_bytes = probe_engine.scheduler.prefix_cache.checkpoint_bytes
+    block_bytes = probe_engine.config.block_bytes(probe.cache_layout)
+    floor_blocks = -(-MAX_MODEL_LEN // BLOCK_SIZE) + probe_engine.scheduler.watermark_blocks
+    probe.source.close()
+
+    def split(checkpoints: int, blocks: int) -> tuple[int, int, int] | None:
+        left = args.budget - checkpoints * checkpoint_bytes - blocks * block_bytes
+        slots = min(max_slots, left // stride)
+        return (slots, checkpoints, blocks) if slots >= 8 else None
+
+    default = split(1, floor_blocks)
+    # prices: measured by the controller arm's own steering on a warm-up run (the cost formula's only inputs)
+    warm = run_once(args, default, True, None)
+    prices = Prices(*warm["measured_prices"])
+    grid = [split(c, b) for c, b in itertools.product(
+        (1, 2, 4, 8, 12), (floor_blocks, 96, 128, 192, 256)) if b >= floor_blocks]
+    grid = [g for g in dict.fromkeys(grid) if g is not None]
+    fixed = [run_once(args, g, False, prices) for g in grid]
+    best = min(fixed, key=lambda r: r["cost_s"])
+    best_split = tuple(best["split"])
+    arms = {"default": (default, False), "best_fixed": (best_split, False), "controller": (default, True)}
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    for _ in range(args.runs):
+        for name, (start, on) in arms.items():
+            runs[name].append(run_once(args, start, on, prices))
+    summary = {name: {"cost_s": statistics.median(r["cost_s"] for r in rs),
+                      "wall_s": statistics.median(r["wall_s"] for r in rs),
+                      "bytes_read": statistics.median(r["bytes_read"] for r in rs),
+                      "positions_computed": statistics.median(r["positions_computed"] for r in rs)}
+               for name, rs in runs.items()}
+    record = {"benchmark": "ram_controller", "machine": describe_host(), "budget_bytes": args.budget,
+              "units": {"expert_slot": stride, "checkpoint": checkpoint_bytes, "kv_block": block_bytes},
+              "prices": [prices.read_seconds_per_byte, prices.compute_seconds_per_token],
+              "sweep": [{"split": r["split"], "cost_s": r["cost_s"], "bytes_read": r["bytes_read"],
+                         "positions_computed": r["positions_computed"]} for r in fixed],
+              "best_fixed_split": list(best_split), "default_split": list(default), "summary": summary,
+              "runs": runs, "args": {k: v for k, v in vars(args).items()}}
+    c, d, b = (summary[n]["cost_s"] for n in ("controller", "default", "best_fixed"))
+    print(f"machine: {record['machine']}")
+    print(f"budget {kib(args.budget)}: cost (priced s) controller {c:.3f} | best fixed {b:.3f} "
+          f"(slots/ckpts/blocks {best_split}) | default {d:.3f} {default}: controller/best {c / b:.3f}, "
+          f"default/controller {d / c:.2f}x; wall medians {summary['controller']['wall_s']:.2f} / "
+          f"{summary['best_fixed']['wall_s']:.2f} / {summary['default']['wall_s']:.2f} s")
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
