@@ -74,12 +74,14 @@ class ExpertSlots(Generic[W]):
 
     def resize(self, num_slots: int) -> int:
         """Use `num_slots` slots of the arena (`ExpertCache.resize`; between steps); the pages of the slots given up
-        go back to the OS at once (MADV_DONTNEED: they read as zeros if used again). Returns the slots in use."""
+        go back to the OS at once (MADV_REMOVE: they read as zeros if used again). Returns the slots in use."""
         before = self.cache.num_slots
         after = self.cache.resize(num_slots)
         self._generation += 1  # views handed out before the move are no longer valid
-        if after < before and hasattr(mmap, "MADV_DONTNEED"):
-            self._arena.madvise(mmap.MADV_DONTNEED, after * self.stride, (before - after) * self.stride)
+        # the arena is a shared anonymous mapping (shmem): MADV_REMOVE frees its pages, DONTNEED only unmaps them
+        advice = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", None))
+        if after < before and advice is not None:
+            self._arena.madvise(advice, after * self.stride, (before - after) * self.stride)
         return after
 
     def _slot_buffer(self, index: int) -> memoryview:
