@@ -110,12 +110,12 @@ def main() -> None:
     parser.add_argument("--budget", default="2560K", help="RAM for expert slots + checkpoints + KV blocks")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--prefix-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--chats", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--chats", type=int, default=32)
     parser.add_argument("--max-blocks", type=int, default=320, help="the KV cap (blocks)")
     parser.add_argument("--max-checkpoints", type=int, default=16, help="the checkpoint cap")
     parser.add_argument("--interval", type=int, default=2, help="controller: steps between decisions")
-    parser.add_argument("--step", default="256K", help="controller: bytes per move")
+    parser.add_argument("--step", default="512K", help="controller: bytes per move")
     parser.add_argument("--hysteresis", type=float, default=0.25)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
@@ -142,7 +142,7 @@ def main() -> None:
     warm = run_once(args, default, True, None)
     prices = Prices(*warm["measured_prices"])
     grid = [split(c, b) for c, b in itertools.product(
-        (1, 2, 4, 8, 12), (floor_blocks, 96, 128, 192, 256)) if b >= floor_blocks]
+        (1, 2, 4, 8, 12, 16), (floor_blocks, 96, 128, 192)) if b >= floor_blocks]
     grid = [g for g in dict.fromkeys(grid) if g is not None]
     fixed = [run_once(args, g, False, prices) for g in grid]
     best = min(fixed, key=lambda r: r["cost_s"])
