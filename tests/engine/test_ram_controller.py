@@ -202,6 +202,13 @@ def test_greedy_tokens_identical_with_the_controller_moving_ram(tiny_store):
     assert got == expected
     assert controller.moves, "the controller should have moved RAM on this workload"
     assert controller.pools.total_bytes <= controller.pools.budget_bytes
+    from k3serve.serve.metrics import render_metrics
+
+    text = render_metrics(engine.metrics)[0].decode()  # what /metrics serves
+    assert f"k3serve_ram_controller_moves_total {float(len(controller.moves))}" in text
+    experts = controller.pools.pools["experts"].size_bytes
+    assert any(line.startswith("k3serve_ram_pool_bytes_experts ") and float(line.split()[1]) == experts
+               for line in text.splitlines())
 
 
 def test_expert_slots_shrink_keeps_hot_experts_and_returns_to_identical_output(tiny_store):
