@@ -347,6 +347,8 @@ class PrefixCache:
         rest = tokens[start:start + BS]
         best: int | None = None
         candidates = list(self._children.get(parent, {}).values()) + list(self._index.get(parent, {}).keys())
+        if self._shadow_capacity:  # recently evicted checkpoints' tails are paths the cache has seen too
+            candidates += [tail for shadow_parent, tail in self._shadow if shadow_parent == parent]
         for seen in candidates:
             common = 0
             for a, b in zip(rest, seen):

@@ -253,4 +253,11 @@ def attach_ram_controller(engine: LLMEngine, budget_bytes: int, config: Controll
     controller = RamController(RamPools(budget_bytes, pools), config, engine.metrics)
     if enabled:
         engine.ram_steering = EngineRamSteering(engine, controller, kv_pool)
+    else:  # a fixed split: the engine as it runs without the controller, shadows off
+        for pool in pools:
+            if isinstance(pool, ExpertSlotsPool):
+                pool.cache.track_shadow(0)
+            elif isinstance(pool, CheckpointPool):
+                pool.prefix_cache.track_shadow(0)
+                pool.prefix_cache.track_block_shadow(0)
     return controller
