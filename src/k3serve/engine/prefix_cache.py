@@ -587,17 +587,18 @@ class PrefixCache:
         while len(self._shadow) > self._shadow_capacity:
             self._shadow.popitem(last=False)
 
-    def take_shadow(self, num_checkpoints: int) -> tuple[list[tuple[int, int]], int]:
+    def take_shadow(self, num_checkpoints: int) -> tuple[list[tuple[int, int]], float]:
         """(this interval's recurrences as (depth, position): a checkpoint computed again that `depth` more
         checkpoints would have kept, positions `num_checkpoints` fewer would have cost) since the last call, which
         starts a new interval. A recurrence counts its whole position (an upper bound: part of the prefix may have
-        been restored from an earlier checkpoint); losses are this interval's restored positions of the
-        checkpoints hit least."""
+        been restored from an earlier checkpoint); losses are the recent restored positions (decayed by half per
+        interval) of the checkpoints hit least."""
         recurrences = self.shadow_recurrences
         counts = sorted(self.interval_hit_tokens.get(c.slot, 0) for c in self._recency.values())
-        lost = sum(counts[:num_checkpoints])
+        lost = sum(counts[:num_checkpoints]) / 2  # decayed by half per interval: twice one interval's, steady
         self.shadow_recurrences = []
-        self.interval_hit_tokens = {}
+        self.interval_hit_tokens = {slot: tokens / 2 for slot, tokens in self.interval_hit_tokens.items()
+                                    if tokens >= 1}
         return recurrences, lost
 
     def _note_recurrence(self, parent: bytes, tail: tuple[int, ...], position: int) -> None:

@@ -359,15 +359,18 @@ class ExpertCache:
         self.ghost_hit_depths.append(len(keys) - keys.index(key))  # 1 = the latest eviction
         del self._ghost[key]
 
-    def take_shadow(self, num_slots: int) -> tuple[list[int], int]:
+    def take_shadow(self, num_slots: int) -> tuple[list[int], float]:
         """(this interval's ghost-hit depths: a hit at depth d needs d more slots, hits `num_slots` fewer slots
-        would have lost) since the last call, which starts a new interval. The loss counts this interval's hits on
+        would have lost) since the last call, which starts a new interval. The loss counts recent hits (decayed by half per interval) on
         the `num_slots` resident keys hit least (those a smaller cache would have dropped)."""
         depths = self.ghost_hit_depths
         counts = sorted(self.interval_hits.get(key, 0) for key in self._table)
-        lost = sum(counts[:num_slots])
+        # hit counts decay by half per interval (a reuse period longer than one interval is still seen); in a
+        # steady state they sum to twice one interval's, hence the halving
+        lost = sum(counts[:num_slots]) / 2
         self.ghost_hit_depths = []
-        self.interval_hits = Counter()
+        self.interval_hits = Counter({key: count / 2 for key, count in self.interval_hits.items()
+                                      if count >= 0.125 and key in self._table})
         return depths, lost
 
     def resize(self, num_slots: int) -> int:
