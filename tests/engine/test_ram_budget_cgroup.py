@@ -124,6 +124,9 @@ def _run_child(store, controlled: bool) -> tuple[int, dict | None, str]:
 def test_controller_keeps_the_experts_within_their_budget_in_a_memory_cgroup(wide_store):
     code, record, stderr = _run_child(wide_store, controlled=True)
     assert code == 0, stderr
+    print(f"peak {(record['peak'] - record['baseline']) / 2**20:.1f} MiB over the baseline, limit "
+          f"{(record['limit'] - record['baseline']) / 2**20:.1f} MiB over it, experts at most "
+          f"{record['peak_expert_pool'] / 2**20:.1f} MiB, {record['moves']} moves")
     assert record["oom_kill"] == 0
     assert record["moves"] > 0
     assert record["peak_expert_pool"] <= record["expert_cap"]
