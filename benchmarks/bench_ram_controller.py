@@ -68,7 +68,8 @@ def run_once(args: argparse.Namespace, split: tuple[int, int, int] | None, contr
     engine = LLMEngine(model, config, stop_ids=())
     experts, checkpoints, blocks = split
     ctl = attach_ram_controller(engine, args.budget, ControllerConfig(
-        interval_steps=args.interval, step_bytes=args.step, hysteresis=args.hysteresis, cooldown_intervals=2),
+        interval_steps=args.interval, step_bytes=args.step, hysteresis=args.hysteresis, cooldown_intervals=2,
+        max_steps_per_move=getattr(args, "max_steps", 1)),
         experts=(experts, model.experts.slots.cache.max_slots), checkpoints=checkpoints, kv_blocks=blocks,
         enabled=controller)
     start_sizes = {name: pool.size_bytes for name, pool in ctl.pools.pools.items()}
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=2, help="controller: steps between decisions")
     parser.add_argument("--step", default="512K", help="controller: bytes per move")
     parser.add_argument("--hysteresis", type=float, default=0.25)
+    parser.add_argument("--max-steps", type=int, default=1, help="controller: most steps one move takes")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     args.budget = parse_size(args.budget)

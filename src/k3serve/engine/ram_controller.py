@@ -147,9 +147,10 @@ class ControllerConfig:
     hysteresis: float = 0.5  # the receiver's gain must beat the donor's loss by this fraction
     min_gain_seconds_per_mib: float = 0.0  # and by this margin (seconds per MiB per interval)
     cooldown_intervals: int = 3  # a pool that gave may not receive (and one that received may not give) for this long
+    max_steps_per_move: int = 1  # a gain k times the bar moves min(k, this) steps at once (1: one step a decision)
 
     def __post_init__(self) -> None:
-        for name in ("interval_steps", "step_bytes"):
+        for name in ("interval_steps", "step_bytes", "max_steps_per_move"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ControllerConfig.{name} must be a positive integer, got {value!r}")
@@ -240,9 +241,12 @@ class RamController:
             return None
         donor = min(donors, key=lambda n: (values[n].loss_per_mib, n))
         loss = values[donor].loss_per_mib
-        if not gain > (1 + self.config.hysteresis) * loss + self.config.min_gain_seconds_per_mib:
+        bar = (1 + self.config.hysteresis) * loss + self.config.min_gain_seconds_per_mib
+        if not gain > bar:
             return None
-        return self._move(donor, receiver, step, loss, gain)
+        # a wide margin moves more at once (up to max_steps_per_move steps): twice the bar, two steps, ...
+        steps = max(1, min(self.config.max_steps_per_move, int(gain / bar) if bar > 0 else 1 << 30))
+        return self._move(donor, receiver, steps * step, loss, gain)
 
     def _move(self, donor: str, receiver: str, num_bytes: int, loss: float, gain: float) -> RamMove | None:
         pools = self.pools.pools
