@@ -245,7 +245,8 @@ class RamController:
         if not gain > bar:
             return None
         # a wide margin moves more at once (up to max_steps_per_move steps): twice the bar, two steps, ...
-        steps = max(1, min(self.config.max_steps_per_move, int(gain / bar) if bar > 0 else 1 << 30))
+        most = self.config.max_steps_per_move
+        steps = most if bar <= 0 or gain >= most * bar else max(1, int(gain / bar))
         return self._move(donor, receiver, steps * step, loss, gain)
 
     def _move(self, donor: str, receiver: str, num_bytes: int, loss: float, gain: float) -> RamMove | None:
