@@ -57,14 +57,15 @@ signal = st.builds(PoolSignal, st.floats(0, 10, allow_nan=False), st.floats(0, 1
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(signal, signal, signal), min_size=1, max_size=40),
-       st.integers(53, 80), st.integers(1, 20), st.floats(0, 2), st.integers(0, 3))
+       st.integers(53, 80), st.integers(1, 20), st.floats(0, 2), st.integers(0, 3), st.integers(1, 4))
 def test_never_over_budget_and_caps_respected_whatever_the_signals(script, budget_kib, step_kib, hysteresis,
-                                                                   cooldown):
+                                                                   cooldown, max_steps):
     ledger, a, b, c = _pools(budget_kib * KiB)
     for i, pool in enumerate((a, b, c)):
         pool.signals = [row[i] for row in script]
     controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=step_kib * KiB,
-                                                        hysteresis=hysteresis, cooldown_intervals=cooldown))
+                                                        hysteresis=hysteresis, cooldown_intervals=cooldown,
+                                                        max_steps_per_move=max_steps))
     for _ in script:
         controller.on_step()
         ledger.check_integrity()  # sum <= budget and every pool within [min, max]
