@@ -57,6 +57,8 @@ from numba.extending import intrinsic  # noqa: E402
 
 from k3serve.model.ops import silu, situ_glu  # noqa: E402
 from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32  # noqa: E402
+from k3serve.weights.q8_0 import dequantize_q8_0, quantize_rows  # noqa: E402
+from k3serve.weights.quantized import QuantizedMatrix  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def _host_features() -> set[str]:
 
 _FEATURES = _host_features()
 AVAILABLE_ISAS: tuple[str, ...] = tuple(
-    name for name, needs in (("portable", ()), ("avx2", ("avx2", "fma")), ("avx512", ("avx512f", "fma")))
+    name for name, needs in (("portable", ()), ("avx2", ("avx2", "fma", "f16c")), ("avx512", ("avx512f", "avx512bw", "fma", "f16c")))
     if all(feature in _FEATURES for feature in needs)
 )
 ISA: str = os.environ.get("K3SERVE_MXFP4_ISA", AVAILABLE_ISAS[-1])  # debug toggle: force a slower path
@@ -319,6 +321,168 @@ def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray
     _check_operands(np.asarray(packed), np.asarray(scales), x)
     return x @ dequantize_mxfp4(packed, scales).T  # [T, R]
 
+
+# ------------------------------------------------------------------------------------------- Q8_0 trunk matrices
+# A dense trunk matrix in llama.cpp's Q8_0 bytes (`k3serve.weights.q8_0`: per row, blocks of 34 bytes, an f16
+# scale d_w then 32 int8 q_w), multiplied as llama.cpp multiplies it: the activation row is quantized to Q8_0 too
+# (blocks of 32, scale d_x = max|x| / 127 rounded to half, q_x = roundf(x / d_x)), then
+#
+#     y[t, r] = sum_g (d_w[r, g] d_x[t, g]) * sum_{k < 32} q_w[r, 32 g + k] q_x[t, 32 g + k]
+#
+# The inner sums are exact int32 (vpmaddwd on sign-extended int16 pairs); one float FMA per block and lane folds
+# them in: 16 lanes (AVX-512: one vpmaddwd on 32 pairs), 8 lanes (AVX2: two vpmaddwd on 16 pairs, added as
+# integers), or plain numba (portable; the block's integer sum, then one scalar FMA). The per-lane float order is
+# fixed in IR, so a row's result is the same bits whatever T, the other rows and the threads.
+Q8_0_BLOCK_BYTES = 34
+_F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] scale table
+
+
+def _q8_0_row_dot_codegen(lanes: int):
+    """IR of sum_c W[r, c] x[c] for one Q8_0 row against one Q8_0 activation row, `lanes` float32 lanes."""
+
+    def codegen(context, builder, signature, args):
+        wrow_t, xq_t, xd_t = signature.args
+        wrow = context.make_array(wrow_t)(context, builder, args[0])
+        xq = context.make_array(xq_t)(context, builder, args[1])
+        xd = context.make_array(xd_t)(context, builder, args[2])
+        (num_groups,) = cgutils.unpack_tuple(builder, xd.shape, 1)
+        module = builder.module
+        vf, vi = _vector(_F32, lanes), _vector(_I32, lanes)
+        i16 = ir.IntType(16)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        if lanes == 16:
+            madd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(vi, [_vector(i16, 32), _vector(i16, 32)]), "llvm.x86.avx512.pmaddw.d.512")
+        else:
+            madd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(vi, [_vector(i16, 16), _vector(i16, 16)]), "llvm.x86.avx2.pmadd.wd")
+        index_type = ir.IntType(64)
+        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+        with cgutils.for_range(builder, num_groups) as loop:
+            group = loop.index
+            w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
+            x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
+            scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]), i16.as_pointer()), align=1)
+            w_scale = builder.fpext(builder.bitcast(scale_bits, ir.HalfType()), _F32)
+            scale = builder.fmul(w_scale, builder.load(builder.gep(xd.data, [group])))
+            w_data = builder.add(w_base, ir.Constant(index_type, 2))
+            sums = None
+            for part in range(GROUP_SIZE // (2 * lanes)):  # 1 part of 32 pairs, or 2 parts of 16
+                offset = ir.Constant(index_type, part * 2 * lanes)
+                wv = builder.sext(_load(builder, wrow.data, builder.add(w_data, offset), _vector(_I8, 2 * lanes), 1),
+                                  _vector(i16, 2 * lanes))
+                xv = builder.sext(_load(builder, builder.bitcast(xq.data, _I8.as_pointer()),
+                                        builder.add(x_base, offset), _vector(_I8, 2 * lanes), 1),
+                                  _vector(i16, 2 * lanes))
+                pair_sums = builder.call(madd, [wv, xv])
+                sums = pair_sums if sums is None else builder.add(sums, pair_sums)
+            acc = builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes), builder.load(acc_slot)])
+            builder.store(acc, acc_slot)
+        return _pairwise_sum(builder, builder.load(acc_slot), lanes)
+
+    return codegen
+
+
+@intrinsic
+def _q8_0_row_dot_avx512(typingctx, wrow, xq, xd):
+    """One Q8_0 row u8 [G * 34] . activation q int8 [C] with scales f32 [G], 16 lanes."""
+    codegen = _q8_0_row_dot_codegen(16) if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(wrow, xq, xd), codegen
+
+
+@intrinsic
+def _q8_0_row_dot_avx2(typingctx, wrow, xq, xd):
+    """The same row dot on 8 lanes (AVX2)."""
+    codegen = _q8_0_row_dot_codegen(8) if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(wrow, xq, xd), codegen
+
+
+@njit(cache=True)
+def _q8_0_row_dot_portable(wrow: np.ndarray, xq: np.ndarray, xd: np.ndarray, f16_table: np.ndarray) -> np.float32:
+    """The row dot in plain numba: each block's exact int32 sum, then one scalar FMA."""
+    total = np.float32(0.0)
+    for group in range(xd.shape[0]):
+        base = group * Q8_0_BLOCK_BYTES
+        scale = f16_table[np.int64(wrow[base]) | (np.int64(wrow[base + 1]) << 8)] * xd[group]
+        block_sum = np.int32(0)
+        for k in range(GROUP_SIZE):
+            w = np.int32(wrow[base + 2 + k])
+            block_sum += (w - np.int32(256) if w >= 128 else w) * np.int32(xq[group * GROUP_SIZE + k])
+        total += np.float32(block_sum) * scale
+    return total
+
+
+@njit(inline="always")
+def _q8_0_row_dot(wrow, xq, xd, f16_table, isa):
+    if isa == 2:
+        return _q8_0_row_dot_avx512(wrow, xq, xd)
+    if isa == 1:
+        return _q8_0_row_dot_avx2(wrow, xq, xd)
+    return _q8_0_row_dot_portable(wrow, xq, xd, f16_table)
+
+
+@njit(inline="always")
+def _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task):
+    for row in range(task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)):
+        for t in range(xq.shape[0]):
+            out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
+
+
+@njit(cache=True, parallel=True)
+def _q8_0_matmul_parallel(blocks, xq, xd, f16_table, isa, out):
+    """out [T, R] = x W^T; blocks u8 [R, G * 34], xq int8 [T, C], xd f32 [T, G]."""
+    for task in prange((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+
+
+@njit(cache=True)
+def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
+    for task in range((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+
+
+def _check_q8_0(blocks: np.ndarray, x: np.ndarray) -> tuple[int, int]:
+    if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] % Q8_0_BLOCK_BYTES:
+        raise ValueError(f"Q8_0 blocks must be uint8 [R, G * {Q8_0_BLOCK_BYTES}], got {blocks.dtype} {blocks.shape}")
+    rows, cols = blocks.shape[0], blocks.shape[1] // Q8_0_BLOCK_BYTES * GROUP_SIZE
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be [T, {cols}] to multiply a Q8_0 [{rows}, {cols}] matrix, got {x.shape}")
+    return rows, cols
+
+
+def q8_0_matmul(blocks: np.ndarray, x: np.ndarray, isa: str | None = None) -> np.ndarray:
+    """x @ dequantize_q8_0(blocks).T with x's rows quantized to Q8_0 first (llama.cpp's Q8_0 x Q8_0 dot), read
+    straight from the blocks. blocks u8 [R, G * 34], x float32 [T, C] -> [T, R]. `isa` picks the instruction set."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    blocks = np.ascontiguousarray(blocks)
+    rows, _ = _check_q8_0(blocks, x)
+    out = np.empty((x.shape[0], rows), np.float32)  # [T, R]
+    if x.shape[0] == 0 or rows == 0:
+        return out
+    code = _isa_code(isa)
+    xq, xd = quantize_rows(x)  # [T, C] int8, [T, G] float32
+    kernel = _q8_0_matmul_parallel if blocks.size >= PARALLEL_MIN_WEIGHTS else _q8_0_matmul_serial
+    kernel(blocks, xq, xd, _F16_TO_F32, code, out)
+    return out
+
+
+def q8_0_matmul_reference(blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The numpy twin of `q8_0_matmul`: the same activation quantization, both sides decoded to float, one float64
+    matmul (every product and block sum exact), rounded to float32. -> [T, R]"""
+    x = np.asarray(x, dtype=np.float32)
+    _check_q8_0(np.asarray(blocks), x)
+    xq, xd = quantize_rows(x)
+    x_decoded = (xq.reshape(len(x), -1, GROUP_SIZE) * xd[:, :, None].astype(np.float64)).reshape(x.shape)
+    return (x_decoded @ dequantize_q8_0(blocks).astype(np.float64).T).astype(np.float32)
+
+
+def quantized_matmul(w: QuantizedMatrix, x: np.ndarray, isa: str | None = None) -> np.ndarray:
+    """x [T, C] @ w.T for a trunk matrix held in its Q8_0 (activations quantized to Q8_0, as llama.cpp) or MXFP4
+    (float activations, the experts' kernel) bytes. -> [T, R]"""
+    if w.precision == "q8_0":
+        return q8_0_matmul(w.data, x, isa)
+    assert w.scales is not None
+    return mxfp4_matmul(w.data, w.scales, x, isa=isa)
 
 # ------------------------------------------------------------------------------------------- routed experts
 @njit(inline="always", fastmath=False)
@@ -743,10 +907,13 @@ def widen_bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def linear(x: np.ndarray, w: np.ndarray | QuantizedMatrix) -> np.ndarray:
     """x [T, C] @ w.T for w float32 [R, C] (BLAS), or w bf16 bits uint16 [R, C] kept as bf16: the bf16 row-dot
     kernel for a few tokens, BLAS on transient float32 copies of w (BF16_WIDEN_BLOCK_BYTES of rows at a time) for
-    BF16_KERNEL_MAX_TOKENS or more. -> [T, R]"""
+    BF16_KERNEL_MAX_TOKENS or more; or a `QuantizedMatrix` (Q8_0, MXFP4) read from its bytes at every T
+    (`quantized_matmul`: the same row dot at decode and at prefill). -> [T, R]"""
+    if isinstance(w, QuantizedMatrix):
+        return quantized_matmul(w, x)
     if w.dtype != np.uint16:
         return x @ w.T
     if x.shape[0] >= BF16_KERNEL_MAX_TOKENS:
@@ -802,6 +969,9 @@ def warmup() -> None:
         kernel(w2p, w2s, one, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, np.empty((2, 32), np.float32))
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
+    q8_blocks, xq, xd = np.zeros((3, Q8_0_BLOCK_BYTES), np.uint8), np.zeros((2, 32), np.int8), np.ones((2, 1), np.float32)
+    for kernel in (_q8_0_matmul_serial, _q8_0_matmul_parallel):
+        kernel(q8_blocks, xq, xd, _F16_TO_F32, ISA_CODES[ISA], out)
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
         kernel(np.zeros((3, 32), np.uint16), x, out)
     for dtype in (np.uint16, np.int8, np.float32):
