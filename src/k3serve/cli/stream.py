@@ -102,6 +102,10 @@ def add_subcommands(sub) -> dict:
     pack.add_argument("--expert-precision", choices=("native", "bf16", "int8", "mxfp4"), default="native",
                       help="a family checkpoint's routed experts in the store: the stored values, int8 or MXFP4 "
                            "(K3 experts are MXFP4 already; default native)")
+    pack.add_argument("--trunk-precision", choices=("bf16", "q8_0", "mxfp4"), default="bf16",
+                      help="a K3 store's trunk matrices: as stored (bf16, lossless), or Q8_0 (8.5 bits per weight) "
+                           "or MXFP4 (4.25), multiplied straight from those bytes (lossy: docs/STREAMING.md; "
+                           "default bf16)")
 
     sim = sub.add_parser("sim", help="simulators")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
@@ -189,6 +193,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
     if args.shard is not None and not architecture.expert_shards:
         raise UsageError(f"{args.src} is a family checkpoint: --shard (expert parallelism) is built for K3 "
                          "stores; pack it whole")
+    if args.trunk_precision != "bf16" and (not architecture.routing_traces or args.shard is not None):
+        raise UsageError(f"--trunk-precision {args.trunk_precision} quantizes a K3 store's trunk; "
+                         + ("a shard holds experts only" if architecture.routing_traces else
+                            f"{args.src} is a family checkpoint, whose trunk stays resident as loaded"))
     if not architecture.routing_traces:
         return _pack_family(args, architecture)
     if args.expert_precision not in ("native", "mxfp4"):
@@ -207,8 +215,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
         token_sets = trace.token_sets()
     with staged_folder(args.out) as staging:
         store = architecture.pack(args.src, staging, args.expert_precision, layout=args.layout,
-                                  token_sets=token_sets)
-        summary = (f"layout {store.layout}, {store.num_experts_total} experts of {format_size(store.expert_blob_size)} "
+                                  token_sets=token_sets, trunk_precision=args.trunk_precision)
+        summary = (f"layout {store.layout}, trunk {store.trunk_precision}, {store.num_experts_total} experts of {format_size(store.expert_blob_size)} "
                    f"(stride {format_size(store.expert_stride)}), expert store "
                    f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_path.stat().st_size)}")
     print(f"packed {args.src} -> {args.out}: {summary}", file=sys.stderr)
