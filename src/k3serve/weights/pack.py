@@ -4,8 +4,9 @@
 Tensors are copied byte for byte in their stored dtype (the trunk stays bf16 on disk, experts stay MXFP4), so a
 streaming source decodes exactly what the resident source decodes. `--trunk-precision q8_0|mxfp4` instead stores
 the trunk's big matrices as Q8_0 (34 bytes per 32 weights) or MXFP4 (17 per 32) bytes, encoded here from their
-float values; the model multiplies them from those bytes (lossy: docs/STREAMING.md, "Trunk precision"). A GGUF file is read through the same reader as
-`--model FILE.gguf` (`Checkpoint.from_gguf`): its trunk is stored as the float32 that reader gives, its experts as
+float values; the model multiplies them from those bytes (lossy: docs/STREAMING.md, "Trunk precision"). A GGUF
+file is read through the same reader as `--model FILE.gguf` (`Checkpoint.from_gguf`): its trunk is stored as the
+float32 that reader gives (a trunk matrix the file holds as Q8_0 as its Q8_0 blocks, unchanged), its experts as
 the same MXFP4 bytes, its config and tokenizer are written from its metadata. The index is written last, under a
 temporary name and renamed, so an interrupted pack never leaves a folder that looks complete.
 """
@@ -50,7 +51,12 @@ def _stored_tensor(checkpoint: Checkpoint, name: str, trunk_precision: str) -> t
     info = checkpoint.index.info(name)
     shape = tuple(info.shape)
     if trunk_precision != "bf16" and quantized_in_trunk(name, shape):
-        matrix = QuantizedMatrix.quantize(checkpoint.index.read(name), trunk_precision)
+        values = checkpoint.read(name)
+        if isinstance(values, QuantizedMatrix) and values.precision == trunk_precision:
+            matrix = values  # a GGUF file's Q8_0 blocks, kept as they are
+        else:
+            matrix = QuantizedMatrix.quantize(values.dequantize() if isinstance(values, QuantizedMatrix) else values,
+                                              trunk_precision)
         return matrix.store_dtype, shape, matrix.to_bytes()
     return info.dtype, shape, checkpoint.index.read_raw(name).tobytes()
 
