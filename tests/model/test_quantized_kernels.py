@@ -94,6 +94,19 @@ def test_q8_0_error_against_float_activations_is_small():
     assert float(ratio.max()) <= 0.5 + 127 * 2.0**-11
 
 
+def test_compiled_activation_quantizer_is_quantize_rows_bit_for_bit():
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((7, 320)) * np.exp(rng.uniform(-8, 8, (7, 1)))).astype(np.float32)
+    x[2, 32:64] = 0.0
+    x[3, 64:96] = np.float32(0.5) * np.arange(32) / 127  # halfway cases
+    q, d = kernels.quantize_activations(x)
+    want_q, want_d = quantize_rows(x)
+    assert np.array_equal(q, want_q) and np.array_equal(d, want_d)
+    x[4, 5] = np.nan  # propagates as float activations would, in its row only
+    out = q8_0_matmul(quantize_q8_0(np.ones((3, 320), np.float32)), x)
+    assert np.all(np.isnan(out[4])) and np.all(np.isfinite(np.delete(out, 4, axis=0)))
+
+
 def test_q8_0_shapes_and_bad_input_are_refused():
     with pytest.raises(ValueError, match="C % 32"):
         quantize_rows(np.zeros((2, 33), np.float32))

@@ -337,15 +337,17 @@ Q8_0_BLOCK_BYTES = 34
 _F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] scale table
 
 
-def _q8_0_row_dot_codegen(lanes: int):
-    """IR of sum_c W[r, c] x[c] for one Q8_0 row against one Q8_0 activation row, `lanes` float32 lanes."""
+def _q8_0_row_dot_codegen(lanes: int, num_tokens: int = 1):
+    """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows, `lanes` float32
+    lanes. With several tokens the row's bytes are loaded and widened once per block for all of them, and each
+    token keeps its own accumulator with exactly the one-token operation order (the same bits as one at a time)."""
 
     def codegen(context, builder, signature, args):
-        wrow_t, xq_t, xd_t = signature.args
-        wrow = context.make_array(wrow_t)(context, builder, args[0])
-        xq = context.make_array(xq_t)(context, builder, args[1])
-        xd = context.make_array(xd_t)(context, builder, args[2])
-        (num_groups,) = cgutils.unpack_tuple(builder, xd.shape, 1)
+        wrow = context.make_array(signature.args[0])(context, builder, args[0])
+        xqs = [context.make_array(signature.args[1 + j])(context, builder, args[1 + j]) for j in range(num_tokens)]
+        xds = [context.make_array(signature.args[1 + num_tokens + j])(context, builder, args[1 + num_tokens + j])
+               for j in range(num_tokens)]
+        (num_groups,) = cgutils.unpack_tuple(builder, xds[0].shape, 1)
         module = builder.module
         vf, vi = _vector(_F32, lanes), _vector(_I32, lanes)
         i16 = ir.IntType(16)
@@ -357,28 +359,33 @@ def _q8_0_row_dot_codegen(lanes: int):
             madd = cgutils.get_or_insert_function(
                 module, ir.FunctionType(vi, [_vector(i16, 16), _vector(i16, 16)]), "llvm.x86.avx2.pmadd.wd")
         index_type = ir.IntType(64)
-        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
+        parts = GROUP_SIZE // (2 * lanes)  # 1 part of 32 pairs, or 2 parts of 16
         with cgutils.for_range(builder, num_groups) as loop:
             group = loop.index
             w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
             scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]), i16.as_pointer()), align=1)
             w_scale = builder.fpext(builder.bitcast(scale_bits, ir.HalfType()), _F32)
-            scale = builder.fmul(w_scale, builder.load(builder.gep(xd.data, [group])))
             w_data = builder.add(w_base, ir.Constant(index_type, 2))
-            sums = None
-            for part in range(GROUP_SIZE // (2 * lanes)):  # 1 part of 32 pairs, or 2 parts of 16
-                offset = ir.Constant(index_type, part * 2 * lanes)
-                wv = builder.sext(_load(builder, wrow.data, builder.add(w_data, offset), _vector(_I8, 2 * lanes), 1),
-                                  _vector(i16, 2 * lanes))
-                xv = builder.sext(_load(builder, builder.bitcast(xq.data, _I8.as_pointer()),
-                                        builder.add(x_base, offset), _vector(_I8, 2 * lanes), 1),
-                                  _vector(i16, 2 * lanes))
-                pair_sums = builder.call(madd, [wv, xv])
-                sums = pair_sums if sums is None else builder.add(sums, pair_sums)
-            acc = builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes), builder.load(acc_slot)])
-            builder.store(acc, acc_slot)
-        return _pairwise_sum(builder, builder.load(acc_slot), lanes)
+            wvs = [builder.sext(_load(builder, wrow.data, builder.add(w_data, ir.Constant(index_type, p * 2 * lanes)),
+                                      _vector(_I8, 2 * lanes), 1), _vector(i16, 2 * lanes)) for p in range(parts)]
+            for j in range(num_tokens):
+                scale = builder.fmul(w_scale, builder.load(builder.gep(xds[j].data, [group])))
+                sums = None
+                for p in range(parts):
+                    xv = builder.sext(_load(builder, builder.bitcast(xqs[j].data, _I8.as_pointer()),
+                                            builder.add(x_base, ir.Constant(index_type, p * 2 * lanes)),
+                                            _vector(_I8, 2 * lanes), 1), _vector(i16, 2 * lanes))
+                    pair_sums = builder.call(madd, [wvs[p], xv])
+                    sums = pair_sums if sums is None else builder.add(sums, pair_sums)
+                acc = builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes),
+                                         builder.load(acc_slots[j])])
+                builder.store(acc, acc_slots[j])
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        if num_tokens == 1:
+            return totals[0]
+        return context.make_tuple(builder, signature.return_type, totals)
 
     return codegen
 
@@ -395,6 +402,30 @@ def _q8_0_row_dot_avx2(typingctx, wrow, xq, xd):
     """The same row dot on 8 lanes (AVX2)."""
     codegen = _q8_0_row_dot_codegen(8) if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
     return types.float32(wrow, xq, xd), codegen
+
+
+Q8_0_TOKENS_PER_DOT = 4  # activation rows one call of the multi-token row dot serves (prefill, decode batches)
+
+
+def _unavailable_tuple_codegen(context, builder, signature, args):
+    nan = ir.Constant(_F32, float("nan"))
+    return context.make_tuple(builder, signature.return_type, [nan] * Q8_0_TOKENS_PER_DOT)
+
+
+@intrinsic
+def _q8_0_row_dot4_avx512(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
+    """One Q8_0 row against 4 activation rows (q int8 [C], scales f32 [G] each): 4 dots, 16 lanes."""
+    codegen = (_q8_0_row_dot_codegen(16, Q8_0_TOKENS_PER_DOT) if "avx512" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
+
+
+@intrinsic
+def _q8_0_row_dot4_avx2(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
+    """The same 4 dots on 8 lanes (AVX2)."""
+    codegen = (_q8_0_row_dot_codegen(8, Q8_0_TOKENS_PER_DOT) if "avx2" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
 
 
 @njit(cache=True)
@@ -424,7 +455,17 @@ def _q8_0_row_dot(wrow, xq, xd, f16_table, isa):
 @njit(inline="always")
 def _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task):
     for row in range(task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)):
-        for t in range(xq.shape[0]):
+        t = 0
+        while isa > 0 and t + 4 <= xq.shape[0]:  # 4 tokens per pass over the row's bytes
+            if isa == 2:
+                a, b, c, d = _q8_0_row_dot4_avx512(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
+                                                   xd[t + 1], xd[t + 2], xd[t + 3])
+            else:
+                a, b, c, d = _q8_0_row_dot4_avx2(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
+                                                 xd[t + 1], xd[t + 2], xd[t + 3])
+            out[t, row], out[t + 1, row], out[t + 2, row], out[t + 3, row] = a, b, c, d
+            t += 4
+        for t in range(t, xq.shape[0]):
             out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
 
 
@@ -439,6 +480,37 @@ def _q8_0_matmul_parallel(blocks, xq, xd, f16_table, isa, out):
 def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
     for task in range((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+
+
+@njit(cache=True)
+def _quantize_activation_rows(x, xq, scales):
+    """`weights.q8_0.quantize_rows` compiled (its per-call numpy overhead dominated small models' decode): x f32
+    [T, C] -> xq int8 [T, C] and the unrounded scales d = max|x| / 127 f32 [T, G]; the same float32 operations, so
+    the same bits (tested). The caller rounds d to half."""
+    for t in range(x.shape[0]):
+        for group in range(scales.shape[1]):
+            base = group * GROUP_SIZE
+            amax = np.float32(0.0)
+            finite = True
+            for k in range(GROUP_SIZE):
+                amax = max(amax, abs(x[t, base + k]))
+                finite = finite and np.isfinite(x[t, base + k])
+            scale = amax / np.float32(127.0)
+            inverse = np.float32(1.0) / scale if scale > np.float32(0.0) and finite else np.float32(0.0)
+            scales[t, group] = scale if finite else np.float32(np.nan)  # a NaN or inf input gives a NaN output
+            for k in range(GROUP_SIZE):
+                v = x[t, base + k] * inverse
+                xq[t, base + k] = np.int8(np.floor(abs(v) + np.float32(0.5)) * (np.float32(-1.0) if v < 0 else
+                                                                                np.float32(1.0)))
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [T, C] -> (q int8 [T, C], d float32 [T, G]): `weights.q8_0.quantize_rows`, bit for bit, compiled.
+    A block holding NaN or inf gets scale NaN (its products are NaN, as float activations would make them)."""
+    xq = np.empty(x.shape, np.int8)  # [T, C]
+    scales = np.empty((x.shape[0], x.shape[1] // GROUP_SIZE), np.float32)  # [T, G]
+    _quantize_activation_rows(x, xq, scales)
+    return xq, scales.astype(np.float16).astype(np.float32)
 
 
 def _check_q8_0(blocks: np.ndarray, x: np.ndarray) -> tuple[int, int]:
@@ -460,7 +532,7 @@ def q8_0_matmul(blocks: np.ndarray, x: np.ndarray, isa: str | None = None) -> np
     if x.shape[0] == 0 or rows == 0:
         return out
     code = _isa_code(isa)
-    xq, xd = quantize_rows(x)  # [T, C] int8, [T, G] float32
+    xq, xd = quantize_activations(x)  # [T, C] int8, [T, G] float32
     kernel = _q8_0_matmul_parallel if blocks.size >= PARALLEL_MIN_WEIGHTS else _q8_0_matmul_serial
     kernel(blocks, xq, xd, _F16_TO_F32, code, out)
     return out
@@ -969,7 +1041,7 @@ def warmup() -> None:
         kernel(w2p, w2s, one, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, np.empty((2, 32), np.float32))
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
-    q8_blocks, xq, xd = np.zeros((3, Q8_0_BLOCK_BYTES), np.uint8), np.zeros((2, 32), np.int8), np.ones((2, 1), np.float32)
+    q8_blocks, (xq, xd) = np.zeros((3, Q8_0_BLOCK_BYTES), np.uint8), quantize_activations(x)
     for kernel in (_q8_0_matmul_serial, _q8_0_matmul_parallel):
         kernel(q8_blocks, xq, xd, _F16_TO_F32, ISA_CODES[ISA], out)
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
