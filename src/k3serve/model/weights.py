@@ -212,7 +212,7 @@ def _widened(array: np.ndarray | QuantizedMatrix) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _fuse(parts: list[np.ndarray | QuantizedMatrix]) -> np.ndarray | QuantizedMatrix:
+def fuse_rows(parts: list[np.ndarray | QuantizedMatrix]) -> np.ndarray | QuantizedMatrix:
     """Stack matrices row-wise; bf16 bits stay bf16 and Q8_0 / MXFP4 bytes stay quantized when every part is, else
     all are widened."""
     if all(isinstance(part, QuantizedMatrix) for part in parts) and len({p.precision for p in parts}) == 1:
@@ -251,7 +251,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
 
     def fused(parts: list) -> np.ndarray | QuantizedMatrix:
         if trunk_dtype == "bf16" or any(isinstance(part, QuantizedMatrix) for part in parts):
-            return _fuse(parts)
+            return fuse_rows(parts)
         return np.ascontiguousarray(np.concatenate(parts, axis=0))
     a = f"{p}self_attn."
     attention: KDAWeights | MLAWeights
@@ -291,7 +291,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
     if config.is_dense(layer):
         m = f"{p}mlp."
         mlp = DenseMLPWeights(
-            gate_up=_fuse([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
+            gate_up=fuse_rows([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
             down=kept(f"{m}down_proj.weight"),
         )
     else:
@@ -303,7 +303,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             latent_down=kept(f"{m}routed_expert_down_proj.weight"),
             latent_up=kept(f"{m}routed_expert_up_proj.weight"),
             latent_norm=f32(f"{m}routed_expert_norm.weight"),
-            shared_gate_up=_fuse(
+            shared_gate_up=fuse_rows(
                 [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")]
             ) if has_shared else None,
             shared_down=kept(f"{m}shared_experts.down_proj.weight") if has_shared else None,
