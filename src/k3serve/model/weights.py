@@ -326,10 +326,11 @@ def build_globals(read: TensorReader, trunk_dtype: str = "float32") -> GlobalWei
 
     def big(name: str) -> np.ndarray | QuantizedMatrix:
         """bf16: the reader's own bf16 bits (views of the globals' read buffer, which they keep alive: no copy);
-        Q8_0 / MXFP4 bytes (a quantized pack) are kept whatever the trunk dtype (the embedding decodes its rows)."""
+        Q8_0 / MXFP4 bytes (a quantized pack, a GGUF's Q8_0) are kept, copied (a GGUF's are views of its mapped
+        file), whatever the trunk dtype; the embedding decodes its rows."""
         array = read(name)
         if isinstance(array, QuantizedMatrix):
-            return array
+            return array.copy()
         if trunk_dtype == "bf16":
             return array if array.dtype == np.uint16 else keep_bf16(_widened(array))
         return _widened(array)
