@@ -16,6 +16,7 @@ from k3serve.cli.args import Parser, output_file, positive_int
 from k3serve.cli.cluster import add_cluster_args, run_cluster
 from k3serve.engine.config import PREFIX_CACHE_POLICIES
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
+from k3serve.units import parse_size
 from k3serve.cli.lab import add_lab_command
 from k3serve.cli.tenants import add_tenant_args, add_tenants_command
 from k3serve.cli.stream import add_stream_args, add_subcommands, load_for_run
@@ -179,6 +180,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="also checkpoint the recurrent state every N full cache blocks of a prefill, so a "
                             "later prompt that shares only part of it can still hit (0: only at a prompt's and a "
                             "reply's end)")
+    serve.add_argument("--prefix-cache-dir", type=Path, default=None, metavar="DIR",
+                       help="the prefix cache's disk tier: checkpoints that leave RAM are written to this folder "
+                            "(on NVMe) and restored by a later hit instead of recomputed; a restart on the same "
+                            "folder and model hits them (needs --prefix-cache-disk)")
+    serve.add_argument("--prefix-cache-disk", type=cli_args.size, default=None, metavar="SIZE",
+                       help="the disk tier's size, e.g. 64G (binary units)")
     serve.add_argument("--prefix-wait-tokens", type=cli_args.non_negative_int, default=32,
                        help="a queued request whose prompt shares at least this many more tokens with a running "
                             "request of the same tenant than the prefix cache holds waits until that one has "
@@ -199,6 +206,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     speculative = _speculative_config(args)  # every argument is checked before the model loads
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt_file(args.prompt_file)
     loaded = load_for_run(args, expert_precision=args.expert_precision)
+    try:
+        return _generate_loaded(args, loaded, params, speculative, prompt_text)
+    finally:
+        if loaded.model.experts is not None:
+            loaded.model.experts.close()  # a --trace-out trace is whole under its name from here (stream/trace.py)
+
+
+def _generate_loaded(args: argparse.Namespace, loaded, params, speculative, prompt_text: str) -> int:
+    from k3serve.engine.generate import generate
+
     drafters = _drafters(args, speculative, loaded.model)
     if args.prompt_ids is not None:
         _check_ids(args.prompt_ids, loaded.model.config.vocab_size, "--prompt-ids")
@@ -332,13 +349,24 @@ def _engine_config(args: argparse.Namespace):
     if args.step_interruption == "on" and args.scheduling == "fcfs":
         raise UsageError("--step-interruption pauses a forward for a tenant ranked ahead, and --scheduling fcfs "
                          "ranks no tenant ahead: use --scheduling fair or priority, or leave out --step-interruption")
+    if args.charge == "io" and args.scheduling == "fcfs":
+        raise UsageError("--charge io advances the tenants' virtual counters, which --scheduling fcfs does not rank "
+                         "by: use --scheduling fair or priority")
+    if (args.prefix_cache_dir is None) != (args.prefix_cache_disk is None):
+        raise UsageError("--prefix-cache-dir and --prefix-cache-disk go together: the folder of the prefix cache's "
+                         "disk tier and its size")
+    if args.prefix_cache_dir is not None and args.no_prefix_cache:
+        raise UsageError("--prefix-cache-dir is the prefix cache's disk tier: drop it or --no-prefix-cache")
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
                         prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
                         checkpoint_every_blocks=args.checkpoint_every_blocks,
                         prefix_wait_tokens=args.prefix_wait_tokens, scheduling=args.scheduling,
-                        output_cost=args.output_cost,
+                        output_cost=args.output_cost, charge=args.charge, io_cost=args.io_cost,
+                        prefix_cache_dir=None if args.prefix_cache_dir is None else str(args.prefix_cache_dir),
+                        prefix_cache_disk_bytes=0 if args.prefix_cache_disk is None else parse_size(
+                            args.prefix_cache_disk),
                         step_interruption={"on": True, "off": False}.get(args.step_interruption, "auto"))
 
 
@@ -347,6 +375,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
 
     config = _engine_config(args)
+    if config.prefix_cache_dir is not None:
+        raise UsageError("--prefix-cache-dir is not offered by `cluster` yet (replicas would share one folder): "
+                         "use it with `serve`")
     speculative = _speculative_config(args)
     tenants = registry_for_serve(args)
     listener = cli_args.bind_listener(args.host, args.port)
@@ -368,7 +399,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the lab has no keys: never beside an API that requires them, and beyond loopback only when asked for
     mount_lab_page = not args.no_lab and tenants.open and (args.lab or is_loopback(args.host))
     warn_if_open(tenants, args.host, lab_mounted=mount_lab_page)
-    loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
+    # resident, or streamed from a packed store under --ram-budget; beside the lab, a resident K3 checkpoint's
+    # weights go to read-only shared pages, which the lab's worker maps instead of loading a second copy
+    loaded = load_for_run(args, share_weights=mount_lab_page)
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
                       "one")
@@ -376,7 +409,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("--step-interruption needs a model whose weights allow a forward inside another: resident "
                          "K3 weights (no --ram-budget or other streaming flag, no --trace-out, not a family model)")
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative,
-                       drafters=_drafters(args, speculative, loaded.model))
+                       drafters=_drafters(args, speculative, loaded.model),
+                       model_identity=loaded.identity if config.prefix_cache_dir is not None else None)
     if speculative is not None:
         engine.drafters.check(speculative)  # e.g. the resident drafter on a family model: refuse at start
     name = args.served_model_name or loaded.name
@@ -393,14 +427,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif mount_lab_page:  # the lab page beside the API, on its own run queue (k3serve.lab)
         from k3serve.lab.api import mount_lab
         from k3serve.lab.fixtures import LabFixtures
-        from k3serve.weights.store import is_packed_store
 
-        lab_model = args.model if args.model and loaded.architecture.routing_traces \
-            and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
-        mount_lab(app, LabFixtures(lab_model))
+        lab_model = _lab_model(args.model, loaded)
+        # shared weights exist only for a resident K3 folder, which is then the lab's model too; a streamed,
+        # GGUF or family model is not the lab's, whose worker loads its own (small) copy as before
+        mount_lab(app, LabFixtures(lab_model, shared_weights=loaded.shared_weights))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
     _serve_until_sigterm(_uvicorn_server(app, args), listener)
     return 0
+
+
+def _lab_model(model: str | Path | None, loaded) -> str | Path | None:
+    """The lab's model beside `serve`: the served one when it is a K3 checkpoint folder (the lab's fixtures are K3
+    folders: routing traces, packed and widened stores); anything else (a family, a packed store, a GGUF file): the
+    embedded default (None)."""
+    from k3serve.weights.store import is_packed_store
+
+    if model is None or not loaded.architecture.routing_traces or not Path(model).is_dir() or is_packed_store(model):
+        return None
+    return model
 
 
 def _uvicorn_server(app, args: argparse.Namespace):

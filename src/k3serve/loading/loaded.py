@@ -3,6 +3,7 @@ loader applies."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,11 +16,26 @@ from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.model.interface import Model
 from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.shared_pages import SharedArrays
 
 if TYPE_CHECKING:
     from k3serve.loading.registry import Architecture
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """A resident model's weights in sealed, read-only shared pages (weights/shared_pages.py) and the checkpoint
+    folder they were read from. Pickled into a spawned process it travels as a file descriptor; there
+    `load_model(path, shared_weights=...)` builds the model over the same pages instead of loading a copy."""
+
+    path: Path  # resolved
+    arrays: SharedArrays
+
+    @property
+    def nbytes(self) -> int:
+        return self.arrays.pages.nbytes
 
 
 @dataclass
@@ -29,6 +45,7 @@ class LoadedModel:
     tokenizer: Tokenizer | HFTokenizer | None
     path: Path
     architecture: Architecture  # its registry entry (loading/registry.py): what it offers beyond `Model`
+    shared_weights: SharedWeights | None = None  # the weights in shared pages (load_model's share_weights)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -38,11 +55,38 @@ class LoadedModel:
         return tuple(dict.fromkeys(ids))
 
     @property
+    def identity(self) -> str:
+        """A digest naming these exact weights (the prefix cache's disk tier keys its entries with it): a packed
+        store's index (every blob's offset, size and CRC-32), else a checkpoint's SHA256SUMS, else its config and
+        the name, size and modification time of each weight file."""
+        return model_identity(self.path)
+
+    @property
     def name(self) -> str:
         """The model's id: the folder name, or DEFAULT_MODEL_NAME for the embedded default (packed or not)."""
         if self.path == DEFAULT_MODEL_PATH or self.path.name.startswith(DEFAULT_MODEL_NAME):
             return DEFAULT_MODEL_NAME
         return self.path.name
+
+
+def model_identity(path: Path) -> str:
+    """See `LoadedModel.identity`."""
+    digest = hashlib.blake2b(digest_size=16)
+    path = Path(path)
+    if path.is_file():
+        stat = path.stat()
+        digest.update(f"{path.name}\x00{stat.st_size}\x00{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()
+    for name in ("store.json", "SHA256SUMS"):
+        if (path / name).is_file():
+            digest.update(name.encode() + b"\x00" + (path / name).read_bytes())
+            return digest.hexdigest()
+    if (path / "config.json").is_file():
+        digest.update((path / "config.json").read_bytes())
+    for weight in sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")):
+        stat = weight.stat()
+        digest.update(f"\x00{weight.name}\x00{stat.st_size}\x00{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
 
 
 # Below this hidden size a trunk matmul is too small to gain from several BLAS threads, and idle OpenBLAS threads

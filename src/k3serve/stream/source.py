@@ -29,15 +29,16 @@ from typing import Sequence
 
 import numpy as np
 
-from k3serve.model.expert_source import SourceStats, StreamStats, guess_priority
+from k3serve.model.expert_source import SourceStats, StepReads, StreamStats, guess_priority
 from k3serve.model.routing import Routing
 from k3serve.model.weights import ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_globals, build_layer
 from k3serve.stream.budget import BudgetPlan, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
-from k3serve.stream.io import Extent, IOEngine
+from k3serve.stream.io import Extent, StripedIO, open_reader
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.slots import ExpertSlots, aligned_buffer
 from k3serve.stream.trace import TraceWriter, trace_meta
+from k3serve.units import format_size
 from k3serve.weights.store import PackedStore, TrunkBlob, expert_parts
 
 logger = logging.getLogger(__name__)
@@ -59,11 +60,14 @@ class StreamingSource(WeightSource):
                                             trunk_dtype=options.trunk_dtype)
         self._dtype = options.trunk_dtype
         self.counters = StreamStats()
-        self.trunk_io = IOEngine(store.trunk_path, options.io, options.queue_depth)
-        self.expert_io = IOEngine(store.expert_path, options.io, options.queue_depth)
+        # one reader per store file; a striped store's has a queue of `queue_depth` workers per drive
+        self.trunk_io = open_reader(store.trunk_files, store.trunk_stripe_chunk_bytes, options.io,
+                                    options.queue_depth)
+        self.expert_io = open_reader(store.expert_files, store.stripe_chunk_bytes, options.io, options.queue_depth)
         self._trunk_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3trunk")
         self._step = -1
         self._next_token = 0
+        self._step_routing: dict[int, np.ndarray] = {}  # layer -> expert_ids [T, TOPK] of this step (charging)
         self._step_first_token = 0
         # best effort: a full disk stops the trace, never a request (TraceWriter)
         self.trace: TraceWriter | None = (
@@ -130,11 +134,16 @@ class StreamingSource(WeightSource):
         self.counters.tokens += num_tokens
         self._step_first_token = self._next_token
         self._next_token += num_tokens
+        self._step_routing = {}
         self.expert_cache.begin_step()
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         if self.trace is not None:
             self.trace.write(self._step, self._step_first_token, layer, expert_ids)
+        self._step_routing[layer] = expert_ids
+
+    def step_reads(self) -> StepReads:
+        return StepReads(list(self.expert_cache.step_misses), dict(self._step_routing))
 
     @property
     def prefetching(self) -> bool:
@@ -218,6 +227,9 @@ class StreamingSource(WeightSource):
     def stats(self, timeout: float | None = None) -> SourceStats:
         return SourceStats(stream=self._stream_stats())
 
+    def local_stats(self) -> StreamStats:
+        return self._stream_stats()
+
     def _stream_stats(self) -> StreamStats:
         s = StreamStats(**{f.name: getattr(self.counters, f.name) for f in fields(self.counters)})
         s.expert_bytes_read = self.expert_io.counters.bytes_read
@@ -228,8 +240,14 @@ class StreamingSource(WeightSource):
 
     def describe(self) -> str:
         o = self.options
-        return (f"io={o.io} qd={o.queue_depth} cache={o.cache} prefetch={o.prefetch} layout={self.store.layout} "
+        text = (f"io={o.io} qd={o.queue_depth} cache={o.cache} prefetch={o.prefetch} layout={self.store.layout} "
                 f"slots={self.expert_cache.num_slots} pinned_layers={len(self._pinned)}/{self.config.num_layers}")
+        if isinstance(self.expert_io, StripedIO):  # what each drive has served since the store was opened
+            shares = [a.bytes_read + b.bytes_read for a, b in zip(self.expert_io.drive_counters(),
+                                                                  self.trunk_io.drive_counters())]
+            text += (f" drives={len(shares)} (qd {o.queue_depth} each; read "
+                     f"{' / '.join(format_size(n) for n in shares)} since load)")
+        return text
 
     def check_integrity(self) -> None:
         """Slot table, free list and cold set agree (tests call this after steps)."""

@@ -9,6 +9,10 @@ file is read through the same reader as `--model FILE.gguf` (`Checkpoint.from_gg
 float32 that reader gives (a trunk matrix the file holds as Q8_0 as its Q8_0 blocks, unchanged), its experts as
 the same MXFP4 bytes, its config and tokenizer are written from its metadata. The index is written last, under a
 temporary name and renamed, so an interrupted pack never leaves a folder that looks complete.
+
+With `stripe_dirs` (`--stripe DIR1,...,DIRN`) trunk.bin and experts.bin are laid over the N drives' folders
+(`k3serve.weights.stripes`): the same bytes at the same virtual offsets, each drive's share in
+DIRk/k3stripe-<store id>-<k>of<N>; an interrupted pack removes the stripe folders it made.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 import zlib
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -30,8 +36,11 @@ from k3serve.weights.held import quantized_in_trunk
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.quantized import TRUNK_PRECISIONS, QuantizedMatrix
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
-                                   TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
-                                   align_up, config_fingerprint, expert_blob, expert_parts)
+                                   STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE,
+                                   PackedStore, StoreError, TensorEntry, TrunkBlob, align_up, config_fingerprint,
+                                   expert_blob, expert_parts, stripe_chunk_bytes, stripe_folder_name,
+                                   trunk_stripe_chunk_bytes)
+from k3serve.weights.stripes import StripedWriter
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +85,67 @@ def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offse
     return TrunkBlob(offset, len(data), zlib.crc32(data), tuple(entries)), data
 
 
+class _Stripes:
+    """The drive folders of a striped pack: made at the start, marked at the end, removed if the pack fails."""
+
+    def __init__(self, dirs: Sequence[str | Path], chunk_bytes: int, trunk_chunk_bytes: int) -> None:
+        self.dirs = [Path(d).resolve() for d in dirs]
+        self.chunk_bytes = chunk_bytes  # experts.bin's
+        self.trunk_chunk_bytes = trunk_chunk_bytes
+        self.store_id = uuid.uuid4().hex[:16]
+        self.folders = [d / stripe_folder_name(self.store_id, k, len(dirs)) for k, d in enumerate(self.dirs)]
+
+    @staticmethod
+    def check(dirs: Sequence[str | Path]) -> None:
+        if not dirs:
+            raise StoreError("--stripe needs at least one directory")
+        resolved = [Path(d).resolve() for d in dirs]
+        for given, path in zip(dirs, resolved):
+            if not path.is_dir():
+                raise StoreError(f"stripe directory {given} does not exist (mount the drive and make the folder "
+                                 "first)")
+        if len(set(resolved)) != len(resolved):
+            raise StoreError(f"--stripe lists a directory twice ({', '.join(map(str, dirs))}): give one directory "
+                             "per drive")
+
+    @contextmanager
+    def files(self, name: str) -> Iterator[StripedWriter]:
+        with ExitStack() as stack:
+            handles = [stack.enter_context(open(folder / name, "wb")) for folder in self.folders]
+            yield StripedWriter(handles, self.trunk_chunk_bytes if name == TRUNK_FILE else self.chunk_bytes)
+
+    def mark(self) -> None:
+        for k, folder in enumerate(self.folders):
+            marker = {"format": STRIPE_FORMAT, "version": STRIPE_VERSION, "store_id": self.store_id, "stripe": k + 1,
+                      "num_stripes": len(self.folders), "chunk_bytes": self.chunk_bytes,
+                      "trunk_chunk_bytes": self.trunk_chunk_bytes}
+            (folder / STRIPE_INDEX).write_text(json.dumps(marker) + "\n")
+
+    def remove(self) -> None:
+        for folder in self.folders:  # made with a fresh store id: no other store's folder has its name
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def to_json(self) -> dict:
+        return {"chunk_bytes": self.chunk_bytes, "trunk_chunk_bytes": self.trunk_chunk_bytes,
+                "dirs": [str(d) for d in self.dirs]}
+
+
 def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural",
                     token_sets: Mapping[int, Sequence[Sequence[int]]] | None = None,
-                    progress: bool = False, trunk_precision: str = "bf16") -> PackedStore:
+                    progress: bool = False, stripe_dirs: Sequence[str | Path] | None = None,
+                    stripe_chunk: int | None = None, trunk_precision: str = "bf16") -> PackedStore:
     """Pack `source` into `out`. `token_sets[layer]` lists the experts each traced token chose (for the
-    frequency and coactivation layouts). `trunk_precision` "bf16" copies the trunk as stored (lossless); "q8_0"
-    or "mxfp4" stores its big matrices in those formats (`weights.held.quantized_in_trunk`), which the model then
-    multiplies straight from their bytes."""
+    frequency and coactivation layouts). `stripe_dirs`: one folder per drive to lay trunk.bin and experts.bin
+    over (`stripe_chunk`: both files' chunk; by default `stripe_chunk_bytes` of the expert stride for experts.bin and
+    `trunk_stripe_chunk_bytes` of the largest layer for trunk.bin). `trunk_precision` "bf16" copies the trunk as
+    stored (lossless); "q8_0" or "mxfp4" stores its big matrices in those formats
+    (`weights.held.quantized_in_trunk`), which the model then multiplies straight from their bytes."""
     if trunk_precision not in TRUNK_PRECISIONS:
         raise StoreError(f"unknown trunk precision {trunk_precision!r}; choose one of {', '.join(TRUNK_PRECISIONS)}")
+    if stripe_dirs is not None:
+        _Stripes.check(stripe_dirs)
+        if stripe_chunk is not None and (stripe_chunk < ALIGNMENT or stripe_chunk % ALIGNMENT):
+            raise StoreError(f"stripe chunk {stripe_chunk} is not a positive multiple of {ALIGNMENT} bytes")
     if layout not in LAYOUTS:
         raise StoreError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if layout != "natural" and not token_sets:
@@ -98,12 +159,24 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
     blob_size = sum(p.nbytes for p in parts)
     stride = align_up(blob_size)
     total = sum(checkpoint.index.info(s.name).nbytes for s in names.all_specs(config))
+    stripes = None
+    if stripe_dirs is not None:
+        largest_layer = max(sum(align_up(checkpoint.index.info(s.name).nbytes, TENSOR_ALIGNMENT)
+                                for s in names.layer_trunk_specs(config, layer)) for layer in range(config.num_layers))
+        stripes = _Stripes(stripe_dirs, stripe_chunk or stripe_chunk_bytes(stride, len(stripe_dirs)),
+                           stripe_chunk or trunk_stripe_chunk_bytes(largest_layer, len(stripe_dirs)))
+
+    def output(name: str):
+        return stripes.files(name) if stripes is not None else open(out / name, "wb")
+
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pack", leave=True)
     try:
-        with open(out / TRUNK_FILE, "wb") as f:
+        for folder in stripes.folders if stripes is not None else ():
+            folder.mkdir()
+        with output(TRUNK_FILE) as f:
             globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0, trunk_precision)
             _write_padded(f, data)
             if bar:
@@ -117,7 +190,7 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                 if bar:
                     bar.update(len(data))
         expert_index: dict[str, dict] = {}
-        with open(out / EXPERT_FILE, "wb") as f:
+        with output(EXPERT_FILE) as f:
             for layer in config.moe_layer_ids:
                 sets = token_sets.get(layer) if token_sets else None
                 order = layer_order(layout, config.num_experts, sets) if sets or layout == "natural" \
@@ -132,6 +205,12 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                     if bar:
                         bar.update(blob_size)
                 expert_index[str(layer)] = {"order": order, "offsets": offsets, "crc32": crcs}
+        if stripes is not None:
+            stripes.mark()
+    except BaseException:
+        if stripes is not None:
+            stripes.remove()
+        raise
     finally:
         if bar:
             bar.close()
@@ -145,10 +224,13 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                 shutil.copy(Path(source) / file, out / file)
     index = {
         "format": STORE_FORMAT, "version": STORE_VERSION, "config_sha256": config_fingerprint(config),
-        "layout": layout, "trunk_precision": trunk_precision, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE, "expert_file": EXPERT_FILE,
+        "layout": layout, "trunk_precision": trunk_precision, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE,
+        "expert_file": EXPERT_FILE,
         "globals": globals_blob.to_json(), "layers": [b.to_json() for b in layer_blobs],
         "expert_blob_size": blob_size, "expert_stride": stride, "experts": expert_index,
     }
+    if stripes is not None:
+        index.update(store_id=stripes.store_id, stripes=stripes.to_json())
     staging = out / (STORE_INDEX + ".tmp")
     staging.write_text(json.dumps(index))
     staging.rename(out / STORE_INDEX)
