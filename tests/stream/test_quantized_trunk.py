@@ -123,3 +123,14 @@ def test_cli_pack_trunk_precision(tmp_path, capsys):
     assert main(["pack", str(default_model_dir()), str(out), "--trunk-precision", "q8_0"]) == 0
     assert "trunk q8_0" in capsys.readouterr().err
     assert load_model(out, stream=StreamOptions()).model.source.plan is not None
+
+
+def test_a_striped_q8_0_store_computes_what_the_plain_one_does(default_stores, tmp_path):
+    dirs = [tmp_path / "drive0", tmp_path / "drive1"]
+    for folder in dirs:
+        folder.mkdir()
+    striped = pack_checkpoint(default_model_dir(), tmp_path / "store", stripe_dirs=dirs, trunk_precision="q8_0")
+    assert striped.trunk_precision == "q8_0" and striped.num_stripes == 2
+    tokens, logits, _ = _run(default_stores["q8_0"])
+    striped_tokens, striped_logits, _ = _run(striped)
+    assert striped_tokens == tokens and np.array_equal(striped_logits, logits)
