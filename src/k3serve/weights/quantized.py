@@ -20,7 +20,6 @@ from k3serve.weights.q8_0 import BLOCK_BYTES, GROUP_SIZE, dequantize_q8_0, q8_0_
 
 TRUNK_PRECISIONS = ("bf16", "q8_0", "mxfp4")  # `k3serve pack --trunk-precision`; bf16 keeps the stored bytes
 STORE_DTYPES = {"q8_0": "Q8_0", "mxfp4": "MXFP4"}  # trunk-file tensor dtype of each quantized precision
-BITS_PER_WEIGHT = {"bf16": 16.0, "q8_0": 8.5, "mxfp4": 4.25, "float32": 32.0}
 
 
 def quantized_nbytes(precision: str, rows: int, cols: int) -> int:
