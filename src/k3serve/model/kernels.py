@@ -1,4 +1,6 @@
-"""Hot loops: the fused MXFP4 dequantize-and-multiply of the routed experts, with its slow numpy twin.
+"""Hot loops: the fused MXFP4 dequantize-and-multiply of the routed experts, with its slow numpy twin; the Q8_0 x
+Q8_0 and MXFP4 trunk matrix products of a quantized trunk (`q8_0_matmul`, `quantized_matmul`, section "Q8_0 trunk
+matrices"); bf16 / int8 dense kernels for the families' experts and the bf16 trunk (`linear`).
 
 Shape letters: T = tokens (rows of x), R = weight rows (outputs), C = weight columns (inputs), G = C / 32 scale
 groups per row, E = stacked experts, K = experts active in one call, N = (token, expert) pairs, LT = latent,
