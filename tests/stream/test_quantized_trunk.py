@@ -134,3 +134,20 @@ def test_a_striped_q8_0_store_computes_what_the_plain_one_does(default_stores, t
     tokens, logits, _ = _run(default_stores["q8_0"])
     striped_tokens, striped_logits, _ = _run(striped)
     assert striped_tokens == tokens and np.array_equal(striped_logits, logits)
+
+
+def test_a_float32_trunk_dtype_charges_quantized_matrices_their_bytes(default_stores):
+    """With --trunk-dtype float32 only the tensors that are not quantized widen; the quantized ones are charged as
+    held, so the q8_0 store's float32 floor is far under the bf16 store's."""
+    bf16, q8 = default_stores["bf16"], default_stores["q8_0"]
+    for blob in q8.layers:
+        quantized = sum(t.nbytes for t in blob.tensors if t.dtype == "Q8_0")
+        assert quantized > 0 and blob.float32_bytes == quantized + sum(
+            4 * int(np.prod(t.shape)) for t in blob.tensors if t.dtype != "Q8_0")
+    assert minimum_budget_bytes(q8) < 0.5 * minimum_budget_bytes(bf16)
+    tokens, logits, _ = _run(q8)
+    loaded = load_model(q8.path, stream=StreamOptions(ram_budget=minimum_budget_bytes(q8)))  # float32 trunk dtype
+    try:
+        assert np.array_equal(loaded.model.logits(PROMPT), logits)  # the same Q8_0 bytes, the same kernel
+    finally:
+        loaded.model.source.close()

@@ -169,8 +169,9 @@ class TrunkBlob:
 
     @property
     def float32_bytes(self) -> int:
-        """An upper bound on the RAM its tensors take once widened to float32."""
-        return sum(int(np.prod(t.shape)) * 4 for t in self.tensors)
+        """An upper bound on the RAM its tensors take once widened to float32 (a quantized trunk's Q8_0 / MXFP4
+        matrices are never widened: their bytes)."""
+        return sum(t.nbytes if t.dtype in _QUANTIZED_DTYPES else int(np.prod(t.shape)) * 4 for t in self.tensors)
 
     def held_bytes(self, trunk_dtype: str = "float32") -> int:
         """The RAM its built weights hold with that trunk dtype (`k3serve.weights.held.held_bytes`)."""
