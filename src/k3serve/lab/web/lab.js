@@ -490,7 +490,7 @@ function verdictLine(verdict, prefix) {
 }
 
 // ---- the answers-first overview: headline figures and every module's verdict (api/overview) -------------------
-const BADGES = {measured: "measured on this machine", recorded: "recorded (a stored run)",
+const BADGES = {measured: "measured on this machine", recorded: "recorded (measured earlier)",
                 simulated: "simulated (model)"};
 
 function badge(name) {
@@ -500,7 +500,11 @@ function badge(name) {
 
 function whenText(entry) {
   const day = entry.date ? entry.date.replace("T", " ").replace("+00:00", " UTC") : "date unknown";
-  return `${entry.source === "stored run" ? "stored run" : "run here"}, ${day}${entry.machine ? ", " + entry.machine : ""}`;
+  const from = entry.source === "stored run" ? "stored run" : "run here";
+  // a run that shows a record instead of measuring (peers without llama.cpp): the record's date, its source line
+  // names the machine
+  if (entry.recorded) return `recorded ${day} (shown by a ${from}; the module's source line names the machine)`;
+  return `${from}, ${day}${entry.machine ? ", " + entry.machine : ""}`;
 }
 
 function figureText(entry) {
