@@ -142,8 +142,8 @@ def _verdict(rows: dict, limits_mib: dict) -> Verdict:
     under = _ratio(rows, "under RAM", "decode_tok_s")
     if np.isfinite(under):
         sentence += f", and {under:.2f}x under a memory limit"
-    direction = "above" if factor > 1 else "below"
-    flips = (f"it would flip where k3serve's decode step falls {direction} llama.cpp's {theirs_ms:.1f} ms (it took "
+    direction = "rose above" if factor > 1 else "fell below"
+    flips = (f"it would flip if k3serve's decode step {direction} llama.cpp's {theirs_ms:.1f} ms (it took "
              f"{ours_ms:.1f} ms)")
     if np.isfinite(under) and (under > 1) != (factor > 1):
         flips += (f"; it already flips under RAM ({under:.2f}x with {limits_mib.get('k3serve', float('nan')):.0f} "
