@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -56,6 +56,16 @@ class DenseMLPWeights:
 
 
 @dataclass(frozen=True)
+class DenseMLPPieces:
+    """A dense MLP whose matrices are read when the model reaches them, one at a time into the same staging buffer
+    (a streamed layer held as views, stream/trunk_spans.py): `gate_up()` [2*DI, H], then `down()` [H, DI], bf16
+    bits. Each array is valid until the next call."""
+
+    gate_up: Callable[[], np.ndarray]
+    down: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
 class MoEWeights:
     router: np.ndarray  # [NE, H]
     router_bias: np.ndarray  # [NE] selection-only correction bias
@@ -73,7 +83,7 @@ class LayerWeights:
     attn_res_query: np.ndarray  # [H] self_attention_res_norm * self_attention_res_proj
     mlp_res_query: np.ndarray  # [H] mlp_res_norm * mlp_res_proj
     attention: KDAWeights | MLAWeights
-    mlp: DenseMLPWeights | MoEWeights
+    mlp: DenseMLPWeights | DenseMLPPieces | MoEWeights
 
     @property
     def nbytes(self) -> int:
@@ -85,10 +95,22 @@ class LayerWeights:
         return total
 
 
+class EmbeddingRows(Protocol):
+    """An embedding not held whole: `rows[ids]` reads the rows of `ids` [T] -> [T, H] (bf16 bits or float32)."""
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray: ...
+
+
+class ChunkedHead(Protocol):
+    """An lm_head not held whole: `logits(x)` [R, H] -> [R, V], multiplying each row chunk as it is read."""
+
+    def logits(self, x: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class GlobalWeights:
-    embed: np.ndarray  # [V, H]
-    lm_head: np.ndarray  # [V, H]
+    embed: np.ndarray | EmbeddingRows  # [V, H]
+    lm_head: np.ndarray | ChunkedHead  # [V, H]
     final_norm: np.ndarray  # [H]
     output_res_query: np.ndarray  # [H] output_attn_res_norm * output_attn_res_proj
 
@@ -209,25 +231,50 @@ def _widened(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _fuse(parts: list[np.ndarray]) -> np.ndarray:
-    """Stack matrices row-wise; bf16 bits stay bf16 when every part is, else all are widened."""
+def adjacent_view(parts: list[np.ndarray]) -> np.ndarray | None:
+    """The row-wise stack of C-contiguous `parts` as one view when they lie back to back in one buffer (a store
+    of format 2 packs each fused group so), else None."""
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.ndim != 2 or p.shape[1] != first.shape[1] or not p.flags.c_contiguous
+           for p in parts):
+        return None
+    base = first
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    for a, b in zip(parts, parts[1:]):
+        if a.ctypes.data + a.nbytes != b.ctypes.data or not np.may_share_memory(b, base):
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    # NOTE: the view reaches past `first` into the other parts, which the adjacency check found in `base`
+    return np.lib.stride_tricks.as_strided(first, shape=(rows, first.shape[1]), strides=first.strides)
+
+
+def _fuse(parts: list[np.ndarray], views: bool = False) -> np.ndarray:
+    """Stack matrices row-wise; bf16 bits stay bf16 when every part is, else all are widened. With `views`, parts
+    adjacent in one buffer give a view of it, no copy."""
     if all(part.dtype == np.uint16 for part in parts):
-        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+        view = adjacent_view(parts) if views else None
+        return view if view is not None else np.ascontiguousarray(np.concatenate(parts, axis=0))
     return keep_bf16(np.concatenate([_widened(part) for part in parts], axis=0))
 
 
-def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32") -> LayerWeights:
+def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32",
+                views: bool = False, mlp: DenseMLPPieces | None = None) -> LayerWeights:
     """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array, or bf16 bits
     (uint16) for bf16-stored tensors. With `trunk_dtype` "bf16" the attention projections stay bf16 bits too
     (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`k3serve.weights.held.held_bytes` is
-    the accounting)."""
+    the accounting). With `views` (a bf16 trunk read from a store of format 2) bf16 matrices and fused groups are
+    views of the reader's arrays, never copies (`held.widened_bytes` is then what the layer holds beside them);
+    `mlp` replaces a dense layer's MLP (read in pieces)."""
     if trunk_dtype not in TRUNK_DTYPES:
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)
     f32 = lambda name: _widened(read(name))  # noqa: E731
-    def kept(name: str) -> np.ndarray:  # a matrix kept as bf16 bits when stored as bf16 (a copy: no view kept)
+    def kept(name: str) -> np.ndarray:  # a matrix kept as bf16 bits when stored as bf16 (a copy unless `views`)
         array = read(name)
-        return np.array(array, copy=True) if array.dtype == np.uint16 else keep_bf16(_widened(array))
+        if array.dtype == np.uint16:
+            return array if views else np.array(array, copy=True)
+        return keep_bf16(_widened(array))
 
     mat = kept if trunk_dtype == "bf16" else f32
     a = f"{p}self_attn."
@@ -239,7 +286,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             parts.append(mat(f"{a}g_proj.weight"))
         kv_b = f32(f"{a}kv_b_proj.weight").reshape(NA, DN + DV, KL)  # [NA, DN+DV, KL]
         attention = MLAWeights(
-            in_proj=_fuse(parts) if trunk_dtype == "bf16" else np.ascontiguousarray(np.concatenate(parts, axis=0)),
+            in_proj=_fuse(parts, views) if trunk_dtype == "bf16" else np.ascontiguousarray(np.concatenate(parts, axis=0)),
             q_a_norm=f32(f"{a}q_a_layernorm.weight"),
             q_b=mat(f"{a}q_b_proj.weight"),
             kv_a_norm=f32(f"{a}kv_a_layernorm.weight"),
@@ -252,11 +299,11 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
         NH = config.kda_num_heads
         in_parts = ([mat(f"{a}{n}_proj.weight") for n in ("q", "k", "v", "g")]
                     + [mat(f"{a}f_a_proj.weight"), mat(f"{a}b_proj.weight")])
-        in_proj = _fuse(in_parts) if trunk_dtype == "bf16" else np.concatenate(in_parts, axis=0)
+        in_proj = _fuse(in_parts, views) if trunk_dtype == "bf16" else np.concatenate(in_parts, axis=0)
         del in_parts
         conv = np.concatenate([f32(f"{a}{n}_conv1d.weight")[:, 0, :] for n in ("q", "k", "v")], axis=0)
         attention = KDAWeights(
-            in_proj=np.ascontiguousarray(in_proj),
+            in_proj=in_proj if in_proj.flags.c_contiguous else np.ascontiguousarray(in_proj),
             f_b=f32(f"{a}f_b_proj.weight"),
             conv=np.ascontiguousarray(conv),
             a_exp=np.exp(f32(f"{a}A_log")[:NH]).astype(np.float32),
@@ -264,14 +311,13 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             o_norm=f32(f"{a}o_norm.weight"),
             o_proj=mat(f"{a}o_proj.weight"),
         )
-    mlp: DenseMLPWeights | MoEWeights
-    if config.is_dense(layer):
+    if mlp is None and config.is_dense(layer):
         m = f"{p}mlp."
         mlp = DenseMLPWeights(
-            gate_up=_fuse([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
+            gate_up=_fuse([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")], views),
             down=kept(f"{m}down_proj.weight"),
         )
-    else:
+    elif mlp is None:
         m = names.moe_prefix(layer)
         has_shared = config.shared_intermediate_size > 0
         mlp = MoEWeights(
@@ -281,7 +327,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             latent_up=kept(f"{m}routed_expert_up_proj.weight"),
             latent_norm=f32(f"{m}routed_expert_norm.weight"),
             shared_gate_up=_fuse(
-                [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")]
+                [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")], views
             ) if has_shared else None,
             shared_down=kept(f"{m}shared_experts.down_proj.weight") if has_shared else None,
         )
@@ -292,8 +338,16 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
                         * f32(f"{p}self_attention_res_proj.weight").reshape(-1)),
         mlp_res_query=f32(f"{p}mlp_res_norm.weight") * f32(f"{p}mlp_res_proj.weight").reshape(-1),
         attention=attention,
-        mlp=mlp,
+        mlp=mlp,  # type: ignore[arg-type]
     )
+
+
+def build_small_globals(read: TensorReader, embed: np.ndarray | EmbeddingRows,
+                        lm_head: np.ndarray | ChunkedHead) -> GlobalWeights:
+    """The globals around an embedding and an lm_head given as they are held (a streaming source's floor)."""
+    f32 = lambda name: _widened(read(name))  # noqa: E731
+    return GlobalWeights(embed=embed, lm_head=lm_head, final_norm=f32(names.FINAL_NORM),
+                         output_res_query=f32(names.OUTPUT_RES_NORM) * f32(names.OUTPUT_RES_PROJ).reshape(-1))
 
 
 def build_globals(read: TensorReader, trunk_dtype: str = "float32") -> GlobalWeights:

@@ -26,7 +26,8 @@ from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
                                    TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
-                                   align_up, config_fingerprint, expert_blob, expert_parts)
+                                   align_up, config_fingerprint, expert_blob, expert_parts, follows_in_group,
+                                   packed_specs)
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +43,13 @@ def _write_padded(f, data: bytes | np.ndarray, alignment: int = ALIGNMENT) -> No
 
 def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offset: int) -> tuple[TrunkBlob, bytes]:
     entries, chunks, cursor = [], [], 0
-    for spec in specs:
+    previous = None
+    for spec in packed_specs(specs):
         info = checkpoint.index.info(spec.name)
         raw = checkpoint.index.read_raw(spec.name)
-        start = align_up(cursor, TENSOR_ALIGNMENT)
+        # a fused group's parts back to back, so the fused matrix is one view of the read buffer
+        start = cursor if follows_in_group(previous, spec.name) else align_up(cursor, TENSOR_ALIGNMENT)
+        previous = spec.name
         if start > cursor:
             chunks.append(b"\0" * (start - cursor))
         chunks.append(raw.tobytes())
