@@ -24,8 +24,8 @@ from k3serve.weights import names
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.layout import LAYOUTS, layer_order
-from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
-                                   TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
+from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, READABLE_STORE_VERSIONS, STORE_FORMAT, STORE_INDEX,
+                                   STORE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
                                    align_up, config_fingerprint, expert_blob, expert_parts, follows_in_group,
                                    packed_specs)
 
@@ -41,14 +41,16 @@ def _write_padded(f, data: bytes | np.ndarray, alignment: int = ALIGNMENT) -> No
         f.write(b"\0" * pad)
 
 
-def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offset: int) -> tuple[TrunkBlob, bytes]:
+def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offset: int,
+                version: int = STORE_VERSION) -> tuple[TrunkBlob, bytes]:
     entries, chunks, cursor = [], [], 0
     previous = None
-    for spec in packed_specs(specs):
+    for spec in packed_specs(specs, version):
         info = checkpoint.index.info(spec.name)
         raw = checkpoint.index.read_raw(spec.name)
         # a fused group's parts back to back, so the fused matrix is one view of the read buffer
-        start = cursor if follows_in_group(previous, spec.name) else align_up(cursor, TENSOR_ALIGNMENT)
+        adjacent = version >= 2 and follows_in_group(previous, spec.name)
+        start = cursor if adjacent else align_up(cursor, TENSOR_ALIGNMENT)
         previous = spec.name
         if start > cursor:
             chunks.append(b"\0" * (start - cursor))
@@ -61,9 +63,11 @@ def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offse
 
 def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural",
                     token_sets: Mapping[int, Sequence[Sequence[int]]] | None = None,
-                    progress: bool = False) -> PackedStore:
+                    progress: bool = False, version: int = STORE_VERSION) -> PackedStore:
     """Pack `source` into `out`. `token_sets[layer]` lists the experts each traced token chose (for the
-    frequency and coactivation layouts)."""
+    frequency and coactivation layouts). `version` 1 writes the previous format (for tests of reading it)."""
+    if version not in READABLE_STORE_VERSIONS:
+        raise StoreError(f"store format version must be one of {READABLE_STORE_VERSIONS}, got {version}")
     if layout not in LAYOUTS:
         raise StoreError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if layout != "natural" and not token_sets:
@@ -83,13 +87,13 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pack", leave=True)
     try:
         with open(out / TRUNK_FILE, "wb") as f:
-            globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0)
+            globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0, version)
             _write_padded(f, data)
             if bar:
                 bar.update(len(data))
             layer_blobs = []
             for layer in range(config.num_layers):
-                blob, data = _trunk_blob(checkpoint, names.layer_trunk_specs(config, layer), f.tell())
+                blob, data = _trunk_blob(checkpoint, names.layer_trunk_specs(config, layer), f.tell(), version)
                 _write_padded(f, data)
                 layer_blobs.append(blob)
                 if bar:
@@ -122,7 +126,7 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
             if (Path(source) / file).exists():
                 shutil.copy(Path(source) / file, out / file)
     index = {
-        "format": STORE_FORMAT, "version": STORE_VERSION, "config_sha256": config_fingerprint(config),
+        "format": STORE_FORMAT, "version": version, "config_sha256": config_fingerprint(config),
         "layout": layout, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE, "expert_file": EXPERT_FILE,
         "globals": globals_blob.to_json(), "layers": [b.to_json() for b in layer_blobs],
         "expert_blob_size": blob_size, "expert_stride": stride, "experts": expert_index,

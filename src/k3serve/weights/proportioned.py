@@ -17,7 +17,7 @@ def proportioned_config(hidden_size: int = 1024) -> K3Config:
     """The full K3's widths scaled to `hidden_size` (a multiple of 64), three layers (dense, KDA MoE, MLA MoE)."""
     full = full_k3_config()
     s = hidden_size / full.hidden_size
-    head_dim = 32
+    head_dim = 32  # MLA's; KDA's is twice it, so its heads stay no more than its head dim (A_log is [D]), as in K3
     return K3Config(
         hidden_size=hidden_size, num_layers=3, vocab_size=_scaled(full.vocab_size, s, 64), rms_norm_eps=1e-5,
         num_mla_heads=_scaled(full.num_mla_heads, s, 1), q_lora_rank=_scaled(full.q_lora_rank, s, 32),
@@ -28,7 +28,7 @@ def proportioned_config(hidden_size: int = 1024) -> K3Config:
         moe_renormalize=True, latent_moe_use_norm=True, router_activation="sigmoid", num_expert_group=1,
         topk_group=1, first_k_dense_replace=1, intermediate_size=_scaled(full.intermediate_size, s, 32),
         attn_res_block_size=2, situ_beta=4.0, situ_linear_beta=25.0,
-        kda_num_heads=_scaled(full.kda_num_heads * full.kda_head_dim, s, head_dim) // head_dim,
-        kda_head_dim=head_dim, short_conv_kernel_size=4, gate_lower_bound=-5.0, full_attn_layers=(3,),
+        kda_num_heads=_scaled(full.kda_num_heads * full.kda_head_dim, s, 2 * head_dim) // (2 * head_dim),
+        kda_head_dim=2 * head_dim, short_conv_kernel_size=4, gate_lower_bound=-5.0, full_attn_layers=(3,),
         kda_layers=(1, 2), bos_token_id=1, eos_token_ids=(2,),
     )
