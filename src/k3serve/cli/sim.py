@@ -33,7 +33,7 @@ def add_sim_commands(sim_sub) -> None:
     k3.add_argument("--pin-trunk", type=cli_args.size, default=None,
                     help="cap on pinned trunk bytes, moves the trunk/cache split (default: as much as fits)")
     k3.add_argument("--queue-depth", type=cli_args.int_range(1, 1024), default=16, help="I/O queue depth" + d)
-    k3.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="float32",
+    k3.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="bf16",
                     help="how k3serve holds the trunk in RAM (the engine's --trunk-dtype)" + d)
     k3.add_argument("--batch", type=cli_args.positive_int, default=1, help="sequences decoded together" + d)
     k3.add_argument("--speculative", type=cli_args.non_negative_int, default=0,

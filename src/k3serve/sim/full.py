@@ -195,7 +195,7 @@ class SimConfig:
     layout: str = "natural"
     pin_trunk_bytes: int | None = None
     queue_depth: int = 16
-    trunk_dtype: str = "float32"
+    trunk_dtype: str = "bf16"  # the engine's default (StreamOptions.trunk_dtype)
     batch: int = 1
     speculative: int = 0  # draft tokens per step per sequence (0: off)
     acceptance: float = 0.7  # per draft token, when speculating
