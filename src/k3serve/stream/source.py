@@ -14,7 +14,13 @@ Per forward step (one prefill or one decode):
 The counters are `StreamStats` (model/expert_source.py), the options `StreamOptions` (stream/options.py) and the slots
 `ExpertSlots` (stream/slots.py), all shared with the families' streaming experts (stream/family_source.py).
 
-NOTE: the arrays returned by `experts()` are views of cache slots, valid until the next `experts()` call.
+With a bf16 trunk on a format-2 store (`plan.trunk_views`, the memory floor, stream/trunk_spans.py) a streamed
+layer is views of a staging ring buffer (the read-ahead goes to the other one), a dense layer's MLP is read in
+pieces as the model reaches it (`PieceReader`), embedding rows are read per token (`EmbeddingReader`) and an
+lm_head that is not pinned is read in row chunks through the ring (`HeadChunks`).
+
+NOTE: the arrays returned by `experts()` are views of cache slots, valid until the next `experts()` call; a
+streamed layer's arrays (views mode) are valid until the layer after next is taken.
 """
 
 from __future__ import annotations
@@ -232,22 +238,18 @@ class StreamingSource(WeightSource):
     def _build_globals(self) -> GlobalWeights:
         g = self.store.globals
         sizes = ViewSizes(self.store)
-        small = self._read_span(sizes.small_span, self._aligned(sizes.small_span.length), "globals")
+        small = self._read_span(sizes.small_span, aligned_buffer(sizes.small_span.length), "globals")
         arrays = _shifted(g, [t for t in g.entries if t.name not in (names.EMBED, names.LM_HEAD)],
                           g.offset - sizes.small_span.start).decode(small, keep_bf16=True)
         head = g.tensor(names.LM_HEAD)
         embed = EmbeddingReader(self, g.offset + g.tensor(names.EMBED).offset, g.tensor(names.EMBED).shape)
         if self.plan.head_pinned:
-            raw = self._read_span(sizes.head_span, self._aligned(sizes.head_span.length), "lm_head")
+            raw = self._read_span(sizes.head_span, aligned_buffer(sizes.head_span.length), "lm_head")
             lm_head: np.ndarray | HeadChunks = raw[sizes.head_span.skip:sizes.head_span.skip + head.nbytes].view(
                 np.uint16).reshape(head.shape)
         else:
             lm_head = HeadChunks(self, g.offset + head.offset, head.shape)
         return build_small_globals(arrays.__getitem__, embed, lm_head)
-
-    @staticmethod
-    def _aligned(nbytes: int) -> mmap.mmap:
-        return aligned_buffer(nbytes)
 
     def _read_span(self, span: Span, buffer: mmap.mmap, what: str) -> np.ndarray:
         """Read `span` of trunk.bin into the head of `buffer` -> u8 [span.length], a view of it (no checksum: a
