@@ -116,3 +116,32 @@ def test_the_engine_runs_at_its_minimum_in_a_memory_cgroup(tmp_path):
     assert r["peak_over_baseline"] <= r["minimum_bytes"] + bench.SLACK
     assert r["peak_over_baseline"] >= 0.6 * r["minimum_bytes"]
     assert r["minimum_bytes"] < r["trunk_bytes"]  # the trunk (embedding and lm_head included) does not fit: it streams
+
+
+def test_views_hold_only_what_the_splitter_charges(tiny_store):
+    """Built as views, each layer holds beside its read buffer only float32 copies, within `widened_bytes`; the
+    source allocates exactly the plan's ring."""
+    import mmap
+
+    from k3serve.model.weights import build_layer
+
+    with open(tiny_store.trunk_path, "rb") as f:
+        raw = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+        for layer, blob in enumerate(tiny_store.layers):
+            buffer = raw[blob.offset:blob.offset + blob.read_size]
+            built = build_layer(tiny_store.config, layer, blob.decode(buffer, keep_bf16=True).__getitem__, "bf16",
+                                views=True)
+            arrays = [v for part in (built, built.attention, built.mlp) for v in vars(part).values()
+                      if isinstance(v, np.ndarray)]
+            copies = sum(a.nbytes for a in arrays if not np.shares_memory(a, buffer))
+            views = [a for a in arrays if np.shares_memory(a, buffer)]
+            assert views and all(a.dtype == np.uint16 for a in views)  # every bf16 matrix, fused groups included
+            assert 0.8 * blob.widened_bytes("bf16") <= copies <= blob.widened_bytes("bf16")
+    minimum = minimum_budget_bytes(tiny_store, trunk_dtype="bf16")
+    loaded = load_model(tiny_store.path, stream=StreamOptions(ram_budget=minimum, trunk_dtype="bf16"))
+    try:
+        source = loaded.model.source
+        assert [len(b) for b in source._ring] == [source.plan.staging_bytes] * source.plan.ring_buffers
+        assert source._trunk_staging is None  # no second staging buffer beside the ring
+    finally:
+        loaded.model.source.close()
