@@ -28,7 +28,8 @@ def tiny_packed(tiny_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("policy,extra_slots,pin,dtype", [("lru", 3, 0, "float32"), ("lfu", 9, None, "float32"),
                                                           ("s3fifo", 20, None, "float32"), ("none", 5, 0, "float32"),
-                                                          ("lru", 2, None, "bf16"), ("lfu", 40, 0, "bf16")])
+                                                          ("lru", 2, None, "bf16"), ("lfu", 40, 0, "bf16"),
+                                                          ("lfu", 80, None, "bf16")])
 def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, extra_slots, pin, dtype):
     store = tiny_packed
     budget = minimum_budget_bytes(store, trunk_dtype=dtype) + extra_slots * store.expert_stride

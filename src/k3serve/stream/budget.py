@@ -228,11 +228,12 @@ def _plan_views(store: PackedStore, budget_bytes: int | None, pin_trunk_bytes: i
         return plan(pinned, True, total_experts)
     minimum = _views_minimum(store, min_slots)
     if budget_bytes < minimum:
+        staging = format_size(sizes.staging(list(range(num_layers)), True))
         raise BudgetError(
             f"RAM budget {format_size(budget_bytes)} cannot run one layer: the minimum is {format_size(minimum)} "
-            f"({minimum} bytes: small globals, one staging buffer of {format_size(sizes.staging(list(range(num_layers)), True))} "
-            f"for the trunk and lm_head, and {min_slots} expert slots of {format_size(stride)}, trunk held as bf16 "
-            f"views); use --ram-budget {minimum} or more")
+            f"({minimum} bytes: small globals, one staging buffer of {staging} for the trunk and lm_head, and "
+            f"{min_slots} expert slots of {format_size(stride)}, trunk held as bf16 views); use --ram-budget "
+            f"{minimum} or more")
     read_ahead = need([], True) <= budget_bytes
     cap = budget_bytes if pin_trunk_bytes is None else pin_trunk_bytes
     pinned: list[int] = []
@@ -240,6 +241,8 @@ def _plan_views(store: PackedStore, budget_bytes: int | None, pin_trunk_bytes: i
         trial = pinned + [i]
         if need(trial, read_ahead) <= budget_bytes and sum(items[x] for x in trial) <= cap:
             pinned.append(i)
+    if need(pinned, read_ahead) > budget_bytes:  # only the whole trunk pinned fits (a model smaller than a ring)
+        pinned = list(items)
     base = plan(pinned, read_ahead, 0)
     slots = min(total_experts, (budget_bytes - base.total_bytes) // stride)
     assert slots >= min_slots
