@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(Path(args.child[0]), Path(args.child[1]), Path(args.child[2]), int(args.child[3]))))
+        store_dir, checkpoint_dir, cgroup, prompt_tokens = args.child
+        print(json.dumps(child(Path(store_dir), Path(checkpoint_dir), Path(cgroup), int(prompt_tokens))))
         return
     root = args.root or Path(tempfile.mkdtemp(prefix="k3serve-floor-"))
     r = measure(root, args.hidden, args.prompt_tokens)

@@ -4,7 +4,9 @@
 
 The limits (`blkio.throttle.read_bps_device`, `blkio.throttle.read_iops_device`) apply to the whole block device
 that holds `--path`, for every process in the cgroup `/sys/fs/cgroup/blkio/<name>`; the command is moved into it
-before it starts (and, with `--memory`, into a memory cgroup of that size too, page cache included). Needs root
+before it starts (and, with `--memory`, into a memory cgroup of that size too, page cache included). Per-device
+mode: `--path` given several times (or `Throttle([p1, p2], ...)`) throttles each device holding one of them to
+the same limits, each on its own (two drives at 100 MB/s read 200 MB/s together). Needs root
 and a cgroup-v1 blkio hierarchy. O_DIRECT reads and page-cache misses are both throttled at the block layer.
 
 As a library: `Throttle(path, bps, iops)` is a context manager whose `wrap(command)` prefixes a command so that it
@@ -18,6 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 MEMORY = Path("/sys/fs/cgroup/memory")
@@ -40,19 +43,27 @@ def parse_rate(text: str) -> int:
 
 
 class Throttle:
-    def __init__(self, path: str | Path, bps: int | None, iops: int | None, memory: int | None = None,
-                 name: str = "k3throttle") -> None:
+    def __init__(self, path: str | Path | Sequence[str | Path], bps: int | None, iops: int | None,
+                 memory: int | None = None, name: str = "k3throttle") -> None:
+        """`path`: a file or folder on the device to throttle, or several (per-device mode: each device its own
+        limits)."""
         if not BLKIO.exists():
             raise RuntimeError("no cgroup-v1 blkio hierarchy at /sys/fs/cgroup/blkio")
-        self.device = block_device(path)
+        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        self.devices = list(dict.fromkeys(block_device(p) for p in paths))
+        self.device = ", ".join(self.devices)
         self.bps, self.iops, self.memory = bps, iops, memory
         self.blkio = BLKIO / name
         self.mem = MEMORY / name if memory is not None else None
 
+    def _limit(self, bps: int, iops: int) -> None:
+        for device in self.devices:  # one rule per write
+            (self.blkio / "blkio.throttle.read_bps_device").write_text(f"{device} {bps}\n")
+            (self.blkio / "blkio.throttle.read_iops_device").write_text(f"{device} {iops}\n")
+
     def __enter__(self) -> Throttle:
         self.blkio.mkdir(exist_ok=True)
-        (self.blkio / "blkio.throttle.read_bps_device").write_text(f"{self.device} {self.bps or 0}\n")
-        (self.blkio / "blkio.throttle.read_iops_device").write_text(f"{self.device} {self.iops or 0}\n")
+        self._limit(self.bps or 0, self.iops or 0)
         if self.mem is not None:
             self.mem.mkdir(exist_ok=True)
             (self.mem / "memory.limit_in_bytes").write_text(str(self.memory))
@@ -64,13 +75,14 @@ class Throttle:
         return ["sh", "-c", f'{join} && exec "$@"', "sh", *command]
 
     def __exit__(self, *exc) -> None:
-        (self.blkio / "blkio.throttle.read_bps_device").write_text(f"{self.device} 0\n")
-        (self.blkio / "blkio.throttle.read_iops_device").write_text(f"{self.device} 0\n")
+        self._limit(0, 0)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--path", default="/tmp", help="a file or folder on the disk to throttle (default: /tmp)")
+    parser.add_argument("--path", action="append", default=None,
+                        help="a file or folder on the disk to throttle; repeat it to throttle several disks, each to "
+                             "the limits below (default: /tmp)")
     parser.add_argument("--bps", default=None, help="read bytes per second, e.g. 200M (default: unlimited)")
     parser.add_argument("--iops", type=int, default=None, help="read requests per second (default: unlimited)")
     parser.add_argument("--memory", default=None, help="also confine memory, page cache included (default: no)")
@@ -79,7 +91,7 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give a command after --")
-    with Throttle(args.path, parse_rate(args.bps) if args.bps else None, args.iops,
+    with Throttle(args.path or ["/tmp"], parse_rate(args.bps) if args.bps else None, args.iops,
                   parse_rate(args.memory) if args.memory else None) as t:
         print(f"throttle: device {t.device}, read {args.bps or 'unlimited'} B/s, {args.iops or 'unlimited'} IOPS",
               file=sys.stderr)

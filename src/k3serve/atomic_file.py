@@ -5,6 +5,7 @@ carries no file name of its own)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -12,6 +13,10 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+STAGING_PREFIX = ".staging-"  # builders' folders in a shared cache: `.staging-PID-...`
 
 
 @contextmanager
@@ -74,3 +79,35 @@ def staged_folder(path: str | Path) -> Iterator[Path]:
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
+
+
+def new_staging_folder(parent: str | Path) -> Path:
+    """A new folder `.staging-PID-...` in `parent` (created) for a builder in a cache that several processes share:
+    the PID in its name lets a later `remove_stale_staging` tell a killed builder's folder from a live one's."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=parent))
+
+
+def remove_stale_staging(parent: str | Path) -> None:
+    """Remove the staging folders in `parent` that killed builders left (`.staging-PID-*` whose process is gone,
+    or one named before the PID was part of the name); a live builder's folder is kept."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return
+    for staging in parent.glob(STAGING_PREFIX + "*"):
+        pid_text = staging.name[len(STAGING_PREFIX):].split("-", 1)[0]
+        if pid_text.isdigit() and process_alive(int(pid_text)):
+            continue
+        logger.info("removing %s (left by an interrupted build)", staging)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid can be
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True

@@ -217,6 +217,39 @@ def test_pack_on_a_full_disk_names_the_output_and_leaves_no_folder(tiny_dir, tmp
     assert _left_in(tmp_path) == []  # no half store, no staging folder
 
 
+def test_coactivation_on_a_full_disk_leaves_no_torn_npy_or_png(tmp_path, capsys, monkeypatch):
+    import k3serve.cli.heatmap
+    from k3serve.stream.trace import TraceWriter
+
+    trace = tmp_path / "r.trace"
+    writer = TraceWriter(trace, {"num_layers": 3, "num_experts": 8, "top_k": 2})
+    for token in range(6):
+        writer.write(token, token, 1, [[token % 8, (token + 3) % 8]])
+    writer.close()
+    out = tmp_path / "maps"
+    real_save = np.save
+
+    def save_half_then_fail(file, array, *args, **kwargs):
+        file.write(b"\x93NUMPY partial")
+        _full_disk()
+
+    monkeypatch.setattr(np, "save", save_half_then_fail)
+    assert main(["coactivation", str(trace), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"k3serve: error: {out / 'layer_001.npy'}: No space left on device\n"
+    assert _left_in(out) == []  # neither the .npy nor its temporary file
+
+    def png_half_then_fail(path, rgb):
+        open(path, "wb").write(b"\x89PNG partial")
+        _full_disk()
+
+    monkeypatch.setattr(np, "save", real_save)
+    monkeypatch.setattr(k3serve.cli.heatmap, "write_png", png_half_then_fail)
+    assert main(["coactivation", str(trace), "--out", str(out)]) == 2
+    assert f"{out / 'layer_001.png'}: No space left on device" in capsys.readouterr().err
+    assert _left_in(out) == ["layer_001.npy"]  # the whole .npy written before the disk filled; no torn .png
+    assert np.load(out / "layer_001.npy").shape == (8, 8)
+
+
 def test_first_use_packing_removes_the_staging_folders_of_killed_packers(tmp_path, monkeypatch):
     import os
 
@@ -454,6 +487,69 @@ def test_serve_mounts_the_lab_on_loopback_only_unless_asked(monkeypatch, capsys)
 
     mounted, err, _ = _serve_app(monkeypatch, capsys, "--host", "127.0.0.1", "--no-lab")
     assert not mounted and "lab" not in err
+
+
+def _memfd_inodes(pid: int) -> set[int]:
+    from pathlib import Path
+
+    return {int(line.split()[4]) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if "/memfd:k3serve-weights" in line}
+
+
+def test_serve_lends_its_model_to_the_lab_worker_read_only(monkeypatch, capsys):
+    """Beside the lab, `serve` holds the model's weights in sealed shared pages (read-only views) and the lab's
+    worker maps those same pages (the same memory file) instead of loading its own copy."""
+    import os
+
+    import k3serve.lab.api as lab_api
+    from fastapi.testclient import TestClient
+
+    from k3serve.weights.shared_pages import supported
+
+    if not supported():
+        pytest.skip("shared pages need Linux's memfd_create")
+    queues: list = []
+    real_mount = lab_api.mount_lab
+    monkeypatch.setattr(lab_api, "mount_lab", lambda app, fixtures, **kw: queues.append(real_mount(app, fixtures,
+                                                                                                  **kw)) or queues[-1])
+    import k3serve.cli.main as cli_main
+
+    built: dict = {}
+    monkeypatch.setattr(cli_main.cli_args, "bind_listener", lambda host, port: object())
+    monkeypatch.setattr(cli_main, "_serve_until_sigterm", lambda server, listener: built.setdefault("app",
+                        server.config.app))
+    assert main(["serve", "--port", "8000", "--host", "127.0.0.1"]) == 0
+    queue = queues[0]
+    try:
+        shared = queue.fixtures.shared_weights
+        assert shared is not None
+        served = built["app"].state.k3.backend.engine.model.source
+        embed = served.global_weights().embed
+        assert not embed.flags.writeable and not served.stacked_experts(1)[0].flags.writeable
+        assert shared.arrays.pages.inode in _memfd_inodes(os.getpid())
+        run = TestClient(built["app"]).post("/lab/api/modules/prefix_cache/run?wait=true",
+                                            json={"system_tokens": 64, "requests": 3})
+        assert run.json()["status"] == "done", run.json()
+        assert _memfd_inodes(queue.worker.pid) == {shared.arrays.pages.inode}
+    finally:
+        queue.close()
+        built["app"].state.k3.backend.shutdown()
+
+
+def test_the_lab_beside_serve_runs_on_the_served_model_only_when_it_is_a_k3_folder(tiny_dir, tiny_store, tmp_path):
+    """A K3 GGUF file used to reach LabFixtures, which needs a folder, and stopped `serve` at start."""
+    from types import SimpleNamespace
+
+    from k3serve.cli.main import _lab_model
+    from k3serve.loading.registry import ARCHITECTURES, K3
+
+    k3, family = SimpleNamespace(architecture=K3), SimpleNamespace(architecture=ARCHITECTURES[1])
+    gguf = tmp_path / "k3.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert _lab_model(str(tiny_dir), k3) == str(tiny_dir)
+    assert _lab_model(None, k3) is None  # the embedded default
+    assert _lab_model(str(tiny_store.path), k3) is None and _lab_model(str(gguf), k3) is None
+    assert _lab_model(str(tiny_dir), family) is None
 
 
 def test_serve_refuses_lab_and_no_lab_together(capsys):

@@ -46,6 +46,9 @@ FAST_PARAMS = {
     "cluster_routing": {"requests": 4, "prefix_tokens": 32, "replicas": 2, "wave": 2},
     "cluster_scale": {"groups": 16, "max_replicas": 4, "seeds": 1},
     "tenants": {"seconds": 0.5, "flood_requests": 2, "flood_prompt_tokens": 32, "flood_max_tokens": 8},
+    "peers": {"source": "recorded"},  # the live comparison is tests/peers/test_lab_peers.py (needs llama.cpp)
+    "serving": {"max_concurrency": 2, "max_tokens": 4, "flood_streams": 2, "flood_prompt_tokens": 32,
+                "flood_max_tokens": 8, "tenant_seconds": 0.5},
 }
 
 

@@ -131,6 +131,8 @@ def test_serve_on_a_full_disk_answers_every_request(tmp_path, caplog, filling_di
     record_routing(loaded.model, path)
     with caplog.at_level(logging.WARNING):
         assert complete_all() == untraced
+    assert not path.exists()  # written beside its name until the trace closes (at the server's exit)
+    loaded.model.source.close()
     (writer,) = filling_disk
     _check_stopped(writer, path)
     _one_warning(caplog, path)
@@ -142,3 +144,29 @@ def test_a_tool_whose_output_is_the_trace_still_fails_on_a_full_disk(tmp_path):
     with pytest.raises(OSError) as info:
         writer.write(0, 0, 0, [[1, 2]])
     assert info.value.errno == errno.ENOSPC
+
+
+def test_a_trace_out_is_whole_or_absent_under_its_name(tmp_path):
+    """--trace-out is written beside its name and renamed when it closes: a process killed while tracing leaves no
+    file under the name (only its temporary file); a closed trace is whole."""
+    import os
+    import subprocess
+    import sys
+
+    meta = {"num_layers": 2, "num_experts": 8, "top_k": 2}
+    killed = tmp_path / "killed.trace"
+    code = ("import os, signal\nfrom k3serve.stream.trace import TraceWriter\n"
+            f"writer = TraceWriter({str(killed)!r}, {meta!r}, best_effort=True)\n"
+            "writer.write(0, 0, 1, [[1, 2], [3, 4]])\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=os.environ.copy())
+    assert result.returncode == -9, result.stderr
+    assert not killed.exists()
+    assert [p.name.startswith(".killed.trace.") and p.name.endswith(".tmp") for p in tmp_path.iterdir()] == [True]
+
+    path = tmp_path / "r.trace"
+    writer = TraceWriter(path, meta, best_effort=True)
+    writer.write(0, 0, 1, [[1, 2], [3, 4]])
+    assert not path.exists()
+    writer.close()
+    assert read_trace(path).records == [(0, 0, 1, (1, 2)), (0, 1, 1, (3, 4))]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".r.trace")) == []

@@ -199,6 +199,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     speculative = _speculative_config(args)  # every argument is checked before the model loads
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt_file(args.prompt_file)
     loaded = load_for_run(args, expert_precision=args.expert_precision)
+    try:
+        return _generate_loaded(args, loaded, params, speculative, prompt_text)
+    finally:
+        if loaded.model.experts is not None:
+            loaded.model.experts.close()  # a --trace-out trace is whole under its name from here (stream/trace.py)
+
+
+def _generate_loaded(args: argparse.Namespace, loaded, params, speculative, prompt_text: str) -> int:
+    from k3serve.engine.generate import generate
+
     drafters = _drafters(args, speculative, loaded.model)
     if args.prompt_ids is not None:
         _check_ids(args.prompt_ids, loaded.model.config.vocab_size, "--prompt-ids")
@@ -368,7 +378,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the lab has no keys: never beside an API that requires them, and beyond loopback only when asked for
     mount_lab_page = not args.no_lab and tenants.open and (args.lab or is_loopback(args.host))
     warn_if_open(tenants, args.host, lab_mounted=mount_lab_page)
-    loaded = load_for_run(args)  # resident, or streamed from a packed store under --ram-budget
+    # resident, or streamed from a packed store under --ram-budget; beside the lab, a resident K3 checkpoint's
+    # weights go to read-only shared pages, which the lab's worker maps instead of loading a second copy
+    loaded = load_for_run(args, share_weights=mount_lab_page)
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
                       "one")
@@ -393,14 +405,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif mount_lab_page:  # the lab page beside the API, on its own run queue (k3serve.lab)
         from k3serve.lab.api import mount_lab
         from k3serve.lab.fixtures import LabFixtures
-        from k3serve.weights.store import is_packed_store
 
-        lab_model = args.model if args.model and loaded.architecture.routing_traces \
-            and not is_packed_store(args.model) else None  # the lab's K3 fixtures; another family: the default
-        mount_lab(app, LabFixtures(lab_model))
+        lab_model = _lab_model(args.model, loaded)
+        # shared weights exist only for a resident K3 folder, which is then the lab's model too; a streamed,
+        # GGUF or family model is not the lab's, whose worker loads its own (small) copy as before
+        mount_lab(app, LabFixtures(lab_model, shared_weights=loaded.shared_weights))
         print(f"k3serve: the lab is on http://{args.host}:{args.port}/lab/", file=sys.stderr)
     _serve_until_sigterm(_uvicorn_server(app, args), listener)
     return 0
+
+
+def _lab_model(model: str | Path | None, loaded) -> str | Path | None:
+    """The lab's model beside `serve`: the served one when it is a K3 checkpoint folder (the lab's fixtures are K3
+    folders: routing traces, packed and widened stores); anything else (a family, a packed store, a GGUF file): the
+    embedded default (None)."""
+    from k3serve.weights.store import is_packed_store
+
+    if model is None or not loaded.architecture.routing_traces or not Path(model).is_dir() or is_packed_store(model):
+        return None
+    return model
 
 
 def _uvicorn_server(app, args: argparse.Namespace):

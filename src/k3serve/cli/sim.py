@@ -33,6 +33,8 @@ def add_sim_commands(sim_sub) -> None:
     k3.add_argument("--pin-trunk", type=cli_args.size, default=None,
                     help="cap on pinned trunk bytes, moves the trunk/cache split (default: as much as fits)")
     k3.add_argument("--queue-depth", type=cli_args.int_range(1, 1024), default=16, help="I/O queue depth" + d)
+    k3.add_argument("--drives", type=cli_args.int_range(1, 64), default=1,
+                    help="the store striped over this many drives, each the machine's disk (pack --stripe)" + d)
     k3.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="bf16",
                     help="how k3serve holds the trunk in RAM (the engine's --trunk-dtype)" + d)
     k3.add_argument("--batch", type=cli_args.positive_int, default=1, help="sequences decoded together" + d)
@@ -145,7 +147,8 @@ def _sim_config(args: argparse.Namespace, ram: int | None):
         pin_trunk_bytes=parse_size(args.pin_trunk) if args.pin_trunk else None, queue_depth=args.queue_depth,
         trunk_dtype=args.trunk_dtype, batch=args.batch, speculative=args.speculative, acceptance=args.acceptance,
         tokens=args.tokens, warmup=args.warmup, routing=args.routing, routing_model=routing_model, seed=args.seed,
-        pinned_layers=args.c_pinned, cache_bytes=parse_size(args.c_cache) if args.c_cache else None)
+        pinned_layers=args.c_pinned, cache_bytes=parse_size(args.c_cache) if args.c_cache else None,
+        drives=args.drives)
 
 
 def cmd_sim_k3(args: argparse.Namespace) -> int:

@@ -102,6 +102,10 @@ def add_subcommands(sub) -> dict:
     pack.add_argument("--expert-precision", choices=("native", "bf16", "int8", "mxfp4"), default="native",
                       help="a family checkpoint's routed experts in the store: the stored values, int8 or MXFP4 "
                            "(K3 experts are MXFP4 already; default native)")
+    pack.add_argument("--stripe", type=_stripe_dirs, default=None, metavar="DIR1,DIR2,...",
+                      help="lay trunk.bin and experts.bin over these folders, one per drive, in chunks (RAID 0 "
+                           "fashion; the streaming reader keeps a queue per drive); each folder must exist "
+                           "(default: both files in the output folder)")
 
     sim = sub.add_parser("sim", help="simulators")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
@@ -168,6 +172,13 @@ def _policies(text: str) -> list[str]:
     return policies
 
 
+def _stripe_dirs(text: str) -> list[Path]:
+    dirs = [Path(part) for part in text.split(",") if part.strip()]
+    if not dirs:
+        raise argparse.ArgumentTypeError(f"expected folders separated by commas, got {text!r}")
+    return dirs
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     from k3serve.loading.registry import of_path
     from k3serve.stream.trace import check_trace_model, read_trace
@@ -194,6 +205,12 @@ def cmd_pack(args: argparse.Namespace) -> int:
     if args.expert_precision not in ("native", "mxfp4"):
         raise UsageError(f"K3 experts ship as MXFP4; --expert-precision {args.expert_precision!r} applies to the "
                          "other families")
+    if args.stripe is not None:
+        if args.shard is not None:
+            raise UsageError("--stripe lays out a whole store; a --shard is one node's experts: leave out one")
+        for folder in args.stripe:
+            if folder.resolve() == args.out.resolve():
+                raise UsageError(f"--stripe {folder} is the output folder: give each drive's own folder")
     if args.shard is not None:
         if from_gguf:
             raise UsageError(f"{args.src} is a GGUF file: --shard (expert parallelism) reads safetensors checkpoint "
@@ -206,11 +223,17 @@ def cmd_pack(args: argparse.Namespace) -> int:
             check_trace_model(trace, checkpoint.config, args.trace, "--trace")
         token_sets = trace.token_sets()
     with staged_folder(args.out) as staging:
+        striping = {"stripe_dirs": args.stripe} if args.stripe is not None else {}
         store = architecture.pack(args.src, staging, args.expert_precision, layout=args.layout,
-                                  token_sets=token_sets)
+                                  token_sets=token_sets, **striping)
         summary = (f"layout {store.layout}, {store.num_experts_total} experts of {format_size(store.expert_blob_size)} "
                    f"(stride {format_size(store.expert_stride)}), expert store "
-                   f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_path.stat().st_size)}")
+                   f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_store_bytes)}")
+        if args.stripe is not None:
+            summary += (f", striped over {store.num_stripes} drives in chunks of "
+                        f"{format_size(store.stripe_chunk_bytes)} (experts) and "
+                        f"{format_size(store.trunk_stripe_chunk_bytes)} (trunk) "
+                        f"({', '.join(str(f) for f in store.stripe_folders)})")
     print(f"packed {args.src} -> {args.out}: {summary}", file=sys.stderr)
     return 0
 
@@ -232,6 +255,9 @@ def _pack_shard(args: argparse.Namespace) -> int:
 
 def _pack_family(args: argparse.Namespace, architecture) -> int:
     """`pack` of a family checkpoint: trunk resident at run time, experts at --expert-precision in the store."""
+    if args.stripe is not None:
+        raise UsageError(f"{args.src} is a family checkpoint: --stripe (several drives) is built for K3 stores; "
+                         "pack it into one folder")
     if args.layout != "natural" or args.trace is not None:
         raise UsageError(f"{args.src} is a family checkpoint: its store keeps the experts in id order (--layout "
                          "natural, no --trace); the trace-driven layouts are built for K3 stores")
@@ -292,8 +318,11 @@ def cmd_coactivation(args: argparse.Namespace) -> int:
     summary = {}
     for layer, sets in sorted(trace.token_sets().items()):
         matrix = coactivation_matrix(sets, num_experts)
-        np.save(args.out / f"layer_{layer:03d}.npy", matrix)
-        write_png(args.out / f"layer_{layer:03d}.png", heatmap_rgb(matrix, cell=max(1, 512 // num_experts)))
+        # each output whole or absent (atomic_file.py): a full disk or Ctrl-C leaves no torn .npy or .png
+        with atomic_output(args.out / f"layer_{layer:03d}.npy") as staging, open(staging, "wb") as file:
+            np.save(file, matrix)
+        with atomic_output(args.out / f"layer_{layer:03d}.png") as staging:
+            write_png(staging, heatmap_rgb(matrix, cell=max(1, 512 // num_experts)))
         order = coactivation_order(matrix)
         summary[layer] = {"tokens": len(sets), "natural_adjacency": adjacency_score(range(num_experts), matrix),
                           "chain_adjacency": adjacency_score(order, matrix), "chain_order": order}

@@ -5,7 +5,9 @@ bigger experts for I/O figures.
 Files go to `<k3serve cache>/lab/<model key>/` (the model key is the digest of the model's checksum list, or of its
 config for a folder without one), written under a temporary name and renamed, so a half-built fixture is never used.
 A model is loaded once per process; modules run one at a time (the run queue), and a lock guards the first build.
-The run queue's worker process gets its own copy (pickling sends the folders, not the loaded model).
+The run queue's worker process gets its own copy (pickling sends the folders, not the loaded model), unless the
+fixtures carry `shared_weights`: the weights `k3serve serve` holds for the same model, in sealed read-only shared
+pages (loading's `SharedWeights`), which the worker maps instead of loading a second copy.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from k3serve.atomic_file import atomic_output, new_staging_folder, remove_stale_staging, write_text
 from k3serve.config import K3Config, load_config
 from k3serve.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3serve.loading import SharedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +38,13 @@ TRACE_WINDOW_TOKENS = 128
 
 
 def _atomic_dir(target: Path, build: Callable[[Path], None]) -> Path:
-    """Build a folder under a temporary name next to `target`, then rename it into place."""
+    """Build a folder under a temporary name next to `target`, then rename it into place. A build that fails is
+    removed; one whose process was killed (a cancelled run's worker) is removed by the next build in that folder
+    (`remove_stale_staging`: its `.staging-PID-*` names a process that is gone)."""
+    remove_stale_staging(target.parent)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    staging = new_staging_folder(target.parent)
     try:
         build(staging)
         try:
@@ -53,11 +59,15 @@ def _atomic_dir(target: Path, build: Callable[[Path], None]) -> Path:
 
 
 class LabFixtures:
-    def __init__(self, model_dir: str | Path | None = None, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, model_dir: str | Path | None = None, cache_dir: str | Path | None = None,
+                 shared_weights: SharedWeights | None = None) -> None:
         from k3serve.loading import cache_root, default_model_dir, verify_checksums
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         self.model_arg = str(model_dir) if model_dir is not None else None  # for reproducing commands
+        if shared_weights is not None and shared_weights.path != self.model_dir.resolve():
+            raise K3Error(f"the shared weights are {shared_weights.path}'s, the lab's model is {self.model_dir}")
+        self.shared_weights = shared_weights
         if cache_dir is not None:
             self.root = Path(cache_dir)
         else:
@@ -74,8 +84,9 @@ class LabFixtures:
         self._families: dict[str, object] = {}
 
     def __reduce__(self):
-        """Pickled (into the lab's worker process) as its folders: the copy loads the model itself, once."""
-        return LabFixtures, (None if self.model_arg is None else self.model_dir, self.root)
+        """Pickled (into the lab's worker process) as its folders and the shared weights' handle: the copy loads
+        the model itself, once, or maps the shared weights."""
+        return LabFixtures, (None if self.model_arg is None else self.model_dir, self.root, self.shared_weights)
 
     @property
     def model_name(self) -> str:
@@ -89,12 +100,12 @@ class LabFixtures:
         return self._config
 
     def loaded(self):
-        """The resident `LoadedModel` (K3 only), loaded once."""
+        """The resident `LoadedModel` (K3 only), loaded once (over the shared weights when given)."""
         from k3serve.loading import load_model
 
         with self._lock:
             if self._loaded is None:
-                loaded = load_model(self.model_dir)
+                loaded = load_model(self.model_dir, shared_weights=self.shared_weights)
                 if not loaded.architecture.routing_traces:  # its fixtures are routing traces and K3 stores
                     raise K3Error(f"{self.model_dir}: the lab runs K3 checkpoints only")
                 if loaded.tokenizer is None:
@@ -133,9 +144,7 @@ class LabFixtures:
                     streams = {"code": tokenizer.encode("".join(corpus.heldout_code)[:200_000]),
                                "prose": tokenizer.encode("\n".join(corpus.heldout_prose)[:200_000])}
                     self.root.mkdir(parents=True, exist_ok=True)
-                    staging = path.with_suffix(".tmp")
-                    staging.write_text(json.dumps(streams))
-                    os.replace(staging, path)
+                    write_text(path, json.dumps(streams))
                 self._windows = json.loads(path.read_text())
             return self._windows
 
@@ -167,11 +176,14 @@ class LabFixtures:
             path = self.root / "routing.trace"
             if not path.exists():
                 model = self.loaded().model
-                staging = path.with_suffix(".tmp")
-                writer = TraceWriter(staging, trace_meta(model.config))
-                measure_routing(model, self.windows(TRACE_WINDOWS, TRACE_WINDOW_TOKENS), writer)
-                writer.close()
-                os.replace(staging, path)
+                windows = self.windows(TRACE_WINDOWS, TRACE_WINDOW_TOKENS)
+                self.root.mkdir(parents=True, exist_ok=True)
+                with atomic_output(path) as staging:
+                    writer = TraceWriter(staging, trace_meta(model.config))
+                    try:
+                        measure_routing(model, windows, writer)
+                    finally:
+                        writer.close()
             return path
 
     def trace(self):

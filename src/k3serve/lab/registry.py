@@ -165,6 +165,9 @@ class Figure:
     y_label: str = ""
     log_y: bool = False
     highlight: str | None = None
+    # a figure shown from a stored record, not measured by this run: its date ("2026-12-06"); the mark then says
+    # "recorded <date>" and `source` names the machine and the command that measured it
+    recorded: str | None = None
 
     def __post_init__(self) -> None:
         numeric_axes = {"bar": ("y_label",), "line": ("x_label", "y_label"), "heatmap": ("x_label", "y_label")}
@@ -178,9 +181,10 @@ class Figure:
 
     def to_json(self) -> dict:
         return {"title": self.title, "kind": self.kind, "measured": self.measured,
-                "mark": "measured on this machine" if self.measured else "simulated (model)",
+                "mark": f"recorded {self.recorded}" if self.recorded else
+                        "measured on this machine" if self.measured else "simulated (model)",
                 "source": self.source, "traces": self.traces, "x_label": self.x_label, "y_label": self.y_label,
-                "log_y": self.log_y, "highlight": self.highlight,
+                "log_y": self.log_y, "highlight": self.highlight, "recorded": self.recorded,
                 "x_unit": axis_unit(self.x_label), "y_unit": axis_unit(self.y_label)}
 
 

@@ -18,28 +18,39 @@ from k3serve.default_model import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH, cache
 from k3serve.errors import CheckpointError, TokenizerError
 from k3serve.gguf_tokenizer import tokenizer_from_gguf
 from k3serve.loading import registry
-from k3serve.loading.loaded import LoadedModel, configure_threads
+from k3serve.loading.loaded import LoadedModel, SharedWeights, configure_threads
 from k3serve.loading.opened import ExpertWrapper, Opened
 from k3serve.loading.streaming import default_packed_dir
 from k3serve.model.kernels import warmup as warmup_kernels
 from k3serve.stream.options import StreamOptions
+from k3serve.weights import shared_pages
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.store import is_packed_store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_MODEL_PATH", "LoadedModel", "cache_root", "configure_threads",
-           "default_model_dir", "default_packed_dir", "load_model", "verify_checksums"]
+WARM_PREFILL_TOKENS = 64  # enough tokens that the warm-up takes the parallel kernels too
+
+__all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_MODEL_PATH", "LoadedModel", "SharedWeights", "cache_root",
+           "configure_threads", "default_model_dir", "default_packed_dir", "load_model", "verify_checksums"]
 
 
 def load_model(path: str | Path | None = None, expert_precision: str = "native", stream: StreamOptions | None = None,
-               wrap_experts: ExpertWrapper | None = None) -> LoadedModel:
+               wrap_experts: ExpertWrapper | None = None, share_weights: bool = False,
+               shared_weights: SharedWeights | None = None) -> LoadedModel:
     """Open `path` (None: the embedded default model).
 
     A packed store, or any streaming option (`stream`), streams: the default model is packed into the user cache
     on first use. A GGUF file takes its tokenizer and chat template from its metadata. `expert_precision` quantizes
     a family's routed experts at load ("native", "bf16", "mxfp4", "int8"; K3's ship as MXFP4). `wrap_experts`
-    wraps a K3 store's streaming source before the model is built on it (expert parallelism)."""
+    wraps a K3 store's streaming source before the model is built on it (expert parallelism).
+
+    `share_weights` places a resident checkpoint folder's weights in sealed read-only shared pages where its
+    architecture offers it (K3) and the system has them (Linux): `LoadedModel.shared_weights` is then the handle a
+    spawned process passes back as `shared_weights` to build the same model over the same pages, with no copy of
+    its own. Anything else (a store, a GGUF file, a family) loads as without it, with `shared_weights` None."""
+    if shared_weights is not None:
+        return _load_shared(Path(path) if path is not None else default_model_dir(), shared_weights)
     if stream is not None or wrap_experts is not None or (path is not None and is_packed_store(path)):
         folder = Path(path) if path is not None else default_packed_dir()
         if not is_packed_store(folder):
@@ -55,12 +66,43 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
     else:
         folder = Path(path) if path is not None else default_model_dir()
         architecture = registry.of_folder(folder)
+        if share_weights and architecture.share_folder is not None and shared_pages.supported():
+            opened, arrays = architecture.share_folder(folder, expert_precision)
+            return _loaded(opened, folder, architecture, SharedWeights(folder.resolve(), arrays))
         opened = architecture.open_folder(folder, expert_precision)
+    return _loaded(opened, folder, architecture)
+
+
+def _load_shared(folder: Path, shared: SharedWeights) -> LoadedModel:
+    """The model of checkpoint folder `folder` over the shared pages of the same folder's weights."""
+    if is_packed_store(folder) or is_gguf_file(folder) or folder.resolve() != shared.path:
+        raise CheckpointError(f"{folder}: the shared weights are {shared.path}'s (a checkpoint folder's); load "
+                              "this model without them")
+    architecture = registry.of_folder(folder)
+    if architecture.open_shared is None:
+        raise CheckpointError(f"{folder}: a {architecture.name} model does not open over shared weights")
+    return _loaded(architecture.open_shared(folder, shared.arrays), folder, architecture, shared)
+
+
+def _loaded(opened: Opened, folder: Path, architecture: registry.Architecture,
+            shared: SharedWeights | None = None) -> LoadedModel:
+    """The loader's shared steps: the tokenizer checked against the vocabulary, threads, kernels."""
     _check_vocabulary(opened, folder)
     configure_threads(opened.model.config.hidden_size)  # the trunk's BLAS must not fight the expert kernels
-    _load_kernels()  # compile (or load the cached) numba kernels now, not inside the first request
+    if shared is None:
+        _load_kernels()  # compile (or load the cached) numba kernels now, not inside the first request
+    else:  # the kernels' read-only variants only (the writable ones load when a writable model first runs)
+        _warm_read_only(opened.model)
     return LoadedModel(model=opened.model, checkpoint=opened.checkpoint, tokenizer=opened.tokenizer, path=folder,
-                       architecture=architecture)
+                       architecture=architecture, shared_weights=shared)
+
+
+def _warm_read_only(model) -> None:
+    """numba compiles a kernel apart for read-only arrays: run a short prefill and a decode step on the shared
+    weights now (loaded from numba's cache after the first time), not inside the first request."""
+    ids = [i % model.config.vocab_size for i in range(WARM_PREFILL_TOKENS)]
+    model.logits(ids, mode="full")
+    model.logits(ids[:2], mode="incremental")
 
 
 def _open_gguf(path: Path, expert_precision: str) -> tuple[Opened, registry.Architecture]:

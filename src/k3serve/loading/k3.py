@@ -1,12 +1,13 @@
 """K3's entry in the registry (loading/registry.py): a released or test checkpoint folder, a K3 GGUF file
 (llama.cpp's `kimi-k3`) or a K3 packed store, opened as a `K3Model` over the right `WeightSource`; its packer; and
-what only K3 offers (routing traces in K3's layout, expert shards)."""
+what only K3 offers (routing traces in K3's layout, expert shards, resident weights shared with another process)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from k3serve.errors import ConfigError
+from k3serve.config import K3Config, load_config
+from k3serve.errors import CheckpointError, ConfigError
 from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.loading.opened import ExpertWrapper, Opened
 from k3serve.model.k3 import K3Model
@@ -16,7 +17,8 @@ from k3serve.stream.source import StreamingSource
 from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile
-from k3serve.weights.store import PackedStore
+from k3serve.weights.shared_pages import SharedArrays
+from k3serve.weights.store import PackedStore, config_fingerprint
 
 K3_EXPERT_PRECISIONS = ("native", "mxfp4")
 
@@ -32,6 +34,29 @@ def open_folder(folder: Path, expert_precision: str) -> Opened:
     checkpoint = Checkpoint(folder)
     tokenizer = Tokenizer.from_dir(checkpoint.tokenizer_dir) if checkpoint.tokenizer_dir else None
     return Opened(K3Model(ResidentSource(checkpoint)), tokenizer, checkpoint)
+
+
+def share_folder(folder: Path, expert_precision: str) -> tuple[Opened, SharedArrays]:
+    """`open_folder` with the weights moved into sealed shared pages (model/source.py `ResidentSource.share`),
+    before the model is built on them: the model reads read-only views, and the handle lets another process
+    (`open_shared`) map the same pages."""
+    _check_precision(expert_precision)
+    checkpoint = Checkpoint(folder)
+    tokenizer = Tokenizer.from_dir(checkpoint.tokenizer_dir) if checkpoint.tokenizer_dir else None
+    source = ResidentSource(checkpoint)
+    shared = source.share()
+    return Opened(K3Model(source), tokenizer, checkpoint), shared
+
+
+def open_shared(folder: Path, shared: SharedArrays) -> Opened:
+    """The model of `folder` over weights another process shared (`share_folder`): nothing is read from the
+    checkpoint's weight files; its config must be the one the weights were built with."""
+    if not isinstance(shared.about, K3Config) or config_fingerprint(shared.about) != config_fingerprint(
+            load_config(folder)):
+        raise CheckpointError(f"{folder}: the shared weights were built from another model's config")
+    source = ResidentSource.from_shared(shared)
+    tokenizer = Tokenizer.from_dir(folder) if (folder / "tiktoken.model").exists() else None
+    return Opened(K3Model(source), tokenizer)
 
 
 def open_gguf(file: GGUFFile, expert_precision: str) -> Opened:

@@ -15,11 +15,26 @@ from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.model.interface import Model
 from k3serve.tokenizer import Tokenizer
 from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.shared_pages import SharedArrays
 
 if TYPE_CHECKING:
     from k3serve.loading.registry import Architecture
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """A resident model's weights in sealed, read-only shared pages (weights/shared_pages.py) and the checkpoint
+    folder they were read from. Pickled into a spawned process it travels as a file descriptor; there
+    `load_model(path, shared_weights=...)` builds the model over the same pages instead of loading a copy."""
+
+    path: Path  # resolved
+    arrays: SharedArrays
+
+    @property
+    def nbytes(self) -> int:
+        return self.arrays.pages.nbytes
 
 
 @dataclass
@@ -29,6 +44,7 @@ class LoadedModel:
     tokenizer: Tokenizer | HFTokenizer | None
     path: Path
     architecture: Architecture  # its registry entry (loading/registry.py): what it offers beyond `Model`
+    shared_weights: SharedWeights | None = None  # the weights in shared pages (load_model's share_weights)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

@@ -6,7 +6,8 @@ store, how it is packed, and what it offers beyond the `Model` interface. `load_
 one composition root over it; the commands, the lab and the cluster ask an `Architecture` what it offers instead of
 asking which one it is.
 
-    name         model_type(s)           GGUF             routing traces, expert shards, cluster replicas
+    name         model_type(s)           GGUF             routing traces, expert shards, cluster replicas,
+                                                          shared weights
     kimi_k3      kimi_k3 (and the rest)  kimi-k3          yes
     kimi_linear  kimi_linear             kimi-linear      no
     deepseek_v3  deepseek_v3, kimi_k2    deepseek2        no
@@ -30,6 +31,7 @@ from k3serve.stream.options import StreamOptions
 from k3serve.weights.family_store import FamilyStore, is_family_store
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.gguf_k3 import ARCHITECTURE as K3_GGUF_ARCHITECTURE
+from k3serve.weights.shared_pages import SharedArrays
 from k3serve.weights.store import is_packed_store
 
 
@@ -46,11 +48,15 @@ class Architecture:
     expert_shards: bool = False  # pack --shard and expert parallelism (k3serve cluster --expert-parallel)
     cluster_replicas: bool = False  # served by `k3serve cluster` replicas (tested with K3 models)
     record_routing: Callable | None = None  # (model, trace path): record a resident model's routing
+    # (checkpoint folder, expert precision) -> (resident, its weights in shared pages), and (folder, those pages) ->
+    # the model over them in another process (weights/shared_pages.py; `serve` lends its model to the lab's worker)
+    share_folder: Callable[[Path, str], tuple[Opened, SharedArrays]] | None = None
+    open_shared: Callable[[Path, SharedArrays], Opened] | None = None
 
 
 K3 = Architecture("kimi_k3", ("kimi_k3",), (K3_GGUF_ARCHITECTURE,), k3.open_folder, k3.open_gguf, k3.open_store,
                   k3.pack, routing_traces=True, expert_shards=True, cluster_replicas=True,
-                  record_routing=k3.record_routing)
+                  record_routing=k3.record_routing, share_folder=k3.share_folder, open_shared=k3.open_shared)
 
 
 def _family(name: str) -> Architecture:

@@ -2,6 +2,9 @@
 
 The routed experts of each MoE layer are held stacked, one [NE, ...] array per matrix part, so that one compiled
 call runs every active expert of a layer (`stacked_experts`); `experts()` hands out views into those stacks.
+
+`share()` moves the weights into sealed read-only pages (weights/shared_pages.py) that another process maps with
+`ResidentSource.from_shared`: `k3serve serve` and its lab worker hold one copy of the model between them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from k3serve.model.kernels import StackedExperts
 from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_expert,
                                    build_globals, build_layer)
 from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.shared_pages import SharedArrays, SharedPagesWriter, to_refs
 
 _PARTS = ("w1_packed", "w1_scales", "w3_packed", "w3_scales", "w2_packed", "w2_scales")
 
@@ -39,8 +43,45 @@ class ResidentSource(WeightSource):
                 for array, part in zip(stack, _PARTS):
                     array[expert] = getattr(weights, part)
             self._stacks[layer] = tuple(stack)  # type: ignore[assignment]
-            for expert in range(self.config.num_experts):
-                self._experts[(layer, expert)] = ExpertWeights(*(array[expert] for array in stack))
+        self._index_experts()
+
+    def _index_experts(self) -> None:
+        """Each routed expert as views into its layer's stacks."""
+        self._experts = {(layer, expert): ExpertWeights(*(array[expert] for array in stack))
+                         for layer, stack in self._stacks.items() for expert in range(self.config.num_experts)}
+
+    @classmethod
+    def from_shared(cls, shared: SharedArrays) -> ResidentSource:
+        """A source over weights another process placed in shared pages (`share`): read-only views, no copy."""
+        source = cls.__new__(cls)
+        source.config = shared.about
+        source._globals, source._layers, source._stacks = shared.materialize()
+        source._index_experts()
+        return source
+
+    def share(self) -> SharedArrays:
+        """Move every weight into sealed shared pages, in place: afterwards this source reads read-only views of
+        them, and the returned handle lets another process map the same pages (pickled into a spawned process, it
+        travels as a file descriptor). The arrays move one layer at a time, so at most one layer is held twice. If
+        it fails (no memory for the pages) the source is left unusable and the error goes to the caller, whose
+        load fails."""
+        writer = SharedPagesWriter("k3serve-weights")
+        try:
+            self._experts = {}  # views into the stacks: dropped so that each stack is freed once written
+            globals_ref = to_refs(self._globals, writer)
+            self._globals = None  # type: ignore[assignment]
+            layer_refs = []
+            for layer in range(len(self._layers)):
+                layer_refs.append(to_refs(self._layers[layer], writer))
+                self._layers[layer] = None  # type: ignore[call-overload]
+            stack_refs = {layer: to_refs(self._stacks.pop(layer), writer) for layer in list(self._stacks)}
+            shared = SharedArrays(writer.seal(), (globals_ref, layer_refs, stack_refs), about=self.config)
+        except BaseException:
+            writer.close()
+            raise
+        self._globals, self._layers, self._stacks = shared.materialize()
+        self._index_experts()
+        return shared
 
     def global_weights(self) -> GlobalWeights:
         return self._globals

@@ -9,6 +9,10 @@
 - `SimIOEngine`: an `IOEngine` whose runs are the engine's own (`k3serve.stream.io.coalesce`: offset order,
   adjacent extents merged) but whose reads are scheduled on the device. Its futures are `SimFuture`s: `done()`
   says whether the simulated read has finished by now, `result()` advances the clock to its end.
+- `SimStripedIO`: the `StripedIO` of a store striped over several drives (`--drives N`): the same virtual runs,
+  each split into each drive's share (`k3serve.weights.stripes.drive_shares`), read in parts of up to
+  `max_coalesce_bytes` as the live reader cuts it, each drive with its own workers (a queue per device) and its
+  own `SimDevice`; a run ends when its last share does.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Sequence
 
 from k3serve.sim.machine import DiskModel
 from k3serve.stream.io import DEFAULT_MAX_COALESCE_BYTES, Extent, IOCounters, coalesce
+from k3serve.weights.stripes import drive_shares
 
 
 class SimClock:
@@ -129,17 +134,67 @@ class SimIOEngine:
         self.counters = IOCounters()
         self._workers = [0.0] * queue_depth  # heap of the times each worker is next free
 
+    def schedule(self, nbytes: int, batch: int) -> float:
+        """One read of `nbytes` on the next free worker; returns its end."""
+        free = heapq.heappop(self._workers)
+        end = self.device.schedule(max(self.clock.now, free), nbytes, batch, self.rate)
+        heapq.heappush(self._workers, end)
+        self.counters.bytes_read += nbytes
+        self.counters.num_reads += 1
+        return end
+
+    def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:
+        futures: dict[int, Future] = {}
+        runs = coalesce(extents, self.max_coalesce_bytes)
+        batch = min(len(runs), self.queue_depth)
+        for run in runs:
+            end = self.schedule(sum(len(e.buffer) for e in run), batch)
+            future = SimFuture(self.clock, end, [])
+            for extent in run:
+                futures[id(extent)] = future
+        return futures
+
+    def read_now(self, extent: Extent) -> list[Extent]:
+        raise AssertionError("simulated reads never fail their checksum")
+
+
+class SimStripedIO:
+    """The `ExpertIO` (and trunk reader) of a store striped over `devices`: one `SimIOEngine` per drive."""
+
+    def __init__(self, name: str, clock: SimClock, devices: Sequence[SimDevice], queue_depth: int, chunk_bytes: int,
+                 max_coalesce_bytes: int = DEFAULT_MAX_COALESCE_BYTES, rate: float | None = None) -> None:
+        self.path = name
+        self.mode = "direct"
+        self.clock = clock
+        self.chunk_bytes = chunk_bytes
+        self.queue_depth = queue_depth
+        self.max_coalesce_bytes = max_coalesce_bytes
+        self.drives = [SimIOEngine(f"{name} drive {k}", clock, device, queue_depth, max_coalesce_bytes, rate)
+                       for k, device in enumerate(devices)]
+
+    @property
+    def counters(self) -> IOCounters:
+        total = IOCounters()
+        for drive in self.drives:
+            total.bytes_read += drive.counters.bytes_read
+            total.num_reads += drive.counters.num_reads
+        return total
+
     def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:
         futures: dict[int, Future] = {}
         runs = coalesce(extents, self.max_coalesce_bytes)
         batch = min(len(runs), self.queue_depth)
         for run in runs:
             nbytes = sum(len(e.buffer) for e in run)
-            free = heapq.heappop(self._workers)
-            end = self.device.schedule(max(self.clock.now, free), nbytes, batch, self.rate)
-            heapq.heappush(self._workers, end)
-            self.counters.bytes_read += nbytes
-            self.counters.num_reads += 1
+            shares = drive_shares(run[0].offset, nbytes, self.chunk_bytes, len(self.drives))
+            end = 0.0
+            for drive, share in zip(self.drives, shares):
+                # a drive's chunks of a run are adjacent: the reader sends them as reads of up to
+                # max_coalesce_bytes, issued on that drive's workers together
+                count = -(-share // self.max_coalesce_bytes)
+                for i in range(count):
+                    part = share // count + (1 if i < share % count else 0)
+                    end = max(end, drive.schedule(part, max(batch, min(count, self.queue_depth))))
             future = SimFuture(self.clock, end, [])
             for extent in run:
                 futures[id(extent)] = future

@@ -39,7 +39,7 @@ import numpy as np
 
 from k3serve.config import K3Config, full_k3_config
 from k3serve.errors import K3Error
-from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, VirtualBuffer
+from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, SimStripedIO, VirtualBuffer
 from k3serve.sim.machine import ComputeModel, Machine
 from k3serve.sim.routing import DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, replay_steps, solve_skew
 from k3serve.stream.budget import BudgetError, BudgetPlan, ViewSizes, minimum_budget_bytes, plan_budget
@@ -53,7 +53,7 @@ from k3serve.weights.held import held_bytes, widened_bytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import (ALIGNMENT, STORE_VERSION, TENSOR_ALIGNMENT, TensorEntry, align_up, expert_parts,
-                                   follows_in_group, packed_specs)
+                                   follows_in_group, packed_specs, stripe_chunk_bytes, trunk_stripe_chunk_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class VirtualStore:
         self.layout = layout
         self.trunk_path = Path("<virtual trunk.bin>")
         self.expert_path = Path("<virtual experts.bin>")
+        self.stripe_chunk_bytes = self.trunk_stripe_chunk_bytes = 0  # `pack --stripe`'s, by `--drives` (SimRun)
         self.expert_blob_size = sum(p.nbytes for p in expert_parts(config))
         self.expert_stride = align_up(self.expert_blob_size)
         wide = 4 if trunk_dtype == "float32" else 2
@@ -171,6 +172,8 @@ class VirtualStore:
         self.layers = [blob(b) for b in store.layers]
         self.experts = {l: VirtualExpertIndex(e.order, e.offsets, (0,) * len(e.offsets))
                         for l, e in store.experts.items()}
+        self.stripe_chunk_bytes = store.stripe_chunk_bytes  # a striped store's own chunks (0: not striped)
+        self.trunk_stripe_chunk_bytes = store.trunk_stripe_chunk_bytes
         return self
 
     @property
@@ -211,6 +214,7 @@ class SimConfig:
     pinned_layers: int | None = None  # c-engine: layers pinned (largest first, as the budget splitter pins)
     cache_bytes: int | None = None  # c-engine: the expert cache size
     trunk_read_bytes_per_s: float | None = None  # the trunk stream's delivered rate where a run recorded it
+    drives: int = 1  # the store striped over this many drives of the machine's disk (`pack --stripe`)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -226,7 +230,7 @@ class SimConfig:
         if self.ram_bytes is not None and self.ram_bytes <= 0:
             raise SimConfigError(f"RAM must be positive, got {self.ram_bytes}")
         for key, low in (("batch", 1), ("tokens", 1), ("queue_depth", 1), ("warmup", 0), ("speculative", 0),
-                         ("prompt_tokens", 0)):
+                         ("prompt_tokens", 0), ("drives", 1)):
             if getattr(self, key) < low:
                 raise SimConfigError(f"{key} must be >= {low}, got {getattr(self, key)}")
         if self.trunk_read_bytes_per_s is not None and not self.trunk_read_bytes_per_s > 0:
@@ -293,7 +297,8 @@ class SimResult:
             f", trunk {format_size(self.trunk_bytes_per_token)}), {self.reads_per_token:.1f} reads",
             f"retention         {100 * self.retention:.1f}% resident before their step; prefetch served "
             f"{100 * self.prefetch_hit_share:.1f}%, {self.prefetch_wasted_per_token:.1f} guesses wasted/token",
-            f"device            busy {100 * self.device_busy_share:.0f}% of the time",
+            f"device            busy {100 * self.device_busy_share:.0f}% of the time"
+            + (f" (each of {self.config['drives']} drives, on average)" if self.config.get("drives", 1) > 1 else ""),
             f"floors            I/O {self.floor_io_s_per_token:.3f} s/token (bytes that must move at the best "
             f"bandwidth), compute {self.floor_compute_s_per_token:.3f} s/token",
         ]
@@ -368,12 +373,21 @@ class SimRun:
         self.store = cfg.store or self._build_store()
         self.machine = cfg.machine
         self.clock = SimClock()
-        self.device = SimDevice(cfg.machine.disk)
+        self.devices = [SimDevice(cfg.machine.disk) for _ in range(cfg.drives)]
+        self.device = self.devices[0]
         self.stats = StreamStats()
         self.plan = self._plan()
         qd = cfg.queue_depth
-        self.expert_io = SimIOEngine("experts", self.clock, self.device, qd)
-        self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd, rate=cfg.trunk_read_bytes_per_s)
+        if cfg.drives == 1:
+            self.expert_io = SimIOEngine("experts", self.clock, self.device, qd)
+            self.trunk_io = SimIOEngine("trunk", self.clock, self.device, qd, rate=cfg.trunk_read_bytes_per_s)
+        else:  # as `pack --stripe`: both files over every drive, a queue per drive and file
+            largest = max(b.read_size for b in self.store.layers)
+            expert_chunk = self.store.stripe_chunk_bytes or stripe_chunk_bytes(self.store.expert_stride, cfg.drives)
+            trunk_chunk = self.store.trunk_stripe_chunk_bytes or trunk_stripe_chunk_bytes(largest, cfg.drives)
+            self.expert_io = SimStripedIO("experts", self.clock, self.devices, qd, expert_chunk)
+            self.trunk_io = SimStripedIO("trunk", self.clock, self.devices, qd, trunk_chunk,
+                                         rate=cfg.trunk_read_bytes_per_s)
         # as StreamingSource: no next-layer prefetch when the plan has no room for a second streamed layer
         prefetch = cfg.engine == "k3serve" and cfg.prefetch != "none" and self.plan.trunk_read_ahead
         profile = self._profile() if cfg.policy == "pinned" else None
@@ -595,7 +609,7 @@ class SimRun:
         return (self.clock.now, self.clock.io_wait, self.clock.compute, self.expert_io.counters.bytes_read,
                 self.trunk_io.counters.bytes_read, self.expert_io.counters.num_reads + self.trunk_io.counters.num_reads,
                 self.stats.expert_requests, self.stats.expert_retained, self.stats.expert_prefetch_hits,
-                self.stats.prefetch_wasted, self.device.busy_seconds)
+                self.stats.prefetch_wasted, sum(d.busy_seconds for d in self.devices) / len(self.devices))
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -663,9 +677,11 @@ def run_result(run: SimRun, d: list[float], step_times: list[float], tokens: flo
     for t in run.timeline:
         for key in ("trunk_wait_s", "expert_wait_s", "compute_s", "expert_reads"):
             setattr(t, key, getattr(t, key) / steps_measured)
-    best_expert_bw = max(run.machine.disk.bandwidth(run.store.expert_stride, q) for q in run.machine.disk.queue_depths)
-    best_trunk_bw = max(run.machine.disk.bandwidth(max(b.read_size for b in run.store.layers), q)
-                        for q in run.machine.disk.queue_depths)
+    drives = cfg.drives  # a striped read is a share of 1/drives on each drive, all at once
+    best_expert_bw = drives * max(run.machine.disk.bandwidth(run.store.expert_stride // drives, q)
+                                  for q in run.machine.disk.queue_depths)
+    best_trunk_bw = drives * max(run.machine.disk.bandwidth(max(b.read_size for b in run.store.layers) // drives, q)
+                                 for q in run.machine.disk.queue_depths)
     floor_io = expert_bytes / best_expert_bw + trunk_bytes / best_trunk_bw
     plan = run.plan
     summary = (f"{cfg.engine}: {len(plan.pinned_layers)}/{c.num_layers} trunk layers pinned "

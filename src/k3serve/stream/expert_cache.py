@@ -270,17 +270,24 @@ class ExpertCache:
                 if any(extent is slot.extent for extent in failed):
                     self.stats.checksum_retries += 1
                     logger.warning("checksum mismatch on layer %s expert %s at offset %d of %s: re-reading",
-                                   *slot.key, slot.extent.offset, self.store.expert_path)
+                                   *slot.key, slot.extent.offset, self._expert_file())
                     if self.io.read_now(slot.extent):
                         layer, expert = slot.key
                         offset = slot.extent.offset
                         self._discard(index)
                         raise StoreCorruptError(
-                            f"expert blob of layer {layer} expert {expert} in {self.store.expert_path} at offset "
+                            f"expert blob of layer {layer} expert {expert} in {self._expert_file()} at offset "
                             f"{offset} ({self.store.expert_blob_size} bytes) failed its CRC-32 check twice; the "
                             "store is corrupt: repack it with `k3serve pack`")
         finally:
             self.stats.io_wait_seconds += time.perf_counter() - started
+
+    def _expert_file(self) -> str:
+        """The expert file for messages; a striped store's is virtual, so its drives' files are named too."""
+        files = getattr(self.store, "expert_files", ())
+        if len(files) > 1:
+            return f"{self.store.expert_path} (striped over {', '.join(str(f) for f in files)})"
+        return str(self.store.expert_path)
 
     def _discard_unverified(self, indices: list[int]) -> None:
         """A read failed: free every slot of this load whose read is not verified yet. A coalesced run shares one

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import time
 import zlib
 from collections.abc import Mapping
@@ -44,11 +43,12 @@ from k3serve.model.weights import (DenseMLPPieces, ExpertWeights, GlobalWeights,
                                    adjacent_view, build_globals, build_layer, build_small_globals)
 from k3serve.stream.budget import BudgetPlan, ViewSizes, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
-from k3serve.stream.io import Extent, IOEngine
+from k3serve.stream.io import Extent, StripedIO, open_reader
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.slots import ExpertSlots, aligned_buffer
 from k3serve.stream.trace import TraceWriter, trace_meta
 from k3serve.stream.trunk_spans import MLP_DOWN, MLP_GATE, MLP_UP, Span, head_chunks, piece_spans
+from k3serve.units import format_size
 from k3serve.weights import names
 from k3serve.weights.store import PackedStore, TensorEntry, TrunkBlob, expert_parts
 
@@ -71,8 +71,10 @@ class StreamingSource(WeightSource):
                                             trunk_dtype=options.trunk_dtype)
         self._dtype = options.trunk_dtype
         self.counters = StreamStats()
-        self.trunk_io = IOEngine(store.trunk_path, options.io, options.queue_depth)
-        self.expert_io = IOEngine(store.expert_path, options.io, options.queue_depth)
+        # one reader per store file; a striped store's has a queue of `queue_depth` workers per drive
+        self.trunk_io = open_reader(store.trunk_files, store.trunk_stripe_chunk_bytes, options.io,
+                                    options.queue_depth)
+        self.expert_io = open_reader(store.expert_files, store.stripe_chunk_bytes, options.io, options.queue_depth)
         self._trunk_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3trunk")
         self._step = -1
         self._next_token = 0
@@ -89,7 +91,9 @@ class StreamingSource(WeightSource):
         self._current = 0  # the ring buffer the layer being computed was read into
         self._trunk_pending: tuple[int, Future, int] | None = None  # (layer, its load, its ring buffer)
         self._embed_reads = [0, 0]  # bytes, reads of embedding rows (read on demand, views mode)
-        self._fd = os.open(store.trunk_path, os.O_RDONLY) if self._views else None
+        # embedding rows: exactly their bytes through the page cache (pread needs no alignment), counted as rows
+        self._row_io = open_reader(store.trunk_files, store.trunk_stripe_chunk_bytes, "pread", 1) \
+            if self._views else None
         self._globals: GlobalWeights = self._build_globals() if self._views else build_globals(
             self._read_trunk_blob(store.globals, "globals", None).__getitem__, self._dtype)
         self._pinned: dict[int, LayerWeights] = {}
@@ -300,8 +304,14 @@ class StreamingSource(WeightSource):
 
     def describe(self) -> str:
         o = self.options
-        return (f"io={o.io} qd={o.queue_depth} cache={o.cache} prefetch={o.prefetch} layout={self.store.layout} "
+        text = (f"io={o.io} qd={o.queue_depth} cache={o.cache} prefetch={o.prefetch} layout={self.store.layout} "
                 f"slots={self.expert_cache.num_slots} pinned_layers={len(self._pinned)}/{self.config.num_layers}")
+        if isinstance(self.expert_io, StripedIO):  # what each drive has served since the store was opened
+            shares = [a.bytes_read + b.bytes_read for a, b in zip(self.expert_io.drive_counters(),
+                                                                  self.trunk_io.drive_counters())]
+            text += (f" drives={len(shares)} (qd {o.queue_depth} each; read "
+                     f"{' / '.join(format_size(n) for n in shares)} since load)")
+        return text
 
     def check_integrity(self) -> None:
         """Slot table, free list and cold set agree (tests call this after steps)."""
@@ -310,9 +320,8 @@ class StreamingSource(WeightSource):
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._row_io is not None:
+            self._row_io.close()
         self._trunk_worker.shutdown(wait=True)
         self.trunk_io.close()
         self.expert_io.close()
@@ -370,8 +379,9 @@ class PieceReader:
 
 
 class EmbeddingReader:
-    """The embedding read on demand: `rows[ids]` reads each token's row, exactly its bytes (one pread a token,
-    repeats included, so the count is the simulator's), into a fresh [T, H] array of bf16 bits."""
+    """The embedding read on demand: `rows[ids]` reads each token's row, exactly its bytes (one read a token,
+    repeats included, so the count is the simulator's; a striped store's reader may split a row over two drives,
+    still counted as one), into a fresh [T, H] array of bf16 bits."""
 
     def __init__(self, source: StreamingSource, offset: int, shape: tuple[int, ...]) -> None:
         self.source, self.offset = source, offset
@@ -381,15 +391,13 @@ class EmbeddingReader:
     def __getitem__(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
         out = np.empty((ids.shape[0], self.shape[1]), np.uint16)  # [T, H]
-        fd = self.source._fd
-        assert fd is not None
+        reader = self.source._row_io
+        assert reader is not None
         for i, token in enumerate(ids.tolist()):
             if not 0 <= token < self.shape[0]:
                 raise IndexError(f"token id {token} is outside the vocabulary of {self.shape[0]}")
-            got = os.preadv(fd, [memoryview(out[i]).cast("B")], self.offset + token * self.row_bytes)
-            if got != self.row_bytes:
-                raise StoreCorruptError(f"embedding row {token} of {self.source.store.trunk_path}: read {got} of "
-                                        f"{self.row_bytes} bytes (truncated store?)")
+            extent = Extent(self.offset + token * self.row_bytes, memoryview(out[i]).cast("B"))
+            reader.submit([extent])[id(extent)].result()  # short reads retried, then a StoreIOError naming it
         self.source._embed_reads[0] += ids.shape[0] * self.row_bytes
         self.source._embed_reads[1] += ids.shape[0]
         return out

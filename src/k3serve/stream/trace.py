@@ -22,6 +22,7 @@ from typing import IO, Mapping
 
 import numpy as np
 
+from k3serve.atomic_file import naming, temporary_sibling
 from k3serve.errors import K3Error
 from k3serve.model.weights import ForwardingSource, WeightSource
 
@@ -72,15 +73,27 @@ class TraceWriter:
     """Writes a trace file. With `best_effort` (`--trace-out` beside `generate` and `serve`) a write error never
     reaches the forward pass that routed the tokens: the writer logs one warning naming the file and the error,
     cuts the file back to its last whole record (a readable trace), stops, and counts every record it could not
-    write in `dropped_records`. Without it (routing-stats, the lab, whose output is the trace) the error is raised."""
+    write in `dropped_records`. Without it (routing-stats, the lab, whose output is the trace) the error is raised.
+
+    A best-effort trace is whole or absent under its name (k3serve/atomic_file.py): it is written to a temporary
+    file beside it (`.NAME.XXXX.tmp`) and renamed when the writer closes (at the end of the command, or at exit),
+    so a killed process never leaves a torn trace under the name it was given. The callers without `best_effort`
+    write to their own staging file already."""
 
     def __init__(self, path: str | Path, meta: Mapping[str, object], best_effort: bool = False) -> None:
         self.path = Path(path)
         self.best_effort = best_effort
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] | None = open(self.path, "wb")
-        self._file.write((TRACE_MAGIC + json.dumps(dict(meta), sort_keys=True) + "\n").encode())
-        self._file.flush()  # a disk full at start fails the command at start, naming the file
+        self._writing = temporary_sibling(self.path) if best_effort else self.path  # renamed to `path` at close
+        try:
+            with naming(self.path):
+                self._file: IO[bytes] | None = open(self._writing, "wb")
+                self._file.write((TRACE_MAGIC + json.dumps(dict(meta), sort_keys=True) + "\n").encode())
+                self._file.flush()  # a disk full at start fails the command at start, naming the file
+        except BaseException:
+            if self._writing != self.path:
+                self._writing.unlink(missing_ok=True)
+            raise
         self._bytes_written = self._file.tell()  # NOTE: the file's length up to its last whole record
         self.num_records = 0
         self.dropped_records = 0
@@ -118,7 +131,7 @@ class TraceWriter:
         except OSError:
             pass
         try:
-            os.truncate(self.path, self._bytes_written)  # a torn last line would make the trace unreadable
+            os.truncate(self._writing, self._bytes_written)  # a torn last line would make the trace unreadable
         except OSError:
             pass
         logger.warning("--trace-out %s: %s; routing tracing stopped (requests go on), the trace keeps its first "
@@ -126,15 +139,21 @@ class TraceWriter:
                        self.num_records)
 
     def close(self) -> None:
-        if self._file is None:
-            return
-        try:
-            self._file.close()
-        except OSError as exc:
-            if not self.best_effort:
-                raise
-            self._stop(exc, 0)
-        self._file = None
+        """Flush and close; a best-effort trace is then renamed to its name (as far as it got, if it stopped)."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as exc:
+                if not self.best_effort:
+                    raise
+                self._stop(exc, 0)
+            self._file = None
+        if self._writing != self.path and self._writing.exists():
+            try:
+                os.replace(self._writing, self.path)
+            except OSError as exc:
+                logger.warning("--trace-out %s: cannot rename the finished trace into place (%s); it is %s",
+                               self.path, exc.strerror or exc, self._writing)
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -238,3 +257,9 @@ class TracedSource(ForwardingSource):
         if self.writer is not None:
             self.writer.write(self._step, self._step_first_token, layer, expert_ids)
         self.inner.note_routing(layer, expert_ids)
+
+    def close(self) -> None:
+        """Close the trace (a `--trace-out` file takes its name now), then the inner source."""
+        if self.writer is not None:
+            self.writer.close()
+        self.inner.close()

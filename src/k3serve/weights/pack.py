@@ -6,6 +6,10 @@ streaming source decodes exactly what the resident source decodes. A GGUF file i
 `--model FILE.gguf` (`Checkpoint.from_gguf`): its trunk is stored as the float32 that reader gives, its experts as
 the same MXFP4 bytes, its config and tokenizer are written from its metadata. The index is written last, under a
 temporary name and renamed, so an interrupted pack never leaves a folder that looks complete.
+
+With `stripe_dirs` (`--stripe DIR1,...,DIRN`) trunk.bin and experts.bin are laid over the N drives' folders
+(`k3serve.weights.stripes`): the same bytes at the same virtual offsets, each drive's share in
+DIRk/k3stripe-<store id>-<k>of<N>; an interrupted pack removes the stripe folders it made.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 import zlib
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -25,9 +31,11 @@ from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, READABLE_STORE_VERSIONS, STORE_FORMAT, STORE_INDEX,
-                                   STORE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob,
-                                   align_up, config_fingerprint, expert_blob, expert_parts, follows_in_group,
-                                   packed_specs)
+                                   STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT,
+                                   TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob, align_up,
+                                   config_fingerprint, expert_blob, expert_parts, follows_in_group, packed_specs,
+                                   stripe_chunk_bytes, stripe_folder_name, trunk_stripe_chunk_bytes)
+from k3serve.weights.stripes import StripedWriter
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +69,66 @@ def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offse
     return TrunkBlob(offset, len(data), zlib.crc32(data), tuple(entries)), data
 
 
+class _Stripes:
+    """The drive folders of a striped pack: made at the start, marked at the end, removed if the pack fails."""
+
+    def __init__(self, dirs: Sequence[str | Path], chunk_bytes: int, trunk_chunk_bytes: int) -> None:
+        self.dirs = [Path(d).resolve() for d in dirs]
+        self.chunk_bytes = chunk_bytes  # experts.bin's
+        self.trunk_chunk_bytes = trunk_chunk_bytes
+        self.store_id = uuid.uuid4().hex[:16]
+        self.folders = [d / stripe_folder_name(self.store_id, k, len(dirs)) for k, d in enumerate(self.dirs)]
+
+    @staticmethod
+    def check(dirs: Sequence[str | Path]) -> None:
+        if not dirs:
+            raise StoreError("--stripe needs at least one directory")
+        resolved = [Path(d).resolve() for d in dirs]
+        for given, path in zip(dirs, resolved):
+            if not path.is_dir():
+                raise StoreError(f"stripe directory {given} does not exist (mount the drive and make the folder "
+                                 "first)")
+        if len(set(resolved)) != len(resolved):
+            raise StoreError(f"--stripe lists a directory twice ({', '.join(map(str, dirs))}): give one directory "
+                             "per drive")
+
+    @contextmanager
+    def files(self, name: str) -> Iterator[StripedWriter]:
+        with ExitStack() as stack:
+            handles = [stack.enter_context(open(folder / name, "wb")) for folder in self.folders]
+            yield StripedWriter(handles, self.trunk_chunk_bytes if name == TRUNK_FILE else self.chunk_bytes)
+
+    def mark(self) -> None:
+        for k, folder in enumerate(self.folders):
+            marker = {"format": STRIPE_FORMAT, "version": STRIPE_VERSION, "store_id": self.store_id, "stripe": k + 1,
+                      "num_stripes": len(self.folders), "chunk_bytes": self.chunk_bytes,
+                      "trunk_chunk_bytes": self.trunk_chunk_bytes}
+            (folder / STRIPE_INDEX).write_text(json.dumps(marker) + "\n")
+
+    def remove(self) -> None:
+        for folder in self.folders:  # made with a fresh store id: no other store's folder has its name
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def to_json(self) -> dict:
+        return {"chunk_bytes": self.chunk_bytes, "trunk_chunk_bytes": self.trunk_chunk_bytes,
+                "dirs": [str(d) for d in self.dirs]}
+
+
 def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural",
                     token_sets: Mapping[int, Sequence[Sequence[int]]] | None = None,
-                    progress: bool = False, version: int = STORE_VERSION) -> PackedStore:
+                    progress: bool = False, stripe_dirs: Sequence[str | Path] | None = None,
+                    stripe_chunk: int | None = None, version: int = STORE_VERSION) -> PackedStore:
     """Pack `source` into `out`. `token_sets[layer]` lists the experts each traced token chose (for the
-    frequency and coactivation layouts). `version` 1 writes the previous format (for tests of reading it)."""
+    frequency and coactivation layouts). `stripe_dirs`: one folder per drive to lay trunk.bin and experts.bin
+    over (`stripe_chunk`: both files' chunk; by default `stripe_chunk_bytes` of the expert stride for experts.bin and
+    `trunk_stripe_chunk_bytes` of the largest layer for trunk.bin). `version` 1 writes the previous format (for
+    tests of reading it)."""
     if version not in READABLE_STORE_VERSIONS:
         raise StoreError(f"store format version must be one of {READABLE_STORE_VERSIONS}, got {version}")
+    if stripe_dirs is not None:
+        _Stripes.check(stripe_dirs)
+        if stripe_chunk is not None and (stripe_chunk < ALIGNMENT or stripe_chunk % ALIGNMENT):
+            raise StoreError(f"stripe chunk {stripe_chunk} is not a positive multiple of {ALIGNMENT} bytes")
     if layout not in LAYOUTS:
         raise StoreError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if layout != "natural" and not token_sets:
@@ -81,12 +142,24 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
     blob_size = sum(p.nbytes for p in parts)
     stride = align_up(blob_size)
     total = sum(checkpoint.index.info(s.name).nbytes for s in names.all_specs(config))
+    stripes = None
+    if stripe_dirs is not None:
+        largest_layer = max(sum(align_up(checkpoint.index.info(s.name).nbytes, TENSOR_ALIGNMENT)
+                                for s in names.layer_trunk_specs(config, layer)) for layer in range(config.num_layers))
+        stripes = _Stripes(stripe_dirs, stripe_chunk or stripe_chunk_bytes(stride, len(stripe_dirs)),
+                           stripe_chunk or trunk_stripe_chunk_bytes(largest_layer, len(stripe_dirs)))
+
+    def output(name: str):
+        return stripes.files(name) if stripes is not None else open(out / name, "wb")
+
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pack", leave=True)
     try:
-        with open(out / TRUNK_FILE, "wb") as f:
+        for folder in stripes.folders if stripes is not None else ():
+            folder.mkdir()
+        with output(TRUNK_FILE) as f:
             globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0, version)
             _write_padded(f, data)
             if bar:
@@ -99,7 +172,7 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                 if bar:
                     bar.update(len(data))
         expert_index: dict[str, dict] = {}
-        with open(out / EXPERT_FILE, "wb") as f:
+        with output(EXPERT_FILE) as f:
             for layer in config.moe_layer_ids:
                 sets = token_sets.get(layer) if token_sets else None
                 order = layer_order(layout, config.num_experts, sets) if sets or layout == "natural" \
@@ -114,6 +187,12 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
                     if bar:
                         bar.update(blob_size)
                 expert_index[str(layer)] = {"order": order, "offsets": offsets, "crc32": crcs}
+        if stripes is not None:
+            stripes.mark()
+    except BaseException:
+        if stripes is not None:
+            stripes.remove()
+        raise
     finally:
         if bar:
             bar.close()
@@ -131,6 +210,8 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
         "globals": globals_blob.to_json(), "layers": [b.to_json() for b in layer_blobs],
         "expert_blob_size": blob_size, "expert_stride": stride, "experts": expert_index,
     }
+    if stripes is not None:
+        index.update(store_id=stripes.store_id, stripes=stripes.to_json())
     staging = out / (STORE_INDEX + ".tmp")
     staging.write_text(json.dumps(index))
     staging.rename(out / STORE_INDEX)

@@ -29,6 +29,7 @@ from k3serve.errors import ConfigError
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, PackedStore, StoreError, align_up, config_fingerprint,
                                    expert_blob, expert_parts, is_packed_store, read_index)
+from k3serve.weights.stripes import read_striped
 
 SHARD_FORMAT = "k3serve-expert-shard"
 SHARD_VERSION = 1
@@ -83,7 +84,6 @@ def pack_shard(source: str | Path, out: str | Path, shard: ShardSpec) -> ExpertS
         if is_packed_store(source):
             store = PackedStore(source)
             config = store.config
-            blob_file = stack.enter_context(open(store.expert_path, "rb"))
         else:
             checkpoint = stack.enter_context(Checkpoint(source))
             config = checkpoint.config
@@ -95,8 +95,8 @@ def pack_shard(source: str | Path, out: str | Path, shard: ShardSpec) -> ExpertS
         def read_blob(layer: int, expert: int) -> bytearray:
             if is_packed_store(source):
                 blob = bytearray(stride)
-                blob_file.seek(store.expert_offset(layer, expert))
-                blob[:blob_size] = blob_file.read(blob_size)
+                blob[:blob_size] = read_striped(store.expert_files, store.stripe_chunk_bytes,
+                                                store.expert_offset(layer, expert), blob_size)
                 if zlib.crc32(memoryview(blob)[:blob_size]) != store.experts[layer].crc32[expert]:
                     raise StoreError(f"{store.expert_path}: layer {layer} expert {expert} fails its CRC-32 check")
                 return blob

@@ -17,8 +17,16 @@ Blob layout of one expert (sizes from the config, identical for every expert):
     w1_packed [MI, LT/2] | w1_scales [MI, LT/32] | w3_packed [MI, LT/2] | w3_scales [MI, LT/32]
     | w2_packed [LT, MI/2] | w2_scales [LT, MI/32] | zero padding to the stride
 
+A striped store (`k3serve pack --stripe DIR1,...,DIRN`) keeps config.json and store.json in its folder and lays
+trunk.bin and experts.bin over N drives, RAID 0 fashion in chunks (`k3serve.weights.stripes`; each file its own
+chunk): drive k (from 1) holds the folder DIRk/k3stripe-<store id>-<k>of<N> with that drive's share of each file
+and a stripe.json naming the store id, k, N and the chunks. The index's offsets stay those of the unstriped files,
+so a striped store reads back byte for byte as the unstriped one; store.json records the store id, the chunks and
+the drive folders.
+
 Opening a store checks it against its config before any weight is read: the config fingerprint, every trunk
-tensor's name, shape and dtype, the expert blob size, and that every blob lies inside its file.
+tensor's name, shape and dtype, the expert blob size, that every blob lies inside its file, and for a striped
+store that every stripe folder is there and belongs to this store.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from k3serve.weights import names
 from k3serve.weights.bf16 import bf16_bits_to_f32
 from k3serve.weights.held import held_bytes, widened_bytes
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
+from k3serve.weights.stripes import striped_file_sizes
 
 if TYPE_CHECKING:
     from k3serve.weights.checkpoint import Checkpoint
@@ -50,6 +59,11 @@ TRUNK_FILE = "trunk.bin"
 EXPERT_FILE = "experts.bin"
 ALIGNMENT = 4096  # blob starts and read lengths: the O_DIRECT granularity of common file systems
 TENSOR_ALIGNMENT = 64  # tensors inside a trunk blob
+STRIPE_INDEX = "stripe.json"
+STRIPE_FORMAT = "k3serve-stripe"
+STRIPE_VERSION = 1
+MAX_STRIPE_CHUNK = 256 << 10  # experts.bin: a 17.5 MB K3 expert splits evenly (to 1.5%) over 2-4 drives
+MAX_TRUNK_STRIPE_CHUNK = 4 << 20  # trunk.bin: a 1.1 GB K3 layer is 275 chunks, few pieces for the reader to cut
 
 
 class StoreError(CheckpointError):
@@ -148,6 +162,26 @@ def follows_in_group(previous: str | None, name: str) -> bool:
                                         for g in CONTIGUOUS_GROUPS)
 
 
+def stripe_folder_name(store_id: str, stripe: int, num_stripes: int) -> str:
+    """The folder of drive `stripe` (counted from 0) on that drive; named counting from 1, as the errors do."""
+    return f"k3stripe-{store_id}-{stripe + 1}of{num_stripes}"
+
+
+def stripe_chunk_bytes(expert_stride: int, num_stripes: int) -> int:
+    """The chunk a pack over `num_stripes` drives uses: at most `MAX_STRIPE_CHUNK`, at most an even share of one
+    expert blob (so one expert's read reaches every drive), a multiple of `ALIGNMENT` (so O_DIRECT reads stay
+    aligned on every drive)."""
+    share = expert_stride // num_stripes // ALIGNMENT * ALIGNMENT
+    return max(ALIGNMENT, min(MAX_STRIPE_CHUNK, share))
+
+
+def trunk_stripe_chunk_bytes(largest_layer_bytes: int, num_stripes: int) -> int:
+    """The chunk of trunk.bin: at most `MAX_TRUNK_STRIPE_CHUNK`, at most 1/64 of a drive's share of the largest
+    layer (so a layer's read is even to within 1.6%), a multiple of `ALIGNMENT`."""
+    share = largest_layer_bytes // num_stripes // 64 // ALIGNMENT * ALIGNMENT
+    return max(ALIGNMENT, min(MAX_TRUNK_STRIPE_CHUNK, share))
+
+
 class TensorEntry(NamedTuple):
     name: str
     dtype: str  # safetensors dtype string
@@ -232,8 +266,19 @@ class PackedStore:
         self.config: K3Config = load_config(self.path)
         self.version: int = int(raw["version"])
         self.layout: str = raw["layout"]
+        # the unstriped files' paths (a striped store has no file there: its bytes are in `trunk_files` and
+        # `expert_files`, one per drive)
         self.trunk_path = self.path / raw["trunk_file"]
         self.expert_path = self.path / raw["expert_file"]
+        stripes = raw.get("stripes")
+        self.store_id: str | None = raw.get("store_id")
+        self.stripe_chunk_bytes = int(stripes["chunk_bytes"]) if stripes else 0  # experts.bin's
+        self.trunk_stripe_chunk_bytes = int(stripes["trunk_chunk_bytes"]) if stripes else 0
+        self.stripe_folders: tuple[Path, ...] = tuple(
+            Path(d) / stripe_folder_name(str(self.store_id), k, len(stripes["dirs"]))
+            for k, d in enumerate(stripes["dirs"])) if stripes else ()
+        self.trunk_files = tuple(f / raw["trunk_file"] for f in self.stripe_folders) or (self.trunk_path,)
+        self.expert_files = tuple(f / raw["expert_file"] for f in self.stripe_folders) or (self.expert_path,)
         self.globals = TrunkBlob.from_json(raw["globals"])
         self.layers = [TrunkBlob.from_json(b) for b in raw["layers"]]
         self.expert_blob_size = int(raw["expert_blob_size"])
@@ -264,15 +309,23 @@ class PackedStore:
         for layer, entry in self.experts.items():
             if len(entry.offsets) != c.num_experts or sorted(entry.order) != list(range(c.num_experts)):
                 problems.append(f"layer {layer} indexes {len(entry.offsets)} experts, config has {c.num_experts}")
-        for path, end in ((self.trunk_path, max([b.offset + b.read_size for b in self.layers + [self.globals]])),
-                          (self.expert_path, max((max(e.offsets) + self.expert_stride for e in self.experts.values()),
-                                                 default=0))):
-            if not path.exists():
-                problems.append(f"{path.name} is missing (the index needs {end} bytes)")
-                continue
-            size = path.stat().st_size
-            if size < end:
-                problems.append(f"{path.name} is {size} bytes, the index needs {end} (truncated?)")
+        trunk_end = max([b.offset + b.read_size for b in self.layers + [self.globals]])
+        expert_end = max((max(e.offsets) + self.expert_stride for e in self.experts.values()), default=0)
+        if self.stripe_folders:
+            stripe_problems = self._stripe_problems()
+            if stripe_problems:  # the files' sizes say nothing while a folder is missing or another store's
+                raise StoreError(f"striped store {self.path}:\n  " + "\n  ".join(stripe_problems))
+        for files, end, chunk in ((self.trunk_files, trunk_end, self.trunk_stripe_chunk_bytes),
+                                  (self.expert_files, expert_end, self.stripe_chunk_bytes)):
+            needs = striped_file_sizes(end, chunk, len(files)) if len(files) > 1 else [end]
+            for path, need in zip(files, needs):
+                name = path.name if len(files) == 1 else str(path)
+                if not path.exists():
+                    problems.append(f"{name} is missing (the index needs {need} bytes)")
+                    continue
+                size = path.stat().st_size
+                if size < need:
+                    problems.append(f"{name} is {size} bytes, the index needs {need} (truncated?)")
         if problems:
             raise StoreError(f"packed store {self.path} does not match its config:\n  " + "\n  ".join(problems[:8]))
 
@@ -286,9 +339,50 @@ class PackedStore:
     def num_experts_total(self) -> int:
         return len(self.experts) * self.config.num_experts
 
+    def _stripe_problems(self) -> list[str]:
+        """Each stripe folder exists and its stripe.json names this store, this stripe and this many stripes."""
+        problems, count = [], len(self.stripe_folders)
+        for chunk in (self.stripe_chunk_bytes, self.trunk_stripe_chunk_bytes):
+            if chunk < ALIGNMENT or chunk % ALIGNMENT:
+                problems.append(f"stripe chunk {chunk} is not a multiple of {ALIGNMENT}")
+        for k, folder in enumerate(self.stripe_folders):
+            where = f"stripe {k + 1} of {count} ({folder.parent})"
+            if not folder.parent.is_dir():
+                problems.append(f"{where}: the directory is missing (is the drive mounted?)")
+                continue
+            if not folder.is_dir():
+                others = sorted(p.name for p in folder.parent.glob("k3stripe-*"))
+                held = f"; it holds {', '.join(others)}, stripes of other stores or other drives" if others else ""
+                problems.append(f"{where}: no {folder.name} there, so this drive holds no part of this store"
+                                f"{held}")
+                continue
+            try:
+                marker = json.loads((folder / STRIPE_INDEX).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                problems.append(f"{where}: {folder / STRIPE_INDEX} is unreadable: {exc}")
+                continue
+            found = (marker.get("format"), marker.get("version"), marker.get("store_id"), marker.get("stripe"),
+                     marker.get("num_stripes"), marker.get("chunk_bytes"), marker.get("trunk_chunk_bytes"))
+            wanted = (STRIPE_FORMAT, STRIPE_VERSION, self.store_id, k + 1, count, self.stripe_chunk_bytes,
+                      self.trunk_stripe_chunk_bytes)
+            if found != wanted:
+                problems.append(f"{where}: {folder} belongs to another store (its stripe.json says store "
+                                f"{marker.get('store_id')}, stripe {marker.get('stripe')} of "
+                                f"{marker.get('num_stripes')}; this store is {self.store_id})")
+        return problems
+
+    @property
+    def num_stripes(self) -> int:
+        """Drives the store is striped over (1: an ordinary store)."""
+        return max(len(self.stripe_folders), 1)
+
     @property
     def expert_store_bytes(self) -> int:
-        return os.path.getsize(self.expert_path)
+        return sum(os.path.getsize(p) for p in self.expert_files)
+
+    @property
+    def trunk_store_bytes(self) -> int:
+        return sum(os.path.getsize(p) for p in self.trunk_files)
 
     def expert_offset(self, layer: int, expert: int) -> int:
         return self.experts[layer].offsets[expert]

@@ -141,3 +141,12 @@ def test_cli_generate_streams_a_family_store_and_a_plain_folder_says_to_pack(pac
     assert main(["generate", "--model", str(source), "--ram-budget", "64M", "--prompt-ids", "5,6",
                  "--max-tokens", "2"]) == 2
     assert f"run `k3serve pack {source} PACKED_DIR`" in capsys.readouterr().err
+
+
+def test_pack_stripe_of_a_family_checkpoint_is_refused(tiny_hf, tmp_path, capsys):
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    source = tiny_hf("qwen3_moe")[1]
+    assert main(["pack", str(source), str(tmp_path / "out"), "--stripe", str(drive)]) == 2
+    assert "--stripe (several drives) is built for K3 stores" in capsys.readouterr().err
+    assert list(drive.iterdir()) == [] and not (tmp_path / "out").exists()
