@@ -129,6 +129,26 @@ def test_serve_and_cluster_size_the_state_checkpoints(command, capsys):
     assert _engine_config(parser.parse_args([command, "--prefix-wait-tokens", "0"])).prefix_wait_tokens == 0
 
 
+def test_serve_passes_the_disk_tier_and_the_io_charge_to_the_engine(tmp_path):
+    from k3serve.cli.main import _engine_config, build_parser
+    from k3serve.errors import UsageError
+
+    parser = build_parser()
+    config = _engine_config(parser.parse_args(["serve", "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk",
+                                               "2G", "--charge", "io", "--io-cost", "250"]))
+    assert (config.prefix_cache_dir, config.prefix_cache_disk_bytes) == (str(tmp_path), 2 << 30)
+    assert (config.charge, config.io_cost) == ("io", 250.0)
+    default = _engine_config(parser.parse_args(["serve"]))
+    assert (default.prefix_cache_dir, default.charge) == (None, "tokens")
+    for flags, named in ((["--prefix-cache-dir", str(tmp_path)], "--prefix-cache-disk"),
+                         (["--prefix-cache-disk", "1G"], "--prefix-cache-dir"),
+                         (["--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk", "1G", "--no-prefix-cache"],
+                          "--no-prefix-cache"),
+                         (["--charge", "io", "--scheduling", "fcfs"], "--scheduling fair")):
+        with pytest.raises(UsageError, match=named):
+            _engine_config(parser.parse_args(["serve", *flags]))
+
+
 @pytest.mark.parametrize("content", [b"", b"\x00\x17random bytes, not the GGUF magic" * 40])
 def test_an_empty_or_random_gguf_file_is_not_a_valid_gguf_file(tmp_path, capsys, content):
     path = tmp_path / "model.gguf"

@@ -63,8 +63,32 @@ def test_every_module_runs_and_returns_the_documented_record(lab_client, fast_pa
             values = trace.get("z") or trace["y"]
             flat = [v for row in values for v in (row if isinstance(row, list) else [row])]
             assert any(v is not None and math.isfinite(v) for v in flat), figure["title"]
+    verdict = record["verdict"]  # every module judges its own result, in one generated sentence
+    assert verdict is not None and verdict["outcome"] in ("won", "lost", "even"), verdict
+    assert verdict["metric"] in record["metrics"] and verdict["sentence"].endswith(".")
+    assert verdict["outcome"] in verdict["sentence"]
+    assert verdict["flips_when"] and verdict["flips_when"][1:] in verdict["sentence"], "the flip condition is said"
+    assert record["date"].endswith("+00:00")
     again = lab_client.post(f"/lab/api/modules/{module_id}/run", json=fast).json()
     assert again["cached"] and again["result"] == record
+
+
+def test_the_overview_shows_stored_figures_until_a_run_here_replaces_them(lab_client):
+    from k3serve.lab.overview import HEADLINES, load_stored_runs
+
+    stored = load_stored_runs()
+    before = lab_client.get("/lab/api/overview").json()
+    assert [h["slot"] for h in before["headlines"]] == [h.slot for h in HEADLINES]
+    assert [row["module"] for row in before["modules"]] == list(modules())
+    assert before["stored"]["date"] == stored["date"] and before["stored"]["machine"] == stored["machine"]
+    for headline in before["headlines"]:  # a slot whose module never ran says so, whatever module fills it
+        known = headline["module"] in stored["runs"] or headline["status"] == "done"
+        assert headline["status"] == ("done" if known else "not yet run"), headline
+    lab_client.post("/lab/api/modules/anatomy/run?wait=true", json={"trunk_precision": "fp8"})
+    after = {row["module"]: row for row in lab_client.get("/lab/api/overview").json()["modules"]}
+    anatomy = after["anatomy"]
+    assert anatomy["source"] == "run on this server" and anatomy["badge"] == "measured"
+    assert "trunk_precision=fp8" in anatomy["command"] and anatomy["verdict"]["outcome"] == "won"
 
 
 @pytest.mark.parametrize("module_id, family", [("batching", "qwen3_next"), ("prefix_cache", "kimi_linear")])
@@ -234,11 +258,14 @@ def test_the_jobs_listing_shows_running_and_queued_jobs(small_lab_client):
     client = small_lab_client
     assert client.get("/lab/api/jobs").json() == {"jobs": []}
     running = client.post("/lab/api/modules/cluster_scale/run", json=HEAVY_CLUSTER_SCALE).json()
-    queued = client.post("/lab/api/modules/mxfp4/run", json={"rows": 96}).json()
     deadline = time.time() + 60
-    while (jobs := client.get("/lab/api/jobs").json()["jobs"])[0]["status"] != "running":
+    # NOTE: the queue holds one waiting job: the second waits until the dispatcher took the first (on a loaded
+    # machine it may not have yet, and the second would be a 429)
+    while client.get("/lab/api/jobs").json()["jobs"][0]["status"] != "running":
         assert time.time() < deadline
         time.sleep(0.05)
+    queued = client.post("/lab/api/modules/mxfp4/run", json={"rows": 96}).json()
+    jobs = client.get("/lab/api/jobs").json()["jobs"]
     assert [(j["job_id"], j["module"], j["status"], j["position"]) for j in jobs] == \
         [(running["job_id"], "cluster_scale", "running", 0), (queued["job_id"], "mxfp4", "queued", 1)]
     assert jobs[0]["params"]["groups"] == 1024 and jobs[1]["params"]["rows"] == 96
@@ -285,6 +312,10 @@ def test_a_result_exports_as_json_and_csv(lab_client):
     at_window_5 = [r for r in points if r["name"] == first["title"] and r["x"] == "5"]
     assert [float(r["value"]) for r in at_window_5] == [t["y"][4] for t in first["traces"]]
     assert {r["unit"] for r in at_window_5} == {"MiB"}
+    verdict = [r for r in rows if r["part"] == "verdict"]
+    assert [(r["name"], r["label"], r["series"], float(r["value"])) for r in verdict] == \
+        [(record["verdict"]["metric"], record["verdict"]["sentence"], record["verdict"]["outcome"],
+          record["verdict"]["factor"])]
     assert lab_client.get(f"/lab/api/jobs/{job['job_id']}/result.xml").status_code == 404
     assert lab_client.get("/lab/api/jobs/nope/result.csv").status_code == 404
 

@@ -11,6 +11,7 @@ skips, except under CI=true, where it fails.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from pathlib import Path
@@ -321,7 +322,7 @@ def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
         dollars, joules = _cost_numbers(row.locator("td.value .cost").inner_text())
         assert dollars == pytest.approx(0.36 / (rate * 3600) * 1e6, rel=5e-3)
         assert joules == pytest.approx(50 / rate, rel=5e-3)
-        page.locator("header").screenshot(path=str(SCREENSHOTS / "profile.png"))
+        page.locator("#about").screenshot(path=str(SCREENSHOTS / "profile.png"))
         page.locator("#m-speculative table.metrics").screenshot(path=str(SCREENSHOTS / "speculative-cost.png"))
         page.reload()
         page.wait_for_selector("body[data-ready='true']", timeout=30_000)
@@ -329,4 +330,76 @@ def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
         page.locator("#profile-reset").click()
         assert page.evaluate("() => localStorage.getItem('k3serve-lab-profile')") is None
         assert page.locator("#watts").input_value() == "65"
+    assert errors == [], errors
+
+
+@pytest.fixture()
+def fresh_lab_url(lab_fixtures):
+    """A lab server that has run nothing yet (its own run queue and worker): what a fresh install opens."""
+    from k3serve.lab.api import create_lab_app
+
+    app = create_lab_app(lab_fixtures)
+    try:
+        with serve_in_thread(app, lifespan="off", start_timeout=20) as url:
+            yield f"{url}/lab/"
+    finally:
+        app.state.lab_queue.close()
+
+
+RUN_ALL_LIMIT_SECONDS = 300  # at the defaults: about 90 s of runs on a shared 2-core machine (docs/LAB.md)
+
+
+def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fresh_lab_url):
+    import time
+
+    from k3serve.lab.overview import HEADLINES, load_stored_runs
+    from k3serve.lab.registry import modules
+
+    stored = load_stored_runs()
+    ids = list(modules())
+    with _open_page(fresh_lab_url, viewport={"width": 1400, "height": 900}) as (browser, page, errors):
+        # before any click: the headline figures and every module's verdict, from the stored runs
+        for headline in HEADLINES:
+            card = page.locator(f".headline[data-slot='{headline.slot}']")
+            if headline.module in stored["runs"]:
+                assert card.get_attribute("data-status") == "done", headline.slot
+                assert card.locator("[data-role=figure]").inner_text() != "not yet run"
+                assert card.locator("[data-role=verdict]").inner_text().strip()
+                assert card.locator("[data-badge]").get_attribute("data-badge") in ("recorded", "simulated")
+                assert card.locator("[data-role=module-link]").get_attribute("href") == f"#m-{headline.module}"
+            else:
+                assert card.locator("[data-role=figure]").inner_text() == "not yet run", headline.slot
+        rows = page.locator("#verdicts li")
+        assert rows.count() == len(ids)
+        for module in ids:
+            row = page.locator(f"#verdicts li[data-module='{module}']")
+            if module in stored["runs"]:
+                assert stored["runs"][module]["verdict"]["sentence"] == row.locator("[data-role=verdict]").inner_text()
+        assert stored["date"][:10] in page.locator("#overview-meta").inner_text()
+        for width in (1400, 400):
+            page.set_viewport_size({"width": width, "height": 900})
+            page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth", timeout=5_000)
+            page.locator("#overview").screenshot(path=str(SCREENSHOTS / f"overview-{width}.png"))
+        page.set_viewport_size({"width": 1400, "height": 900})
+        started = time.monotonic()
+        page.locator("#run-all").click()
+        for module in ids:
+            section = page.locator(f"#m-{module}")
+            left = RUN_ALL_LIMIT_SECONDS - (time.monotonic() - started)
+            section.locator("[data-role=result] [data-role=verdict]").wait_for(timeout=max(left, 1) * 1000)
+            metric = section.locator("[data-role=result] [data-role=verdict]").get_attribute("data-metric")
+            raw = section.locator(f"table.metrics tr[data-metric='{metric}'] td.value").get_attribute("data-value")
+            assert raw not in (None, "null") and math.isfinite(float(raw)), (module, metric, raw)
+            assert section.locator("[data-role=error]").inner_text() == "", module
+        seconds = time.monotonic() - started
+        print(f"Run all at the defaults: {len(ids)} modules in {seconds:.0f} s")
+        # the overview now shows this server's runs, each with today's date, not the stored ones
+        page.wait_for_function("(n) => document.querySelectorAll('#verdicts li .badge-recorded').length === 0 && "
+                               "document.querySelectorAll('#verdicts li[data-status=done]').length === n", arg=len(ids))
+        for width in (1400, 400):
+            page.set_viewport_size({"width": width, "height": 900})
+            page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth", timeout=5_000)
+            width_now, inner = _overflow(page)
+            assert width_now <= inner == width
+            page.screenshot(path=str(SCREENSHOTS / f"after-run-all-{width}.png"))
     assert errors == [], errors

@@ -33,3 +33,24 @@ def test_lab_list_names_every_module(capsys):
     printed = capsys.readouterr().out
     for module_id in modules():
         assert module_id in printed
+
+
+def test_lab_run_all_writes_the_stored_runs_the_overview_reads(tmp_path, capsys, monkeypatch):
+    from k3serve.lab import registry
+    from k3serve.lab.overview import load_stored_runs
+
+    everything = registry.modules()
+    two = {k: everything[k] for k in ("anatomy", "mxfp4")}  # the whole set takes minutes; the loop is the same
+    monkeypatch.setattr(registry, "modules", lambda: two)
+    out = tmp_path / "stored.json"
+    assert main(["lab", "run", "--all", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    stored = load_stored_runs(out)
+    assert stored["command"] == "k3serve lab run --all" and stored["machine"] and stored["date"]
+    assert list(stored["runs"]) == ["anatomy", "mxfp4"]
+    for module_id, record in stored["runs"].items():
+        assert record["command"] == f"k3serve lab run {module_id}" and record["verdict"]["sentence"] in printed
+    assert main(["lab", "run", "--all", "anatomy"]) == 2
+    assert "give no module" in capsys.readouterr().err
+    assert main(["lab", "run"]) == 2
+    assert "--all" in capsys.readouterr().err

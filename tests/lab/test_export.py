@@ -23,3 +23,11 @@ def test_metrics_and_points_become_rows():
     assert rows[4][6] == "4.25"
     heat = rows[5:]
     assert [(r[4], r[5], r[6]) for r in heat] == [("0", "0", "1"), ("1", "0", "2"), ("0", "1", "3"), ("1", "1", "4")]
+
+
+def test_the_verdict_is_the_last_row():
+    record = {"metrics": {"tok_per_s": 12.5}, "baseline": {"tok_per_s": 5.0}, "labels": {}, "series": [],
+              "verdict": {"outcome": "won", "factor": 2.5, "metric": "tok_per_s", "flips_when": "it would lose at 1",
+                          "sentence": "Speculation won here: 2.50x faster decoding. It would lose at 1."}}
+    rows = list(csv.reader(io.StringIO(result_csv(record))))
+    assert rows[-1] == ["verdict", "tok_per_s", record["verdict"]["sentence"], "won", "", "", "2.5", "", ""]

@@ -85,6 +85,10 @@ def test_chat_streamed_and_usage(client):
             usage = chunk.usage
     assert "".join(parts) == whole.choices[0].message.content
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    # the extension fields (engine/io_usage.py), streamed or not; a resident model reads nothing
+    for one in (whole.usage, usage):
+        assert {k: one.model_extra[k] for k in ("bytes_read", "expert_misses", "io_wait_ms")} == \
+            {"bytes_read": 0, "expert_misses": 0, "io_wait_ms": 0.0}
 
 
 def test_seeded_sampling_and_n(client):

@@ -1,5 +1,6 @@
 """`k3serve lab` (serve the page) and `k3serve lab run MODULE --param k=v [--json FILE]` (one module from a shell,
-the command every figure on the page names), `k3serve lab list` (the modules and their parameters)."""
+the command every figure on the page names), `k3serve lab run --all [--json FILE]` (every module at its defaults,
+written as the stored runs the page's overview shows), `k3serve lab list` (the modules and their parameters)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ def add_lab_command(sub) -> dict:
                      help="K3 checkpoint folder (default: the embedded model)")
     lab_sub = lab.add_subparsers(dest="lab_command")
     run = lab_sub.add_parser("run", help="run one module from the shell and print its figures")
-    run.add_argument("module", help="module id (see `k3serve lab list`)")
+    run.add_argument("module", nargs="?", default=None, help="module id (see `k3serve lab list`)")
+    run.add_argument("--all", action="store_true", dest="run_all",
+                     help="run every module at its defaults and write the stored runs the page's overview shows "
+                          "(to --json FILE, default: the package's lab/web/stored_runs.json)")
     run.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a parameter (repeatable)")
     run.add_argument("--model", type=cli_args.model_path, default=None, dest="run_model",
                      help="K3 checkpoint folder (default: the embedded model)")
     run.add_argument("--json", type=cli_args.output_file, default=None,
-                     help="also write the full result record as JSON (default: none)")
+                     help="also write the full result record as JSON (default: none; with --all, the stored runs)")
     lab_sub.add_parser("list", help="the modules, their parameters and defaults")
     return {"lab": cmd_lab}
 
@@ -66,6 +70,37 @@ def _format(value: float | None) -> str:
     return f"{value:,.4g}"
 
 
+def _run_all(args: argparse.Namespace) -> int:
+    """Every module at its defaults, one after another in this process; the records go to the stored-runs file."""
+    from k3serve.lab.fixtures import LabFixtures
+    from k3serve.lab.overview import RUN_ALL_COMMAND, STORED_RUNS_PATH, clean, stored_runs_json
+    from k3serve.lab.registry import CancelToken, modules, result_json
+
+    if args.module is not None or args.param:
+        raise UsageError("lab run --all runs every module at its defaults: give no module and no --param")
+    fixtures = LabFixtures(args.run_model)
+    records = {}
+    started_all = time.perf_counter()
+    for module in modules().values():
+        params = module.validate({}, fixtures)
+
+        def progress(fraction: float, message: str, module_id: str = module.id) -> None:
+            print(f"[{module_id} {100 * fraction:5.1f}%] {message}", file=sys.stderr)
+
+        started = time.perf_counter()
+        result = module.run(params, progress, CancelToken(), fixtures)
+        record = result_json(module, params, result, time.perf_counter() - started, fixtures.model_arg)
+        records[module.id] = record
+        sentence = record["verdict"]["sentence"] if record["verdict"] else "(no verdict)"
+        print(f"{module.number:>2}. {module.id:<16} {record['seconds']:6.1f} s  {sentence}")
+    command = RUN_ALL_COMMAND + (f" --model {args.run_model}" if args.run_model else "")
+    target = args.json or STORED_RUNS_PATH
+    stored = stored_runs_json(records, command, fixtures.model_arg)
+    write_text(target, json.dumps(clean(stored), indent=1, allow_nan=False) + "\n")
+    print(f"{len(records)} modules in {time.perf_counter() - started_all:.1f} s; stored runs written to {target}")
+    return 0
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
     from k3serve.lab.fixtures import LabFixtures
     from k3serve.lab.registry import get_module, modules
@@ -78,9 +113,13 @@ def cmd_lab(args: argparse.Namespace) -> int:
                 extra = f"one of {', '.join(p.choices)}" if p.choices else _range(p)
                 print(f"      {p.name}={p.default}  ({extra}{' ' + p.unit if p.unit else ''}) {p.help}")
         return 0
+    if args.lab_command == "run" and args.run_all:
+        return _run_all(args)
     if args.lab_command == "run":
         from k3serve.lab.registry import CancelToken, result_json
 
+        if args.module is None:
+            raise UsageError("lab run needs a module id (see `k3serve lab list`), or --all")
         module = get_module(args.module)
         params = module.validate(_parse_params(args.param))
         fixtures = LabFixtures(args.run_model)
@@ -100,6 +139,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
             print(f"figure: {figure['title']} [{figure['mark']}: {figure['source']}]")
         for note in record["notes"]:
             print(f"note: {note}")
+        if record["verdict"]:
+            print(f"verdict: {record['verdict']['sentence']}")
         print(f"command: {record['command']}")
         if args.json:
             write_text(args.json, json.dumps(record, indent=1) + "\n")

@@ -16,6 +16,7 @@ from k3serve.cli.args import Parser, output_file, positive_int
 from k3serve.cli.cluster import add_cluster_args, run_cluster
 from k3serve.engine.config import PREFIX_CACHE_POLICIES
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
+from k3serve.units import parse_size
 from k3serve.cli.lab import add_lab_command
 from k3serve.cli.tenants import add_tenant_args, add_tenants_command
 from k3serve.cli.stream import add_stream_args, add_subcommands, load_for_run
@@ -179,6 +180,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="also checkpoint the recurrent state every N full cache blocks of a prefill, so a "
                             "later prompt that shares only part of it can still hit (0: only at a prompt's and a "
                             "reply's end)")
+    serve.add_argument("--prefix-cache-dir", type=Path, default=None, metavar="DIR",
+                       help="the prefix cache's disk tier: checkpoints that leave RAM are written to this folder "
+                            "(on NVMe) and restored by a later hit instead of recomputed; a restart on the same "
+                            "folder and model hits them (needs --prefix-cache-disk)")
+    serve.add_argument("--prefix-cache-disk", type=cli_args.size, default=None, metavar="SIZE",
+                       help="the disk tier's size, e.g. 64G (binary units)")
     serve.add_argument("--prefix-wait-tokens", type=cli_args.non_negative_int, default=32,
                        help="a queued request whose prompt shares at least this many more tokens with a running "
                             "request of the same tenant than the prefix cache holds waits until that one has "
@@ -342,13 +349,24 @@ def _engine_config(args: argparse.Namespace):
     if args.step_interruption == "on" and args.scheduling == "fcfs":
         raise UsageError("--step-interruption pauses a forward for a tenant ranked ahead, and --scheduling fcfs "
                          "ranks no tenant ahead: use --scheduling fair or priority, or leave out --step-interruption")
+    if args.charge == "io" and args.scheduling == "fcfs":
+        raise UsageError("--charge io advances the tenants' virtual counters, which --scheduling fcfs does not rank "
+                         "by: use --scheduling fair or priority")
+    if (args.prefix_cache_dir is None) != (args.prefix_cache_disk is None):
+        raise UsageError("--prefix-cache-dir and --prefix-cache-disk go together: the folder of the prefix cache's "
+                         "disk tier and its size")
+    if args.prefix_cache_dir is not None and args.no_prefix_cache:
+        raise UsageError("--prefix-cache-dir is the prefix cache's disk tier: drop it or --no-prefix-cache")
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
                         prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
                         checkpoint_every_blocks=args.checkpoint_every_blocks,
                         prefix_wait_tokens=args.prefix_wait_tokens, scheduling=args.scheduling,
-                        output_cost=args.output_cost,
+                        output_cost=args.output_cost, charge=args.charge, io_cost=args.io_cost,
+                        prefix_cache_dir=None if args.prefix_cache_dir is None else str(args.prefix_cache_dir),
+                        prefix_cache_disk_bytes=0 if args.prefix_cache_disk is None else parse_size(
+                            args.prefix_cache_disk),
                         step_interruption={"on": True, "off": False}.get(args.step_interruption, "auto"))
 
 
@@ -357,6 +375,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
 
     config = _engine_config(args)
+    if config.prefix_cache_dir is not None:
+        raise UsageError("--prefix-cache-dir is not offered by `cluster` yet (replicas would share one folder): "
+                         "use it with `serve`")
     speculative = _speculative_config(args)
     tenants = registry_for_serve(args)
     listener = cli_args.bind_listener(args.host, args.port)
@@ -388,7 +409,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("--step-interruption needs a model whose weights allow a forward inside another: resident "
                          "K3 weights (no --ram-budget or other streaming flag, no --trace-out, not a family model)")
     engine = LLMEngine(loaded.model, config, stop_ids=loaded.stop_ids, speculative=speculative,
-                       drafters=_drafters(args, speculative, loaded.model))
+                       drafters=_drafters(args, speculative, loaded.model),
+                       model_identity=loaded.identity if config.prefix_cache_dir is not None else None)
     if speculative is not None:
         engine.drafters.check(speculative)  # e.g. the resident drafter on a family model: refuse at start
     name = args.served_model_name or loaded.name

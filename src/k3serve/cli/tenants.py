@@ -30,6 +30,13 @@ def add_tenant_args(parser: argparse.ArgumentParser) -> None:
                        help="between tenants: first come first served, fair (virtual token counter) or priority")
     group.add_argument("--output-cost", type=float_range(0.0), default=DEFAULT_OUTPUT_COST,
                        help="fair scheduling: an output token's charge relative to a prompt token")
+    group.add_argument("--charge", choices=("tokens", "io"), default="tokens",
+                       help="fair/priority: what advances a tenant's virtual counter: its tokens, or its tokens and "
+                            "the seconds the engine waited on disk reads for its requests (each its share of a "
+                            "step's tokens); under a RAM budget, a tenant whose prompts miss the expert cache then "
+                            "pays for the reads it causes")
+    group.add_argument("--io-cost", type=float_range(0.0), default=1000.0,
+                       help="--charge io: tokens one second of waiting on the disk costs")
     group.add_argument("--step-interruption", nargs="?", const="on", choices=("auto", "on", "off"), default="auto",
                        help="fair/priority: a forward pauses after a layer's attention or MLP to run an arriving "
                             "request of a tenant ranked ahead first (shorter first-token waits for light tenants; "

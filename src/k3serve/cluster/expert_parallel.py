@@ -230,6 +230,10 @@ class ExpertParallelSource(ForwardingSource):
         return SourceStats(stream=self.inner.stats().stream, owners=tuple(self.owners.stats(timeout)),
                            network=self.network, owner_restarts=tuple(self.owners.restarts))
 
+    def local_stats(self) -> StreamStats | None:
+        """The front's own reads (the trunk); the owners' expert reads are theirs, not charged per request."""
+        return self.inner.local_stats()
+
     def describe(self) -> str:
         return f"expert-parallel x{self.count} (trunk: {self.inner.describe()})"
 

@@ -35,11 +35,17 @@ class EngineConfig:
     # computes at least this many tokens of their shared prefix beyond the cache's hit, then hits there (0 = never)
     prefix_cache_policy: str = "slru"  # checkpoint replacement: lru, or slru (hit ones protected from one-shot ones;
     # engine/prefix_cache.py)
+    prefix_cache_dir: str | None = None  # the prefix cache's disk tier: checkpoints that leave RAM are written
+    # here and restored by a later hit (engine/prefix_disk.py); None = RAM only
+    prefix_cache_disk_bytes: int = 0  # the disk tier's size (required with prefix_cache_dir)
     num_state_slots: int | None = None  # recurrent state slots; None = max_seqs
     admission_watermark: float = 0.01  # fraction of blocks (at least one) left free when admitting a sequence,
     # so that running sequences can grow a little before anyone is preempted (avoids admit-preempt thrashing)
     scheduling: str = "fcfs"  # between tenants: fcfs, fair (Virtual Token Counter) or priority (engine/fairness.py)
     output_cost: float = 2.0  # fair/priority: an output token's charge relative to a prompt token
+    charge: str = "tokens"  # what advances a tenant's virtual counter: tokens, or io (tokens and seconds waiting
+    # on the disk, engine/io_usage.py)
+    io_cost: float = 1000.0  # charge='io': tokens one second of waiting on reads costs
     step_interruption: bool | str = False  # fair/priority: a forward pauses at a pause point for an arrival of a
     # tenant ranked no worse than every other tenant in it, which runs in a forward of its own first (engine.py);
     # "auto" (the server's default): on under fair and priority when the model allows a nested forward
@@ -75,6 +81,20 @@ class EngineConfig:
         if isinstance(self.output_cost, bool) or not isinstance(self.output_cost, (int, float)) \
                 or not self.output_cost >= 0:
             raise ConfigError(f"EngineConfig.output_cost must be a number >= 0, got {self.output_cost!r}")
+        if self.prefix_cache_dir is not None:
+            if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
+                raise ConfigError(f"EngineConfig.prefix_cache_dir must be a folder path, got {self.prefix_cache_dir!r}")
+            if isinstance(self.prefix_cache_disk_bytes, bool) or not isinstance(self.prefix_cache_disk_bytes, int) \
+                    or self.prefix_cache_disk_bytes <= 0:
+                raise ConfigError("EngineConfig.prefix_cache_dir needs a positive prefix_cache_disk_bytes, got "
+                                  f"{self.prefix_cache_disk_bytes!r}")
+            if not self.enable_prefix_caching:
+                raise ConfigError("EngineConfig.prefix_cache_dir is the prefix cache's disk tier: it needs "
+                                  "enable_prefix_caching")
+        if self.charge not in ("tokens", "io"):
+            raise ConfigError(f"EngineConfig.charge must be tokens or io, got {self.charge!r}")
+        if isinstance(self.io_cost, bool) or not isinstance(self.io_cost, (int, float)) or not self.io_cost >= 0:
+            raise ConfigError(f"EngineConfig.io_cost must be a number >= 0, got {self.io_cost!r}")
         if self.num_blocks is None and self.kv_cache_bytes == 0:
             raise ConfigError("EngineConfig needs num_blocks or a positive kv_cache_bytes")
         if self.num_state_slots is not None and self.num_state_slots < self.max_seqs:

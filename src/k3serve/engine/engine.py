@@ -38,6 +38,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.fairness import TenantShare
+from k3serve.engine.io_usage import PollutionLedger, split_step
 from k3serve.engine.engine_metrics import EngineMetrics
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
@@ -50,6 +51,7 @@ from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.engine.source_metrics import watch_source
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
+from k3serve.model.expert_source import StreamStats
 from k3serve.model.interface import MLP, ForwardItem, Model
 
 if TYPE_CHECKING:
@@ -67,10 +69,12 @@ class LLMEngine:
     def __init__(self, model: Model, config: EngineConfig | None = None, stop_ids: Iterable[int] | None = None,
                  metrics: MetricsRegistry | None = None, speculative: SpeculativeConfig | None = None,
                  drafters: DrafterFactory | None = None,
-                 on_pause: Callable[[int, int, str], None] | None = None) -> None:
+                 on_pause: Callable[[int, int, str], None] | None = None,
+                 model_identity: str | None = None) -> None:
         """`on_pause(num_positions, layer, part)` is called at every pause point of every forward the engine runs
         and once more at its end (layer num_layers - 1, part MLP) (instruments: the isolation experiment's model
-        clock, engine/isolation.py)."""
+        clock, engine/isolation.py). `model_identity` (the store's or checkpoint's checksum,
+        `loading.model_identity`) keys the prefix cache's disk tier (`config.prefix_cache_dir`)."""
         self.model = model
         self.on_pause = on_pause
         self.speculative = speculative  # the server default; a request may choose its own or none
@@ -85,7 +89,7 @@ class LLMEngine:
         if self.config.step_interruption and not model.supports_nested_forward:
             raise ConfigError("step_interruption needs a model whose weights allow a forward inside "
                               "another (resident K3 weights; not a streaming or traced source, not a family model)")
-        self.scheduler = Scheduler(self.config, model.cache_layout, self.metrics)
+        self.scheduler = Scheduler(self.config, model.cache_layout, self.metrics, model_identity)
         self._paused: SchedulerOutput | None = None  # the forward paused for an urgent one (step interruption)
         self._urgent_outputs: list[RequestOutput] = []  # outputs of the urgent forward inside this step
         self.max_context = min(self.config.max_model_len, self.scheduler.capacity_tokens)
@@ -95,6 +99,7 @@ class LLMEngine:
         self._new_shares: dict[str, TenantShare] | None = None  # set_tenant_shares, applied at the next step
         self._live_ids: set[str] = set()  # submitted and not yet finished (guarded by _lock)
         self._requests: dict[str, Request] = {}  # live requests the engine thread has taken in
+        self._pollution = PollutionLedger()  # who evicted each expert (charge='io')
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.figures = EngineMetrics(self.metrics, self.scheduler.blocks.num_blocks, self.scheduler.states.num_slots)
@@ -354,20 +359,47 @@ class LLMEngine:
                 window = None
                 items.append(ForwardItem(np.asarray(ids, np.int64), seq.cache))
             windows.append(window)
+        source = self.model.experts
+        before = source.local_stats() if source is not None else None
         try:
             if self.on_pause is None and not self.config.step_interruption:
                 result = self.model.forward(items)
             else:
                 result = self.model.forward(items, at_pause=self._at_pause(decision))
         except Exception as exc:  # noqa: BLE001 - isolate, never kill the loop
+            self._charge_io(decision, before)
             self._forward_failed(decision, exc, touched)
             return
+        self._charge_io(decision, before)
         if self.on_pause is not None:  # the last layer's MLP and the logits (no pause point there)
             self.on_pause(decision.num_batched_tokens, self.model_config.num_layers - 1, MLP)
         self.figures.computed.inc(decision.num_batched_tokens)
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
             self._process(scheduled, logits, window, now, touched)
+
+    def _charge_io(self, decision: SchedulerOutput, before: StreamStats | None) -> None:
+        """Charge the reads of the forward that just ran (the source's counters since `before`) to its requests: a
+        miss to the tokens routed to its expert, the rest by share of the tokens (engine/io_usage.py), in their
+        usage and the per-tenant series; with `charge='io'`, each tenant's virtual counter pays for the waits it caused
+        (a miss on an expert another tenant's read evicted is that tenant's: `PollutionLedger`)."""
+        if before is None:
+            return
+        source = self.model.experts
+        step = source.local_stats().minus(before)
+        if not (step.bytes_read or step.expert_misses or step.io_wait_seconds):
+            return
+        reads = source.step_reads()
+        num_tokens = [s.num_new_tokens for s in decision.scheduled]
+        for scheduled, share in zip(decision.scheduled, split_step(step, num_tokens, reads)):
+            request = scheduled.seq.request
+            request.io.add(share)
+            self.figures.io_charged(request.tenant, share)
+        if self.scheduler.policy.io_cost:  # --charge io bills each miss to its cause (engine/io_usage.py)
+            tenants = [s.seq.request.tenant for s in decision.scheduled]
+            for tenant, seconds in self._pollution.causes(step, reads, num_tokens, tenants).items():
+                self.scheduler.policy.charge_io(tenant, seconds)
+                self.figures.io_caused(tenant, seconds)
 
     def _sample_cached(self, scheduled: list[ScheduledSequence], touched: dict[str, Request]) -> None:
         """Sequences the prefix cache restored whole, with the logits after their last token: they sample from those
@@ -520,7 +552,8 @@ class LLMEngine:
                 seq.num_emitted = len(generated)
             ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
             out = RequestOutput(request.request_id, list(request.prompt_token_ids), completions, request.finished,
-                                request.error, request.num_cached_tokens, ttft)
+                                request.error, request.num_cached_tokens, ttft, request.io.bytes_read,
+                                request.io.expert_misses, 1000.0 * request.io.io_wait_seconds)
             outputs.append(out)
             if request.on_output is not None:
                 try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from k3serve.engine.io_usage import IOUsage
 from k3serve.engine.metrics import Counter, Gauge, Histogram, MetricsRegistry
 from k3serve.engine.request import FinishReason, Request, Sequence
 
@@ -53,6 +54,19 @@ class EngineMetrics:
         self.tenant_generated = m.family(Counter, "tenant_generation_tokens", "tokens generated, per tenant",
                                          ("tenant",))
         self.tenant_ttft = m.family(Histogram, "tenant_ttft_seconds", "arrival to first token, per tenant", ("tenant",))
+        self.tenant_bytes_read = m.family(Counter, "tenant_bytes_read",
+                                          "bytes read from the store, charged to the tenant's requests by their "
+                                          "share of each step's tokens (engine/io_usage.py)", ("tenant",))
+        self.tenant_expert_misses = m.family(Counter, "tenant_expert_misses",
+                                             "on-demand expert reads charged to the tenant, as tenant_bytes_read",
+                                             ("tenant",))
+        self.tenant_io_wait = m.family(Counter, "tenant_io_wait_seconds",
+                                       "seconds of the compute thread's wait on reads charged to the tenant",
+                                       ("tenant",))
+        self.tenant_io_caused = m.family(Counter, "tenant_io_wait_caused_seconds",
+                                         "--charge io: seconds of waiting on reads billed to the tenant's virtual "
+                                         "counter (a miss on an expert another tenant's read evicted is that "
+                                         "tenant's)", ("tenant",))
         self.tenant_counter = m.family(Gauge, "tenant_virtual_counter",
                                        "the scheduler's virtual token counter (weighted service received), per tenant",
                                        ("tenant",))
@@ -72,6 +86,16 @@ class EngineMetrics:
             self.steps.inc()
             self.step_seconds.observe(seconds)
         self.batch.observe(num_tokens)
+
+    def io_charged(self, tenant: str, usage: IOUsage) -> None:
+        """A request of `tenant` was charged `usage` (its share of a step's reads)."""
+        self.tenant_bytes_read.labels(tenant).inc(usage.bytes_read)
+        self.tenant_expert_misses.labels(tenant).inc(usage.expert_misses)
+        self.tenant_io_wait.labels(tenant).inc(usage.io_wait_seconds)
+
+    def io_caused(self, tenant: str, seconds: float) -> None:
+        """--charge io billed `seconds` of waiting on reads to `tenant`."""
+        self.tenant_io_caused.labels(tenant).inc(seconds)
 
     def spec_window(self, num_drafted: int, num_accepted: int) -> None:
         self.spec_windows.inc()

@@ -7,6 +7,8 @@ OSDI 2024, section 4), so `/metrics` shows it whichever policy runs:
     c_u += n_in / w_u              when a sequence of tenant u is first admitted (n_in: prompt positions it computes,
                                    i.e. not served by the prefix cache)
     c_u += cost * n_out / w_u      for every generated token (`output_cost`, 2 by default as in the paper)
+    c_u += io_cost * t / w_u       for every step's t seconds of waiting on reads charged to u's requests (by their
+                                   share of the step's tokens, engine/io_usage.py), with `charge='io'` only
     c_u  = max(c_u, min_{v in A} c_v)   when u becomes active (A: tenants with queued or running sequences; with A
                                    empty, the largest counter), so an idle tenant banks no credit
 
@@ -84,10 +86,13 @@ class SchedulingPolicy:
     name = "fcfs"
     interrupting = False  # whether an arrival may interrupt a forward in flight (`interrupts`)
 
-    def __init__(self, output_cost: float = DEFAULT_OUTPUT_COST) -> None:
+    def __init__(self, output_cost: float = DEFAULT_OUTPUT_COST, io_cost: float = 0.0) -> None:
         if isinstance(output_cost, bool) or not isinstance(output_cost, (int, float)) or not output_cost >= 0:
             raise ConfigError(f"output_cost must be a number >= 0, got {output_cost!r}")
+        if isinstance(io_cost, bool) or not isinstance(io_cost, (int, float)) or not io_cost >= 0:
+            raise ConfigError(f"io_cost must be a number >= 0, got {io_cost!r}")
         self.output_cost = float(output_cost)
+        self.io_cost = float(io_cost)  # tokens one second of waiting on the disk costs (0: disk time is free)
         self.shares: dict[str, TenantShare] = {}
         self.counters: dict[str, float] = {}
 
@@ -116,6 +121,12 @@ class SchedulingPolicy:
 
     def charge_output(self, tenant: str, num_tokens: int = 1) -> None:
         self.counters[tenant] = self.counter(tenant) + self.output_cost * num_tokens / self.share(tenant).weight
+
+    def charge_io(self, tenant: str, seconds: float) -> None:
+        """`seconds` of the compute thread's wait on reads, charged to `tenant` (engine/io_usage.py): with
+        `charge='io'` they cost io_cost tokens each."""
+        if self.io_cost and seconds:
+            self.counters[tenant] = self.counter(tenant) + self.io_cost * seconds / self.share(tenant).weight
 
     # ---- decisions ------------------------------------------------------------------------------------------
     def rank(self, tenant: str) -> tuple:
@@ -203,11 +214,11 @@ class PriorityPolicy(SchedulingPolicy):
         return super().displaces(waiting, running, usage, limits)
 
 
-def make_policy(name: str, output_cost: float = DEFAULT_OUTPUT_COST) -> SchedulingPolicy:
+def make_policy(name: str, output_cost: float = DEFAULT_OUTPUT_COST, io_cost: float = 0.0) -> SchedulingPolicy:
     classes = {"fcfs": SchedulingPolicy, "fair": FairPolicy, "priority": PriorityPolicy}
     if name not in classes:
         raise ConfigError(f"scheduling must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")
-    return classes[name](output_cost)
+    return classes[name](output_cost, io_cost)
 
 
 def _over_share(tenant: str, usage: dict[str, TenantUsage], limits: dict[str, tuple[int, int]]) -> float:

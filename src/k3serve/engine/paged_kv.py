@@ -121,17 +121,18 @@ class BlockPool:
         return block in self._cached
 
     def add_eviction_listener(self, listener: EvictionListener) -> None:
-        """Called with the hash of every block whose cached content is dropped."""
+        """Called with the hash of every block whose cached content is dropped, while `lookup` still finds the
+        block and its rows are intact (the prefix cache's disk tier writes them out)."""
         self._eviction_listeners.append(listener)
 
     def _unregister(self, block: int) -> None:
         block_hash = self._hash_of[block]
         if block_hash is None:
             return
+        for listener in self._eviction_listeners:  # before the index forgets it: `lookup` still finds its rows
+            listener(block_hash)
         self._hash_of[block] = None
         del self._block_of[block_hash]
-        for listener in self._eviction_listeners:
-            listener(block_hash)
 
     def evict_all_cached(self) -> int:
         """Drop every cached block (a cache reset); returns how many were dropped."""

@@ -36,6 +36,12 @@ one-shot states; its prefix is then computed again and the same checkpoint saved
 of the last 2 x `num_state_checkpoints` evicted checkpoints (2Q's A1out list, Johnson and Shasha 1994), and a
 checkpoint saved again while its key is remembered goes straight to the protected segment: it recurs.
 
+Disk tier (`EngineConfig.prefix_cache_dir`, engine/prefix_disk.py): a checkpoint that leaves RAM (the slot's
+victim, or a block under it reused) is written to disk with every attention row under it, when those rows are
+still in the block pool, in the segment it held in RAM. A lookup that finds a longer hit on disk than in RAM
+restores from the file: the rows are written into fresh blocks (registered again as the sequence's own after its
+next forward) and the state into the sequence's slot. A file that fails its checksum is a miss.
+
 With `checkpoint_partial_blocks=False` checkpoints are only taken at block boundaries (as vLLM's 'align' mode does);
 prompts that fit in one block can then never hit, which the cache reports with a warning and the
 `prefix_cache_cannot_hit` flag rather than silently.
@@ -57,6 +63,7 @@ from k3serve.engine.errors import IntegrityError
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
+from k3serve.engine.prefix_disk import CheckpointPayload, DiskEntry, PrefixDiskTier
 from k3serve.engine.state_pool import StatePool
 from k3serve.model.cache import CacheLayout
 
@@ -89,6 +96,7 @@ class StateCheckpoint:
     num_hits: int = 0
     logits: np.ndarray | None = None  # [V] the next-token logits at `position` (kept at a prompt's end): a request
     # with exactly these tokens restores all of them and samples its first token without a forward
+    root: bytes = b""  # the sequence's root hash (tenant and salt): where the chain of blocks under it starts
 
 
 class SegmentedLRU:
@@ -178,18 +186,22 @@ class PrefixMatch:
     checkpoint: StateCheckpoint | None
     branch_point: int | None  # where this sequence leaves a path the cache has seen (None: no such path)
     num_block_tokens: int  # positions covered by cached attention blocks alone (what a pure-attention model reuses)
+    disk: DiskEntry | None = None  # a hit in the disk tier (longer than any in RAM): block_ids and checkpoint empty
+    payload: CheckpointPayload | None = None  # its arrays, once read (`PrefixCache.load`)
 
     @property
     def logits(self) -> np.ndarray | None:
         """The next-token logits of a hit that covers every token (the prompt is then computed: no forward)."""
+        if self.disk is not None:
+            return self.payload.logits if self.payload is not None else None
         return self.checkpoint.logits if self.checkpoint is not None else None
 
 
 class PrefixCache:
     """Block hashes in the `BlockPool`, state checkpoints in a slot pool of their own, and the match logic."""
 
-    def __init__(self, engine: EngineConfig, layout: CacheLayout, blocks: BlockPool, metrics: MetricsRegistry
-                 ) -> None:
+    def __init__(self, engine: EngineConfig, layout: CacheLayout, blocks: BlockPool, metrics: MetricsRegistry,
+                 disk: PrefixDiskTier | None = None) -> None:
         self.config = engine
         self.block_size = engine.block_size
         self.blocks = blocks
@@ -208,6 +220,7 @@ class PrefixCache:
         self._children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child block hash -> tokens
         self._parent_of: dict[bytes, bytes] = {}
         self._num_cannot_hit = 0
+        self.disk = disk
         blocks.add_eviction_listener(self._on_block_evicted)
         self._m_queries = metrics.counter("prefix_cache_queries", "sequences looked up at admission")
         self._m_hits = metrics.counter("prefix_cache_hits", "lookups that restored at least one position")
@@ -221,6 +234,12 @@ class PrefixCache:
         self._m_readmitted = metrics.counter(
             "prefix_cache_checkpoints_recurring",
             "checkpoints saved again soon after their eviction, admitted straight to slru's protected segment")
+        self._m_disk_hits = metrics.counter("prefix_cache_disk_hits", "lookups restored from the disk tier")
+        self._m_disk_hit_tokens = metrics.counter("prefix_cache_disk_hit_tokens",
+                                                  "positions restored from the disk tier")
+        self._m_spill_skipped = metrics.counter(
+            "prefix_cache_disk_spills_skipped",
+            "checkpoints that left RAM after a block under them: too little left to write to the disk tier")
         self._m_cannot_hit = metrics.counter(
             "prefix_cache_unhittable_requests", "requests that can never hit under the current settings")
         self._m_flag = metrics.gauge(
@@ -266,9 +285,42 @@ class PrefixCache:
                 break
         branch = self._branch_point(root, tokens, hashes, len(matched))
         block_hit = 0 if self.needs_state else min(len(matched), limit // BS) * BS
+        best = max(block_hit, hit.position if hit is not None else 0)
+        on_disk = self._match_disk(root, tokens, hashes, best) if self.disk is not None else None
+        if on_disk is not None:
+            return PrefixMatch(on_disk.position, [], None, branch, len(matched) * BS, disk=on_disk)
         if hit is None or block_hit > hit.position:  # pure attention: the cached blocks alone are a hit
             return PrefixMatch(block_hit, matched[: block_hit // BS], None, branch, len(matched) * BS)
         return PrefixMatch(hit.position, matched[: hit.position // BS], hit, branch, len(matched) * BS)
+
+    def _match_disk(self, root: bytes, tokens: list[int], hashes: list[bytes], better_than: int
+                    ) -> DiskEntry | None:
+        """The disk tier's longest usable entry for `tokens` past position `better_than`, or None."""
+        BS, limit, full = self.block_size, len(tokens) - 1, len(tokens)
+        for j in range(min(len(hashes), full // BS), -1, -1):
+            if (j + 1) * BS <= better_than:
+                return None
+            best: DiskEntry | None = None
+            for tail, entry in self.disk.group(hashes[j - 1] if j else root).items():
+                end = j * BS + len(tail)
+                usable = end <= limit or (end == full and entry.has_logits)
+                if usable and end > better_than and (best is None or end > best.position) \
+                        and entry.root == root and tuple(tokens[j * BS:end]) == tail:
+                    best = entry
+            if best is not None:
+                return best
+        return None
+
+    def load(self, match: PrefixMatch, root: bytes, tokens: list[int], hashes: list[bytes]) -> PrefixMatch:
+        """Read a disk hit's file (`match.payload`); a file that fails its checks is removed and the lookup is made
+        again without it (a miss there, never a wrong answer)."""
+        while match.disk is not None and match.payload is None:
+            payload = self.disk.read(match.disk)
+            if payload is not None:
+                match.payload = payload
+                break
+            match = self.match(root, tokens, hashes)
+        return match
 
     def _branch_point(self, root: bytes, tokens: list[int], hashes: list[bytes], num_matched: int) -> int | None:
         """Where `tokens` part from a path the cache has seen (a cached child block or checkpoint tail under the
@@ -317,6 +369,9 @@ class PrefixCache:
         """Load a hit into an empty cache: share the full blocks, write the tail rows, copy the recurrent state."""
         if match.num_tokens == 0:
             return
+        if match.disk is not None:
+            self._restore_from_disk(match, cache)
+            return
         for block in match.block_ids:
             self.blocks.acquire(block)
         cache.adopt_prefix(match.block_ids, len(match.block_ids) * self.block_size)
@@ -328,10 +383,26 @@ class PrefixCache:
         self._m_hits.inc()
         self._m_hit_tokens.inc(match.num_tokens)
 
+    def _restore_from_disk(self, match: PrefixMatch, cache: PagedSequenceCache) -> None:
+        payload = match.payload
+        if payload is None:
+            raise IntegrityError("a disk hit is restored before its file was read (PrefixCache.load)")
+        cache.write_rows(payload.rows)  # fresh blocks: [LA, p, W]
+        for layer, state, conv_tail in zip(cache.layout.recurrent_layers, payload.states, payload.conv_tails):
+            cache.states.write(cache.slot, layer, state, conv_tail)
+        self.disk.hit(match.disk, fork=match.branch_point == match.disk.position)
+        self._m_hits.inc()
+        self._m_hit_tokens.inc(match.num_tokens)
+        self._m_disk_hits.inc()
+        self._m_disk_hit_tokens.inc(match.num_tokens)
+
     def blocks_to_take(self, match: PrefixMatch) -> int:
-        """Pool blocks a restore removes from what allocation can use (cached blocks it revives)."""
+        """Pool blocks a restore removes from what allocation can use (cached blocks it revives; a disk hit's full
+        blocks, all new)."""
         if match.num_tokens == 0:
             return 0
+        if match.disk is not None:
+            return match.num_tokens // self.block_size
         return sum(self.blocks.is_cached(block) for block in match.block_ids)
 
     # ---- admission ------------------------------------------------------------------------------------------
@@ -387,7 +458,7 @@ class PrefixCache:
         slot = self.store.allocate()
         self.store.copy_slot(cache.slot, slot, source_pool=cache.states)
         self.tails[slot, : self.num_attention_layers, : len(tail)] = cache.tail_rows(position)
-        checkpoint = StateCheckpoint(slot, parent, tail, position,
+        checkpoint = StateCheckpoint(slot, parent, tail, position, root=root,
                                      logits=None if logits is None else np.array(logits, dtype=np.float32))
         self._recency.add(checkpoint)
         self._index.setdefault(parent, {})[tail] = checkpoint
@@ -398,7 +469,9 @@ class PrefixCache:
         return True
 
     # ---- eviction -------------------------------------------------------------------------------------------
-    def _drop(self, checkpoint: StateCheckpoint) -> None:
+    def _drop(self, checkpoint: StateCheckpoint, spill: bool = True) -> None:
+        if spill and self.disk is not None:
+            self._spill(checkpoint)
         self._recency.remove(checkpoint.slot)
         group = self._index[checkpoint.parent]
         del group[checkpoint.tail]
@@ -408,6 +481,35 @@ class PrefixCache:
         self._m_evicted.inc()
         if self._ghosts is not None:
             self._ghosts.remember((checkpoint.parent, checkpoint.tail))
+
+    def _spill(self, checkpoint: StateCheckpoint) -> None:
+        """Write a checkpoint that leaves RAM to the disk tier, with the rows of every block under it (found by
+        walking the prefix tree up from its parent to its root), if all of them are still in the pool."""
+        if self.disk.contains(checkpoint.parent, checkpoint.tail):
+            self.disk.touch(checkpoint.parent, checkpoint.tail)
+            return
+        chain: list[int] = []  # block ids, last block first
+        block_hash = checkpoint.parent
+        while block_hash != checkpoint.root:
+            block = self.blocks.lookup(block_hash)
+            parent = self._parent_of.get(block_hash)
+            if block is None or parent is None:
+                self._m_spill_skipped.inc()
+                return
+            chain.append(block)
+            block_hash = parent
+        BS, LA = self.block_size, self.num_attention_layers
+        if len(chain) * BS + len(checkpoint.tail) != checkpoint.position:
+            raise IntegrityError(f"a checkpoint at {checkpoint.position} sits on {len(chain)} blocks")
+        full = self.blocks.storage[:LA, chain[::-1]]  # [LA, nb, BS, W]
+        rows = np.concatenate([full.reshape(LA, len(chain) * BS, full.shape[-1]),
+                               self.tails[checkpoint.slot, :LA, :len(checkpoint.tail)]], axis=1)  # [LA, p, W]
+        store = self.store
+        states = [array[checkpoint.slot] for array in store.states]
+        conv_tails = [array[checkpoint.slot] for array in store.conv_tails]
+        protected = checkpoint.slot in self._recency.protected
+        self.disk.write(checkpoint.root, checkpoint.parent, checkpoint.tail, checkpoint.position,
+                        CheckpointPayload(rows, states, conv_tails, checkpoint.logits), protected)
 
     def _on_block_evicted(self, block_hash: bytes) -> None:
         """A cached block was reused: checkpoints right under it can no longer hit, and it leaves the tree."""
@@ -424,7 +526,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every checkpoint and every cached (unreferenced) block."""
         for checkpoint in self._recency.values():
-            self._drop(checkpoint)
+            self._drop(checkpoint, spill=False)
         if self._ghosts is not None:
             self._ghosts.clear()
         self.blocks.evict_all_cached()
@@ -467,3 +569,5 @@ class PrefixCache:
                 raise IntegrityError("the prefix tree names a block the pool no longer indexes")
         if sum(len(c) for c in self._children.values()) != len(self._parent_of):
             raise IntegrityError("prefix tree children and parents disagree")
+        if self.disk is not None:
+            self.disk.check_integrity()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from k3serve.engine.io_usage import IOUsage
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.sampling import Sampler, SamplingParams, TokenLogprob
 
@@ -84,6 +85,10 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason is ERROR
     num_cached_tokens: int = 0  # prompt positions served by the prefix cache (first admission of completion 0)
     ttft_seconds: float | None = None  # arrival to first token
+    bytes_read: int = 0  # bytes read from the store, charged to this request (engine/io_usage.py: its share of
+    # each step's tokens)
+    expert_misses: int = 0  # on-demand expert reads, charged the same way
+    io_wait_ms: float = 0.0  # milliseconds the compute thread waited on reads, charged the same way
 
 
 @dataclass
@@ -104,6 +109,7 @@ class Request:
     error: str | None = None
     num_cached_tokens: int = 0
     speculative: SpeculativeConfig | None = None  # speculative decoding for this request (None: off)
+    io: IOUsage = field(default_factory=IOUsage)  # disk reads charged to it (engine/io_usage.py)
 
     @property
     def finished(self) -> bool:

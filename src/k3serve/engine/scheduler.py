@@ -45,8 +45,10 @@ from k3serve.engine.metrics import Histogram, MetricsRegistry
 from k3serve.engine.paged_cache import PagedSequenceCache
 from k3serve.engine.paged_kv import BlockPool
 from k3serve.engine.prefix_cache import PrefixCache, PrefixMatch
+from k3serve.engine.prefix_disk import PrefixDiskTier
 from k3serve.engine.request import Sequence, SequenceStatus
 from k3serve.engine.state_pool import StatePool
+from k3serve.errors import ConfigError
 from k3serve.model.cache import CacheLayout
 
 
@@ -83,13 +85,23 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting queue, running set, and the memory they hold (blocks, state slots, prefix cache)."""
 
-    def __init__(self, config: EngineConfig, layout: CacheLayout, metrics: MetricsRegistry) -> None:
+    def __init__(self, config: EngineConfig, layout: CacheLayout, metrics: MetricsRegistry,
+                 model_identity: str | None = None) -> None:
+        """`model_identity` (the model's store or checkpoint checksum) keys the prefix cache's disk tier: needed
+        with `config.prefix_cache_dir`."""
         self.config = config
         self.layout = layout
         self.blocks = BlockPool(config.resolve_num_blocks(layout), config.block_size, len(layout.attention_layers),
                                 layout.row_width)
         self.states = StatePool(layout, config.state_slots)
-        self.prefix_cache = PrefixCache(config, layout, self.blocks, metrics) \
+        disk = None
+        if config.prefix_cache_dir is not None:
+            if not model_identity:
+                raise ConfigError("the prefix cache's disk tier needs the model's identity (its store or checkpoint "
+                                  "checksum), so that another model never reads its entries")
+            disk = PrefixDiskTier(config.prefix_cache_dir, config.prefix_cache_disk_bytes, layout, model_identity,
+                                  config.prefix_cache_policy, metrics)
+        self.prefix_cache = PrefixCache(config, layout, self.blocks, metrics, disk) \
             if config.enable_prefix_caching else None
         self.watermark_blocks = max(1, int(config.admission_watermark * self.blocks.num_blocks)) \
             if config.admission_watermark > 0 else 0
@@ -98,7 +110,8 @@ class Scheduler:
         self._m_preemptions = metrics.counter("preemptions", "sequences preempted (memory freed, to recompute)")
         self._m_prefix_waits = metrics.counter(
             "prefix_waits", "sequences held back to hit a shared prefix a running sequence was still computing")
-        self.policy = make_policy(config.scheduling, config.output_cost)
+        self.policy = make_policy(config.scheduling, config.output_cost,
+                                  config.io_cost if config.charge == "io" else 0.0)
         self.preemptions_by_tenant: Counter[str] = Counter()
         self._tenant_seqs: Counter[str] = Counter()  # queued + running sequences per tenant (the active ones)
         self._m_tenant_preemptions = metrics.family(
@@ -443,6 +456,8 @@ class Scheduler:
         """Admit waiting `seq` if it fits; returns its scheduled token count (None if it did not; 0 when the prefix
         cache held every token and the logits after them: the engine samples without a forward)."""
         match = self._lookup(seq)
+        if match is not None and match.disk is not None:  # read the file now: a bad one is a miss, looked up again
+            match = self.prefix_cache.load(match, seq.request.root_hash, seq.token_ids, seq.block_hashes)
         start = match.num_tokens if match is not None else 0
         targets = self.prefix_cache.plan_checkpoints(match, seq.num_prompt_tokens, seq.num_tokens) \
             if match is not None else []

@@ -11,6 +11,8 @@
                                           -> {job_id, module, params, status, position, progress, message, cached,
                                               result?: {id, params, measured, metrics, baseline, series, command,
                                                         seconds, ...}, error?}
+    GET    /lab/api/overview              the answers-first overview: headline figures and every module's verdict,
+                                          from the stored runs (lab/web/stored_runs.json) or this server's latest run
     GET    /lab/api/jobs                  {"jobs": [job record, ...]}: the running job, then the queued ones in order
     GET    /lab/api/jobs/{job_id}         the same job record, to poll progress and fetch the result
     GET    /lab/api/jobs/{job_id}/result.json   a finished job's result record, as a download
@@ -35,6 +37,8 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from k3serve.lab.export import result_csv
 from k3serve.lab.fixtures import LabFixtures
 from k3serve.lab.jobs import LabQueueConfig, LabQueueFull, RunQueue
+from k3serve.lab.overview import (STORED_RUNS_PATH, clean, empty_stored_runs, load_stored_runs, overview,
+                                  stored_runs_for)
 from k3serve.lab.registry import LabParamError, UnknownModuleError, get_module, modules
 
 logger = logging.getLogger(__name__)
@@ -57,7 +61,7 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "param": param}}, status_code=status)
 
 
-def create_lab_router(queue: RunQueue) -> APIRouter:
+def create_lab_router(queue: RunQueue, stored_runs: Path = STORED_RUNS_PATH) -> APIRouter:
     """The routes above, relative to where the router is included (prefix '/lab')."""
     router = APIRouter()
 
@@ -100,6 +104,19 @@ def create_lab_router(queue: RunQueue) -> APIRouter:
             await asyncio.get_running_loop().run_in_executor(None, job.done_event.wait, WAIT_LIMIT_SECONDS)
         return JSONResponse(queue.snapshot(job), status_code=200 if job.finished else 202)
 
+    try:
+        stored, stored_error = stored_runs_for(load_stored_runs(stored_runs), queue.fixtures.model_arg)
+    except ValueError as exc:  # the page still works; the overview says what is wrong
+        logger.error("%s", exc)
+        stored, stored_error = empty_stored_runs(), str(exc)
+
+    @router.get("/api/overview")
+    def answers_first() -> JSONResponse:
+        listing = [m.to_json() for m in modules().values()]
+        body = overview(listing, stored, queue.latest())
+        body["stored"]["error"] = stored_error
+        return JSONResponse(clean(body))
+
     @router.get("/api/jobs")
     def active_jobs() -> dict:
         return {"jobs": queue.active()}
@@ -137,10 +154,11 @@ def create_lab_router(queue: RunQueue) -> APIRouter:
     return router
 
 
-def mount_lab(app, fixtures: LabFixtures, prefix: str = "/lab", config: LabQueueConfig | None = None) -> RunQueue:
+def mount_lab(app, fixtures: LabFixtures, prefix: str = "/lab", config: LabQueueConfig | None = None,
+              stored_runs: Path = STORED_RUNS_PATH) -> RunQueue:
     """Add the lab to an existing FastAPI app (its own run queue); returns the queue (close it on shutdown)."""
     queue = RunQueue(fixtures, config)
-    app.include_router(create_lab_router(queue), prefix=prefix)
+    app.include_router(create_lab_router(queue, stored_runs), prefix=prefix)
 
     @app.get(prefix, include_in_schema=False)
     def lab_root() -> RedirectResponse:
@@ -149,7 +167,8 @@ def mount_lab(app, fixtures: LabFixtures, prefix: str = "/lab", config: LabQueue
     return queue
 
 
-def create_lab_app(fixtures: LabFixtures, config: LabQueueConfig | None = None):
+def create_lab_app(fixtures: LabFixtures, config: LabQueueConfig | None = None,
+                   stored_runs: Path = STORED_RUNS_PATH):
     """The lab alone (`k3serve lab`): the page at /lab/, and / redirects there."""
     from contextlib import asynccontextmanager
 
@@ -163,7 +182,7 @@ def create_lab_app(fixtures: LabFixtures, config: LabQueueConfig | None = None):
         holder["queue"].close()
 
     app = FastAPI(title="k3serve lab", lifespan=lifespan)
-    holder["queue"] = mount_lab(app, fixtures, config=config)
+    holder["queue"] = mount_lab(app, fixtures, config=config, stored_runs=stored_runs)
     app.state.lab_queue = holder["queue"]
 
     @app.get("/", include_in_schema=False)

@@ -2,7 +2,10 @@
 
 Columns: part (`metric` or `figure`), name (the metric key or the figure title), label (what the metric is, or the
 figure's y axis title), series (the trace), x, y (a heatmap's row; empty otherwise), value, baseline (a metric's
-baseline), unit (the figure's y unit). The JSON export is the record itself (docs/LAB.md).
+baseline), unit (the figure's y unit). A last row `verdict` holds the verdict: name = the metric it compares,
+label = its sentence, series = its outcome (won, lost, even), value = its factor (the mechanism's gain, > 1
+better). The JSON export is the record itself
+(docs/LAB.md).
 """
 
 from __future__ import annotations
@@ -42,4 +45,8 @@ def result_csv(record: dict) -> str:
             else:
                 for x, y in zip(trace["x"], trace["y"]):
                     writer.writerow(head + [trace["name"], _cell(x), "", _cell(y), "", unit])
+    verdict = record.get("verdict")
+    if verdict:
+        writer.writerow(["verdict", verdict["metric"], verdict["sentence"], verdict["outcome"], "", "",
+                         _cell(verdict["factor"]), "", ""])
     return out.getvalue()

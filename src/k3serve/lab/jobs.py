@@ -80,6 +80,7 @@ class RunQueue:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._results: OrderedDict[str, dict] = OrderedDict()  # key -> result record, least recently used first
         self._active: dict[str, Job] = {}  # key -> queued or running job
+        self._latest: dict[str, dict] = {}  # module id -> its latest finished run's record (the overview's figure)
         self._running: Job | None = None
         self._closed = False
         self._dispatcher = threading.Thread(target=self._work, name="k3lab-dispatcher", daemon=True)
@@ -133,6 +134,11 @@ class RunQueue:
                 self._active.pop(job.key, None)
                 self._finish(job, "cancelled", "cancelled before it started")
             return job
+
+    def latest(self) -> dict[str, dict]:
+        """Each module's latest finished run on this queue (any parameters), by module id."""
+        with self._lock:
+            return dict(self._latest)
 
     def snapshot(self, job: Job) -> dict:
         with self._lock:
@@ -226,6 +232,7 @@ class RunQueue:
                 record = outcome.record
                 job.result = record
                 self._results[job.key] = record
+                self._latest[job.module.id] = record
                 self._results.move_to_end(job.key)
                 while len(self._results) > MAX_CACHED_RESULTS:
                     self._results.popitem(last=False)

@@ -17,6 +17,7 @@ exactly it came from (`Figure.source`).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import importlib
 import math
@@ -284,9 +285,17 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def verdict_json(verdict: Verdict | None) -> dict | None:
+    if verdict is None:
+        return None
+    return {"outcome": verdict.outcome, "factor": _finite(verdict.factor), "metric": verdict.metric,
+            "sentence": verdict.sentence, "flips_when": verdict.flips_when}
+
+
 def result_json(module: LabModule, params: dict[str, Any], result: LabResult, seconds: float,
                 model: str | None = None) -> dict:
-    """The documented run record: {id, params, measured, metrics, baseline, series, command, seconds, ...}."""
+    """The documented run record: {id, params, measured, metrics, baseline, series, command, seconds, verdict,
+    date, ...}; `date` is when it finished (UTC, ISO 8601)."""
     command = module.command(params, model)
     series = []
     for figure in result.figures:
@@ -298,7 +307,9 @@ def result_json(module: LabModule, params: dict[str, Any], result: LabResult, se
             "baseline": {k: _finite(v) for k, v in result.baseline.items()},
             "labels": result.labels, "metrics_name": result.metrics_name, "baseline_name": result.baseline_name,
             "series": series, "notes": result.notes, "command": command,
-            "related_commands": result.related_commands, "seconds": round(seconds, 3)}
+            "related_commands": result.related_commands, "seconds": round(seconds, 3),
+            "verdict": verdict_json(result.verdict),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 @functools.cache

@@ -3,6 +3,7 @@ loader applies."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,11 +55,38 @@ class LoadedModel:
         return tuple(dict.fromkeys(ids))
 
     @property
+    def identity(self) -> str:
+        """A digest naming these exact weights (the prefix cache's disk tier keys its entries with it): a packed
+        store's index (every blob's offset, size and CRC-32), else a checkpoint's SHA256SUMS, else its config and
+        the name, size and modification time of each weight file."""
+        return model_identity(self.path)
+
+    @property
     def name(self) -> str:
         """The model's id: the folder name, or DEFAULT_MODEL_NAME for the embedded default (packed or not)."""
         if self.path == DEFAULT_MODEL_PATH or self.path.name.startswith(DEFAULT_MODEL_NAME):
             return DEFAULT_MODEL_NAME
         return self.path.name
+
+
+def model_identity(path: Path) -> str:
+    """See `LoadedModel.identity`."""
+    digest = hashlib.blake2b(digest_size=16)
+    path = Path(path)
+    if path.is_file():
+        stat = path.stat()
+        digest.update(f"{path.name}\x00{stat.st_size}\x00{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()
+    for name in ("store.json", "SHA256SUMS"):
+        if (path / name).is_file():
+            digest.update(name.encode() + b"\x00" + (path / name).read_bytes())
+            return digest.hexdigest()
+    if (path / "config.json").is_file():
+        digest.update((path / "config.json").read_bytes())
+    for weight in sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")):
+        stat = weight.stat()
+        digest.update(f"\x00{weight.name}\x00{stat.st_size}\x00{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
 
 
 # Below this hidden size a trunk matmul is too small to gain from several BLAS threads, and idle OpenBLAS threads

@@ -68,6 +68,16 @@ class StreamStats:
 
 
 @dataclass
+class StepReads:
+    """What the current forward read on demand, and the routing that asked for it: enough to charge each miss to
+    the tokens routed to its expert (engine/io_usage.py)."""
+
+    # (layer, expert, bytes, the (layer, expert) keys its slot evicted) for each expert read on demand
+    misses: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    routing: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> expert_ids [T, TOPK] of this forward
+
+
+@dataclass
 class NetworkStats:
     """Expert parallelism's calls from the front to the expert owners (cluster/expert_parallel.py)."""
 
@@ -151,6 +161,16 @@ class ExpertSource(ABC):
     def stats(self, timeout: float | None = None) -> SourceStats:
         """The counters (`SourceStats`); `timeout` bounds a remote owner's answer (expert parallelism)."""
         return SourceStats()
+
+    def local_stats(self) -> StreamStats | None:
+        """This process's read counters, without asking anyone else (the engine reads them around every forward
+        to charge each request its step's bytes); None when nothing streams here."""
+        return None
+
+    def step_reads(self) -> StepReads | None:
+        """The experts the forward in progress (or just ended) read on demand, with its routing per layer; None
+        when the source does not record them (the step's reads are then charged by token share)."""
+        return None
 
     def describe(self) -> str:
         return type(self).__name__

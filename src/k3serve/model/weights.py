@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.expert_source import ExpertSource, SourceStats
+from k3serve.model.expert_source import ExpertSource, SourceStats, StepReads, StreamStats
 from k3serve.model.routing import ExpertPairs, Routing
 from k3serve.weights import names
 from k3serve.weights.held import TRUNK_DTYPES
@@ -203,6 +203,12 @@ class ForwardingSource(WeightSource):
 
     def stats(self, timeout: float | None = None) -> SourceStats:
         return self.inner.stats(timeout)
+
+    def local_stats(self) -> StreamStats | None:
+        return self.inner.local_stats()
+
+    def step_reads(self) -> StepReads | None:
+        return self.inner.step_reads()
 
     def describe(self) -> str:
         return self.inner.describe()

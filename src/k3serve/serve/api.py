@@ -452,6 +452,7 @@ async def _complete(state: ServerState, body, streams: list[OutputStream], respo
                     plan: OutputPlan | None = None, cut: asyncio.Event | None = None):
     choices: list[dict] = []
     prompt_tokens = completion_tokens = 0
+    finals: list[RequestOutput] = []
     try:
         for prompt_index, stream in enumerate(streams):
             final: RequestOutput | None = None
@@ -461,6 +462,7 @@ async def _complete(state: ServerState, body, streams: list[OutputStream], respo
                     raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
                 final = output
             assert final is not None
+            finals.append(final)
             if final.error is not None:
                 raise APIError(500, f"the request failed in the engine: {final.error}", type_="server_error")
             prompt_tokens += len(final.prompt_token_ids)
@@ -488,8 +490,16 @@ async def _complete(state: ServerState, body, streams: list[OutputStream], respo
         "id": response_id, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": state.model_name, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+                  "total_tokens": prompt_tokens + completion_tokens, **_io_usage(finals)},
     })
+
+
+def _io_usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """The usage object's extension fields (as vLLM adds its own): disk reads charged to the request's prompts,
+    each its share of every step's tokens (engine/io_usage.py)."""
+    return {"bytes_read": sum(o.bytes_read for o in outputs),
+            "expert_misses": sum(o.expert_misses for o in outputs),
+            "io_wait_ms": round(sum(o.io_wait_ms for o in outputs), 3)}
 
 
 async def _stream_events(state: ServerState, body, streams: list[OutputStream], response_id: str, chat: bool,
@@ -572,6 +582,7 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
 
     done: set[int] = set()
     token_counts: dict[int, int] = {}
+    latest: dict[int, RequestOutput] = {}  # each prompt's last output: its usage so far
     cut = cut or asyncio.Event()
     try:
         for prompt_index, stream in enumerate(streams):
@@ -586,6 +597,7 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
                              "param": None, "code": None}
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     return
+                latest[prompt_index] = output
                 if first_output:
                     prompt_tokens += len(output.prompt_token_ids)
                     first_output = False
@@ -613,7 +625,7 @@ async def _stream_events(state: ServerState, body, streams: list[OutputStream], 
         if include_usage:
             completion_tokens = sum(token_counts.values())
             yield event([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens})
+                             "total_tokens": prompt_tokens + completion_tokens, **_io_usage(list(latest.values()))})
         yield "data: [DONE]\n\n"
     finally:
         state.open_requests.discard(cut)

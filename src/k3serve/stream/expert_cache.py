@@ -67,6 +67,8 @@ class ExpertCache:
         self.store = store
         self.io = io
         self.stats = stats
+        self.step_misses: list[tuple] = []  # (layer, expert, bytes, keys its slot evicted) read on demand this step
+        self._evicted: list[Key] = []  # every key evicted this step, in order
         self._slot_buffer = slot_buffer
         self._slots = [_Slot(i) for i in range(num_slots)]
         self._table: dict[Key, int] = {}
@@ -89,6 +91,8 @@ class ExpertCache:
 
     def begin_step(self) -> None:
         self._step += 1
+        self.step_misses = []
+        self._evicted = []
 
     # ---- demand loads ------------------------------------------------------------------------------------------
     def load(self, layer: int, group: Sequence[int]) -> list[int]:
@@ -120,13 +124,19 @@ class ExpertCache:
             hits.append(index)
         self.stats.expert_misses += len(misses)
         loading = []
+        evictions: list[tuple] = []
         for expert in misses:
+            first = len(self._evicted)
             index = self._take_slot(protected)
+            evictions.append(tuple(self._evicted[first:]))
             slot = self._slots[index]
             self._assign(slot, (layer, expert), prefetched=False)
             slot.warm = True
             self.policy.admit(slot.key)
             loading.append(index)
+        for index, evicted in zip(loading, evictions):
+            self.step_misses.append((layer, self._slots[index].key[1], len(self._slots[index].extent.buffer),
+                                     evicted))
         if loading:
             extents = [self._slots[i].extent for i in loading]
             started = time.perf_counter()
@@ -238,6 +248,7 @@ class ExpertCache:
             self._table.pop(slot.key, None)
             self.policy.remove(slot.key)
             self.stats.expert_evictions += 1
+            self._evicted.append(slot.key)
         slot.key = None
         slot.warm = False
 

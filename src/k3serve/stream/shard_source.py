@@ -108,6 +108,9 @@ class ShardExpertSource(ExpertSource):
     def stats(self, timeout: float | None = None) -> SourceStats:
         return SourceStats(stream=self._stream_stats())
 
+    def local_stats(self) -> StreamStats:
+        return self._stream_stats()
+
     def _stream_stats(self) -> StreamStats:
         s = StreamStats(**{f.name: getattr(self.counters, f.name) for f in fields(self.counters)})
         s.expert_bytes_read = self.io.counters.bytes_read

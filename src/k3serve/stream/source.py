@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k3serve.model.expert_source import SourceStats, StreamStats, guess_priority
+from k3serve.model.expert_source import SourceStats, StepReads, StreamStats, guess_priority
 from k3serve.model.routing import Routing
 from k3serve.model.kernels import linear
 from k3serve.model.weights import (DenseMLPPieces, ExpertWeights, GlobalWeights, LayerWeights, WeightSource,
@@ -78,6 +78,7 @@ class StreamingSource(WeightSource):
         self._trunk_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3trunk")
         self._step = -1
         self._next_token = 0
+        self._step_routing: dict[int, np.ndarray] = {}  # layer -> expert_ids [T, TOPK] of this step (charging)
         self._step_first_token = 0
         # best effort: a full disk stops the trace, never a request (TraceWriter)
         self.trace: TraceWriter | None = (
@@ -152,11 +153,16 @@ class StreamingSource(WeightSource):
         self.counters.tokens += num_tokens
         self._step_first_token = self._next_token
         self._next_token += num_tokens
+        self._step_routing = {}
         self.expert_cache.begin_step()
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         if self.trace is not None:
             self.trace.write(self._step, self._step_first_token, layer, expert_ids)
+        self._step_routing[layer] = expert_ids
+
+    def step_reads(self) -> StepReads:
+        return StepReads(list(self.expert_cache.step_misses), dict(self._step_routing))
 
     @property
     def prefetching(self) -> bool:
@@ -293,6 +299,9 @@ class StreamingSource(WeightSource):
 
     def stats(self, timeout: float | None = None) -> SourceStats:
         return SourceStats(stream=self._stream_stats())
+
+    def local_stats(self) -> StreamStats:
+        return self._stream_stats()
 
     def _stream_stats(self) -> StreamStats:
         s = StreamStats(**{f.name: getattr(self.counters, f.name) for f in fields(self.counters)})

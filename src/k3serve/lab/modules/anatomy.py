@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from k3serve.config import K3Config, full_k3_config
-from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.registry import Figure, LabModule, LabResult, Param, Verdict
+from k3serve.lab.verdict import judge
 
 TRUNK_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp32": 4.0}
 
@@ -46,6 +47,16 @@ def measured_file_bytes(model_dir) -> dict[str, float]:
     return parts
 
 
+def verdict(big: dict[str, float], config: K3Config, top_k: int) -> Verdict:
+    """Streaming (a token reads only what it touches) against holding every weight; it stops paying once the RAM
+    holds the whole model, or once a token touches every expert."""
+    return judge("Streaming the experts", "holding every weight resident", "active_bytes_per_token",
+                 "bytes per token", big["active_bytes_per_token"], big["total_bytes"], higher_is_better=False,
+                 words=("fewer", "more"),
+                 flips_when=f"it stops paying once the RAM holds all {big['total_bytes'] / 1e12:.2f} TB (nothing left "
+                            f"to stream), or at top-{config.num_experts} (every expert every token; now top-{top_k})")
+
+
 def run(params, progress, cancel, lab) -> LabResult:
     progress(0.2, "computing the full K3 from its shapes")
     full = full_k3_config()
@@ -82,7 +93,8 @@ def run(params, progress, cancel, lab) -> LabResult:
                      notes=[f"The full K3 holds {big['total_bytes'] / 1e12:.2f} TB: "
                             f"{big['experts_bytes'] / big['total_bytes']:.0%} of it routed experts; one token touches "
                             f"{big['active_bytes_per_token'] / 1e9:.1f} GB ({big['active_fraction']:.1%})."],
-                     related_commands=["k3serve info --full-k3", "k3serve info"])
+                     related_commands=["k3serve info --full-k3", "k3serve info"],
+                     verdict=verdict(big, full, min(top_k, full.num_experts)))
 
 
 MODULE = LabModule(

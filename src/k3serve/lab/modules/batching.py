@@ -14,6 +14,7 @@ from k3serve.lab.workloads import run_all
 from k3serve.lab.fixtures import MODEL_CHOICES
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
+from k3serve.lab.verdict import EVEN_BAND, judge
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 
@@ -136,7 +137,20 @@ def run(params, progress, cancel, lab) -> LabResult:
              "i - 1 whole requests)",
              f"unchunked prefill runs the {params['long_prompt_tokens']}-token prompt in one step (its budget raised "
              f"to fit); chunked splits it into steps of {params['max_batch_tokens']} positions"]
+    gains = {c: rows[c]["tok_per_s"] / one["tok_per_s"] for c in sweep}
+    first_win = next((c for c in sweep if gains[c] > 1 + EVEN_BAND), None)
+    itl = batched["itl_ms"] / one["itl_ms"] if one["itl_ms"] > 0 else float("nan")
+    if first_win is None:
+        flips_when = f"it gained nothing at any concurrency swept (1 to {top} requests in flight)"
+    else:
+        flips_when = (f"with one request in flight there is nothing to batch; it wins from {first_win} requests in "
+                      f"flight on ({gains[first_win]:.2f}x there, the concurrency sweep), each request's inter-token "
+                      f"latency {itl:.2f}x at {top}")
+    verdict = judge(f"Continuous batching of {top} requests", "serving them one at a time", "tok_per_s",
+                    "tokens per second", batched["tok_per_s"], serial["tok_per_s"], higher_is_better=True,
+                    flips_when=flips_when)
     return LabResult(metrics, baseline, figures, labels, metrics_name="continuous batching, chunked prefill",
+                     verdict=verdict,
                      baseline_name="one at a time; unchunked prefill", notes=notes,
                      related_commands=["python benchmarks/bench_engine.py --quick"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.streaming import WIDENINGS, streamed_run, warm_up
 from k3serve.lab.timing import WARM_UP_MESSAGE
+from k3serve.lab.verdict import crossing, judge
 from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.units import format_size
 from k3serve.stream.options import StreamOptions
@@ -62,8 +63,24 @@ def run(params, progress, cancel, lab) -> LabResult:
     same = all(rows[("trunk first", f)].measurement.outputs == rows[("experts only", f)].measurement.outputs
                for f in fractions)
     budget = minimum + int(chosen * store.expert_store_bytes)
+    on, off = summary(a), summary(b)
+    pinned = [rows[("trunk first", f)].measurement.bytes_per_token for f in fractions]
+    unpinned = [rows[("experts only", f)].measurement.bytes_per_token for f in fractions]
+    flip = crossing(budgets, pinned, unpinned, higher_is_better=False)
+    saved = off["trunk_bytes_per_token"] - on["trunk_bytes_per_token"]
+    cost = on["expert_bytes_per_token"] - off["expert_bytes_per_token"]
+    if flip is not None:
+        flips_when = (f"the two read the same bytes at about {flip:.1f} MiB (the budget sweep); past it the outcome "
+                      "reverses")
+    else:
+        flips_when = (f"experts-only read fewer bytes at no budget swept ({budgets[0]:.1f} to {budgets[-1]:.1f} MiB); "
+                      f"pinning would lose only where the expert re-reads it causes ({cost / 1e6:+.2f} MB per token "
+                      f"here) outgrow the trunk re-reads it saves ({saved / 1e6:.2f} MB per token here)")
+    verdict = judge("Pinning the trunk first", "giving the whole budget to expert slots", "bytes_per_token",
+                    "bytes read per token", on["bytes_per_token"], off["bytes_per_token"], higher_is_better=False,
+                    words=("fewer", "more"), flips_when=flips_when)
     progress(1.0, "done")
-    return LabResult(summary(a), summary(b), figures, labels, metrics_name="trunk pinned first",
+    return LabResult(on, off, figures, labels, metrics_name="trunk pinned first", verdict=verdict,
                      baseline_name="all to expert slots",
                      notes=[f"budget {format_size(budget)} = minimum {format_size(minimum)} + {chosen:.0%} of the "
                             f"{format_size(store.expert_store_bytes)} expert store",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
+from k3serve.lab.verdict import judge
 from k3serve.sim.cache_replay import replay_all
 
 POLICIES = ("none", "lru", "lfu", "s3fifo", "pinned", "belady")
@@ -11,6 +12,35 @@ POLICIES = ("none", "lru", "lfu", "s3fifo", "pinned", "belady")
 def limits(lab) -> dict[str, tuple[int, int]]:
     config = lab.config
     return {"capacity": (1, len(config.moe_layer_ids) * config.num_experts), "tokens": (16, lab.trace_tokens)}
+
+
+ONLINE = ("lru", "lfu", "s3fifo", "pinned")  # what a server can run (none keeps nothing; Belady needs the future)
+
+
+def policy_verdict(policy: str, capacity: int, sweep: list[int], rows: dict):
+    """The chosen policy against the best other online policy at this capacity, and the capacity in the retention
+    sweep where that comparison reverses."""
+    others = [p for p in ONLINE if p != policy]
+
+    def rival(c: int) -> str:
+        return min(others, key=lambda p: rows[(p, c)].misses)
+
+    best = rival(capacity)
+    chosen_misses, rival_misses = rows[(policy, capacity)].misses, rows[(best, capacity)].misses
+    ahead = chosen_misses <= rival_misses
+    flip = next((c for c in sweep if (rows[(policy, c)].misses <= rows[(rival(c), c)].misses) != ahead), None)
+    belady = chosen_misses / max(rows[("belady", capacity)].misses, 1)
+    if flip is None:
+        where = (f"no other online policy beats it at any capacity swept ({sweep[0]} to {sweep[-1]} slots)" if ahead
+                 else f"it trails at every capacity swept ({sweep[0]} to {sweep[-1]} slots)")
+    elif ahead:
+        where = f"{rival(flip)} beats it at {flip} slots (the retention sweep)"
+    else:
+        where = f"it beats every other online policy at {flip} slots (the retention sweep)"
+    return judge(policy, f"the best other online policy ({best})", "misses", "misses (disk reads)", chosen_misses,
+                 rival_misses, higher_is_better=False, words=("fewer", "more"),
+                 flips_when=f"{where}; Belady's offline optimum misses {belady:.2f}x less than {policy} at {capacity} "
+                            "slots")
 
 
 def run(params, progress, cancel, lab) -> LabResult:
@@ -50,8 +80,9 @@ def run(params, progress, cancel, lab) -> LabResult:
     labels = {"retention_pct": "retention (% of expert requests already resident)",
               "bytes_per_token": "expert bytes read per token", "misses": "misses (reads)",
               "vs_belady": "misses / Belady's misses"}
+    verdict = policy_verdict(params["policy"], capacity, sweep, rows)
     progress(1.0, "done")
-    return LabResult(metrics, baseline, figures, labels, metrics_name=f"{params['policy']}",
+    return LabResult(metrics, baseline, figures, labels, metrics_name=f"{params['policy']}", verdict=verdict,
                      baseline_name="Belady (offline optimum)",
                      notes=[f"{params['policy']} misses {metrics['vs_belady']:.2f}x as often as Belady at {capacity} "
                             f"of {total} expert slots; none (no retention) reads every request."],

@@ -9,6 +9,7 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.verdict import EVEN_BAND, judge
 
 TENANT = "lab"
 
@@ -58,6 +59,24 @@ def serve_with(model, policy: str, prompts: list[list[int]], params, cancel) -> 
             "max_over_mean_load": max(served) / (len(prompts) / replicas), "served": served, "reasons": reasons}
 
 
+def requests_until_even(groups: int, replicas: int, prefix: int, distinct: int = 16) -> float:
+    """The cold-miss model: cache-aware computes each group's prefix once, round-robin once per group and replica
+    (no eviction). Over N requests, computed positions are N d + G P against N d + G R P; round-robin comes within
+    EVEN_BAND of cache-aware once N >= G P (R - 1 - EVEN_BAND) / (EVEN_BAND d)."""
+    return max(groups * prefix * (replicas - 1 - EVEN_BAND) / (EVEN_BAND * distinct), 0.0)
+
+
+def routing_verdict(params, metrics: dict[str, float], baseline: dict[str, float]):
+    even_at = requests_until_even(params["groups"], params["replicas"], params["prefix_tokens"])
+    return judge(params["policy"], "round-robin", "computed_per_request", "prompt positions computed per request",
+                 metrics["computed_per_request"], baseline["computed_per_request"], higher_is_better=False,
+                 words=("fewer", "more"),
+                 flips_when=f"round-robin catches up (within {EVEN_BAND:.0%}) only once every replica has seen every "
+                            f"prefix: after about {even_at:,.0f} requests of {params['groups']} prefixes over "
+                            f"{params['replicas']} replicas by the cold-miss model (now {params['requests']}), and "
+                            "later when caches evict")
+
+
 def run(params, progress, cancel, lab) -> LabResult:
     model = lab.loaded().model
     prompts = workload(params, model.config.vocab_size)
@@ -86,9 +105,11 @@ def run(params, progress, cancel, lab) -> LabResult:
     labels = {"hit_pct": "prompt positions from the prefix cache (%)",
               "computed_per_request": "positions computed per request",
               "max_over_mean_load": "busiest replica's requests / mean"}
+    verdict = routing_verdict(params, metrics, baseline)
     progress(1.0, "done")
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(results[params["policy"]]["reasons"].items()))
     return LabResult(metrics, baseline, figures, labels, metrics_name=params["policy"], baseline_name="round-robin",
+                     verdict=verdict,
                      notes=[f"{params['policy']} decisions: {reasons}",
                             "replicas are engines in one process here (no Ray): hits and computed positions are what "
                             "a cluster would see; time is not"],

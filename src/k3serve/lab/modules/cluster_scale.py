@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
+from k3serve.lab.verdict import EVEN_BAND, judge
 from k3serve.sim.router import RouterSimConfig, simulate_router
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64)
@@ -48,6 +49,15 @@ def run(params, progress, cancel, lab) -> LabResult:
     best = params["system_tokens"] / (params["system_tokens"] + 32)
     metrics = {"hit_pct": 100 * curves["cache-aware"][chosen]}
     baseline = {"hit_pct": 100 * curves[params["baseline"]][chosen]}
+    first_win = next((r for r, ratio in zip(counts, ratios) if ratio and ratio > 1 + EVEN_BAND), None)
+    if first_win is None:
+        flips_when = f"it gains nothing at any replica count swept ({counts[0]} to {counts[-1]})"
+    else:
+        flips_when = (f"at one replica the routers send everything to the same place; cache-aware pulls ahead from "
+                      f"{first_win} replicas on (the replica sweep: {ratios[counts.index(first_win)]:.2f}x there)")
+    verdict = judge(f"Cache-aware routing over {params['replicas']} replicas", params["baseline"], "hit_pct",
+                    "prompt tokens from a prefix cache", metrics["hit_pct"], baseline["hit_pct"],
+                    higher_is_better=True, flips_when=flips_when)
     progress(1.0, "done")
     notes = [f"at {params['replicas']} replicas cache-aware / {params['baseline']} = "
              f"{ratios[chosen]:.2f}x" if ratios[chosen] else "the baseline hit nothing",
@@ -55,7 +65,7 @@ def run(params, progress, cancel, lab) -> LabResult:
              "miss per group (cache-aware) or per group and replica (round-robin)",
              "checked against measured clusters: benchmarks/bench_sim_router_check.py (docs/CLUSTER.md)"]
     return LabResult(metrics, baseline, figures, {"hit_pct": "prompt tokens from a prefix cache (%)"},
-                     metrics_name=f"cache-aware, {params['replicas']} replicas (simulated)",
+                     metrics_name=f"cache-aware, {params['replicas']} replicas (simulated)", verdict=verdict,
                      baseline_name=f"{params['baseline']}, {params['replicas']} replicas (simulated)", notes=notes,
                      related_commands=[
                          f"k3serve sim router --replicas {params['replicas']} --per-group {params['per_group']} "

@@ -3,10 +3,12 @@ on a machine model (the simulator of k3serve.sim.full), against the C engine's p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from k3serve.config import full_k3_config
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.verdict import crossing, judge, sentence_case
 from k3serve.sim.calibrate import LADDER, c_engine_run
 from k3serve.sim.full import SimConfig, simulate
 from k3serve.sim.presets import resolve_machine
@@ -14,7 +16,8 @@ from k3serve.sim.presets import PRESETS
 from k3serve.stream.budget import BudgetError
 
 GIB = 2**30
-RUNGS_GB = (16, 32, 64, 128)
+RUNGS_GB = (8, 16, 32, 64, 128)
+HEADLINE_GB = (8, 64)  # the overview's figures: the C engine's smallest published run and a workstation
 
 
 def _c_engine_rung(ram_gb: float):
@@ -84,12 +87,41 @@ def run(params, progress, cancel, lab) -> LabResult:
     notes.append(f"C engine baseline: {rung[0]} (pinned {rung[2]} layers, {rung[3]} GB cache), published "
                  f"{rung[4]} s/token on its own machine")
     nan = {k: math.nan for k in _figures(baseline)}
+    metrics = _figures(chosen) if chosen is not None else dict(nan)
+    base = _figures(baseline)
+    for gb in HEADLINE_GB if params["ladder"] else ():  # None: k3serve does not fit there
+        metrics[f"s_per_token_at_{gb}_gib"] = math.nan if k3_points[gb] is None else k3_points[gb]
+        base[f"s_per_token_at_{gb}_gib"] = c_points[gb]
+    if params["ladder"]:
+        flip = crossing(list(RUNGS_GB), ladder_k3, ladder_c, higher_is_better=False)
+        fits = [gb for gb, s in zip(RUNGS_GB, ladder_k3) if s is not None]
+        if flip is not None:
+            flips_when = f"the two meet at about {flip:.0f} GiB on the RAM ladder"
+        elif not fits:
+            flips_when = f"k3serve fits at no rung of the ladder ({RUNGS_GB[0]} to {RUNGS_GB[-1]} GiB)"
+        else:
+            ahead = all(k <= c for k, c in zip(ladder_k3, ladder_c) if k is not None)
+            flips_when = (f"k3serve is {'ahead' if ahead else 'behind'} at every rung where it fits ({fits[0]} to "
+                          f"{fits[-1]} GiB; below {fits[0]} GiB it does not fit), so the ladder shows no flip"
+                          + ("" if params["trunk_dtype"] == "bf16" else "; trunk_dtype=bf16 is the what-if that "
+                             "shrinks its re-reads"))
+    else:
+        flips_when = "the RAM ladder is off (ladder=false), so there is no sweep to say where it flips"
+    verdict = judge(f"k3serve at {params['ram_gb']:g} GiB", f"the C engine's published {rung[1]} GB split",
+                    "s_per_token", "time per token", metrics["s_per_token"], base["s_per_token"],
+                    higher_is_better=False, flips_when=flips_when)
+    if chosen is None:  # it does not run: that is a loss, not a missing figure
+        verdict = dataclasses.replace(verdict, outcome="lost", sentence=f"k3serve lost here: it does not fit "
+                                      f"{params['ram_gb']:g} GiB, where the C engine's split takes "
+                                      f"{base['s_per_token']:.1f} s per token. {sentence_case(flips_when)}.")
     labels = {"s_per_token": "seconds per token", "bytes_per_token": "bytes read per token",
               "expert_bytes_per_token": "expert bytes read per token", "io_wait_s": "I/O wait per token (s)",
               "compute_s": "compute per token (s)", "retention_pct": "experts resident before their step (%)",
               "prefetch_served_pct": "expert requests served by a prefetch (%)"}
     progress(1.0, "done")
-    return LabResult(_figures(chosen) if chosen is not None else nan, _figures(baseline), figures, labels,
+    labels.update({f"s_per_token_at_{gb}_gib": f"seconds per token at {gb} GiB (n/a: does not fit)"
+                   for gb in HEADLINE_GB})
+    return LabResult(metrics, base, figures, labels, verdict=verdict,
                      metrics_name=f"k3serve at {params['ram_gb']:g} GiB (simulated)",
                      baseline_name=f"C engine, published {rung[1]} GB split (simulated)", notes=notes,
                      related_commands=[f"k3serve sim k3 --ram {params['ram_gb']:g}G --machine {params['machine']} "

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
+from k3serve.lab.verdict import judge
 from k3serve.lab.timing import MIN_REPEATS
 from k3serve.weights.bf16 import round_to_bf16
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
@@ -112,7 +113,13 @@ def run(params, progress, cancel, lab) -> LabResult:
     labels = {"relative_rms_error": "relative RMS error ||x-q||/||x||", "bits_per_value": "bits per value",
               "bytes": "bytes of the tensor", "quantize_ms": f"quantize time (ms, median of {MIN_REPEATS} after a warm-up)"}
     progress(1.0, "done")
-    return LabResult(metrics, baseline, figures, labels, baseline_name="int8, one scale per row",
+    # the size is what MXFP4 is for; the flip is the error budget it cannot meet
+    verdict = judge("MXFP4", "int8 with one scale per row", "bits_per_value", "bits per value",
+                    bits["MXFP4"], bits["int8 per row"], higher_is_better=False, words=("fewer", "more"),
+                    flips_when=f"it loses wherever the error budget is below its relative RMS error of "
+                               f"{errors['MXFP4']:.3g}: int8 per row holds {errors['int8 per row']:.3g} at "
+                               f"{bits['int8 per row']:.2f} bits")
+    return LabResult(metrics, baseline, figures, labels, baseline_name="int8, one scale per row", verdict=verdict,
                      metrics_name="MXFP4 (E2M1 + E8M0 scale per 32)",
                      notes=[f"bf16 error {errors['bf16']:.2e} at 16 bits; int8 per 32 values {errors['int8 per 32']:.2e} "
                             f"at {bits['int8 per 32']:.1f} bits; MXFP4 {errors['MXFP4']:.2e} at "

@@ -11,6 +11,7 @@ from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.lab.workloads import WasteMeter, ZeroRowsModel, run_all
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.verdict import crossing, judge
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_MODEL_LEN = 2048
@@ -73,11 +74,30 @@ def run(params, progress, cancel, lab) -> LabResult:
                [{"name": "blocks", "x": ["copy-on-write (measured)", "n copies (computed)"], "y": [shared, unshared]}],
                y_label="peak blocks in use (blocks)"),
     ]
-    metrics = {"waste_pct": at["paged_pct"], "blocks_for_n": float(shared)}
-    baseline = {"waste_pct": at["reserve_max_len_pct"], "blocks_for_n": float(unshared)}
-    labels = {"waste_pct": "reserved but empty positions (%)", "blocks_for_n": f"blocks for n = {n} completions"}
+    # positions reserved per position filled = 1 / (1 - waste): the memory a server must hold for the same work
+    metrics = {"waste_pct": at["paged_pct"], "reserved_per_filled": 100 / (100 - at["paged_pct"]),
+               "blocks_for_n": float(shared)}
+    baseline = {"waste_pct": at["reserve_max_len_pct"], "reserved_per_filled": 100 / (100 - at["reserve_max_len_pct"]),
+                "blocks_for_n": float(unshared)}
+    labels = {"waste_pct": "reserved but empty positions (%)",
+              "reserved_per_filled": "positions reserved per position filled",
+              "blocks_for_n": f"blocks for n = {n} completions"}
+    exact = [rows[s]["reserve_prompt_plus_max_tokens_pct"] for s in sizes]
+    flip = crossing(sizes, [rows[s]["paged_pct"] for s in sizes], exact, higher_is_better=False)
+    if flip is not None:
+        against_exact = (f"from blocks of about {flip:.0f} positions (the block-size sweep) paging wastes more than "
+                         f"even an exact reservation of prompt + max_tokens")
+    else:
+        against_exact = (f"paging wastes less than even an exact reservation of prompt + max_tokens "
+                         f"({at['reserve_prompt_plus_max_tokens_pct']:.1f}%, which needs the output length up front) "
+                         f"at every block size swept ({sizes[0]} to {sizes[-1]} positions)")
+    verdict = judge("Paged blocks", f"reserving max_model_len ({MAX_MODEL_LEN})", "reserved_per_filled",
+                    "KV memory for the same sequences", metrics["reserved_per_filled"], baseline["reserved_per_filled"],
+                    higher_is_better=False,
+                    flips_when=f"reserving max_model_len only matches it when every sequence fills all {MAX_MODEL_LEN} "
+                               f"positions; {against_exact}")
     progress(1.0, "done")
-    return LabResult(metrics, baseline, figures, labels, metrics_name="paged + copy-on-write",
+    return LabResult(metrics, baseline, figures, labels, metrics_name="paged + copy-on-write", verdict=verdict,
                      baseline_name=f"reserve max_model_len; n copies",
                      notes=[f"reserving prompt + max_tokens exactly wastes {at['reserve_prompt_plus_max_tokens_pct']}% "
                             f"(it needs to know the output length, which a server does not)",

@@ -10,6 +10,7 @@ import numpy as np
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
 from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
 from k3serve.lab.streaming import WIDENINGS
+from k3serve.lab.verdict import crossing, judge
 from k3serve.stream.io import Extent, IOEngine
 from k3serve.weights.store import PackedStore
 
@@ -92,8 +93,20 @@ def run(params, progress, cancel, lab) -> LabResult:
                 "best_queue_depth": 1.0}
     labels = {"direct_best_mib_s": "O_DIRECT, best depth (MiB/s)", "pread_best_mib_s": "pread, best depth (MiB/s)",
               "direct_qd1_mib_s": "O_DIRECT at depth 1 (MiB/s)", "best_queue_depth": "best O_DIRECT depth"}
+    flip = crossing(depths, results["direct"], mmap_mbps, higher_is_better=True)
+    if flip is not None:
+        flips_when = f"the pool and the mmap copy meet at a queue depth of about {flip:.1f} (the depth sweep)"
+    else:
+        above = results["direct"][0] >= mmap_mbps[0]
+        flips_when = (f"O_DIRECT {'beat' if above else 'trailed'} the mmap copy at every depth swept (1 to "
+                      f"{depths[-1]}; {results['direct'][0] / max(mmap_mbps[0], 1e-9):.2f}x at depth 1, best at "
+                      f"{metrics['best_queue_depth']:.0f} reads in flight)"
+                      + ("; with the page cache warm (page_cache=warm) the mmap copy reads from memory instead"
+                         if cold else ""))
+    verdict = judge("O_DIRECT through a thread pool", "an mmap copy", "direct_best_mib_s", "read throughput",
+                    best_direct, mmap_mbps[0], higher_is_better=True, words=("more", "less"), flips_when=flips_when)
     progress(1.0, "done")
-    return LabResult(metrics, baseline, figures, labels, metrics_name="pread / O_DIRECT pool",
+    return LabResult(metrics, baseline, figures, labels, metrics_name="pread / O_DIRECT pool", verdict=verdict,
                      baseline_name="mmap copy",
                      notes=["page cache dropped with posix_fadvise(DONTNEED) before each batch: the file is re-read "
                             "from the device (a virtual disk here)" if cold else

@@ -5,10 +5,47 @@ from __future__ import annotations
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.streaming import WIDENINGS, streamed_run, warm_up
 from k3serve.lab.timing import WARM_UP_MESSAGE
+from k3serve.lab.verdict import judge
 from k3serve.stream.budget import minimum_budget_bytes
 from k3serve.units import format_size
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.store import PackedStore
+
+
+def break_even_read_ms(on: dict[str, float], off: dict[str, float]) -> float | None:
+    """The demand read latency (ms per read) at which prefetch and no prefetch take the same time per token, from
+    this run: time(t) = rest + demand reads x t, with prefetched reads hidden behind compute. The demand reads per
+    token are exact counts; `rest` is each run's time less its demand reads at this machine's latency t_here (the
+    I/O wait per demand read without prefetch), so the model gives this run's times at t_here. Then
+    t* = t_here + (ms_on - ms_off) / (reads_off - reads_on), at least 0 (0.0: prefetch wins at any latency);
+    None when prefetch saves no demand reads."""
+    saved_reads = off["demand_misses_per_token"] - on["demand_misses_per_token"]
+    if saved_reads <= 0:
+        return None
+    return max(read_ms_here(off) + (on["ms_per_token"] - off["ms_per_token"]) / saved_reads, 0.0)
+
+
+def read_ms_here(off: dict[str, float]) -> float:
+    """The I/O wait per demand read without prefetch on this machine (ms)."""
+    return off["io_wait_ms_per_token"] / max(off["demand_misses_per_token"], 1e-9)
+
+
+def verdict(on: dict[str, float], off: dict[str, float]):
+    flip = break_even_read_ms(on, off)
+    now = read_ms_here(off)
+    saved = off["demand_misses_per_token"] - on["demand_misses_per_token"]
+    if flip is None:
+        flips_when = "it saves no demand reads here, so no read latency would make it pay"
+    elif flip == 0:
+        flips_when = (f"it wins at any read latency: it saves {saved:.1f} demand reads per token and costs no time "
+                      f"here (a demand read waits {now:.3f} ms now)")
+    else:
+        side = "win" if on["ms_per_token"] > off["ms_per_token"] else "lose"
+        flips_when = (f"it would {side} when a demand read takes {'longer' if side == 'win' else 'less'} than "
+                      f"{flip:.3f} ms (here {now:.3f} ms, from the page cache or this disk): it saves {saved:.1f} "
+                      f"demand reads per token, each worth one read's latency once its own reads hide behind compute")
+    return judge("Next-layer prefetch", "no prefetch", "ms_per_token", "time per token", on["ms_per_token"],
+                 off["ms_per_token"], higher_is_better=False, flips_when=flips_when)
 
 
 def run(params, progress, cancel, lab) -> LabResult:
@@ -66,6 +103,7 @@ def run(params, progress, cancel, lab) -> LabResult:
     progress(1.0, "done")
     same = runs["none"].measurement.outputs == runs["next-layer"].measurement.outputs
     return LabResult(on, off, figures, labels, metrics_name="next-layer prefetch", baseline_name="prefetch off",
+                     verdict=verdict(on, off),
                      notes=[f"{issued} guesses issued, {wasted} never used ({wasted / max(issued, 1):.0%} wasted)",
                             "prefetch only fills free or never-used slots: it never evicts a warm expert",
                             "generated tokens identical with and without prefetch" if same else

@@ -10,6 +10,7 @@ from k3serve.lab.workloads import shared_prefix_ttft
 from k3serve.lab.fixtures import MODEL_CHOICES
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
+from k3serve.lab.verdict import judge
 
 
 def run(params, progress, cancel, lab) -> LabResult:
@@ -54,8 +55,24 @@ def run(params, progress, cancel, lab) -> LabResult:
     baseline = {"steady_ttft_ms": 1e3 * steady_off, "hit_rate_pct": 0.0, "checkpoints": 0.0}
     labels = {"steady_ttft_ms": "TTFT from the 3rd request on (ms)", "hit_rate_pct": "prompt positions restored, all requests (%)",
               "checkpoints": "recurrent state checkpoints held (KDA / DeltaNet; none in a model without them)"}
+    # a miss with the cache on (requests 1 and 2: the lookup, the checkpoints saved) against the same request off
+    misses = min(2, params["requests"])
+    miss_cost = statistics.median(per_request[True][:misses]) - statistics.median(per_request[False][:misses])
+    hit_saving = 1e3 * (steady_off - steady_on)
+    if hit_saving <= 0:
+        flips_when = f"a hit saves nothing here ({hit_saving:.1f} ms), so no share of repeats would make it pay"
+    elif miss_cost <= 0:
+        flips_when = (f"a miss costs no more with the cache on ({miss_cost:+.1f} ms), so it cannot lose on TTFT; "
+                      "it gains whenever a prefix comes back")
+    else:
+        flips_when = (f"it would lose if fewer than {miss_cost / (miss_cost + hit_saving):.0%} of requests found their "
+                      f"prefix: a miss costs {miss_cost:.1f} ms more with the cache on, a hit saves "
+                      f"{hit_saving:.1f} ms")
+    verdict = judge("The prefix cache", "no cache", "steady_ttft_ms", "time to first token", metrics["steady_ttft_ms"],
+                    baseline["steady_ttft_ms"], higher_is_better=False, flips_when=flips_when)
     progress(1.0, "done")
     return LabResult(metrics, baseline, figures, labels, metrics_name="prefix cache on", baseline_name="off",
+                     verdict=verdict,
                      notes=["request 1 misses; request 2 misses too but saves a checkpoint at the branch point "
                             "(where it diverges from request 1); from request 3 on the shared prefix is restored: "
                             "attention blocks (MLA or GQA) by chained hash, recurrent state (KDA or DeltaNet) from the "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from k3serve.config import K3Config, full_k3_config
-from k3serve.lab.registry import Figure, LabModule, LabResult, Param
+from k3serve.lab.registry import Figure, LabModule, LabResult, Param, Verdict
+from k3serve.lab.verdict import judge
 
 PRECISION_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -37,6 +38,29 @@ def measured_cache_bytes(lab, context: int) -> dict[str, float]:
     kda = sum(sum(a.nbytes for a in cache.recurrent_state(l)) for l in cache.layout.recurrent_layers)
     mla = sum(cache.attention_rows(l).nbytes for l in cache.layout.attention_layers)
     return {"kda_state_bytes": float(kda), "mla_latent_bytes": float(mla), "tokens": float(len(window))}
+
+
+def break_even_context(config: K3Config, width: int) -> float | None:
+    """The context below which the hybrid holds more bytes than every layer plain MHA: both are linear in the
+    context, hybrid = KDA + h T and MHA = m T, so T* = KDA / (m - h); None when MHA never grows faster."""
+    at0, at1 = per_sequence_bytes(config, 0, width), per_sequence_bytes(config, 1, width)
+    hybrid_slope = at1["hybrid_bytes"] - at0["hybrid_bytes"]
+    mha_slope = at1["all_mha_bytes"] - at0["all_mha_bytes"]
+    if mha_slope <= hybrid_slope:
+        return None
+    return at0["hybrid_bytes"] / (mha_slope - hybrid_slope)
+
+
+def verdict(config: K3Config, width: int, at: dict[str, float], context: int) -> Verdict:
+    flip = break_even_context(config, width)
+    if flip is None:
+        flips_when = "plain MHA never grows faster than the hybrid with these shapes"
+    else:
+        flips_when = (f"it would lose below {flip:,.0f} tokens of context, where the constant KDA state "
+                      f"({at['kda_state_bytes'] / 1e6:,.1f} MB) outweighs plain MHA's K and V")
+    return judge(f"The K3 hybrid at {context:,} tokens", "every layer plain MHA", "hybrid_bytes",
+                 "bytes per sequence", at["hybrid_bytes"], at["all_mha_bytes"], higher_is_better=False,
+                 words=("fewer", "more"), flips_when=flips_when)
 
 
 def run(params, progress, cancel, lab) -> LabResult:
@@ -85,7 +109,7 @@ def run(params, progress, cancel, lab) -> LabResult:
     baseline = {"hybrid_bytes": at["all_mha_bytes"], "kda_state_bytes": 0.0, "mla_latent_bytes": at["all_mha_bytes"]}
     return LabResult(metrics, baseline, figures, labels, metrics_name=f"K3 hybrid at {context} tokens",
                      baseline_name="every layer plain MHA (K and V cached)", notes=notes,
-                     related_commands=["k3serve info --full-k3"])
+                     related_commands=["k3serve info --full-k3"], verdict=verdict(config, width, at, context))
 
 
 MODULE = LabModule(

@@ -11,6 +11,7 @@ import numpy as np
 from k3serve.config import full_k3_config
 from k3serve.lab.registry import Figure, LabModule, LabParamError, LabResult, Param
 from k3serve.lab.timing import MIN_REPEATS, WARM_UP_MESSAGE
+from k3serve.lab.verdict import judge
 from k3serve.model.rollback import KIMI_LINEAR_SHAPES, RecurrentShapes, RollbackCache, rollback_storage
 
 PRECISION_BYTES = {"bf16": 2, "fp32": 4}
@@ -114,8 +115,19 @@ def run(params, progress, cancel, lab) -> LabResult:
                               [{"name": "rollback", "x": ["snapshot", "projection"],
                                 "y": [measured[m]["rollback_ms"] for m in ("snapshot", "projection")]}],
                               y_label="rollback time (ms)"))
+    # the shortest window from which the projection cache holds fewer bytes (it stores one state either way, then
+    # vectors per position against a whole state per position)
+    smallest = next((w for w in range(1, 257) if (r := rollback_storage(shapes, w, width, accounting))
+                     .projection_bytes < r.snapshot_bytes), None)
+    flips_when = (f"for {shapes.name} it holds fewer bytes from a window of {smallest} positions on and more below"
+                  if smallest is not None else f"for {shapes.name} it never holds fewer bytes up to 256 positions")
+    if smallest == 1:
+        flips_when = f"for {shapes.name} it holds fewer bytes at every window, from 1 position on"
+    verdict = judge(f"The projection cache (T = {t})", "snapshots", "projection_bytes", "bytes per sequence",
+                    at.projection_bytes, at.snapshot_bytes, higher_is_better=False, words=("fewer", "more"),
+                    flips_when=flips_when)
     progress(1.0, "done")
-    return LabResult(metrics, baseline, figures, labels, metrics_name="projection cache",
+    return LabResult(metrics, baseline, figures, labels, metrics_name="projection cache", verdict=verdict,
                      baseline_name="snapshots", notes=notes,
                      related_commands=[f"k3serve spec-storage --max-window {params['max_window']}"])
 

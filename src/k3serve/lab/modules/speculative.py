@@ -12,6 +12,7 @@ from k3serve.engine.sampling import SamplingParams
 from k3serve.engine.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeConfig
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
+from k3serve.lab.verdict import judge
 
 
 def grounded_prompt(lab, excerpt_tokens: int) -> list[int]:
@@ -19,6 +20,49 @@ def grounded_prompt(lab, excerpt_tokens: int) -> list[int]:
     drafting needs), as when a user asks for the same code with a change."""
     window = lab.windows(1, excerpt_tokens + 1, skip=6, kind="code")[0]
     return window + window[1:1 + min(8, excerpt_tokens)]
+
+
+def tokens_per_window(acceptance: float, drafts: float) -> float:
+    """Tokens a verify window yields when each of `drafts` drafts is accepted with probability `acceptance` (up to
+    the first rejection, plus the target's own token): (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return drafts + 1.0
+    return (1.0 - acceptance ** (drafts + 1.0)) / (1.0 - acceptance)
+
+
+def break_even_acceptance(window_cost: float, drafts: float) -> float | None:
+    """The acceptance at which a window's tokens pay for its cost (`window_cost` plain decode steps): solves
+    tokens_per_window(a, k) = window_cost by bisection (it rises from 1 at a = 0 to k + 1 at a = 1). 0.0 when even
+    a rejected window pays; None when no acceptance does."""
+    if window_cost <= 1.0:
+        return 0.0
+    if window_cost >= drafts + 1.0:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if tokens_per_window(middle, drafts) < window_cost else (low, middle)
+    return (low + high) / 2
+
+
+def verdict(stats, plain_s: list[float], spec_s: list[float], tokens: int, rate: float, plain_rate: float):
+    windows = max(stats.windows, 1)
+    plain_step = statistics.median(plain_s) / max(tokens - 1, 1)
+    window_cost = statistics.median(spec_s) / windows / plain_step  # in plain steps, drafting included
+    drafts = stats.drafted / windows
+    flip = break_even_acceptance(window_cost, drafts)
+    if flip is None:
+        flips_when = (f"a window costs {window_cost:.2f} plain steps here, more than its {drafts:.1f} drafts can "
+                      "return at any acceptance")
+    elif flip == 0.0:
+        flips_when = f"a window costs no more than a plain step here ({window_cost:.2f}x), so it pays at any acceptance"
+    else:
+        ahead = rate >= plain_rate
+        flips_when = (f"it would {'lose' if ahead else 'win'} {'below' if ahead else 'above'} "
+                      f"{flip:.0%} acceptance (now {stats.acceptance_rate:.0%}): a window of {drafts:.1f} drafts costs "
+                      f"{window_cost:.2f} plain steps here and yields (1 - a^(k+1)) / (1 - a) tokens")
+    return judge("Speculative decoding", "plain greedy", "tok_per_s", "decoding", rate, plain_rate,
+                 higher_is_better=True, words=("faster", "slower"), flips_when=flips_when)
 
 
 def run(params, progress, cancel, lab) -> LabResult:
@@ -84,6 +128,7 @@ def run(params, progress, cancel, lab) -> LabResult:
               "speedup": "speed-up over plain greedy"}
     progress(1.0, "done")
     return LabResult(metrics, baseline, figures, labels, metrics_name=f"speculative ({params['drafter']})",
+                     verdict=verdict(stats, plain_s, spec_s, tokens, spec_rate, plain_rate),
                      baseline_name="plain greedy",
                      notes=["greedy speculative output is token for token the plain greedy output" if same else
                             "WARNING: speculative output differs from plain greedy"],

@@ -7,6 +7,7 @@ import dataclasses
 from k3serve.lab.isolation import IsolationConfig, run_isolation
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.timing import WARM_UP_MESSAGE
+from k3serve.lab.verdict import judge
 
 MODES = ("alone", "fcfs", "fair")
 
@@ -51,8 +52,18 @@ def run(params, progress, cancel, lab) -> LabResult:
               "b_unserved": "B requests still waiting at the end", "b_tok_per_s": "B's generated tok/s",
               "total_tok_per_s": "all generated tok/s"}
     alone = rows["alone"]["b_ttft_p99_ms"]
+    # the step-budget model: under FCFS, B waits behind A's queued prompt positions; it stops waiting once A's
+    # prompts and B's fit one step's budget together
+    needed = params["flood_requests"] * params["flood_prompt_tokens"] + params["light_prompt_tokens"]
+    throughput = rows["fair"]["total_tok_per_s"] / max(rows["fcfs"]["total_tok_per_s"], 1e-9)
+    verdict = judge("Fair scheduling", "first come, first served", "b_ttft_p99_ms", "p99 time to first token for B",
+                    rows["fair"]["b_ttft_p99_ms"], rows["fcfs"]["b_ttft_p99_ms"], higher_is_better=False,
+                    flips_when=f"FCFS would serve B as well once A's prompts and B's fit one step: "
+                               f"max_batch_tokens of at least {needed} (now {params['max_batch_tokens']}), by the "
+                               f"step-budget model; fair kept {throughput:.2f}x FCFS's total throughput")
     progress(1.0, "done")
     return LabResult(rows["fair"], rows["fcfs"], figures, labels, metrics_name="fair (virtual token counter)",
+                     verdict=verdict,
                      baseline_name="first come, first served",
                      notes=[f"B's p99 TTFT: alone {alone:.0f} ms, fcfs {rows['fcfs']['b_ttft_p99_ms']:.0f} ms, fair "
                             f"{rows['fair']['b_ttft_p99_ms']:.0f} ms",

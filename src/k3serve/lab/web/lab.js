@@ -7,7 +7,8 @@
 // colour, a text table behind each, numbers in human units (labFormat). A permalink per module fills its form from
 // the URL; a result downloads as JSON or CSV; a module run again with other parameters shows the previous run
 // dashed. The machine profile (price per hour, watts; localStorage) puts $ per million tokens and J/token beside
-// every tok/s.
+// every tok/s. The overview on top (api/overview) gives the answers first: headline figures and every module's
+// verdict, from the stored runs until a run here replaces them; Run all queues every module at its defaults.
 "use strict";
 
 const POLL_MS = 300;
@@ -206,7 +207,8 @@ function renderModule(module) {
     el("h2", {}, el("span", {class: "num", text: `${module.number}.`}), module.title,
        el("span", {class: "kind", text: kinds[module.kind] || module.kind})),
     el("p", {class: "summary", text: module.summary}),
-    el("p", {class: "explanation", text: module.explanation}));
+    el("p", {class: "explanation", text: module.explanation}),
+    el("p", {class: "latest", "data-role": "latest", "aria-live": "polite"}));
   const form = el("form", {class: "params", onsubmit: (e) => { e.preventDefault(); run(module.id, false); },
                            // Enter in any field runs the module (a form without a submit button would not submit)
                            onkeydown: (e) => {
@@ -257,18 +259,30 @@ function showProgress(id, job) {
 }
 
 async function run(id, rerun) {
+  const section = document.getElementById(`m-${id}`);
+  return submit(id, readParams(section, state[id].module), rerun, false);
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+async function submit(id, params, rerun, waitForRoom) {
+  // POST one run and follow its job; `waitForRoom` (Run all): a full queue (429) is waited out, not reported
   const entry = state[id];
   const section = document.getElementById(`m-${id}`);
   const error = section.querySelector('[data-role="error"]');
   error.textContent = "";
-  const params = readParams(section, entry.module);
   setRunning(id, true);
   entry.following = "pending";  // the queue panel's poll must not attach to the job this POST creates
   let response, body;
   try {
-    response = await fetch(`api/modules/${id}/run${rerun ? "?rerun=true" : ""}`, {
-      method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(params)});
-    body = await response.json();
+    for (;;) {
+      response = await fetch(`api/modules/${id}/run${rerun ? "?rerun=true" : ""}`, {
+        method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(params)});
+      body = await response.json();
+      if (!(waitForRoom && response.status === 429)) break;
+      section.querySelector('[data-role="message"]').textContent = "waiting for room in the queue";
+      await sleep(QUEUE_POLL_MS);
+    }
   } catch (exc) {
     error.textContent = `the server did not answer: ${exc}`;
     entry.following = null;
@@ -288,6 +302,25 @@ async function run(id, rerun) {
   }
   entry.job = body.job_id;
   follow(id, body);
+  return true;
+}
+
+async function runAll() {
+  // every module at its defaults, queued in page order (a module already following a job keeps it)
+  const button = document.getElementById("run-all");
+  const status = document.getElementById("run-all-status");
+  button.disabled = true;
+  let queued = 0;
+  const ids = Object.keys(state);
+  for (const id of ids) {
+    if (state[id].following !== null && state[id].following !== undefined) continue;
+    const params = defaults(state[id].module);
+    fillForm(document.getElementById(`m-${id}`), params);
+    status.textContent = `queueing ${queued + 1} of ${ids.length}: ${state[id].module.title}`;
+    if (await submit(id, params, false, true)) queued += 1;
+  }
+  status.textContent = `${queued} modules queued at their defaults; each shows its result and verdict when done.`;
+  button.disabled = false;
 }
 
 function follow(id, job) {
@@ -312,6 +345,7 @@ function follow(id, job) {
   const section = document.getElementById(`m-${id}`);
   if (job.status === "done") {
     renderResult(id, job.result, job.cached, job.job_id);
+    refreshOverview();
   } else if (job.status === "failed") {
     section.querySelector('[data-role="error"]').textContent = `the run failed: ${job.error}`;
   } else if (job.status === "cancelled") {
@@ -408,6 +442,7 @@ function renderResult(id, result, cached, jobId) {
   }
   table.append(tbody);
   target.append(el("div", {class: "table-wrap"}, table));
+  if (result.verdict) target.append(verdictLine(result.verdict, "Verdict: "));
   if (result.notes && result.notes.length) {
     const notes = el("ul", {class: "notes"});
     for (const note of result.notes) notes.append(el("li", {text: note}));
@@ -444,6 +479,101 @@ function renderResult(id, result, cached, jobId) {
       el("a", {href: `api/jobs/${jobId}/result.csv`, download: `${id}-${jobId}.csv`, "data-role": "export-csv",
                text: "CSV"}),
       previous ? ` Dashed: the previous run (${changed}).` : ""));
+  }
+}
+
+function verdictLine(verdict, prefix) {
+  // one generated sentence: won / lost / even, by how much, and when it would flip
+  return el("p", {class: `verdict ${verdict.outcome}`, "data-role": "verdict", "data-outcome": verdict.outcome,
+                  "data-metric": verdict.metric},
+            el("b", {text: prefix}), verdict.sentence);
+}
+
+// ---- the answers-first overview: headline figures and every module's verdict (api/overview) -------------------
+const BADGES = {measured: "measured on this machine", recorded: "recorded (a stored run)",
+                simulated: "simulated (model)"};
+
+function badge(name) {
+  return el("span", {class: `mark ${name === "simulated" ? "simulated" : "measured"} badge-${name}`,
+                     "data-badge": name, text: BADGES[name] || name});
+}
+
+function whenText(entry) {
+  const day = entry.date ? entry.date.replace("T", " ").replace("+00:00", " UTC") : "date unknown";
+  return `${entry.source === "stored run" ? "stored run" : "run here"}, ${day}${entry.machine ? ", " + entry.machine : ""}`;
+}
+
+function figureText(entry) {
+  if (entry.text) return entry.text;
+  const value = formatNumber(entry.value, entry.label);
+  const base = entry.baseline === null || entry.baseline === undefined ? "" :
+    ` vs ${formatNumber(entry.baseline, entry.label)} (${entry.baseline_name})`;
+  return `${entry.label}: ${value} (${entry.metrics_name})${base}`;
+}
+
+function moduleLink(id, text) {
+  return state[id] ? el("a", {href: `#m-${id}`, "data-role": "module-link", text}) : el("span", {text});
+}
+
+function renderOverview(data) {
+  const meta = document.getElementById("overview-meta");
+  const stored = data.stored;
+  meta.textContent = stored.date
+    ? `Figures from the stored runs of ${stored.date.slice(0, 10)} on ${stored.machine} (${stored.command}, every ` +
+      `module at its defaults); a run made here replaces its module's figure and carries its own date.`
+    : "No stored runs ship with this install: every figure says \"not yet run\" until its module runs here.";
+  if (stored.error) meta.textContent += ` (${stored.error})`;
+  const cards = document.getElementById("headlines");
+  cards.innerHTML = "";
+  for (const entry of data.headlines) {
+    const card = el("div", {class: "headline", "data-slot": entry.slot, "data-status": entry.status},
+                    el("h3", {text: entry.title}));
+    if (entry.status !== "done") {
+      card.append(el("p", {class: "figure-text", "data-role": "figure", text: "not yet run"}),
+                  el("p", {class: "when", text: state[entry.module]
+                    ? `module ${entry.module}: press Run there, or Run all` :
+                    `module ${entry.module} is not part of this install`}));
+    } else {
+      card.append(el("p", {class: "figure-text", "data-role": "figure", text: figureText(entry)}));
+      if (entry.verdict) card.append(verdictLine(entry.verdict, ""));
+      card.append(el("p", {class: "when"}, badge(entry.badge), " ", whenText(entry), " ",
+                     moduleLink(entry.module, `module: ${entry.module_title || entry.module}`)));
+    }
+    cards.append(card);
+  }
+  const list = document.getElementById("verdicts");
+  list.innerHTML = "";
+  for (const row of data.modules) {
+    const item = el("li", {"data-module": row.module, "data-status": row.status},
+                    moduleLink(row.module, `${row.number}. ${row.title}`));
+    if (row.status !== "done") {
+      item.append(" ", el("span", {class: "when", text: "not yet run"}));
+    } else {
+      if (row.verdict) {
+        const factor = row.verdict.factor === null ? "" : ` ${formatRatio(row.verdict.factor)}`;
+        item.append(" ", el("span", {class: `outcome ${row.verdict.outcome}`, text: `${row.verdict.outcome}${factor}`}));
+      }
+      item.append(" ", badge(row.badge), el("p", {class: "sentence", "data-role": "verdict",
+                                                   text: row.verdict ? row.verdict.sentence : "no verdict"}),
+                  el("span", {class: "when", text: whenText(row) +
+                    (row.timing ? "; a timing: it moves with the machine and its load" : "")}));
+    }
+    list.append(item);
+    const latest = document.querySelector(`#m-${row.module} [data-role="latest"]`);
+    if (latest) {
+      latest.innerHTML = "";
+      if (row.status === "done" && row.verdict) {
+        latest.append(el("b", {text: "Last run: "}), badge(row.badge), ` ${whenText(row)}. ${row.verdict.sentence}`);
+      }
+    }
+  }
+}
+
+async function refreshOverview() {
+  try {
+    renderOverview(await (await fetch("api/overview")).json());
+  } catch (exc) {
+    document.getElementById("overview-meta").textContent = `cannot load the overview: ${exc}`;
   }
 }
 
@@ -595,7 +725,9 @@ async function main() {
     toc.append(el("a", {href: `#m-${module.id}`, text: `${module.number}. ${module.title}`}));
     container.append(renderModule(module));
   }
-  status.textContent = `${modules.length} modules. Nothing runs until you press Run.`;
+  status.textContent = `${modules.length} modules. Nothing runs until you press Run (or Run all).`;
+  document.getElementById("run-all").addEventListener("click", runAll);
+  await refreshOverview();
   openPermalink();
   await refreshQueue();  // re-attach to jobs queued or running before this page was loaded
   document.body.dataset.ready = "true";
