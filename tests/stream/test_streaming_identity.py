@@ -107,7 +107,7 @@ def test_top_p_streams_byte_identically_and_its_prefetch_guesses_only_kept_exper
     budget = minimum_budget_bytes(tiny_store) + 8 * tiny_store.expert_stride
     issued = {}
     for top_p in (limit, None):
-        options = StreamOptions(ram_budget=budget, cache="lru", prefetch="next-layer")
+        options = StreamOptions(ram_budget=budget, trunk_dtype="float32", cache="lru", prefetch="next-layer")
         model = load_model(tiny_store.path, stream=options, expert_top_p=top_p).model
         if top_p is not None:
             np.testing.assert_array_equal(model.logits(prompt), want)
