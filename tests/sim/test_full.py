@@ -27,16 +27,25 @@ def tiny_packed(tiny_dir, tmp_path_factory):
     return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("sim-tiny-packed"))
 
 
+@pytest.fixture(scope="module")
+def tiny_packed_q8_0(tiny_dir, tmp_path_factory):
+    return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("sim-tiny-q8_0"), trunk_precision="q8_0")
+
+
 @pytest.mark.parametrize("policy,extra_slots,pin,dtype,top_p", [
     ("lru", 3, 0, "float32", 1.0), ("lfu", 9, None, "float32", 1.0), ("s3fifo", 20, None, "float32", 1.0),
     ("none", 5, 0, "float32", 1.0), ("lru", 2, None, "bf16", 1.0), ("lfu", 40, 0, "bf16", 1.0),
-    ("lfu", 80, None, "bf16", 1.0), ("lru", 3, 0, "float32", 0.6), ("lfu", 9, 0, "bf16", 0.6)])
-def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, extra_slots, pin, dtype, top_p):
-    store = tiny_packed
-    budget = minimum_budget_bytes(store, trunk_dtype=dtype) + extra_slots * store.expert_stride
+    ("lfu", 80, None, "bf16", 1.0), ("lru", 3, 0, "float32", 0.6), ("lfu", 9, 0, "bf16", 0.6),
+    ("lru", 2, None, "q8_0", 1.0), ("lfu", 40, 0, "q8_0", 1.0), ("lfu", 80, None, "q8_0", 1.0)])
+def test_simulator_reads_what_the_engine_reads(tiny_packed, tiny_packed_q8_0, tmp_path, policy, extra_slots, pin,
+                                               dtype, top_p):
+    """dtype q8_0: a store packed with --trunk-precision q8_0, run with a bf16 trunk dtype (held as views, as bf16)."""
+    store = tiny_packed_q8_0 if dtype == "q8_0" else tiny_packed
+    engine_dtype = "bf16" if dtype == "q8_0" else dtype
+    budget = minimum_budget_bytes(store, trunk_dtype=engine_dtype) + extra_slots * store.expert_stride
     trace_path = tmp_path / "run.trace"
     options = StreamOptions(ram_budget=budget, io="pread", queue_depth=4, cache=policy, prefetch="none",
-                            pin_trunk_bytes=pin, trace_out=trace_path, trunk_dtype=dtype)
+                            pin_trunk_bytes=pin, trace_out=trace_path, trunk_dtype=engine_dtype)
     loaded = load_model(store.path, stream=options, expert_top_p=ExpertTopP(top_p, 1))
     source = loaded.model.source
     generate(loaded.model, [1, 5, 9, 200, 17, 3], SamplingParams(max_tokens=9, ignore_eos=True))

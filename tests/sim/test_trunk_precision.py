@@ -44,7 +44,7 @@ def test_simulator_reads_what_the_engine_reads_from_a_quantized_trunk(quantized_
     source.close()
     real, plan = source.stats().stream, source.plan
     assert plan.streamed_layers and real.trunk_bytes_read > 0
-    assert not plan.trunk_views  # a quantized trunk is built as copies (budget.builds_views)
+    assert plan.trunk_views == (precision == "q8_0")  # an MXFP4 trunk is built as copies (budget.builds_views)
     result = simulate(replay_config(read_trace(trace_path), laptop(), store=VirtualStore.from_store(store, precision),
                                     ram_bytes=budget, policy="lru", prefetch="none", queue_depth=4,
                                     count_prefill=True, trunk_dtype=precision))
@@ -60,8 +60,8 @@ def test_full_k3_trunk_bytes_per_precision():
     sizes = {d: VirtualStore(config, trunk_dtype=d).trunk_bytes for d in ("bf16", "q8_0", "mxfp4")}
     assert 0.53 < sizes["q8_0"] / sizes["bf16"] < 0.56  # 34 / 64 on the matrices, the rest (norms) as stored
     assert 0.265 < sizes["mxfp4"] / sizes["bf16"] < 0.29  # 17 / 64
-    # bf16 is held as views of its read buffers (the memory floor); a quantized trunk is built as copies, its
+    # bf16 and q8_0 are held as views of their read buffers (the memory floor); mxfp4 is built as copies, its
     # layers held whole beside a staging buffer (budget.builds_views), so its floor is above bf16's
-    assert minimum_ram(config, "bf16") < minimum_ram(config, "mxfp4") < minimum_ram(config, "q8_0")
+    assert minimum_ram(config, "q8_0") < minimum_ram(config, "bf16") < minimum_ram(config, "mxfp4")
     with pytest.raises(SimConfigError, match="trunk dtype"):
         VirtualStore(config, trunk_dtype="q4_k")

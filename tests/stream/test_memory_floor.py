@@ -1,6 +1,7 @@
 """The memory floor (issue 34, item 1): the trunk held as views of what was read (a bf16 trunk on a store of format
-2), the budget splitter's charges for it, a store of format 1 still read (as copies), and the live engine at its
-computed minimum inside a memory cgroup, with the output of the same weights held whole."""
+2, its matrices stored as bf16 or Q8_0), the budget splitter's charges for it, a store of format 1 and an MXFP4
+trunk still read (as copies), and the live engine at its computed minimum inside a memory cgroup, with the output
+of the same weights held whole."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
 from k3serve.model.weights import DenseMLPPieces
+from k3serve.weights.quantized import QuantizedMatrix
 from k3serve.sim.full import VirtualStore
 from k3serve.stream.budget import minimum_budget_bytes, plan_budget
 from k3serve.stream.options import StreamOptions
@@ -26,6 +28,11 @@ from k3serve.weights.store import PackedStore, StoreError
 GiB = 1 << 30
 IDS = [1, 5, 9, 200, 17, 3, 88, 41]
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_memory_floor.py"
+
+
+@pytest.fixture(scope="module")
+def q8_0_store(tiny_dir, tmp_path_factory):
+    return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("floor-q8_0"), trunk_precision="q8_0")
 
 
 def _bench():
@@ -117,24 +124,64 @@ def test_the_engine_runs_at_its_minimum_in_a_memory_cgroup(tmp_path):
     assert r["minimum_bytes"] < r["trunk_bytes"]  # the trunk (embedding and lm_head included) does not fit: it streams
 
 
-def test_views_hold_only_what_the_splitter_charges(tiny_store):
-    """Built as views, each layer holds beside its read buffer only float32 copies, within `widened_bytes`; the
-    source allocates exactly the plan's ring."""
+def test_a_q8_0_trunk_streams_as_views_with_its_resident_output(q8_0_store):
+    """A Q8_0 trunk on a format-2 store is held as views too: at its minimum (everything streamed, a dense layer in
+    pieces, the lm_head in row chunks, embedding rows read on demand) the tokens and logits are those of the same
+    store held whole, and its minimum is under the bf16 store's."""
+    minimum = minimum_budget_bytes(q8_0_store, trunk_dtype="bf16")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    results = {}
+    for name, ram in (("minimum", minimum), ("whole", None)):
+        loaded = load_model(q8_0_store.path, stream=StreamOptions(ram_budget=ram, trunk_dtype="bf16"))
+        source = loaded.model.source
+        try:
+            plan = source.plan
+            assert plan.trunk_views and plan.total_bytes <= (ram or plan.total_bytes)
+            if name == "minimum":
+                assert not plan.head_pinned and not plan.pinned_layers
+                assert isinstance(source.layer(0).mlp, DenseMLPPieces)
+                source._trunk_pending = None
+                in_proj = source.layer(1).attention.in_proj
+                assert isinstance(in_proj, QuantizedMatrix)
+                assert np.shares_memory(in_proj.data, np.frombuffer(source._ring[source._current], np.uint8))
+            results[name] = (generate(loaded.model, IDS, params)[0], loaded.model.logits(IDS))
+            source.check_integrity()
+        finally:
+            source.close()
+    assert results["minimum"][0] == results["whole"][0]
+    np.testing.assert_array_equal(results["minimum"][1], results["whole"][1])
+
+
+def test_an_mxfp4_trunk_is_built_as_copies(tiny_dir, tmp_path):
+    store = pack_checkpoint(tiny_dir, tmp_path / "mxfp4", trunk_precision="mxfp4")
+    plan = plan_budget(store, minimum_budget_bytes(store, trunk_dtype="bf16"), trunk_dtype="bf16")
+    assert not plan.trunk_views  # an MXFP4 entry is nibbles then scales: no fused group or row is one view
+
+
+@pytest.mark.parametrize("precision", ["bf16", "q8_0"])
+def test_views_hold_only_what_the_splitter_charges(tiny_store, q8_0_store, precision):
+    """Built as views, each layer holds beside its read buffer only float32 copies, within `widened_bytes` (a
+    Q8_0 matrix, fused groups included, is a view of the buffer's blocks); the source allocates exactly the plan's
+    ring."""
     import mmap
 
     from k3serve.model.weights import build_layer
 
+    tiny_store = q8_0_store if precision == "q8_0" else tiny_store
     with open(tiny_store.trunk_path, "rb") as f:
         raw = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
         for layer, blob in enumerate(tiny_store.layers):
             buffer = raw[blob.offset:blob.offset + blob.read_size]
             built = build_layer(tiny_store.config, layer, blob.decode(buffer, keep_bf16=True).__getitem__, "bf16",
                                 views=True)
-            arrays = [v for part in (built, built.attention, built.mlp) for v in vars(part).values()
-                      if isinstance(v, np.ndarray)]
+            held = [v for part in (built, built.attention, built.mlp) for v in vars(part).values()]
+            arrays = [v.data if isinstance(v, QuantizedMatrix) else v for v in held]
+            arrays = [a for a in arrays if isinstance(a, np.ndarray)]
             copies = sum(a.nbytes for a in arrays if not np.shares_memory(a, buffer))
             views = [a for a in arrays if np.shares_memory(a, buffer)]
-            assert views and all(a.dtype == np.uint16 for a in views)  # every bf16 matrix, fused groups included
+            kind = np.uint8 if precision == "q8_0" else np.uint16  # Q8_0 blocks, or bf16 bits
+            assert views and all(a.dtype == kind for a in views)  # every matrix, fused groups included
+            assert precision == "bf16" or sum(isinstance(v, QuantizedMatrix) for v in held) >= 3
             assert 0.8 * blob.widened_bytes("bf16") <= copies <= blob.widened_bytes("bf16")
     minimum = minimum_budget_bytes(tiny_store, trunk_dtype="bf16")
     loaded = load_model(tiny_store.path, stream=StreamOptions(ram_budget=minimum, trunk_dtype="bf16"))

@@ -17,7 +17,10 @@ The counters are `StreamStats` (model/expert_source.py), the options `StreamOpti
 With a bf16 trunk on a format-2 store (`plan.trunk_views`, the memory floor, stream/trunk_spans.py) a streamed
 layer is views of a staging ring buffer (the read-ahead goes to the other one), a dense layer's MLP is read in
 pieces as the model reaches it (`PieceReader`), embedding rows are read per token (`EmbeddingReader`) and an
-lm_head that is not pinned is read in row chunks through the ring (`HeadChunks`).
+lm_head that is not pinned is read in row chunks through the ring (`HeadChunks`). A Q8_0 trunk (`pack
+--trunk-precision q8_0`) is held so too: its matrices and fused groups are `QuantizedMatrix` views of the same
+buffers. An MXFP4 trunk is not (an entry is its nibbles, then its scales, so neither a fused group nor a row is
+contiguous): it is built as copies, as a float32 or bf16 trunk on a format-1 store is.
 
 NOTE: the arrays returned by `experts()` are views of cache slots, valid until the next `experts()` call; a
 streamed layer's arrays (views mode) are valid until the layer after next is taken.
@@ -40,7 +43,8 @@ from k3serve.model.expert_source import SourceStats, StepReads, StreamStats, gue
 from k3serve.model.routing import Routing
 from k3serve.model.kernels import linear
 from k3serve.model.weights import (DenseMLPPieces, ExpertWeights, GlobalWeights, LayerWeights, WeightSource,
-                                   adjacent_view, build_globals, build_layer, build_small_globals)
+                                   adjacent_quantized_view, adjacent_view, build_globals, build_layer,
+                                   build_small_globals)
 from k3serve.stream.budget import BudgetPlan, ViewSizes, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
 from k3serve.stream.io import Extent, StripedIO, open_reader
@@ -50,6 +54,7 @@ from k3serve.stream.trace import TraceWriter, trace_meta
 from k3serve.stream.trunk_spans import MLP_DOWN, MLP_GATE, MLP_UP, Span, head_chunks, piece_spans
 from k3serve.units import format_size
 from k3serve.weights import names
+from k3serve.weights.quantized import QuantizedMatrix
 from k3serve.weights.store import PackedStore, TensorEntry, TrunkBlob, expert_parts
 
 logger = logging.getLogger(__name__)
@@ -254,13 +259,14 @@ class StreamingSource(WeightSource):
         arrays = _shifted(g, [t for t in g.entries if t.name not in (names.EMBED, names.LM_HEAD)],
                           g.offset - sizes.small_span.start).decode(small, keep_bf16=True)
         head = g.tensor(names.LM_HEAD)
-        embed = EmbeddingReader(self, g.offset + g.tensor(names.EMBED).offset, g.tensor(names.EMBED).shape)
+        embed = EmbeddingReader(self, g.offset, g.tensor(names.EMBED))
+        lm_head: np.ndarray | QuantizedMatrix | HeadChunks
         if self.plan.head_pinned:
             raw = self._read_span(sizes.head_span, aligned_buffer(sizes.head_span.length), "lm_head")
-            lm_head: np.ndarray | HeadChunks = raw[sizes.head_span.skip:sizes.head_span.skip + head.nbytes].view(
-                np.uint16).reshape(head.shape)
+            lm_head = stored_rows(head.dtype, raw[sizes.head_span.skip:sizes.head_span.skip + head.nbytes],
+                                  head.shape)
         else:
-            lm_head = HeadChunks(self, g.offset + head.offset, head.shape)
+            lm_head = HeadChunks(self, g.offset, head)
         return build_small_globals(arrays.__getitem__, embed, lm_head)
 
     def _read_span(self, span: Span, buffer: mmap.mmap, what: str) -> np.ndarray:
@@ -338,6 +344,16 @@ class StreamingSource(WeightSource):
         self.expert_io.close()
 
 
+def stored_rows(dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | QuantizedMatrix:
+    """raw u8 [rows * row bytes], whole rows of a bf16 or Q8_0 matrix [rows, C] -> a view of them: bf16 bits
+    [rows, C] or a Q8_0 `QuantizedMatrix` (the formats whose rows are contiguous; `budget.builds_views`)."""
+    rows, cols = shape
+    if dtype == "Q8_0":
+        return QuantizedMatrix("q8_0", raw.reshape(rows, -1), None, cols)
+    assert dtype == "BF16", f"rows of a {dtype} matrix are not held as views"
+    return raw.view(np.uint16).reshape(rows, cols)
+
+
 def _shifted(blob: TrunkBlob, tensors: Sequence[TensorEntry], shift: int) -> TrunkBlob:
     """`tensors` of `blob` placed in a buffer whose byte 0 is `shift` bytes before the blob (a span's start)."""
     moved = tuple(t._replace(offset=t.offset + shift) for t in tensors)
@@ -378,30 +394,30 @@ class PieceReader:
         finally:
             self.source.counters.io_wait_seconds += time.perf_counter() - started
 
-    def gate_up(self) -> np.ndarray:
+    def gate_up(self) -> np.ndarray | QuantizedMatrix:
         arrays = self._waited(1)
         parts = [next(a for n, a in arrays.items() if key in n) for key in (MLP_GATE, MLP_UP)]
-        fused = adjacent_view(parts)
+        fused = adjacent_quantized_view(parts) if isinstance(parts[0], QuantizedMatrix) else adjacent_view(parts)
         assert fused is not None, "a version-2 store packs gate and up back to back"
         return fused
 
-    def down(self) -> np.ndarray:
+    def down(self) -> np.ndarray | QuantizedMatrix:
         return next(a for n, a in self._waited(2).items() if MLP_DOWN in n)
 
 
 class EmbeddingReader:
     """The embedding read on demand: `rows[ids]` reads each token's row, exactly its bytes (one read a token,
     repeats included, so the count is the simulator's; a striped store's reader may split a row over two drives,
-    still counted as one), into a fresh [T, H] array of bf16 bits."""
+    still counted as one), into a fresh [T, H] array: bf16 bits, or float32 decoded from a Q8_0 embedding's rows."""
 
-    def __init__(self, source: StreamingSource, offset: int, shape: tuple[int, ...]) -> None:
-        self.source, self.offset = source, offset
-        self.shape = shape
-        self.row_bytes = 2 * shape[1]
+    def __init__(self, source: StreamingSource, blob_offset: int, entry: TensorEntry) -> None:
+        self.source, self.offset, self.dtype = source, blob_offset + entry.offset, entry.dtype
+        self.shape = entry.shape
+        self.row_bytes = entry.nbytes // entry.shape[0]
 
     def __getitem__(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
-        out = np.empty((ids.shape[0], self.shape[1]), np.uint16)  # [T, H]
+        out = np.empty((ids.shape[0], self.row_bytes), np.uint8)  # [T, row bytes]
         reader = self.source._row_io
         assert reader is not None
         for i, token in enumerate(ids.tolist()):
@@ -411,15 +427,17 @@ class EmbeddingReader:
             reader.submit([extent])[id(extent)].result()  # short reads retried, then a StoreIOError naming it
         self.source._embed_reads[0] += ids.shape[0] * self.row_bytes
         self.source._embed_reads[1] += ids.shape[0]
-        return out
+        rows = stored_rows(self.dtype, out.reshape(-1), (ids.shape[0], self.shape[1]))  # [T, H]
+        return rows.dequantize() if isinstance(rows, QuantizedMatrix) else rows
 
 
 class HeadChunks:
     """The lm_head streamed through the staging ring: row chunks read and multiplied one after another."""
 
-    def __init__(self, source: StreamingSource, offset: int, shape: tuple[int, ...]) -> None:
-        self.source, self.offset, self.shape = source, offset, shape
-        self.row_bytes = 2 * shape[1]
+    def __init__(self, source: StreamingSource, blob_offset: int, entry: TensorEntry) -> None:
+        self.source, self.offset, self.dtype = source, blob_offset + entry.offset, entry.dtype
+        self.shape = entry.shape
+        self.row_bytes = entry.nbytes // entry.shape[0]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """x [R, H] -> [R, V]."""
@@ -430,7 +448,8 @@ class HeadChunks:
             started = time.perf_counter()
             raw = source._read_span(span, buffer, "lm_head")
             source.counters.io_wait_seconds += time.perf_counter() - started
-            rows = raw[span.skip:span.skip + (end - first) * self.row_bytes].view(np.uint16).reshape(end - first, -1)
+            rows = stored_rows(self.dtype, raw[span.skip:span.skip + (end - first) * self.row_bytes],
+                               (end - first, self.shape[1]))
             out[:, first:end] = linear(x, rows)
             del raw, rows
         return out
