@@ -146,7 +146,7 @@ def test_a_float32_trunk_dtype_charges_quantized_matrices_their_bytes(default_st
             4 * int(np.prod(t.shape)) for t in blob.tensors if t.dtype != "Q8_0")
     assert minimum_budget_bytes(q8) < 0.5 * minimum_budget_bytes(bf16)
     tokens, logits, _ = _run(q8)
-    loaded = load_model(q8.path, stream=StreamOptions(ram_budget=minimum_budget_bytes(q8)))  # float32 trunk dtype
+    loaded = load_model(q8.path, stream=StreamOptions(ram_budget=minimum_budget_bytes(q8), trunk_dtype="float32"))
     try:
         assert np.array_equal(loaded.model.logits(PROMPT), logits)  # the same Q8_0 bytes, the same kernel
     finally:

@@ -45,8 +45,8 @@ def add_stream_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-out", type=cli_args.output_file, default=None,
                    help="record every (token, layer, expert) request to this file (default: none)")
     g.add_argument("--trunk-dtype", choices=("float32", "bf16"), default=None,
-                   help="hold the trunk matrices widened to float32, or as their stored bf16 (a lower minimum "
-                        "budget; see docs/SIMULATOR.md) (default: float32)")
+                   help="hold the trunk matrices as their stored bf16 (views of the read buffers: the memory floor, "
+                        "docs/STREAMING.md) or widened to float32 (default: bf16)")
 
 
 def add_routing_args(parser: argparse.ArgumentParser) -> None:

@@ -170,7 +170,10 @@ class K3Model(SingleSequenceMixin):
 
         rows = logit_rows(items, segments)
         out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)
-        logits = linear(rms_norm(out, self._globals.final_norm, eps), self._globals.lm_head)  # [R, V]
+        head = self._globals.lm_head
+        normed = rms_norm(out, self._globals.final_norm, eps)  # [R, H]
+        held_whole = isinstance(head, (np.ndarray, QuantizedMatrix))
+        logits = linear(normed, head) if held_whole else head.logits(normed)  # [R, V]
         return finish_batch(items, segments, logits, result)
 
     def _prefetch_next(self, layer: int, h: np.ndarray) -> None:

@@ -977,8 +977,11 @@ BF16_WIDEN_BLOCK_BYTES = 64 << 20  # the transient float32 copy is made this man
 
 
 def widen_bf16(bits: np.ndarray) -> np.ndarray:
-    """bf16 bits (uint16) -> float32, exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    """bf16 bits (uint16) -> float32, exact. One new array (shifted in place): the transient a bf16 trunk's budget
+    charges is this one copy."""
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
 
 
 def linear(x: np.ndarray, w: np.ndarray | QuantizedMatrix) -> np.ndarray:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -57,6 +57,16 @@ class DenseMLPWeights:
 
 
 @dataclass(frozen=True)
+class DenseMLPPieces:
+    """A dense MLP whose matrices are read when the model reaches them, one at a time into the same staging buffer
+    (a streamed layer held as views, stream/trunk_spans.py): `gate_up()` [2*DI, H], then `down()` [H, DI], bf16
+    bits. Each array is valid until the next call."""
+
+    gate_up: Callable[[], np.ndarray]
+    down: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
 class MoEWeights:
     router: np.ndarray  # [NE, H]
     router_bias: np.ndarray  # [NE] selection-only correction bias
@@ -74,7 +84,7 @@ class LayerWeights:
     attn_res_query: np.ndarray  # [H] self_attention_res_norm * self_attention_res_proj
     mlp_res_query: np.ndarray  # [H] mlp_res_norm * mlp_res_proj
     attention: KDAWeights | MLAWeights
-    mlp: DenseMLPWeights | MoEWeights
+    mlp: DenseMLPWeights | DenseMLPPieces | MoEWeights
 
     @property
     def nbytes(self) -> int:
@@ -86,10 +96,22 @@ class LayerWeights:
         return total
 
 
+class EmbeddingRows(Protocol):
+    """An embedding not held whole: `rows[ids]` reads the rows of `ids` [T] -> [T, H] (bf16 bits or float32)."""
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray: ...
+
+
+class ChunkedHead(Protocol):
+    """An lm_head not held whole: `logits(x)` [R, H] -> [R, V], multiplying each row chunk as it is read."""
+
+    def logits(self, x: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class GlobalWeights:
-    embed: np.ndarray  # [V, H]
-    lm_head: np.ndarray  # [V, H]
+    embed: np.ndarray | QuantizedMatrix | EmbeddingRows  # [V, H]
+    lm_head: np.ndarray | QuantizedMatrix | ChunkedHead  # [V, H]
     final_norm: np.ndarray  # [H]
     output_res_query: np.ndarray  # [H] output_attn_res_norm * output_attn_res_proj
 
@@ -218,47 +240,82 @@ def _widened(array: np.ndarray | QuantizedMatrix) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def fuse_rows(parts: list[np.ndarray | QuantizedMatrix]) -> np.ndarray | QuantizedMatrix:
+def adjacent_view(parts: list[np.ndarray]) -> np.ndarray | None:
+    """The row-wise stack of C-contiguous `parts` as one view when they lie back to back in one buffer (a store
+    of format 2 packs each fused group so), else None."""
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.ndim != 2 or p.shape[1] != first.shape[1] or not p.flags.c_contiguous
+           for p in parts):
+        return None
+    base = first
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    for a, b in zip(parts, parts[1:]):
+        if a.ctypes.data + a.nbytes != b.ctypes.data or not np.may_share_memory(b, base):
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    # NOTE: the view reaches past `first` into the other parts, which the adjacency check found in `base`
+    return np.lib.stride_tricks.as_strided(first, shape=(rows, first.shape[1]), strides=first.strides)
+
+
+def adjacent_quantized_view(parts: list[QuantizedMatrix]) -> QuantizedMatrix | None:
+    """The row-wise stack of Q8_0 `parts` as one view of their blocks when they lie back to back in one buffer,
+    else None. An MXFP4 entry is its nibbles then its scales, so MXFP4 parts are never one view (None)."""
+    if any(p.precision != "q8_0" or p.cols != parts[0].cols for p in parts):
+        return None
+    data = adjacent_view([p.data for p in parts])
+    return None if data is None else QuantizedMatrix("q8_0", data, None, parts[0].cols)
+
+
+def fuse_rows(parts: list[np.ndarray | QuantizedMatrix], views: bool = False) -> np.ndarray | QuantizedMatrix:
     """Stack matrices row-wise; bf16 bits stay bf16 and Q8_0 / MXFP4 bytes stay quantized when every part is, else
-    all are widened."""
+    all are widened. With `views`, bf16 or Q8_0 parts adjacent in one buffer give a view of it, no copy."""
     if all(isinstance(part, QuantizedMatrix) for part in parts) and len({p.precision for p in parts}) == 1:
-        return QuantizedMatrix.stack(parts)  # type: ignore[arg-type]
+        view = adjacent_quantized_view(parts) if views else None  # type: ignore[arg-type]
+        return view if view is not None else QuantizedMatrix.stack(parts)  # type: ignore[arg-type]
     if all(isinstance(part, np.ndarray) and part.dtype == np.uint16 for part in parts):
-        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+        view = adjacent_view(parts) if views else None  # type: ignore[arg-type]
+        return view if view is not None else np.ascontiguousarray(np.concatenate(parts, axis=0))
     return keep_bf16(np.concatenate([_widened(part) for part in parts], axis=0))
 
 
-def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32") -> LayerWeights:
+def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32",
+                views: bool = False, mlp: DenseMLPPieces | None = None) -> LayerWeights:
     """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array, or bf16 bits
     (uint16) for bf16-stored tensors. With `trunk_dtype` "bf16" the attention projections stay bf16 bits too
     (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`k3serve.weights.held.held_bytes` is
-    the accounting)."""
+    the accounting). Q8_0 / MXFP4 matrices (a store packed with --trunk-precision) stay quantized whatever the
+    trunk dtype. With `views` (a bf16 trunk read from a store of format 2) bf16 and quantized matrices and bf16 or
+    Q8_0 fused groups are views of the reader's arrays, never copies (`held.widened_bytes` is then what the layer
+    holds beside them; an MXFP4 fused group is stacked as a copy); `mlp` replaces a dense layer's MLP (read in
+    pieces)."""
     if trunk_dtype not in TRUNK_DTYPES:
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)
     f32 = lambda name: _widened(read(name))  # noqa: E731
 
     def kept(name: str) -> np.ndarray | QuantizedMatrix:
-        """A matrix kept as its stored bf16 bits or Q8_0 / MXFP4 bytes (a copy: no view of the read buffer kept)."""
+        """A matrix kept as its stored bf16 bits or Q8_0 / MXFP4 bytes (a copy unless `views`)."""
         array = read(name)
         if isinstance(array, QuantizedMatrix):
-            return array.copy()
-        return np.array(array, copy=True) if array.dtype == np.uint16 else keep_bf16(_widened(array))
+            return array if views else array.copy()
+        if array.dtype == np.uint16:
+            return array if views else np.array(array, copy=True)
+        return keep_bf16(_widened(array))
 
     def mat(name: str) -> np.ndarray | QuantizedMatrix:
         """An attention projection: kept with a bf16 trunk, widened with a float32 one; quantized bytes (a store
         packed with --trunk-precision q8_0 or mxfp4) are kept whatever the trunk dtype."""
-        array = read(name)
-        if isinstance(array, QuantizedMatrix):
-            return array.copy()
         if trunk_dtype == "bf16":
-            return np.array(array, copy=True) if array.dtype == np.uint16 else keep_bf16(_widened(array))
-        return _widened(array)
+            return kept(name)
+        array = read(name)
+        return array.copy() if isinstance(array, QuantizedMatrix) else _widened(array)
 
     def fused(parts: list) -> np.ndarray | QuantizedMatrix:
         if trunk_dtype == "bf16" or any(isinstance(part, QuantizedMatrix) for part in parts):
-            return fuse_rows(parts)
+            return fuse_rows(parts, views)
         return np.ascontiguousarray(np.concatenate(parts, axis=0))
+
     a = f"{p}self_attn."
     attention: KDAWeights | MLAWeights
     if config.is_mla(layer):
@@ -293,14 +350,13 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             o_norm=f32(f"{a}o_norm.weight"),
             o_proj=mat(f"{a}o_proj.weight"),
         )
-    mlp: DenseMLPWeights | MoEWeights
-    if config.is_dense(layer):
+    if mlp is None and config.is_dense(layer):
         m = f"{p}mlp."
         mlp = DenseMLPWeights(
-            gate_up=fuse_rows([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
+            gate_up=fuse_rows([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")], views),
             down=kept(f"{m}down_proj.weight"),
         )
-    else:
+    elif mlp is None:
         m = names.moe_prefix(layer)
         has_shared = config.shared_intermediate_size > 0
         mlp = MoEWeights(
@@ -310,7 +366,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             latent_up=kept(f"{m}routed_expert_up_proj.weight"),
             latent_norm=f32(f"{m}routed_expert_norm.weight"),
             shared_gate_up=fuse_rows(
-                [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")]
+                [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")], views
             ) if has_shared else None,
             shared_down=kept(f"{m}shared_experts.down_proj.weight") if has_shared else None,
         )
@@ -321,8 +377,16 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
                         * f32(f"{p}self_attention_res_proj.weight").reshape(-1)),
         mlp_res_query=f32(f"{p}mlp_res_norm.weight") * f32(f"{p}mlp_res_proj.weight").reshape(-1),
         attention=attention,
-        mlp=mlp,
+        mlp=mlp,  # type: ignore[arg-type]
     )
+
+
+def build_small_globals(read: TensorReader, embed: np.ndarray | QuantizedMatrix | EmbeddingRows,
+                        lm_head: np.ndarray | QuantizedMatrix | ChunkedHead) -> GlobalWeights:
+    """The globals around an embedding and an lm_head given as they are held (a streaming source's floor)."""
+    f32 = lambda name: _widened(read(name))  # noqa: E731
+    return GlobalWeights(embed=embed, lm_head=lm_head, final_norm=f32(names.FINAL_NORM),
+                         output_res_query=f32(names.OUTPUT_RES_NORM) * f32(names.OUTPUT_RES_PROJ).reshape(-1))
 
 
 def build_globals(read: TensorReader, trunk_dtype: str = "float32") -> GlobalWeights:

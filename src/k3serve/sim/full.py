@@ -44,18 +44,19 @@ from k3serve.errors import K3Error
 from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, SimStripedIO, VirtualBuffer
 from k3serve.sim.machine import ComputeModel, Machine
 from k3serve.sim.routing import DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, replay_steps, solve_skew
-from k3serve.stream.budget import BudgetError, BudgetPlan, minimum_budget_bytes, plan_budget
+from k3serve.stream.budget import BudgetError, BudgetPlan, ViewSizes, minimum_budget_bytes, plan_budget
+from k3serve.stream.trunk_spans import Span, head_chunks, piece_spans
 from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.io import Extent
 from k3serve.model.expert_source import StreamStats
-from k3serve.weights.held import held_bytes, quantized_in_trunk
+from k3serve.weights.held import held_bytes, quantized_in_trunk, widened_bytes
 from k3serve.weights.quantized import STORE_DTYPES, quantized_nbytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
-from k3serve.weights.store import (ALIGNMENT, align_up, expert_parts, stripe_chunk_bytes,
-                                   trunk_stripe_chunk_bytes)
+from k3serve.weights.store import (ALIGNMENT, STORE_VERSION, TENSOR_ALIGNMENT, TensorEntry, align_up, expert_parts,
+                                   follows_in_group, packed_specs, stripe_chunk_bytes, trunk_stripe_chunk_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +89,17 @@ class VirtualBlob:
     params: int = 0
     attention_params: int = 0
     tensors: tuple = ()  # (name, stored dtype, shape) of each tensor: what the engine's accounting reads
+    entries: tuple[TensorEntry, ...] = ()  # each tensor's place in the blob, as the store's index has it
 
     @property
     def read_size(self) -> int:
         return align_up(self.size)
+
+    def tensor(self, name: str) -> TensorEntry:
+        return next(t for t in self.entries if t.name == name)
+
+    def widened_bytes(self, trunk_dtype: str = "bf16") -> int:
+        return widened_bytes(self.tensors, trunk_dtype)
 
     def held_bytes(self, trunk_dtype: str = "float32") -> int:
         """The engine's own accounting of what the built weights hold (`k3serve.weights.held.held_bytes`)."""
@@ -121,6 +129,7 @@ class VirtualStore:
         self.expert_stride = align_up(self.expert_blob_size)
         wide = 4 if trunk_dtype == "float32" else 2
         quantized = STORE_DTYPES.get(trunk_dtype)
+        self.adjacent_groups = True  # laid out as `k3serve pack` writes format 2
 
         def stored(spec) -> tuple[str, int, int]:
             """(dtype, bytes on disk, bytes resident) of one tensor, as `pack --trunk-precision` writes it."""
@@ -132,12 +141,18 @@ class VirtualStore:
                                                                                       else 4)
 
         def blob(specs, offset: int) -> VirtualBlob:
+            specs = packed_specs(specs, STORE_VERSION)
             kept = [stored(s) for s in specs]  # [(dtype, disk, resident)]
+            entries, cursor, previous = [], 0, None
+            for spec, (dtype, nbytes, _) in zip(specs, kept):  # as pack.py's _trunk_blob places them
+                start = cursor if follows_in_group(previous, spec.name) else align_up(cursor, TENSOR_ALIGNMENT)
+                entries.append(TensorEntry(spec.name, dtype, tuple(spec.shape), start, nbytes))
+                cursor, previous = start + nbytes, spec.name
             attention = [i for i, s in enumerate(specs) if ".self_attn." in s.name]
-            return VirtualBlob(offset, sum(k[1] for k in kept), sum(k[2] for k in kept),
+            return VirtualBlob(offset, cursor, sum(k[2] for k in kept),
                                sum(kept[i][2] for i in attention), sum(int(np.prod(s.shape)) for s in specs),
                                sum(int(np.prod(specs[i].shape)) for i in attention),
-                               tuple((s.name, k[0], tuple(s.shape)) for s, k in zip(specs, kept)))
+                               tuple((s.name, k[0], tuple(s.shape)) for s, k in zip(specs, kept)), tuple(entries))
 
         self.globals = blob(names.global_specs(config), 0)
         offset = self.globals.read_size
@@ -165,6 +180,7 @@ class VirtualStore:
         self.config = store.config
         self.layout = store.layout
         self.trunk_path, self.expert_path = store.trunk_path, store.expert_path
+        self.adjacent_groups = store.adjacent_groups
         self.expert_blob_size, self.expert_stride = store.expert_blob_size, store.expert_stride
 
         def blob(b) -> VirtualBlob:
@@ -176,7 +192,7 @@ class VirtualStore:
             params = sum(int(np.prod(t.shape)) for t in b.tensors)
             return VirtualBlob(b.offset, b.size, resident, attention_bytes, params,
                                sum(int(np.prod(t.shape)) for t in attention),
-                               tuple((t.name, t.dtype, tuple(t.shape)) for t in b.tensors))
+                               tuple((t.name, t.dtype, tuple(t.shape)) for t in b.tensors), tuple(b.tensors))
 
         self.globals = blob(store.globals)
         self.layers = [blob(b) for b in store.layers]
@@ -208,7 +224,7 @@ class SimConfig:
     layout: str = "natural"
     pin_trunk_bytes: int | None = None
     queue_depth: int = 16
-    trunk_dtype: str = "float32"
+    trunk_dtype: str = "bf16"  # the engine's default (StreamOptions.trunk_dtype)
     batch: int = 1
     speculative: int = 0  # draft tokens per step per sequence (0: off); the cap when speculative_io_aware
     speculative_io_aware: bool = False  # choose k as --speculative-io-aware does (drive_run)
@@ -444,6 +460,10 @@ class SimRun:
         self.pinned = set(self.plan.pinned_layers)
         self.streamed = list(self.plan.streamed_layers)
         self.pending: tuple[int, float] | None = None  # (layer, time its weights are ready)
+        # the trunk held as views (StreamingSource with a bf16 trunk on a format-2 store): pieces, lm_head chunks,
+        # embedding rows on demand (stream/trunk_spans.py)
+        self.views = cfg.engine == "k3serve" and self.plan.trunk_views
+        self.sizes = ViewSizes(self.store) if self.views else None
         self.timeline = [LayerTime(l) for l in range(config.num_layers)]
         self.measuring = False
         self.prefill: dict = {}
@@ -502,8 +522,18 @@ class SimRun:
                               f"{cfg.trunk_dtype}){hint}; the floors are in docs/SIMULATOR.md") from exc
 
     # -- trunk, as StreamingSource.layer / _take_trunk / _peek_trunk do it
+    def _spans(self, layer: int) -> list[Span]:
+        blob = self.store.layers[layer]
+        return piece_spans(blob.offset, blob.entries, blob.size)
+
+    def _read_span(self, span: Span) -> float:
+        extent = Extent(span.start, VirtualBuffer(span.length))
+        return self.trunk_io.submit([extent])[id(extent)].end
+
     def _trunk_read(self, layer: int) -> float:
         blob = self.store.layers[layer]
+        if self.views:
+            return self._read_span(self._spans(layer)[0])
         extent = Extent(blob.offset, VirtualBuffer(blob.read_size))
         future = self.trunk_io.submit([extent])[id(extent)]
         widen = 0.0
@@ -562,6 +592,11 @@ class SimRun:
         self.stats.steps += 1
         self.stats.tokens += T
         self.cache.begin_step()
+        if self.views:  # one embedding row a token, read on demand, exactly its bytes
+            row = self.store.globals.tensor(names.EMBED)
+            for _ in range(T):
+                extent = Extent(self.store.globals.offset + row.offset, VirtualBuffer(row.nbytes // row.shape[0]))
+                self.clock.wait_until(self.trunk_io.submit([extent])[id(extent)].end)
         for layer in range(c.num_layers):
             self._take_trunk(layer)
             blob = self.store.layers[layer]
@@ -574,12 +609,33 @@ class SimRun:
                 self.cache.prefetch(nxt, routing.guesses.get(nxt, []))
             mlp_bytes = blob.float32_bytes - blob.attention_bytes
             mlp_params = blob.params - attn_params
-            self._compute(layer, m.dense_seconds(mlp_bytes, 2 * mlp_params * T))
+            mlp_seconds = m.dense_seconds(mlp_bytes, 2 * mlp_params * T)
+            later = self._spans(layer)[1:] if self.views and layer not in self.pinned else []
+            if later:  # a dense layer's gate+up, then down, read into the same buffer as the model reaches them
+                for span, share in zip(later, (2 / 3, 1 / 3)):
+                    before = self.clock.now
+                    self.clock.wait_until(self._read_span(span))
+                    self._note(layer, trunk_wait=self.clock.now - before)
+                    self._compute(layer, mlp_seconds * share)
+            else:
+                self._compute(layer, mlp_seconds)
             if c.is_dense(layer):
                 continue
             self.routed_experts(layer, routing.experts[layer])
         head = self.store.globals.float32_bytes / 2  # embed and lm_head: the lm_head is half the globals
-        self._compute(c.num_layers - 1, m.dense_seconds(head, 2 * (self.store.globals.params / 2) * logit_rows))
+        head_seconds = m.dense_seconds(head, 2 * (self.store.globals.params / 2) * logit_rows)
+        if self.views and not self.plan.head_pinned:  # read in row chunks through the ring, each multiplied
+            sizes = self.sizes
+            assert sizes is not None
+            chunks = head_chunks(sizes.head_span.start + sizes.head_span.skip, sizes.head_rows,
+                                 sizes.head_row_bytes, self.plan.staging_bytes)
+            for first, end, span in chunks:
+                before = self.clock.now
+                self.clock.wait_until(self._read_span(span))
+                self._note(c.num_layers - 1, trunk_wait=self.clock.now - before)
+                self._compute(c.num_layers - 1, head_seconds * (end - first) / sizes.head_rows)
+        else:
+            self._compute(c.num_layers - 1, head_seconds)
 
     def routed_experts(self, layer: int, rows: np.ndarray) -> None:
         """rows [T, TOPK]: the layer's routed experts, here (the cluster mode sends them to their owners)."""
@@ -591,7 +647,13 @@ class SimRun:
 
     def load_weights(self) -> None:
         """Globals and pinned layers, read once before the first step (as StreamingSource.__init__)."""
-        extents = [Extent(self.store.globals.offset, VirtualBuffer(self.store.globals.read_size))]
+        if self.views:  # the small globals, the lm_head when pinned (never the embedding)
+            sizes = self.sizes
+            assert sizes is not None
+            spans = [sizes.small_span] + ([sizes.head_span] if self.plan.head_pinned else [])
+            extents = [Extent(sp.start, VirtualBuffer(sp.length)) for sp in spans]
+        else:
+            extents = [Extent(self.store.globals.offset, VirtualBuffer(self.store.globals.read_size))]
         extents += [Extent(self.store.layers[l].offset, VirtualBuffer(self.store.layers[l].read_size))
                     for l in self.plan.pinned_layers]
         for extent in extents:

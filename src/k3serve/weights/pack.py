@@ -35,11 +35,11 @@ from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.held import quantized_in_trunk
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.quantized import TRUNK_PRECISIONS, QuantizedMatrix
-from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
-                                   STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE,
-                                   PackedStore, StoreError, TensorEntry, TrunkBlob, align_up, config_fingerprint,
-                                   expert_blob, expert_parts, stripe_chunk_bytes, stripe_folder_name,
-                                   trunk_stripe_chunk_bytes)
+from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, READABLE_STORE_VERSIONS, STORE_FORMAT, STORE_INDEX,
+                                   STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT,
+                                   TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob, align_up,
+                                   config_fingerprint, expert_blob, expert_parts, follows_in_group, packed_specs,
+                                   stripe_chunk_bytes, stripe_folder_name, trunk_stripe_chunk_bytes)
 from k3serve.weights.stripes import StripedWriter
 
 logger = logging.getLogger(__name__)
@@ -71,11 +71,16 @@ def _stored_tensor(checkpoint: Checkpoint, name: str, trunk_precision: str) -> t
 
 
 def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offset: int,
-                trunk_precision: str = "bf16") -> tuple[TrunkBlob, bytes]:
+                trunk_precision: str = "bf16", version: int = STORE_VERSION) -> tuple[TrunkBlob, bytes]:
     entries, chunks, cursor = [], [], 0
-    for spec in specs:
+    previous = None
+    for spec in packed_specs(specs, version):
         dtype, shape, raw = _stored_tensor(checkpoint, spec.name, trunk_precision)
-        start = align_up(cursor, TENSOR_ALIGNMENT)
+        # a fused group's parts back to back, so the fused matrix is one view of the read buffer (a Q8_0 group's
+        # blocks too; an MXFP4 entry is its nibbles then its scales, so an MXFP4 group is stacked as a copy)
+        adjacent = version >= 2 and follows_in_group(previous, spec.name)
+        start = cursor if adjacent else align_up(cursor, TENSOR_ALIGNMENT)
+        previous = spec.name
         if start > cursor:
             chunks.append(b"\0" * (start - cursor))
         chunks.append(raw)
@@ -133,15 +138,19 @@ class _Stripes:
 def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural",
                     token_sets: Mapping[int, Sequence[Sequence[int]]] | None = None,
                     progress: bool = False, stripe_dirs: Sequence[str | Path] | None = None,
-                    stripe_chunk: int | None = None, trunk_precision: str = "bf16") -> PackedStore:
+                    stripe_chunk: int | None = None, trunk_precision: str = "bf16",
+                    version: int = STORE_VERSION) -> PackedStore:
     """Pack `source` into `out`. `token_sets[layer]` lists the experts each traced token chose (for the
     frequency and coactivation layouts). `stripe_dirs`: one folder per drive to lay trunk.bin and experts.bin
     over (`stripe_chunk`: both files' chunk; by default `stripe_chunk_bytes` of the expert stride for experts.bin and
     `trunk_stripe_chunk_bytes` of the largest layer for trunk.bin). `trunk_precision` "bf16" copies the trunk as
     stored (lossless); "q8_0" or "mxfp4" stores its big matrices in those formats
-    (`weights.held.quantized_in_trunk`), which the model then multiplies straight from their bytes."""
+    (`weights.held.quantized_in_trunk`), which the model then multiplies straight from their bytes. `version` 1
+    writes the previous format (for tests of reading it)."""
     if trunk_precision not in TRUNK_PRECISIONS:
         raise StoreError(f"unknown trunk precision {trunk_precision!r}; choose one of {', '.join(TRUNK_PRECISIONS)}")
+    if version not in READABLE_STORE_VERSIONS:
+        raise StoreError(f"store format version must be one of {READABLE_STORE_VERSIONS}, got {version}")
     if stripe_dirs is not None:
         _Stripes.check(stripe_dirs)
         if stripe_chunk is not None and (stripe_chunk < ALIGNMENT or stripe_chunk % ALIGNMENT):
@@ -177,14 +186,14 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
         for folder in stripes.folders if stripes is not None else ():
             folder.mkdir()
         with output(TRUNK_FILE) as f:
-            globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0, trunk_precision)
+            globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0, trunk_precision, version)
             _write_padded(f, data)
             if bar:
                 bar.update(len(data))
             layer_blobs = []
             for layer in range(config.num_layers):
                 blob, data = _trunk_blob(checkpoint, names.layer_trunk_specs(config, layer), f.tell(),
-                                          trunk_precision)
+                                          trunk_precision, version)
                 _write_padded(f, data)
                 layer_blobs.append(blob)
                 if bar:
@@ -223,7 +232,7 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
             if (Path(source) / file).exists():
                 shutil.copy(Path(source) / file, out / file)
     index = {
-        "format": STORE_FORMAT, "version": STORE_VERSION, "config_sha256": config_fingerprint(config),
+        "format": STORE_FORMAT, "version": version, "config_sha256": config_fingerprint(config),
         "layout": layout, "trunk_precision": trunk_precision, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE,
         "expert_file": EXPERT_FILE,
         "globals": globals_blob.to_json(), "layers": [b.to_json() for b in layer_blobs],
