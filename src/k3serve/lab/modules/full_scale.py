@@ -356,11 +356,12 @@ def _verdict(params, levers: Levers, with_levers: bool, ours: list, theirs: list
                           f"{fits[-1]} GiB; k3serve's smallest rung {smallest} GiB), so the ladder shows no flip")
     else:
         flips_when = "the RAM ladder is off (ladder=false), so there is no sweep to say where it flips"
-    verdict = judge(f"k3serve at {ram:g} GiB", f"the C engine's published {rung[1]} GB split", "s_per_token",
+    mechanism = f"k3serve at {ram:g} GiB" + (f" ({levers.describe()})" if with_levers else "")
+    verdict = judge(mechanism, f"the C engine's published {rung[1]} GB split", "s_per_token",
                     "time per token", metrics["s_per_token"], base["s_per_token"], higher_is_better=False,
                     flips_when=flips_when)
     if refused:  # it does not run: that is a loss, not a missing figure
-        verdict = dataclasses.replace(verdict, outcome="lost", sentence=f"k3serve lost here: it does not fit "
+        verdict = dataclasses.replace(verdict, outcome="lost", sentence=f"{who} lost here: it does not fit "
                                       f"{ram:g} GiB, where the C engine's split takes {base['s_per_token']:.1f} s per "
                                       f"token. {sentence_case(flips_when)}.")
     return verdict
