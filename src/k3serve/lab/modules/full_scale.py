@@ -5,7 +5,7 @@ The RAM ladder (2..128 GiB) has one series for k3serve lossless (bf16 trunk, eve
 speculation) and, when any lever of issue 34 is switched on, one with the chosen levers: trunk precision (q8_0,
 mxfp4), expert top-p (or a mean number of experts kept), drives striped, I/O-aware speculation. Beside them: the
 C engine's published split simulated on the same machine model, and the engines' own published figures
-(docs/ANCHORS: kimi-k3-in-c README, colibri), which are not simulated. The cost column prices a token on the C
+(ANCHORS.md: the kimi-k3-in-c README on the ladder, colibri in the notes), which are not simulated. The cost column prices a token on the C
 engine's machine, a laptop and a cluster of laptops at one price per box-hour:
 
     $ per million tokens = s/token x boxes x price per hour / 3600 x 1e6
@@ -274,18 +274,12 @@ def run(params, progress, cancel, lab) -> LabResult:
                               source, [{"name": name, "x": [row[0] for row in cost_rows],
                                         "y": [row[1 + i] for row in cost_rows]} for i, name in enumerate(names)],
                               y_label="cost per million tokens ($/Mtok)"))
-    figures.append(Figure("Published full-K3 figures (not simulated)", "bar", False,
-                          "/work/shared/ANCHORS.md, 'Full K3 engines': the engines' READMEs, each on its own machine",
-                          [{"name": "published", "x": [f"kimi-k3-in-c README, {gb} GB" for gb, _ in C_ENGINE_README]
-                            + [name for name, _ in COLIBRI],
-                            "y": [s for _, s in C_ENGINE_README] + [s for _, s in COLIBRI]}],
-                          y_label="time per token (s/token)"))
-
     if below_smallest:
         notes.append(f"the C engine published no run below 8 GB (its 8 GB run peaked at 8.24 GB RSS): the baseline "
                      f"at {ram:g} GiB is its 8 GB split")
     notes.append(f"C engine baseline: {rung[0]} (pinned {rung[2]} layers, {rung[3]} GB cache), published "
                  f"{rung[4]} s/token on its own machine")
+    # NOTE: colibri states no RAM budget for its figures, so they stand here, not at a rung of the ladder
     notes.append("published, not simulated: kimi-k3-in-c README " + ", ".join(f"{s} s/token at {gb} GB" for gb, s in
                  C_ENGINE_README) + " (the last: 128 GB or more); " + "; ".join(f"{name}: {s} s/token" for
                  name, s in COLIBRI))
