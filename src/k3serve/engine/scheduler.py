@@ -23,6 +23,11 @@ served):
   3. deferred prefill chunks take the budget left over (work-conserving), without preempting.
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
 
+Decodes per forward: with `max_decode_seqs` below the ready decodes, the first ones in the policy's order run and the
+rest hold their memory and wait; with `batch_by_experts` (also when the decodes exceed the token budget), those whose
+previous step's experts overlap most run instead, within the rank tiers and a starvation bound
+(engine/expert_batching.py).
+
 `schedule_urgent` is the decision for a forward that runs while another is paused at a pause point, or at a step
 boundary ahead of the running set (`EngineConfig.step_interruption`): only waiting sequences the policy lets
 interrupt, nothing preempted.
