@@ -89,6 +89,8 @@ def test_the_settings_are_checked():
         EngineConfig(batch_by_experts_max_wait=-1)
     with pytest.raises(ConfigError, match="batch_by_experts"):
         EngineConfig(batch_by_experts="yes")
+    with pytest.raises(ConfigError, match="needs max_decode_seqs"):
+        EngineConfig(batch_by_experts=True)
 
 
 # ---- in the engine, on a streamed tiny model ---------------------------------------------------------------------
@@ -183,3 +185,27 @@ def test_a_better_ranked_tenant_is_never_left_out_for_a_worse_one(streamed):
         engine.step()
         engine.check_integrity()
     assert checked
+
+
+def _batches(model, config: EngineConfig) -> list[list[int]]:
+    """The ready decodes each step ran (by seq_id), and the engine checked after every step."""
+    engine = LLMEngine(model, config, stop_ids=())
+    for p in PROMPTS:
+        engine.add_request(p, SamplingParams(max_tokens=5, ignore_eos=True))
+    schedule, batches = engine.scheduler.schedule, []
+
+    def watched():
+        decision = schedule()
+        batches.append(sorted(s.seq.seq_id for s in decision.scheduled if s.num_new_tokens == 1))
+        return decision
+
+    engine.scheduler.schedule = watched
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    return batches
+
+
+def test_without_step_routing_the_flag_keeps_the_default_order(tiny_model):
+    # resident experts record no routing: every prediction is unknown, and the unknown go in order
+    assert _batches(tiny_model, EngineConfig(**BASE, batch_by_experts=True)) == _batches(tiny_model, EngineConfig(**BASE))

@@ -174,8 +174,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="decodes per forward (default: every running one the token budget allows); running "
                             "sequences beyond it hold their memory and wait a step")
     serve.add_argument("--batch-by-experts", action="store_true",
-                       help="among more ready decodes than a step takes (--max-decode-seqs or the token budget), "
-                            "run those whose previous step's experts overlap most (fewer expert reads when "
+                       help="among more ready decodes than --max-decode-seqs (which it needs), run those whose previous step's experts overlap most (fewer expert reads when "
                             "streaming; a decode the default order would run waits at most "
                             "--batch-by-experts-max-wait steps in a row)")
     serve.add_argument("--batch-by-experts-max-wait", type=cli_args.non_negative_int, default=4,

@@ -80,6 +80,9 @@ class EngineConfig:
                      "batch_by_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.batch_by_experts and self.max_decode_seqs is None:
+            raise ConfigError("EngineConfig.batch_by_experts chooses among more ready decodes than a forward takes: "
+                              "it needs max_decode_seqs (--max-decode-seqs)")
         if isinstance(self.admission_watermark, bool) or not isinstance(self.admission_watermark, (int, float)) \
                 or not 0 <= self.admission_watermark < 1:
             raise ConfigError(f"EngineConfig.admission_watermark must be in [0, 1), got {self.admission_watermark!r}")

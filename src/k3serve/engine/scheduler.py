@@ -24,8 +24,7 @@ served):
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
 
 Decodes per forward: with `max_decode_seqs` below the ready decodes, the first ones in the policy's order run and the
-rest hold their memory and wait; with `batch_by_experts` (also when the decodes exceed the token budget), those whose
-previous step's experts overlap most run instead, within the rank tiers and a starvation bound
+rest hold their memory and wait; with `batch_by_experts`, those whose previous step's experts overlap most run instead, within the rank tiers and a starvation bound
 (engine/expert_batching.py).
 
 `schedule_urgent` is the decision for a forward that runs while another is paused at a pause point, or at a step
@@ -274,14 +273,13 @@ class Scheduler:
         return out
 
     def _decodes_left_out(self) -> set[int]:
-        """Ids of the running decodes that wait this step: when more are ready than `max_decode_seqs` (or, with
-        `batch_by_experts`, than the token budget), the baseline runs the first k in the policy's order (rank,
-        then running order); `batch_by_experts` runs the k whose predicted experts overlap most instead, within
-        the rank tiers and the starvation bound (engine/expert_batching.py)."""
+        """Ids of the running decodes that wait this step: when more are ready than `max_decode_seqs` (k), the
+        baseline runs the first k in the policy's order (rank, then running order); `batch_by_experts` runs the k
+        whose predicted experts overlap most instead, within the rank tiers and the starvation bound
+        (engine/expert_batching.py). The token budget alone never leaves more decodes ready than it takes (a
+        sequence is ready only after a step ran it), so the choice needs max_decode_seqs."""
         config = self.config
         k = config.max_decode_seqs
-        if k is None and config.batch_by_experts:
-            k = config.max_batch_tokens
         if k is None:
             return set()
         ready = [s for s in self.running if s.num_uncomputed_tokens == 1]
