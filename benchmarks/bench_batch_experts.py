@@ -93,7 +93,7 @@ def run(prompts: list[list[int]], by_experts: bool, budget: int, max_tokens: int
             "union_expert_bytes_per_token": stats.expert_requests * blob / generated,
             "expert_bytes_read_per_token": stats.expert_bytes_read / generated,
             "tok_per_s": generated / seconds, "latency_p99_s": float(np.percentile(latencies, 99)),
-            "prediction_overlap": quality.overlap if by_experts else float("nan"),
+            "prediction_overlap": quality.overlap if by_experts else None,
             "outputs": hash(tuple(sorted(outputs))), "streams": [streams[k] for k in sorted(streams)]}
 
 
@@ -164,12 +164,13 @@ def main() -> None:
             row = {"concurrency": concurrency, "arm": arm, "same_outputs_as_fcfs": same}
             for key in results[0]:
                 if key not in ("outputs", "streams"):
-                    row[key] = statistics.median(r[key] for r in results)
+                    values = [r[key] for r in results]
+                    row[key] = None if values[0] is None else statistics.median(values)
             record["rows"].append(row)
             print(f"C={concurrency:3d} {arm:8s} union expert {row['union_expert_bytes_per_token'] / 1024:9.1f} KiB/tok"
                   f"  read {row['expert_bytes_read_per_token'] / 1024:9.1f} KiB/tok  steps {row['steps']:5.0f}"
                   f"  {row['tok_per_s']:6.2f} tok/s  p99 {row['latency_p99_s']:6.2f} s"
-                  f"  overlap {row['prediction_overlap']:.3f}  same outputs {same}")
+                  f"  overlap {row['prediction_overlap'] or 0:.3f}  same outputs {same}")
     print(json.dumps(record))
 
 
