@@ -198,9 +198,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--prefix-cache-dir", type=Path, default=None, metavar="DIR",
                        help="the prefix cache's disk tier: checkpoints that leave RAM are written to this folder "
                             "(on NVMe) and restored by a later hit instead of recomputed; a restart on the same "
-                            "folder and model hits them (needs --prefix-cache-disk)")
+                            "folder and model hits them (needs --prefix-cache-disk; default: none, RAM only)")
     serve.add_argument("--prefix-cache-disk", type=cli_args.size, default=None, metavar="SIZE",
-                       help="the disk tier's size, e.g. 64G (binary units)")
+                       help="the disk tier's size, e.g. 64G (binary units; default: none, no disk tier)")
     serve.add_argument("--prefix-wait-tokens", type=cli_args.non_negative_int, default=32,
                        help="a queued request whose prompt shares at least this many more tokens with a running "
                             "request of the same tenant than the prefix cache holds waits until that one has "

@@ -24,6 +24,7 @@ from k3serve.model.expert_source import ExpertSource, SourceStats, StepReads, St
 from k3serve.model.routing import ExpertPairs, Routing
 from k3serve.weights import names
 from k3serve.weights.held import TRUNK_DTYPES
+from k3serve.weights.quantized import QuantizedMatrix
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class LayerWeights:
         total = 0
         for part in (self, self.attention, self.mlp):
             for value in vars(part).values():
-                if isinstance(value, np.ndarray):
+                if isinstance(value, (np.ndarray, QuantizedMatrix)):
                     total += value.nbytes
         return total
 
@@ -198,7 +199,7 @@ class ForwardingSource(WeightSource):
         self.inner.close()
 
 
-TensorReader = Callable[[str], np.ndarray]
+TensorReader = Callable[[str], "np.ndarray | QuantizedMatrix"]
 
 def keep_bf16(w: np.ndarray) -> np.ndarray:
     """float32 values that are all bf16 (low 16 bits zero) -> their bf16 bits (uint16); others unchanged."""
@@ -209,15 +210,20 @@ def keep_bf16(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def _widened(array: np.ndarray) -> np.ndarray:
+def _widened(array: np.ndarray | QuantizedMatrix) -> np.ndarray:
+    if isinstance(array, QuantizedMatrix):  # a matrix the trunk keeps quantized, wanted as float32 (never the case
+        return array.dequantize()          # for the tensors a quantized pack writes; kept for any reader)
     if array.dtype == np.uint16:  # bf16 bits from a reader that keeps them (TrunkBlob.decode(keep_bf16=True))
         return (array.astype(np.uint32) << 16).view(np.float32)
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _fuse(parts: list[np.ndarray]) -> np.ndarray:
-    """Stack matrices row-wise; bf16 bits stay bf16 when every part is, else all are widened."""
-    if all(part.dtype == np.uint16 for part in parts):
+def fuse_rows(parts: list[np.ndarray | QuantizedMatrix]) -> np.ndarray | QuantizedMatrix:
+    """Stack matrices row-wise; bf16 bits stay bf16 and Q8_0 / MXFP4 bytes stay quantized when every part is, else
+    all are widened."""
+    if all(isinstance(part, QuantizedMatrix) for part in parts) and len({p.precision for p in parts}) == 1:
+        return QuantizedMatrix.stack(parts)  # type: ignore[arg-type]
+    if all(isinstance(part, np.ndarray) and part.dtype == np.uint16 for part in parts):
         return np.ascontiguousarray(np.concatenate(parts, axis=0))
     return keep_bf16(np.concatenate([_widened(part) for part in parts], axis=0))
 
@@ -231,11 +237,28 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)
     f32 = lambda name: _widened(read(name))  # noqa: E731
-    def kept(name: str) -> np.ndarray:  # a matrix kept as bf16 bits when stored as bf16 (a copy: no view kept)
+
+    def kept(name: str) -> np.ndarray | QuantizedMatrix:
+        """A matrix kept as its stored bf16 bits or Q8_0 / MXFP4 bytes (a copy: no view of the read buffer kept)."""
         array = read(name)
+        if isinstance(array, QuantizedMatrix):
+            return array.copy()
         return np.array(array, copy=True) if array.dtype == np.uint16 else keep_bf16(_widened(array))
 
-    mat = kept if trunk_dtype == "bf16" else f32
+    def mat(name: str) -> np.ndarray | QuantizedMatrix:
+        """An attention projection: kept with a bf16 trunk, widened with a float32 one; quantized bytes (a store
+        packed with --trunk-precision q8_0 or mxfp4) are kept whatever the trunk dtype."""
+        array = read(name)
+        if isinstance(array, QuantizedMatrix):
+            return array.copy()
+        if trunk_dtype == "bf16":
+            return np.array(array, copy=True) if array.dtype == np.uint16 else keep_bf16(_widened(array))
+        return _widened(array)
+
+    def fused(parts: list) -> np.ndarray | QuantizedMatrix:
+        if trunk_dtype == "bf16" or any(isinstance(part, QuantizedMatrix) for part in parts):
+            return fuse_rows(parts)
+        return np.ascontiguousarray(np.concatenate(parts, axis=0))
     a = f"{p}self_attn."
     attention: KDAWeights | MLAWeights
     if config.is_mla(layer):
@@ -245,7 +268,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             parts.append(mat(f"{a}g_proj.weight"))
         kv_b = f32(f"{a}kv_b_proj.weight").reshape(NA, DN + DV, KL)  # [NA, DN+DV, KL]
         attention = MLAWeights(
-            in_proj=_fuse(parts) if trunk_dtype == "bf16" else np.ascontiguousarray(np.concatenate(parts, axis=0)),
+            in_proj=fused(parts),
             q_a_norm=f32(f"{a}q_a_layernorm.weight"),
             q_b=mat(f"{a}q_b_proj.weight"),
             kv_a_norm=f32(f"{a}kv_a_layernorm.weight"),
@@ -258,11 +281,11 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
         NH = config.kda_num_heads
         in_parts = ([mat(f"{a}{n}_proj.weight") for n in ("q", "k", "v", "g")]
                     + [mat(f"{a}f_a_proj.weight"), mat(f"{a}b_proj.weight")])
-        in_proj = _fuse(in_parts) if trunk_dtype == "bf16" else np.concatenate(in_parts, axis=0)
+        in_proj = fused(in_parts)
         del in_parts
         conv = np.concatenate([f32(f"{a}{n}_conv1d.weight")[:, 0, :] for n in ("q", "k", "v")], axis=0)
         attention = KDAWeights(
-            in_proj=np.ascontiguousarray(in_proj),
+            in_proj=in_proj,
             f_b=f32(f"{a}f_b_proj.weight"),
             conv=np.ascontiguousarray(conv),
             a_exp=np.exp(f32(f"{a}A_log")[:NH]).astype(np.float32),
@@ -274,7 +297,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
     if config.is_dense(layer):
         m = f"{p}mlp."
         mlp = DenseMLPWeights(
-            gate_up=_fuse([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
+            gate_up=fuse_rows([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
             down=kept(f"{m}down_proj.weight"),
         )
     else:
@@ -286,7 +309,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             latent_down=kept(f"{m}routed_expert_down_proj.weight"),
             latent_up=kept(f"{m}routed_expert_up_proj.weight"),
             latent_norm=f32(f"{m}routed_expert_norm.weight"),
-            shared_gate_up=_fuse(
+            shared_gate_up=fuse_rows(
                 [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")]
             ) if has_shared else None,
             shared_down=kept(f"{m}shared_experts.down_proj.weight") if has_shared else None,
@@ -306,9 +329,17 @@ def build_globals(read: TensorReader, trunk_dtype: str = "float32") -> GlobalWei
     """With `trunk_dtype` "bf16" the embedding and the lm_head stay bf16 bits (rows widened on lookup, the head
     multiplied by `kernels.linear`)."""
     f32 = lambda name: _widened(read(name))  # noqa: E731
-    # bf16: the reader's own bf16 bits (views of the globals' read buffer, which they keep alive: no copy)
-    big = (lambda name: read(name) if read(name).dtype == np.uint16  # noqa: E731
-           else keep_bf16(f32(name))) if trunk_dtype == "bf16" else f32
+
+    def big(name: str) -> np.ndarray | QuantizedMatrix:
+        """bf16: the reader's own bf16 bits (views of the globals' read buffer, which they keep alive: no copy);
+        Q8_0 / MXFP4 bytes (a quantized pack, a GGUF's Q8_0) are kept, copied (a GGUF's are views of its mapped
+        file), whatever the trunk dtype; the embedding decodes its rows."""
+        array = read(name)
+        if isinstance(array, QuantizedMatrix):
+            return array.copy()
+        if trunk_dtype == "bf16":
+            return array if array.dtype == np.uint16 else keep_bf16(_widened(array))
+        return _widened(array)
     return GlobalWeights(
         embed=big(names.EMBED),
         lm_head=big(names.LM_HEAD),

@@ -18,7 +18,9 @@ advances the clock; a wait on a read is I/O time.
 Two engine profiles:
 - `k3serve`: the trunk widened to float32 in RAM (bf16 on disk), the `plan_budget` split, a widening pass per
   streamed layer on the trunk worker; `trunk_dtype="bf16"` is the engine's bf16 trunk (StreamOptions.trunk_dtype:
-  held as stored, no widening; no read-ahead where the plan drops it).
+  held as stored, no widening; no read-ahead where the plan drops it); `trunk_dtype="q8_0"` / `"mxfp4"` is a store
+  packed with `--trunk-precision` (its trunk matrices 34 / 17 bytes per 32 weights on disk and in RAM, multiplied
+  from those bytes) run with a bf16 trunk dtype.
 - `c-engine`: kimi-k3-in-c as published: bf16 trunk, a one-layer trunk ring, an LRU expert cache of a given
   size beside a given number of pinned layers, no prefetch, every expert read synchronous.
 
@@ -48,7 +50,8 @@ from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.io import Extent
 from k3serve.model.expert_source import StreamStats
-from k3serve.weights.held import held_bytes
+from k3serve.weights.held import held_bytes, quantized_in_trunk
+from k3serve.weights.quantized import STORE_DTYPES, quantized_nbytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.store import (ALIGNMENT, align_up, expert_parts, stripe_chunk_bytes,
@@ -60,6 +63,14 @@ ENGINES = ("k3serve", "c-engine")
 # $ per machine-hour for the cost column: an assumed round figure for renting one box of the C engine's class (a
 # many-core EPYC with a fast NVMe drive) by the hour; cost scales linearly, so rescale for another price
 DEFAULT_PRICE_PER_HOUR = 1.0
+# float32 / bf16: the engine's --trunk-dtype over a bf16 store; q8_0 / mxfp4: a store packed with --trunk-precision
+# (its trunk matrices on disk and in RAM as Q8_0 / MXFP4 bytes, 34 / 17 per 32 weights), run with a bf16 trunk dtype
+TRUNK_DTYPES = ("float32", "bf16", "q8_0", "mxfp4")
+
+
+def engine_trunk_dtype(trunk_dtype: str) -> str:
+    """The engine's StreamOptions.trunk_dtype a simulated trunk dtype runs with."""
+    return "float32" if trunk_dtype == "float32" else "bf16"
 ROUTINGS = ("skewed", "flat")
 
 
@@ -75,6 +86,7 @@ class VirtualBlob:
     float32_bytes: int  # bytes once resident (float32, or bf16 for a bf16 trunk and the C engine)
     attention_bytes: int = 0  # resident bytes of the attention part (the rest is norms and the MLP trunk)
     params: int = 0
+    attention_params: int = 0
     tensors: tuple = ()  # (name, stored dtype, shape) of each tensor: what the engine's accounting reads
 
     @property
@@ -98,8 +110,8 @@ class VirtualStore:
 
     def __init__(self, config: K3Config, orders: dict[int, Sequence[int]] | None = None,
                  trunk_dtype: str = "float32", layout: str = "natural") -> None:
-        if trunk_dtype not in ("float32", "bf16"):
-            raise SimConfigError(f"trunk dtype must be float32 or bf16, got {trunk_dtype!r}")
+        if trunk_dtype not in TRUNK_DTYPES:
+            raise SimConfigError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
         self.config = config
         self.layout = layout
         self.trunk_path = Path("<virtual trunk.bin>")
@@ -108,15 +120,24 @@ class VirtualStore:
         self.expert_blob_size = sum(p.nbytes for p in expert_parts(config))
         self.expert_stride = align_up(self.expert_blob_size)
         wide = 4 if trunk_dtype == "float32" else 2
+        quantized = STORE_DTYPES.get(trunk_dtype)
+
+        def stored(spec) -> tuple[str, int, int]:
+            """(dtype, bytes on disk, bytes resident) of one tensor, as `pack --trunk-precision` writes it."""
+            params = int(np.prod(spec.shape))
+            if quantized and spec.dtype == "BF16" and quantized_in_trunk(spec.name, spec.shape):
+                nbytes = quantized_nbytes(trunk_dtype, *spec.shape)
+                return quantized, nbytes, nbytes
+            return spec.dtype, params * (2 if spec.dtype == "BF16" else 4), params * (wide if spec.dtype == "BF16"
+                                                                                      else 4)
 
         def blob(specs, offset: int) -> VirtualBlob:
-            size = sum(int(np.prod(s.shape)) * (2 if s.dtype == "BF16" else 4) for s in specs)
-            resident = sum(int(np.prod(s.shape)) * (wide if s.dtype == "BF16" else 4) for s in specs)
-            attention = sum(int(np.prod(s.shape)) * (wide if s.dtype == "BF16" else 4) for s in specs
-                            if ".self_attn." in s.name)
-            params = sum(int(np.prod(s.shape)) for s in specs)
-            return VirtualBlob(offset, size, resident, attention, params,
-                               tuple((s.name, s.dtype, tuple(s.shape)) for s in specs))
+            kept = [stored(s) for s in specs]  # [(dtype, disk, resident)]
+            attention = [i for i, s in enumerate(specs) if ".self_attn." in s.name]
+            return VirtualBlob(offset, sum(k[1] for k in kept), sum(k[2] for k in kept),
+                               sum(kept[i][2] for i in attention), sum(int(np.prod(s.shape)) for s in specs),
+                               sum(int(np.prod(specs[i].shape)) for i in attention),
+                               tuple((s.name, k[0], tuple(s.shape)) for s, k in zip(specs, kept)))
 
         self.globals = blob(names.global_specs(config), 0)
         offset = self.globals.read_size
@@ -149,9 +170,12 @@ class VirtualStore:
         def blob(b) -> VirtualBlob:
             resident = b.float32_bytes if trunk_dtype == "float32" else b.size
             width = 4 if trunk_dtype == "float32" else 2
-            attention = sum(int(np.prod(t.shape)) * width for t in b.tensors if ".self_attn." in t.name)
+            attention = [t for t in b.tensors if ".self_attn." in t.name]
+            attention_bytes = sum(t.nbytes if t.dtype in STORE_DTYPES.values() else int(np.prod(t.shape)) * width
+                                  for t in attention)
             params = sum(int(np.prod(t.shape)) for t in b.tensors)
-            return VirtualBlob(b.offset, b.size, resident, attention, params,
+            return VirtualBlob(b.offset, b.size, resident, attention_bytes, params,
+                               sum(int(np.prod(t.shape)) for t in attention),
                                tuple((t.name, t.dtype, tuple(t.shape)) for t in b.tensors))
 
         self.globals = blob(store.globals)
@@ -465,7 +489,8 @@ class SimRun:
                               tuple(pinned), sum(store.layers[l].float32_bytes for l in pinned), tuple(streamed),
                               ring, int(slots), store.expert_stride)
         try:
-            return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes, trunk_dtype=cfg.trunk_dtype)
+            return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes,
+                               trunk_dtype=engine_trunk_dtype(cfg.trunk_dtype))
         except BudgetError as exc:
             message = str(exc).replace("--ram-budget", "--ram")
             hint = ""
@@ -540,7 +565,7 @@ class SimRun:
         for layer in range(c.num_layers):
             self._take_trunk(layer)
             blob = self.store.layers[layer]
-            attn_params = blob.attention_bytes / (4 if self._wide() else 2)
+            attn_params = blob.attention_params
             self._compute(layer, m.layer_overhead_s + T * m.attention_s_per_token_layer
                           + m.dense_seconds(blob.attention_bytes, 2 * attn_params * T))
             nxt = layer + 1
@@ -554,7 +579,7 @@ class SimRun:
                 continue
             self.routed_experts(layer, routing.experts[layer])
         head = self.store.globals.float32_bytes / 2  # embed and lm_head: the lm_head is half the globals
-        self._compute(c.num_layers - 1, m.dense_seconds(head, 2 * (head / (4 if self._wide() else 2)) * logit_rows))
+        self._compute(c.num_layers - 1, m.dense_seconds(head, 2 * (self.store.globals.params / 2) * logit_rows))
 
     def routed_experts(self, layer: int, rows: np.ndarray) -> None:
         """rows [T, TOPK]: the layer's routed experts, here (the cluster mode sends them to their owners)."""
@@ -740,7 +765,7 @@ def replay_config(trace, machine: Machine, recall: float | None = None, seed: in
 def minimum_ram(config: K3Config | None = None, trunk_dtype: str = "float32") -> int:
     """The smallest --ram k3serve's budget splitter accepts for the model (one layer and top-k slots)."""
     store = VirtualStore(config or full_k3_config(), trunk_dtype=trunk_dtype)
-    return minimum_budget_bytes(store, trunk_dtype=trunk_dtype)
+    return minimum_budget_bytes(store, trunk_dtype=engine_trunk_dtype(trunk_dtype))
 
 
 __all__ = ["SimConfig", "SimResult", "LayerTime", "VirtualStore", "simulate", "replay_config", "minimum_ram",

@@ -7,6 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
+from k3serve.weights.quantized import STORE_DTYPES, quantized_nbytes
+
 TRUNK_DTYPES = ("float32", "bf16")
 # Trunk matrices held as bf16 bits whatever the trunk dtype (the big MLP matrices) ...
 BF16_ALWAYS = ("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "shared_experts.", "routed_expert_down_proj.",
@@ -22,6 +24,14 @@ FUSED_GROUPS = (("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", 
                 ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.g_proj."))
 
 
+def quantized_in_trunk(name: str, shape: Sequence[int]) -> bool:
+    """Whether `pack --trunk-precision q8_0|mxfp4` quantizes this tensor: every matrix a bf16 trunk keeps as bf16
+    (the embedding and the lm_head included, as llama.cpp's Q8_0 files do) whose rows are whole 32-blocks. The
+    parts of a fused group share their width, so they are quantized alike."""
+    keys = BF16_ALWAYS + BF16_IN_BF16_TRUNK
+    return len(shape) == 2 and shape[1] % 32 == 0 and any(k in name for k in keys)
+
+
 def bf16_rule(name: str, trunk_dtype: str) -> bool:
     keys = BF16_ALWAYS + (BF16_IN_BF16_TRUNK if trunk_dtype == "bf16" else ())
     return any(k in name for k in keys)
@@ -30,12 +40,17 @@ def bf16_rule(name: str, trunk_dtype: str) -> bool:
 def held_bytes(tensors: Sequence[tuple[str, str, tuple[int, ...]]], trunk_dtype: str = "float32") -> int:
     """Bytes the built weights of one trunk blob hold, for tensors (name, stored dtype, shape): 2 per parameter for
     a bf16-stored matrix the trunk dtype keeps as bf16 (a fused group only when all its parts are bf16-stored),
-    4 for everything else. The budget splitter charges this (stream/budget.py)."""
+    the stored bytes for a Q8_0 / MXFP4 matrix (34 / 17 per 32 parameters; a quantized pack quantizes every part
+    of a fused group alike), 4 for everything else. The budget splitter charges this (stream/budget.py)."""
     if trunk_dtype not in TRUNK_DTYPES:
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     stored = {name: dtype for name, dtype, _ in tensors}
+    precisions = {v: k for k, v in STORE_DTYPES.items()}
     total = 0
     for name, dtype, shape in tensors:
+        if dtype in precisions:  # a quantized trunk's matrix: held as its bytes whatever the trunk dtype
+            total += quantized_nbytes(precisions[dtype], *shape)
+            continue
         params = int(np.prod(shape))
         bf16 = dtype == "BF16" and bf16_rule(name, trunk_dtype)
         for group in FUSED_GROUPS:

@@ -41,6 +41,7 @@ from k3serve.errors import CheckpointError
 from k3serve.weights import names
 from k3serve.weights.bf16 import bf16_bits_to_f32
 from k3serve.weights.held import held_bytes
+from k3serve.weights.quantized import STORE_DTYPES, TRUNK_PRECISIONS, QuantizedMatrix
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
 from k3serve.weights.stripes import striped_file_sizes
 
@@ -122,6 +123,9 @@ def read_index(index_file: Path, fmt: str, version: int, missing: str) -> dict:
     return raw
 
 
+_QUANTIZED_DTYPES = tuple(STORE_DTYPES.values())
+
+
 def stripe_folder_name(store_id: str, stripe: int, num_stripes: int) -> str:
     """The folder of drive `stripe` (counted from 0) on that drive; named counting from 1, as the errors do."""
     return f"k3stripe-{store_id}-{stripe + 1}of{num_stripes}"
@@ -144,7 +148,7 @@ def trunk_stripe_chunk_bytes(largest_layer_bytes: int, num_stripes: int) -> int:
 
 class TensorEntry(NamedTuple):
     name: str
-    dtype: str  # safetensors dtype string
+    dtype: str  # safetensors dtype string, or "Q8_0" / "MXFP4" (a quantized trunk: `weights.quantized`)
     shape: tuple[int, ...]
     offset: int  # bytes into the blob
     nbytes: int
@@ -165,8 +169,9 @@ class TrunkBlob:
 
     @property
     def float32_bytes(self) -> int:
-        """An upper bound on the RAM its tensors take once widened to float32."""
-        return sum(int(np.prod(t.shape)) * 4 for t in self.tensors)
+        """An upper bound on the RAM its tensors take once widened to float32 (a quantized trunk's Q8_0 / MXFP4
+        matrices are never widened: their bytes)."""
+        return sum(t.nbytes if t.dtype in _QUANTIZED_DTYPES else int(np.prod(t.shape)) * 4 for t in self.tensors)
 
     def held_bytes(self, trunk_dtype: str = "float32") -> int:
         """The RAM its built weights hold with that trunk dtype (`k3serve.weights.held.held_bytes`)."""
@@ -174,9 +179,13 @@ class TrunkBlob:
 
     def decode(self, raw: np.ndarray, keep_bf16: bool = False) -> dict[str, np.ndarray]:
         """raw: u8 [>= size], the blob's bytes -> {name: fresh array} exactly as `Checkpoint.read` returns them;
-        with `keep_bf16`, bf16 tensors are their bits (uint16) as views of `raw`, not widened copies."""
-        out = {}
+        with `keep_bf16`, bf16 tensors are their bits (uint16) as views of `raw`, not widened copies. Tensors of a
+        quantized trunk (dtype "Q8_0" or "MXFP4") are `QuantizedMatrix` views of `raw`, whatever `keep_bf16`."""
+        out: dict = {}
         for t in self.tensors:
+            if t.dtype in _QUANTIZED_DTYPES:  # Q8_0 / MXFP4 bytes: views of `raw` (`build_layer` copies them)
+                out[t.name] = QuantizedMatrix.from_bytes(t.dtype, raw[t.offset:t.offset + t.nbytes], t.shape)
+                continue
             stored = raw[t.offset:t.offset + t.nbytes].view(STORAGE_DTYPES[t.dtype]).reshape(t.shape)
             if t.dtype == "BF16" and keep_bf16:
                 out[t.name] = stored
@@ -214,6 +223,7 @@ class PackedStore:
                          f"`k3serve pack CHECKPOINT {self.path}`")
         self.config: K3Config = load_config(self.path)
         self.layout: str = raw["layout"]
+        self.trunk_precision: str = raw.get("trunk_precision", "bf16")  # `pack --trunk-precision`
         # the unstriped files' paths (a striped store has no file there: its bytes are in `trunk_files` and
         # `expert_files`, one per drive)
         self.trunk_path = self.path / raw["trunk_file"]
@@ -240,6 +250,8 @@ class PackedStore:
         problems: list[str] = []
         if raw.get("config_sha256") != config_fingerprint(c):
             problems.append("config.json differs from the config the store was packed with")
+        if self.trunk_precision not in TRUNK_PRECISIONS:
+            problems.append(f"unknown trunk precision {self.trunk_precision!r}")
         if len(self.layers) != c.num_layers:
             problems.append(f"store has {len(self.layers)} trunk layers, config has {c.num_layers}")
         expected_blob = sum(p.nbytes for p in expert_parts(c))
