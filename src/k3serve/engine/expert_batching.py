@@ -1,7 +1,6 @@
 """Decode batches chosen by shared experts (`--batch-by-experts`, issue 35 item 4).
 
-When more sequences are ready to decode than a step takes (`EngineConfig.max_decode_seqs`, or the token budget),
-the scheduler may pick the subset whose predicted experts overlap most, so a streamed step reads fewer experts.
+When more sequences are ready to decode than a step takes (`EngineConfig.max_decode_seqs`), the scheduler may pick the subset whose predicted experts overlap most, so a streamed step reads fewer experts.
 A sequence's prediction is the routing of its previous step's last token ([L, TOPK]: its experts in each MoE
 layer, in the layers' order), which the engine records after every forward from the source's step routing.
 
@@ -16,8 +15,8 @@ The rule, for k seats among the ready sequences R (in the policy's order: rank, 
      until k are chosen. |U| per layer is what the step reads for those tokens' experts.
 
 Starvation bound: a sequence the baseline (first k in order) would run and the rule leaves out is counted; after
-`max_wait` such steps in a row it is forced in. So a sequence is never passed over more than `max_wait`
-consecutive steps in which the baseline would have run it.
+`max_wait` such steps in a row it is forced in (max_wait 0: the baseline's batches). So a sequence is never passed
+over in more than `max_wait` consecutive steps in which the baseline would have run it.
 
 Shapes: C candidates, L MoE layers, TOPK experts per token (DROPPED slots, -1, are ignored), NE experts per layer.
 """
@@ -27,9 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-DEFAULT_MAX_WAIT = 4  # steps a sequence the baseline would run may be passed over in a row
-
 
 @dataclass
 class Candidate:
