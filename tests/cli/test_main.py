@@ -609,3 +609,18 @@ def test_generate_expert_top_p_reports_the_kept_experts_and_a_lone_min_is_refuse
     assert "--expert-top-p-min goes with --expert-top-p" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(args + ["--expert-top-p", "0"])
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+def test_serve_and_cluster_pass_batch_by_experts_to_the_engine(command, capsys):
+    from k3serve.cli.main import _engine_config, build_parser
+
+    parser = build_parser()
+    default = _engine_config(parser.parse_args([command]))
+    assert (default.max_decode_seqs, default.batch_by_experts, default.batch_by_experts_max_wait) == (None, False, 4)
+    config = _engine_config(parser.parse_args([command, "--max-decode-seqs", "8", "--batch-by-experts",
+                                               "--batch-by-experts-max-wait", "2"]))
+    assert (config.max_decode_seqs, config.batch_by_experts, config.batch_by_experts_max_wait) == (8, True, 2)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([command, "--max-decode-seqs", "0"])
+    assert exit_info.value.code == 2 and "--max-decode-seqs" in capsys.readouterr().err

@@ -170,6 +170,15 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="the model id clients send (default: folder name)")
     serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
     serve.add_argument("--max-seqs", type=positive_int, default=64, help="sequences running at once")
+    serve.add_argument("--max-decode-seqs", type=positive_int, default=None,
+                       help="decodes per forward (default: every running one the token budget allows); running "
+                            "sequences beyond it hold their memory and wait a step")
+    serve.add_argument("--batch-by-experts", action="store_true",
+                       help="among more ready decodes than --max-decode-seqs (which it needs), run those whose previous step's experts overlap most (fewer expert reads when "
+                            "streaming; a decode the default order would run waits at most "
+                            "--batch-by-experts-max-wait steps in a row)")
+    serve.add_argument("--batch-by-experts-max-wait", type=cli_args.non_negative_int, default=4,
+                       help="steps in a row --batch-by-experts may pass over a decode the default order would run")
     serve.add_argument("--max-model-len", type=positive_int, default=4096,
                        help="prompt + generated tokens per sequence")
     serve.add_argument("--block-size", type=positive_int, default=16, help="positions per paged MLA cache block")
@@ -366,6 +375,8 @@ def _engine_config(args: argparse.Namespace):
         raise UsageError("--prefix-cache-dir is the prefix cache's disk tier: drop it or --no-prefix-cache")
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                        max_decode_seqs=args.max_decode_seqs, batch_by_experts=args.batch_by_experts,
+                        batch_by_experts_max_wait=args.batch_by_experts_max_wait,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
                         prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
                         checkpoint_every_blocks=args.checkpoint_every_blocks,
