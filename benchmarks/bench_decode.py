@@ -7,6 +7,11 @@ Measures, in one run and interleaved round by round:
 Prints the machine, one summary line, and a JSON record on the last line. Medians over --rounds rounds.
 
     python benchmarks/bench_decode.py [--model DIR | --family NAME] [--rounds 5] [--steps 32] [--quick]
+                                      [--trunk-precision bf16|q8_0|mxfp4]
+
+--trunk-precision (a K3 checkpoint, the embedded model by default) packs it into a temporary store at that trunk
+precision (`k3serve pack --trunk-precision`) and runs the store with every layer pinned and the trunk held as
+stored (bf16 bits, or Q8_0 / MXFP4 bytes multiplied from their bytes).
 """
 
 from __future__ import annotations
@@ -48,12 +53,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="3 rounds of 8 steps")
+    parser.add_argument("--trunk-precision", choices=("bf16", "q8_0", "mxfp4"), default=None,
+                        help="run a K3 checkpoint packed at this trunk precision (default: the checkpoint as loaded)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 3, 8
 
     path, label = model_path(args)
-    model = load_model(path).model
+    if args.trunk_precision is not None:
+        import tempfile
+
+        from k3serve.default_model import default_model_dir
+        from k3serve.stream.options import StreamOptions
+        from k3serve.weights.pack import pack_checkpoint
+
+        store = pack_checkpoint(path or default_model_dir(), tempfile.mkdtemp(prefix="bench-decode-"),
+                                trunk_precision=args.trunk_precision)
+        model = load_model(store.path, stream=StreamOptions(trunk_dtype="bf16")).model
+        label = f"{label}, trunk {args.trunk_precision} (packed store, all pinned)"
+    else:
+        model = load_model(path).model
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.config.vocab_size, size=args.prompt_len)
     short = prompt[:16]

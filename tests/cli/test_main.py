@@ -330,7 +330,7 @@ def test_next_layer_prefetch_without_a_slot_to_prefetch_into_warns_once(tiny_sto
     for budget, warned in ((minimum, True), (roomy, False)):
         caplog.clear()
         assert main(["logits", "--model", str(tiny_store.path), "--ids", "1,5,9", "--out", str(tmp_path / "l.npy"),
-                     "--ram-budget", str(budget), "--prefetch", "next-layer"]) == 0
+                     "--ram-budget", str(budget), "--prefetch", "next-layer", "--trunk-dtype", "float32"]) == 0
         messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "prefetch" in
                     r.getMessage()]
         assert len(messages) == (1 if warned else 0), (budget, messages)
@@ -353,9 +353,15 @@ def test_sim_c_engine_without_its_split_names_the_flags(capsys):
 
 
 def test_sim_k3_below_the_float32_floor_points_to_the_bf16_trunk_and_the_floors(capsys):
-    assert main(["sim", "k3", "--ram", "8G"]) == 2
+    assert main(["sim", "k3", "--ram", "8G", "--trunk-dtype", "float32"]) == 2
     err = capsys.readouterr().err
-    assert "--trunk-dtype bf16 runs from 9.06 GiB" in err and "docs/SIMULATOR.md" in err
+    assert "--trunk-dtype bf16 runs from 1.58 GiB" in err and "docs/SIMULATOR.md" in err
+
+
+def test_sim_k3_runs_the_full_k3_in_2_gib(capsys):
+    assert main(["sim", "k3", "--ram", "2G", "--machine", "c-engine-v1", "--tokens", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "0/93 trunk layers pinned" in out and "time/token" in out
 
 
 def _free_port() -> int:
@@ -603,3 +609,18 @@ def test_generate_expert_top_p_reports_the_kept_experts_and_a_lone_min_is_refuse
     assert "--expert-top-p-min goes with --expert-top-p" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(args + ["--expert-top-p", "0"])
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+def test_serve_and_cluster_pass_batch_by_experts_to_the_engine(command, capsys):
+    from k3serve.cli.main import _engine_config, build_parser
+
+    parser = build_parser()
+    default = _engine_config(parser.parse_args([command]))
+    assert (default.max_decode_seqs, default.batch_by_experts, default.batch_by_experts_max_wait) == (None, False, 4)
+    config = _engine_config(parser.parse_args([command, "--max-decode-seqs", "8", "--batch-by-experts",
+                                               "--batch-by-experts-max-wait", "2"]))
+    assert (config.max_decode_seqs, config.batch_by_experts, config.batch_by_experts_max_wait) == (8, True, 2)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([command, "--max-decode-seqs", "0"])
+    assert exit_info.value.code == 2 and "--max-decode-seqs" in capsys.readouterr().err

@@ -37,8 +37,9 @@ def one_process(tiny_model):
 
 
 def _front(packed, owners, infos) -> K3Model:
-    return K3Model(ExpertParallelSource(StreamingSource(packed, StreamOptions(ram_budget=trunk_budget(packed))),
-                                        owners, infos))
+    # float32: compared byte for byte with the float32 resident model
+    front = StreamOptions(ram_budget=trunk_budget(packed), trunk_dtype="float32")
+    return K3Model(ExpertParallelSource(StreamingSource(packed, front), owners, infos))
 
 
 def test_split_gives_each_owner_its_run_of_pairs_in_order():
@@ -87,7 +88,8 @@ def test_owners_as_ray_actors_give_the_bits_of_one_process(local_ray, stores, ti
     from k3serve.cluster.expert_actors import load_expert_parallel
 
     packed, shards = stores
-    ep = load_expert_parallel(packed.path, shards[2], None, ShardOptions(ram_budget=3 * packed.expert_stride),
+    front = StreamOptions(ram_budget=trunk_budget(packed), trunk_dtype="float32")  # byte for byte with float32
+    ep = load_expert_parallel(packed.path, shards[2], front, ShardOptions(ram_budget=3 * packed.expert_stride),
                               cpus_per_owner=0.25)
     try:
         model = ep.loaded.model

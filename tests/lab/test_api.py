@@ -256,7 +256,7 @@ def test_a_full_queue_is_a_429_and_a_heavy_run_is_cancelled_within_two_seconds(s
 
 def test_the_jobs_listing_shows_running_and_queued_jobs(small_lab_client):
     client = small_lab_client
-    assert client.get("/lab/api/jobs").json() == {"jobs": []}
+    assert client.get("/lab/api/jobs").json() == {"jobs": [], "max_queued": 1}
     running = client.post("/lab/api/modules/cluster_scale/run", json=HEAVY_CLUSTER_SCALE).json()
     deadline = time.time() + 60
     # NOTE: the queue holds one waiting job: the second waits until the dispatcher took the first (on a loaded

@@ -60,6 +60,28 @@ def test_a_module_that_fills_a_generic_slot_shows_its_own_verdict_and_figure():
     assert next(h for h in body["headlines"] if h["slot"] == "full_k3_8gb")["status"] == "not yet run"
 
 
+def test_a_run_that_shows_a_record_is_badged_recorded_with_the_records_date():
+    # peers without llama.cpp (CI): the run here succeeds but its figures are a record of an earlier measurement
+    shown = _record("peers", True, {"decode_tok_s": 87.0}, {"decode_tok_s": 199.0}, "2026-12-07T09:00:00+00:00",
+                    "k3serve lost here.")
+    shown["series"] = [{"measured": True, "recorded": "2026-12-06", "mark": "recorded 2026-12-06"}]
+    measured = dict(shown, series=[{"measured": True, "recorded": None, "mark": "measured on this machine"}])
+    modules = MODULES + [{"id": "peers", "number": 18, "title": "Peers"}]
+    stored = {"date": "2026-12-01T00:00:00+00:00", "machine": "a machine", "command": "", "runs": {"peers": measured}}
+    for latest, badge, date in (({"peers": shown}, "recorded", "2026-12-06"),
+                                ({"peers": measured}, "measured", "2026-12-07T09:00:00+00:00")):
+        body = overview(modules, stored, latest)
+        slot = next(h for h in body["headlines"] if h["slot"] == "peers")
+        row = next(r for r in body["modules"] if r["module"] == "peers")
+        for entry in (slot, row):
+            assert entry["badge"] == badge and entry["date"] == date and entry["source"] == "run on this server"
+            assert entry["recorded"] == (date if badge == "recorded" else None)
+    assert slot["value"] == 87.0 and slot["baseline"] == 199.0 and slot["verdict"]["sentence"] == "k3serve lost here."
+    # the stored run of a live measurement: recorded (stored), with the stored run's date and machine
+    row = next(r for r in overview(modules, stored, {})["modules"] if r["module"] == "peers")
+    assert (row["badge"], row["date"], row["machine"]) == ("recorded", measured["date"], "a machine")
+
+
 def test_a_malformed_stored_runs_file_is_an_error_naming_it(tmp_path):
     bad = tmp_path / "stored_runs.json"
     bad.write_text("{not json")
@@ -90,10 +112,8 @@ def test_the_shipped_stored_runs_are_every_module_at_its_defaults_with_a_verdict
     assert stored["command"].startswith("k3serve lab run --all") and stored["machine"] and stored["date"]
     lab = LabFixtures()
     registry = modules()
-    missing = set(registry) - set(stored["runs"])
-    # a module added after the stored runs shows "not yet run" until `k3serve lab run --all` is run again; the
-    # modules that were there when they were written are all there
-    assert len(stored["runs"]) >= 17 and not (set(stored["runs"]) - set(registry)), missing
+    # every module, in page order: a module added since shows "not yet run" until `k3serve lab run --all` again
+    assert list(stored["runs"]) == list(registry), set(registry) ^ set(stored["runs"])
     for module_id, record in stored["runs"].items():
         assert record["params"] == registry[module_id].validate({}, lab), module_id
         assert record["command"] == f"k3serve lab run {module_id}"
@@ -101,6 +121,15 @@ def test_the_shipped_stored_runs_are_every_module_at_its_defaults_with_a_verdict
         assert verdict["outcome"] in ("won", "lost", "even") and verdict["sentence"] and verdict["flips_when"]
         value = record["metrics"][verdict["metric"]]
         assert value is not None and math.isfinite(value), module_id
+    # every headline slot fills from them before any click, speed against llama.cpp and serving throughput included
+    body = overview([m.to_json() for m in registry.values()], stored, {})
+    for slot in body["headlines"]:
+        assert slot["status"] == "done" and slot["verdict"]["sentence"], slot["slot"]
+        assert slot["badge"] in ("recorded", "simulated") and slot["date"], slot["slot"]
+    slots = {h["slot"]: h for h in body["headlines"]}
+    for slot, metric in (("peers", "decode_tok_s"), ("serving", "tok_per_s")):
+        assert slots[slot]["metric"] == metric and math.isfinite(slots[slot]["value"]), slots[slot]
+        assert slots[slot]["baseline"] > 0 and slots[slot]["verdict"]["outcome"] in ("won", "lost", "even")
 
 
 def test_docs_lab_md_quotes_the_shipped_verdicts_and_marks_the_timings():

@@ -37,7 +37,8 @@ def test_cluster_reads_and_sends_what_the_engine_does(tiny_shards, tmp_path, cou
     trace_path = tmp_path / "ep.trace"
     front_budget = trunk_budget(packed)
     source = ExpertParallelSource(StreamingSource(packed, StreamOptions(ram_budget=front_budget, io="pread",
-                                                                        queue_depth=4, trace_out=trace_path)),
+                                                                        queue_depth=4, trace_out=trace_path,
+                                                                        trunk_dtype="float32")),
                                   owners, owners.infos)
     generate(K3Model(source), [1, 5, 9, 200, 17, 3], SamplingParams(max_tokens=9, ignore_eos=True))
     real, net = source.stats().owners, source.network
@@ -47,7 +48,8 @@ def test_cluster_reads_and_sends_what_the_engine_does(tiny_shards, tmp_path, cou
     assert policy in ("none", "lru") or any(s.expert_retained > 0 for s in real)
 
     front = replay_config(read_trace(trace_path), laptop(), store=VirtualStore.from_store(packed),
-                          ram_bytes=front_budget, prefetch="none", queue_depth=4, count_prefill=True)
+                          ram_bytes=front_budget, prefetch="none", queue_depth=4, count_prefill=True,
+                          trunk_dtype="float32")
     result = simulate_cluster(ClusterConfig(front, count, budget, TEN_GBE, node_policy=policy, node_queue_depth=4))
     for i, (sim, stats) in enumerate(zip(result.totals["owners"], real)):
         assert (sim["expert_bytes"], sim["num_reads"], sim["expert_requests"], sim["expert_retained"]) == \
@@ -110,7 +112,7 @@ def test_a_slower_network_costs_time_not_bytes():
     (lambda: _k3(node_ram=-1), SimConfigError, "owner's RAM must be positive"),
     (lambda: _k3(node_ram=100 << 20), BudgetError, "at least 16"),
     (lambda: _k3(prefetch="next-layer"), SimConfigError, "prefetch must be 'none'"),
-    (lambda: _k3(ram_bytes=8 << 30), BudgetError, "minimum"),
+    (lambda: _k3(ram_bytes=1 << 30), BudgetError, "minimum"),
     (lambda: ClusterConfig(SimConfig(machine=laptop(), prefetch="none"), 8), SimConfigError, "no \\[network\\]"),
     (lambda: ClusterConfig(_k3().front, 8, None, TEN_GBE, node_policy="pinned"), SimConfigError, "owners take"),
 ])
@@ -136,10 +138,10 @@ def test_network_tables_in_machine_files(tmp_path):
 
 def test_cli_prints_a_row_per_cluster_and_refuses_bad_counts(tmp_path, capsys):
     out, plot = tmp_path / "c.json", tmp_path / "c.svg"
-    assert main(["sim", "cluster", "--nodes", "4,8", "--ram", "8G", "--front-ram", "8G,16G", "--tokens", "1",
+    assert main(["sim", "cluster", "--nodes", "4,8", "--ram", "8G", "--front-ram", "1G,16G", "--tokens", "1",
                  "--warmup", "0", "--json", str(out), "--plot", str(plot)]) == 0
     text = capsys.readouterr().out
-    assert "does not run" in text and "minimum" in text  # an 8 GB front cannot hold k3serve's trunk minimum
+    assert "does not run" in text and "minimum" in text  # a 1 GB front cannot hold k3serve's trunk minimum
     records = json.loads(out.read_text())
     ran = [r for r in records if "error" not in r]
     assert [(r["num_nodes"], r["front_ram"]) for r in ran] == [(4, "16G"), (8, "16G")]

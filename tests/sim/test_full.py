@@ -27,16 +27,25 @@ def tiny_packed(tiny_dir, tmp_path_factory):
     return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("sim-tiny-packed"))
 
 
+@pytest.fixture(scope="module")
+def tiny_packed_q8_0(tiny_dir, tmp_path_factory):
+    return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("sim-tiny-q8_0"), trunk_precision="q8_0")
+
+
 @pytest.mark.parametrize("policy,extra_slots,pin,dtype,top_p", [
     ("lru", 3, 0, "float32", 1.0), ("lfu", 9, None, "float32", 1.0), ("s3fifo", 20, None, "float32", 1.0),
-    ("none", 5, 0, "float32", 1.0), ("lru", 2, None, "bf16", 1.0), ("lfu", 40, None, "bf16", 1.0),
-    ("lru", 3, 0, "float32", 0.6), ("lfu", 9, None, "bf16", 0.6)])
-def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, extra_slots, pin, dtype, top_p):
-    store = tiny_packed
-    budget = minimum_budget_bytes(store, trunk_dtype=dtype) + extra_slots * store.expert_stride
+    ("none", 5, 0, "float32", 1.0), ("lru", 2, None, "bf16", 1.0), ("lfu", 40, 0, "bf16", 1.0),
+    ("lfu", 80, None, "bf16", 1.0), ("lru", 3, 0, "float32", 0.6), ("lfu", 9, 0, "bf16", 0.6),
+    ("lru", 2, None, "q8_0", 1.0), ("lfu", 40, 0, "q8_0", 1.0), ("lfu", 80, None, "q8_0", 1.0)])
+def test_simulator_reads_what_the_engine_reads(tiny_packed, tiny_packed_q8_0, tmp_path, policy, extra_slots, pin,
+                                               dtype, top_p):
+    """dtype q8_0: a store packed with --trunk-precision q8_0, run with a bf16 trunk dtype (held as views, as bf16)."""
+    store = tiny_packed_q8_0 if dtype == "q8_0" else tiny_packed
+    engine_dtype = "bf16" if dtype == "q8_0" else dtype
+    budget = minimum_budget_bytes(store, trunk_dtype=engine_dtype) + extra_slots * store.expert_stride
     trace_path = tmp_path / "run.trace"
     options = StreamOptions(ram_budget=budget, io="pread", queue_depth=4, cache=policy, prefetch="none",
-                            pin_trunk_bytes=pin, trace_out=trace_path, trunk_dtype=dtype)
+                            pin_trunk_bytes=pin, trace_out=trace_path, trunk_dtype=engine_dtype)
     loaded = load_model(store.path, stream=options, expert_top_p=ExpertTopP(top_p, 1))
     source = loaded.model.source
     generate(loaded.model, [1, 5, 9, 200, 17, 3], SamplingParams(max_tokens=9, ignore_eos=True))
@@ -46,6 +55,7 @@ def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, ex
     real = source.stats().stream
     plan = source.plan
     assert plan.streamed_layers or pin is None  # the pin=0 cases stream the trunk too
+    assert plan.trunk_views == (dtype != "float32")
     assert real.expert_misses > 0 and (real.expert_retained > 0 or policy in ("none", "lru"))
 
     trace = read_trace(trace_path)
@@ -55,6 +65,7 @@ def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, ex
     assert result.plan["trunk_read_ahead"] == plan.trunk_read_ahead
     assert result.plan["expert_slots"] == plan.expert_slots
     assert result.plan["pinned_layers"] == len(plan.pinned_layers)
+    assert result.plan["total_bytes"] == plan.total_bytes  # the same charges, from the virtual store's sizes
     assert result.totals["expert_bytes"] == real.expert_bytes_read
     assert result.totals["trunk_bytes"] == real.trunk_bytes_read
     assert result.totals["num_reads"] == real.num_reads
@@ -62,7 +73,7 @@ def test_simulator_reads_what_the_engine_reads(tiny_packed, tmp_path, policy, ex
 
 
 def test_clock_is_deterministic_for_a_seed():
-    cfg = dict(machine=laptop(), ram_bytes=40 << 30, tokens=2, warmup=1)
+    cfg = dict(machine=laptop(), ram_bytes=40 << 30, tokens=2, warmup=1, trunk_dtype="float32")
     a, b = simulate(SimConfig(seed=3, **cfg)), simulate(SimConfig(seed=3, **cfg))
     assert a.to_dict() == b.to_dict()
     c = simulate(SimConfig(seed=4, **cfg))
@@ -88,7 +99,7 @@ def test_more_ram_never_reads_more_and_prefetch_serves_requests():
 
 def test_impossible_budget_is_a_clear_error():
     with pytest.raises(BudgetError, match="minimum"):
-        simulate(SimConfig(machine=laptop(), ram_bytes=8 << 30))
+        simulate(SimConfig(machine=laptop(), ram_bytes=1 << 30))
     with pytest.raises(SimConfigError, match="pinned_layers"):
         SimConfig(machine=laptop(), engine="c-engine")
     with pytest.raises(SimConfigError, match="policy"):
@@ -128,7 +139,7 @@ def test_machine_files_round_trip_json_and_toml(tmp_path):
 
 
 def test_cli_errors_exit_2_and_json_has_the_keys(tmp_path, capsys):
-    assert main(["sim", "k3", "--ram", "8G", "--machine", "laptop"]) == 2
+    assert main(["sim", "k3", "--ram", "1G", "--machine", "laptop"]) == 2
     assert "minimum" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text("{}")

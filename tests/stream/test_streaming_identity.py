@@ -51,7 +51,7 @@ CASES = [
 def test_streaming_matches_resident_bytes(resident, tiny_store, tiny_store_coactivation, tiny_trace, layout,
                                           budget, cache, io, depth, prefetch):
     store = tiny_store if layout == "natural" else tiny_store_coactivation
-    options = StreamOptions(ram_budget=_budgets(store)[budget], cache=cache, io=io, queue_depth=depth,
+    options = StreamOptions(ram_budget=_budgets(store)[budget], trunk_dtype="float32", cache=cache, io=io, queue_depth=depth,
                             prefetch=prefetch, cache_profile=tiny_trace if cache == "pinned" else None)
     model = load_model(store.path, stream=options).model
     source = model.source
@@ -77,7 +77,7 @@ def test_embedded_model_streams_byte_identically():
     resident = load_model(None).model
     store = PackedStore(default_packed_dir())
     budget = minimum_budget_bytes(store) + 8 * store.expert_stride
-    streamed = load_model(None, stream=StreamOptions(ram_budget=budget, io="direct", cache="s3fifo",
+    streamed = load_model(None, stream=StreamOptions(ram_budget=budget, trunk_dtype="float32", io="direct", cache="s3fifo",
                                                      prefetch="next-layer")).model
     assert streamed.source.plan.pinned_layers != tuple(range(8)), "the budget must force trunk streaming"
     prompt = [1, 40, 41, 300, 7]
@@ -89,7 +89,7 @@ def test_embedded_model_streams_byte_identically():
 
 
 def test_a_prefetched_expert_is_never_counted_as_retained(tiny_store):
-    model = load_model(tiny_store.path, stream=StreamOptions(cache="none", prefetch="next-layer",
+    model = load_model(tiny_store.path, stream=StreamOptions(cache="none", trunk_dtype="float32", prefetch="next-layer",
                                                              prefetch_max=8)).model
     model.logits([1])  # one step from an empty cache
     stats = model.source.stats().stream
@@ -107,7 +107,7 @@ def test_top_p_streams_byte_identically_and_its_prefetch_guesses_only_kept_exper
     budget = minimum_budget_bytes(tiny_store) + 8 * tiny_store.expert_stride
     issued = {}
     for top_p in (limit, None):
-        options = StreamOptions(ram_budget=budget, cache="lru", prefetch="next-layer")
+        options = StreamOptions(ram_budget=budget, trunk_dtype="float32", cache="lru", prefetch="next-layer")
         model = load_model(tiny_store.path, stream=options, expert_top_p=top_p).model
         if top_p is not None:
             np.testing.assert_array_equal(model.logits(prompt), want)

@@ -37,7 +37,7 @@ def striped(tiny_dir, tmp_path_factory):
                                                    ("mmap", 2, "s3fifo", 12)])
 def test_striped_store_streams_byte_identically(tiny_model, striped, io, depth, cache, extra):
     options = StreamOptions(ram_budget=minimum_budget_bytes(striped) + extra * striped.expert_stride, io=io,
-                            queue_depth=depth, cache=cache)
+                            queue_depth=depth, cache=cache, trunk_dtype="float32")  # as the float32 resident model
     model = load_model(striped.path, stream=options).model
     assert isinstance(model.source.expert_io, StripedIO) and isinstance(model.source.trunk_io, StripedIO)
     assert np.array_equal(model.logits(IDS), tiny_model.logits(IDS))

@@ -40,8 +40,9 @@ def ggml_mxfp4_blocks(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def write_k3_gguf(folder: Path, out: Path, expert_type: str = "MXFP4", skip: tuple[str, ...] = (),
-                  metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
-    """`metadata` adds more keys (a tokenizer, as llama.cpp's converter writes one)."""
+                  metadata: Callable[[gguf.GGUFWriter], None] | None = None, trunk_type: str = "BF16") -> Path:
+    """`metadata` adds more keys (a tokenizer, as llama.cpp's converter writes one); `trunk_type` "Q8_0" writes
+    the trunk matrices whose rows are whole 32-blocks as Q8_0 (as a llama.cpp Q8_0 file does)."""
     c = load_config(folder)
     checkpoint = Checkpoint(folder)
     read = checkpoint.read
@@ -55,6 +56,8 @@ def write_k3_gguf(folder: Path, out: Path, expert_type: str = "MXFP4", skip: tup
         if array.ndim <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", "_score.weight", "conv1d_q.weight",
                                              "conv1d_k.weight", "conv1d_v.weight")) or not name.endswith(".weight"):
             writer.add_tensor(name, array)
+        elif trunk_type == "Q8_0" and array.ndim == 2 and array.shape[1] % 32 == 0:
+            writer.add_tensor(name, quants.quantize(array, Q.Q8_0), raw_dtype=Q.Q8_0)
         else:
             writer.add_tensor(name, quants.quantize(array, Q.BF16), raw_dtype=Q.BF16)
 

@@ -159,7 +159,8 @@ def test_pack_streams_a_k3_gguf_as_it_runs_resident(reference, k3_gguf, tmp_path
     assert main(["pack", str(k3_gguf), str(out)]) == 0
     store = PackedStore(out)
     resident = load_model(k3_gguf)
-    streamed = load_model(out, stream=StreamOptions(ram_budget=minimum_budget_bytes(store), io="pread"))
+    streamed = load_model(out, stream=StreamOptions(ram_budget=minimum_budget_bytes(store), io="pread",
+                                                    trunk_dtype="float32"))
     ids = reference.encode("The old man said: \"Once upon a time, there was a king.\"")
     assert np.array_equal(streamed.model.logits(ids), resident.model.logits(ids))
     assert streamed.model.greedy(ids, 8) == resident.model.greedy(ids, 8)

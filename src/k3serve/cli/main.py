@@ -170,6 +170,15 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="the model id clients send (default: folder name)")
     serve.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="tokens per forward step")
     serve.add_argument("--max-seqs", type=positive_int, default=64, help="sequences running at once")
+    serve.add_argument("--max-decode-seqs", type=positive_int, default=None,
+                       help="decodes per forward (default: every running one the token budget allows); running "
+                            "sequences beyond it hold their memory and wait a step")
+    serve.add_argument("--batch-by-experts", action="store_true",
+                       help="among more ready decodes than --max-decode-seqs (which it needs), run those whose previous step's experts overlap most (fewer expert reads when "
+                            "streaming; a decode the default order would run waits at most "
+                            "--batch-by-experts-max-wait steps in a row)")
+    serve.add_argument("--batch-by-experts-max-wait", type=cli_args.non_negative_int, default=4,
+                       help="steps in a row --batch-by-experts may pass over a decode the default order would run")
     serve.add_argument("--max-model-len", type=positive_int, default=4096,
                        help="prompt + generated tokens per sequence")
     serve.add_argument("--block-size", type=positive_int, default=16, help="positions per paged MLA cache block")
@@ -189,9 +198,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--prefix-cache-dir", type=Path, default=None, metavar="DIR",
                        help="the prefix cache's disk tier: checkpoints that leave RAM are written to this folder "
                             "(on NVMe) and restored by a later hit instead of recomputed; a restart on the same "
-                            "folder and model hits them (needs --prefix-cache-disk)")
+                            "folder and model hits them (needs --prefix-cache-disk; default: none, RAM only)")
     serve.add_argument("--prefix-cache-disk", type=cli_args.size, default=None, metavar="SIZE",
-                       help="the disk tier's size, e.g. 64G (binary units)")
+                       help="the disk tier's size, e.g. 64G (binary units; default: none, no disk tier)")
     serve.add_argument("--prefix-wait-tokens", type=cli_args.non_negative_int, default=32,
                        help="a queued request whose prompt shares at least this many more tokens with a running "
                             "request of the same tenant than the prefix cache holds waits until that one has "
@@ -366,6 +375,8 @@ def _engine_config(args: argparse.Namespace):
         raise UsageError("--prefix-cache-dir is the prefix cache's disk tier: drop it or --no-prefix-cache")
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                        max_decode_seqs=args.max_decode_seqs, batch_by_experts=args.batch_by_experts,
+                        batch_by_experts_max_wait=args.batch_by_experts_max_wait,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
                         prefix_cache_policy=args.prefix_cache_policy, num_state_checkpoints=args.state_checkpoints,
                         checkpoint_every_blocks=args.checkpoint_every_blocks,

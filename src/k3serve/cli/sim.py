@@ -35,8 +35,9 @@ def add_sim_commands(sim_sub) -> None:
     k3.add_argument("--queue-depth", type=cli_args.int_range(1, 1024), default=16, help="I/O queue depth" + d)
     k3.add_argument("--drives", type=cli_args.int_range(1, 64), default=1,
                     help="the store striped over this many drives, each the machine's disk (pack --stripe)" + d)
-    k3.add_argument("--trunk-dtype", choices=("float32", "bf16"), default="float32",
-                    help="how k3serve holds the trunk in RAM (the engine's --trunk-dtype)" + d)
+    k3.add_argument("--trunk-dtype", choices=("float32", "bf16", "q8_0", "mxfp4"), default="bf16",
+                    help="how k3serve holds the trunk in RAM (the engine's --trunk-dtype; q8_0 / mxfp4: a store "
+                         "packed with --trunk-precision, 34 / 17 bytes per 32 weights)" + d)
     k3.add_argument("--batch", type=cli_args.positive_int, default=1, help="sequences decoded together" + d)
     k3.add_argument("--speculative", type=cli_args.non_negative_int, default=0,
                     help="draft tokens per step, 0 = off" + d)

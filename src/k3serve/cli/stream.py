@@ -45,8 +45,8 @@ def add_stream_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-out", type=cli_args.output_file, default=None,
                    help="record every (token, layer, expert) request to this file (default: none)")
     g.add_argument("--trunk-dtype", choices=("float32", "bf16"), default=None,
-                   help="hold the trunk matrices widened to float32, or as their stored bf16 (a lower minimum "
-                        "budget; see docs/SIMULATOR.md) (default: float32)")
+                   help="hold the trunk matrices as their stored bf16 (views of the read buffers: the memory floor, "
+                        "docs/STREAMING.md) or widened to float32 (default: bf16)")
 
 
 def add_routing_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +123,10 @@ def add_subcommands(sub) -> dict:
     pack.add_argument("--expert-precision", choices=("native", "bf16", "int8", "mxfp4"), default="native",
                       help="a family checkpoint's routed experts in the store: the stored values, int8 or MXFP4 "
                            "(K3 experts are MXFP4 already; default native)")
+    pack.add_argument("--trunk-precision", choices=("bf16", "q8_0", "mxfp4"), default="bf16",
+                      help="a K3 store's trunk matrices: as stored (bf16, lossless), or Q8_0 (8.5 bits per weight) "
+                           "or MXFP4 (4.25), multiplied straight from those bytes (lossy: docs/STREAMING.md; "
+                           "default bf16)")
     pack.add_argument("--stripe", type=_stripe_dirs, default=None, metavar="DIR1,DIR2,...",
                       help="lay trunk.bin and experts.bin over these folders, one per drive, in chunks (RAID 0 "
                            "fashion; the streaming reader keeps a queue per drive); each folder must exist "
@@ -221,6 +225,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
     if args.shard is not None and not architecture.expert_shards:
         raise UsageError(f"{args.src} is a family checkpoint: --shard (expert parallelism) is built for K3 "
                          "stores; pack it whole")
+    if args.trunk_precision != "bf16" and (not architecture.routing_traces or args.shard is not None):
+        raise UsageError(f"--trunk-precision {args.trunk_precision} quantizes a K3 store's trunk; "
+                         + ("a shard holds experts only" if architecture.routing_traces else
+                            f"{args.src} is a family checkpoint, whose trunk stays resident as loaded"))
     if not architecture.routing_traces:
         return _pack_family(args, architecture)
     if args.expert_precision not in ("native", "mxfp4"):
@@ -246,8 +254,9 @@ def cmd_pack(args: argparse.Namespace) -> int:
     with staged_folder(args.out) as staging:
         striping = {"stripe_dirs": args.stripe} if args.stripe is not None else {}
         store = architecture.pack(args.src, staging, args.expert_precision, layout=args.layout,
-                                  token_sets=token_sets, **striping)
-        summary = (f"layout {store.layout}, {store.num_experts_total} experts of {format_size(store.expert_blob_size)} "
+                                  token_sets=token_sets, trunk_precision=args.trunk_precision, **striping)
+        summary = (f"layout {store.layout}, trunk {store.trunk_precision}, {store.num_experts_total} experts of "
+                   f"{format_size(store.expert_blob_size)} "
                    f"(stride {format_size(store.expert_stride)}), expert store "
                    f"{format_size(store.expert_store_bytes)}, trunk {format_size(store.trunk_store_bytes)}")
         if args.stripe is not None:

@@ -24,6 +24,11 @@ class EngineConfig:
     kv_cache_bytes: int = 64 << 20  # attention cache budget when num_blocks is None (allocated up front)
     max_batch_tokens: int = 2048  # tokens per forward step (prefill chunks + decodes)
     max_seqs: int = 64  # running sequences per step
+    max_decode_seqs: int | None = None  # decodes per forward (None: every running one the token budget allows);
+    # below max_seqs, running sequences beyond it hold their memory and wait a step (engine/expert_batching.py)
+    batch_by_experts: bool = False  # among more ready decodes than a step takes, prefer those whose predicted
+    # experts overlap (engine/expert_batching.py; --batch-by-experts)
+    batch_by_experts_max_wait: int = 4  # steps in a row a decode the baseline would run may be passed over
     max_model_len: int = DEFAULT_MAX_MODEL_LEN  # prompt + generated tokens of one sequence
     enable_chunked_prefill: bool = True  # split long prompts across steps under max_batch_tokens
     enable_prefix_caching: bool = True
@@ -55,7 +60,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("num_blocks", "num_state_slots"):
+        for name in ("num_blocks", "num_state_slots", "max_decode_seqs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")
@@ -67,9 +72,17 @@ class EngineConfig:
             raise ConfigError("EngineConfig.step_interruption must be true, false or 'auto' (on under fair and "
                               f"priority scheduling when the model allows a nested forward), got "
                               f"{self.step_interruption!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "checkpoint_partial_blocks"):
+        if isinstance(self.batch_by_experts_max_wait, bool) or not isinstance(self.batch_by_experts_max_wait, int) \
+                or self.batch_by_experts_max_wait < 0:
+            raise ConfigError("EngineConfig.batch_by_experts_max_wait must be an integer >= 0, got "
+                              f"{self.batch_by_experts_max_wait!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "checkpoint_partial_blocks",
+                     "batch_by_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.batch_by_experts and self.max_decode_seqs is None:
+            raise ConfigError("EngineConfig.batch_by_experts chooses among more ready decodes than a forward takes: "
+                              "it needs max_decode_seqs (--max-decode-seqs)")
         if isinstance(self.admission_watermark, bool) or not isinstance(self.admission_watermark, (int, float)) \
                 or not 0 <= self.admission_watermark < 1:
             raise ConfigError(f"EngineConfig.admission_watermark must be in [0, 1), got {self.admission_watermark!r}")

@@ -40,6 +40,7 @@ from k3serve.engine.errors import IntegrityError
 from k3serve.engine.fairness import TenantShare
 from k3serve.engine.io_usage import PollutionLedger, split_step
 from k3serve.engine.engine_metrics import EngineMetrics
+from k3serve.engine.expert_batching import PredictionQuality
 from k3serve.engine.metrics import MetricsRegistry
 from k3serve.engine.prefix_cache import root_hash
 from k3serve.engine.request import (CompletionOutput, FinishReason, Request, RequestOutput, RequestSpec, Sequence,
@@ -100,6 +101,7 @@ class LLMEngine:
         self._live_ids: set[str] = set()  # submitted and not yet finished (guarded by _lock)
         self._requests: dict[str, Request] = {}  # live requests the engine thread has taken in
         self._pollution = PollutionLedger()  # who evicted each expert (charge='io')
+        self.prediction_quality = PredictionQuality()  # --batch-by-experts: previous step's experts vs the next's
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.figures = EngineMetrics(self.metrics, self.scheduler.blocks.num_blocks, self.scheduler.states.num_slots)
@@ -376,6 +378,8 @@ class LLMEngine:
             self._forward_failed(decision, exc, touched)
             return
         self._charge_io(decision, before)
+        if self.config.batch_by_experts and source is not None:
+            self._record_predictions(decision)
         if self.on_pause is not None:  # the last layer's MLP and the logits (no pause point there)
             self.on_pause(decision.num_batched_tokens, self.model_config.num_layers - 1, MLP)
         if io_aware is not None and before is not None:  # the bytes this window (or decode step) read
@@ -385,6 +389,25 @@ class LLMEngine:
         now = time.perf_counter()
         for scheduled, logits, window in zip(decision.scheduled, result.logits, windows):
             self._process(scheduled, logits, window, now, touched)
+
+    def _record_predictions(self, decision: SchedulerOutput) -> None:
+        """Each sequence's last token's experts in this forward, per MoE layer ([L, TOPK]): the prediction of its
+        next step's (--batch-by-experts). A decode's new routing is scored against the old prediction first
+        (`prediction_quality`). Nothing is recorded when the source keeps no step routing (resident experts)."""
+        reads = self.model.experts.step_reads()
+        if reads is None or not reads.routing:
+            return
+        ends = np.cumsum([s.num_new_tokens for s in decision.scheduled]) - 1  # [S] each sequence's last row
+        rows = [reads.routing[layer] for layer in sorted(reads.routing)]  # L x [T, TOPK]
+        if any(r.shape[0] != ends[-1] + 1 for r in rows):
+            return
+        stacked = np.stack(rows, axis=1)  # [T, L, TOPK]
+        for scheduled, end in zip(decision.scheduled, ends):
+            current = stacked[end].copy()  # [L, TOPK]
+            previous = scheduled.seq.predicted_experts
+            if previous is not None and scheduled.num_new_tokens == 1 and previous.shape == current.shape:
+                self.prediction_quality.observe(previous, current)
+            scheduled.seq.predicted_experts = current
 
     def _io_aware_window(self, decision: SchedulerOutput) -> SequenceSpeculation | None:
         """The speculation of the step's one sequence when it measures what its windows read (--speculative-io-aware)

@@ -143,6 +143,9 @@ class Sequence:
         self.speculation: SequenceSpeculation | None = None  # drafter, adaptive length and this step's draft
         self.cached_logits: np.ndarray | None = None  # [V] admitted whole from the prefix cache: the logits after
         # its last token, sampled from instead of a forward
+        self.predicted_experts: np.ndarray | None = None  # [L, TOPK] its last forward's last token's experts per
+        # MoE layer (--batch-by-experts: the prediction of its next step's)
+        self.num_passed_over = 0  # steps in a row --batch-by-experts left it out where the baseline would run it
 
     @property
     def num_tokens(self) -> int:

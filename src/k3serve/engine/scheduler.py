@@ -23,6 +23,10 @@ served):
   3. deferred prefill chunks take the budget left over (work-conserving), without preempting.
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
 
+Decodes per forward: with `max_decode_seqs` below the ready decodes, the first ones in the policy's order run and the
+rest hold their memory and wait; with `batch_by_experts`, those whose previous step's experts overlap most run instead, within the rank tiers and a starvation bound
+(engine/expert_batching.py).
+
 `schedule_urgent` is the decision for a forward that runs while another is paused at a pause point, or at a step
 boundary ahead of the running set (`EngineConfig.step_interruption`): only waiting sequences the policy lets
 interrupt, nothing preempted.
@@ -39,6 +43,7 @@ import numpy as np
 
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
+from k3serve.engine.expert_batching import Candidate, choose_by_experts
 from k3serve.engine.fairness import TenantUsage, make_policy
 from k3serve.engine.metrics import Counter as MetricCounter
 from k3serve.engine.metrics import Histogram, MetricsRegistry
@@ -213,11 +218,12 @@ class Scheduler:
         capped = any(share.kv_share < 1 for share in self.policy.shares.values())
         best = self.policy.pick_waiting(self.waiting, set())
         deferred: list[Sequence] = []
+        left_out = self._decodes_left_out()
         for seq in list(self.running):
             if self._budget(out) <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
-                continue
+            if seq.status is not SequenceStatus.RUNNING or id(seq) in left_out:  # preempted earlier in this step,
+                continue  # or a decode beyond max_decode_seqs
             if self.policy.defers(seq, best):
                 deferred.append(seq)
                 continue
@@ -265,6 +271,35 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledSequence(seq, n))
         return out
+
+    def _decodes_left_out(self) -> set[int]:
+        """Ids of the running decodes that wait this step: when more are ready than `max_decode_seqs` (k), the
+        baseline runs the first k in the policy's order (rank, then running order); `batch_by_experts` runs the k
+        whose predicted experts overlap most instead, within the rank tiers and the starvation bound
+        (engine/expert_batching.py). The token budget alone never leaves more decodes ready than it takes (a
+        sequence is ready only after a step ran it), so the choice needs max_decode_seqs."""
+        config = self.config
+        k = config.max_decode_seqs
+        if k is None:
+            return set()
+        ready = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        if len(ready) <= k:
+            for seq in ready:
+                seq.num_passed_over = 0
+            return set()
+        order = sorted(range(len(ready)), key=lambda i: (self.policy.rank(ready[i].request.tenant), i))
+        ready = [ready[i] for i in order]
+        if not config.batch_by_experts:
+            return {id(seq) for seq in ready[k:]}
+        candidates = [Candidate(seq.predicted_experts, self.policy.rank(seq.request.tenant),
+                                seq.num_passed_over >= config.batch_by_experts_max_wait) for seq in ready]
+        chosen = set(choose_by_experts(candidates, k))
+        for i, seq in enumerate(ready):
+            if i in chosen:
+                seq.num_passed_over = 0
+            elif i < k:
+                seq.num_passed_over += 1
+        return {id(seq) for i, seq in enumerate(ready) if i not in chosen}
 
     def _budget(self, out: SchedulerOutput) -> int:
         return self.config.max_batch_tokens - out.num_batched_tokens

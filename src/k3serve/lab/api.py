@@ -119,7 +119,8 @@ def create_lab_router(queue: RunQueue, stored_runs: Path = STORED_RUNS_PATH) -> 
 
     @router.get("/api/jobs")
     def active_jobs() -> dict:
-        return {"jobs": queue.active()}
+        # max_queued: how many may wait, so that Run all waits for room instead of being refused (a 429)
+        return {"jobs": queue.active(), "max_queued": queue.config.max_queued}
 
     @router.get("/api/jobs/{job_id}")
     def job_status(job_id: str) -> JSONResponse:

@@ -7,7 +7,8 @@ by any run made on this server afterwards (marked with its own date). A module w
 shows "not yet run". Badges:
 
     measured    measured on this machine, by a run on this server
-    recorded    measured, but by the stored run (its date and machine say where)
+    recorded    measured, but by the stored run (its date and machine say where), or a record a run shows instead
+                of measuring (figures carrying `Figure.recorded`: peers without llama.cpp; the record's date)
     simulated   computed by a model (shapes, a simulator, an exact replay), wherever it ran
 """
 
@@ -108,10 +109,16 @@ def is_timing(record: dict) -> bool:
     return bool(record.get("measured")) and bool(TIME_UNITS.search(label))
 
 
+def recorded_date(record: dict) -> str | None:
+    """The date of the record a result shows instead of measuring (its figures' `recorded`, see `Figure.recorded`:
+    the peers module without llama.cpp), or None when the run measured or simulated its own figures."""
+    return next((f["recorded"] for f in record.get("series", []) if f.get("recorded")), None)
+
+
 def _badge(record: dict, stored: bool) -> str:
     if not record.get("measured"):
         return "simulated"
-    return "recorded" if stored else "measured"
+    return "recorded" if stored or recorded_date(record) else "measured"
 
 
 def _first_metric(record: dict) -> tuple[str, float | None, float | None]:
@@ -124,10 +131,14 @@ def _entry(record: dict | None, stored: dict, from_store: bool) -> dict:
     """Where a figure came from: its badge, date, machine and command."""
     if record is None:
         return {"status": "not yet run"}
-    return {"status": "done", "badge": _badge(record, from_store), "timing": is_timing(record),
-            "date": record.get("date") or stored.get("date"),
-            "machine": stored.get("machine") if from_store else "this machine",
-            "source": "stored run" if from_store else "run on this server", "command": record.get("command", "")}
+    entry = {"status": "done", "badge": _badge(record, from_store), "timing": is_timing(record),
+             "date": record.get("date") or stored.get("date"),
+             "machine": stored.get("machine") if from_store else "this machine",
+             "source": "stored run" if from_store else "run on this server", "command": record.get("command", ""),
+             "recorded": recorded_date(record)}
+    if entry["recorded"]:  # figures measured earlier, elsewhere: their date; their source line names the machine
+        entry.update(date=entry["recorded"], machine=None)
+    return entry
 
 
 def _full_k3_headline(headline: Headline, record: dict) -> dict:

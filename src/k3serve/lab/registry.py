@@ -132,7 +132,7 @@ class Param:
 # human units (never raw bytes), ratios as "x", counts by what they count.
 AXIS_UNITS = frozenset({
     "B", "KiB", "MiB", "GiB", "KB", "MB", "GB", "TB", "KiB/token", "MiB/token", "MB/token",
-    "ms", "s", "ms/token", "s/token", "tok/s", "MiB/s",
+    "ms", "s", "ms/token", "s/token", "tok/s", "MiB/s", "$/Mtok",
     "%", "x", "ratio", "bits",
     "tokens", "positions", "requests", "blocks", "reads", "reads/token", "checkpoints", "experts", "slots",
     "replicas", "count", "index", "expert id", "dimensions"})

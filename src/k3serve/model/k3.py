@@ -37,6 +37,7 @@ from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, Pau
                                      SingleSequenceMixin, finish_batch, flatten_items, logit_rows)
 from k3serve.model.restricted_routing import ResidentExperts, RestrictedRoutingSource
 from k3serve.model.weights import KDAWeights, MLAWeights, MoEWeights, WeightSource
+from k3serve.weights.quantized import QuantizedMatrix
 
 
 def k3_cache_layout(config: K3Config) -> CacheLayout:
@@ -125,7 +126,8 @@ class K3Model(SingleSequenceMixin):
 
         source = self.source
         source.begin_step(int(ids.shape[0]))  # capabilities a streaming source uses (model/weights.py)
-        h = self._globals.embed[ids]  # [T, H]
+        embed = self._globals.embed
+        h = embed.rows(ids) if isinstance(embed, QuantizedMatrix) else embed[ids]  # [T, H]
         if h.dtype == np.uint16:  # the embedding kept as bf16 bits (a bf16 trunk)
             h = widen_bf16(h)
         stack: list[np.ndarray] = []
@@ -168,7 +170,10 @@ class K3Model(SingleSequenceMixin):
 
         rows = logit_rows(items, segments)
         out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)
-        logits = linear(rms_norm(out, self._globals.final_norm, eps), self._globals.lm_head)  # [R, V]
+        head = self._globals.lm_head
+        normed = rms_norm(out, self._globals.final_norm, eps)  # [R, H]
+        held_whole = isinstance(head, (np.ndarray, QuantizedMatrix))
+        logits = linear(normed, head) if held_whole else head.logits(normed)  # [R, V]
         return finish_batch(items, segments, logits, result)
 
     def _prefetch_next(self, layer: int, h: np.ndarray) -> None:

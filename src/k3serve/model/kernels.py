@@ -1,4 +1,6 @@
-"""Hot loops: the fused MXFP4 dequantize-and-multiply of the routed experts, with its slow numpy twin.
+"""Hot loops: the fused MXFP4 dequantize-and-multiply of the routed experts, with its slow numpy twin; the Q8_0 x
+Q8_0 and MXFP4 trunk matrix products of a quantized trunk (`q8_0_matmul`, `quantized_matmul`, section "Q8_0 trunk
+matrices"); bf16 / int8 dense kernels for the families' experts and the bf16 trunk (`linear`).
 
 Shape letters: T = tokens (rows of x), R = weight rows (outputs), C = weight columns (inputs), G = C / 32 scale
 groups per row, E = stacked experts, K = experts active in one call, N = (token, expert) pairs, LT = latent,
@@ -57,6 +59,8 @@ from numba.extending import intrinsic  # noqa: E402
 
 from k3serve.model.ops import silu, situ_glu  # noqa: E402
 from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32  # noqa: E402
+from k3serve.weights.q8_0 import dequantize_q8_0, quantize_rows  # noqa: E402
+from k3serve.weights.quantized import QuantizedMatrix  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +88,7 @@ def _host_features() -> set[str]:
 
 _FEATURES = _host_features()
 AVAILABLE_ISAS: tuple[str, ...] = tuple(
-    name for name, needs in (("portable", ()), ("avx2", ("avx2", "fma")), ("avx512", ("avx512f", "fma")))
+    name for name, needs in (("portable", ()), ("avx2", ("avx2", "fma", "f16c")), ("avx512", ("avx512f", "avx512bw", "fma", "f16c")))
     if all(feature in _FEATURES for feature in needs)
 )
 ISA: str = os.environ.get("K3SERVE_MXFP4_ISA", AVAILABLE_ISAS[-1])  # debug toggle: force a slower path
@@ -319,6 +323,240 @@ def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray
     _check_operands(np.asarray(packed), np.asarray(scales), x)
     return x @ dequantize_mxfp4(packed, scales).T  # [T, R]
 
+
+# ------------------------------------------------------------------------------------------- Q8_0 trunk matrices
+# A dense trunk matrix in llama.cpp's Q8_0 bytes (`k3serve.weights.q8_0`: per row, blocks of 34 bytes, an f16
+# scale d_w then 32 int8 q_w), multiplied as llama.cpp multiplies it: the activation row is quantized to Q8_0 too
+# (blocks of 32, scale d_x = max|x| / 127 rounded to half, q_x = roundf(x / d_x)), then
+#
+#     y[t, r] = sum_g (d_w[r, g] d_x[t, g]) * sum_{k < 32} q_w[r, 32 g + k] q_x[t, 32 g + k]
+#
+# The inner sums are exact int32 (vpmaddwd on sign-extended int16 pairs); one float FMA per block and lane folds
+# them in: 16 lanes (AVX-512: one vpmaddwd on 32 pairs), 8 lanes (AVX2: two vpmaddwd on 16 pairs, added as
+# integers), or plain numba (portable; the block's integer sum, then one scalar FMA). The per-lane float order is
+# fixed in IR, so a row's result is the same bits whatever T, the other rows and the threads.
+Q8_0_BLOCK_BYTES = 34
+_F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] scale table
+
+
+def _q8_0_row_dot_codegen(lanes: int, num_tokens: int = 1):
+    """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows, `lanes` float32
+    lanes. With several tokens the row's bytes are loaded and widened once per block for all of them, and each
+    token keeps its own accumulator with exactly the one-token operation order (the same bits as one at a time)."""
+
+    def codegen(context, builder, signature, args):
+        wrow = context.make_array(signature.args[0])(context, builder, args[0])
+        xqs = [context.make_array(signature.args[1 + j])(context, builder, args[1 + j]) for j in range(num_tokens)]
+        xds = [context.make_array(signature.args[1 + num_tokens + j])(context, builder, args[1 + num_tokens + j])
+               for j in range(num_tokens)]
+        (num_groups,) = cgutils.unpack_tuple(builder, xds[0].shape, 1)
+        module = builder.module
+        vf, vi = _vector(_F32, lanes), _vector(_I32, lanes)
+        i16 = ir.IntType(16)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        if lanes == 16:
+            madd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(vi, [_vector(i16, 32), _vector(i16, 32)]), "llvm.x86.avx512.pmaddw.d.512")
+        else:
+            madd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(vi, [_vector(i16, 16), _vector(i16, 16)]), "llvm.x86.avx2.pmadd.wd")
+        index_type = ir.IntType(64)
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
+        parts = GROUP_SIZE // (2 * lanes)  # 1 part of 32 pairs, or 2 parts of 16
+        with cgutils.for_range(builder, num_groups) as loop:
+            group = loop.index
+            w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
+            x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
+            scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]), i16.as_pointer()), align=1)
+            w_scale = builder.fpext(builder.bitcast(scale_bits, ir.HalfType()), _F32)
+            w_data = builder.add(w_base, ir.Constant(index_type, 2))
+            wvs = [builder.sext(_load(builder, wrow.data, builder.add(w_data, ir.Constant(index_type, p * 2 * lanes)),
+                                      _vector(_I8, 2 * lanes), 1), _vector(i16, 2 * lanes)) for p in range(parts)]
+            for j in range(num_tokens):
+                scale = builder.fmul(w_scale, builder.load(builder.gep(xds[j].data, [group])))
+                sums = None
+                for p in range(parts):
+                    xv = builder.sext(_load(builder, builder.bitcast(xqs[j].data, _I8.as_pointer()),
+                                            builder.add(x_base, ir.Constant(index_type, p * 2 * lanes)),
+                                            _vector(_I8, 2 * lanes), 1), _vector(i16, 2 * lanes))
+                    pair_sums = builder.call(madd, [wvs[p], xv])
+                    sums = pair_sums if sums is None else builder.add(sums, pair_sums)
+                acc = builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes),
+                                         builder.load(acc_slots[j])])
+                builder.store(acc, acc_slots[j])
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        if num_tokens == 1:
+            return totals[0]
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return codegen
+
+
+@intrinsic
+def _q8_0_row_dot_avx512(typingctx, wrow, xq, xd):
+    """One Q8_0 row u8 [G * 34] . activation q int8 [C] with scales f32 [G], 16 lanes."""
+    codegen = _q8_0_row_dot_codegen(16) if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(wrow, xq, xd), codegen
+
+
+@intrinsic
+def _q8_0_row_dot_avx2(typingctx, wrow, xq, xd):
+    """The same row dot on 8 lanes (AVX2)."""
+    codegen = _q8_0_row_dot_codegen(8) if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(wrow, xq, xd), codegen
+
+
+Q8_0_TOKENS_PER_DOT = 4  # activation rows one call of the multi-token row dot serves (prefill, decode batches)
+
+
+def _unavailable_tuple_codegen(context, builder, signature, args):
+    nan = ir.Constant(_F32, float("nan"))
+    return context.make_tuple(builder, signature.return_type, [nan] * Q8_0_TOKENS_PER_DOT)
+
+
+@intrinsic
+def _q8_0_row_dot4_avx512(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
+    """One Q8_0 row against 4 activation rows (q int8 [C], scales f32 [G] each): 4 dots, 16 lanes."""
+    codegen = (_q8_0_row_dot_codegen(16, Q8_0_TOKENS_PER_DOT) if "avx512" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
+
+
+@intrinsic
+def _q8_0_row_dot4_avx2(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
+    """The same 4 dots on 8 lanes (AVX2)."""
+    codegen = (_q8_0_row_dot_codegen(8, Q8_0_TOKENS_PER_DOT) if "avx2" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
+
+
+@njit(cache=True)
+def _q8_0_row_dot_portable(wrow: np.ndarray, xq: np.ndarray, xd: np.ndarray, f16_table: np.ndarray) -> np.float32:
+    """The row dot in plain numba: each block's exact int32 sum, then one scalar FMA."""
+    total = np.float32(0.0)
+    for group in range(xd.shape[0]):
+        base = group * Q8_0_BLOCK_BYTES
+        scale = f16_table[np.int64(wrow[base]) | (np.int64(wrow[base + 1]) << 8)] * xd[group]
+        block_sum = np.int32(0)
+        for k in range(GROUP_SIZE):
+            w = np.int32(wrow[base + 2 + k])
+            block_sum += (w - np.int32(256) if w >= 128 else w) * np.int32(xq[group * GROUP_SIZE + k])
+        total += np.float32(block_sum) * scale
+    return total
+
+
+@njit(inline="always")
+def _q8_0_row_dot(wrow, xq, xd, f16_table, isa):
+    if isa == 2:
+        return _q8_0_row_dot_avx512(wrow, xq, xd)
+    if isa == 1:
+        return _q8_0_row_dot_avx2(wrow, xq, xd)
+    return _q8_0_row_dot_portable(wrow, xq, xd, f16_table)
+
+
+@njit(inline="always")
+def _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task):
+    for row in range(task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)):
+        t = 0
+        while isa > 0 and t + 4 <= xq.shape[0]:  # 4 tokens per pass over the row's bytes
+            if isa == 2:
+                a, b, c, d = _q8_0_row_dot4_avx512(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
+                                                   xd[t + 1], xd[t + 2], xd[t + 3])
+            else:
+                a, b, c, d = _q8_0_row_dot4_avx2(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
+                                                 xd[t + 1], xd[t + 2], xd[t + 3])
+            out[t, row], out[t + 1, row], out[t + 2, row], out[t + 3, row] = a, b, c, d
+            t += 4
+        for t in range(t, xq.shape[0]):
+            out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
+
+
+@njit(cache=True, parallel=True)
+def _q8_0_matmul_parallel(blocks, xq, xd, f16_table, isa, out):
+    """out [T, R] = x W^T; blocks u8 [R, G * 34], xq int8 [T, C], xd f32 [T, G]."""
+    for task in prange((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+
+
+@njit(cache=True)
+def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
+    for task in range((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+
+
+@njit(cache=True)
+def _quantize_activation_rows(x, xq, scales):
+    """`weights.q8_0.quantize_rows` compiled (its per-call numpy overhead dominated small models' decode): x f32
+    [T, C] -> xq int8 [T, C] and the unrounded scales d = max|x| / 127 f32 [T, G]; the same float32 operations, so
+    the same bits (tested). The caller rounds d to half."""
+    for t in range(x.shape[0]):
+        for group in range(scales.shape[1]):
+            base = group * GROUP_SIZE
+            amax = np.float32(0.0)
+            finite = True
+            for k in range(GROUP_SIZE):
+                amax = max(amax, abs(x[t, base + k]))
+                finite = finite and np.isfinite(x[t, base + k])
+            scale = amax / np.float32(127.0)
+            inverse = np.float32(1.0) / scale if scale > np.float32(0.0) and finite else np.float32(0.0)
+            scales[t, group] = scale if finite else np.float32(np.nan)  # a NaN or inf input gives a NaN output
+            for k in range(GROUP_SIZE):
+                v = x[t, base + k] * inverse
+                xq[t, base + k] = np.int8(np.floor(abs(v) + np.float32(0.5)) * (np.float32(-1.0) if v < 0 else
+                                                                                np.float32(1.0)))
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [T, C] -> (q int8 [T, C], d float32 [T, G]): `weights.q8_0.quantize_rows`, bit for bit, compiled.
+    A block holding NaN or inf gets scale NaN (its products are NaN, as float activations would make them)."""
+    xq = np.empty(x.shape, np.int8)  # [T, C]
+    scales = np.empty((x.shape[0], x.shape[1] // GROUP_SIZE), np.float32)  # [T, G]
+    _quantize_activation_rows(x, xq, scales)
+    return xq, scales.astype(np.float16).astype(np.float32)
+
+
+def _check_q8_0(blocks: np.ndarray, x: np.ndarray) -> tuple[int, int]:
+    if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] % Q8_0_BLOCK_BYTES:
+        raise ValueError(f"Q8_0 blocks must be uint8 [R, G * {Q8_0_BLOCK_BYTES}], got {blocks.dtype} {blocks.shape}")
+    rows, cols = blocks.shape[0], blocks.shape[1] // Q8_0_BLOCK_BYTES * GROUP_SIZE
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be [T, {cols}] to multiply a Q8_0 [{rows}, {cols}] matrix, got {x.shape}")
+    return rows, cols
+
+
+def q8_0_matmul(blocks: np.ndarray, x: np.ndarray, isa: str | None = None) -> np.ndarray:
+    """x @ dequantize_q8_0(blocks).T with x's rows quantized to Q8_0 first (llama.cpp's Q8_0 x Q8_0 dot), read
+    straight from the blocks. blocks u8 [R, G * 34], x float32 [T, C] -> [T, R]. `isa` picks the instruction set."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    blocks = np.ascontiguousarray(blocks)
+    rows, _ = _check_q8_0(blocks, x)
+    out = np.empty((x.shape[0], rows), np.float32)  # [T, R]
+    if x.shape[0] == 0 or rows == 0:
+        return out
+    code = _isa_code(isa)
+    xq, xd = quantize_activations(x)  # [T, C] int8, [T, G] float32
+    kernel = _q8_0_matmul_parallel if blocks.size >= PARALLEL_MIN_WEIGHTS else _q8_0_matmul_serial
+    kernel(blocks, xq, xd, _F16_TO_F32, code, out)
+    return out
+
+
+def q8_0_matmul_reference(blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The numpy twin of `q8_0_matmul`: the same activation quantization, both sides decoded to float, one float64
+    matmul (every product and block sum exact), rounded to float32. -> [T, R]"""
+    x = np.asarray(x, dtype=np.float32)
+    _check_q8_0(np.asarray(blocks), x)
+    xq, xd = quantize_rows(x)
+    x_decoded = (xq.reshape(len(x), -1, GROUP_SIZE) * xd[:, :, None].astype(np.float64)).reshape(x.shape)
+    return (x_decoded @ dequantize_q8_0(blocks).astype(np.float64).T).astype(np.float32)
+
+
+def quantized_matmul(w: QuantizedMatrix, x: np.ndarray, isa: str | None = None) -> np.ndarray:
+    """x [T, C] @ w.T for a trunk matrix held in its Q8_0 (activations quantized to Q8_0, as llama.cpp) or MXFP4
+    (float activations, the experts' kernel) bytes. -> [T, R]"""
+    if w.precision == "q8_0":
+        return q8_0_matmul(w.data, x, isa)
+    assert w.scales is not None
+    return mxfp4_matmul(w.data, w.scales, x, isa=isa)
 
 # ------------------------------------------------------------------------------------------- routed experts
 @njit(inline="always", fastmath=False)
@@ -739,14 +977,20 @@ BF16_WIDEN_BLOCK_BYTES = 64 << 20  # the transient float32 copy is made this man
 
 
 def widen_bf16(bits: np.ndarray) -> np.ndarray:
-    """bf16 bits (uint16) -> float32, exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    """bf16 bits (uint16) -> float32, exact. One new array (shifted in place): the transient a bf16 trunk's budget
+    charges is this one copy."""
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def linear(x: np.ndarray, w: np.ndarray | QuantizedMatrix) -> np.ndarray:
     """x [T, C] @ w.T for w float32 [R, C] (BLAS), or w bf16 bits uint16 [R, C] kept as bf16: the bf16 row-dot
     kernel for a few tokens, BLAS on transient float32 copies of w (BF16_WIDEN_BLOCK_BYTES of rows at a time) for
-    BF16_KERNEL_MAX_TOKENS or more. -> [T, R]"""
+    BF16_KERNEL_MAX_TOKENS or more; or a `QuantizedMatrix` (Q8_0, MXFP4) read from its bytes at every T
+    (`quantized_matmul`: the same row dot at decode and at prefill). -> [T, R]"""
+    if isinstance(w, QuantizedMatrix):
+        return quantized_matmul(w, x)
     if w.dtype != np.uint16:
         return x @ w.T
     if x.shape[0] >= BF16_KERNEL_MAX_TOKENS:
@@ -802,6 +1046,9 @@ def warmup() -> None:
         kernel(w2p, w2s, one, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, np.empty((2, 32), np.float32))
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
+    q8_blocks, (xq, xd) = np.zeros((3, Q8_0_BLOCK_BYTES), np.uint8), quantize_activations(x)
+    for kernel in (_q8_0_matmul_serial, _q8_0_matmul_parallel):
+        kernel(q8_blocks, xq, xd, _F16_TO_F32, ISA_CODES[ISA], out)
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
         kernel(np.zeros((3, 32), np.uint16), x, out)
     for dtype in (np.uint16, np.int8, np.float32):

@@ -23,7 +23,7 @@ from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linea
                                    mxfp4_experts_run, stack_expert)
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.routing import ExpertPairs, Routing, pairs_by_expert
-from k3serve.model.weights import DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
+from k3serve.model.weights import DenseMLPPieces, DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
 
 
 def route(config: K3Config, w: MoEWeights, x: np.ndarray) -> Routing:
@@ -138,7 +138,13 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     return out, routing
 
 
-def dense_mlp_forward(config: K3Config, w: DenseMLPWeights, x: np.ndarray) -> np.ndarray:
+def dense_mlp_forward(config: K3Config, w: DenseMLPWeights | DenseMLPPieces, x: np.ndarray) -> np.ndarray:
+    if isinstance(w, DenseMLPPieces):  # read piece by piece: gate_up's buffer is reused for down
+        gate_up = w.gate_up()  # [2I, H]
+        h = linear(x, gate_up)  # [T, 2I]
+        width = gate_up.shape[0] // 2
+        del gate_up
+        return linear(situ_glu(h[:, :width], h[:, width:], config.situ_beta, config.situ_linear_beta), w.down())
     return _glu_mlp(config, w.gate_up, w.down, x)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from k3serve.model.expert_source import ExpertSource, SourceStats, StepReads, St
 from k3serve.model.routing import ExpertPairs, Routing
 from k3serve.weights import names
 from k3serve.weights.held import TRUNK_DTYPES
+from k3serve.weights.quantized import QuantizedMatrix
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,16 @@ class DenseMLPWeights:
 
 
 @dataclass(frozen=True)
+class DenseMLPPieces:
+    """A dense MLP whose matrices are read when the model reaches them, one at a time into the same staging buffer
+    (a streamed layer held as views, stream/trunk_spans.py): `gate_up()` [2*DI, H], then `down()` [H, DI], bf16
+    bits. Each array is valid until the next call."""
+
+    gate_up: Callable[[], np.ndarray]
+    down: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
 class MoEWeights:
     router: np.ndarray  # [NE, H]
     router_bias: np.ndarray  # [NE] selection-only correction bias
@@ -73,22 +84,34 @@ class LayerWeights:
     attn_res_query: np.ndarray  # [H] self_attention_res_norm * self_attention_res_proj
     mlp_res_query: np.ndarray  # [H] mlp_res_norm * mlp_res_proj
     attention: KDAWeights | MLAWeights
-    mlp: DenseMLPWeights | MoEWeights
+    mlp: DenseMLPWeights | DenseMLPPieces | MoEWeights
 
     @property
     def nbytes(self) -> int:
         total = 0
         for part in (self, self.attention, self.mlp):
             for value in vars(part).values():
-                if isinstance(value, np.ndarray):
+                if isinstance(value, (np.ndarray, QuantizedMatrix)):
                     total += value.nbytes
         return total
 
 
+class EmbeddingRows(Protocol):
+    """An embedding not held whole: `rows[ids]` reads the rows of `ids` [T] -> [T, H] (bf16 bits or float32)."""
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray: ...
+
+
+class ChunkedHead(Protocol):
+    """An lm_head not held whole: `logits(x)` [R, H] -> [R, V], multiplying each row chunk as it is read."""
+
+    def logits(self, x: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class GlobalWeights:
-    embed: np.ndarray  # [V, H]
-    lm_head: np.ndarray  # [V, H]
+    embed: np.ndarray | QuantizedMatrix | EmbeddingRows  # [V, H]
+    lm_head: np.ndarray | QuantizedMatrix | ChunkedHead  # [V, H]
     final_norm: np.ndarray  # [H]
     output_res_query: np.ndarray  # [H] output_attn_res_norm * output_attn_res_proj
 
@@ -198,7 +221,7 @@ class ForwardingSource(WeightSource):
         self.inner.close()
 
 
-TensorReader = Callable[[str], np.ndarray]
+TensorReader = Callable[[str], "np.ndarray | QuantizedMatrix"]
 
 def keep_bf16(w: np.ndarray) -> np.ndarray:
     """float32 values that are all bf16 (low 16 bits zero) -> their bf16 bits (uint16); others unchanged."""
@@ -209,33 +232,90 @@ def keep_bf16(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def _widened(array: np.ndarray) -> np.ndarray:
+def _widened(array: np.ndarray | QuantizedMatrix) -> np.ndarray:
+    if isinstance(array, QuantizedMatrix):  # a matrix the trunk keeps quantized, wanted as float32 (never the case
+        return array.dequantize()          # for the tensors a quantized pack writes; kept for any reader)
     if array.dtype == np.uint16:  # bf16 bits from a reader that keeps them (TrunkBlob.decode(keep_bf16=True))
         return (array.astype(np.uint32) << 16).view(np.float32)
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _fuse(parts: list[np.ndarray]) -> np.ndarray:
-    """Stack matrices row-wise; bf16 bits stay bf16 when every part is, else all are widened."""
-    if all(part.dtype == np.uint16 for part in parts):
-        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+def adjacent_view(parts: list[np.ndarray]) -> np.ndarray | None:
+    """The row-wise stack of C-contiguous `parts` as one view when they lie back to back in one buffer (a store
+    of format 2 packs each fused group so), else None."""
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.ndim != 2 or p.shape[1] != first.shape[1] or not p.flags.c_contiguous
+           for p in parts):
+        return None
+    base = first
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    for a, b in zip(parts, parts[1:]):
+        if a.ctypes.data + a.nbytes != b.ctypes.data or not np.may_share_memory(b, base):
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    # NOTE: the view reaches past `first` into the other parts, which the adjacency check found in `base`
+    return np.lib.stride_tricks.as_strided(first, shape=(rows, first.shape[1]), strides=first.strides)
+
+
+def adjacent_quantized_view(parts: list[QuantizedMatrix]) -> QuantizedMatrix | None:
+    """The row-wise stack of Q8_0 `parts` as one view of their blocks when they lie back to back in one buffer,
+    else None. An MXFP4 entry is its nibbles then its scales, so MXFP4 parts are never one view (None)."""
+    if any(p.precision != "q8_0" or p.cols != parts[0].cols for p in parts):
+        return None
+    data = adjacent_view([p.data for p in parts])
+    return None if data is None else QuantizedMatrix("q8_0", data, None, parts[0].cols)
+
+
+def fuse_rows(parts: list[np.ndarray | QuantizedMatrix], views: bool = False) -> np.ndarray | QuantizedMatrix:
+    """Stack matrices row-wise; bf16 bits stay bf16 and Q8_0 / MXFP4 bytes stay quantized when every part is, else
+    all are widened. With `views`, bf16 or Q8_0 parts adjacent in one buffer give a view of it, no copy."""
+    if all(isinstance(part, QuantizedMatrix) for part in parts) and len({p.precision for p in parts}) == 1:
+        view = adjacent_quantized_view(parts) if views else None  # type: ignore[arg-type]
+        return view if view is not None else QuantizedMatrix.stack(parts)  # type: ignore[arg-type]
+    if all(isinstance(part, np.ndarray) and part.dtype == np.uint16 for part in parts):
+        view = adjacent_view(parts) if views else None  # type: ignore[arg-type]
+        return view if view is not None else np.ascontiguousarray(np.concatenate(parts, axis=0))
     return keep_bf16(np.concatenate([_widened(part) for part in parts], axis=0))
 
 
-def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32") -> LayerWeights:
+def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32",
+                views: bool = False, mlp: DenseMLPPieces | None = None) -> LayerWeights:
     """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array, or bf16 bits
     (uint16) for bf16-stored tensors. With `trunk_dtype` "bf16" the attention projections stay bf16 bits too
     (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`k3serve.weights.held.held_bytes` is
-    the accounting)."""
+    the accounting). Q8_0 / MXFP4 matrices (a store packed with --trunk-precision) stay quantized whatever the
+    trunk dtype. With `views` (a bf16 trunk read from a store of format 2) bf16 and quantized matrices and bf16 or
+    Q8_0 fused groups are views of the reader's arrays, never copies (`held.widened_bytes` is then what the layer
+    holds beside them; an MXFP4 fused group is stacked as a copy); `mlp` replaces a dense layer's MLP (read in
+    pieces)."""
     if trunk_dtype not in TRUNK_DTYPES:
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)
     f32 = lambda name: _widened(read(name))  # noqa: E731
-    def kept(name: str) -> np.ndarray:  # a matrix kept as bf16 bits when stored as bf16 (a copy: no view kept)
-        array = read(name)
-        return np.array(array, copy=True) if array.dtype == np.uint16 else keep_bf16(_widened(array))
 
-    mat = kept if trunk_dtype == "bf16" else f32
+    def kept(name: str) -> np.ndarray | QuantizedMatrix:
+        """A matrix kept as its stored bf16 bits or Q8_0 / MXFP4 bytes (a copy unless `views`)."""
+        array = read(name)
+        if isinstance(array, QuantizedMatrix):
+            return array if views else array.copy()
+        if array.dtype == np.uint16:
+            return array if views else np.array(array, copy=True)
+        return keep_bf16(_widened(array))
+
+    def mat(name: str) -> np.ndarray | QuantizedMatrix:
+        """An attention projection: kept with a bf16 trunk, widened with a float32 one; quantized bytes (a store
+        packed with --trunk-precision q8_0 or mxfp4) are kept whatever the trunk dtype."""
+        if trunk_dtype == "bf16":
+            return kept(name)
+        array = read(name)
+        return array.copy() if isinstance(array, QuantizedMatrix) else _widened(array)
+
+    def fused(parts: list) -> np.ndarray | QuantizedMatrix:
+        if trunk_dtype == "bf16" or any(isinstance(part, QuantizedMatrix) for part in parts):
+            return fuse_rows(parts, views)
+        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+
     a = f"{p}self_attn."
     attention: KDAWeights | MLAWeights
     if config.is_mla(layer):
@@ -245,7 +325,7 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             parts.append(mat(f"{a}g_proj.weight"))
         kv_b = f32(f"{a}kv_b_proj.weight").reshape(NA, DN + DV, KL)  # [NA, DN+DV, KL]
         attention = MLAWeights(
-            in_proj=_fuse(parts) if trunk_dtype == "bf16" else np.ascontiguousarray(np.concatenate(parts, axis=0)),
+            in_proj=fused(parts),
             q_a_norm=f32(f"{a}q_a_layernorm.weight"),
             q_b=mat(f"{a}q_b_proj.weight"),
             kv_a_norm=f32(f"{a}kv_a_layernorm.weight"),
@@ -258,11 +338,11 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
         NH = config.kda_num_heads
         in_parts = ([mat(f"{a}{n}_proj.weight") for n in ("q", "k", "v", "g")]
                     + [mat(f"{a}f_a_proj.weight"), mat(f"{a}b_proj.weight")])
-        in_proj = _fuse(in_parts) if trunk_dtype == "bf16" else np.concatenate(in_parts, axis=0)
+        in_proj = fused(in_parts)
         del in_parts
         conv = np.concatenate([f32(f"{a}{n}_conv1d.weight")[:, 0, :] for n in ("q", "k", "v")], axis=0)
         attention = KDAWeights(
-            in_proj=np.ascontiguousarray(in_proj),
+            in_proj=in_proj,
             f_b=f32(f"{a}f_b_proj.weight"),
             conv=np.ascontiguousarray(conv),
             a_exp=np.exp(f32(f"{a}A_log")[:NH]).astype(np.float32),
@@ -270,14 +350,13 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             o_norm=f32(f"{a}o_norm.weight"),
             o_proj=mat(f"{a}o_proj.weight"),
         )
-    mlp: DenseMLPWeights | MoEWeights
-    if config.is_dense(layer):
+    if mlp is None and config.is_dense(layer):
         m = f"{p}mlp."
         mlp = DenseMLPWeights(
-            gate_up=_fuse([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")]),
+            gate_up=fuse_rows([read(f"{m}gate_proj.weight"), read(f"{m}up_proj.weight")], views),
             down=kept(f"{m}down_proj.weight"),
         )
-    else:
+    elif mlp is None:
         m = names.moe_prefix(layer)
         has_shared = config.shared_intermediate_size > 0
         mlp = MoEWeights(
@@ -286,8 +365,8 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
             latent_down=kept(f"{m}routed_expert_down_proj.weight"),
             latent_up=kept(f"{m}routed_expert_up_proj.weight"),
             latent_norm=f32(f"{m}routed_expert_norm.weight"),
-            shared_gate_up=_fuse(
-                [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")]
+            shared_gate_up=fuse_rows(
+                [read(f"{m}shared_experts.gate_proj.weight"), read(f"{m}shared_experts.up_proj.weight")], views
             ) if has_shared else None,
             shared_down=kept(f"{m}shared_experts.down_proj.weight") if has_shared else None,
         )
@@ -298,17 +377,33 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
                         * f32(f"{p}self_attention_res_proj.weight").reshape(-1)),
         mlp_res_query=f32(f"{p}mlp_res_norm.weight") * f32(f"{p}mlp_res_proj.weight").reshape(-1),
         attention=attention,
-        mlp=mlp,
+        mlp=mlp,  # type: ignore[arg-type]
     )
+
+
+def build_small_globals(read: TensorReader, embed: np.ndarray | QuantizedMatrix | EmbeddingRows,
+                        lm_head: np.ndarray | QuantizedMatrix | ChunkedHead) -> GlobalWeights:
+    """The globals around an embedding and an lm_head given as they are held (a streaming source's floor)."""
+    f32 = lambda name: _widened(read(name))  # noqa: E731
+    return GlobalWeights(embed=embed, lm_head=lm_head, final_norm=f32(names.FINAL_NORM),
+                         output_res_query=f32(names.OUTPUT_RES_NORM) * f32(names.OUTPUT_RES_PROJ).reshape(-1))
 
 
 def build_globals(read: TensorReader, trunk_dtype: str = "float32") -> GlobalWeights:
     """With `trunk_dtype` "bf16" the embedding and the lm_head stay bf16 bits (rows widened on lookup, the head
     multiplied by `kernels.linear`)."""
     f32 = lambda name: _widened(read(name))  # noqa: E731
-    # bf16: the reader's own bf16 bits (views of the globals' read buffer, which they keep alive: no copy)
-    big = (lambda name: read(name) if read(name).dtype == np.uint16  # noqa: E731
-           else keep_bf16(f32(name))) if trunk_dtype == "bf16" else f32
+
+    def big(name: str) -> np.ndarray | QuantizedMatrix:
+        """bf16: the reader's own bf16 bits (views of the globals' read buffer, which they keep alive: no copy);
+        Q8_0 / MXFP4 bytes (a quantized pack, a GGUF's Q8_0) are kept, copied (a GGUF's are views of its mapped
+        file), whatever the trunk dtype; the embedding decodes its rows."""
+        array = read(name)
+        if isinstance(array, QuantizedMatrix):
+            return array.copy()
+        if trunk_dtype == "bf16":
+            return array if array.dtype == np.uint16 else keep_bf16(_widened(array))
+        return _widened(array)
     return GlobalWeights(
         embed=big(names.EMBED),
         lm_head=big(names.LM_HEAD),

@@ -18,7 +18,9 @@ advances the clock; a wait on a read is I/O time.
 Two engine profiles:
 - `k3serve`: the trunk widened to float32 in RAM (bf16 on disk), the `plan_budget` split, a widening pass per
   streamed layer on the trunk worker; `trunk_dtype="bf16"` is the engine's bf16 trunk (StreamOptions.trunk_dtype:
-  held as stored, no widening; no read-ahead where the plan drops it).
+  held as stored, no widening; no read-ahead where the plan drops it); `trunk_dtype="q8_0"` / `"mxfp4"` is a store
+  packed with `--trunk-precision` (its trunk matrices 34 / 17 bytes per 32 weights on disk and in RAM, multiplied
+  from those bytes) run with a bf16 trunk dtype.
 - `c-engine`: kimi-k3-in-c as published: bf16 trunk, a one-layer trunk ring, an LRU expert cache of a given
   size beside a given number of pinned layers, no prefetch, every expert read synchronous.
 
@@ -42,17 +44,19 @@ from k3serve.errors import K3Error
 from k3serve.sim.device import SimClock, SimCores, SimDevice, SimIOEngine, SimStripedIO, VirtualBuffer
 from k3serve.sim.machine import ComputeModel, Machine
 from k3serve.sim.routing import DEFAULT_RECALL, RoutingModel, RoutingStream, StepRouting, replay_steps, solve_skew
-from k3serve.stream.budget import BudgetError, BudgetPlan, minimum_budget_bytes, plan_budget
+from k3serve.stream.budget import BudgetError, BudgetPlan, ViewSizes, minimum_budget_bytes, plan_budget
+from k3serve.stream.trunk_spans import Span, head_chunks, piece_spans
 from k3serve.units import format_size
 from k3serve.stream.cache import POLICIES
 from k3serve.stream.expert_cache import ExpertCache
 from k3serve.stream.io import Extent
 from k3serve.model.expert_source import StreamStats
-from k3serve.weights.held import held_bytes
+from k3serve.weights.held import held_bytes, quantized_in_trunk, widened_bytes
+from k3serve.weights.quantized import STORE_DTYPES, quantized_nbytes
 from k3serve.weights import names
 from k3serve.weights.layout import LAYOUTS, layer_order
-from k3serve.weights.store import (ALIGNMENT, align_up, expert_parts, stripe_chunk_bytes,
-                                   trunk_stripe_chunk_bytes)
+from k3serve.weights.store import (ALIGNMENT, STORE_VERSION, TENSOR_ALIGNMENT, TensorEntry, align_up, expert_parts,
+                                   follows_in_group, packed_specs, stripe_chunk_bytes, trunk_stripe_chunk_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,14 @@ ENGINES = ("k3serve", "c-engine")
 # $ per machine-hour for the cost column: an assumed round figure for renting one box of the C engine's class (a
 # many-core EPYC with a fast NVMe drive) by the hour; cost scales linearly, so rescale for another price
 DEFAULT_PRICE_PER_HOUR = 1.0
+# float32 / bf16: the engine's --trunk-dtype over a bf16 store; q8_0 / mxfp4: a store packed with --trunk-precision
+# (its trunk matrices on disk and in RAM as Q8_0 / MXFP4 bytes, 34 / 17 per 32 weights), run with a bf16 trunk dtype
+TRUNK_DTYPES = ("float32", "bf16", "q8_0", "mxfp4")
+
+
+def engine_trunk_dtype(trunk_dtype: str) -> str:
+    """The engine's StreamOptions.trunk_dtype a simulated trunk dtype runs with."""
+    return "float32" if trunk_dtype == "float32" else "bf16"
 ROUTINGS = ("skewed", "flat")
 
 
@@ -75,11 +87,19 @@ class VirtualBlob:
     float32_bytes: int  # bytes once resident (float32, or bf16 for a bf16 trunk and the C engine)
     attention_bytes: int = 0  # resident bytes of the attention part (the rest is norms and the MLP trunk)
     params: int = 0
+    attention_params: int = 0
     tensors: tuple = ()  # (name, stored dtype, shape) of each tensor: what the engine's accounting reads
+    entries: tuple[TensorEntry, ...] = ()  # each tensor's place in the blob, as the store's index has it
 
     @property
     def read_size(self) -> int:
         return align_up(self.size)
+
+    def tensor(self, name: str) -> TensorEntry:
+        return next(t for t in self.entries if t.name == name)
+
+    def widened_bytes(self, trunk_dtype: str = "bf16") -> int:
+        return widened_bytes(self.tensors, trunk_dtype)
 
     def held_bytes(self, trunk_dtype: str = "float32") -> int:
         """The engine's own accounting of what the built weights hold (`k3serve.weights.held.held_bytes`)."""
@@ -98,8 +118,8 @@ class VirtualStore:
 
     def __init__(self, config: K3Config, orders: dict[int, Sequence[int]] | None = None,
                  trunk_dtype: str = "float32", layout: str = "natural") -> None:
-        if trunk_dtype not in ("float32", "bf16"):
-            raise SimConfigError(f"trunk dtype must be float32 or bf16, got {trunk_dtype!r}")
+        if trunk_dtype not in TRUNK_DTYPES:
+            raise SimConfigError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
         self.config = config
         self.layout = layout
         self.trunk_path = Path("<virtual trunk.bin>")
@@ -108,15 +128,31 @@ class VirtualStore:
         self.expert_blob_size = sum(p.nbytes for p in expert_parts(config))
         self.expert_stride = align_up(self.expert_blob_size)
         wide = 4 if trunk_dtype == "float32" else 2
+        quantized = STORE_DTYPES.get(trunk_dtype)
+        self.adjacent_groups = True  # laid out as `k3serve pack` writes format 2
+
+        def stored(spec) -> tuple[str, int, int]:
+            """(dtype, bytes on disk, bytes resident) of one tensor, as `pack --trunk-precision` writes it."""
+            params = int(np.prod(spec.shape))
+            if quantized and spec.dtype == "BF16" and quantized_in_trunk(spec.name, spec.shape):
+                nbytes = quantized_nbytes(trunk_dtype, *spec.shape)
+                return quantized, nbytes, nbytes
+            return spec.dtype, params * (2 if spec.dtype == "BF16" else 4), params * (wide if spec.dtype == "BF16"
+                                                                                      else 4)
 
         def blob(specs, offset: int) -> VirtualBlob:
-            size = sum(int(np.prod(s.shape)) * (2 if s.dtype == "BF16" else 4) for s in specs)
-            resident = sum(int(np.prod(s.shape)) * (wide if s.dtype == "BF16" else 4) for s in specs)
-            attention = sum(int(np.prod(s.shape)) * (wide if s.dtype == "BF16" else 4) for s in specs
-                            if ".self_attn." in s.name)
-            params = sum(int(np.prod(s.shape)) for s in specs)
-            return VirtualBlob(offset, size, resident, attention, params,
-                               tuple((s.name, s.dtype, tuple(s.shape)) for s in specs))
+            specs = packed_specs(specs, STORE_VERSION)
+            kept = [stored(s) for s in specs]  # [(dtype, disk, resident)]
+            entries, cursor, previous = [], 0, None
+            for spec, (dtype, nbytes, _) in zip(specs, kept):  # as pack.py's _trunk_blob places them
+                start = cursor if follows_in_group(previous, spec.name) else align_up(cursor, TENSOR_ALIGNMENT)
+                entries.append(TensorEntry(spec.name, dtype, tuple(spec.shape), start, nbytes))
+                cursor, previous = start + nbytes, spec.name
+            attention = [i for i, s in enumerate(specs) if ".self_attn." in s.name]
+            return VirtualBlob(offset, cursor, sum(k[2] for k in kept),
+                               sum(kept[i][2] for i in attention), sum(int(np.prod(s.shape)) for s in specs),
+                               sum(int(np.prod(specs[i].shape)) for i in attention),
+                               tuple((s.name, k[0], tuple(s.shape)) for s, k in zip(specs, kept)), tuple(entries))
 
         self.globals = blob(names.global_specs(config), 0)
         offset = self.globals.read_size
@@ -144,15 +180,19 @@ class VirtualStore:
         self.config = store.config
         self.layout = store.layout
         self.trunk_path, self.expert_path = store.trunk_path, store.expert_path
+        self.adjacent_groups = store.adjacent_groups
         self.expert_blob_size, self.expert_stride = store.expert_blob_size, store.expert_stride
 
         def blob(b) -> VirtualBlob:
             resident = b.float32_bytes if trunk_dtype == "float32" else b.size
             width = 4 if trunk_dtype == "float32" else 2
-            attention = sum(int(np.prod(t.shape)) * width for t in b.tensors if ".self_attn." in t.name)
+            attention = [t for t in b.tensors if ".self_attn." in t.name]
+            attention_bytes = sum(t.nbytes if t.dtype in STORE_DTYPES.values() else int(np.prod(t.shape)) * width
+                                  for t in attention)
             params = sum(int(np.prod(t.shape)) for t in b.tensors)
-            return VirtualBlob(b.offset, b.size, resident, attention, params,
-                               tuple((t.name, t.dtype, tuple(t.shape)) for t in b.tensors))
+            return VirtualBlob(b.offset, b.size, resident, attention_bytes, params,
+                               sum(int(np.prod(t.shape)) for t in attention),
+                               tuple((t.name, t.dtype, tuple(t.shape)) for t in b.tensors), tuple(b.tensors))
 
         self.globals = blob(store.globals)
         self.layers = [blob(b) for b in store.layers]
@@ -184,7 +224,7 @@ class SimConfig:
     layout: str = "natural"
     pin_trunk_bytes: int | None = None
     queue_depth: int = 16
-    trunk_dtype: str = "float32"
+    trunk_dtype: str = "bf16"  # the engine's default (StreamOptions.trunk_dtype)
     batch: int = 1
     speculative: int = 0  # draft tokens per step per sequence (0: off); the cap when speculative_io_aware
     speculative_io_aware: bool = False  # choose k as --speculative-io-aware does (drive_run)
@@ -420,6 +460,10 @@ class SimRun:
         self.pinned = set(self.plan.pinned_layers)
         self.streamed = list(self.plan.streamed_layers)
         self.pending: tuple[int, float] | None = None  # (layer, time its weights are ready)
+        # the trunk held as views (StreamingSource with a bf16 trunk on a format-2 store): pieces, lm_head chunks,
+        # embedding rows on demand (stream/trunk_spans.py)
+        self.views = cfg.engine == "k3serve" and self.plan.trunk_views
+        self.sizes = ViewSizes(self.store) if self.views else None
         self.timeline = [LayerTime(l) for l in range(config.num_layers)]
         self.measuring = False
         self.prefill: dict = {}
@@ -465,7 +509,8 @@ class SimRun:
                               tuple(pinned), sum(store.layers[l].float32_bytes for l in pinned), tuple(streamed),
                               ring, int(slots), store.expert_stride)
         try:
-            return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes, trunk_dtype=cfg.trunk_dtype)
+            return plan_budget(store, cfg.ram_bytes, cfg.pin_trunk_bytes,
+                               trunk_dtype=engine_trunk_dtype(cfg.trunk_dtype))
         except BudgetError as exc:
             message = str(exc).replace("--ram-budget", "--ram")
             hint = ""
@@ -477,8 +522,18 @@ class SimRun:
                               f"{cfg.trunk_dtype}){hint}; the floors are in docs/SIMULATOR.md") from exc
 
     # -- trunk, as StreamingSource.layer / _take_trunk / _peek_trunk do it
+    def _spans(self, layer: int) -> list[Span]:
+        blob = self.store.layers[layer]
+        return piece_spans(blob.offset, blob.entries, blob.size)
+
+    def _read_span(self, span: Span) -> float:
+        extent = Extent(span.start, VirtualBuffer(span.length))
+        return self.trunk_io.submit([extent])[id(extent)].end
+
     def _trunk_read(self, layer: int) -> float:
         blob = self.store.layers[layer]
+        if self.views:
+            return self._read_span(self._spans(layer)[0])
         extent = Extent(blob.offset, VirtualBuffer(blob.read_size))
         future = self.trunk_io.submit([extent])[id(extent)]
         widen = 0.0
@@ -537,10 +592,15 @@ class SimRun:
         self.stats.steps += 1
         self.stats.tokens += T
         self.cache.begin_step()
+        if self.views:  # one embedding row a token, read on demand, exactly its bytes
+            row = self.store.globals.tensor(names.EMBED)
+            for _ in range(T):
+                extent = Extent(self.store.globals.offset + row.offset, VirtualBuffer(row.nbytes // row.shape[0]))
+                self.clock.wait_until(self.trunk_io.submit([extent])[id(extent)].end)
         for layer in range(c.num_layers):
             self._take_trunk(layer)
             blob = self.store.layers[layer]
-            attn_params = blob.attention_bytes / (4 if self._wide() else 2)
+            attn_params = blob.attention_params
             self._compute(layer, m.layer_overhead_s + T * m.attention_s_per_token_layer
                           + m.dense_seconds(blob.attention_bytes, 2 * attn_params * T))
             nxt = layer + 1
@@ -549,12 +609,33 @@ class SimRun:
                 self.cache.prefetch(nxt, routing.guesses.get(nxt, []))
             mlp_bytes = blob.float32_bytes - blob.attention_bytes
             mlp_params = blob.params - attn_params
-            self._compute(layer, m.dense_seconds(mlp_bytes, 2 * mlp_params * T))
+            mlp_seconds = m.dense_seconds(mlp_bytes, 2 * mlp_params * T)
+            later = self._spans(layer)[1:] if self.views and layer not in self.pinned else []
+            if later:  # a dense layer's gate+up, then down, read into the same buffer as the model reaches them
+                for span, share in zip(later, (2 / 3, 1 / 3)):
+                    before = self.clock.now
+                    self.clock.wait_until(self._read_span(span))
+                    self._note(layer, trunk_wait=self.clock.now - before)
+                    self._compute(layer, mlp_seconds * share)
+            else:
+                self._compute(layer, mlp_seconds)
             if c.is_dense(layer):
                 continue
             self.routed_experts(layer, routing.experts[layer])
         head = self.store.globals.float32_bytes / 2  # embed and lm_head: the lm_head is half the globals
-        self._compute(c.num_layers - 1, m.dense_seconds(head, 2 * (head / (4 if self._wide() else 2)) * logit_rows))
+        head_seconds = m.dense_seconds(head, 2 * (self.store.globals.params / 2) * logit_rows)
+        if self.views and not self.plan.head_pinned:  # read in row chunks through the ring, each multiplied
+            sizes = self.sizes
+            assert sizes is not None
+            chunks = head_chunks(sizes.head_span.start + sizes.head_span.skip, sizes.head_rows,
+                                 sizes.head_row_bytes, self.plan.staging_bytes)
+            for first, end, span in chunks:
+                before = self.clock.now
+                self.clock.wait_until(self._read_span(span))
+                self._note(c.num_layers - 1, trunk_wait=self.clock.now - before)
+                self._compute(c.num_layers - 1, head_seconds * (end - first) / sizes.head_rows)
+        else:
+            self._compute(c.num_layers - 1, head_seconds)
 
     def routed_experts(self, layer: int, rows: np.ndarray) -> None:
         """rows [T, TOPK]: the layer's routed experts, here (the cluster mode sends them to their owners)."""
@@ -566,7 +647,13 @@ class SimRun:
 
     def load_weights(self) -> None:
         """Globals and pinned layers, read once before the first step (as StreamingSource.__init__)."""
-        extents = [Extent(self.store.globals.offset, VirtualBuffer(self.store.globals.read_size))]
+        if self.views:  # the small globals, the lm_head when pinned (never the embedding)
+            sizes = self.sizes
+            assert sizes is not None
+            spans = [sizes.small_span] + ([sizes.head_span] if self.plan.head_pinned else [])
+            extents = [Extent(sp.start, VirtualBuffer(sp.length)) for sp in spans]
+        else:
+            extents = [Extent(self.store.globals.offset, VirtualBuffer(self.store.globals.read_size))]
         extents += [Extent(self.store.layers[l].offset, VirtualBuffer(self.store.layers[l].read_size))
                     for l in self.plan.pinned_layers]
         for extent in extents:
@@ -740,7 +827,7 @@ def replay_config(trace, machine: Machine, recall: float | None = None, seed: in
 def minimum_ram(config: K3Config | None = None, trunk_dtype: str = "float32") -> int:
     """The smallest --ram k3serve's budget splitter accepts for the model (one layer and top-k slots)."""
     store = VirtualStore(config or full_k3_config(), trunk_dtype=trunk_dtype)
-    return minimum_budget_bytes(store, trunk_dtype=trunk_dtype)
+    return minimum_budget_bytes(store, trunk_dtype=engine_trunk_dtype(trunk_dtype))
 
 
 __all__ = ["SimConfig", "SimResult", "LayerTime", "VirtualStore", "simulate", "replay_config", "minimum_ram",

@@ -10,8 +10,8 @@ K3's `pack --layout` are not offered for the families).
 
 A GGUF file is read through the reader `--model FILE.gguf` uses (`gguf_families`): its experts come from the same
 `ExpertStore.read` (MXFP4 experts stay packed at "native" and "mxfp4"), its trunk is written as the float32 that
-reader gives (so streamed and resident compute with the same values; a BF16 or Q8_0 file's trunk takes 2x or
-~3.8x its bytes in the store), its config (the one `gguf_families.hf_config` rebuilds) as config.json and its
+reader gives (so streamed and resident compute with the same values; a BF16 file's trunk takes 2x its bytes in the
+store) except that a Q8_0 trunk matrix is stored as its blocks (U8 [R, C / 32 * 34]), kept as Q8_0 at run time, its config (the one `gguf_families.hf_config` rebuilds) as config.json and its
 tokenizer as tokenizer.json / tokenizer_config.json / generation_config.json.
 """
 
@@ -133,8 +133,12 @@ def _write_gguf_trunk_and_files(source: Path, out: Path) -> None:
         config = hf_config(file)
         index = tensor_index(file, config)
         trunk_names = [n for n in index if not ROUTED_EXPERT.search(n)]
-        save_safetensors(out / FAMILY_TRUNK_FILE, {n: index.read(n) for n in trunk_names},
-                         dtypes={n: "F32" for n in trunk_names})
+        # a Q8_0 trunk matrix is stored as its blocks, U8 [R, C / 32 * 34] (`TensorReader` reads it back as the
+        # same Q8_0 matrix, or dequantized), so the store computes what the file computes resident
+        blocks = {n: index.q8_0_blocks(n) for n in trunk_names}
+        save_safetensors(out / FAMILY_TRUNK_FILE,
+                         {n: index.read(n) if blocks[n] is None else blocks[n].data for n in trunk_names},
+                         dtypes={n: "F32" if blocks[n] is None else "U8" for n in trunk_names})
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer_files(file.metadata, out, str(source))
     finally:

@@ -24,7 +24,9 @@ class StreamOptions:
     pin_trunk_bytes: int | None = None  # cap on pinned trunk; None = as much as the budget allows
     cache_profile: Path | None = None  # a routing trace: the pinned policy's popularity profile
     trace_out: Path | None = None
-    trunk_dtype: str = "float32"  # bf16: trunk matrices held as bf16 bits (stream/budget.py), as stored
+    # bf16 (the default): trunk matrices held as stored, as views of what was read on a store of format 2 (the
+    # memory floor, stream/budget.py); float32: widened (faster BLAS for long prefills, a 2.7x higher floor)
+    trunk_dtype: str = "bf16"
 
 
     def __post_init__(self) -> None:

@@ -14,7 +14,16 @@ Per forward step (one prefill or one decode):
 The counters are `StreamStats` (model/expert_source.py), the options `StreamOptions` (stream/options.py) and the slots
 `ExpertSlots` (stream/slots.py), all shared with the families' streaming experts (stream/family_source.py).
 
-NOTE: the arrays returned by `experts()` are views of cache slots, valid until the next `experts()` call.
+With a bf16 trunk on a format-2 store (`plan.trunk_views`, the memory floor, stream/trunk_spans.py) a streamed
+layer is views of a staging ring buffer (the read-ahead goes to the other one), a dense layer's MLP is read in
+pieces as the model reaches it (`PieceReader`), embedding rows are read per token (`EmbeddingReader`) and an
+lm_head that is not pinned is read in row chunks through the ring (`HeadChunks`). A Q8_0 trunk (`pack
+--trunk-precision q8_0`) is held so too: its matrices and fused groups are `QuantizedMatrix` views of the same
+buffers. An MXFP4 trunk is not (an entry is its nibbles, then its scales, so neither a fused group nor a row is
+contiguous): it is built as copies, as a float32 or bf16 trunk on a format-1 store is.
+
+NOTE: the arrays returned by `experts()` are views of cache slots, valid until the next `experts()` call; a
+streamed layer's arrays (views mode) are valid until the layer after next is taken.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
+import zlib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
@@ -31,15 +41,21 @@ import numpy as np
 
 from k3serve.model.expert_source import SourceStats, StepReads, StreamStats, guess_priority
 from k3serve.model.routing import Routing
-from k3serve.model.weights import ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_globals, build_layer
-from k3serve.stream.budget import BudgetPlan, plan_budget
+from k3serve.model.kernels import linear
+from k3serve.model.weights import (DenseMLPPieces, ExpertWeights, GlobalWeights, LayerWeights, WeightSource,
+                                   adjacent_quantized_view, adjacent_view, build_globals, build_layer,
+                                   build_small_globals)
+from k3serve.stream.budget import BudgetPlan, ViewSizes, plan_budget
 from k3serve.stream.expert_cache import StoreCorruptError
 from k3serve.stream.io import Extent, StripedIO, open_reader
 from k3serve.stream.options import StreamOptions
 from k3serve.stream.slots import ExpertSlots, aligned_buffer
 from k3serve.stream.trace import TraceWriter, trace_meta
+from k3serve.stream.trunk_spans import MLP_DOWN, MLP_GATE, MLP_UP, Span, head_chunks, piece_spans
 from k3serve.units import format_size
-from k3serve.weights.store import PackedStore, TrunkBlob, expert_parts
+from k3serve.weights import names
+from k3serve.weights.quantized import QuantizedMatrix
+from k3serve.weights.store import PackedStore, TensorEntry, TrunkBlob, expert_parts
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +90,25 @@ class StreamingSource(WeightSource):
             TraceWriter(options.trace_out, trace_meta(config, store.expert_blob_size), best_effort=True)
             if options.trace_out else None)
 
-        # trunk: globals and pinned layers now, one staging buffer for the streamed ones
-        self._globals: GlobalWeights = build_globals(
+        # trunk: globals and pinned layers now, one staging buffer for the streamed ones (or, held as views, a
+        # ring of one or two: stream/trunk_spans.py)
+        self._views = self.plan.trunk_views
+        self._ring = [aligned_buffer(self.plan.staging_bytes) for _ in range(self.plan.ring_buffers)]
+        self._current = 0  # the ring buffer the layer being computed was read into
+        self._trunk_pending: tuple[int, Future, int] | None = None  # (layer, its load, its ring buffer)
+        self._embed_reads = [0, 0]  # bytes, reads of embedding rows (read on demand, views mode)
+        # embedding rows: exactly their bytes through the page cache (pread needs no alignment), counted as rows
+        self._row_io = open_reader(store.trunk_files, store.trunk_stripe_chunk_bytes, "pread", 1) \
+            if self._views else None
+        self._globals: GlobalWeights = self._build_globals() if self._views else build_globals(
             self._read_trunk_blob(store.globals, "globals", None).__getitem__, self._dtype)
         self._pinned: dict[int, LayerWeights] = {}
         for layer in self.plan.pinned_layers:
             arrays = self._read_trunk_blob(store.layers[layer], f"trunk layer {layer}", None)
-            self._pinned[layer] = build_layer(config, layer, arrays.__getitem__, self._dtype)
+            self._pinned[layer] = build_layer(config, layer, arrays.__getitem__, self._dtype, views=self._views)
         self._streamed = list(self.plan.streamed_layers)
         staging = max((store.layers[l].read_size for l in self._streamed), default=0)
-        self._trunk_staging = aligned_buffer(staging) if self._streamed else None
-        self._trunk_pending: tuple[int, Future] | None = None
+        self._trunk_staging = aligned_buffer(staging) if self._streamed and not self._views else None
         # without the read-ahead (a bf16 trunk in a tight budget) no second streamed layer may be held, so the
         # next-layer prefetch, which needs the next layer's router, is off too
         self._read_ahead = self.plan.trunk_read_ahead
@@ -118,7 +142,7 @@ class StreamingSource(WeightSource):
         weights = self._take_trunk(layer)
         following = self._next_streamed(layer) if self._read_ahead else None
         if following is not None:
-            self._trunk_pending = (following, self._trunk_worker.submit(self._load_trunk_layer, following))
+            self._start_load(following)
         return weights
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
@@ -174,34 +198,89 @@ class StreamingSource(WeightSource):
         later = [l for l in self._streamed if l > layer]
         return later[0] if later else self._streamed[0]
 
+    def _other_buffer(self) -> int:
+        """The ring buffer a read-ahead goes to: not the one the model computes from."""
+        return (self._current + 1) % len(self._ring) if self._ring else 0
+
+    def _start_load(self, layer: int) -> None:
+        buffer = self._other_buffer()
+        self._trunk_pending = (layer, self._trunk_worker.submit(self._load_trunk_layer, layer, buffer), buffer)
+
     def _take_trunk(self, layer: int) -> LayerWeights:
         pending, self._trunk_pending = self._trunk_pending, None
         started = time.perf_counter()
         try:
             if pending is not None:
-                pending_layer, future = pending
+                pending_layer, future, buffer = pending
                 weights = future.result()
                 if pending_layer == layer:
+                    self._current = buffer
                     return weights
                 del weights  # out-of-order request: drop the read-ahead, keep within the budget
-            return self._load_trunk_layer(layer)
+            self._current = self._other_buffer()
+            return self._load_trunk_layer(layer, self._current)
         finally:
             self.counters.io_wait_seconds += time.perf_counter() - started
 
     def _peek_trunk(self, layer: int) -> LayerWeights:
         if layer in self._pinned:
             return self._pinned[layer]
-        if self._trunk_pending is None or self._trunk_pending[0] != layer:
-            self._trunk_pending = (layer, self._trunk_worker.submit(self._load_trunk_layer, layer))
         started = time.perf_counter()
         try:
+            if self._trunk_pending is None or self._trunk_pending[0] != layer:
+                if self._trunk_pending is not None:
+                    self._trunk_pending[1].result()  # its buffer is about to be read into again
+                self._start_load(layer)
+            assert self._trunk_pending is not None
             return self._trunk_pending[1].result()
         finally:
             self.counters.io_wait_seconds += time.perf_counter() - started
 
-    def _load_trunk_layer(self, layer: int) -> LayerWeights:
-        arrays = self._read_trunk_blob(self.store.layers[layer], f"trunk layer {layer}", self._trunk_staging)
-        return build_layer(self.config, layer, arrays.__getitem__, self._dtype)
+    def _load_trunk_layer(self, layer: int, buffer: int = 0) -> LayerWeights:
+        blob = self.store.layers[layer]
+        if not self._views:
+            arrays = self._read_trunk_blob(blob, f"trunk layer {layer}", self._trunk_staging)
+            return build_layer(self.config, layer, arrays.__getitem__, self._dtype)
+        spans = piece_spans(blob.offset, blob.entries, blob.size)
+        if len(spans) == 1:
+            arrays = self._read_trunk_blob(blob, f"trunk layer {layer}", self._ring[buffer])
+            return build_layer(self.config, layer, arrays.__getitem__, self._dtype, views=True)
+        # a dense layer in three pieces through one buffer: the attention part now, the MLP as the model reaches it
+        pieces = PieceReader(self, layer, spans, buffer)
+        arrays = pieces.read(0)
+        return build_layer(self.config, layer, arrays.__getitem__, self._dtype, views=True,
+                           mlp=DenseMLPPieces(gate_up=pieces.gate_up, down=pieces.down))
+
+    # ---- trunk held as views: globals, embedding rows, lm_head chunks, pieces ------------------------------------
+    def _build_globals(self) -> GlobalWeights:
+        g = self.store.globals
+        sizes = ViewSizes(self.store)
+        small = self._read_span(sizes.small_span, aligned_buffer(sizes.small_span.length), "globals")
+        arrays = _shifted(g, [t for t in g.entries if t.name not in (names.EMBED, names.LM_HEAD)],
+                          g.offset - sizes.small_span.start).decode(small, keep_bf16=True)
+        head = g.tensor(names.LM_HEAD)
+        embed = EmbeddingReader(self, g.offset, g.tensor(names.EMBED))
+        lm_head: np.ndarray | QuantizedMatrix | HeadChunks
+        if self.plan.head_pinned:
+            raw = self._read_span(sizes.head_span, aligned_buffer(sizes.head_span.length), "lm_head")
+            lm_head = stored_rows(head.dtype, raw[sizes.head_span.skip:sizes.head_span.skip + head.nbytes],
+                                  head.shape)
+        else:
+            lm_head = HeadChunks(self, g.offset, head)
+        return build_small_globals(arrays.__getitem__, embed, lm_head)
+
+    def _read_span(self, span: Span, buffer: mmap.mmap, what: str) -> np.ndarray:
+        """Read `span` of trunk.bin into the head of `buffer` -> u8 [span.length], a view of it (no checksum: a
+        span is part of a blob; the caller checks what it can)."""
+        extent = Extent(span.start, memoryview(buffer)[:span.length])
+        self.trunk_io.submit([extent])[id(extent)].result()
+        return np.frombuffer(buffer, dtype=np.uint8, count=span.length)
+
+    def head_buffer(self) -> mmap.mmap:
+        """The ring buffer a streamed lm_head is read through: not the one a pending read-ahead fills."""
+        if self._trunk_pending is not None and len(self._ring) > 1:
+            return self._ring[(self._trunk_pending[2] + 1) % len(self._ring)]
+        return self._ring[self._current]
 
     def _read_trunk_blob(self, blob: TrunkBlob, what: str, staging: mmap.mmap | None) -> dict[str, np.ndarray]:
         buffer = staging if staging is not None else aligned_buffer(blob.read_size)
@@ -235,8 +314,8 @@ class StreamingSource(WeightSource):
     def _stream_stats(self) -> StreamStats:
         s = StreamStats(**{f.name: getattr(self.counters, f.name) for f in fields(self.counters)})
         s.expert_bytes_read = self.expert_io.counters.bytes_read
-        s.trunk_bytes_read = self.trunk_io.counters.bytes_read
-        s.num_reads = self.expert_io.counters.num_reads + self.trunk_io.counters.num_reads
+        s.trunk_bytes_read = self.trunk_io.counters.bytes_read + self._embed_reads[0]
+        s.num_reads = self.expert_io.counters.num_reads + self.trunk_io.counters.num_reads + self._embed_reads[1]
         s.io_busy_seconds = self.expert_io.counters.busy_seconds + self.trunk_io.counters.busy_seconds
         return s
 
@@ -258,6 +337,119 @@ class StreamingSource(WeightSource):
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        if self._row_io is not None:
+            self._row_io.close()
         self._trunk_worker.shutdown(wait=True)
         self.trunk_io.close()
         self.expert_io.close()
+
+
+def stored_rows(dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | QuantizedMatrix:
+    """raw u8 [rows * row bytes], whole rows of a bf16 or Q8_0 matrix [rows, C] -> a view of them: bf16 bits
+    [rows, C] or a Q8_0 `QuantizedMatrix` (the formats whose rows are contiguous; `budget.builds_views`)."""
+    rows, cols = shape
+    if dtype == "Q8_0":
+        return QuantizedMatrix("q8_0", raw.reshape(rows, -1), None, cols)
+    assert dtype == "BF16", f"rows of a {dtype} matrix are not held as views"
+    return raw.view(np.uint16).reshape(rows, cols)
+
+
+def _shifted(blob: TrunkBlob, tensors: Sequence[TensorEntry], shift: int) -> TrunkBlob:
+    """`tensors` of `blob` placed in a buffer whose byte 0 is `shift` bytes before the blob (a span's start)."""
+    moved = tuple(t._replace(offset=t.offset + shift) for t in tensors)
+    return TrunkBlob(0, max(t.offset + t.nbytes for t in moved), 0, moved)
+
+
+class PieceReader:
+    """The pieces of one dense layer (stream/trunk_spans.py) read one after another into one ring buffer, the
+    blob's CRC-32 run over them and checked at the last."""
+
+    def __init__(self, source: StreamingSource, layer: int, spans: list[Span], buffer: int) -> None:
+        self.source, self.layer, self.spans, self.buffer = source, layer, spans, buffer
+        self.blob = source.store.layers[layer]
+        self.crc = 0
+        self.next_piece = 0
+
+    def read(self, piece: int) -> dict[str, np.ndarray]:
+        if piece != self.next_piece:
+            raise RuntimeError(f"trunk layer {self.layer}: piece {piece} asked for before piece {self.next_piece}")
+        span, blob = self.spans[piece], self.blob
+        raw = self.source._read_span(span, self.source._ring[self.buffer], f"trunk layer {self.layer}")
+        start = span.start + span.skip - blob.offset
+        end = blob.size if piece == len(self.spans) - 1 else self.spans[piece + 1].start + \
+            self.spans[piece + 1].skip - blob.offset
+        self.crc = zlib.crc32(raw[span.skip:span.skip + end - start], self.crc)
+        self.next_piece += 1
+        if self.next_piece == len(self.spans) and self.crc != blob.crc32:
+            raise StoreCorruptError(f"trunk layer {self.layer} in {self.source.store.trunk_path} at offset "
+                                    f"{blob.offset} ({blob.size} bytes) failed its CRC-32 check; the store is "
+                                    "corrupt: repack it")
+        inside = [t for t in blob.entries if start <= t.offset < end]
+        return _shifted(blob, inside, blob.offset - span.start).decode(raw, keep_bf16=True)
+
+    def _waited(self, piece: int) -> dict[str, np.ndarray]:
+        started = time.perf_counter()  # the model waits for this read (pieces after the first)
+        try:
+            return self.read(piece)
+        finally:
+            self.source.counters.io_wait_seconds += time.perf_counter() - started
+
+    def gate_up(self) -> np.ndarray | QuantizedMatrix:
+        arrays = self._waited(1)
+        parts = [next(a for n, a in arrays.items() if key in n) for key in (MLP_GATE, MLP_UP)]
+        fused = adjacent_quantized_view(parts) if isinstance(parts[0], QuantizedMatrix) else adjacent_view(parts)
+        assert fused is not None, "a version-2 store packs gate and up back to back"
+        return fused
+
+    def down(self) -> np.ndarray | QuantizedMatrix:
+        return next(a for n, a in self._waited(2).items() if MLP_DOWN in n)
+
+
+class EmbeddingReader:
+    """The embedding read on demand: `rows[ids]` reads each token's row, exactly its bytes (one read a token,
+    repeats included, so the count is the simulator's; a striped store's reader may split a row over two drives,
+    still counted as one), into a fresh [T, H] array: bf16 bits, or float32 decoded from a Q8_0 embedding's rows."""
+
+    def __init__(self, source: StreamingSource, blob_offset: int, entry: TensorEntry) -> None:
+        self.source, self.offset, self.dtype = source, blob_offset + entry.offset, entry.dtype
+        self.shape = entry.shape
+        self.row_bytes = entry.nbytes // entry.shape[0]
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids).reshape(-1)
+        out = np.empty((ids.shape[0], self.row_bytes), np.uint8)  # [T, row bytes]
+        reader = self.source._row_io
+        assert reader is not None
+        for i, token in enumerate(ids.tolist()):
+            if not 0 <= token < self.shape[0]:
+                raise IndexError(f"token id {token} is outside the vocabulary of {self.shape[0]}")
+            extent = Extent(self.offset + token * self.row_bytes, memoryview(out[i]).cast("B"))
+            reader.submit([extent])[id(extent)].result()  # short reads retried, then a StoreIOError naming it
+        self.source._embed_reads[0] += ids.shape[0] * self.row_bytes
+        self.source._embed_reads[1] += ids.shape[0]
+        rows = stored_rows(self.dtype, out.reshape(-1), (ids.shape[0], self.shape[1]))  # [T, H]
+        return rows.dequantize() if isinstance(rows, QuantizedMatrix) else rows
+
+
+class HeadChunks:
+    """The lm_head streamed through the staging ring: row chunks read and multiplied one after another."""
+
+    def __init__(self, source: StreamingSource, blob_offset: int, entry: TensorEntry) -> None:
+        self.source, self.offset, self.dtype = source, blob_offset + entry.offset, entry.dtype
+        self.shape = entry.shape
+        self.row_bytes = entry.nbytes // entry.shape[0]
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """x [R, H] -> [R, V]."""
+        source = self.source
+        out = np.empty((x.shape[0], self.shape[0]), np.float32)  # [R, V]
+        buffer = source.head_buffer()
+        for first, end, span in head_chunks(self.offset, self.shape[0], self.row_bytes, source.plan.staging_bytes):
+            started = time.perf_counter()
+            raw = source._read_span(span, buffer, "lm_head")
+            source.counters.io_wait_seconds += time.perf_counter() - started
+            rows = stored_rows(self.dtype, raw[span.skip:span.skip + (end - first) * self.row_bytes],
+                               (end - first, self.shape[1]))
+            out[:, first:end] = linear(x, rows)
+            del raw, rows
+        return out

@@ -15,9 +15,10 @@ from k3serve.errors import CheckpointError
 from k3serve.weights import names
 from k3serve.weights.gguf_file import GGUFFile, check_gguf_path
 from k3serve.weights.gguf_k3 import GGUFK3Index, k3_config
+from k3serve.weights.quantized import QuantizedMatrix
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
-_FLOAT_DTYPES = {"BF16", "F32", "F16"}
+_FLOAT_DTYPES = ("BF16", "F32", "F16")
 _MAX_LISTED_PROBLEMS = 8
 
 
@@ -62,7 +63,7 @@ class Checkpoint:
                     problems.append(f"{spec.name} has shape {list(info.shape)}, config implies {list(spec.shape)}")
                 elif spec.dtype == "U8" and info.dtype != "U8":
                     problems.append(f"{spec.name} has dtype {info.dtype}, MXFP4 bytes must be U8")
-                elif spec.dtype != "U8" and info.dtype not in _FLOAT_DTYPES:
+                elif spec.dtype != "U8" and info.dtype not in _FLOAT_DTYPES + ("Q8_0",):
                     problems.append(f"{spec.name} has dtype {info.dtype}, expected a float type")
             if len(problems) >= _MAX_LISTED_PROBLEMS:
                 break
@@ -70,9 +71,12 @@ class Checkpoint:
             source = "its GGUF metadata" if self.path.is_file() else "its config.json"
             raise CheckpointError(f"checkpoint {self.path} does not match {source}:\n  " + "\n  ".join(problems))
 
-    def read(self, name: str) -> np.ndarray:
-        """A tensor as float32 (bf16/f16/f32 on disk) or as stored bytes (U8)."""
+    def read(self, name: str) -> np.ndarray | QuantizedMatrix:
+        """A tensor as float32 (bf16/f16/f32 on disk), as stored bytes (U8), or, for a trunk matrix a GGUF file holds
+        as Q8_0, as its Q8_0 blocks (`QuantizedMatrix`)."""
         array = self.index.read(name)
+        if isinstance(array, QuantizedMatrix):
+            return array
         return array if array.dtype == np.uint8 else array.astype(np.float32, copy=False)
 
     @property

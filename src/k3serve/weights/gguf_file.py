@@ -6,8 +6,8 @@ tensor's bytes are touched when it (or one slice of it, e.g. one expert of a sta
 Shapes here are numpy order (rows first), the reverse of ggml's `ne`. Tensor types and what a read gives:
 - F32, F16, BF16: float32 (BF16 widening is exact).
 - Q8_0: blocks of 32 values along a row, each an f16 scale d and 32 int8 q (34 bytes); value = d * q, which is
-  exact in float32. Our int8 experts carry one scale per row, not per 32 values, so Q8_0 cannot be kept as is:
-  it is widened to float32 on read.
+  exact in float32. `f32` widens it; a K3 trunk matrix is kept as its blocks instead (`weights/gguf_k3.py`, a
+  `QuantizedMatrix` the Q8_0 kernel multiplies), and a family's experts take `q8_0` (values and block scales).
 - MXFP4: blocks of 32 values along a row, 17 bytes each: an E8M0 exponent byte e, then 16 bytes whose byte j holds
   value j in its low nibble and value j + 16 in its high nibble. The nibble codes are the E2M1 codes of K3_SPEC
   section 4 and the value is E2M1[code] * 2^(e - 127) in both formats (ggml stores doubled magnitudes with a

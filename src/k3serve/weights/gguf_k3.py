@@ -22,6 +22,9 @@ from k3serve.config import K3Config, MXFP4_GROUP_SIZE
 from k3serve.errors import CheckpointError
 from k3serve.weights import names
 from k3serve.weights.gguf_file import GGUFFile
+from k3serve.weights.held import quantized_in_trunk
+from k3serve.weights.q8_0 import q8_0_nbytes
+from k3serve.weights.quantized import QuantizedMatrix
 
 ARCHITECTURE = "kimi-k3"
 _SIGMOID_GATING = 2
@@ -29,10 +32,12 @@ _SIGMOID_GATING = 2
 
 class _Info(NamedTuple):
     shape: tuple[int, ...]
-    dtype: str  # "F32" for every float tensor (read as float32), "U8" for MXFP4 bytes
+    dtype: str  # "F32" for every float tensor (read as float32), "U8" for MXFP4 bytes, "Q8_0" for a Q8_0 trunk matrix
 
     @property
     def nbytes(self) -> int:
+        if self.dtype == "Q8_0":
+            return q8_0_nbytes(*self.shape)
         return int(np.prod(self.shape)) * (1 if self.dtype == "U8" else 4)
 
 
@@ -142,9 +147,12 @@ class GGUFK3Index:
         return array
 
     def read_raw(self, name: str) -> np.ndarray:
-        """The tensor as `read` gives it (float32 or MXFP4 bytes), as a uint8 array [nbytes]: what a packed store
-        holds for it."""
-        return np.ascontiguousarray(self.read(name)).view(np.uint8).reshape(-1)
+        """The tensor as `read` gives it (float32, MXFP4 bytes or Q8_0 blocks), as a uint8 array [nbytes]: what a
+        packed store holds for it."""
+        array = self.read(name)
+        if isinstance(array, QuantizedMatrix):
+            return np.frombuffer(array.to_bytes(), np.uint8)
+        return np.ascontiguousarray(array).view(np.uint8).reshape(-1)
 
     def close(self) -> None:
         self.file.close()
@@ -158,6 +166,15 @@ class GGUFK3Index:
         file = self.file
         if shape is None:
             shape = file.tensor(theirs).shape
+        if transform is None and file.tensor(theirs).type_name == "Q8_0" and quantized_in_trunk(ours, shape):
+            # a trunk matrix llama.cpp stored as Q8_0 stays Q8_0: its blocks (views of the mapped file), multiplied
+            # by the Q8_0 kernel, never widened
+            def blocks() -> QuantizedMatrix:
+                return QuantizedMatrix("q8_0", np.asarray(file.tensor(theirs).data).reshape(shape[0], -1), None,
+                                       shape[1])
+
+            self._entries[ours] = _Entry(tuple(shape), "Q8_0", blocks)
+            return
 
         def load() -> np.ndarray:
             array = file.f32(theirs)

@@ -2,8 +2,11 @@
 `k3serve.weights.store`).
 
 Tensors are copied byte for byte in their stored dtype (the trunk stays bf16 on disk, experts stay MXFP4), so a
-streaming source decodes exactly what the resident source decodes. A GGUF file is read through the same reader as
-`--model FILE.gguf` (`Checkpoint.from_gguf`): its trunk is stored as the float32 that reader gives, its experts as
+streaming source decodes exactly what the resident source decodes. `--trunk-precision q8_0|mxfp4` instead stores
+the trunk's big matrices as Q8_0 (34 bytes per 32 weights) or MXFP4 (17 per 32) bytes, encoded here from their
+float values; the model multiplies them from those bytes (lossy: docs/STREAMING.md, "Trunk precision"). A GGUF
+file is read through the same reader as `--model FILE.gguf` (`Checkpoint.from_gguf`): its trunk is stored as the
+float32 that reader gives (a trunk matrix the file holds as Q8_0 as its Q8_0 blocks, unchanged), its experts as
 the same MXFP4 bytes, its config and tokenizer are written from its metadata. The index is written last, under a
 temporary name and renamed, so an interrupted pack never leaves a folder that looks complete.
 
@@ -29,12 +32,14 @@ from k3serve.gguf_tokenizer import write_tokenizer_files
 from k3serve.weights import names
 from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
+from k3serve.weights.held import quantized_in_trunk
 from k3serve.weights.layout import LAYOUTS, layer_order
-from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, STORE_FORMAT, STORE_INDEX, STORE_VERSION,
-                                   STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE,
-                                   PackedStore, StoreError, TensorEntry, TrunkBlob, align_up, config_fingerprint,
-                                   expert_blob, expert_parts, stripe_chunk_bytes, stripe_folder_name,
-                                   trunk_stripe_chunk_bytes)
+from k3serve.weights.quantized import TRUNK_PRECISIONS, QuantizedMatrix
+from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, READABLE_STORE_VERSIONS, STORE_FORMAT, STORE_INDEX,
+                                   STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT,
+                                   TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob, align_up,
+                                   config_fingerprint, expert_blob, expert_parts, follows_in_group, packed_specs,
+                                   stripe_chunk_bytes, stripe_folder_name, trunk_stripe_chunk_bytes)
 from k3serve.weights.stripes import StripedWriter
 
 logger = logging.getLogger(__name__)
@@ -49,17 +54,38 @@ def _write_padded(f, data: bytes | np.ndarray, alignment: int = ALIGNMENT) -> No
         f.write(b"\0" * pad)
 
 
-def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offset: int) -> tuple[TrunkBlob, bytes]:
+def _stored_tensor(checkpoint: Checkpoint, name: str, trunk_precision: str) -> tuple[str, tuple[int, ...], bytes]:
+    """(dtype, shape, bytes) of one trunk tensor as the store holds it: its checkpoint bytes, or, at trunk precision
+    q8_0 / mxfp4, a matrix `quantized_in_trunk` picks encoded from its float32 values (`QuantizedMatrix`)."""
+    info = checkpoint.index.info(name)
+    shape = tuple(info.shape)
+    if trunk_precision != "bf16" and quantized_in_trunk(name, shape):
+        values = checkpoint.read(name)
+        if isinstance(values, QuantizedMatrix) and values.precision == trunk_precision:
+            matrix = values  # a GGUF file's Q8_0 blocks, kept as they are
+        else:
+            matrix = QuantizedMatrix.quantize(values.dequantize() if isinstance(values, QuantizedMatrix) else values,
+                                              trunk_precision)
+        return matrix.store_dtype, shape, matrix.to_bytes()
+    return info.dtype, shape, checkpoint.index.read_raw(name).tobytes()
+
+
+def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offset: int,
+                trunk_precision: str = "bf16", version: int = STORE_VERSION) -> tuple[TrunkBlob, bytes]:
     entries, chunks, cursor = [], [], 0
-    for spec in specs:
-        info = checkpoint.index.info(spec.name)
-        raw = checkpoint.index.read_raw(spec.name)
-        start = align_up(cursor, TENSOR_ALIGNMENT)
+    previous = None
+    for spec in packed_specs(specs, version):
+        dtype, shape, raw = _stored_tensor(checkpoint, spec.name, trunk_precision)
+        # a fused group's parts back to back, so the fused matrix is one view of the read buffer (a Q8_0 group's
+        # blocks too; an MXFP4 entry is its nibbles then its scales, so an MXFP4 group is stacked as a copy)
+        adjacent = version >= 2 and follows_in_group(previous, spec.name)
+        start = cursor if adjacent else align_up(cursor, TENSOR_ALIGNMENT)
+        previous = spec.name
         if start > cursor:
             chunks.append(b"\0" * (start - cursor))
-        chunks.append(raw.tobytes())
-        entries.append(TensorEntry(spec.name, info.dtype, tuple(info.shape), start, raw.nbytes))
-        cursor = start + raw.nbytes
+        chunks.append(raw)
+        entries.append(TensorEntry(spec.name, dtype, shape, start, len(raw)))
+        cursor = start + len(raw)
     data = b"".join(chunks)
     return TrunkBlob(offset, len(data), zlib.crc32(data), tuple(entries)), data
 
@@ -112,11 +138,19 @@ class _Stripes:
 def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural",
                     token_sets: Mapping[int, Sequence[Sequence[int]]] | None = None,
                     progress: bool = False, stripe_dirs: Sequence[str | Path] | None = None,
-                    stripe_chunk: int | None = None) -> PackedStore:
+                    stripe_chunk: int | None = None, trunk_precision: str = "bf16",
+                    version: int = STORE_VERSION) -> PackedStore:
     """Pack `source` into `out`. `token_sets[layer]` lists the experts each traced token chose (for the
     frequency and coactivation layouts). `stripe_dirs`: one folder per drive to lay trunk.bin and experts.bin
     over (`stripe_chunk`: both files' chunk; by default `stripe_chunk_bytes` of the expert stride for experts.bin and
-    `trunk_stripe_chunk_bytes` of the largest layer for trunk.bin)."""
+    `trunk_stripe_chunk_bytes` of the largest layer for trunk.bin). `trunk_precision` "bf16" copies the trunk as
+    stored (lossless); "q8_0" or "mxfp4" stores its big matrices in those formats
+    (`weights.held.quantized_in_trunk`), which the model then multiplies straight from their bytes. `version` 1
+    writes the previous format (for tests of reading it)."""
+    if trunk_precision not in TRUNK_PRECISIONS:
+        raise StoreError(f"unknown trunk precision {trunk_precision!r}; choose one of {', '.join(TRUNK_PRECISIONS)}")
+    if version not in READABLE_STORE_VERSIONS:
+        raise StoreError(f"store format version must be one of {READABLE_STORE_VERSIONS}, got {version}")
     if stripe_dirs is not None:
         _Stripes.check(stripe_dirs)
         if stripe_chunk is not None and (stripe_chunk < ALIGNMENT or stripe_chunk % ALIGNMENT):
@@ -152,13 +186,14 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
         for folder in stripes.folders if stripes is not None else ():
             folder.mkdir()
         with output(TRUNK_FILE) as f:
-            globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0)
+            globals_blob, data = _trunk_blob(checkpoint, names.global_specs(config), 0, trunk_precision, version)
             _write_padded(f, data)
             if bar:
                 bar.update(len(data))
             layer_blobs = []
             for layer in range(config.num_layers):
-                blob, data = _trunk_blob(checkpoint, names.layer_trunk_specs(config, layer), f.tell())
+                blob, data = _trunk_blob(checkpoint, names.layer_trunk_specs(config, layer), f.tell(),
+                                          trunk_precision, version)
                 _write_padded(f, data)
                 layer_blobs.append(blob)
                 if bar:
@@ -197,8 +232,9 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
             if (Path(source) / file).exists():
                 shutil.copy(Path(source) / file, out / file)
     index = {
-        "format": STORE_FORMAT, "version": STORE_VERSION, "config_sha256": config_fingerprint(config),
-        "layout": layout, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE, "expert_file": EXPERT_FILE,
+        "format": STORE_FORMAT, "version": version, "config_sha256": config_fingerprint(config),
+        "layout": layout, "trunk_precision": trunk_precision, "alignment": ALIGNMENT, "trunk_file": TRUNK_FILE,
+        "expert_file": EXPERT_FILE,
         "globals": globals_blob.to_json(), "layers": [b.to_json() for b in layer_blobs],
         "expert_blob_size": blob_size, "expert_stride": stride, "experts": expert_index,
     }

@@ -4,7 +4,11 @@ A packed model folder holds:
 
     config.json              the model's config (and the tokenizer files when the source had them)
     trunk.bin                globals, then one blob per layer: every always-active tensor of that layer in its
-                             stored dtype, contiguous, so one read fetches one layer
+                             stored dtype, contiguous, so one read fetches one layer. From format version 2 the
+                             parts of each fused projection group (KDA's q, k, v, g, f_a, b; MLA's q_a, kv_a, g;
+                             an MLP's gate and up) lie back to back with no padding, so the fused matrix is a view
+                             of the read buffer (`packed_specs`), and the globals put their small tensors first,
+                             then the embedding, then the lm_head (each read apart: stream/trunk_spans.py)
     experts.bin              one blob per routed expert: w1, w3, w2 packed bytes and scales together, each blob
                              starting on a 4 KiB boundary and padded to a multiple of 4 KiB (O_DIRECT can read it)
     store.json               the index: for every blob its offset, size and CRC-32; the layout order of experts
@@ -32,7 +36,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
@@ -40,7 +44,8 @@ from k3serve.config import MXFP4_GROUP_SIZE, K3Config, load_config
 from k3serve.errors import CheckpointError
 from k3serve.weights import names
 from k3serve.weights.bf16 import bf16_bits_to_f32
-from k3serve.weights.held import held_bytes
+from k3serve.weights.held import held_bytes, widened_bytes
+from k3serve.weights.quantized import STORE_DTYPES, TRUNK_PRECISIONS, QuantizedMatrix
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
 from k3serve.weights.stripes import striped_file_sizes
 
@@ -48,7 +53,8 @@ if TYPE_CHECKING:
     from k3serve.weights.checkpoint import Checkpoint
 
 STORE_FORMAT = "k3serve-store"
-STORE_VERSION = 1
+STORE_VERSION = 2
+READABLE_STORE_VERSIONS = (1, 2)  # version 1: fused groups not adjacent (built as copies, never views)
 STORE_INDEX = "store.json"
 TRUNK_FILE = "trunk.bin"
 EXPERT_FILE = "experts.bin"
@@ -108,18 +114,56 @@ def expert_blob(checkpoint: Checkpoint, parts: list[ExpertPart], layer: int, exp
     return blob
 
 
-def read_index(index_file: Path, fmt: str, version: int, missing: str) -> dict:
-    """A store's or shard's JSON index, checked for its format and version; `missing` is the error when the file
-    is absent."""
+def read_index(index_file: Path, fmt: str, version: int | tuple[int, ...], missing: str) -> dict:
+    """A store's or shard's JSON index, checked for its format and version (one, or those readable); `missing` is
+    the error when the file is absent."""
     if not index_file.exists():
         raise StoreError(missing)
     try:
         raw = json.loads(index_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise StoreError(f"{index_file}: unreadable index: {exc}") from exc
-    if raw.get("format") != fmt or raw.get("version") != version:
-        raise StoreError(f"{index_file}: not a {fmt} v{version} index")
+    versions = version if isinstance(version, tuple) else (version,)
+    if raw.get("format") != fmt or raw.get("version") not in versions:
+        raise StoreError(f"{index_file}: not a {fmt} index of version {' or '.join(map(str, versions))} (found "
+                         f"{raw.get('format')!r} version {raw.get('version')!r}); repack it with `k3serve pack`")
     return raw
+
+
+_QUANTIZED_DTYPES = tuple(STORE_DTYPES.values())
+
+
+# Fused projection groups, by name suffix: packed back to back (version 2) so the fused matrix is one view.
+CONTIGUOUS_GROUPS = (("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.g_proj.",
+                      "self_attn.f_a_proj.", "self_attn.b_proj."),
+                     ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.g_proj."),
+                     ("mlp.gate_proj.", "mlp.up_proj."),
+                     ("shared_experts.gate_proj.", "shared_experts.up_proj."))
+
+
+def packed_specs(specs: Sequence[names.TensorSpec], version: int = STORE_VERSION) -> list[names.TensorSpec]:
+    """The order a store of `version` holds a blob's tensors in. Version 2: the globals' small tensors first, then
+    the embedding, then the lm_head; in a layer, each fused group's parts moved next to its first part."""
+    specs = list(specs)
+    if version < 2:
+        return specs
+    if any(s.name == names.EMBED for s in specs):
+        big = (names.EMBED, names.LM_HEAD)
+        return [s for s in specs if s.name not in big] + [s for b in big for s in specs if s.name == b]
+    out: list[names.TensorSpec] = []
+    for spec in specs:
+        if spec in out:
+            continue
+        group = next((g for g in CONTIGUOUS_GROUPS if any(k in spec.name for k in g)), None)
+        members = [spec] if group is None else [s for k in group for s in specs if k in s.name]
+        out.extend(m for m in members if m not in out)
+    return out
+
+
+def follows_in_group(previous: str | None, name: str) -> bool:
+    """Whether tensor `name` continues the fused group tensor `previous` is part of (written with no padding)."""
+    return previous is not None and any(any(k in previous for k in g) and any(k in name for k in g)
+                                        for g in CONTIGUOUS_GROUPS)
 
 
 def stripe_folder_name(store_id: str, stripe: int, num_stripes: int) -> str:
@@ -144,7 +188,7 @@ def trunk_stripe_chunk_bytes(largest_layer_bytes: int, num_stripes: int) -> int:
 
 class TensorEntry(NamedTuple):
     name: str
-    dtype: str  # safetensors dtype string
+    dtype: str  # safetensors dtype string, or "Q8_0" / "MXFP4" (a quantized trunk: `weights.quantized`)
     shape: tuple[int, ...]
     offset: int  # bytes into the blob
     nbytes: int
@@ -165,18 +209,34 @@ class TrunkBlob:
 
     @property
     def float32_bytes(self) -> int:
-        """An upper bound on the RAM its tensors take once widened to float32."""
-        return sum(int(np.prod(t.shape)) * 4 for t in self.tensors)
+        """An upper bound on the RAM its tensors take once widened to float32 (a quantized trunk's Q8_0 / MXFP4
+        matrices are never widened: their bytes)."""
+        return sum(t.nbytes if t.dtype in _QUANTIZED_DTYPES else int(np.prod(t.shape)) * 4 for t in self.tensors)
 
     def held_bytes(self, trunk_dtype: str = "float32") -> int:
         """The RAM its built weights hold with that trunk dtype (`k3serve.weights.held.held_bytes`)."""
         return held_bytes([(t.name, t.dtype, t.shape) for t in self.tensors], trunk_dtype)
 
+    def widened_bytes(self, trunk_dtype: str = "bf16") -> int:
+        """Float32 copies held beside the read buffer when built as its views (`k3serve.weights.held`)."""
+        return widened_bytes([(t.name, t.dtype, t.shape) for t in self.tensors], trunk_dtype)
+
+    @property
+    def entries(self) -> tuple[TensorEntry, ...]:
+        return self.tensors
+
+    def tensor(self, name: str) -> TensorEntry:
+        return next(t for t in self.tensors if t.name == name)
+
     def decode(self, raw: np.ndarray, keep_bf16: bool = False) -> dict[str, np.ndarray]:
         """raw: u8 [>= size], the blob's bytes -> {name: fresh array} exactly as `Checkpoint.read` returns them;
-        with `keep_bf16`, bf16 tensors are their bits (uint16) as views of `raw`, not widened copies."""
-        out = {}
+        with `keep_bf16`, bf16 tensors are their bits (uint16) as views of `raw`, not widened copies. Tensors of a
+        quantized trunk (dtype "Q8_0" or "MXFP4") are `QuantizedMatrix` views of `raw`, whatever `keep_bf16`."""
+        out: dict = {}
         for t in self.tensors:
+            if t.dtype in _QUANTIZED_DTYPES:  # Q8_0 / MXFP4 bytes: views of `raw` (`build_layer` copies them)
+                out[t.name] = QuantizedMatrix.from_bytes(t.dtype, raw[t.offset:t.offset + t.nbytes], t.shape)
+                continue
             stored = raw[t.offset:t.offset + t.nbytes].view(STORAGE_DTYPES[t.dtype]).reshape(t.shape)
             if t.dtype == "BF16" and keep_bf16:
                 out[t.name] = stored
@@ -209,11 +269,13 @@ class PackedStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        raw = read_index(self.path / STORE_INDEX, STORE_FORMAT, STORE_VERSION,
+        raw = read_index(self.path / STORE_INDEX, STORE_FORMAT, READABLE_STORE_VERSIONS,
                          f"{self.path} is not a packed store (no {STORE_INDEX}); create one with "
                          f"`k3serve pack CHECKPOINT {self.path}`")
         self.config: K3Config = load_config(self.path)
+        self.version: int = int(raw["version"])
         self.layout: str = raw["layout"]
+        self.trunk_precision: str = raw.get("trunk_precision", "bf16")  # `pack --trunk-precision`
         # the unstriped files' paths (a striped store has no file there: its bytes are in `trunk_files` and
         # `expert_files`, one per drive)
         self.trunk_path = self.path / raw["trunk_file"]
@@ -240,6 +302,8 @@ class PackedStore:
         problems: list[str] = []
         if raw.get("config_sha256") != config_fingerprint(c):
             problems.append("config.json differs from the config the store was packed with")
+        if self.trunk_precision not in TRUNK_PRECISIONS:
+            problems.append(f"unknown trunk precision {self.trunk_precision!r}")
         if len(self.layers) != c.num_layers:
             problems.append(f"store has {len(self.layers)} trunk layers, config has {c.num_layers}")
         expected_blob = sum(p.nbytes for p in expert_parts(c))
@@ -250,7 +314,7 @@ class PackedStore:
         if sorted(self.experts) != list(c.moe_layer_ids):
             problems.append(f"expert layers {sorted(self.experts)} differ from MoE layers {list(c.moe_layer_ids)}")
         for layer, blob in enumerate(self.layers[:c.num_layers]):
-            want = [(s.name, s.shape) for s in names.layer_trunk_specs(c, layer)]
+            want = [(s.name, s.shape) for s in packed_specs(names.layer_trunk_specs(c, layer), self.version)]
             have = [(t.name, t.shape) for t in blob.tensors]
             if want != have:
                 problems.append(f"trunk layer {layer} holds other tensors than the config implies")
@@ -276,6 +340,11 @@ class PackedStore:
                     problems.append(f"{name} is {size} bytes, the index needs {need} (truncated?)")
         if problems:
             raise StoreError(f"packed store {self.path} does not match its config:\n  " + "\n  ".join(problems[:8]))
+
+    @property
+    def adjacent_groups(self) -> bool:
+        """Whether each fused projection group is packed back to back (version 2): built as views."""
+        return self.version >= 2
 
     # ---- sizes -----------------------------------------------------------------------------------------------
     @property

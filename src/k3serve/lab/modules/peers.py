@@ -15,6 +15,7 @@ from k3serve.errors import K3Error
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param, Verdict
 from k3serve.lab.streaming import WIDENINGS
 from k3serve.lab.timing import repeats_param
+from k3serve.lab.verdict import sentence_case
 
 ENGINES = ("k3serve", "llama.cpp")
 ROWS = ("in RAM", "under RAM")
@@ -129,22 +130,25 @@ def _ratio(rows: dict, row: str, key: str) -> float:
 
 def _verdict(rows: dict, limits_mib: dict) -> Verdict:
     """k3serve's decode speed against llama.cpp's in RAM; it flips where k3serve's step time crosses llama.cpp's,
-    or (when measured) where the other row's ratio lands on the other side of 1."""
+    or (when measured) where the other row's ratio lands on the other side of 1. Worded as `verdict.judge` words
+    the other modules' verdicts (the outcome, the factor, then the flip condition as a sentence)."""
     factor = _ratio(rows, "in RAM", "decode_tok_s")
     outcome = "even" if abs(factor - 1) <= EVEN_BAND else ("won" if factor > 1 else "lost")
     ours_ms = 1e3 / rows["in RAM"]["k3serve"]["decode_tok_s"]
     theirs_ms = 1e3 / rows["in RAM"]["llama.cpp"]["decode_tok_s"]
-    sentence = f"k3serve decoded {factor:.2f}x llama.cpp's speed on the same file here (in RAM)"
+    head = {"won": "k3serve won here", "lost": "k3serve lost here",
+            "even": "k3serve was even with llama.cpp here"}[outcome]
+    sentence = f"{head}: it decoded {factor:.2f}x llama.cpp's speed on the same file (batch 1, in RAM)"
     under = _ratio(rows, "under RAM", "decode_tok_s")
     if np.isfinite(under):
         sentence += f", and {under:.2f}x under a memory limit"
-    sentence += "."
-    direction = "above" if factor > 1 else "below"
-    flips = f"k3serve's decode step {direction} llama.cpp's {theirs_ms:.1f} ms (it took {ours_ms:.1f} ms)"
+    direction = "rose above" if factor > 1 else "fell below"
+    flips = (f"it would flip if k3serve's decode step {direction} llama.cpp's {theirs_ms:.1f} ms (it took "
+             f"{ours_ms:.1f} ms)")
     if np.isfinite(under) and (under > 1) != (factor > 1):
         flips += (f"; it already flips under RAM ({under:.2f}x with {limits_mib.get('k3serve', float('nan')):.0f} "
                   f"and {limits_mib.get('llama.cpp', float('nan')):.0f} MiB limits)")
-    return Verdict(outcome, factor, "decode_tok_s", sentence, flips)
+    return Verdict(outcome, factor, "decode_tok_s", f"{sentence}. {sentence_case(flips)}.", flips)
 
 
 def build_result(measured: dict, recorded: str | None, why_recorded: str = "") -> LabResult:

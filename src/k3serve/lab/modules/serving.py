@@ -15,6 +15,7 @@ from k3serve.lab.registry import Figure, LabModule, LabResult, Param, Verdict
 from k3serve.lab.server_process import ServerProcess, stop_all
 from k3serve.lab.serving_load import PERCENTILES, concurrency_run, import_client, tenants_run
 from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
+from k3serve.lab.verdict import sentence_case
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 MODES = ("fcfs", "fair")
@@ -165,14 +166,17 @@ def _outcome(factor: float) -> str:
 
 def _verdict(rows: dict[int, dict[str, float]]) -> Verdict:
     """The server's throughput at the most streams against one stream; it flips where adding streams stops adding
-    throughput (the first point of the sweep below its predecessor), or, if none did, it names the sweep's end."""
+    throughput (the first point of the sweep below its predecessor), or, if none did, it names the sweep's end.
+    Worded as `verdict.judge` words the other modules' verdicts (the outcome, the factor, the flip condition)."""
     sweep = sorted(rows)
     top = sweep[-1]
     factor = rows[top]["tok_per_s"] / rows[1]["tok_per_s"]
     itl = rows[top]["itl_p99_ms"] / rows[1]["itl_p99_ms"]
-    sentence = (f"k3serve serve streamed {rows[top]['tok_per_s']:.0f} tok/s to {top} concurrent openai clients "
-                f"here, {factor:.2f}x one client's {rows[1]['tok_per_s']:.0f} tok/s, at {itl:.2f}x its p99 "
-                "inter-token latency.")
+    outcome = _outcome(factor)
+    head = {"won": "won", "lost": "lost", "even": "was even"}[outcome]
+    sentence = (f"Batching in k3serve serve {head}: it streamed {rows[top]['tok_per_s']:.0f} tok/s to {top} "
+                f"concurrent openai clients here, {factor:.2f}x one client's {rows[1]['tok_per_s']:.0f} tok/s, at "
+                f"{itl:.2f}x its p99 inter-token latency.")
     flat = next((c for prev, c in zip(sweep, sweep[1:]) if rows[c]["tok_per_s"] <= rows[prev]["tok_per_s"]), None)
     if flat is not None:
         prev = sweep[sweep.index(flat) - 1]
@@ -182,7 +186,7 @@ def _verdict(rows: dict[int, dict[str, float]]) -> Verdict:
         flips = (f"throughput still grew at every step up to {top} streams; it would flip where a step's cost grows "
                  f"as fast as its batch (p50 inter-token {rows[1]['itl_p50_ms']:.1f} ms at 1 stream, "
                  f"{rows[top]['itl_p50_ms']:.1f} ms at {top})")
-    return Verdict(_outcome(factor), factor, "tok_per_s", sentence, flips)
+    return Verdict(outcome, factor, "tok_per_s", f"{sentence} {sentence_case(flips)}.", flips)
 
 
 def _tenants_sentence(tenants: dict[str, dict[str, float]]) -> str:

@@ -265,8 +265,20 @@ async function run(id, rerun) {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+async function roomInQueue(section) {
+  // Run all queues more modules than the queue holds: wait until a place is free before each POST, so that none is
+  // refused (a refused request is an error in the browser's console, and Run all is not an error)
+  for (;;) {
+    const listing = await (await fetch("api/jobs")).json();
+    if (listing.jobs.filter((job) => job.position > 0).length < listing.max_queued) return;
+    section.querySelector('[data-role="message"]').textContent = "waiting for room in the queue";
+    await sleep(QUEUE_POLL_MS);
+  }
+}
+
 async function submit(id, params, rerun, waitForRoom) {
-  // POST one run and follow its job; `waitForRoom` (Run all): a full queue (429) is waited out, not reported
+  // POST one run and follow its job; `waitForRoom` (Run all): a full queue is waited out, not reported (a 429 that
+  // still comes, from another page filling the queue first, is retried)
   const entry = state[id];
   const section = document.getElementById(`m-${id}`);
   const error = section.querySelector('[data-role="error"]');
@@ -276,6 +288,7 @@ async function submit(id, params, rerun, waitForRoom) {
   let response, body;
   try {
     for (;;) {
+      if (waitForRoom) await roomInQueue(section);
       response = await fetch(`api/modules/${id}/run${rerun ? "?rerun=true" : ""}`, {
         method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(params)});
       body = await response.json();
@@ -490,7 +503,7 @@ function verdictLine(verdict, prefix) {
 }
 
 // ---- the answers-first overview: headline figures and every module's verdict (api/overview) -------------------
-const BADGES = {measured: "measured on this machine", recorded: "recorded (a stored run)",
+const BADGES = {measured: "measured on this machine", recorded: "recorded (measured earlier)",
                 simulated: "simulated (model)"};
 
 function badge(name) {
@@ -500,7 +513,11 @@ function badge(name) {
 
 function whenText(entry) {
   const day = entry.date ? entry.date.replace("T", " ").replace("+00:00", " UTC") : "date unknown";
-  return `${entry.source === "stored run" ? "stored run" : "run here"}, ${day}${entry.machine ? ", " + entry.machine : ""}`;
+  const from = entry.source === "stored run" ? "stored run" : "run here";
+  // a run that shows a record instead of measuring (peers without llama.cpp): the record's date, its source line
+  // names the machine
+  if (entry.recorded) return `recorded ${day} (shown by a ${from}; the module's source line names the machine)`;
+  return `${from}, ${day}${entry.machine ? ", " + entry.machine : ""}`;
 }
 
 function figureText(entry) {

@@ -19,7 +19,7 @@ from k3serve.model.families.experts import ExpertReader, Int8Matrix, MXFP4Matrix
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.moe import GLUWeights
 from k3serve.model.families.tensors import TensorReader
-from k3serve.model.weights import keep_bf16
+from k3serve.model.weights import fuse_rows, keep_bf16
 from k3serve.weights.bf16 import bf16_bits_to_f32
 from k3serve.weights.safetensors_io import STORAGE_DTYPES
 
@@ -51,10 +51,10 @@ def check_supported_basics(config: HFConfig) -> None:
 def glu(reader: TensorReader, prefixes: tuple[str, ...], hidden: int, width: int) -> GLUWeights:
     """A SiLU-GLU MLP under the first of `prefixes` that holds it."""
     prefix = next((p for p in prefixes if f"{p}gate_proj.weight" in reader), prefixes[0])
-    gate = reader.f32(f"{prefix}gate_proj.weight", shape=(width, hidden))
-    up = reader.f32(f"{prefix}up_proj.weight", shape=(width, hidden))
-    down = reader.f32(f"{prefix}down_proj.weight", shape=(hidden, width))
-    return GLUWeights(gate_up=keep_bf16(np.concatenate([gate, up])), down=keep_bf16(down))
+    gate = reader.matrix(f"{prefix}gate_proj.weight", shape=(width, hidden))
+    up = reader.matrix(f"{prefix}up_proj.weight", shape=(width, hidden))
+    down = reader.matrix(f"{prefix}down_proj.weight", shape=(hidden, width))
+    return GLUWeights(gate_up=fuse_rows([gate, up]), down=down)
 
 
 def embeddings(reader: TensorReader, vocab: int, hidden: int, tied: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +63,7 @@ def embeddings(reader: TensorReader, vocab: int, hidden: int, tied: bool) -> tup
     embed = keep_bf16(reader.f32("model.embed_tokens.weight", shape=(vocab, hidden)))
     if tied:
         return embed, embed
-    return embed, keep_bf16(reader.f32("lm_head.weight", shape=(vocab, hidden)))
+    return embed, reader.matrix("lm_head.weight", shape=(vocab, hidden))
 
 
 def _read_slice(reader: TensorReader, name: str, index: int, shape: tuple[int, int]) -> np.ndarray:

@@ -28,7 +28,7 @@ from k3serve.model.families.latent_attention import LatentAttention, LatentAtten
 from k3serve.model.families.moe import DenseMLP, GLUWeights, GroupedSigmoidRouter, MoEBlock
 from k3serve.model.families.rope import Rotary, rope_parameters, rotary_from_config, yarn_mscale
 from k3serve.model.families.tensors import TensorReader
-from k3serve.model.weights import keep_bf16
+from k3serve.model.weights import fuse_rows
 
 
 @dataclass(frozen=True)
@@ -128,20 +128,20 @@ def build_mla(reader: TensorReader, config: DecoderConfig, mla: MLAConfig, layer
     NA, QL, KL = mla.num_attention_heads, mla.q_lora_rank, mla.kv_lora_rank
     DN, DR, DV, H = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, config.hidden_size
     a = f"model.layers.{layer}.self_attn."
-    kv_a = reader.f32(f"{a}kv_a_proj_with_mqa.weight", shape=(KL + DR, H))
+    kv_a = reader.matrix(f"{a}kv_a_proj_with_mqa.weight", shape=(KL + DR, H))
     if QL is None:
-        in_proj = np.concatenate([reader.f32(f"{a}q_proj.weight", shape=(NA * (DN + DR), H)), kv_a])
+        in_proj = fuse_rows([reader.matrix(f"{a}q_proj.weight", shape=(NA * (DN + DR), H)), kv_a])
         q_a_norm = q_b = None
     else:
-        in_proj = np.concatenate([reader.f32(f"{a}q_a_proj.weight", shape=(QL, H)), kv_a])
+        in_proj = fuse_rows([reader.matrix(f"{a}q_a_proj.weight", shape=(QL, H)), kv_a])
         q_a_norm = reader.f32(f"{a}q_a_layernorm.weight", shape=(QL,))
-        q_b = reader.f32(f"{a}q_b_proj.weight", shape=(NA * (DN + DR), QL))
+        q_b = reader.matrix(f"{a}q_b_proj.weight", shape=(NA * (DN + DR), QL))
     kv_b = reader.f32(f"{a}kv_b_proj.weight", shape=(NA * (DN + DV), KL)).reshape(NA, DN + DV, KL)
     weights = LatentAttentionWeights(
-        in_proj=keep_bf16(in_proj), q_a_norm=q_a_norm, q_b=None if q_b is None else keep_bf16(q_b),
+        in_proj=in_proj, q_a_norm=q_a_norm, q_b=q_b,
         kv_a_norm=reader.f32(f"{a}kv_a_layernorm.weight", shape=(KL,)),
         w_uk=np.ascontiguousarray(kv_b[:, :DN]), w_uv=np.ascontiguousarray(kv_b[:, DN:]),
-        o_proj=keep_bf16(reader.f32(f"{a}o_proj.weight", shape=(H, NA * DV))),
+        o_proj=reader.matrix(f"{a}o_proj.weight", shape=(H, NA * DV)),
     )
     return LatentAttention(layer=layer, weights=weights, num_heads=NA, q_lora_rank=QL, kv_lora_rank=KL, nope_dim=DN,
                            rope_dim=DR, value_dim=DV, scale=scale, rotary=rotary, norm_eps=MLA_INNER_NORM_EPS)

@@ -31,6 +31,7 @@ import numpy as np
 
 from k3serve.errors import CheckpointError
 from k3serve.weights.gguf_file import GGUFFile
+from k3serve.weights.quantized import QuantizedMatrix
 
 # llama.cpp architecture -> our model_type
 GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3", "kimi-linear": "kimi_linear",
@@ -52,10 +53,12 @@ class GGUFTensorIndex:
     `TensorReader` and `pack` use (`in`, `len`, `iter`, `info`, `read`, `close`), plus `kept(name)` for experts
     kept as stored (MXFP4, Q8_0)."""
 
-    def __init__(self, file: GGUFFile, loaders: dict[str, Loader], packed: dict[str, Callable]) -> None:
+    def __init__(self, file: GGUFFile, loaders: dict[str, Loader], packed: dict[str, Callable],
+                 blocks: dict[str, Callable[[], QuantizedMatrix]] | None = None) -> None:
         self.file = file
         self._loaders = loaders
         self._packed = packed  # name -> () -> (kind, a, b) for MXFP4 and Q8_0 expert matrices (`kept`)
+        self._blocks = blocks or {}  # name -> () -> its Q8_0 blocks, for 2-D trunk tensors stored as Q8_0
 
     def __contains__(self, name: object) -> bool:
         return name in self._loaders
@@ -74,6 +77,11 @@ class GGUFTensorIndex:
         if loader is None:
             raise CheckpointError(f"{self.file.path}: no tensor maps to {name!r}")
         return loader()
+
+    def q8_0_blocks(self, name: str) -> QuantizedMatrix | None:
+        """A trunk matrix the file stores as Q8_0, as its blocks (views of the mapped file), else None."""
+        read = self._blocks.get(name)
+        return None if read is None else read()
 
     def kept(self, name: str) -> tuple[str, np.ndarray, np.ndarray] | None:
         """An expert matrix kept as stored, or None if `name` is not one: ("mxfp4", packed u8 [R, C/2], scales
@@ -224,6 +232,7 @@ class _Builder:
         self.file = file
         self.loaders: dict[str, Loader] = {}
         self.packed: dict[str, Callable] = {}
+        self.blocks: dict[str, Callable[[], QuantizedMatrix]] = {}
 
     def plain(self, ours: str, theirs: str, transform: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         if theirs not in self.file:
@@ -231,6 +240,11 @@ class _Builder:
         file = self.file
         self.loaders[ours] = ((lambda: file.f32(theirs)) if transform is None
                               else (lambda: transform(file.f32(theirs))))
+        tensor = file.tensor(theirs)
+        if transform is None and tensor.type_name == "Q8_0" and len(tensor.shape) == 2:
+            rows, cols = tensor.shape
+            self.blocks[ours] = lambda: QuantizedMatrix("q8_0", np.asarray(file.tensor(theirs).data).reshape(rows, -1),
+                                                        None, cols)
 
     def experts(self, ours: Callable[[int, str], str], layer: int, names: tuple[str, str, str]) -> None:
         """Per-expert names for the stacked gate, up, down tensors of `layer`."""
@@ -406,7 +420,7 @@ def tensor_index(file: GGUFFile, config: dict[str, Any]) -> GGUFTensorIndex:
             _dense_mlp(b, f"{p}mlp.", l)
     else:  # hf_config refused it already
         raise CheckpointError(f"{file.path}: GGUF architecture {arch!r} is not supported")
-    return GGUFTensorIndex(file, b.loaders, b.packed)
+    return GGUFTensorIndex(file, b.loaders, b.packed, b.blocks)
 
 
 def describe(file: GGUFFile) -> str:

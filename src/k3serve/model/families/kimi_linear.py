@@ -31,7 +31,7 @@ from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.latent_attention import LatentAttention
 from k3serve.model.families.moe import DenseMLP, MoEBlock
 from k3serve.model.families.tensors import TensorReader
-from k3serve.model.weights import keep_bf16
+from k3serve.model.weights import fuse_rows
 
 _LAYER_TYPES = {"full_attention": "mla", "linear_attention": "kda"}
 _MLP_TYPES = {"dense": "dense", "sparse": "moe"}
@@ -90,19 +90,19 @@ def build_kda(reader: TensorReader, config: KimiLinearConfig, layer: int,
     else:
         conv = np.concatenate([reader.f32(f"{a}{n}_conv1d.weight", shape=(P, 1, K))[:, 0, :] for n in "qkv"])
     gate = f"{a}forget_gate."  # transformers' in-module names, accepted after the released ones
-    in_proj = np.concatenate([reader.f32(f"{a}{n}_proj.weight", shape=(P, H)) for n in "qkv"]
-                             + [reader.f32(f"{a}f_a_proj.weight", f"{gate}f_a_proj.weight", shape=(D, H)),
-                                reader.f32(f"{a}g_a_proj.weight", shape=(D, H)),
-                                reader.f32(f"{a}b_proj.weight", shape=(NH, H))])
+    in_proj = fuse_rows([reader.matrix(f"{a}{n}_proj.weight", shape=(P, H)) for n in "qkv"]
+                        + [reader.matrix(f"{a}f_a_proj.weight", f"{gate}f_a_proj.weight", shape=(D, H)),
+                           reader.matrix(f"{a}g_a_proj.weight", shape=(D, H)),
+                           reader.matrix(f"{a}b_proj.weight", shape=(NH, H))])
     a_log = reader.f32(f"{a}A_log", f"{gate}A_log", size=NH).reshape(NH)
     weights = KimiDeltaWeights(
-        in_proj=keep_bf16(in_proj), conv=np.ascontiguousarray(conv),
+        in_proj=in_proj, conv=np.ascontiguousarray(conv),
         f_b=reader.f32(f"{a}f_b_proj.weight", f"{gate}f_b_proj.weight", shape=(P, D)),
         g_b=reader.f32(f"{a}g_b_proj.weight", shape=(P, D)),
         a_exp=np.exp(a_log).astype(np.float32),
         dt_bias=reader.f32(f"{a}dt_bias", f"{gate}dt_bias", size=P).reshape(P),
         o_norm=reader.f32(f"{a}o_norm.weight", shape=(D,)),
-        o_proj=keep_bf16(reader.f32(f"{a}o_proj.weight", shape=(H, P))),
+        o_proj=reader.matrix(f"{a}o_proj.weight", shape=(H, P)),
     )
     return KimiDeltaAttention(layer=layer, weights=weights, num_heads=NH, head_dim=D, eps=config.rms_norm_eps,
                               chunk_size=chunk_size)

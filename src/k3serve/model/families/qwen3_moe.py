@@ -22,7 +22,7 @@ from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.moe import DenseMLP, MoEBlock, SoftmaxRouter
 from k3serve.model.families.rope import Rotary, rope_parameters, rotary_from_config
 from k3serve.model.families.tensors import TensorReader
-from k3serve.model.weights import keep_bf16
+from k3serve.model.weights import fuse_rows
 
 
 @dataclass(frozen=True)
@@ -93,14 +93,14 @@ def build_gqa(reader: TensorReader, config: DecoderConfig, gqa: GQAConfig, layer
     NQ, NKV, hd, H = gqa.num_attention_heads, gqa.num_key_value_heads, gqa.head_dim, config.hidden_size
     a = f"model.layers.{layer}.self_attn."
     q_rows = NQ * hd * (2 if gated else 1)
-    qkv = np.concatenate([reader.f32(f"{a}q_proj.weight", shape=(q_rows, H)),
-                          reader.f32(f"{a}k_proj.weight", shape=(NKV * hd, H)),
-                          reader.f32(f"{a}v_proj.weight", shape=(NKV * hd, H))])
+    qkv = fuse_rows([reader.matrix(f"{a}q_proj.weight", shape=(q_rows, H)),
+                     reader.matrix(f"{a}k_proj.weight", shape=(NKV * hd, H)),
+                     reader.matrix(f"{a}v_proj.weight", shape=(NKV * hd, H))])
     weights = GQAWeights(
-        qkv=keep_bf16(qkv),
+        qkv=qkv,
         q_norm=reader.f32(f"{a}q_norm.weight", shape=(hd,)) + np.float32(norm_offset),
         k_norm=reader.f32(f"{a}k_norm.weight", shape=(hd,)) + np.float32(norm_offset),
-        o_proj=keep_bf16(reader.f32(f"{a}o_proj.weight", shape=(H, NQ * hd))),
+        o_proj=reader.matrix(f"{a}o_proj.weight", shape=(H, NQ * hd)),
     )
     return GQAAttention(layer=layer, weights=weights, num_heads=NQ, num_kv_heads=NKV, head_dim=hd, rotary=rotary,
                         eps=config.rms_norm_eps, gated=gated)

@@ -91,7 +91,7 @@ def build_gated_deltanet(reader: TensorReader, config: Qwen3NextConfig, layer: i
         a_exp=np.exp(reader.f32(f"{a}A_log", shape=(NVH,))).astype(np.float32),
         dt_bias=reader.f32(f"{a}dt_bias", shape=(NVH,)),
         norm=reader.f32(f"{a}norm.weight", shape=(Dv,)),
-        out_proj=keep_bf16(reader.f32(f"{a}out_proj.weight", shape=(H, NVH * Dv))),
+        out_proj=reader.matrix(f"{a}out_proj.weight", shape=(H, NVH * Dv)),
     )
     return GatedDeltaNet(layer=layer, weights=weights, num_key_heads=NKH, num_value_heads=NVH, key_dim=Dk,
                          value_dim=Dv, eps=config.rms_norm_eps, chunk_size=chunk_size)

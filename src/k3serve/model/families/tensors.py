@@ -18,6 +18,9 @@ import numpy as np
 
 from k3serve.errors import CheckpointError
 from k3serve.model.families.gguf_families import GGUFTensorIndex
+from k3serve.model.weights import keep_bf16
+from k3serve.weights.q8_0 import BLOCK_BYTES, GROUP_SIZE
+from k3serve.weights.quantized import QuantizedMatrix
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
 _FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
@@ -60,6 +63,8 @@ class TensorReader:
         tensor whose layout varies between writers, its number of elements `size`) if given."""
         name = self.name_of(*names)
         info = self.index.info(name)
+        if shape is not None and self._stored_blocks(name, shape) is not None:  # a family store's Q8_0 trunk
+            return self._stored_blocks(name, shape).dequantize()  # type: ignore[union-attr]
         if info.dtype not in _FLOAT_DTYPES:
             raise CheckpointError(
                 f"{self.family} checkpoint {self.path}: tensor {name!r} has dtype {info.dtype}; this loader reads "
@@ -77,6 +82,27 @@ class TensorReader:
                 f"(shape {list(array.shape)}), the config implies {size}"
             )
         return array
+
+    def _stored_blocks(self, name: str, shape: Sequence[int]) -> QuantizedMatrix | None:
+        """`name`'s Q8_0 blocks where the source holds them: a GGUF file's Q8_0 trunk tensor, or, in a family store
+        packed from one, a U8 tensor [R, C / 32 * 34] standing for a float [R, C] (`stream/family_pack.py`)."""
+        if len(shape) != 2 or shape[1] % GROUP_SIZE:
+            return None
+        rows, cols = shape
+        if isinstance(self.index, GGUFTensorIndex):
+            matrix = self.index.q8_0_blocks(name)
+            return matrix if matrix is not None and matrix.shape == (rows, cols) else None
+        info = self.index.info(name)
+        if info.dtype == "U8" and tuple(info.shape) == (rows, cols // GROUP_SIZE * BLOCK_BYTES):
+            return QuantizedMatrix("q8_0", np.ascontiguousarray(self.index.read(name), np.uint8), None, cols)
+        return None
+
+    def matrix(self, *names: str, shape: tuple[int, int]) -> np.ndarray | QuantizedMatrix:
+        """A trunk matrix multiplied by `kernels.linear`: its Q8_0 blocks where the source stores it as Q8_0 (a GGUF
+        Q8_0 file, kept as llama.cpp holds it), else its values as bf16 bits when they are bf16, else float32."""
+        name = self.name_of(*names)
+        blocks = self._stored_blocks(name, shape)
+        return blocks.copy() if blocks is not None else keep_bf16(self.f32(name, shape=shape))
 
     def kept(self, name: str) -> tuple[str, np.ndarray, np.ndarray] | None:
         """A matrix the source stores quantized (a GGUF's MXFP4 or Q8_0 expert) as stored

@@ -1,0 +1,122 @@
+"""A dense matrix held in its quantized bytes (Q8_0 or MXFP4): the trunk's matrices at a quantized trunk precision.
+
+Shape letters: R = rows, C = columns, G = C / 32 blocks per row.
+
+    q8_0   data uint8 [R, G * 34] (llama.cpp's blocks, `k3serve.weights.q8_0`), scales None
+    mxfp4  data uint8 [R, C / 2] packed nibbles, scales uint8 [R, G] E8M0 bytes (`k3serve.weights.mxfp4`)
+
+`k3serve.model.kernels.linear` multiplies one straight from these bytes. In a packed store's trunk file a matrix is
+one tensor entry of dtype "Q8_0" or "MXFP4" (`to_bytes` / `from_bytes`: the MXFP4 nibbles, then its scales).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3serve.weights.mxfp4 import dequantize_mxfp4, mxfp4_nbytes, quantize_mxfp4
+from k3serve.weights.q8_0 import BLOCK_BYTES, GROUP_SIZE, dequantize_q8_0, q8_0_nbytes, quantize_q8_0
+
+TRUNK_PRECISIONS = ("bf16", "q8_0", "mxfp4")  # `k3serve pack --trunk-precision`; bf16 keeps the stored bytes
+STORE_DTYPES = {"q8_0": "Q8_0", "mxfp4": "MXFP4"}  # trunk-file tensor dtype of each quantized precision
+
+
+def quantized_nbytes(precision: str, rows: int, cols: int) -> int:
+    if precision == "q8_0":
+        return q8_0_nbytes(rows, cols)
+    if precision == "mxfp4":
+        return mxfp4_nbytes(rows, cols)
+    raise ValueError(f"unknown quantized precision {precision!r} (known: {', '.join(STORE_DTYPES)})")
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A [rows, cols] matrix as its Q8_0 or MXFP4 bytes (see the module docstring)."""
+
+    precision: str  # "q8_0" or "mxfp4"
+    data: np.ndarray  # uint8 [R, G * 34] (q8_0) or [R, C / 2] (mxfp4)
+    scales: np.ndarray | None  # uint8 [R, G] (mxfp4), None (q8_0: the scales are inside the blocks)
+    cols: int
+
+    def __post_init__(self) -> None:
+        rows = self.data.shape[0] if self.data.ndim == 2 else -1
+        if self.data.dtype != np.uint8 or rows < 0 or self.cols % GROUP_SIZE:
+            raise ValueError(f"{self.precision} matrix: data must be uint8 [R, ...] and C % {GROUP_SIZE} == 0")
+        if self.precision == "q8_0":
+            ok = self.scales is None and self.data.shape[1] == self.cols // GROUP_SIZE * BLOCK_BYTES
+        elif self.precision == "mxfp4":
+            ok = (self.scales is not None and self.data.shape[1] == self.cols // 2
+                  and self.scales.shape == (rows, self.cols // GROUP_SIZE) and self.scales.dtype == np.uint8)
+        else:
+            raise ValueError(f"unknown quantized precision {self.precision!r} (known: {', '.join(STORE_DTYPES)})")
+        if not ok:
+            raise ValueError(f"{self.precision} bytes {self.data.shape} do not hold a [{rows}, {self.cols}] matrix")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    @property
+    def store_dtype(self) -> str:
+        return STORE_DTYPES[self.precision]
+
+    @staticmethod
+    def quantize(x: np.ndarray, precision: str) -> QuantizedMatrix:
+        """float32 [R, C] -> the matrix at `precision` (llama.cpp's Q8_0 encoder, or K3_SPEC's MXFP4 encoder)."""
+        x = np.asarray(x, dtype=np.float32)
+        if precision == "q8_0":
+            return QuantizedMatrix("q8_0", quantize_q8_0(x), None, x.shape[1])
+        if precision == "mxfp4":
+            packed, scales = quantize_mxfp4(x)
+            return QuantizedMatrix("mxfp4", packed, scales, x.shape[1])
+        raise ValueError(f"unknown quantized precision {precision!r} (known: {', '.join(STORE_DTYPES)})")
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [R, C], exact."""
+        if self.precision == "q8_0":
+            return dequantize_q8_0(self.data)
+        assert self.scales is not None
+        return dequantize_mxfp4(self.data, self.scales)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` [T] decoded to float32 [T, C] (an embedding lookup)."""
+        ids = np.asarray(ids)
+        scales = None if self.scales is None else self.scales[ids]
+        return QuantizedMatrix(self.precision, self.data[ids], scales, self.cols).dequantize()
+
+    def copy(self) -> QuantizedMatrix:
+        return QuantizedMatrix(self.precision, self.data.copy(), None if self.scales is None else self.scales.copy(),
+                               self.cols)
+
+    def to_bytes(self) -> bytes:
+        return self.data.tobytes() + (b"" if self.scales is None else self.scales.tobytes())
+
+    @staticmethod
+    def from_bytes(store_dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedMatrix:
+        """Views into raw u8 [nbytes] (a trunk-file entry of dtype "Q8_0" or "MXFP4") as a [R, C] matrix."""
+        precisions = {v: k for k, v in STORE_DTYPES.items()}
+        if store_dtype not in precisions or len(shape) != 2:
+            raise ValueError(f"not a quantized 2-D trunk entry: {store_dtype} {shape}")
+        precision, (rows, cols) = precisions[store_dtype], shape
+        if raw.size != quantized_nbytes(precision, rows, cols):
+            raise ValueError(f"{store_dtype} [{rows}, {cols}] needs {quantized_nbytes(precision, rows, cols)} bytes, "
+                             f"got {raw.size}")
+        if precision == "q8_0":
+            return QuantizedMatrix(precision, raw.reshape(rows, -1), None, cols)
+        split = rows * cols // 2
+        return QuantizedMatrix(precision, raw[:split].reshape(rows, cols // 2),
+                               raw[split:].reshape(rows, cols // GROUP_SIZE), cols)
+
+    @staticmethod
+    def stack(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
+        """Row-wise concatenation of matrices of one precision and width (a fused projection)."""
+        first = parts[0]
+        if any(p.precision != first.precision or p.cols != first.cols for p in parts):
+            raise ValueError("only matrices of one precision and width stack")
+        scales = None if first.scales is None else np.concatenate([p.scales for p in parts])  # type: ignore
+        return QuantizedMatrix(first.precision, np.concatenate([p.data for p in parts]), scales, first.cols)

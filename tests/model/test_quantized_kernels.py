@@ -1,0 +1,149 @@
+"""Dense trunk kernels on quantized bytes: Q8_0 x Q8_0 (every instruction set) against its numpy twin, the Q8_0
+format against gguf-py's encoder, and `linear` on a `QuantizedMatrix` of each precision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k3serve.model import kernels
+from k3serve.model.kernels import linear, mxfp4_matmul, q8_0_matmul, q8_0_matmul_reference
+from k3serve.weights.q8_0 import dequantize_q8_0, quantize_q8_0, quantize_rows, split_q8_0
+from k3serve.weights.quantized import QuantizedMatrix
+
+
+def _relative_rms(got: np.ndarray, want: np.ndarray) -> float:
+    err = np.mean((got.astype(np.float64) - want) ** 2)
+    return float(np.sqrt(err / max(np.mean(np.asarray(want, np.float64) ** 2), 1e-300)))
+
+
+def _matrix(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[:, :32] *= 40.0  # blocks of very different scales
+    if rows > 2:
+        w[1, 32:64] = 0.0  # an all-zero block: d = 0
+    return w
+
+
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+@pytest.mark.parametrize(("rows", "cols", "tokens"), [(1, 32, 1), (37, 96, 3), (64, 2048, 2), (17, 7168, 15)])
+def test_q8_0_matmul_matches_numpy_twin_on_every_instruction_set(isa, rows, cols, tokens):
+    rng = np.random.default_rng(rows * 1000 + cols + tokens)
+    blocks = quantize_q8_0(_matrix(rng, rows, cols))
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    got = q8_0_matmul(blocks, x, isa=isa)
+    want = q8_0_matmul_reference(blocks, x)
+    assert got.shape == (tokens, rows) and got.dtype == np.float32
+    assert _relative_rms(got, want) < 1e-6, isa
+
+
+def test_q8_0_exact_when_every_block_sum_fits():
+    """Integer weights and activations, unit scales: every float step is exact, so every path gives the twin."""
+    rng = np.random.default_rng(3)
+    q = rng.integers(-127, 128, size=(5, 64)).astype(np.float32)
+    q[:, 0] = 127  # each block's max |q| is 127, so d = 1 and q is kept as is
+    q[:, 32] = -127
+    x = q[:2].copy()
+    blocks = quantize_q8_0(q)
+    assert np.array_equal(dequantize_q8_0(blocks), q)
+    want = (x.astype(np.float64) @ q.T.astype(np.float64)).astype(np.float32)
+    for isa in kernels.AVAILABLE_ISAS:
+        assert np.array_equal(q8_0_matmul(blocks, x, isa=isa), want), isa
+
+
+def test_q8_0_rows_do_not_depend_on_the_batch_or_the_threads():
+    rng = np.random.default_rng(4)
+    blocks = quantize_q8_0(_matrix(rng, 600, 512))  # 600 * 544 bytes: the parallel path
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    batched = q8_0_matmul(blocks, x)
+    for t in range(len(x)):
+        assert np.array_equal(q8_0_matmul(blocks, x[t:t + 1])[0], batched[t])
+    xq, xd = quantize_rows(x)
+    for isa in kernels.AVAILABLE_ISAS:
+        code = kernels.ISA_CODES[isa]
+        serial, parallel = (np.empty((6, 600), np.float32) for _ in range(2))
+        kernels._q8_0_matmul_serial(blocks, xq, xd, kernels._F16_TO_F32, code, serial)
+        kernels._q8_0_matmul_parallel(blocks, xq, xd, kernels._F16_TO_F32, code, parallel)
+        assert np.array_equal(serial, parallel), isa
+
+
+def test_q8_0_encoder_is_llama_cpp_s():
+    """gguf-py (llama.cpp's Python package) quantizes to the same bytes."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(5)
+    w = _matrix(rng, 9, 160)
+    w[2, 64:96] = np.float32(0.5) * np.arange(32, dtype=np.float32) / 127 * 7  # ties at .5 steps
+    theirs = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(quantize_q8_0(w), theirs)
+    assert np.array_equal(dequantize_q8_0(theirs), gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_q8_0_error_against_float_activations_is_small():
+    """The activation quantization costs about half a percent of relative RMS on Gaussian rows; the weight
+    quantization about as much again (both measured here, bounded at 1%)."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((256, 1024)).astype(np.float32)
+    x = rng.standard_normal((8, 1024)).astype(np.float32)
+    blocks = quantize_q8_0(w)
+    got = q8_0_matmul(blocks, x)
+    float_activations = x @ dequantize_q8_0(blocks).T
+    assert 1e-4 < _relative_rms(got, float_activations) < 1e-2
+    assert _relative_rms(got, x @ w.T) < 1e-2
+    q, d = split_q8_0(blocks)  # |error| <= d / 2, plus 127 times d's half rounding (2^-11 relative)
+    ratio = np.abs(q.reshape(256, -1, 32) * d[:, :, None] - w.reshape(256, -1, 32)) / d[:, :, None]
+    assert float(ratio.max()) <= 0.5 + 127 * 2.0**-11
+
+
+def test_compiled_activation_quantizer_is_quantize_rows_bit_for_bit():
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((7, 320)) * np.exp(rng.uniform(-8, 8, (7, 1)))).astype(np.float32)
+    x[2, 32:64] = 0.0
+    x[3, 64:96] = np.float32(0.5) * np.arange(32) / 127  # halfway cases
+    q, d = kernels.quantize_activations(x)
+    want_q, want_d = quantize_rows(x)
+    assert np.array_equal(q, want_q) and np.array_equal(d, want_d)
+    x[4, 5] = np.nan  # propagates as float activations would, in its row only
+    out = q8_0_matmul(quantize_q8_0(np.ones((3, 320), np.float32)), x)
+    assert np.all(np.isnan(out[4])) and np.all(np.isfinite(np.delete(out, 4, axis=0)))
+
+
+def test_q8_0_shapes_and_bad_input_are_refused():
+    with pytest.raises(ValueError, match="C % 32"):
+        quantize_rows(np.zeros((2, 33), np.float32))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_q8_0(np.full((1, 32), np.inf, np.float32))
+    blocks = quantize_q8_0(np.ones((3, 64), np.float32))
+    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+        q8_0_matmul(blocks, np.ones((1, 32), np.float32))
+    assert q8_0_matmul(blocks, np.ones((0, 64), np.float32)).shape == (0, 3)
+    with pytest.raises(ValueError, match="not available"):
+        q8_0_matmul(blocks, np.ones((1, 64), np.float32), isa="sse9")
+
+
+@pytest.mark.parametrize("precision", ["q8_0", "mxfp4"])
+def test_linear_reads_a_quantized_matrix_from_its_bytes(precision):
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    matrix = QuantizedMatrix.quantize(w, precision)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    got = linear(x, matrix)
+    if precision == "q8_0":
+        assert np.array_equal(got, q8_0_matmul(matrix.data, x))
+    else:
+        assert np.array_equal(got, mxfp4_matmul(matrix.data, matrix.scales, x))
+    assert _relative_rms(got, x @ w.T) < (1e-2 if precision == "q8_0" else 0.2)
+    assert matrix.nbytes == 48 * 256 * (34 if precision == "q8_0" else 17) // 32
+
+
+@pytest.mark.parametrize("precision", ["q8_0", "mxfp4"])
+def test_quantized_matrix_bytes_rows_and_stack(precision):
+    rng = np.random.default_rng(8)
+    a, b = (QuantizedMatrix.quantize(rng.standard_normal((n, 64)).astype(np.float32), precision) for n in (3, 5))
+    again = QuantizedMatrix.from_bytes(a.store_dtype, np.frombuffer(a.to_bytes(), np.uint8), a.shape)
+    assert np.array_equal(again.dequantize(), a.dequantize())
+    stacked = QuantizedMatrix.stack([a, b])
+    assert stacked.shape == (8, 64)
+    assert np.array_equal(stacked.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
+    assert np.array_equal(stacked.rows(np.array([4, 0])), stacked.dequantize()[[4, 0]])
+    with pytest.raises(ValueError, match="needs"):
+        QuantizedMatrix.from_bytes(a.store_dtype, np.zeros(3, np.uint8), a.shape)
