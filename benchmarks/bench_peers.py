@@ -43,12 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
+# llama.cpp's own converter (placeholder vocab) and the config keys it reads that our writer leaves out: one copy,
+# shared with the lab's peers module
+from k3serve.lab.peers import CONFIG_KEYS_FOR_LLAMA_CPP, CONVERT_SCRIPT as CONVERT
+
 HERE = Path(__file__).resolve().parent
 WORK = Path(os.environ.get("K3BENCH_DIR", "/tmp/k3bench-trained"))
-CONFIG_KEYS_FOR_LLAMA_CPP = {  # released K3 config keys llama.cpp's converter reads and our writer lacks
-    "architectures": ["KimiK3ForConditionalGeneration"], "hidden_act": "situ", "mla_use_nope": True,
-    "max_position_embeddings": 4096,
-}
 
 
 # ------------------------------------------------------------------------------------------------ bandwidth
@@ -126,30 +126,6 @@ def llama_cpp_tree(sdist: Path) -> Path:
         with tarfile.open(sdist) as archive:
             archive.extractall(root, filter="data")
     return tree
-
-
-CONVERT = r'''
-import json, sys
-from pathlib import Path
-tree, src, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-sys.path[:0] = [str(tree / "gguf-py"), str(tree)]
-import gguf
-from conversion.kimi_k3 import KimiK3Model
-
-def placeholder_vocab(self):  # our BPE is not one llama.cpp knows: placeholder tokens, ids fed directly
-    n = self.hparams["vocab_size"]
-    self.gguf_writer.add_tokenizer_model("gpt2")
-    self.gguf_writer.add_tokenizer_pre("default")
-    self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
-    self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
-    self.gguf_writer.add_token_merges(["<t0> <t1>"])  # llama.cpp refuses a BPE vocab without merges
-    self.gguf_writer.add_bos_token_id(self.hparams["bos_token_id"])
-    self.gguf_writer.add_eos_token_id(self.hparams["eos_token_id"])
-
-KimiK3Model.set_vocab = placeholder_vocab
-model = KimiK3Model(src, gguf.LlamaFileType.MOSTLY_BF16, out)
-model.write()
-'''
 
 
 def build_gguf(checkpoint: Path, tree: Path) -> Path:

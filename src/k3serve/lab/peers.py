@@ -40,7 +40,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller
 CONFIG_KEYS_FOR_LLAMA_CPP = {"architectures": ["KimiK3ForConditionalGeneration"], "hidden_act": "situ",
                              "mla_use_nope": True, "max_position_embeddings": 4096}
 
-_CONVERT = r'''
+# llama.cpp's own converter on a K3 checkpoint folder (argv: llama.cpp tree, checkpoint, output GGUF); shared with
+# benchmarks/bench_peers.py
+CONVERT_SCRIPT = r'''
 import sys
 from pathlib import Path
 tree, src, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -119,7 +121,7 @@ def build_gguf(checkpoint: Path, tree: Path, out: Path) -> Path:
     (staged / "config.json").write_text(json.dumps(flat, indent=1))
     partial = out.with_name(out.name + f".{os.getpid()}.tmp")
     try:
-        done = subprocess.run([sys.executable, "-c", _CONVERT, str(tree), str(staged), str(partial)],
+        done = subprocess.run([sys.executable, "-c", CONVERT_SCRIPT, str(tree), str(staged), str(partial)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise K3Error(f"llama.cpp's converter failed on {checkpoint}: {done.stderr.strip()[-1500:]}")
