@@ -129,3 +129,16 @@ def test_charge_io_is_checked():
     free = make_policy("fair")
     free.charge_io("t", 0.5)
     assert free.counter("t") == 0.0
+
+
+def test_a_failure_while_charging_reads_loses_no_request(streamed, drive, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("accounting bug")
+
+    monkeypatch.setattr("k3serve.engine.engine.split_step", broken)
+    engine, outputs, total = _serve(streamed, EngineConfig(block_size=4, num_blocks=64, max_seqs=4), drive)
+    assert total.bytes_read > 0
+    assert set(outputs) == set(PROMPTS)
+    assert all(o.finished and o.error is None and len(o.outputs[0].token_ids) == 4 for o in outputs.values())
+    assert all(o.bytes_read == 0 for o in outputs.values())  # uncharged, and said so in the log
+    assert "goes uncharged" in caplog.text

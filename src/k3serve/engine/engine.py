@@ -427,6 +427,12 @@ class LLMEngine:
         (a miss on an expert another tenant's read evicted is that tenant's: `PollutionLedger`)."""
         if before is None:
             return
+        try:
+            self._charge_io_of_step(decision, before)
+        except Exception:  # noqa: BLE001 - accounting never fails a request or the loop
+            logger.exception("charging a step's reads to its requests failed; this step's I/O goes uncharged")
+
+    def _charge_io_of_step(self, decision: SchedulerOutput, before: StreamStats) -> None:
         source = self.model.experts
         step = source.local_stats().minus(before)
         if not (step.bytes_read or step.expert_misses or step.io_wait_seconds):
