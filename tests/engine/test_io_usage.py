@@ -87,10 +87,13 @@ def _serve(model, config: EngineConfig, drive):
     return engine, {ids[r]: out for r, out in finals.items()}, model.experts.local_stats().minus(before)
 
 
-def test_usage_fields_sum_to_the_sources_reads(streamed, drive):
+def test_usage_fields_sum_to_the_sources_reads(streamed, tiny_store, drive):
     engine, outputs, total = _serve(streamed, EngineConfig(block_size=4, num_blocks=64, max_seqs=4), drive)
     assert total.bytes_read > 0 and total.expert_misses > 0
-    assert sum(o.bytes_read for o in outputs.values()) == total.bytes_read
+    # every byte is charged to the forward that uses it, a read-ahead that completes between two forwards to the
+    # next; only the trunk's read-ahead after the last forward (of a step that never came) can be left uncharged
+    uncharged = total.bytes_read - sum(o.bytes_read for o in outputs.values())
+    assert 0 <= uncharged <= max(blob.read_size for blob in tiny_store.layers)
     assert sum(o.expert_misses for o in outputs.values()) == total.expert_misses
     assert sum(o.io_wait_ms for o in outputs.values()) == pytest.approx(1000 * total.io_wait_seconds)
     assert all(o.bytes_read > 0 for o in outputs.values())

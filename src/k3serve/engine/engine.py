@@ -106,6 +106,9 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.figures = EngineMetrics(self.metrics, self.scheduler.blocks.num_blocks, self.scheduler.states.num_slots)
         watch_source(self.metrics, model.experts)  # bytes read, expert cache (streaming, EP)
+        # the source's counters at the last charge: reads that complete between two forwards (the trunk's read-ahead
+        # of the next step's first layer) are charged to the next forward, the one that uses them
+        self._io_mark: StreamStats | None = model.experts.local_stats() if model.experts is not None else None
         self.ram_steering = None  # one RAM budget over the pools, moved between steps (engine/ram_pools.py)
 
     # ---- submission (any thread) ----------------------------------------------------------------------------
@@ -366,7 +369,7 @@ class LLMEngine:
                 items.append(ForwardItem(np.asarray(ids, np.int64), seq.cache))
             windows.append(window)
         source = self.model.experts
-        before = source.local_stats() if source is not None else None
+        before = (self._io_mark or source.local_stats()) if source is not None else None
         io_aware = self._io_aware_window(decision)
         try:
             if self.on_pause is None and not self.config.step_interruption:
@@ -427,14 +430,15 @@ class LLMEngine:
         (a miss on an expert another tenant's read evicted is that tenant's: `PollutionLedger`)."""
         if before is None:
             return
+        now = self.model.experts.local_stats()
+        self._io_mark = now
         try:
-            self._charge_io_of_step(decision, before)
+            self._charge_io_of_step(decision, now.minus(before))
         except Exception:  # noqa: BLE001 - accounting never fails a request or the loop
             logger.exception("charging a step's reads to its requests failed; this step's I/O goes uncharged")
 
-    def _charge_io_of_step(self, decision: SchedulerOutput, before: StreamStats) -> None:
+    def _charge_io_of_step(self, decision: SchedulerOutput, step: StreamStats) -> None:
         source = self.model.experts
-        step = source.local_stats().minus(before)
         if not (step.bytes_read or step.expert_misses or step.io_wait_seconds):
             return
         reads = source.step_reads()
