@@ -67,12 +67,15 @@ def test_pieces_tile_the_dense_layer_and_head_chunks_fit_the_staging(tiny_store)
     assert all(span.length <= 3 * 4096 and span.start % 4096 == 0 for _, _, span in chunks)
 
 
-def test_the_tight_plan_streams_views_and_pieces_with_the_resident_output(tiny_store, tiny_model):
-    minimum = minimum_budget_bytes(tiny_store, trunk_dtype="bf16")
+def _at_minimum_and_whole(store, in_proj_bytes):
+    """Greedy tokens and logits of `store` at its minimum budget and held whole (bf16 trunk dtype, as views), after
+    checking the tight plan: nothing pinned, layer 0's dense MLP in pieces, and layer 1's fused `in_proj` a view of
+    the staging ring (`in_proj_bytes(in_proj)` gives the array to compare)."""
+    minimum = minimum_budget_bytes(store, trunk_dtype="bf16")
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     results = {}
     for name, ram in (("minimum", minimum), ("whole", None)):
-        loaded = load_model(tiny_store.path, stream=StreamOptions(ram_budget=ram, trunk_dtype="bf16"))
+        loaded = load_model(store.path, stream=StreamOptions(ram_budget=ram, trunk_dtype="bf16"))
         source = loaded.model.source
         try:
             plan = source.plan
@@ -81,14 +84,19 @@ def test_the_tight_plan_streams_views_and_pieces_with_the_resident_output(tiny_s
                 assert not plan.head_pinned and not plan.pinned_layers
                 assert isinstance(source.layer(0).mlp, DenseMLPPieces)
                 source._trunk_pending = None
-                in_proj = source.layer(1).attention.in_proj
+                in_proj = in_proj_bytes(source.layer(1).attention.in_proj)
                 assert np.shares_memory(in_proj, np.frombuffer(source._ring[source._current], np.uint8))
             results[name] = (generate(loaded.model, IDS, params)[0], loaded.model.logits(IDS))
             source.check_integrity()
         finally:
             source.close()
-    assert results["minimum"][0] == results["whole"][0] == generate(tiny_model, IDS, params)[0]
     np.testing.assert_array_equal(results["minimum"][1], results["whole"][1])
+    return results["minimum"][0], results["whole"][0]
+
+
+def test_the_tight_plan_streams_views_and_pieces_with_the_resident_output(tiny_store, tiny_model):
+    at_minimum, whole = _at_minimum_and_whole(tiny_store, lambda in_proj: in_proj)
+    assert at_minimum == whole == generate(tiny_model, IDS, SamplingParams(max_tokens=8, ignore_eos=True))[0]
 
 
 def test_a_format_1_store_is_read_as_copies(tiny_dir, tiny_store, tmp_path):
@@ -124,32 +132,18 @@ def test_the_engine_runs_at_its_minimum_in_a_memory_cgroup(tmp_path):
     assert r["minimum_bytes"] < r["trunk_bytes"]  # the trunk (embedding and lm_head included) does not fit: it streams
 
 
-def test_a_q8_0_trunk_streams_as_views_with_its_resident_output(q8_0_store):
+def test_a_q8_0_trunk_streams_as_views_with_its_resident_output(q8_0_store, tiny_store):
     """A Q8_0 trunk on a format-2 store is held as views too: at its minimum (everything streamed, a dense layer in
     pieces, the lm_head in row chunks, embedding rows read on demand) the tokens and logits are those of the same
     store held whole, and its minimum is under the bf16 store's."""
-    minimum = minimum_budget_bytes(q8_0_store, trunk_dtype="bf16")
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    results = {}
-    for name, ram in (("minimum", minimum), ("whole", None)):
-        loaded = load_model(q8_0_store.path, stream=StreamOptions(ram_budget=ram, trunk_dtype="bf16"))
-        source = loaded.model.source
-        try:
-            plan = source.plan
-            assert plan.trunk_views and plan.total_bytes <= (ram or plan.total_bytes)
-            if name == "minimum":
-                assert not plan.head_pinned and not plan.pinned_layers
-                assert isinstance(source.layer(0).mlp, DenseMLPPieces)
-                source._trunk_pending = None
-                in_proj = source.layer(1).attention.in_proj
-                assert isinstance(in_proj, QuantizedMatrix)
-                assert np.shares_memory(in_proj.data, np.frombuffer(source._ring[source._current], np.uint8))
-            results[name] = (generate(loaded.model, IDS, params)[0], loaded.model.logits(IDS))
-            source.check_integrity()
-        finally:
-            source.close()
-    assert results["minimum"][0] == results["whole"][0]
-    np.testing.assert_array_equal(results["minimum"][1], results["whole"][1])
+
+    def blocks(in_proj):
+        assert isinstance(in_proj, QuantizedMatrix)
+        return in_proj.data
+
+    at_minimum, whole = _at_minimum_and_whole(q8_0_store, blocks)
+    assert at_minimum == whole
+    assert minimum_budget_bytes(q8_0_store, trunk_dtype="bf16") < minimum_budget_bytes(tiny_store, trunk_dtype="bf16")
 
 
 def test_an_mxfp4_trunk_is_built_as_copies(tiny_dir, tmp_path):

@@ -117,7 +117,32 @@ class SimDevice:
         return end
 
 
-class SimIOEngine:
+class _SimReader:
+    """What both simulated readers share: coalesce a submission into runs, give each run one future that completes
+    when its last byte is in (`_run_end`), and never fail a checksum."""
+
+    clock: SimClock
+    queue_depth: int
+    max_coalesce_bytes: int
+
+    def _run_end(self, run: Sequence[Extent], batch: int) -> float:
+        raise NotImplementedError
+
+    def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:
+        futures: dict[int, Future] = {}
+        runs = coalesce(extents, self.max_coalesce_bytes)
+        batch = min(len(runs), self.queue_depth)
+        for run in runs:
+            future = SimFuture(self.clock, self._run_end(run, batch), [])
+            for extent in run:
+                futures[id(extent)] = future
+        return futures
+
+    def read_now(self, extent: Extent) -> list[Extent]:
+        raise AssertionError("simulated reads never fail their checksum")
+
+
+class SimIOEngine(_SimReader):
     """The `ExpertIO` of the simulator (and the trunk's): same runs as `IOEngine`, reads on the device."""
 
     def __init__(self, name: str, clock: SimClock, device: SimDevice, queue_depth: int,
@@ -143,22 +168,11 @@ class SimIOEngine:
         self.counters.num_reads += 1
         return end
 
-    def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:
-        futures: dict[int, Future] = {}
-        runs = coalesce(extents, self.max_coalesce_bytes)
-        batch = min(len(runs), self.queue_depth)
-        for run in runs:
-            end = self.schedule(sum(len(e.buffer) for e in run), batch)
-            future = SimFuture(self.clock, end, [])
-            for extent in run:
-                futures[id(extent)] = future
-        return futures
-
-    def read_now(self, extent: Extent) -> list[Extent]:
-        raise AssertionError("simulated reads never fail their checksum")
+    def _run_end(self, run: Sequence[Extent], batch: int) -> float:
+        return self.schedule(sum(len(e.buffer) for e in run), batch)
 
 
-class SimStripedIO:
+class SimStripedIO(_SimReader):
     """The `ExpertIO` (and trunk reader) of a store striped over `devices`: one `SimIOEngine` per drive."""
 
     def __init__(self, name: str, clock: SimClock, devices: Sequence[SimDevice], queue_depth: int, chunk_bytes: int,
@@ -180,28 +194,18 @@ class SimStripedIO:
             total.num_reads += drive.counters.num_reads
         return total
 
-    def submit(self, extents: Sequence[Extent]) -> dict[int, Future]:
-        futures: dict[int, Future] = {}
-        runs = coalesce(extents, self.max_coalesce_bytes)
-        batch = min(len(runs), self.queue_depth)
-        for run in runs:
-            nbytes = sum(len(e.buffer) for e in run)
-            shares = drive_shares(run[0].offset, nbytes, self.chunk_bytes, len(self.drives))
-            end = 0.0
-            for drive, share in zip(self.drives, shares):
-                # a drive's chunks of a run are adjacent: the reader sends them as reads of up to
-                # max_coalesce_bytes, issued on that drive's workers together
-                count = -(-share // self.max_coalesce_bytes)
-                for i in range(count):
-                    part = share // count + (1 if i < share % count else 0)
-                    end = max(end, drive.schedule(part, max(batch, min(count, self.queue_depth))))
-            future = SimFuture(self.clock, end, [])
-            for extent in run:
-                futures[id(extent)] = future
-        return futures
-
-    def read_now(self, extent: Extent) -> list[Extent]:
-        raise AssertionError("simulated reads never fail their checksum")
+    def _run_end(self, run: Sequence[Extent], batch: int) -> float:
+        nbytes = sum(len(e.buffer) for e in run)
+        shares = drive_shares(run[0].offset, nbytes, self.chunk_bytes, len(self.drives))
+        end = 0.0
+        for drive, share in zip(self.drives, shares):
+            # a drive's chunks of a run are adjacent: the reader sends them as reads of up to
+            # max_coalesce_bytes, issued on that drive's workers together
+            count = -(-share // self.max_coalesce_bytes)
+            for i in range(count):
+                part = share // count + (1 if i < share % count else 0)
+                end = max(end, drive.schedule(part, max(batch, min(count, self.queue_depth))))
+        return end
 
 
 class VirtualBuffer:
