@@ -68,6 +68,11 @@ def add_sim_commands(sim_sub) -> None:
                     help="prefill a prompt of this many tokens first and report its expert bytes per token" + d)
     k3.add_argument("--prefill-chunk", type=cli_args.positive_int, default=None,
                     help="prompt positions per prefill step (1: token at a time; default: the whole prompt)")
+    k3.add_argument("--returning-prompt", type=cli_args.positive_int, default=None,
+                    help="a returning N-token prompt whose checkpoint left RAM: TTFT restored from the prefix "
+                         "cache's disk tier against recomputed (docs/SIMULATOR.md, section 4d) (default: off)")
+    k3.add_argument("--returning-new-tokens", type=cli_args.positive_int, default=1,
+                    help="with --returning-prompt: new positions after the restored prefix" + d)
     k3.add_argument("--price-per-hour", type=cli_args.float_range(0.0), default=None,
                     help="$ per machine-hour for the cost line (default: $1, an assumption; docs/SIMULATOR.md)")
     k3.add_argument("--timeline", action="store_true", help="print the per-layer timeline")
@@ -188,6 +193,8 @@ def cmd_sim_k3(args: argparse.Namespace) -> int:
     from k3serve.sim.plot import line_chart
     from k3serve.stream.budget import BudgetError
 
+    if args.returning_prompt is not None:
+        return _returning_prompt(args)
     if args.sweep == "ram":
         records, points = [], []
         for size in RAM_LADDER:
@@ -214,6 +221,23 @@ def cmd_sim_k3(args: argparse.Namespace) -> int:
         print("\n".join(r.timeline_lines()))
     if args.json:
         write_text(args.json, json.dumps(r.to_dict(), indent=1))
+    return 0
+
+
+def _returning_prompt(args: argparse.Namespace) -> int:
+    from k3serve.errors import UsageError
+    from k3serve.sim.returning import simulate_returning
+
+    if args.sweep is not None or args.prompt_tokens:
+        raise UsageError("--returning-prompt sets its own prompts: leave out --sweep and --prompt-tokens")
+    r = simulate_returning(_sim_config(args, _ram(args.ram)), args.returning_prompt, args.returning_new_tokens,
+                           **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
+    print(f"returning prompt  {args.returning_prompt} cached + {args.returning_new_tokens} new position(s) on "
+          f"{args.machine} at {args.ram} (simulated)")
+    print("\n".join(r.lines()))
+    if args.json:
+        write_text(args.json, json.dumps({"simulated": "k3serve sim k3 --returning-prompt", "ram": args.ram,
+                                          "machine": args.machine, **r.to_dict()}, indent=1))
     return 0
 
 
