@@ -49,6 +49,8 @@ FAST_PARAMS = {
     "peers": {"source": "recorded"},  # the live comparison is tests/peers/test_lab_peers.py (needs llama.cpp)
     "serving": {"max_concurrency": 2, "max_tokens": 4, "flood_streams": 2, "flood_prompt_tokens": 32,
                 "flood_max_tokens": 8, "tenant_seconds": 0.5},
+    "disk_tier": {"prefix_tokens": 256},
+    "ram_controller": {"groups": 2, "prefix_tokens": 64, "rounds": 2},
 }
 
 
