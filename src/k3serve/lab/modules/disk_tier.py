@@ -4,6 +4,8 @@ prefix grows; and the same at full scale, from the simulator."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 import tempfile
 from importlib import resources
@@ -85,6 +87,17 @@ def _sim_record() -> dict:
     return json.loads(resources.files("k3serve.lab").joinpath("recorded", SIM_RECORD).read_text())
 
 
+def _scratch_folder(root: Path) -> tempfile.TemporaryDirectory:
+    """A fresh folder for this run's tiers under `root`, after removing those of runs whose process is gone (a
+    cancelled run's worker is killed before its `TemporaryDirectory` can clean up)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for folder in root.glob("run-*-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"run-{os.getpid()}-", dir=root)
+
+
 def _sweep(prefix_tokens: int) -> list[int]:
     return sorted({max(16, prefix_tokens // 8), max(16, prefix_tokens // 2), prefix_tokens})
 
@@ -97,11 +110,9 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def run(params, progress, cancel, lab) -> LabResult:
     tier = params["disk_tier"]
-    root = Path(lab.root) / "disk-tier-runs"
-    root.mkdir(parents=True, exist_ok=True)
     prefixes = _sweep(params["prefix_tokens"])
     repeats = params["repeats"]
-    with tempfile.TemporaryDirectory(dir=root) as scratch:
+    with _scratch_folder(Path(lab.root) / "disk-tier-runs") as scratch:
         def conversation(n: int, seed: int) -> _Conversation:
             folder = str(Path(scratch) / f"tier-{n}-{seed}") if tier else None
             return _Conversation(lab, folder, params["o_direct"], n, seed)

@@ -9,6 +9,7 @@ import numpy as np
 
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
+from k3serve.engine.errors import IntegrityError
 from k3serve.engine.ram_controller import ControllerConfig, Prices
 from k3serve.engine.ram_pools import attach_ram_controller
 from k3serve.engine.sampling import SamplingParams
@@ -65,7 +66,7 @@ def _run_arm(path, params: dict, split: tuple[int, int, int], controlled: bool, 
                 while engine.has_unfinished_requests():
                     engine.step()
                     if ctl.pools.total_bytes > ctl.pools.budget_bytes:
-                        raise AssertionError(f"the pools hold {ctl.pools.total_bytes} bytes over a budget of "
+                        raise IntegrityError(f"the pools hold {ctl.pools.total_bytes} bytes over a budget of "
                                              f"{ctl.pools.budget_bytes}")
                     for pool in POOLS:
                         sizes[pool].append(ctl.pools.pools[pool].size_bytes if pool in ctl.pools.pools else 0)
