@@ -163,13 +163,14 @@ def run(params, progress, cancel, lab) -> LabResult:
             x_label="prefix length (tokens)", y_label="read per restore (MiB)"))
     sim = _sim_record()
     sim_rows = sim["rows"]
+    rams = [r["ram"].replace("G", " GiB") for r in sim_rows]  # "8G" as `--ram` took it: 8 GiB
     figures.append(Figure(
         f"Full K3 (simulated): a returning {sim['prompt_tokens']}-token prompt on {sim['machine']}", "bar", False,
         f"full K3 shapes (full_k3_config), `{sim['command']}` at each RAM size ({sim['date']}): restore = one "
         f"checkpoint file read from NVMe + its blake2b check + the new position's step through streamed experts; "
         f"recompute = the prefill of every position in 2048-position steps",
-        [{"name": "restored from NVMe", "x": [r["ram"] for r in sim_rows], "y": [r["restore_seconds"] for r in sim_rows]},
-         {"name": "recomputed", "x": [r["ram"] for r in sim_rows], "y": [r["recompute_seconds"] for r in sim_rows]}],
+        [{"name": "restored from NVMe", "x": rams, "y": [r["restore_seconds"] for r in sim_rows]},
+         {"name": "recomputed", "x": rams, "y": [r["recompute_seconds"] for r in sim_rows]}],
         y_label="time to first token (s)", highlight="restored from NVMe"))
     metrics = {"ttft_ms": chosen["restored_ms"], "cached_tokens": float(chosen["cached_tokens"]),
                "disk_read_bytes": float(chosen["disk_read_bytes"]), "o_direct": float(chosen["o_direct"])}
@@ -185,7 +186,8 @@ def run(params, progress, cancel, lab) -> LabResult:
     restore_ms = statistics.median(restored)
     a_c, b_c = _line(prefixes, recomputed)
     model = (f"a restore takes about {restore_ms:.1f} ms at every length swept (median), a recompute "
-             f"{a_c:.1f} ms + {1e3 * b_c:.1f} ms per 1,000 positions (a line through the sweep)")
+             f"{1e3 * b_c:.1f} ms per 1,000 positions {'+' if a_c >= 0 else '-'} {abs(a_c):.1f} ms (a line through "
+             f"the sweep)")
     if not tier:
         flips_when = "with the disk tier on, the returning turn would restore its prefix instead of computing it"
     elif meet is not None:
@@ -195,7 +197,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                       f"checking the checkpoint takes longer than computing the positions it saves: {model}")
     else:
         flips_when = f"it would not lose at any prefix length here: {model}"
-    full = [f"{r['ram']}: {r['restore_seconds']:.1f} s restored vs {r['recompute_seconds']:.1f} s recomputed "
+    full = [f"{r['ram'].replace('G', ' GiB')}: {r['restore_seconds']:.1f} s restored vs {r['recompute_seconds']:.1f} s recomputed "
             f"({r['recompute_seconds'] / r['restore_seconds']:.1f}x)" for r in sim_rows]
     verdict = judge("The disk tier" if tier else "The RAM-only prefix cache", "recomputing the prefix", "ttft_ms",
                     f"time to first token at {n} tokens of prefix", chosen["restored_ms"], chosen["recomputed_ms"],

@@ -156,7 +156,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                 "moves": float(len(r["moves"])), "wall_s": r["seconds"]}
 
     metrics, baseline = summary("controller"), summary("default split")
-    labels = {"cost_s": "cost: bytes read and positions computed, priced (s)", "bytes_read": "bytes read (B)",
+    labels = {"cost_s": "priced cost: reads x read price + positions computed x compute price (s)", "bytes_read": "bytes read (B)",
               "positions_computed": "prompt positions computed", "prefix_hit_tokens": "positions from the prefix cache",
               "moves": "moves between pools", "wall_s": "wall time of the run (s; a timing)"}
     against_fixed = costs["controller"] / costs["fixed split"] if costs["fixed split"] > 0 else float("nan")
