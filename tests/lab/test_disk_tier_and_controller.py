@@ -20,8 +20,9 @@ def _run(lab_fixtures, module_id: str, **params):
                       lab_fixtures)
 
 
-def test_disk_tier_reads_back_exactly_the_checkpoint_the_formula_sizes(lab_fixtures):
-    result = _run(lab_fixtures, "disk_tier", prefix_tokens=128)
+@pytest.mark.parametrize("weights", ["resident", "streamed-4MiB"])
+def test_disk_tier_reads_back_exactly_the_checkpoint_the_formula_sizes(lab_fixtures, weights):
+    result = _run(lab_fixtures, "disk_tier", prefix_tokens=128, weights=weights)
     m = result.metrics
     # the returning turn restores turn 1's checkpoint (its prompt and reply, less the last sampled token)
     assert m["cached_tokens"] >= 128
@@ -30,6 +31,7 @@ def test_disk_tier_reads_back_exactly_the_checkpoint_the_formula_sizes(lab_fixtu
     assert read["y"] == formula["y"]  # every prefix of the sweep: bytes read == the file the formula gives
     assert result.verdict.metric == "ttft_ms" and result.verdict.flips_when
     assert result.figures[-1].measured is False and "simulated" not in result.figures[0].source
+    assert ("resident" in result.figures[0].source) == (weights == "resident")
 
 
 def test_disk_tier_off_recomputes_the_prefix(lab_fixtures):

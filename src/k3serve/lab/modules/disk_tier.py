@@ -25,7 +25,8 @@ from k3serve.sim.returning import checkpoint_bytes
 REPLY_TOKENS = 8  # turn 1's reply
 NEW_TOKENS = 32  # the returning turn's new message
 MAX_MODEL_LEN = 4096
-SIM_RECORD = "disk_tier_sim.json"  # lab/recorded/: `k3serve sim k3 --returning-prompt 4096` at 8 and 64 GB
+SIM_RECORD = "disk_tier_sim.json"  # lab/recorded/: `k3serve sim k3 --returning-prompt 4096` at 8 and 64 GiB
+STREAMED_BUDGETS = {"streamed-4MiB": 4 << 20, "streamed-8MiB": 8 << 20}  # the weights' RAM budget
 
 
 def _finish(engine: LLMEngine, request_id: str):
@@ -41,8 +42,7 @@ class _Conversation:
     """Turn 1 of a prefix_tokens-token conversation in an engine whose RAM tier holds 2 checkpoints, pushed out of
     RAM by two unrelated requests (to the disk tier when it has one); then returning turns, each timed."""
 
-    def __init__(self, lab, folder: str | None, o_direct: bool, prefix_tokens: int, seed: int) -> None:
-        loaded = lab.loaded()
+    def __init__(self, loaded, folder: str | None, o_direct: bool, prefix_tokens: int, seed: int) -> None:
         self.model = loaded.model
         config = EngineConfig(max_seqs=4, max_batch_tokens=2048, max_model_len=MAX_MODEL_LEN,
                               kv_cache_bytes=64 << 20, num_state_checkpoints=2,
@@ -74,9 +74,9 @@ class _Conversation:
                 "disk_read_bytes": self.engine.metrics.counter("prefix_cache_disk_read_bytes", "").value - read_before}
 
 
-def _recompute(lab, turn_tokens: int, seed: int) -> float:
+def _recompute(loaded, turn_tokens: int, seed: int) -> float:
     """TTFT of a turn_tokens-token prompt with no prefix cache at all: every position computed."""
-    model = lab.loaded().model
+    model = loaded.model
     engine = LLMEngine(model, EngineConfig(max_seqs=4, max_batch_tokens=2048, max_model_len=MAX_MODEL_LEN,
                                            kv_cache_bytes=64 << 20, enable_prefix_caching=False), stop_ids=())
     prompt = [int(t) for t in np.random.default_rng(seed).integers(3, model.config.vocab_size, turn_tokens)]
@@ -102,25 +102,40 @@ def _sweep(prefix_tokens: int) -> list[int]:
     return sorted({max(16, prefix_tokens // 8), max(16, prefix_tokens // 2), prefix_tokens})
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through the points."""
-    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    return float(intercept), float(slope)
+def _weights(lab, choice: str):
+    """The lab's model resident, or its packed store streamed under a RAM budget (a `LoadedModel`; the caller closes
+    a streamed one's source)."""
+    if choice == "resident":
+        return lab.loaded()
+    from k3serve.loading import load_model
+    from k3serve.stream.options import StreamOptions
+
+    return load_model(lab.packed("natural"), stream=StreamOptions(ram_budget=STREAMED_BUDGETS[choice]))
 
 
 def run(params, progress, cancel, lab) -> LabResult:
+    progress(0.01, "loading the model (a packed store is built on first use)")
+    loaded = _weights(lab, params["weights"])
+    try:
+        return _run(params, progress, cancel, lab, loaded)
+    finally:
+        if params["weights"] != "resident":
+            loaded.model.source.close()
+
+
+def _run(params, progress, cancel, lab, loaded) -> LabResult:
     tier = params["disk_tier"]
     prefixes = _sweep(params["prefix_tokens"])
     repeats = params["repeats"]
     with _scratch_folder(Path(lab.root) / "disk-tier-runs") as scratch:
         def conversation(n: int, seed: int) -> _Conversation:
             folder = str(Path(scratch) / f"tier-{n}-{seed}") if tier else None
-            return _Conversation(lab, folder, params["o_direct"], n, seed)
+            return _Conversation(loaded, folder, params["o_direct"], n, seed)
 
         progress(0.02, WARM_UP_MESSAGE)
         warm = conversation(64, 99)
         warm.returning_turn()
-        _recompute(lab, 64 + REPLY_TOKENS + NEW_TOKENS, 99)
+        _recompute(loaded, 64 + REPLY_TOKENS + NEW_TOKENS, 99)
         rows: dict[int, dict] = {}
         total = len(prefixes) * repeats
         for i, n in enumerate(prefixes):
@@ -132,7 +147,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                 cancel.check()
                 progress(0.05 + 0.9 * (i * repeats + r) / total, f"prefix {n} tokens: round {r + 1} of {repeats}")
                 turns.append(talk.returning_turn())
-                recomputed.append(_recompute(lab, turns[-1]["turn_tokens"], 1000 + r))
+                recomputed.append(_recompute(loaded, turns[-1]["turn_tokens"], 1000 + r))
             direct = bool(talk.disk.direct) if talk.disk is not None else False
             rows[n] = {"restored_ms": 1e3 * statistics.median(t["ttft_s"] for t in turns),
                        "recomputed_ms": 1e3 * statistics.median(recomputed),
@@ -142,7 +157,9 @@ def run(params, progress, cancel, lab) -> LabResult:
     n = params["prefix_tokens"]
     chosen = rows[n]
     arm = "restored from the disk tier" if tier else "prefix cache in RAM only (tier off)"
-    source = (f"{lab.model_name}, resident (weights in RAM; the prefix cache's RAM tier: 2 checkpoints), turn 1 of N "
+    weights = ("resident (weights in RAM)" if params["weights"] == "resident" else
+               f"packed and its experts and trunk streamed under a RAM budget of {params['weights'].split('-')[1]}")
+    source = (f"{lab.model_name}, {weights}; the prefix cache's RAM tier: 2 checkpoints; turn 1 of N "
               f"tokens + {REPLY_TOKENS} generated, two short requests that push its checkpoint out of RAM, then the "
               f"returning turn (N + {REPLY_TOKENS} + {NEW_TOKENS} tokens, RAM tier emptied before each); disk tier "
               f"{'on, O_DIRECT ' + ('on' if chosen['o_direct'] else 'off (page cache)') if tier else 'off'}; "
@@ -181,22 +198,22 @@ def run(params, progress, cancel, lab) -> LabResult:
     restored = [rows[p]["restored_ms"] for p in prefixes]
     recomputed = [rows[p]["recomputed_ms"] for p in prefixes]
     meet = crossing(prefixes, restored, recomputed, higher_is_better=False)
-    # model: a restore takes about the same time at any length here (the KDA state is constant and the rows are
-    # small beside it; then the new tokens are computed), a recompute grows with the prefix (a line through the sweep)
-    restore_ms = statistics.median(restored)
-    a_c, b_c = _line(prefixes, recomputed)
-    model = (f"a restore takes about {restore_ms:.1f} ms at every length swept (median), a recompute "
-             f"{1e3 * b_c:.1f} ms per 1,000 positions {'+' if a_c >= 0 else '-'} {abs(a_c):.1f} ms (a line through "
-             f"the sweep)")
+    # below the sweep: a restore costs about what it costs at the shortest prefix (the KDA state is constant and the
+    # rows are small beside it), a recompute about the shortest prefix's time per position (prefill grows faster
+    # than linearly with attention, so the shortest prefix's rate is the one that holds further down)
+    shortest = prefixes[0]
+    rate = recomputed[0] / shortest  # ms per position
+    model = (f"at {shortest} tokens a restore took {restored[0]:.1f} ms and a recompute {1e3 * rate:.1f} ms per 1,000 "
+             f"positions")
     if not tier:
         flips_when = "with the disk tier on, the returning turn would restore its prefix instead of computing it"
     elif meet is not None:
         flips_when = f"restoring and recomputing meet at about {meet:.0f} tokens of prefix in the sweep; {model}"
-    elif b_c > 0 and (restore_ms - a_c) / b_c > 0:
-        flips_when = (f"it would lose below about {(restore_ms - a_c) / b_c:.0f} tokens of prefix, where reading and "
+    elif restored[0] < recomputed[0]:
+        flips_when = (f"it would lose below about {restored[0] / rate:.0f} tokens of prefix, where reading and "
                       f"checking the checkpoint takes longer than computing the positions it saves: {model}")
     else:
-        flips_when = f"it would not lose at any prefix length here: {model}"
+        flips_when = f"it did not win at any prefix swept; it would from where a recompute outgrows a restore: {model}"
     full = [f"{r['ram'].replace('G', ' GiB')}: {r['restore_seconds']:.1f} s restored vs {r['recompute_seconds']:.1f} s recomputed "
             f"({r['recompute_seconds'] / r['restore_seconds']:.1f}x)" for r in sim_rows]
     verdict = judge("The disk tier" if tier else "The RAM-only prefix cache", "recomputing the prefix", "ttft_ms",
@@ -210,9 +227,12 @@ def run(params, progress, cancel, lab) -> LabResult:
     notes += [f"full K3 (simulated, {sim['machine']}): one checkpoint at {sim['prompt_tokens']} positions is "
               f"{k3.file_bytes / 1e9:.3f} GB on disk (KDA state {k3.kda_state_bytes / 1e9:.3f} GB whatever the "
               f"length, MLA rows {k3.mla_row_bytes / 1e9:.3f} GB); " + "; ".join(full),
-              "the embedded model is resident here, so recompute costs compute only; under --ram-budget streaming "
-              "every recomputed position also routes through experts read from disk (benchmarks/"
-              "bench_prefix_disk.py measures that, and the simulated figure shows it at full scale)"]
+              "the embedded model is resident here, so recompute costs compute only; with weights=streamed every "
+              "recomputed position also routes through experts read from disk (as benchmarks/bench_prefix_disk.py "
+              "measures), and the simulated figure shows that at full scale" if params["weights"] == "resident" else
+              f"weights {params['weights']}: every recomputed position routes through experts and trunk layers read "
+              "from the packed store (through the page cache, which may hold them: this machine's time with a warm "
+              "cache)"]
     return LabResult(metrics, baseline, figures, labels, metrics_name=arm, baseline_name="recomputed",
                      verdict=verdict, notes=notes,
                      related_commands=["python benchmarks/bench_prefix_disk.py --prompt-tokens 4000 --runs 3",
@@ -233,6 +253,9 @@ MODULE = LabModule(
     params=(Param("prefix_tokens", "int", 2048, "the longest prefix of the sweep (also N/8 and N/2)", min=128,
                   max=MAX_MODEL_LEN - REPLY_TOKENS - NEW_TOKENS, unit="tokens"),
             Param("disk_tier", "bool", True, "the disk tier on (off: the RAM tier alone)"),
-            Param("o_direct", "bool", True, "read and write with O_DIRECT (off: through the page cache)"),
+            Param("o_direct", "bool", True, "the tier reads and writes with O_DIRECT (off: through the page cache)"),
+            Param("weights", "choice", "resident", "the model resident, or streamed from its packed store under a "
+                  "RAM budget (every recomputed position then routes through experts read from disk)",
+                  choices=("resident", *STREAMED_BUDGETS)),
             repeats_param(help="alternated rounds (medians)")),
     kind="both", run=run)
