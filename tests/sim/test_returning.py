@@ -60,3 +60,28 @@ def test_restore_beats_recompute_and_adds_up_on_a_small_model():
     assert chunked.recompute_steps == 4  # 50 positions in steps of 16
     with pytest.raises(SimConfigError):
         simulate_returning(cfg, 0)
+
+
+def test_sim_k3_returning_prompt_prints_and_writes_both_arms(capsys, monkeypatch, tmp_path):
+    import json
+
+    import k3serve.sim.returning as returning
+    from k3serve.cli.main import main
+
+    seen = {}
+
+    def small(cfg, prompt_tokens, new_tokens=1, **kwargs):  # the full K3's 4,096-position prefill takes minutes
+        seen.update(ram=cfg.ram_bytes, machine=cfg.machine.name, prompt=prompt_tokens, new=new_tokens)
+        return simulate_returning(SimConfig(machine=cfg.machine, ram_bytes=None, model=tiny_config()), prompt_tokens,
+                                  new_tokens, **kwargs)
+
+    monkeypatch.setattr(returning, "simulate_returning", small)
+    out_json = tmp_path / "r.json"
+    assert main(["sim", "k3", "--machine", "c-engine-v1", "--ram", "8G", "--returning-prompt", "40",
+                 "--returning-new-tokens", "3", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert seen == {"ram": 8 << 30, "machine": "c-engine-v1", "prompt": 40, "new": 3}
+    assert "restore" in out and "recompute" in out and "less time to first token" in out
+    record = json.loads(out_json.read_text())
+    assert record["restore_seconds"] < record["recompute_seconds"] and record["prompt_tokens"] == 40
+    assert main(["sim", "k3", "--returning-prompt", "40", "--sweep", "ram"]) == 2  # it sets its own prompts
