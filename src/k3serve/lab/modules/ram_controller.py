@@ -140,7 +140,7 @@ def run(params, progress, cancel, lab) -> LabResult:
                "the same for every arm)",
                [{"name": "cost", "x": list(ARMS), "y": [costs[a] for a in ARMS]}],
                y_label="priced cost (s)", highlight="controller"),
-        Figure("Bytes read and positions computed", "bar", True, source,
+        Figure("Weight bytes read from the store (experts and trunk)", "bar", True, source,
                [{"name": "bytes read (MB)", "x": list(ARMS), "y": [runs[a]["bytes_read"] / 1e6 for a in ARMS]}],
                y_label="bytes read (MB)", highlight="controller"),
     ]
