@@ -221,7 +221,7 @@ class SimConfig:
     model: K3Config | None = None  # None: the full K3
     engine: str = "k3serve"
     policy: str = "lfu"
-    prefetch: str = "next-layer"
+    prefetch: str = "none"  # the engine's default (StreamOptions.prefetch)
     prefetch_max: int | None = None
     layout: str = "natural"
     pin_trunk_bytes: int | None = None
