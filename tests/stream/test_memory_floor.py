@@ -123,13 +123,16 @@ def test_a_format_1_store_is_read_as_copies(tiny_dir, tiny_store, tmp_path):
         PackedStore(old.path)
 
 
-def test_the_engine_runs_at_its_minimum_in_a_memory_cgroup(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "mxfp4"])
+def test_the_engine_runs_at_its_minimum_in_a_memory_cgroup(tmp_path, precision):
     bench = _bench()
     why = bench.cgroups_writable()
     if why is not None:
         pytest.skip(f"needs a writable cgroup v1 memory controller: {why}")
-    r = bench.measure(tmp_path, hidden=512)
-    assert r["tokens_identical"] and r["logits_identical"] and r["resident_float32_tokens_identical"]
+    r = bench.measure(tmp_path, hidden=512, trunk_precision=precision)
+    assert r["tokens_identical"] and r["logits_identical"]  # against the same store held whole
+    # a bf16 trunk is lossless: the float32 resident model's tokens too (an MXFP4 trunk is not)
+    assert r["resident_float32_tokens_identical"] or precision == "mxfp4"
     # the weights' memory is within the minimum the splitter charged, beyond it only the stated activations' slack
     # (a lower bound is not asserted: memory the reference run freed is reused, so the peak's rise varies by run)
     assert r["peak_over_baseline"] <= r["minimum_bytes"] + bench.SLACK
