@@ -155,7 +155,8 @@ def main() -> None:
     root = args.root or Path(tempfile.mkdtemp(prefix="k3serve-floor-"))
     r = measure(root, args.hidden, args.prompt_tokens, args.trunk_precision)
     mib = 1 << 20
-    print(f"memory floor, {r['trunk_precision']} trunk, hidden {r['hidden']}, prompt {r['prompt_tokens']}: minimum {r['minimum_bytes'] / mib:.2f} MiB, peak RSS over the "
+    print(f"memory floor, {r['trunk_precision']} trunk, hidden {r['hidden']}, prompt {r['prompt_tokens']}: "
+          f"minimum {r['minimum_bytes'] / mib:.2f} MiB, peak RSS over the "
           f"baseline {r['peak_over_baseline'] / mib:.2f} MiB, cgroup limit {r['cgroup_limit'] / mib:.1f} MiB "
           f"(failcnt {r['cgroup_failcnt']}), tokens identical {r['tokens_identical']}, logits identical "
           f"{r['logits_identical']}, float32 resident tokens identical {r['resident_float32_tokens_identical']}")

@@ -1,7 +1,7 @@
 """The memory floor (issue 34, item 1): the trunk held as views of what was read (a bf16 trunk on a store of format
 2 or 3, its matrices stored as bf16, Q8_0 or MXFP4 by rows), the budget splitter's charges for it, a store of
-format 1 and a format-2 MXFP4 trunk still read (as copies), and the live engine at its computed minimum inside a memory cgroup, with the output
-of the same weights held whole."""
+format 1 and a format-2 MXFP4 trunk still read (as copies), and the live engine at its computed minimum inside a
+memory cgroup, with the output of the same weights held whole."""
 
 from __future__ import annotations
 

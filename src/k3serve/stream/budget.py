@@ -22,8 +22,8 @@ bf16-stored matrix as bf16 bits, multiplied by `kernels.linear`; norms, conv tap
                      read when it is needed, and next-layer prefetch, which needs the next layer's router, is off)
 
 With a bf16 trunk dtype on a store whose fused groups are adjacent (format 2), its trunk stored as bf16, Q8_0 or
-MXFP4 by rows (format 3; `builds_views`), the engine holds the trunk as views of what it read (`trunk_views`), and the charges are the
-memory floor's (stream/trunk_spans.py says what is read):
+MXFP4 by rows (format 3; `builds_views`), the engine holds the trunk as views of what it read (`trunk_views`), and
+the charges are the memory floor's (stream/trunk_spans.py says what is read):
     globals          the small globals widened (final norm, output residual query), the bounded float32 transient
                      of `kernels.linear`, and the lm_head's read span when it is pinned. The embedding is never
                      held: its rows are read on demand, one per token

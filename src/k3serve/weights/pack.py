@@ -36,9 +36,9 @@ from k3serve.weights.held import quantized_in_trunk
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.quantized import TRUNK_PRECISIONS, QuantizedMatrix
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, MXFP4_ROWS_VERSION, READABLE_STORE_VERSIONS,
-                                   STORE_FORMAT, STORE_INDEX, STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT,
-                                   TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob, align_up,
-                                   config_fingerprint, expert_blob, expert_parts, follows_in_group, packed_specs,
+                                   STORE_FORMAT, STORE_INDEX, STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX,
+                                   STRIPE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry,
+                                   TrunkBlob, align_up, config_fingerprint, expert_blob, expert_parts, follows_in_group, packed_specs,
                                    stripe_chunk_bytes, stripe_folder_name, trunk_stripe_chunk_bytes)
 from k3serve.weights.stripes import StripedWriter
 
