@@ -21,6 +21,7 @@ from numba import njit
 from k3serve.config import K3Config
 from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linear, mxfp4_experts_accumulate_stacked,
                                    mxfp4_experts_run, stack_expert)
+from k3serve.model.fused_ops import route_top_k
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.routing import ExpertPairs, Routing, pairs_by_expert
 from k3serve.model.weights import DenseMLPPieces, DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
@@ -33,14 +34,12 @@ def route(config: K3Config, w: MoEWeights, x: np.ndarray) -> Routing:
 
 def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Routing:
     """scores [T, NE] (after sigmoid) -> Routing. Ties in s + bias go to the lower expert id."""
-    top_k = config.num_experts_per_token
-    biased = np.ascontiguousarray(scores + bias, dtype=np.float32)  # [T, NE]
-    ids = np.empty((biased.shape[0], top_k), np.int64)  # [T, TOPK]
-    top_k_rows(biased, ids)
-    chosen = np.take_along_axis(scores, ids, axis=1)
-    if config.moe_renormalize:
-        chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
-    return Routing(expert_ids=ids, weights=(chosen * np.float32(config.routed_scaling_factor)).astype(np.float32))
+    num_tokens, top_k = scores.shape[0], config.num_experts_per_token
+    ids = np.empty((num_tokens, top_k), np.int64)  # [T, TOPK]
+    weights = np.empty((num_tokens, top_k), np.float32)  # [T, TOPK]
+    route_top_k(np.ascontiguousarray(scores, dtype=np.float32), np.ascontiguousarray(bias, dtype=np.float32),
+                config.moe_renormalize, np.float32(config.routed_scaling_factor), ids, weights)
+    return Routing(expert_ids=ids, weights=weights)
 
 
 @njit(cache=True)

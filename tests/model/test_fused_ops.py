@@ -1,0 +1,87 @@
+"""The compiled trunk stages (model/fused_ops.py) against their numpy twins, bit for bit, on odd widths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k3serve.model.attn_res import attn_res
+from k3serve.model.fused_ops import add_rms_norm, attn_res_norm, rms_norm_into, route_top_k
+from k3serve.model.ops import rms_norm
+
+# below 8 (plain sum), the 8-lane blocks with and without a tail, the first halving (129), K3 and real widths
+WIDTHS = (1, 7, 8, 15, 63, 128, 129, 300, 1024, 2048, 7168)
+EPS = 1e-6
+
+
+def rows(seed: int, num_tokens: int, width: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((num_tokens, width)) * rng.uniform(0.01, 30.0)).astype(np.float32)  # [T, H]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("num_tokens", (1, 3))
+def test_rms_norm_into_is_the_numpy_rms_norm_bit_for_bit(width, num_tokens):
+    x, weight = rows(width, num_tokens, width), rows(width + 1, 1, width)[0]
+    out = np.empty_like(x)
+    rms_norm_into(x, weight, np.float32(EPS), out)
+    np.testing.assert_array_equal(out, rms_norm(x, weight, EPS))
+    rms_norm_into(x, weight, np.float32(EPS), x)  # in place
+    np.testing.assert_array_equal(x, out)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_add_rms_norm_is_the_residual_add_then_the_norm(width):
+    h, delta, weight = rows(1, 3, width), rows(2, 3, width), rows(3, 1, width)[0]
+    expected_h = h + delta
+    out = np.empty_like(h)
+    add_rms_norm(h, delta, weight, np.float32(EPS), out)
+    np.testing.assert_array_equal(h, expected_h)
+    np.testing.assert_array_equal(out, rms_norm(expected_h, weight, EPS))
+
+
+@pytest.mark.parametrize("width", (15, 128, 300))
+@pytest.mark.parametrize("num_sources", (1, 2, 5))
+def test_attn_res_norm_is_attn_res_then_the_norm(width, num_sources):
+    sources = np.stack([rows(10 + s, 4, width) for s in range(num_sources)])  # [S, T, H]
+    query, weight = rows(4, 1, width)[0], rows(5, 1, width)[0]
+    h, x = np.empty((4, width), np.float32), np.empty((4, width), np.float32)
+    attn_res_norm(sources, query, weight, np.float32(EPS), h, x)
+    expected = attn_res(list(sources), query, EPS)
+    np.testing.assert_array_equal(h, expected)
+    np.testing.assert_array_equal(x, rms_norm(expected, weight, EPS))
+
+
+def route_reference(scores: np.ndarray, bias: np.ndarray, top_k: int, renormalize: bool, scale: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy router the compiled stage replaced: a stable descending sort of s + bias (NaN last), the chosen
+    unbiased scores, renormalised, scaled."""
+    biased = np.where(np.isnan(scores + bias), -np.inf, scores + bias)
+    ids = np.argsort(-biased, axis=1, kind="stable")[:, :top_k]  # [T, TOPK]
+    chosen = np.take_along_axis(scores, ids, axis=1)
+    if renormalize:
+        chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
+    return ids, (chosen * np.float32(scale)).astype(np.float32)
+
+
+@pytest.mark.parametrize("top_k", (1, 4, 8, 9))
+@pytest.mark.parametrize("renormalize", (True, False))
+def test_route_top_k_is_the_numpy_router(top_k, renormalize):
+    rng = np.random.default_rng(top_k)
+    scores = (1 / (1 + np.exp(-rng.standard_normal((7, 33))))).astype(np.float32)  # [T, NE]
+    scores[1, 5:9] = scores[1, 20]  # ties: the lower id first
+    bias = (rng.standard_normal(33) * 0.1).astype(np.float32)
+    bias[2] = np.nan  # a NaN bias is never preferred to a number
+    ids, weights = np.empty((7, top_k), np.int64), np.empty((7, top_k), np.float32)
+    route_top_k(scores, bias, renormalize, np.float32(2.5), ids, weights)
+    expected_ids, expected_weights = route_reference(scores, bias, top_k, renormalize, 2.5)
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_array_equal(weights, expected_weights)
+    assert 2 not in ids
+
+
+def test_route_top_k_all_nan_row_takes_the_lowest_ids():
+    scores = np.full((1, 6), np.nan, np.float32)
+    ids, weights = np.empty((1, 3), np.int64), np.empty((1, 3), np.float32)
+    route_top_k(scores, np.zeros(6, np.float32), False, np.float32(1.0), ids, weights)
+    np.testing.assert_array_equal(ids, [[0, 1, 2]])
