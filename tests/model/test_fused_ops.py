@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from k3serve.model.attn_res import attn_res
-from k3serve.model.fused_ops import add_rms_norm, attn_res_norm, rms_norm_into, route_top_k
-from k3serve.model.ops import rms_norm
+from k3serve.model.fused_ops import (add_rms_norm, attn_res_norm, rms_norm_into, route_top_k, shift_by_row_max,
+                                     softmax_top_k)
+from k3serve.model.ops import rms_norm, softmax
 
 # below 8 (plain sum), the 8-lane blocks with and without a tail, the first halving (129), K3 and real widths
 WIDTHS = (1, 7, 8, 15, 63, 128, 129, 300, 1024, 2048, 7168)
@@ -85,3 +86,37 @@ def test_route_top_k_all_nan_row_takes_the_lowest_ids():
     ids, weights = np.empty((1, 3), np.int64), np.empty((1, 3), np.float32)
     route_top_k(scores, np.zeros(6, np.float32), False, np.float32(1.0), ids, weights)
     np.testing.assert_array_equal(ids, [[0, 1, 2]])
+
+
+def softmax_router_reference(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy softmax router the compiled stages replaced (families/moe.py before issue 33)."""
+    probs = softmax(logits, axis=-1)  # [T, NE]
+    ids = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    chosen = np.take_along_axis(probs, ids, axis=1)
+    if normalize:
+        chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
+    return ids, chosen.astype(np.float32)
+
+
+@pytest.mark.parametrize("num_experts", (5, 64, 129, 512))
+@pytest.mark.parametrize("normalize", (True, False))
+def test_softmax_top_k_is_the_numpy_softmax_router(num_experts, normalize):
+    logits = rows(num_experts, 6, num_experts)  # [T, NE]
+    logits[2, 1:4] = logits[2, 0]  # ties: the lower id first
+    top_k = min(8, num_experts)
+    expected_ids, expected_weights = softmax_router_reference(logits, top_k, normalize)
+    exps = logits.copy()
+    shift_by_row_max(exps)
+    np.exp(exps, out=exps)
+    ids, weights = np.empty((6, top_k), np.int64), np.empty((6, top_k), np.float32)
+    softmax_top_k(exps, normalize, ids, weights)
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_array_equal(weights, expected_weights)
+    np.testing.assert_array_equal(exps, softmax(logits, axis=-1))  # the probabilities, left in place
+
+
+def test_shift_by_row_max_propagates_nan_as_np_max():
+    logits = np.array([[1.0, np.nan, 3.0], [2.0, 5.0, -1.0]], np.float32)
+    shift_by_row_max(logits)
+    assert np.isnan(logits[0]).all()
+    np.testing.assert_array_equal(logits[1], [-3.0, 0.0, -6.0])

@@ -4,6 +4,7 @@
     add_rms_norm(h, delta, w, eps, out):            h += delta; out = RMSNorm(h) * w      (pre-norm residual)
     attn_res_norm(sources, query, w, eps, h, x):    h = AttnRes(sources, query); x = RMSNorm(h) * w   (K3)
     route_top_k(scores, bias, renormalize, scale, ids, weights):   K3's router after its sigmoid
+    softmax_top_k(exps, normalize, ids, weights):   the families' softmax router after its exp
 
 with RMSNorm(x) = x / sqrt(mean(x^2) + eps). A decode step of the embedded K3 made about 2,000 Python calls; each
 stage here is one call into compiled code writing into buffers the forward allocates once per step, so no layer
@@ -137,35 +138,43 @@ def attn_res_norm(sources: np.ndarray, query: np.ndarray, weight: np.ndarray, ep
 
 
 @njit(cache=True)
+def _select_top_k(values: np.ndarray, taken: np.ndarray, ids: np.ndarray) -> None:
+    """ids [TOPK] = the ids of the largest of values [NE], largest first, the lower id first among equal values
+    (a stable descending sort's first TOPK; NaN counts as the smallest); taken [NE] is scratch."""
+    num_experts = values.shape[0]
+    taken[:] = False
+    for j in range(ids.shape[0]):
+        best = -1
+        for e in range(num_experts):
+            if taken[e] or values[e] != values[e]:
+                continue
+            if best < 0 or values[e] > values[best]:
+                best = e
+        if best < 0:  # only NaN left: the lowest id not yet taken
+            best = 0
+            while taken[best]:
+                best += 1
+        taken[best] = True
+        ids[j] = best
+
+
+@njit(cache=True)
 def route_top_k(scores: np.ndarray, bias: np.ndarray, renormalize: bool, scale: np.float32, ids: np.ndarray,
-                  weights: np.ndarray) -> None:
-    """K3's router after sigmoid: scores [T, NE], bias [NE] -> ids [T, TOPK] (the largest scores + bias, the lower
-    id first among equal values, NaN last, as `moe.top_k_rows`) and weights [T, TOPK] = the chosen scores,
-    divided by their sum when `renormalize` (summed in numpy's order), times `scale`."""
-    num_experts = scores.shape[1]
-    top_k = ids.shape[1]
+                weights: np.ndarray) -> None:
+    """K3's router after sigmoid: scores [T, NE], bias [NE] -> ids [T, TOPK] (the largest scores + bias, as
+    `moe.top_k_rows`) and weights [T, TOPK] = the chosen scores, divided by their sum when `renormalize` (summed in
+    numpy's order), times `scale`."""
+    num_experts, top_k = scores.shape[1], ids.shape[1]
     biased = np.empty(num_experts, np.float32)
-    taken = np.zeros(num_experts, np.bool_)
+    taken = np.empty(num_experts, np.bool_)
     chosen = np.empty(top_k, np.float32)
     frames, values = np.empty((MAX_PAIRWISE_DEPTH, 3), np.int64), np.empty(MAX_PAIRWISE_DEPTH, np.float32)
     for t in range(scores.shape[0]):
         for e in range(num_experts):
             biased[e] = scores[t, e] + bias[e]
-        taken[:] = False
+        _select_top_k(biased, taken, ids[t])
         for j in range(top_k):
-            best = -1
-            for e in range(num_experts):
-                if taken[e] or biased[e] != biased[e]:
-                    continue
-                if best < 0 or biased[e] > biased[best]:
-                    best = e
-            if best < 0:  # only NaN left: the lowest id not yet taken
-                best = 0
-                while taken[best]:
-                    best += 1
-            taken[best] = True
-            ids[t, j] = best
-            chosen[j] = scores[t, best]
+            chosen[j] = scores[t, ids[t, j]]
         if renormalize:
             total = _pairwise_sum(chosen, top_k, frames, values)
             for j in range(top_k):
@@ -173,3 +182,43 @@ def route_top_k(scores: np.ndarray, bias: np.ndarray, renormalize: bool, scale: 
         else:
             for j in range(top_k):
                 weights[t, j] = chosen[j] * scale
+
+
+@njit(cache=True)
+def shift_by_row_max(logits: np.ndarray) -> None:
+    """logits [T, NE] -= each row's max, in place (NaN in a row makes the row NaN, as np.max propagates it)."""
+    for t in range(logits.shape[0]):
+        top = logits[t, 0]
+        for e in range(1, logits.shape[1]):
+            if top != top:
+                break
+            value = logits[t, e]
+            if value > top or value != value:
+                top = value
+        for e in range(logits.shape[1]):
+            logits[t, e] -= top
+
+
+@njit(cache=True)
+def softmax_top_k(exps: np.ndarray, normalize: bool, ids: np.ndarray, weights: np.ndarray) -> None:
+    """The families' softmax router after its exp: exps [T, NE] = exp(logits - row max) (numpy's exp, so its bits)
+    -> probabilities p = exps / sum(exps) (in place), ids [T, TOPK] of the largest p (ties to the lower id), and
+    weights [T, TOPK] = the chosen p, divided by their sum when `normalize`. Sums in numpy's pairwise order."""
+    num_experts, top_k = exps.shape[1], ids.shape[1]
+    taken = np.empty(num_experts, np.bool_)
+    chosen = np.empty(top_k, np.float32)
+    frames, values = np.empty((MAX_PAIRWISE_DEPTH, 3), np.int64), np.empty(MAX_PAIRWISE_DEPTH, np.float32)
+    for t in range(exps.shape[0]):
+        total = _pairwise_sum(exps[t], num_experts, frames, values)
+        for e in range(num_experts):
+            exps[t, e] = exps[t, e] / total
+        _select_top_k(exps[t], taken, ids[t])
+        for j in range(top_k):
+            chosen[j] = exps[t, ids[t, j]]
+        if normalize:
+            total = _pairwise_sum(chosen, top_k, frames, values)
+            for j in range(top_k):
+                weights[t, j] = chosen[j] / total
+        else:
+            for j in range(top_k):
+                weights[t, j] = chosen[j]

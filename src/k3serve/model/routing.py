@@ -129,14 +129,32 @@ def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
         top_k = max(expert_ids.shape[1], 1)
         order = kept[pairs.order]
         return ExpertPairs(pairs.expert_ids, pairs.starts, pairs.ends, order // top_k, order)
-    num_experts = int(flat.max()) + 1 if flat.size else 0
-    order = np.empty(flat.size, np.int64)  # by expert, tokens ascending within each expert (a stable sort)
+    return ExpertPairs(*_group_by_expert(flat, max(expert_ids.shape[1], 1)))
+
+
+@njit(cache=True)
+def _group_by_expert(flat: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                            np.ndarray]:
+    """flat [N] expert ids >= 0 -> (experts present ascending, their starts, ends, the token of each pair, the
+    order: by expert, tokens ascending within each expert, a stable sort), in one compiled call."""
+    num_experts = 0
+    for v in flat:
+        num_experts = max(num_experts, v + 1)
+    order = np.empty(flat.size, np.int64)  # [N]
     counts = np.zeros(num_experts, np.int64)
     _counting_sort(flat, order, counts)
-    present = np.flatnonzero(counts)
-    ends = np.cumsum(counts)[present]
-    top_k = max(expert_ids.shape[1], 1)
-    return ExpertPairs(present, ends - counts[present], ends, order // top_k, order)
+    num_present = 0
+    for e in range(num_experts):
+        num_present += counts[e] > 0
+    present, starts, ends = np.empty(num_present, np.int64), np.empty(num_present, np.int64), np.empty(
+        num_present, np.int64)
+    k, total = 0, 0
+    for e in range(num_experts):
+        if counts[e]:
+            present[k], starts[k], ends[k] = e, total, total + counts[e]
+            k += 1
+        total += counts[e]
+    return present, starts, ends, order // top_k, order
 
 
 @njit(cache=True)
