@@ -27,7 +27,7 @@ from k3serve.errors import ConfigError
 from k3serve.model.attn_res import attn_res
 from k3serve.model.fused_ops import attn_res_norm, rms_norm_into, route_top_k
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
-from k3serve.model.kda import causal_conv, kda_forward
+from k3serve.model.kda import causal_conv, conv_step, kda_forward
 from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
 from k3serve.model.kernels import linear, mxfp4_expert_forward, widen_bf16
 from k3serve.model.moe import dense_mlp_forward, guess_next_layer, moe_forward, route, top_k_rows
@@ -62,6 +62,8 @@ def load_compiled_loops() -> None:
     rms_norm_into(row, vector, np.float32(1e-5), row.copy())
     route_top_k(row, vector, True, np.float32(1.0), ids, row[:, :1].copy())
     causal_conv(np.ones((1, 2), np.float32), np.zeros((3, 2), np.float32), np.ones((2, 4), np.float32))
+    tail, channels = np.zeros((3, 2), np.float32), np.ones(2, np.float32)
+    conv_step(tail, channels, np.ones((2, 4), np.float32), channels.copy(), tail.copy())
     square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] MXFP4 matrix
     mxfp4_expert_forward(square, square, square, np.ones((1, 32), np.float32), 4.0, 25.0)
 
