@@ -6,13 +6,24 @@ import numpy as np
 import pytest
 
 from k3serve.model.attn_res import attn_res
-from k3serve.model.fused_ops import (add_rms_norm, attn_res_norm, rms_norm_into, route_top_k, shift_by_row_max,
-                                     softmax_top_k)
-from k3serve.model.ops import rms_norm, softmax
+from k3serve.model.fused_ops import (add_rms_norm, attn_res_norm, l2_normalize_into, rms_norm_into, route_top_k,
+                                     shift_by_row_max, softmax_top_k)
+from k3serve.model.ops import l2_normalize, rms_norm, softmax
 
 # below 8 (plain sum), the 8-lane blocks with and without a tail, the first halving (129), K3 and real widths
 WIDTHS = (1, 7, 8, 15, 63, 128, 129, 300, 1024, 2048, 7168)
 EPS = 1e-6
+
+
+def rms_norm_numpy(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """`ops.rms_norm` before it ran the compiled stage."""
+    variance = np.add.reduce(np.square(x), axis=-1, keepdims=True)
+    np.true_divide(variance, x.shape[-1], out=variance)
+    return x / np.sqrt(variance + np.float32(eps)) * weight
+
+
+def l2_normalize_numpy(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
 
 
 def rows(seed: int, num_tokens: int, width: int) -> np.ndarray:
@@ -26,7 +37,7 @@ def test_rms_norm_into_is_the_numpy_rms_norm_bit_for_bit(width, num_tokens):
     x, weight = rows(width, num_tokens, width), rows(width + 1, 1, width)[0]
     out = np.empty_like(x)
     rms_norm_into(x, weight, np.float32(EPS), out)
-    np.testing.assert_array_equal(out, rms_norm(x, weight, EPS))
+    np.testing.assert_array_equal(out, rms_norm_numpy(x, weight, EPS))
     rms_norm_into(x, weight, np.float32(EPS), x)  # in place
     np.testing.assert_array_equal(x, out)
 
@@ -38,7 +49,7 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(width):
     out = np.empty_like(h)
     add_rms_norm(h, delta, weight, np.float32(EPS), out)
     np.testing.assert_array_equal(h, expected_h)
-    np.testing.assert_array_equal(out, rms_norm(expected_h, weight, EPS))
+    np.testing.assert_array_equal(out, rms_norm_numpy(expected_h, weight, EPS))
 
 
 @pytest.mark.parametrize("width", (15, 128, 300))
@@ -50,7 +61,7 @@ def test_attn_res_norm_is_attn_res_then_the_norm(width, num_sources):
     attn_res_norm(sources, query, weight, np.float32(EPS), h, x)
     expected = attn_res(list(sources), query, EPS)
     np.testing.assert_array_equal(h, expected)
-    np.testing.assert_array_equal(x, rms_norm(expected, weight, EPS))
+    np.testing.assert_array_equal(x, rms_norm_numpy(expected, weight, EPS))
 
 
 def route_reference(scores: np.ndarray, bias: np.ndarray, top_k: int, renormalize: bool, scale: float
@@ -120,3 +131,21 @@ def test_shift_by_row_max_propagates_nan_as_np_max():
     shift_by_row_max(logits)
     assert np.isnan(logits[0]).all()
     np.testing.assert_array_equal(logits[1], [-3.0, 0.0, -6.0])
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_l2_normalize_into_is_the_numpy_line_bit_for_bit(width):
+    x = rows(width, 3, width)
+    out = np.empty_like(x)
+    l2_normalize_into(x, np.float32(1e-6), out)
+    np.testing.assert_array_equal(out, l2_normalize_numpy(x))
+
+
+def test_ops_norms_on_strided_heads_keep_the_numpy_bits():
+    """ops.rms_norm and ops.l2_normalize as the layers call them: [T, NH, D] views cut from a wider projection."""
+    proj = rows(0, 5, 3 * 4 * 24).reshape(5, 3, 4, 24)  # [T, 3, NH, D]
+    heads, weight = proj[:, 1], rows(1, 1, 24)[0]  # [T, NH, D], not contiguous
+    np.testing.assert_array_equal(rms_norm(heads, weight, EPS), rms_norm_numpy(heads, weight, EPS))
+    np.testing.assert_array_equal(l2_normalize(heads), l2_normalize_numpy(heads))
+    np.testing.assert_array_equal(rms_norm(heads, None, EPS), heads / np.sqrt(
+        np.add.reduce(np.square(heads), axis=-1, keepdims=True) / np.float32(24) + np.float32(EPS)))

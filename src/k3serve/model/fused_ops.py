@@ -1,6 +1,7 @@
 """Compiled trunk stages that each replace several numpy calls of the layer loop (issue 33, item 2).
 
-    rms_norm_into(x, w, eps, out):                  out = RMSNorm(x) * w
+    rms_norm_into(x, w, eps, out):                  out = RMSNorm(x) * w      (`ops.rms_norm` runs it)
+    l2_normalize_into(x, eps, out):                 out = x / sqrt(sum(x^2) + eps)      (`ops.l2_normalize`)
     add_rms_norm(h, delta, w, eps, out):            h += delta; out = RMSNorm(h) * w      (pre-norm residual)
     attn_res_norm(sources, query, w, eps, h, x):    h = AttnRes(sources, query); x = RMSNorm(h) * w   (K3)
     route_top_k(scores, bias, renormalize, scale, ids, weights):   K3's router after its sigmoid
@@ -115,6 +116,19 @@ def rms_norm_into(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
     frames, values = np.empty((MAX_PAIRWISE_DEPTH, 3), np.int64), np.empty(MAX_PAIRWISE_DEPTH, np.float32)
     for t in range(x.shape[0]):
         _norm_row(x[t], weight, eps, squares, frames, values, out[t])
+
+
+@njit(cache=True)
+def l2_normalize_into(x: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+    """x [T, D] float32 -> out [T, D] = x / sqrt(sum(x^2) + eps) per row (may be x)."""
+    squares = np.empty(x.shape[1], np.float32)
+    frames, values = np.empty((MAX_PAIRWISE_DEPTH, 3), np.int64), np.empty(MAX_PAIRWISE_DEPTH, np.float32)
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            squares[i] = x[t, i] * x[t, i]
+        denominator = np.sqrt(_pairwise_sum(squares, x.shape[1], frames, values) + eps)
+        for i in range(x.shape[1]):
+            out[t, i] = x[t, i] / denominator
 
 
 @njit(cache=True)

@@ -129,32 +129,32 @@ def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
         top_k = max(expert_ids.shape[1], 1)
         order = kept[pairs.order]
         return ExpertPairs(pairs.expert_ids, pairs.starts, pairs.ends, order // top_k, order)
-    return ExpertPairs(*_group_by_expert(flat, max(expert_ids.shape[1], 1)))
+    order, tokens = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)  # [N]
+    groups = np.empty((3, flat.size), np.int64)  # [3, N]: experts present, starts, ends (K <= N filled)
+    count = _group_by_expert(flat, max(expert_ids.shape[1], 1), order, tokens, groups)
+    return ExpertPairs(groups[0, :count], groups[1, :count], groups[2, :count], tokens, order)
 
 
 @njit(cache=True)
-def _group_by_expert(flat: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                            np.ndarray]:
-    """flat [N] expert ids >= 0 -> (experts present ascending, their starts, ends, the token of each pair, the
-    order: by expert, tokens ascending within each expert, a stable sort), in one compiled call."""
+def _group_by_expert(flat: np.ndarray, top_k: int, order: np.ndarray, tokens: np.ndarray, groups: np.ndarray) -> int:
+    """flat [N] expert ids >= 0 -> order [N] (by expert, tokens ascending within each expert: a stable sort),
+    tokens [N] (the token of each pair) and, in groups [3, N], the K experts present (ascending), their starts and
+    ends; returns K. One compiled call that returns no array (numba's boxing of a returned array costs more than
+    the work here)."""
     num_experts = 0
     for v in flat:
         num_experts = max(num_experts, v + 1)
-    order = np.empty(flat.size, np.int64)  # [N]
     counts = np.zeros(num_experts, np.int64)
     _counting_sort(flat, order, counts)
-    num_present = 0
-    for e in range(num_experts):
-        num_present += counts[e] > 0
-    present, starts, ends = np.empty(num_present, np.int64), np.empty(num_present, np.int64), np.empty(
-        num_present, np.int64)
     k, total = 0, 0
     for e in range(num_experts):
         if counts[e]:
-            present[k], starts[k], ends[k] = e, total, total + counts[e]
+            groups[0, k], groups[1, k], groups[2, k] = e, total, total + counts[e]
             k += 1
         total += counts[e]
-    return present, starts, ends, order // top_k, order
+    for i in range(flat.shape[0]):
+        tokens[i] = order[i] // top_k
+    return k
 
 
 @njit(cache=True)
