@@ -149,3 +149,26 @@ def test_ops_norms_on_strided_heads_keep_the_numpy_bits():
     np.testing.assert_array_equal(l2_normalize(heads), l2_normalize_numpy(heads))
     np.testing.assert_array_equal(rms_norm(heads, None, EPS), heads / np.sqrt(
         np.add.reduce(np.square(heads), axis=-1, keepdims=True) / np.float32(24) + np.float32(EPS)))
+
+
+def rotary_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """`Rotary.apply` before it ran the compiled call."""
+    d = 2 * cos.shape[1]
+    rot, rest = x[..., :d], x[..., d:]
+    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :d // 2], rot[..., d // 2:])
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, d/2]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
+
+
+@pytest.mark.parametrize("interleaved", (False, True))
+@pytest.mark.parametrize("rotary_dim", (8, 24))
+def test_rotary_apply_is_the_numpy_rotary(interleaved, rotary_dim):
+    """Rotary.apply (one compiled call, fused_ops.rotate_into) against its numpy lines, partial rotary included."""
+    from k3serve.model.families.rope import rotary_from_config
+
+    rotary = rotary_from_config({"rope_theta": 10000.0}, rotary_dim, 4096, interleaved=interleaved, where="test")
+    cos, sin = rotary.cos_sin(np.array([0, 5, 17, 4000]))  # [T, d/2]
+    x = rows(rotary_dim, 4 * 3, 24).reshape(4, 3, 24)  # [T, NH, D], D = 24 >= d
+    np.testing.assert_array_equal(rotary.apply(x, cos, sin), rotary_numpy(x, cos, sin, interleaved))
+    strided = rows(1, 4 * 3, 48).reshape(4, 3, 48)[:, :, 24:]  # a view, as latent attention passes its rope part
+    np.testing.assert_array_equal(rotary.apply(strided, cos, sin), rotary_numpy(strided, cos, sin, interleaved))

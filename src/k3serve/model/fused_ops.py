@@ -6,6 +6,7 @@
     attn_res_norm(sources, query, w, eps, h, x):    h = AttnRes(sources, query); x = RMSNorm(h) * w   (K3)
     route_top_k(scores, bias, renormalize, scale, ids, weights):   K3's router after its sigmoid
     softmax_top_k(exps, normalize, ids, weights):   the families' softmax router after its exp
+    rotate_into(x, cos, sin, interleaved, out):     the families' rotary embedding (`Rotary.apply`)
 
 with RMSNorm(x) = x / sqrt(mean(x^2) + eps). A decode step of the embedded K3 made about 2,000 Python calls; each
 stage here is one call into compiled code writing into buffers the forward allocates once per step, so no layer
@@ -236,3 +237,21 @@ def softmax_top_k(exps: np.ndarray, normalize: bool, ids: np.ndarray, weights: n
         else:
             for j in range(top_k):
                 weights[t, j] = chosen[j]
+
+
+@njit(cache=True)
+def rotate_into(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool, out: np.ndarray) -> None:
+    """Rotary embedding: x [T, NH, D], cos and sin [T, d/2] -> out [T, NH, D] = [x1 c - x2 s | x2 c + x1 s | rest]
+    with (x1, x2) the two halves of x's first d channels (interleaved: the even and odd channels)."""
+    half = cos.shape[1]
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            for i in range(half):
+                if interleaved:
+                    first, second = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                else:
+                    first, second = x[t, h, i], x[t, h, half + i]
+                out[t, h, i] = first * cos[t, i] - second * sin[t, i]
+                out[t, h, half + i] = second * cos[t, i] + first * sin[t, i]
+            for i in range(2 * half, x.shape[2]):
+                out[t, h, i] = x[t, h, i]

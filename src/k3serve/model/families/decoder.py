@@ -13,7 +13,7 @@ Shapes: T tokens of the batch, H hidden, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -29,6 +29,7 @@ from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 
 if TYPE_CHECKING:
+    from k3serve.model.families.rope import Rotary
     from k3serve.model.families.tensors import TensorReader
 
 
@@ -79,6 +80,14 @@ class Batch:
     segments: list[tuple[int, int]]  # [start, end) rows of each item
     caches: Sequence[SequenceCache]
     positions: np.ndarray  # [T] int64 position of each token in its sequence
+    rotations: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
+
+    def cos_sin(self, rotary: Rotary) -> tuple[np.ndarray, np.ndarray]:
+        """`rotary.cos_sin(positions)`, computed once per step for each rotary embedding the layers share."""
+        key = id(rotary)
+        if key not in self.rotations:
+            self.rotations[key] = rotary.cos_sin(self.positions)
+        return self.rotations[key]
 
 
 class Mixer(Protocol):
