@@ -172,3 +172,22 @@ def test_rotary_apply_is_the_numpy_rotary(interleaved, rotary_dim):
     np.testing.assert_array_equal(rotary.apply(x, cos, sin), rotary_numpy(x, cos, sin, interleaved))
     strided = rows(1, 4 * 3, 48).reshape(4, 3, 48)[:, :, 24:]  # a view, as latent attention passes its rope part
     np.testing.assert_array_equal(rotary.apply(strided, cos, sin), rotary_numpy(strided, cos, sin, interleaved))
+
+
+def test_a_zero_denominator_gives_numpy_nan_not_an_exception():
+    """Chosen router scores that underflowed to 0 renormalise to NaN, and RMSNorm of a zero row with eps 0 is NaN,
+    as the numpy lines give (numba's default error model would raise ZeroDivisionError inside the step)."""
+    scores = np.zeros((2, 6), np.float32)  # sigmoid of very negative logits
+    ids, weights = np.empty((2, 3), np.int64), np.empty((2, 3), np.float32)
+    route_top_k(scores, np.zeros(6, np.float32), True, np.float32(2.5), ids, weights)
+    with np.errstate(invalid="ignore"):
+        _, expected = route_reference(scores, np.zeros(6, np.float32), 3, True, 2.5)
+        expected_norm = rms_norm_numpy(np.zeros((1, 8), np.float32), np.ones(8, np.float32), 0.0)
+    np.testing.assert_array_equal(weights, expected)
+    assert np.isnan(weights).all()
+    out = np.empty((1, 8), np.float32)
+    rms_norm_into(np.zeros((1, 8), np.float32), np.ones(8, np.float32), np.float32(0.0), out)
+    np.testing.assert_array_equal(out, expected_norm)
+    exps = np.zeros((1, 4), np.float32)  # every exp underflowed
+    softmax_top_k(exps, True, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
+    assert np.isnan(exps).all()

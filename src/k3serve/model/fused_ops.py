@@ -18,6 +18,9 @@ numpy's `pairwise_sum`), then divided, added to eps, square-rooted and divided i
 model's logits do not move when its loop switches to these stages (tests/model/test_fused_ops.py checks every
 stage bit for bit against its twin on odd widths, and the models' parity tests still hold).
 
+Division follows numpy too (`error_model="numpy"`): a zero denominator gives inf or NaN, as the numpy lines did,
+never a ZeroDivisionError inside a step.
+
 Shapes: T tokens (rows), H width, S sources, NE experts, TOPK chosen.
 """
 
@@ -32,7 +35,7 @@ from k3serve.model.attn_res import _attn_res
 MAX_PAIRWISE_DEPTH = 64  # frames of the pairwise tree's walk: 2 per halving, so widths up to 2^31 values
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _block_sum(a: np.ndarray, start: int, n: int) -> np.float32:
     """sum(a[start:start+n]) for n <= 128 in numpy's order: plain below 8 values, else 8 running lanes, their
     tree, then the tail."""
@@ -62,7 +65,7 @@ def _block_sum(a: np.ndarray, start: int, n: int) -> np.float32:
     return total
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _pairwise_sum(a: np.ndarray, n: int, frames: np.ndarray, values: np.ndarray) -> np.float32:
     """sum(a[:n]) in float32, added in the order of numpy's pairwise summation (a reduce over a contiguous float32
     row): blocks of at most 128 values (`_block_sum`), and above 128 the sum of two halves, the first a multiple of
@@ -96,7 +99,7 @@ def _pairwise_sum(a: np.ndarray, n: int, frames: np.ndarray, values: np.ndarray)
     return values[0]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _norm_row(row: np.ndarray, weight: np.ndarray, eps: np.float32, squares: np.ndarray, frames: np.ndarray,
               values: np.ndarray, out: np.ndarray) -> None:
     """out = row / sqrt(sum(row^2) / H + eps) * weight, one row [H]; `squares` [H], frames and values (see
@@ -110,7 +113,7 @@ def _norm_row(row: np.ndarray, weight: np.ndarray, eps: np.float32, squares: np.
         out[i] = row[i] / denominator * weight[i]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rms_norm_into(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
     """x [T, H] float32, weight [H] -> out [T, H] (may be x)."""
     squares = np.empty(x.shape[1], np.float32)
@@ -119,7 +122,7 @@ def rms_norm_into(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
         _norm_row(x[t], weight, eps, squares, frames, values, out[t])
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def l2_normalize_into(x: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
     """x [T, D] float32 -> out [T, D] = x / sqrt(sum(x^2) + eps) per row (may be x)."""
     squares = np.empty(x.shape[1], np.float32)
@@ -132,7 +135,7 @@ def l2_normalize_into(x: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
             out[t, i] = x[t, i] / denominator
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
     """h [T, H] += delta [T, H] in place, then out [T, H] = RMSNorm(h) * weight [H]."""
     squares = np.empty(h.shape[1], np.float32)
@@ -143,7 +146,7 @@ def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: np.f
         _norm_row(h[t], weight, eps, squares, frames, values, out[t])
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def attn_res_norm(sources: np.ndarray, query: np.ndarray, weight: np.ndarray, eps: np.float32, h: np.ndarray,
                   x: np.ndarray) -> None:
     """sources [S, T, H] (the block snapshots then the partial sum), query [H] -> h [T, H] = AttnRes, and
@@ -152,7 +155,7 @@ def attn_res_norm(sources: np.ndarray, query: np.ndarray, weight: np.ndarray, ep
     rms_norm_into(h, weight, eps, x)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _select_top_k(values: np.ndarray, taken: np.ndarray, ids: np.ndarray) -> None:
     """ids [TOPK] = the ids of the largest of values [NE], largest first, the lower id first among equal values
     (a stable descending sort's first TOPK; NaN counts as the smallest); taken [NE] is scratch."""
@@ -173,7 +176,7 @@ def _select_top_k(values: np.ndarray, taken: np.ndarray, ids: np.ndarray) -> Non
         ids[j] = best
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def route_top_k(scores: np.ndarray, bias: np.ndarray, renormalize: bool, scale: np.float32, ids: np.ndarray,
                 weights: np.ndarray) -> None:
     """K3's router after sigmoid: scores [T, NE], bias [NE] -> ids [T, TOPK] (the largest scores + bias, as
@@ -199,7 +202,7 @@ def route_top_k(scores: np.ndarray, bias: np.ndarray, renormalize: bool, scale: 
                 weights[t, j] = chosen[j] * scale
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def shift_by_row_max(logits: np.ndarray) -> None:
     """logits [T, NE] -= each row's max, in place (NaN in a row makes the row NaN, as np.max propagates it)."""
     for t in range(logits.shape[0]):
@@ -214,7 +217,7 @@ def shift_by_row_max(logits: np.ndarray) -> None:
             logits[t, e] -= top
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def softmax_top_k(exps: np.ndarray, normalize: bool, ids: np.ndarray, weights: np.ndarray) -> None:
     """The families' softmax router after its exp: exps [T, NE] = exp(logits - row max) (numpy's exp, so its bits)
     -> probabilities p = exps / sum(exps) (in place), ids [T, TOPK] of the largest p (ties to the lower id), and
@@ -239,7 +242,7 @@ def softmax_top_k(exps: np.ndarray, normalize: bool, ids: np.ndarray, weights: n
                 weights[t, j] = chosen[j]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rotate_into(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool, out: np.ndarray) -> None:
     """Rotary embedding: x [T, NH, D], cos and sin [T, d/2] -> out [T, NH, D] = [x1 c - x2 s | x2 c + x1 s | rest]
     with (x1, x2) the two halves of x's first d channels (interleaved: the even and odd channels)."""
