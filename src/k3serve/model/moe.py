@@ -117,9 +117,9 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     if remote_y is not None:  # [T*TOPK, LT] from the expert owners
         accumulate_expert_rows(remote_y, tokens_by_expert, weights_by_expert, mixed)
     elif stacked is not None:  # every expert of the layer in one call, spread over the cores
-        mxfp4_experts_accumulate_stacked(stacked, needed.astype(np.int64), z, tokens_by_expert,
-                                         starts.astype(np.int64), ends.astype(np.int64), weights_by_expert, beta,
-                                         linear_beta, mixed)
+        mxfp4_experts_accumulate_stacked(stacked, np.asarray(needed, np.int64), z, tokens_by_expert,
+                                         np.asarray(starts, np.int64), np.asarray(ends, np.int64),
+                                         weights_by_expert, beta, linear_beta, mixed)
     else:  # one call per expert, ascending id (a lazy mapping may reuse a slot for the next expert)
         experts = fetch_experts([int(e) for e in needed])
         single = np.zeros(1, np.int64)

@@ -87,7 +87,7 @@ class KeptExperts:
 
     def add(self, expert_ids: np.ndarray) -> None:
         """expert_ids [T, TOPK], DROPPED slots excluded."""
-        self.counts += np.bincount(np.sum(expert_ids >= 0, axis=1), minlength=self.counts.shape[0])
+        _count_kept(np.ascontiguousarray(expert_ids, dtype=np.int64), self.counts)
 
     @property
     def num_pairs(self) -> int:
@@ -105,6 +105,16 @@ class KeptExperts:
         top_k = self.counts.shape[0] - 1
         shares = ", ".join(f"{n}: {100 * c / max(self.num_pairs, 1):.1f}%" for n, c in self.histogram().items())
         return f"experts kept      {self.mean:.2f} of {top_k} per token and layer ({shares})"
+
+
+@njit(cache=True)
+def _count_kept(expert_ids: np.ndarray, counts: np.ndarray) -> None:
+    """counts[n] += the rows of expert_ids [T, TOPK] with n slots kept (>= 0), in one compiled call."""
+    for t in range(expert_ids.shape[0]):
+        kept = 0
+        for j in range(expert_ids.shape[1]):
+            kept += expert_ids[t, j] >= 0
+        counts[kept] += 1
 
 
 @dataclass(frozen=True)
