@@ -1,8 +1,9 @@
 #!/bin/bash
 # The before/after profile of issue 33 item 2 (docs/BENCHMARKS.md, "The per-token overhead cut"), as run on
-# 2026-12-06 10:59-11:06 UTC. Trees: /tmp/overhead/base = `git archive c7fb661 src` (the branch's base),
-# /tmp/overhead/tip = `git archive 4a45542 src benchmarks` (the branch). Output: overhead_profile.log here, the
-# K3 runs' JSON records in overhead_k3_profile.jsonl.
+# 2026-12-06, twice. Trees: /tmp/overhead/base = `git archive c7fb661 src` (the branch's base), /tmp/overhead/tip =
+# `git archive <commit> src benchmarks` (the branch). Session 1, 10:59-11:06 UTC, commit 4a45542: overhead_profile.log
+# and overhead_k3_profile.jsonl here (the K3 runs' JSON records). Session 2, 11:16-11:25 UTC, commit f1a6ce3:
+# overhead_profile_2.log and overhead_k3_profile_2.jsonl.
 # before (base c7fb661's src) and after (this branch's src), the same bench scripts (the branch's), alternated
 cd /tmp/overhead/tip
 export OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1
