@@ -52,7 +52,8 @@ def _pools(budget: int = 64 * KiB) -> tuple[RamPools, SignalPool, SignalPool, Si
     return RamPools(budget, [a, b, c]), a, b, c
 
 
-signal = st.builds(PoolSignal, st.floats(0, 10, allow_nan=False), st.floats(0, 10, allow_nan=False))
+signal = st.builds(PoolSignal, st.floats(0, 10, allow_nan=False), st.floats(0, 10, allow_nan=False),
+                   st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 20 * KiB)), max_size=2).map(tuple))
 
 
 @settings(max_examples=40, deadline=None)
@@ -138,6 +139,41 @@ def test_alternating_signals_do_not_flap():
     assert len(controller.moves) <= 24 // (cooldown + 1) + 1
 
 
+def test_a_complement_is_priced_and_moved_with_the_receiver():
+    """a's gain needs 8 KiB of c beside each 4 KiB step of a (blocks that hit only with a checkpoint): its gain per MiB
+    is over 12 KiB, and one move takes both from the donor b."""
+    ledger, a, b, c = _pools(budget=53 * KiB)  # no headroom
+    controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=4 * KiB, hysteresis=0.0,
+                                                        cooldown_intervals=0, demand_decay=0.0))
+    a.signals = [PoolSignal(gain_seconds=4.0, companions=(("c", 8 * KiB), ("a", 4 * KiB)))]  # itself: ignored
+    b.signals = [PoolSignal(loss_seconds=0.1)]
+    c.signals = [PoolSignal(loss_seconds=5.0)]  # dear to lose: without the companion rule it could not grow
+    move = controller.on_step()
+    assert (move.donor, move.receiver, move.companions) == ("b", "a", (("c", 8 * KiB),))
+    assert controller.last_values["a"].gain_per_mib == pytest.approx(4.0 / (12 / 1024))
+    assert (a.size_bytes, b.size_bytes, c.size_bytes) == (20 * KiB, 9 * KiB, 24 * KiB)
+    assert ledger.total_bytes <= ledger.budget_bytes and "+ 8.00 KiB c" in move.line()
+    ledger.check_integrity()
+
+
+def test_a_pool_that_just_grew_is_not_given_back_before_its_hits_show():
+    """a grows for a gain, then shows neither gain nor loss for a while (a checkpoint hits a round after it is
+    saved): its recent demand, decayed per interval, is its loss floor; with demand_decay 0 it is given back at once."""
+    def run(decay: float) -> list[tuple[str, str]]:
+        ledger, a, b, c = _pools(budget=53 * KiB)
+        controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=8 * KiB, hysteresis=0.0,
+                                                            cooldown_intervals=0, demand_decay=decay))
+        a.signals = [PoolSignal(gain_seconds=4.0)] + [PoolSignal()] * 3
+        b.signals = [PoolSignal(loss_seconds=0.1)] + [PoolSignal(loss_seconds=10.0)] * 3
+        c.signals = [PoolSignal(loss_seconds=10.0)] + [PoolSignal(gain_seconds=0.5, loss_seconds=10.0)] * 3
+        for _ in range(4):
+            controller.on_step()
+        return [(m.donor, m.receiver) for m in controller.moves]
+
+    assert run(0.5) == [("b", "a")]  # a's floor: 4/8 KiB, halved each interval, stays above c's 0.5/8 KiB
+    assert run(0.0)[:2] == [("b", "a"), ("a", "c")]
+
+
 def test_headroom_is_spent_before_anything_is_taken():
     ledger, a, b, c = _pools(budget=61 * KiB)  # 8 KiB unspent
     controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=16 * KiB))
@@ -159,6 +195,8 @@ def test_controller_config_is_validated():
         ControllerConfig(interval_steps=0)
     with pytest.raises(ConfigError):
         ControllerConfig(hysteresis=-1)
+    with pytest.raises(ConfigError, match="demand_decay"):
+        ControllerConfig(demand_decay=1.0)
 
 
 # ---- the engine's pools under a streaming model --------------------------------------------------------------

@@ -167,9 +167,16 @@ class KVBlockPool(RamPool):
         if self.peak_in_use + k > self.blocks.num_usable_blocks:
             # the peak would not have fit: one sequence of the peak's mean length preempted and computed again
             lost_tokens += self.peak_in_use * self.blocks.block_size / self.peak_running
-        shadow = self.prefix_cache.take_block_shadow() if self.prefix_cache is not None else []
-        gained = self.preempted_tokens + best_gain_per_step(shadow, k)
-        signal = PoolSignal(gained * prices.compute_seconds_per_token, lost_tokens * prices.compute_seconds_per_token)
+        shadow, prefixes = self.prefix_cache.take_block_shadow() if self.prefix_cache is not None else ([], 0)
+        ghost_gain = best_gain_per_step(shadow, k)
+        gained = self.preempted_tokens + ghost_gain
+        companions: tuple[tuple[str, int], ...] = ()
+        if ghost_gain > 0 and self.prefix_cache.needs_state and self.prefix_cache.store.num_slots:
+            # hybrid: the ghost prefixes hit again only with a state checkpoint at each one's end, so a step of
+            # blocks is priced, and moved, with one checkpoint per prefix (KV and checkpoints are complements)
+            companions = (("checkpoints", prefixes * self.prefix_cache.checkpoint_bytes),)
+        signal = PoolSignal(gained * prices.compute_seconds_per_token, lost_tokens * prices.compute_seconds_per_token,
+                            companions)
         self.preempted_tokens = self.reused_block_tokens = 0
         self.peak_in_use = self.peak_running = 0
         return signal
