@@ -178,8 +178,19 @@ def test_headroom_is_spent_before_anything_is_taken():
     ledger, a, b, c = _pools(budget=61 * KiB)  # 8 KiB unspent
     controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=16 * KiB))
     a.signals = [PoolSignal(3.0, 3.0)]
+    c.signals = [PoolSignal(0.0, 0.0)]  # free to give (b has nothing to give either, but its unit is 3 KiB)
+    b.signals = [PoolSignal(0.0, 9.0)]
     move = controller.on_step()
-    assert move.donor == "" and move.receiver == "a" and move.num_bytes == 8 * KiB
+    # the 8 KiB unspent go first, and the cheapest donor gives only the other 8 KiB of the step
+    assert (move.donor, move.receiver, move.num_bytes) == ("c", "a", 16 * KiB)
+    assert c.size_bytes == 8 * KiB and ledger.total_bytes == ledger.budget_bytes
+    # with every other pool too dear to give, the headroom alone is spent
+    ledger, a, b, c = _pools(budget=61 * KiB)
+    controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=16 * KiB))
+    a.signals = [PoolSignal(3.0, 3.0)]
+    b.signals, c.signals = [PoolSignal(0.0, 9.0)], [PoolSignal(0.0, 9.0)]
+    move = controller.on_step()
+    assert (move.donor, move.receiver, move.num_bytes) == ("", "a", 8 * KiB)
     assert ledger.total_bytes == ledger.budget_bytes
 
 

@@ -631,11 +631,12 @@ class PrefixCache:
         self._pending_ghost_prefix = hashes[run - 1]
         return depth, run * self.block_size
 
-    def take_block_shadow(self) -> tuple[list[tuple[int, int]], int]:
-        """This interval's block ghost hits as (depth in blocks, positions), and how many distinct prefixes they
-        end at (on a hybrid model each needs a checkpoint there to hit); starts a new interval."""
+    def take_block_shadow(self) -> tuple[list[tuple[int, int]], set[bytes]]:
+        """This interval's block ghost hits as (depth in blocks, positions), and the distinct prefixes they end at
+        (the hash of each one's last block: on a hybrid model each needs a checkpoint there to hit); starts a new
+        interval."""
         hits, self.block_shadow_hits = self.block_shadow_hits, []
-        prefixes, self.block_shadow_prefixes = len(self.block_shadow_prefixes), set()
+        prefixes, self.block_shadow_prefixes = self.block_shadow_prefixes, set()
         return hits, prefixes
 
     def resize_checkpoints(self, num_checkpoints: int) -> int:

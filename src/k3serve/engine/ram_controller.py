@@ -251,17 +251,19 @@ class RamController:
         pool = self.pools.pools[receiver]
         step = max(pool.unit_bytes, self.config.step_bytes // pool.unit_bytes * pool.unit_bytes)
         companions = values[receiver].companions
-        if self.pools.headroom_bytes >= pool.unit_bytes:  # unspent budget goes first, at no loss
-            return self._move("", receiver, min(step, self.pools.headroom_bytes), float("nan"), gain, companions)
+        headroom = self.pools.headroom_bytes
+        # unspent budget goes first, at no loss; a donor gives only what it lacks of a whole step
+        if headroom >= step + sum(n for _, n in companions):
+            return self._move("", receiver, step, float("nan"), gain, companions)
         donors = [n for n, v in values.items() if n != receiver and v.loss_per_mib < float("inf")
                   and n not in dict(companions)
                   and self._interval - self._received_at.get(n, -cooldown - 1) > cooldown]
-        if not donors:
-            return None
-        donor = min(donors, key=lambda n: (values[n].loss_per_mib, n))
-        loss = values[donor].loss_per_mib
+        donor = min(donors, key=lambda n: (values[n].loss_per_mib, n)) if donors else ""
+        loss = values[donor].loss_per_mib if donor else float("inf")
         bar = (1 + self.config.hysteresis) * loss + self.config.min_gain_seconds_per_mib
         if not gain > bar:
+            if headroom >= pool.unit_bytes:
+                return self._move("", receiver, min(step, headroom), float("nan"), gain, companions)
             return None
         # a wide margin moves more at once (up to max_steps_per_move steps): twice the bar, two steps, ...
         most = self.config.max_steps_per_move
@@ -275,11 +277,14 @@ class RamController:
         pools = self.pools.pools
         freed = 0
         extra = sum(n for _, n in companions)
-        if donor:
+        ask = num_bytes + extra - self.pools.headroom_bytes
+        if donor and ask > 0:
             before = pools[donor].size_bytes
-            freed = before - pools[donor].resize(before - num_bytes - extra)
+            freed = before - pools[donor].resize(before - ask)
             if freed <= 0:
                 return None
+        elif donor:  # the headroom covers the step after all
+            donor, loss = "", float("nan")
         give = min(num_bytes, self.pools.headroom_bytes)
         before = pools[receiver].size_bytes
         grown = pools[receiver].resize(before + give) - before
