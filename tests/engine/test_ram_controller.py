@@ -290,3 +290,22 @@ def test_prefix_checkpoints_and_kv_blocks_resize():
     pool.check_integrity({used: 1})
     assert pool.give_back(2) == 2 and pool.num_free_blocks == 2
     pool.check_integrity({used: 1})
+
+
+@pytest.mark.parametrize("ghosts", [True, False])
+def test_a_prompt_that_repeats_evicted_blocks_checkpoints_their_end(tiny_model, drive, ghosts):
+    """With the KV pool's block ghosts on (the controller's), a prompt whose shared blocks were evicted saves a
+    checkpoint where they end, so the next repeat hits there, a round earlier than without the ghosts."""
+    engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=64, max_seqs=4,
+                                                num_state_checkpoints=8))
+    prefix_cache = engine.scheduler.prefix_cache
+    prefix_cache.track_block_shadow(64 if ghosts else 0)
+    system = [1, 17, 200, 45, 3, 99, 128, 7, 250, 64, 31, 5]  # three full blocks
+    cached = []
+    for i, question in enumerate(([100, 101], [110, 111], [120, 121])):
+        request_id = engine.add_request(system + question, SamplingParams(max_tokens=2, ignore_eos=True))
+        cached.append(drive(engine)[request_id].num_cached_tokens)
+        if i == 0:
+            assert engine.scheduler.blocks.evict_all_cached() > 0  # the first one's blocks leave the pool
+        engine.check_integrity()
+    assert cached == ([0, 0, 12] if ghosts else [0, 0, 0])

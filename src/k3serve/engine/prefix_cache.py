@@ -301,6 +301,11 @@ class PrefixCache:
             if hit is not None:
                 break
         branch = self._branch_point(root, tokens, hashes, len(matched))
+        if branch is None and self._pending_block_hit is not None:
+            # the prompt repeats recently evicted cached blocks (the RAM controller's ghosts): their end is where a
+            # path seen before stops, so a checkpoint there lets the next repeat hit a round earlier
+            end = len(matched) * BS + self._pending_block_hit[1]
+            branch = end if end < len(tokens) else None
         block_hit = 0 if self.needs_state else min(len(matched), limit // BS) * BS
         best = max(block_hit, hit.position if hit is not None else 0)
         on_disk = self._match_disk(root, tokens, hashes, best) if self.disk is not None else None
