@@ -21,8 +21,10 @@ if TYPE_CHECKING:
     from k3serve.engine.engine import LLMEngine
     from k3serve.engine.ram_controller import RamController
 
-DEFAULT_INTERVAL_STEPS = 8
-STEP_FRACTION = 32  # the default step: 1/32 of the budget
+# defaults measured on benchmarks/bench_ram_controller.py (docs/STREAMING.md): interval 8 with 1/32 steps learns
+# too slowly there (1.73x the best fixed split), interval 4 with 1/8 steps comes within 3% of it
+DEFAULT_INTERVAL_STEPS = 4
+STEP_FRACTION = 8  # the default step: 1/8 of what the pools share (the budget less the trunk's fixed part)
 
 
 def add_ram_controller_args(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +37,8 @@ def add_ram_controller_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ram-controller-interval", type=cli_args.positive_int, default=None, metavar="STEPS",
                    help=f"engine steps between the controller's decisions (default {DEFAULT_INTERVAL_STEPS})")
     g.add_argument("--ram-controller-step", type=cli_args.size, default=None, metavar="SIZE",
-                   help=f"the most RAM one decision moves, e.g. 64M (default: 1/{STEP_FRACTION} of --ram-budget)")
+                   help=f"the most RAM one decision moves, e.g. 64M (default: 1/{STEP_FRACTION} of what the pools "
+                        "share: --ram-budget less the trunk and its buffers)")
 
 
 def check_ram_controller_args(args: argparse.Namespace) -> None:
@@ -91,7 +94,7 @@ def attach_from_args(engine: LLMEngine, args: argparse.Namespace) -> RamControll
             + ("" if plan.pinned_trunk_bytes == 0 else
                f"; {format_size(plan.pinned_trunk_bytes)} of the trunk is pinned: --pin-trunk SIZE pins less"))
     step = parse_size(args.ram_controller_step) if args.ram_controller_step is not None \
-        else max(budget // STEP_FRACTION, slots.stride)
+        else max((budget - fixed) // STEP_FRACTION, slots.stride)
     interval = args.ram_controller_interval or DEFAULT_INTERVAL_STEPS
     config = ControllerConfig(interval_steps=interval, step_bytes=step)
     return attach_ram_controller(engine, budget, config, experts=(left // slots.stride, slots.cache.max_slots),
