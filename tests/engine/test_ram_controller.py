@@ -309,3 +309,32 @@ def test_a_prompt_that_repeats_evicted_blocks_checkpoints_their_end(tiny_model, 
             assert engine.scheduler.blocks.evict_all_cached() > 0  # the first one's blocks leave the pool
         engine.check_integrity()
     assert cached == ([0, 0, 12] if ghosts else [0, 0, 0])
+
+
+def test_a_kv_step_on_a_hybrid_model_brings_the_checkpoints_its_ghost_prefixes_lack(tiny_store):
+    """KV blocks and checkpoints are complements: a block ghost hit is priced, and moved, with one checkpoint per
+    recent ghost prefix (plus one) beyond those held."""
+    from k3serve.engine.ram_pools import KVBlockPool
+    from k3serve.loading import load_model
+    from k3serve.stream.options import StreamOptions
+
+    model = load_model(tiny_store.path, stream=StreamOptions(io="pread", cache="lru")).model
+    engine = LLMEngine(model, EngineConfig(max_seqs=4, num_blocks=64, block_size=4, num_state_checkpoints=8),
+                       stop_ids=())
+    controller = attach_ram_controller(engine, 8 << 20, ControllerConfig(interval_steps=10_000),  # no decision
+                                       experts=(8, 32), checkpoints=0)
+    kv = controller.pools.pools["kv"]
+    assert isinstance(kv, KVBlockPool)
+    rng = np.random.default_rng(5)
+    systems = [[int(t) for t in rng.integers(3, 256, 12)] for _ in range(2)]  # two prefixes of three blocks
+    for system in systems:
+        engine.add_request(system + [7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    _run(engine, [])
+    kv.take_signal(controller.config.step_bytes, Prices())  # a new interval: nothing before counts
+    assert engine.scheduler.blocks.evict_all_cached() > 0
+    _run(engine, [system + [9, 10] for system in systems])  # both prefixes looked up again: ghost hits
+    signal = kv.take_signal(controller.config.step_bytes, Prices())
+    assert signal.gain_seconds > 0
+    checkpoint_bytes = engine.scheduler.prefix_cache.checkpoint_bytes
+    assert signal.companions == (("checkpoints", (2 + 1 - 0) * checkpoint_bytes),)  # 2 prefixes + 1, none held
+    model.source.close()
