@@ -20,7 +20,13 @@ The controller (`RamController.on_step`, called by the engine thread between ste
     gain(dearest) > (1 + hysteresis) * loss(cheapest) + min_gain_seconds_per_mib
 
 and neither pool moved the other way within `cooldown_intervals` (no flapping). It shrinks the donor first and
-grows the receiver by at most what was freed plus the ledger's headroom, so the budget holds at every point. Every
+grows the receiver by at most what was freed plus the ledger's headroom, so the budget holds at every point.
+
+Complements: a signal may name `companions`, bytes other pools must grow by for its gain to be had (on a hybrid
+model cached blocks hit only with a state checkpoint at their end). The gain is then priced per MiB of the step
+plus the companions, a companion is never the donor, and one move grows both. A pool's loss is floored by its own
+recent gain per MiB, decayed by `demand_decay` per interval: what a pool just grew for (a checkpoint hits only a
+round after it is saved) is not given back before its hits can show. Every
 move is a `RamMove` in `moves`, counted in `/metrics` (`ram_controller_moves`, `ram_pool_bytes{pool}`) and listed
 in the run report (`lines()`).
 """

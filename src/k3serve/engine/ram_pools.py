@@ -5,7 +5,7 @@ under one budget on a running engine.
 |-------------|----------------------------|------------------------------------------|---------------------------------|---------------------------------------|
 | experts     | one slot (the blob stride) | `ExpertSlots.resize` (pages returned)    | ghost hits x blob bytes x read  | hits on the least-hit resident experts |
 | checkpoints | one checkpoint slot        | `PrefixCache.resize_checkpoints` (evict) | recomputed positions x compute  | positions restored from the least-hit  |
-| kv          | one attention block        | `BlockPool.withhold / give_back`         | preempted and ghost-block positions x compute | cached-block reuse it would drop, and a preemption if the peak would not fit |
+| kv          | one attention block        | `BlockPool.withhold / give_back`         | preempted and ghost-block positions x compute (on a hybrid model with the checkpoints the ghost prefixes lack as companions) | cached-block reuse it would drop, and a preemption if the peak would not fit |
 
 Seconds come from `Prices`: the measured read wait per byte of the expert store, and the measured compute time per
 position (forward seconds less read wait, per batched token). The trunk and the I/O buffers stay where the
