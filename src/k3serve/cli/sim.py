@@ -25,7 +25,8 @@ def add_sim_commands(sim_sub) -> None:
                     help="a preset (c-engine, c-engine-v1, laptop, this-machine) or a machine file (.json/.toml)" + d)
     k3.add_argument("--engine", choices=("k3serve", "c-engine"), default="k3serve", help="engine profile" + d)
     k3.add_argument("--policy", default="lfu", help="expert cache policy: none, lru, lfu, s3fifo, pinned" + d)
-    k3.add_argument("--prefetch", choices=("none", "next-layer"), default="next-layer", help="prefetch mode" + d)
+    k3.add_argument("--prefetch", choices=("none", "next-layer"), default="none",
+                    help="prefetch mode, the engine's default unless given" + d)
     k3.add_argument("--prefetch-max", type=cli_args.non_negative_int, default=None,
                     help="guesses per layer (default: top-k)")
     k3.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural",
@@ -70,7 +71,7 @@ def add_sim_commands(sim_sub) -> None:
                     help="prompt positions per prefill step (1: token at a time; default: the whole prompt)")
     k3.add_argument("--returning-prompt", type=cli_args.positive_int, default=None,
                     help="a returning N-token prompt whose checkpoint left RAM: TTFT restored from the prefix "
-                         "cache's disk tier against recomputed (docs/SIMULATOR.md, section 4d) (default: off)")
+                         "cache's disk tier against recomputed (docs/SIMULATOR.md, section 4e) (default: off)")
     k3.add_argument("--returning-new-tokens", type=cli_args.positive_int, default=1,
                     help="with --returning-prompt: new positions after the restored prefix" + d)
     k3.add_argument("--price-per-hour", type=cli_args.float_range(0.0), default=None,
