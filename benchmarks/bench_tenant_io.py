@@ -5,7 +5,8 @@ The embedded model is packed (once) and streamed under --ram-budget with O_DIREC
 cache). Tenant H sends one short request every --interval seconds, each a --light-prompt window of the first
 --hit-text-tokens tokens of one Python source file (by default one fixed 8-token prompt: alone, its experts stay
 cached and it barely reads); tenant M keeps --flood requests live, each a prompt of random token ids (no domain:
-its routing spreads over the experts). Each round runs, alternating, the --modes: H alone (fair), H + M under fair
+its routing spreads over the experts). Each round runs, alternating, the --modes, each on a fresh
+streaming source (an empty expert cache): H alone (fair), H + M under fair
 charged by tokens (`fair`), H + M under fair with charge io (`fair_io`, --io-cost tokens per second of waiting on
 reads), and with charge io plus per-tenant expert cache shares (`fair_io_shares`, --tenant-cache-shares), I/O-heavy
 tenants in steps of their own (`fair_io_defer`, --defer-io-heavy), or both (`fair_io_shares_defer`). Reported per mode
@@ -15,7 +16,9 @@ by token share), and what H's TTFT is made of: per H request, the model-clock se
 arrived and of the steps until its first token, and how many of those steps ran M's tokens beside H's.
 
 The default budget (6708K: 337 expert slots for the 7 x 64 experts) keeps the regime of the first runs (338 slots
-at 8M before the trunk's globals shrank: at 8M every expert now fits and nothing misses).
+at 8M then; the plan now holds the trunk in bf16, so at 8M all 448 experts fit and nothing misses). --hit-weight
+sets H's tenant weight in every mode: its virtual counter's rate and, with shares, its share of the expert cache
+(weight / sum of weights; H's requests route to about 209 experts, more than half of 337 slots).
 
 Clock (--clock model, the default): every forward runs for real, but time is a virtual clock advanced after each
 step by the step's compute cost (fixed + per position, calibrated once on the resident model: no I/O in it) plus
@@ -25,6 +28,7 @@ does not enter the compute part, while the disk waits stay real. --clock wall us
 Prints the machine, one summary line, and a JSON record on the last line.
 
     python benchmarks/bench_tenant_io.py [--rounds 3] [--duration 10] [--ram-budget 6708K] [--clock model|wall]
+        [--hit-weight 1] [--io-heavy-step-tokens 32]
         [--modes alone fair fair_io fair_io_shares fair_io_defer fair_io_shares_defer]
 """
 
@@ -62,7 +66,8 @@ def run(loaded, mode: str, args: argparse.Namespace, step_cost: tuple[float, flo
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_seqs=args.flood + 16, block_size=16,
                           num_blocks=4096, enable_prefix_caching=False, scheduling="fair",
                           charge="io" if mode.startswith("fair_io") else "tokens", io_cost=args.io_cost,
-                          tenant_cache_shares="shares" in mode, defer_io_heavy="defer" in mode)
+                          tenant_cache_shares="shares" in mode, defer_io_heavy="defer" in mode,
+                          io_heavy_step_tokens=args.io_heavy_step_tokens)
     engine = LLMEngine(model, config, stop_ids=())
     if args.hit_weight != 1:  # every mode: only the switches differ between them
         engine.set_tenant_shares({HIT: TenantShare(weight=args.hit_weight)})
@@ -74,6 +79,7 @@ def run(loaded, mode: str, args: argparse.Namespace, step_cost: tuple[float, flo
     ttft: dict[str, float] = {}
     fresh: list[str] = []
     usage = {HIT: [0, 0, 0], MISS: [0, 0, 0]}  # misses, bytes, positions
+    generated = {HIT: 0, MISS: 0}  # tokens of finished requests
     # what H's TTFT is made of: the rest of the step in flight at its arrival, then the steps until its first token
     in_flight: dict[str, float] = {}
     own_steps: dict[str, list[float]] = {}
@@ -145,6 +151,7 @@ def run(loaded, mode: str, args: argparse.Namespace, step_cost: tuple[float, flo
         for out in outputs:
             if out.finished:
                 tenant = HIT if out.request_id in arrival else MISS
+                generated[tenant] += len(out.outputs[0].token_ids)
                 live -= tenant == MISS
                 positions = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
                 for i, value in enumerate((out.expert_misses, out.bytes_read, positions)):
@@ -155,6 +162,7 @@ def run(loaded, mode: str, args: argparse.Namespace, step_cost: tuple[float, flo
     return {"mode": mode, "hit_ttft_p50": _quantile(waits, 0.5), "hit_ttft_p99": _quantile(waits, 0.99),
             "hit_requests": len(waits), "hit_unserved": len(waits) - len(ttft),
             "hit_ttft_ms_by_arrival": [round(1000 * t, 2) for t in in_order],
+            "flood_tokens_per_second": generated[MISS] / elapsed,
             "in_flight_p50": _quantile(list(in_flight.values()), 0.5),
             "in_flight_p99": _quantile(list(in_flight.values()), 0.99),
             "own_steps_mean": statistics.mean(len(s) for s in own_steps.values()) if own_steps else None,
@@ -189,6 +197,8 @@ def main() -> None:
     parser.add_argument("--hit-weight", type=float, default=1.0,
                         help="H's tenant weight in every mode (its virtual counter and, with shares, its share of "
                              "the expert cache: weight / sum of weights)")
+    parser.add_argument("--io-heavy-step-tokens", type=int, default=32,
+                        help="the defer modes: positions an M-only step may compute while H is around")
     parser.add_argument("--clock", choices=("model", "wall"), default="model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -196,13 +206,21 @@ def main() -> None:
     step_cost = calibrate_step_cost(resident.model)
     code_ids = list(resident.tokenizer.encode(SOURCE_TEXT.read_text()))[:args.hit_text_tokens]
     del resident
-    loaded = load_model(None, stream=StreamOptions(ram_budget=parse_size(args.ram_budget), io="direct",
-                                                   cache="lru"))
     modes = tuple(args.modes)
     if "alone" not in modes:
         parser.error("--modes needs alone (the ratios are to it)")
-    rounds = [{mode: run(loaded, mode, args, step_cost, code_ids) for mode in modes} for _ in range(args.rounds)]
-    loaded.model.source.close()
+
+    def fresh_run(mode: str) -> dict:
+        """Each run on a fresh streaming source: every mode starts from an empty expert cache (H's first request
+        is cold in every mode, alone included), whatever the run before it left resident."""
+        loaded = load_model(None, stream=StreamOptions(ram_budget=parse_size(args.ram_budget), io="direct",
+                                                       cache="lru"))
+        try:
+            return run(loaded, mode, args, step_cost, code_ids)
+        finally:
+            loaded.model.source.close()
+
+    rounds = [{mode: fresh_run(mode) for mode in modes} for _ in range(args.rounds)]
     summary = {mode: {field: statistics.median(r[mode][field] for r in rounds)
                       for field in ("hit_ttft_p50", "hit_ttft_p99")} for mode in modes}
     ratio = {mode: statistics.median(r[mode]["hit_ttft_p99"] / r["alone"]["hit_ttft_p99"] for r in rounds)
