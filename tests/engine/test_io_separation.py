@@ -128,6 +128,8 @@ def test_shares_and_separate_steps_keep_outputs_and_the_ledger_exact_and_starve_
     assert {k: o.outputs[0].token_ids for k, o in isolated.items()} == \
         {k: o.outputs[0].token_ids for k, o in plain.items()}
     assert sum(o.expert_misses for o in isolated.values()) == total.expert_misses > 0
+    caused = sum(engine.figures.tenant_io_caused.labels(t).value for t in ("H", "M"))
+    assert caused == pytest.approx(total.io_wait_seconds)  # the pollution ledger bills every second of waiting
     assert engine.scheduler.io_separation.num_separated_steps > 0
     waited = {"H": 0, "M": 0}
     for with_work, ran in steps:
