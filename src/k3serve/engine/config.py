@@ -53,7 +53,8 @@ class EngineConfig:
     io_cost: float = 1000.0  # charge='io': tokens one second of waiting on reads costs
     tenant_cache_shares: bool = False  # each active tenant owns a share of the expert cache (by weight): its misses
     # evict its own experts once it holds its share (stream/expert_cache.py; --tenant-cache-shares)
-    tenant_cache_hold_s: float = 10.0  # a tenant keeps its share this long after its last sequence left
+    tenant_cache_hold_s: float = 10.0  # a tenant counts as around this long after its last sequence left: it keeps
+    # its expert cache share, and (defer_io_heavy) heavy-only steps stay short for it
     defer_io_heavy: bool = False  # charge='io': a tenant whose recent misses per position are far above another's
     # runs in steps of its own (engine/fairness.py `IOSeparation`; --defer-io-heavy)
     io_heavy_step_tokens: int | None = 32  # defer_io_heavy: positions a step of I/O-heavy tenants only may compute

@@ -120,7 +120,8 @@ class Scheduler:
             "prefix_waits", "sequences held back to hit a shared prefix a running sequence was still computing")
         self.policy = make_policy(config.scheduling, config.output_cost,
                                   config.io_cost if config.charge == "io" else 0.0)
-        self.io_separation = IOSeparation(config.io_heavy_step_tokens) if config.defer_io_heavy else None
+        self.io_separation = IOSeparation(config.io_heavy_step_tokens, hold_s=config.tenant_cache_hold_s) \
+            if config.defer_io_heavy else None
         self._step_tokens = config.max_batch_tokens  # this step's token budget (smaller for I/O-heavy tenants)
         self.preemptions_by_tenant: Counter[str] = Counter()
         self._tenant_seqs: Counter[str] = Counter()  # queued + running sequences per tenant (the active ones)
