@@ -68,7 +68,7 @@ class EngineMetrics:
                                          "counter (a miss on an expert another tenant's read evicted is that "
                                          "tenant's)", ("tenant",))
         self.tenant_expert_slots = m.family(Gauge, "tenant_expert_slots",
-                                            "--tenant-cache-shares: expert cache slots the tenant last used",
+                                            "--tenant-cache-shares: expert cache slots counted in the tenant's share",
                                             ("tenant",))
         self.tenant_expert_slot_share = m.family(Gauge, "tenant_expert_slot_share",
                                                  "--tenant-cache-shares: slots the tenant's share allows before its "

@@ -10,8 +10,9 @@ simulated time instead of bytes.
   on, 2 x `prefetch_max` slots are kept out of the warm set so that the guesses for the next layer find cold
   slots without dropping those for the layer about to run.
 - `release()`: end of a request: a non-retaining policy (none) frees its slots.
-- `set_tenant_shares(shares)` (--tenant-cache-shares): each warm slot is owned by the tenant that last used it, and
-  a tenant's share is that fraction of the warm slots. A miss read for a tenant at or over its share evicts one of
+- `set_tenant_shares(shares)` (--tenant-cache-shares): each warm slot counts in one tenant's share (it is *owned*):
+  the tenant it was read for, or a later user of it that is further under its share; a tenant's share is that
+  fraction of the warm slots. A miss read for a tenant at or over its share evicts one of
   its own experts (the policy's victim among them); a tenant under its share takes the policy's victim among the
   *pool*: experts no sharing tenant owns, and those of tenants over their share. So a tenant that floods the cache
   with misses recycles its own slots and never evicts another's experts within that one's share. Which bytes sit in
@@ -61,7 +62,7 @@ class _Slot:
         self.warm = False  # demanded at least once since it was loaded
         self.loaded_step = -1
         self.prefetched = False
-        self.owner: str | None = None  # the tenant that last used it (tenant shares); None: no tenant's
+        self.owner: str | None = None  # the tenant whose share it counts in (tenant shares); None: no tenant's
 
 
 class _OwnedBy:
@@ -517,7 +518,7 @@ class ExpertCache:
         return {tenant: int(share * self._warm_capacity) for tenant, share in self._shares.items()}
 
     def owned_slots(self) -> dict[str, int]:
-        """Warm slots per tenant that last used them (kept while shares are on)."""
+        """Warm slots per tenant they count for (kept while shares are on)."""
         return dict(self._owned)
 
     # ---- reporting ---------------------------------------------------------------------------------------------
