@@ -47,7 +47,11 @@ def test_heavy_and_light_tenants_alternate_and_neither_waits_more_than_max_wait(
     assert separation.step_tokens({"H"}) is None
     separation._clock.now += separation.hold_s + 1
     separation.left_out({"M"})
-    assert separation.step_tokens({"M"}) is None
+    assert separation.step_tokens({"M"}) is None  # H is gone: M's steps are whole again
+    shared = IOSeparation(max_heavy_tokens=16)
+    shared.observe("M", 300, 100)
+    shared.note_cache_shares({"M": (112, 112)})
+    assert shared.left_out({"M"}) == set() and shared.step_tokens({"M"}) is None  # no light tenant ever came
     # tenants that all look alike share steps
     even = IOSeparation()
     even.observe("A", 10, 100)

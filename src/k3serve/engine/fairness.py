@@ -288,16 +288,13 @@ class IOSeparation:
 
     def step_tokens(self, tenants: set[str]) -> int | None:
         """The positions a step running `tenants` may compute: `max_heavy_tokens` when every one of them is heavy
-        beside a tenant that had work within `hold_s` seconds; None (the engine's budget) otherwise."""
+        and a light tenant had work within `hold_s` seconds; None (the engine's budget) otherwise."""
         if self.max_heavy_tokens is None or not tenants:
             return None
         now = self._clock()
-        recent = [t for t, at in self._seen.items() if now - at <= self.hold_s]
-        if not recent:
-            return None
-        if self._heavy(tenants, min(self.rate(t) for t in recent)) == tenants:
-            return self.max_heavy_tokens
-        return None
+        around = {t for t, at in self._seen.items() if now - at <= self.hold_s} | tenants
+        heavy = self._heavy(around, min(self.rate(t) for t in around))
+        return self.max_heavy_tokens if tenants <= heavy and around - heavy else None
 
     def ran(self, ran: set[str], waited: set[str]) -> None:
         """The step ran the tenants `ran`; `waited` had work left out."""
