@@ -31,19 +31,19 @@ lift looks at every tenant with a queued or running sequence where the paper's q
 with continuous batching a tenant whose requests all run is still being served, so it still sets the floor.
 
 I/O-heavy tenants in steps of their own (`IOSeparation`, `EngineConfig.defer_io_heavy`, with `charge='io'`): each
-tenant's recent expert misses per computed position are kept (decayed by `decay` per step it runs in). When the
-tenants with work include some whose rate is at least `ratio` times the lightest's (and `floor` above it), a step
-takes either the heavy ones or the others, never both: the others first, and the heavy ones once they have waited
-`max_wait` steps in a row (then the others wait one). Under expert cache shares the shares say who is heavy
-(`note_cache_shares`): a tenant at or over its share whose rate is `floor` or more (its working set is larger than
-its share, so it keeps reading); one within its share is light whatever its rate, since its experts are kept and
-its misses are cold ones that pass (a first request's). Misses per position alone would miss that distinction:
-a flood's large prefill chunks share each read among many positions (about 1 miss per position here), as low as
-a light tenant's first, cold request. So a light tenant's step reads only its own misses, and no
-tenant waits more than `max_wait` steps in a row. And while a light tenant has had work within the last `hold_s`
-seconds, a step of heavy tenants only computes at most `max_heavy_tokens` positions: the step in flight when the
-light tenant's next request arrives, which it must wait for, stays short (the heavy tenant pays in more, smaller
-steps).
+tenant's recent expert misses per computed position are kept (decayed by `decay` per step it runs in). Who is heavy:
+- under expert cache shares (`note_cache_shares`), a tenant at or over its share whose rate is `floor` or more (its
+  working set is larger than its share, so it keeps reading); one within its share is light whatever its rate, since
+  its experts are kept and its misses are cold ones that pass (a first request's). The rate alone cannot tell them
+  apart: a flood's large prefill chunks share each read among many positions (about 1 miss per position in
+  bench_tenant_io), as few as a light tenant's first, cold request;
+- without shares, a tenant whose rate is at least `ratio` times the lightest's with work (and `floor` above it).
+When the tenants with work include heavy and light ones, a step takes either group, never both: the light first, the
+heavy once they have waited `max_wait` steps in a row (then the light wait one). So a light tenant's step reads only
+its own misses, and no tenant waits more than `max_wait` steps in a row. And while a light tenant has had work within
+the last `hold_s` seconds, a step of heavy tenants only computes at most `max_heavy_tokens` positions: the step in
+flight when the light tenant's next request arrives, which it must wait for, stays short (the heavy tenant pays in
+more, smaller steps).
 
 Shares: a tenant's `kv_share` caps the MLA blocks and KDA state slots its running sequences hold when it is
 admitted (it may grow past the cap while it runs, and a tenant with nothing running is always admitted if the
