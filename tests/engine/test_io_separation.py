@@ -34,7 +34,7 @@ def test_heavy_and_light_tenants_alternate_and_neither_waits_more_than_max_wait(
     separation.observe("H", 1, 100)
     waited = {"H": 0, "M": 0}
     for _ in range(20):
-        out = separation.left_out({"H", "M"})
+        out = separation.left_out({"H": 8, "M": 300})
         assert len(out) == 1  # never both in one step, never a step for nobody
         ran = {"H", "M"} - out
         separation.ran(ran, out)
@@ -43,31 +43,43 @@ def test_heavy_and_light_tenants_alternate_and_neither_waits_more_than_max_wait(
             assert waited[tenant] <= separation.max_wait
     assert separation.num_separated_steps == 20
     # alone, M's steps are kept short while H had work within hold_s, and not after
-    assert separation.left_out({"M"}) == set() and separation.step_tokens({"M"}) == 16
+    assert separation.left_out({"M": 300}) == set() and separation.step_tokens({"M"}) == 16
     assert separation.step_tokens({"H"}) is None
     separation._clock.now += separation.hold_s + 1
-    separation.left_out({"M"})
+    separation.left_out({"M": 300})
     assert separation.step_tokens({"M"}) is None  # H is gone: M's steps are whole again
     shared = IOSeparation(max_heavy_tokens=16)
     shared.observe("M", 300, 100)
     shared.note_cache_shares({"M": (112, 112)})
-    assert shared.left_out({"M"}) == set() and shared.step_tokens({"M"}) is None  # no light tenant ever came
+    assert shared.left_out({"M": 300}) == set() and shared.step_tokens({"M"}) is None  # no light tenant came
     # tenants that all look alike share steps
     even = IOSeparation()
     even.observe("A", 10, 100)
     even.observe("B", 12, 100)
-    assert even.left_out({"A", "B"}) == set()
+    assert even.left_out({"A": 5, "B": 500}) == set()
+
+
+def test_a_start_runs_the_least_work_alone_and_a_newcomer_waits_until_measured():
+    start = IOSeparation(max_heavy_tokens=16)
+    assert start.left_out({"H": 8, "M": 1024}) == {"M"}  # nobody measured: H's 8 positions first, alone
+    start.ran({"H"}, {"M"})
+    start.observe("H", 2, 8)  # H's first step
+    assert start.left_out({"H": 1, "M": 1024}) == {"H"}  # M, new beside measured H, is heavy and has waited once
+    assert start.step_tokens({"M"}) == 16  # and its first step is short while H is around
+    start.ran({"M"}, {"H"})
+    start.observe("M", 300, 16)
+    assert start.left_out({"H": 1, "M": 1008}) == {"M"}
 
 
 def test_under_shares_only_a_tenant_at_its_share_is_heavy():
     separation = IOSeparation()
     separation.observe("H", 200, 8)  # a cold first request: 25 misses per position
     separation.observe("M", 100, 100)
-    assert separation.left_out({"H", "M"}) == {"H"}  # by the rates alone, H looks heavy
+    assert separation.left_out({"H": 1, "M": 8}) == {"H"}  # by the rates alone, H looks heavy
     separation.note_cache_shares({"H": (40, 224), "M": (112, 112)})
-    assert separation.left_out({"H", "M"}) == {"M"}  # H is within its share: its misses were cold ones
+    assert separation.left_out({"H": 1, "M": 8}) == {"M"}  # H is within its share: its misses were cold ones
     separation.note_cache_shares({"H": (224, 224), "M": (112, 112)})
-    assert separation.left_out({"H", "M"}) == set()  # both at their share: one step for all
+    assert separation.left_out({"H": 1, "M": 8}) == set()  # both at their share: one step for all
 
 
 def test_the_switches_are_checked():

@@ -37,7 +37,9 @@ tenant's recent expert misses per computed position are kept (decayed by `decay`
   its experts are kept and its misses are cold ones that pass (a first request's). The rate alone cannot tell them
   apart: a flood's large prefill chunks share each read among many positions (about 1 miss per position in
   bench_tenant_io), as few as a light tenant's first, cold request;
-- without shares, a tenant whose rate is at least `ratio` times the lightest's with work (and `floor` above it).
+- without shares, a tenant whose rate is at least `ratio` times the lightest's with work (and `floor` above it);
+- a tenant not measured yet (no step run) beside measured ones: heavy until its first step says otherwise. When
+  every tenant with work is new (a start), the one with the fewest positions to compute runs first, alone.
 When the tenants with work include heavy and light ones, a step takes either group, never both: the light first, the
 heavy once they have waited `max_wait` steps in a row (then the light wait one). So a light tenant's step reads only
 its own misses, and no tenant waits more than `max_wait` steps in a row. And while a light tenant has had work within
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from k3serve.engine.request import Sequence
@@ -267,23 +269,31 @@ class IOSeparation:
         empty: no shares, the rates alone decide."""
         self._at_share = {t for t, (owned, quota) in slots.items() if owned >= quota} if slots else None
 
-    def _heavy(self, tenants: set[str], lightest: float) -> set[str]:
+    def _heavy(self, tenants: set[str]) -> set[str]:
+        measured = {t for t in tenants if t in self._positions}
+        new = tenants - measured if measured else set()  # beside measured tenants, a new one is heavy
         if self._at_share is not None:
-            return {t for t in tenants if t in self._at_share and self.rate(t) >= self.floor}
-        return {t for t in tenants if self.rate(t) >= self.ratio * lightest and self.rate(t) - lightest >= self.floor}
+            return new | {t for t in measured if t in self._at_share and self.rate(t) >= self.floor}
+        lightest = min((self.rate(t) for t in measured), default=0.0)
+        return new | {t for t in measured if self.rate(t) >= self.ratio * lightest
+                      and self.rate(t) - lightest >= self.floor}
 
-    def left_out(self, tenants: set[str]) -> set[str]:
-        """Of the tenants with work now, those whose work waits this step (empty: one step for all)."""
+    def left_out(self, tenants: Mapping[str, int]) -> set[str]:
+        """Of the tenants with work now (tenant -> positions it has to compute), those whose work waits this step
+        (empty: one step for all)."""
         now = self._clock()
         for tenant in tenants:
             self._seen[tenant] = now
         if len(tenants) < 2:
             return set()
-        heavy = self._heavy(tenants, min(self.rate(t) for t in tenants))
-        if not heavy or heavy == tenants:
+        names = set(tenants)
+        if not any(t in self._positions for t in names):  # a start (lasts one step): the least work first, alone
+            return names - {min(names, key=lambda t: (tenants[t], t))}
+        heavy = self._heavy(names)
+        if not heavy or heavy == names:
             return set()
         if any(self.num_waited.get(t, 0) >= self.max_wait for t in heavy):
-            return set(tenants) - heavy
+            return names - heavy
         return heavy
 
     def step_tokens(self, tenants: set[str]) -> int | None:
@@ -293,7 +303,7 @@ class IOSeparation:
             return None
         now = self._clock()
         around = {t for t, at in self._seen.items() if now - at <= self.hold_s} | tenants
-        heavy = self._heavy(around, min(self.rate(t) for t in around))
+        heavy = self._heavy(around)
         return self.max_heavy_tokens if tenants <= heavy and around - heavy else None
 
     def ran(self, ran: set[str], waited: set[str]) -> None:

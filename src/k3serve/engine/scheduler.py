@@ -225,9 +225,11 @@ class Scheduler:
         left_out = self._decodes_left_out()
         waits = set()
         if self.io_separation is not None:
-            with_work = {s.request.tenant for s in self.running} | {s.request.tenant for s in self.waiting}
+            with_work: dict[str, int] = {}  # tenant -> positions it has to compute
+            for seq in [*self.running, *self.waiting]:
+                with_work[seq.request.tenant] = with_work.get(seq.request.tenant, 0) + seq.num_uncomputed_tokens
             waits = self.io_separation.left_out(with_work)
-            tenants = with_work - waits
+            tenants = set(with_work) - waits
             self._step_tokens = min(self.config.max_batch_tokens,
                                     self.io_separation.step_tokens(tenants) or self.config.max_batch_tokens)
         try:
