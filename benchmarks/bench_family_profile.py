@@ -8,7 +8,9 @@ a precision, read every expert, prefill 32 tokens, then --steps decode steps tim
 then the same steps again under cProfile, split into the expert kernels (one call per MoE layer), the trunk
 matmuls (bf16 row-dot kernel, BLAS, einsum) and the rest (Python and small numpy calls: norms, routing, rope,
 attention over the cache, KDA / DeltaNet steps). Bytes per token: the top-k experts of every MoE layer as packed,
-plus every trunk matrix as held. One line per (family, precision). Figures: docs/BENCHMARKS.md.
+plus every trunk matrix as held. Each line ends with the profile split into compiled kernels, C calls and Python
+frames (benchmarks/profile_split.py: Python's share of a decode step, calls per step). One line per (family,
+precision). Figures: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from profile_split import line, split
 
 from k3serve.loading import load_model
 from k3serve.model.families.moe import MoEBlock
@@ -71,11 +75,12 @@ def profile(checkpoint: Path, precision: str, steps: int) -> str:
     wall, cpu = time.perf_counter(), time.process_time()
     run()
     wall, cpu = (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     run()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    parts = split(stats, steps)
 
     def ms(names: tuple[str, ...]) -> float:
         return sum(v[2] for k, v in stats.items() if k[2] in names) / steps * 1e3
@@ -87,7 +92,7 @@ def profile(checkpoint: Path, precision: str, steps: int) -> str:
             f"{cpu * 1e3:.2f} ms/token; profiled forward {total:.2f} ms: experts kernel {kernel:.2f} "
             f"({kernel / total:.0%}), trunk matmuls {matmul:.2f} ({matmul / total:.0%}), the rest {rest:.2f} "
             f"({rest / total:.0%}); bytes/token: experts {experts / 2**20:.1f} MiB + trunk {trunk / 2**20:.1f} MiB; "
-            f"{(experts + trunk) / cpu / 1e9:.1f} GB/s per CPU second")
+            f"{(experts + trunk) / cpu / 1e9:.1f} GB/s per CPU second | {line(parts)}")
 
 
 def main() -> None:

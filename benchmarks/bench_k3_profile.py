@@ -4,7 +4,10 @@ Default model: the widened trained K3 of bench_stream.py / bench_peers.py (exper
 latent; 1.5 GB, built once). CPU time (process_time) is reported beside wall time because the shared machine's
 other jobs inflate wall time; with one thread (NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1) CPU time is the work.
 
-    python benchmarks/bench_k3_profile.py [--model DIR] [--prompt-len 32] [--steps 16] [--top 12]
+    python benchmarks/bench_k3_profile.py [--model DIR | --model embedded] [--prompt-len 32] [--steps 16] [--top 12]
+
+The profiled steps are also split into compiled kernels, C calls and Python frames (benchmarks/profile_split.py):
+Python's share of a decode step, and the calls per step.
 
 Prints the machine, the profile table, one summary line and a JSON record on the last line.
 """
@@ -37,10 +40,14 @@ def main() -> None:
     import numba
 
     from bench_peers import bytes_per_token, widened_checkpoint
+    from profile_split import line, split
     from k3serve.host import describe_host
     from k3serve.loading import load_model
     from k3serve.model.interface import ForwardItem
 
+    if args.model == Path("embedded"):
+        from k3serve.loading import default_model_dir
+        args.model = Path(default_model_dir())
     checkpoint = args.model or widened_checkpoint(16, 32)
     model = load_model(checkpoint).model
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_len)
@@ -62,6 +69,7 @@ def main() -> None:
         model.forward([ForwardItem(prompt[i:i + 1], cache)])
     profiler.disable()
     stats = pstats.Stats(profiler)
+    parts = split(stats.stats, args.steps)  # type: ignore[attr-defined]
     total = sum(entry[2] for entry in stats.stats.values())  # tottime
     rows = sorted(((entry[2], f"{Path(key[0]).name}:{key[2]}") for key, entry in stats.stats.items()), reverse=True)
     table = [{"function": name, "cpu_ms_per_token": round(t / args.steps * 1e3, 3), "share": round(t / total, 3)}
@@ -70,11 +78,13 @@ def main() -> None:
     record = {"benchmark": "k3_profile", "machine": describe_host(), "model": str(checkpoint),
               "threads": {"numba": numba.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
               "prompt_len": args.prompt_len, "steps": args.steps, "prefill": prefill, "decode": decode,
-              "bytes_per_token": moved, "profile_by_cpu": table}
+              "bytes_per_token": moved, "profile_by_cpu": table,
+              "profile_split": parts}
     out = io.StringIO()
     print(f"machine: {record['machine']} | numba threads {numba.get_num_threads()}", file=out)
     for row in table:
         print(f"  {row['function']:<60} {row['cpu_ms_per_token']:8.3f} ms/token  {row['share']:6.1%}", file=out)
+    print(line(parts), file=out)
     print(out.getvalue(), end="")
     print(f"prefill {args.prompt_len} tokens: wall {prefill['wall_s']:.3f} s, CPU {prefill['cpu_s']:.3f} s | decode: "
           f"wall {decode['wall_ms_per_token']:.1f} ms/token, CPU {decode['cpu_ms_per_token']:.1f} ms/token")

@@ -8,7 +8,10 @@ the baseline (VmRSS, and the cgroup's usage), sets the cgroup's limit to usage +
 peak (clear_refs), then loads the streaming engine at the minimum and generates. Peak RSS over the baseline is the
 engine's weight memory plus activations; the minimum is what the budget splitter charges.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_memory_floor.py --hidden 1024
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_memory_floor.py --hidden 1024 [--trunk-precision mxfp4]
+
+`--trunk-precision q8_0|mxfp4` packs the fixture's trunk so (`k3serve pack --trunk-precision`); the reference is
+then the same quantized store held whole (the float32 resident model's tokens are recorded, not expected equal).
 
 Prints one summary line and a JSON record (--json FILE writes it too).
 """
@@ -97,24 +100,26 @@ def child(store_dir: Path, checkpoint_dir: Path, cgroup: Path, prompt_tokens: in
     }
 
 
-def build_fixture(root: Path, hidden: int) -> tuple[Path, Path]:
+def build_fixture(root: Path, hidden: int, trunk_precision: str = "bf16") -> tuple[Path, Path]:
     from k3serve.weights.pack import pack_checkpoint
     from k3serve.weights.proportioned import proportioned_config
     from k3serve.weights.synthetic import write_random_checkpoint
 
-    checkpoint, packed = root / f"ckpt-{hidden}", root / f"packed-{hidden}"
+    suffix = "" if trunk_precision == "bf16" else f"-{trunk_precision}"
+    checkpoint, packed = root / f"ckpt-{hidden}", root / f"packed-{hidden}{suffix}"
     if not (packed / "store.json").exists():
-        write_random_checkpoint(proportioned_config(hidden), checkpoint, seed=0)
-        pack_checkpoint(checkpoint, packed)
+        if not (checkpoint / "config.json").exists():
+            write_random_checkpoint(proportioned_config(hidden), checkpoint, seed=0)
+        pack_checkpoint(checkpoint, packed, trunk_precision=trunk_precision)
     return checkpoint, packed
 
 
-def measure(root: Path, hidden: int, prompt_tokens: int = PROMPT_TOKENS) -> dict:
+def measure(root: Path, hidden: int, prompt_tokens: int = PROMPT_TOKENS, trunk_precision: str = "bf16") -> dict:
     """Build (or reuse) the fixture under `root`, run the child in a fresh cgroup, remove the cgroup."""
     why = cgroups_writable()
     if why is not None:
         raise RuntimeError(why)
-    checkpoint, packed = build_fixture(root, hidden)
+    checkpoint, packed = build_fixture(root, hidden, trunk_precision)
     cgroup = CGROUP_ROOT / f"k3serve-floor-{os.getpid()}"
     cgroup.mkdir()
     try:
@@ -128,7 +133,7 @@ def measure(root: Path, hidden: int, prompt_tokens: int = PROMPT_TOKENS) -> dict
         record = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         cgroup.rmdir()
-    record["hidden"], record["prompt_tokens"] = hidden, prompt_tokens
+    record["hidden"], record["prompt_tokens"], record["trunk_precision"] = hidden, prompt_tokens, trunk_precision
     return record
 
 
@@ -139,6 +144,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
                         help=f"prompt length (default {PROMPT_TOKENS}; from 32 on the prefill widens bf16 blocks)")
+    parser.add_argument("--trunk-precision", choices=("bf16", "q8_0", "mxfp4"), default="bf16",
+                        help="the fixture's trunk as packed (default: bf16, as stored)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -146,9 +153,10 @@ def main() -> None:
         print(json.dumps(child(Path(store_dir), Path(checkpoint_dir), Path(cgroup), int(prompt_tokens))))
         return
     root = args.root or Path(tempfile.mkdtemp(prefix="k3serve-floor-"))
-    r = measure(root, args.hidden, args.prompt_tokens)
+    r = measure(root, args.hidden, args.prompt_tokens, args.trunk_precision)
     mib = 1 << 20
-    print(f"memory floor, hidden {r['hidden']}, prompt {r['prompt_tokens']}: minimum {r['minimum_bytes'] / mib:.2f} MiB, peak RSS over the "
+    print(f"memory floor, {r['trunk_precision']} trunk, hidden {r['hidden']}, prompt {r['prompt_tokens']}: "
+          f"minimum {r['minimum_bytes'] / mib:.2f} MiB, peak RSS over the "
           f"baseline {r['peak_over_baseline'] / mib:.2f} MiB, cgroup limit {r['cgroup_limit'] / mib:.1f} MiB "
           f"(failcnt {r['cgroup_failcnt']}), tokens identical {r['tokens_identical']}, logits identical "
           f"{r['logits_identical']}, float32 resident tokens identical {r['resident_float32_tokens_identical']}")

@@ -13,10 +13,15 @@ rows, a block its rows). Arms:
   default     budget.py's rule carried to one budget: expert slots first; KV blocks at the floor the engine needs
               (one sequence of max_model_len plus the watermark) and one checkpoint;
   fixed       every split of a grid (KV blocks x checkpoints, expert slots get the rest); the best is reported;
-  controller  starts at the default split; RamController moves steps between the pools (engine/ram_pools.py).
+  controller  starts at the default split; RamController moves steps between the pools (engine/ram_pools.py);
+  oracle      (--arms ...,oracle) a fixed arm told the phase change: phase A at the best fixed split, phase B at
+              the default split (experts first), the bound a controller that learns from what it sees approaches.
 Cost of a run, priced the controller's way (the same prices for every arm, measured once on a warm-up run):
     cost = expert and trunk bytes read x read seconds per byte + positions computed x compute seconds per position
-Counts are exact; wall times (medians of --runs alternated runs) are reported beside them.
+Counts are exact, and a fixed arm's counts are deterministic, so its cost is too given the prices (the controller's
+moves follow its own measured prices, so its counts may vary a little run to run); wall times (medians of --runs
+alternated runs) are reported beside them. --prices READ,COMPUTE prices every arm with given prices (no warm-up),
+--best-split skips the sweep, --arms picks the arms: quick experiments.
 
 Prints the machine, one summary line, and a JSON record on the last line.
 
@@ -58,9 +63,20 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[list[
     return [("prefix", prefix_rounds, 2), ("chat", chat_batches, 48)]
 
 
+def resize_to(ctl, split: tuple[int, int, int]) -> None:
+    """Set the pools to `split` (expert slots, checkpoints, KV blocks) between steps: shrinks first, so the budget
+    holds at every point."""
+    pools = ctl.pools.pools
+    targets = {name: count * pools[name].unit_bytes for name, count in zip(("experts", "checkpoints", "kv"), split)}
+    for name in sorted(targets, key=lambda n: targets[n] - pools[n].size_bytes):
+        pools[name].resize(targets[name])
+    assert ctl.pools.total_bytes <= ctl.pools.budget_bytes
+
+
 def run_once(args: argparse.Namespace, split: tuple[int, int, int] | None, controller: bool,
-             prices: Prices | None) -> dict:
-    """`split`: (expert slots, checkpoints, KV blocks) at the start."""
+             prices: Prices | None, phase_splits: dict[str, tuple[int, int, int]] | None = None) -> dict:
+    """`split`: (expert slots, checkpoints, KV blocks) at the start. `phase_splits`: a fixed arm that is told the
+    phase change (an oracle): the split each phase starts at."""
     loaded = load_model(None, stream=StreamOptions(io="direct", cache="lru"))
     model = loaded.model
     config = EngineConfig(max_seqs=8, max_batch_tokens=1024, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
@@ -75,13 +91,22 @@ def run_once(args: argparse.Namespace, split: tuple[int, int, int] | None, contr
     start_sizes = {name: pool.size_bytes for name, pool in ctl.pools.pools.items()}
     before = model.source.stats().stream
     started = time.perf_counter()
-    for _, batches, max_tokens in workload(args, model.config.vocab_size):
+    phases: dict[str, dict] = {}
+    steps = 0
+    for phase, batches, max_tokens in workload(args, model.config.vocab_size):
+        if phase_splits is not None and phase in phase_splits:
+            resize_to(ctl, phase_splits[phase])
+        phase_before = (model.source.stats().stream.bytes_read, int(engine.figures.computed.value))
         for batch in batches:
             for prompt in batch:
                 engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             while engine.has_unfinished_requests():
                 engine.step()
+                steps += 1
                 assert ctl.pools.total_bytes <= ctl.pools.budget_bytes
+        phases[phase] = {"bytes_read": model.source.stats().stream.bytes_read - phase_before[0],
+                         "positions_computed": int(engine.figures.computed.value) - phase_before[1],
+                         "end_step": steps}
     seconds = time.perf_counter() - started
     read = model.source.stats().stream.minus(before)
     computed = int(engine.figures.computed.value)
@@ -92,7 +117,7 @@ def run_once(args: argparse.Namespace, split: tuple[int, int, int] | None, contr
               "bytes_read": read.bytes_read, "expert_bytes_read": read.expert_bytes_read,
               "io_wait_s": read.io_wait_seconds, "positions_computed": computed,
               "prefix_hit_tokens": engine.metrics.counter("prefix_cache_hit_tokens").value,
-              "preemptions": engine.metrics.counter("preemptions").value,
+              "preemptions": engine.metrics.counter("preemptions").value, "phases": phases,
               "moves": [m.line() for m in ctl.moves], "start_bytes": start_sizes,
               "end_bytes": {name: pool.size_bytes for name, pool in ctl.pools.pools.items()}}
     if prices is not None:
@@ -120,6 +145,13 @@ def main() -> None:
     parser.add_argument("--hysteresis", type=float, default=0.25)
     parser.add_argument("--max-steps", type=int, default=1, help="controller: most steps one move takes")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prices", default=None, metavar="READ,COMPUTE",
+                        help="seconds per byte read and per position computed (default: measured on a warm-up run); "
+                             "given, every arm's cost is priced the same way and the warm-up is skipped")
+    parser.add_argument("--best-split", default=None, metavar="SLOTS,CKPTS,BLOCKS",
+                        help="skip the sweep and take this split as the best fixed one")
+    parser.add_argument("--arms", default="default,best_fixed,controller",
+                        help="which arms to run --runs times (comma-separated)")
     args = parser.parse_args()
     args.budget = parse_size(args.budget)
     args.step = parse_size(args.step)
@@ -140,20 +172,29 @@ def main() -> None:
         return (slots, checkpoints, blocks) if slots >= 8 else None
 
     default = split(1, floor_blocks)
-    # prices: measured by the controller arm's own steering on a warm-up run (the cost formula's only inputs)
-    warm = run_once(args, default, True, None)
-    prices = Prices(*warm["measured_prices"])
-    grid = [split(c, b) for c, b in itertools.product(
-        (1, 2, 4, 8, 12, 16), (floor_blocks, 96, 128, 192)) if b >= floor_blocks]
-    grid = [g for g in dict.fromkeys(grid) if g is not None]
-    fixed = [run_once(args, g, False, prices) for g in grid]
-    best = min(fixed, key=lambda r: r["cost_s"])
-    best_split = tuple(best["split"])
-    arms = {"default": (default, False), "best_fixed": (best_split, False), "controller": (default, True)}
+    if args.prices is not None:
+        prices = Prices(*(float(x) for x in args.prices.split(",")))
+    else:  # measured by the controller arm's own steering on a warm-up run (the cost formula's only inputs)
+        warm = run_once(args, default, True, None)
+        prices = Prices(*warm["measured_prices"])
+    fixed: list[dict] = []
+    if args.best_split is not None:
+        best_split = tuple(int(x) for x in args.best_split.split(","))
+    else:
+        grid = [split(c, b) for c, b in itertools.product(
+            (1, 2, 4, 8, 12, 16), (floor_blocks, 96, 128, 192)) if b >= floor_blocks]
+        grid = [g for g in dict.fromkeys(grid) if g is not None]
+        fixed = [run_once(args, g, False, prices) for g in grid]
+        best_split = tuple(min(fixed, key=lambda r: r["cost_s"])["split"])
+    # the oracle is told the phase change: phase A at the best fixed split, phase B at the default (experts first)
+    oracle = {"prefix": best_split, "chat": default}
+    arms = {"default": (default, False, None), "best_fixed": (best_split, False, None),
+            "controller": (default, True, None), "oracle": (best_split, False, oracle)}
+    arms = {name: arms[name] for name in args.arms.split(",")}
     runs: dict[str, list[dict]] = {name: [] for name in arms}
     for _ in range(args.runs):
-        for name, (start, on) in arms.items():
-            runs[name].append(run_once(args, start, on, prices))
+        for name, (start, on, phase_splits) in arms.items():
+            runs[name].append(run_once(args, start, on, prices, phase_splits))
     summary = {name: {"cost_s": statistics.median(r["cost_s"] for r in rs),
                       "wall_s": statistics.median(r["wall_s"] for r in rs),
                       "bytes_read": statistics.median(r["bytes_read"] for r in rs),
@@ -166,12 +207,18 @@ def main() -> None:
                          "positions_computed": r["positions_computed"]} for r in fixed],
               "best_fixed_split": list(best_split), "default_split": list(default), "summary": summary,
               "runs": runs, "args": {k: v for k, v in vars(args).items()}}
-    c, d, b = (summary[n]["cost_s"] for n in ("controller", "default", "best_fixed"))
     print(f"machine: {record['machine']}")
+    if not {"controller", "default", "best_fixed"} <= set(summary):
+        print(" | ".join(f"{name} cost {s['cost_s']:.3f} (positions {s['positions_computed']}, "
+                         f"{s['bytes_read'] / 1e6:.1f} MB)" for name, s in summary.items()))
+        print(json.dumps(record))
+        return
+    c, d, b = (summary[n]["cost_s"] for n in ("controller", "default", "best_fixed"))
     print(f"budget {kib(args.budget)}: cost (priced s) controller {c:.3f} | best fixed {b:.3f} "
           f"(slots/ckpts/blocks {best_split}) | default {d:.3f} {default}: controller/best {c / b:.3f}, "
           f"default/controller {d / c:.2f}x; wall medians {summary['controller']['wall_s']:.2f} / "
-          f"{summary['best_fixed']['wall_s']:.2f} / {summary['default']['wall_s']:.2f} s")
+          f"{summary['best_fixed']['wall_s']:.2f} / {summary['default']['wall_s']:.2f} s"
+          + (f"; oracle (told the phase change) {summary['oracle']['cost_s']:.3f}" if "oracle" in summary else ""))
     print(json.dumps(record))
 
 

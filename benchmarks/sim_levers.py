@@ -38,7 +38,7 @@ ANCHORS = (
 
 
 def levers(ram: int) -> list[tuple[str, dict]]:
-    base = dict(ram_bytes=ram, trunk_dtype="bf16")
+    base = dict(ram_bytes=ram, trunk_dtype="bf16", prefetch="next-layer")  # the settings its figures were made with
     return [
         ("k3serve, no lever", base),
         ("+ top-p 0.7 (embedded model's kept share: 11.3 of 16)", {**base, "experts_kept": TOP_P_07}),

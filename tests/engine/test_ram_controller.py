@@ -52,7 +52,8 @@ def _pools(budget: int = 64 * KiB) -> tuple[RamPools, SignalPool, SignalPool, Si
     return RamPools(budget, [a, b, c]), a, b, c
 
 
-signal = st.builds(PoolSignal, st.floats(0, 10, allow_nan=False), st.floats(0, 10, allow_nan=False))
+signal = st.builds(PoolSignal, st.floats(0, 10, allow_nan=False), st.floats(0, 10, allow_nan=False),
+                   st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 20 * KiB)), max_size=2).map(tuple))
 
 
 @settings(max_examples=40, deadline=None)
@@ -138,12 +139,58 @@ def test_alternating_signals_do_not_flap():
     assert len(controller.moves) <= 24 // (cooldown + 1) + 1
 
 
+def test_a_complement_is_priced_and_moved_with_the_receiver():
+    """a's gain needs 8 KiB of c beside each 4 KiB step of a (blocks that hit only with a checkpoint): its gain per MiB
+    is over 12 KiB, and one move takes both from the donor b."""
+    ledger, a, b, c = _pools(budget=53 * KiB)  # no headroom
+    controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=4 * KiB, hysteresis=0.0,
+                                                        cooldown_intervals=0, demand_decay=0.0))
+    a.signals = [PoolSignal(gain_seconds=4.0, companions=(("c", 8 * KiB), ("a", 4 * KiB)))]  # itself: ignored
+    b.signals = [PoolSignal(loss_seconds=0.1)]
+    c.signals = [PoolSignal(loss_seconds=5.0)]  # dear to lose: without the companion rule it could not grow
+    move = controller.on_step()
+    assert (move.donor, move.receiver, move.companions) == ("b", "a", (("c", 8 * KiB),))
+    assert controller.last_values["a"].gain_per_mib == pytest.approx(4.0 / (12 / 1024))
+    assert (a.size_bytes, b.size_bytes, c.size_bytes) == (20 * KiB, 9 * KiB, 24 * KiB)
+    assert ledger.total_bytes <= ledger.budget_bytes and "+ 8.00 KiB c" in move.line()
+    ledger.check_integrity()
+
+
+def test_a_pool_that_just_grew_is_not_given_back_before_its_hits_show():
+    """a grows for a gain, then shows neither gain nor loss for a while (a checkpoint hits a round after it is
+    saved): its recent demand, decayed per interval, is its loss floor; with demand_decay 0 it is given back at once."""
+    def run(decay: float) -> list[tuple[str, str]]:
+        ledger, a, b, c = _pools(budget=53 * KiB)
+        controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=8 * KiB, hysteresis=0.0,
+                                                            cooldown_intervals=0, demand_decay=decay))
+        a.signals = [PoolSignal(gain_seconds=4.0)] + [PoolSignal()] * 3
+        b.signals = [PoolSignal(loss_seconds=0.1)] + [PoolSignal(loss_seconds=10.0)] * 3
+        c.signals = [PoolSignal(loss_seconds=10.0)] + [PoolSignal(gain_seconds=0.5, loss_seconds=10.0)] * 3
+        for _ in range(4):
+            controller.on_step()
+        return [(m.donor, m.receiver) for m in controller.moves]
+
+    assert run(0.5) == [("b", "a")]  # a's floor: 4/8 KiB, halved each interval, stays above c's 0.5/8 KiB
+    assert run(0.0)[:2] == [("b", "a"), ("a", "c")]
+
+
 def test_headroom_is_spent_before_anything_is_taken():
     ledger, a, b, c = _pools(budget=61 * KiB)  # 8 KiB unspent
     controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=16 * KiB))
     a.signals = [PoolSignal(3.0, 3.0)]
+    c.signals = [PoolSignal(0.0, 0.0)]  # free to give (b has nothing to give either, but its unit is 3 KiB)
+    b.signals = [PoolSignal(0.0, 9.0)]
     move = controller.on_step()
-    assert move.donor == "" and move.receiver == "a" and move.num_bytes == 8 * KiB
+    # the 8 KiB unspent go first, and the cheapest donor gives only the other 8 KiB of the step
+    assert (move.donor, move.receiver, move.num_bytes) == ("c", "a", 16 * KiB)
+    assert c.size_bytes == 8 * KiB and ledger.total_bytes == ledger.budget_bytes
+    # with every other pool too dear to give, the headroom alone is spent
+    ledger, a, b, c = _pools(budget=61 * KiB)
+    controller = RamController(ledger, ControllerConfig(interval_steps=1, step_bytes=16 * KiB))
+    a.signals = [PoolSignal(3.0, 3.0)]
+    b.signals, c.signals = [PoolSignal(0.0, 9.0)], [PoolSignal(0.0, 9.0)]
+    move = controller.on_step()
+    assert (move.donor, move.receiver, move.num_bytes) == ("", "a", 8 * KiB)
     assert ledger.total_bytes == ledger.budget_bytes
 
 
@@ -159,6 +206,8 @@ def test_controller_config_is_validated():
         ControllerConfig(interval_steps=0)
     with pytest.raises(ConfigError):
         ControllerConfig(hysteresis=-1)
+    with pytest.raises(ConfigError, match="demand_decay"):
+        ControllerConfig(demand_decay=1.0)
 
 
 # ---- the engine's pools under a streaming model --------------------------------------------------------------
@@ -241,3 +290,51 @@ def test_prefix_checkpoints_and_kv_blocks_resize():
     pool.check_integrity({used: 1})
     assert pool.give_back(2) == 2 and pool.num_free_blocks == 2
     pool.check_integrity({used: 1})
+
+
+@pytest.mark.parametrize("ghosts", [True, False])
+def test_a_prompt_that_repeats_evicted_blocks_checkpoints_their_end(tiny_model, drive, ghosts):
+    """With the KV pool's block ghosts on (the controller's), a prompt whose shared blocks were evicted saves a
+    checkpoint where they end, so the next repeat hits there, a round earlier than without the ghosts."""
+    engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=64, max_seqs=4,
+                                                num_state_checkpoints=8))
+    prefix_cache = engine.scheduler.prefix_cache
+    prefix_cache.track_block_shadow(64 if ghosts else 0)
+    system = [1, 17, 200, 45, 3, 99, 128, 7, 250, 64, 31, 5]  # three full blocks
+    cached = []
+    for i, question in enumerate(([100, 101], [110, 111], [120, 121])):
+        request_id = engine.add_request(system + question, SamplingParams(max_tokens=2, ignore_eos=True))
+        cached.append(drive(engine)[request_id].num_cached_tokens)
+        if i == 0:
+            assert engine.scheduler.blocks.evict_all_cached() > 0  # the first one's blocks leave the pool
+        engine.check_integrity()
+    assert cached == ([0, 0, 12] if ghosts else [0, 0, 0])
+
+
+def test_a_kv_step_on_a_hybrid_model_brings_the_checkpoints_its_ghost_prefixes_lack(tiny_store):
+    """KV blocks and checkpoints are complements: a block ghost hit is priced, and moved, with one checkpoint per
+    recent ghost prefix (plus one) beyond those held."""
+    from k3serve.engine.ram_pools import KVBlockPool
+    from k3serve.loading import load_model
+    from k3serve.stream.options import StreamOptions
+
+    model = load_model(tiny_store.path, stream=StreamOptions(io="pread", cache="lru")).model
+    engine = LLMEngine(model, EngineConfig(max_seqs=4, num_blocks=64, block_size=4, num_state_checkpoints=8),
+                       stop_ids=())
+    controller = attach_ram_controller(engine, 8 << 20, ControllerConfig(interval_steps=10_000),  # no decision
+                                       experts=(8, 32), checkpoints=0)
+    kv = controller.pools.pools["kv"]
+    assert isinstance(kv, KVBlockPool)
+    rng = np.random.default_rng(5)
+    systems = [[int(t) for t in rng.integers(3, 256, 12)] for _ in range(2)]  # two prefixes of three blocks
+    for system in systems:
+        engine.add_request(system + [7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    _run(engine, [])
+    kv.take_signal(controller.config.step_bytes, Prices())  # a new interval: nothing before counts
+    assert engine.scheduler.blocks.evict_all_cached() > 0
+    _run(engine, [system + [9, 10] for system in systems])  # both prefixes looked up again: ghost hits
+    signal = kv.take_signal(controller.config.step_bytes, Prices())
+    assert signal.gain_seconds > 0
+    checkpoint_bytes = engine.scheduler.prefix_cache.checkpoint_bytes
+    assert signal.companions == (("checkpoints", (2 + 1 - 0) * checkpoint_bytes),)  # 2 prefixes + 1, none held
+    model.source.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3serve.model.kda import KDAInputs, causal_conv, kda_chunked, kda_recurrent, kda_step_batch
+from k3serve.model.kda import KDAInputs, causal_conv, conv_step, kda_chunked, kda_recurrent, kda_step_batch
 from k3serve.model.ops import l2_normalize
 
 
@@ -133,3 +133,17 @@ def test_compiled_delta_rule_bits_do_not_depend_on_the_split_the_batch_or_the_th
     states = delta_rule_trajectory(x.k, x.v, x.g, x.beta, state, keep_all=True)
     assert np.array_equal(states[-1], s_all[0]) and np.array_equal(states[16], s1[0])
     assert np.array_equal(delta_rule_trajectory(x.k, x.v, x.g, x.beta, state, 17), s1[0])
+
+
+@pytest.mark.parametrize("kernel_size", (1, 2, 4))
+def test_conv_step_is_one_token_of_causal_conv(kernel_size):
+    rng = np.random.default_rng(kernel_size)
+    channels = 37
+    tail = rng.standard_normal((kernel_size - 1, channels)).astype(np.float32)  # [K-1, C]
+    taps = rng.standard_normal((channels, kernel_size)).astype(np.float32)  # [C, K]
+    x = rng.standard_normal((1, channels)).astype(np.float32)  # [1, C]
+    expected, expected_tail = causal_conv(x, tail, taps)
+    out, new_tail = np.empty(channels, np.float32), np.empty_like(tail)
+    conv_step(tail, x[0], taps, out, new_tail)
+    np.testing.assert_array_equal(out, expected[0])
+    np.testing.assert_array_equal(new_tail, expected_tail)

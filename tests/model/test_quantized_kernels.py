@@ -147,3 +147,41 @@ def test_quantized_matrix_bytes_rows_and_stack(precision):
     assert np.array_equal(stacked.rows(np.array([4, 0])), stacked.dequantize()[[4, 0]])
     with pytest.raises(ValueError, match="needs"):
         QuantizedMatrix.from_bytes(a.store_dtype, np.zeros(3, np.uint8), a.shape)
+
+
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+def test_mxfp4_rows_layout_is_multiplied_in_place_bit_for_bit(isa):
+    """An MXFP4 trunk entry laid out by rows (store format 3: each row's nibbles, then its scales) decodes to two
+    strided views; the kernel multiplies them without a copy and gives the bits of the contiguous matrix, and two
+    such entries back to back are one fused matrix (`adjacent_quantized_view`). The planar layout (format 2) still
+    round-trips, and its parts are never one view."""
+    from k3serve.model.weights import adjacent_quantized_view
+
+    rng = np.random.default_rng(9)
+    a, b = (QuantizedMatrix.quantize(_matrix(rng, n, 96), "mxfp4") for n in (37, 5))
+    raw = np.frombuffer(a.to_bytes() + b.to_bytes(), np.uint8)
+    first = QuantizedMatrix.from_bytes("MXFP4", raw[:a.nbytes], a.shape)
+    second = QuantizedMatrix.from_bytes("MXFP4", raw[a.nbytes:], b.shape)
+    assert first.data.strides == (48 + 3, 1) and np.shares_memory(first.data, raw)
+    assert kernels._rows_contiguous(first.data) is first.data and kernels._rows_contiguous(first.scales) is first.scales
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+
+    def same(got, want):
+        # NOTE: the portable row dot is plain numba with fastmath reassoc, compiled once per array layout; LLVM may
+        # vectorize the strided and the contiguous compilations differently, so there only the sum order differs
+        if isa == "portable":
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+        else:
+            assert np.array_equal(got, want)
+
+    same(mxfp4_matmul(first.data, first.scales, x, isa=isa), mxfp4_matmul(a.data, a.scales, x, isa=isa))
+    fused = adjacent_quantized_view([first, second])
+    assert fused is not None and fused.shape == (42, 96) and np.shares_memory(fused.data, raw)
+    stacked = QuantizedMatrix.stack([a, b])
+    same(mxfp4_matmul(fused.data, fused.scales, x, isa=isa), mxfp4_matmul(stacked.data, stacked.scales, x, isa=isa))
+    assert np.array_equal(fused.rows(np.array([40, 2])), stacked.dequantize()[[40, 2]])
+    planar = np.frombuffer(a.to_bytes(rows=False) + b.to_bytes(rows=False), np.uint8)
+    old = [QuantizedMatrix.from_bytes("MXFP4", planar[:a.nbytes], a.shape, rows=False),
+           QuantizedMatrix.from_bytes("MXFP4", planar[a.nbytes:], b.shape, rows=False)]
+    assert np.array_equal(old[0].dequantize(), a.dequantize())
+    assert adjacent_quantized_view(old) is None

@@ -8,7 +8,7 @@ import pytest
 
 from k3serve.model.moe import top_k_rows
 from k3serve.errors import ConfigError
-from k3serve.model.routing import ExpertTopP, Routing, keep_top_p, pairs_by_expert
+from k3serve.model.routing import ExpertTopP, KeptExperts, Routing, keep_top_p, pairs_by_expert
 
 
 def _top_k(biased: np.ndarray, top_k: int) -> np.ndarray:
@@ -133,3 +133,17 @@ def test_k3_top_p_one_is_bit_identical_and_fewer_experts_change_the_logits(tiny_
     counts = fewer.kept_experts.counts  # [TOPK + 1]
     assert counts[0] == 0 and counts[1] > 0 and counts.sum() == len(tokens) * len(fewer.config.moe_layer_ids)
     assert 1.0 < fewer.kept_experts.mean < 2.0
+
+
+def test_kept_experts_counts_the_kept_slots_of_each_row():
+    """KeptExperts.add (one compiled call) against numpy's bincount of the kept slots per row."""
+    rng = np.random.default_rng(3)
+    kept = KeptExperts(4)
+    expected = np.zeros(5, np.int64)
+    for _ in range(5):
+        ids = rng.integers(0, 9, size=(7, 4))
+        ids[rng.random((7, 4)) < 0.3] = -1  # dropped slots
+        kept.add(ids)
+        expected += np.bincount(np.sum(ids >= 0, axis=1), minlength=5)
+    np.testing.assert_array_equal(kept.counts, expected)
+    assert kept.num_pairs == 35

@@ -73,7 +73,8 @@ def test_simulator_reads_what_the_engine_reads(tiny_packed, tiny_packed_q8_0, tm
 
 
 def test_clock_is_deterministic_for_a_seed():
-    cfg = dict(machine=laptop(), ram_bytes=40 << 30, tokens=2, warmup=1, trunk_dtype="float32")
+    # with next-layer prefetch the seed draws the guesses too (without it, at this budget every step reads alike)
+    cfg = dict(machine=laptop(), ram_bytes=40 << 30, tokens=2, warmup=1, trunk_dtype="float32", prefetch="next-layer")
     a, b = simulate(SimConfig(seed=3, **cfg)), simulate(SimConfig(seed=3, **cfg))
     assert a.to_dict() == b.to_dict()
     c = simulate(SimConfig(seed=4, **cfg))
@@ -91,7 +92,7 @@ def test_cold_token_is_the_c_engines_1472_reads_and_25_83_gb():
 def test_more_ram_never_reads_more_and_prefetch_serves_requests():
     # 16 GiB of pinned trunk leaves cold slots for the guesses (the default split pins the trunk first)
     small = simulate(SimConfig(machine=laptop(), ram_bytes=32 << 30, tokens=2, trunk_dtype="bf16",
-                               pin_trunk_bytes=16 << 30))
+                               pin_trunk_bytes=16 << 30, prefetch="next-layer"))
     large = simulate(SimConfig(machine=laptop(), ram_bytes=128 << 30, tokens=2, trunk_dtype="bf16"))
     assert large.trunk_bytes_per_token < small.trunk_bytes_per_token
     assert small.prefetch_hit_share > 0.3  # guesses at 65% recall are used, not dropped before their layer
@@ -215,3 +216,42 @@ def test_io_aware_speculation_picks_k_from_the_measured_window_bytes():
     assert unsure.speculation["chosen_k"] == 0 and unsure.speculation["tokens_per_step"] == 1.0
     with pytest.raises(SimConfigError, match="draft cap"):
         SimConfig(machine=laptop(), speculative_io_aware=True)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0"])
+def test_simulator_reads_what_a_batched_engine_reads(tiny_packed, tiny_packed_q8_0, tmp_path, dtype):
+    """Issue 34 item 4: the serving engine decoding 3 sequences together, every trunk layer and the lm_head streamed
+    (the minimum budget), reads each streamed layer once per step and each expert of the step's union once; the
+    simulator, replaying the engine's trace (a step of B positions: one trunk pass, B embedding rows, the experts'
+    union), reads the same bytes and makes the same reads."""
+    from k3serve.engine.config import EngineConfig
+    from k3serve.engine.engine import LLMEngine
+
+    store = tiny_packed_q8_0 if dtype == "q8_0" else tiny_packed
+    budget = minimum_budget_bytes(store, trunk_dtype="bf16") + 2 * store.expert_stride
+    trace_path = tmp_path / "batch.trace"
+    loaded = load_model(store.path, stream=StreamOptions(ram_budget=budget, io="pread", queue_depth=4, cache="lru",
+                                                         prefetch="none", trace_out=trace_path, trunk_dtype="bf16"))
+    source = loaded.model.source
+    engine = LLMEngine(loaded.model, EngineConfig(max_seqs=4, num_blocks=64, block_size=16), stop_ids=())
+    for prompt in ([1, 5, 9, 200], [17, 3, 88], [41, 7, 2, 19, 64]):
+        engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    source.close()
+    real, plan = source.stats().stream, source.plan
+    assert plan.trunk_views and not plan.pinned_layers and not plan.head_pinned
+    trace = read_trace(trace_path)
+    steps = {}
+    for step, _token, _layer, _ids in trace.records:
+        steps.setdefault(step, set()).add(_token)
+    # one prefill step of the 12 prompt positions, then 4 decode steps of 3 positions (one per sequence)
+    assert sorted(len(tokens) for tokens in steps.values()) == [3, 3, 3, 3, 12]
+    result = simulate(replay_config(trace, laptop(), store=VirtualStore.from_store(store, dtype), ram_bytes=budget,
+                                    policy="lru", prefetch="none", queue_depth=4, count_prefill=True,
+                                    trunk_dtype=dtype))
+    assert result.plan["expert_slots"] == plan.expert_slots
+    assert result.totals["expert_bytes"] == real.expert_bytes_read
+    assert result.totals["trunk_bytes"] == real.trunk_bytes_read
+    assert result.totals["num_reads"] == real.num_reads
+    assert result.totals["expert_requests"] == real.expert_requests

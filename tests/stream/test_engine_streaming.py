@@ -92,3 +92,24 @@ def test_metrics_report_a_streaming_sources_reads_and_cache_and_a_resident_model
     model.source.close()
     resident = LLMEngine(load_model(tiny_dir).model, EngineConfig(max_seqs=4, num_blocks=64, block_size=16))
     assert "weights_expert_bytes_read" not in resident.metrics.snapshot()
+
+
+def test_a_batch_decode_step_reads_the_streamed_trunk_once(tiny_store):
+    """Issue 34 item 4: with every trunk layer and the lm_head streamed, a decode step of B sequences reads each
+    layer and the lm_head once for all of them: the trunk bytes per step, less one embedding row per token, are the
+    same at batch 1, 3 and 8 (exact counts), so the trunk bytes per generated token fall as 1 / B."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_batch_trunk.py"
+    spec = importlib.util.spec_from_file_location("bench_batch_trunk", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {b: bench.measure(tiny_store.path, b, steps=2) for b in (1, 3, 8)}
+    shared = rows[1]["trunk_bytes_per_step_less_embedding_rows"][0]
+    layers = sum(b.size for b in tiny_store.layers)
+    assert shared >= layers  # every layer (and the lm_head) is read each step: nothing pinned
+    for b, r in rows.items():
+        assert r["trunk_bytes_per_step_less_embedding_rows"] == [shared, shared], b
+        assert r["trunk_bytes_per_step"] == [shared + b * r["row_bytes"]] * 2, b
+    assert rows[8]["trunk_bytes_per_token"] < rows[1]["trunk_bytes_per_token"] / 7

@@ -1,7 +1,7 @@
 """The memory floor (issue 34, item 1): the trunk held as views of what was read (a bf16 trunk on a store of format
-2, its matrices stored as bf16 or Q8_0), the budget splitter's charges for it, a store of format 1 and an MXFP4
-trunk still read (as copies), and the live engine at its computed minimum inside a memory cgroup, with the output
-of the same weights held whole."""
+2 or 3, its matrices stored as bf16, Q8_0 or MXFP4 by rows), the budget splitter's charges for it, a store of
+format 1 and a format-2 MXFP4 trunk still read (as copies), and the live engine at its computed minimum inside a
+memory cgroup, with the output of the same weights held whole."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_memory_floor
 @pytest.fixture(scope="module")
 def q8_0_store(tiny_dir, tmp_path_factory):
     return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("floor-q8_0"), trunk_precision="q8_0")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_store(tiny_dir, tmp_path_factory):
+    return pack_checkpoint(tiny_dir, tmp_path_factory.mktemp("floor-mxfp4"), trunk_precision="mxfp4")
 
 
 def _bench():
@@ -114,17 +119,20 @@ def test_a_format_1_store_is_read_as_copies(tiny_dir, tiny_store, tmp_path):
     index = json.loads((old.path / "store.json").read_text())
     index["version"] = 9
     (old.path / "store.json").write_text(json.dumps(index))
-    with pytest.raises(StoreError, match="version 1 or 2 .*found 'k3serve-store' version 9.*repack"):
+    with pytest.raises(StoreError, match="version 1 or 2 or 3 .*found 'k3serve-store' version 9.*repack"):
         PackedStore(old.path)
 
 
-def test_the_engine_runs_at_its_minimum_in_a_memory_cgroup(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "mxfp4"])
+def test_the_engine_runs_at_its_minimum_in_a_memory_cgroup(tmp_path, precision):
     bench = _bench()
     why = bench.cgroups_writable()
     if why is not None:
         pytest.skip(f"needs a writable cgroup v1 memory controller: {why}")
-    r = bench.measure(tmp_path, hidden=512)
-    assert r["tokens_identical"] and r["logits_identical"] and r["resident_float32_tokens_identical"]
+    r = bench.measure(tmp_path, hidden=512, trunk_precision=precision)
+    assert r["tokens_identical"] and r["logits_identical"]  # against the same store held whole
+    # a bf16 trunk is lossless: the float32 resident model's tokens too (an MXFP4 trunk is not)
+    assert r["resident_float32_tokens_identical"] or precision == "mxfp4"
     # the weights' memory is within the minimum the splitter charged, beyond it only the stated activations' slack
     # (a lower bound is not asserted: memory the reference run freed is reused, so the peak's rise varies by run)
     assert r["peak_over_baseline"] <= r["minimum_bytes"] + bench.SLACK
@@ -146,22 +154,54 @@ def test_a_q8_0_trunk_streams_as_views_with_its_resident_output(q8_0_store, tiny
     assert minimum_budget_bytes(q8_0_store, trunk_dtype="bf16") < minimum_budget_bytes(tiny_store, trunk_dtype="bf16")
 
 
-def test_an_mxfp4_trunk_is_built_as_copies(tiny_dir, tmp_path):
-    store = pack_checkpoint(tiny_dir, tmp_path / "mxfp4", trunk_precision="mxfp4")
-    plan = plan_budget(store, minimum_budget_bytes(store, trunk_dtype="bf16"), trunk_dtype="bf16")
-    assert not plan.trunk_views  # an MXFP4 entry is nibbles then scales: no fused group or row is one view
+def test_an_mxfp4_trunk_streams_as_views_with_its_resident_output(mxfp4_store, q8_0_store):
+    """An MXFP4 trunk on a format-3 store (each entry by rows: a row's nibbles, then its scales) is held as views:
+    at its minimum the tokens and logits are those of the same store held whole, and its minimum is under the
+    Q8_0 store's (17 bytes per 32 weights against 34)."""
+
+    def nibbles_and_scales(in_proj):
+        assert isinstance(in_proj, QuantizedMatrix) and in_proj.precision == "mxfp4"
+        # each row's scales follow its nibbles in the same buffer: two interleaved views of one span
+        assert in_proj.scales.ctypes.data == in_proj.data.ctypes.data + in_proj.cols // 2
+        assert in_proj.data.strides[0] == in_proj.scales.strides[0] == in_proj.cols // 2 + in_proj.cols // 32
+        return in_proj.data
+
+    assert mxfp4_store.version == 3 and mxfp4_store.mxfp4_rows
+    at_minimum, whole = _at_minimum_and_whole(mxfp4_store, nibbles_and_scales)
+    assert at_minimum == whole
+    minimum = minimum_budget_bytes(mxfp4_store, trunk_dtype="bf16")
+    assert minimum < minimum_budget_bytes(q8_0_store, trunk_dtype="bf16")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "q8_0"])
-def test_views_hold_only_what_the_splitter_charges(tiny_store, q8_0_store, precision):
+def test_a_format_2_mxfp4_trunk_is_read_as_copies_with_the_same_output(tiny_dir, mxfp4_store, tmp_path):
+    """A store of format 2 holds an MXFP4 entry planar (nibbles, then scales): it still opens, is built as copies
+    (no fused group or row is one view) and computes the same logits as the format-3 store of the same weights."""
+    old = pack_checkpoint(tiny_dir, tmp_path / "v2", trunk_precision="mxfp4", version=2)
+    assert old.version == 2 and old.adjacent_groups and not old.mxfp4_rows
+    assert old.trunk_store_bytes == mxfp4_store.trunk_store_bytes  # the same bytes, laid out otherwise
+    assert not plan_budget(old, minimum_budget_bytes(old, trunk_dtype="bf16"), trunk_dtype="bf16").trunk_views
+    assert minimum_budget_bytes(old, trunk_dtype="bf16") > minimum_budget_bytes(mxfp4_store, trunk_dtype="bf16")
+    logits = []
+    for store in (old, mxfp4_store):
+        loaded = load_model(store.path, stream=StreamOptions(ram_budget=minimum_budget_bytes(store, trunk_dtype="bf16"),
+                                                             trunk_dtype="bf16"))
+        try:
+            logits.append(loaded.model.logits(IDS))
+        finally:
+            loaded.model.source.close()
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "q8_0", "mxfp4"])
+def test_views_hold_only_what_the_splitter_charges(tiny_store, q8_0_store, mxfp4_store, precision):
     """Built as views, each layer holds beside its read buffer only float32 copies, within `widened_bytes` (a
-    Q8_0 matrix, fused groups included, is a view of the buffer's blocks); the source allocates exactly the plan's
-    ring."""
+    Q8_0 or MXFP4 matrix, fused groups included, is a view of the buffer's bytes); the source allocates exactly the
+    plan's ring."""
     import mmap
 
     from k3serve.model.weights import build_layer
 
-    tiny_store = q8_0_store if precision == "q8_0" else tiny_store
+    tiny_store = {"bf16": tiny_store, "q8_0": q8_0_store, "mxfp4": mxfp4_store}[precision]
     with open(tiny_store.trunk_path, "rb") as f:
         raw = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
         for layer, blob in enumerate(tiny_store.layers):
@@ -169,11 +209,11 @@ def test_views_hold_only_what_the_splitter_charges(tiny_store, q8_0_store, preci
             built = build_layer(tiny_store.config, layer, blob.decode(buffer, keep_bf16=True).__getitem__, "bf16",
                                 views=True)
             held = [v for part in (built, built.attention, built.mlp) for v in vars(part).values()]
-            arrays = [v.data if isinstance(v, QuantizedMatrix) else v for v in held]
+            arrays = [a for v in held for a in ((v.data, v.scales) if isinstance(v, QuantizedMatrix) else (v,))]
             arrays = [a for a in arrays if isinstance(a, np.ndarray)]
             copies = sum(a.nbytes for a in arrays if not np.shares_memory(a, buffer))
             views = [a for a in arrays if np.shares_memory(a, buffer)]
-            kind = np.uint8 if precision == "q8_0" else np.uint16  # Q8_0 blocks, or bf16 bits
+            kind = np.uint16 if precision == "bf16" else np.uint8  # bf16 bits, or Q8_0 blocks / MXFP4 bytes
             assert views and all(a.dtype == kind for a in views)  # every matrix, fused groups included
             assert precision == "bf16" or sum(isinstance(v, QuantizedMatrix) for v in held) >= 3
             assert 0.8 * blob.widened_bytes("bf16") <= copies <= blob.widened_bytes("bf16")

@@ -18,6 +18,7 @@ from k3serve.engine.config import PREFIX_CACHE_POLICIES
 from k3serve.errors import K3Error, UsageError, exit_code, user_message
 from k3serve.units import parse_size
 from k3serve.cli.lab import add_lab_command
+from k3serve.cli.ram_control import add_ram_controller_args, attach_from_args, check_ram_controller_args
 from k3serve.cli.tenants import add_tenant_args, add_tenants_command
 from k3serve.cli.stream import add_routing_args, add_stream_args, add_subcommands, load_for_run
 
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_context_arg(gen)
 
     add_stream_args(gen)
+    add_ram_controller_args(gen)
     add_routing_args(gen)
 
     logits = sub.add_parser("logits", help="write float32 logits for every position to a .npy file")
@@ -209,6 +211,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="tokens a chat request without max_tokens may generate at most")
     _add_speculative_args(serve)
     add_stream_args(serve)
+    add_ram_controller_args(serve)
     add_routing_args(serve)
     add_tenant_args(serve)
 
@@ -220,6 +223,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     speculative = _speculative_config(args)  # every argument is checked before the model loads
+    check_ram_controller_args(args)
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt_file(args.prompt_file)
     loaded = load_for_run(args, expert_precision=args.expert_precision)
     try:
@@ -236,7 +240,8 @@ def _generate_loaded(args: argparse.Namespace, loaded, params, speculative, prom
     if args.prompt_ids is not None:
         _check_ids(args.prompt_ids, loaded.model.config.vocab_size, "--prompt-ids")
         tokens, report = generate(loaded.model, args.prompt_ids, params, stop_ids=loaded.stop_ids,
-                                  speculative=speculative, drafters=drafters, max_context=args.max_model_len)
+                                  speculative=speculative, drafters=drafters, max_context=args.max_model_len,
+                                  prepare=lambda engine: attach_from_args(engine, args))
         print(",".join(str(t) for t in tokens))
         _print_report(loaded, report)
         return 0
@@ -268,7 +273,8 @@ def _generate_loaded(args: argparse.Namespace, loaded, params, speculative, prom
 
     _, report = generate(loaded.model, healing.prompt_ids if healing else prompt_ids, params,
                          stop_ids=loaded.stop_ids, on_token=emit, speculative=speculative, drafters=drafters,
-                         constraint=healing.allowed if healing else None, max_context=args.max_model_len)
+                         constraint=healing.allowed if healing else None, max_context=args.max_model_len,
+                         prepare=lambda engine: attach_from_args(engine, args))
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     _print_report(loaded, report)
@@ -397,6 +403,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from k3serve.cli.tenants import install_reload, registry_for_serve, warn_if_open
 
     config = _engine_config(args)
+    check_ram_controller_args(args)
     if config.prefix_cache_dir is not None:
         raise UsageError("--prefix-cache-dir is not offered by `cluster` yet (replicas would share one folder): "
                          "use it with `serve`")
@@ -416,6 +423,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = _engine_config(args)
     speculative = _speculative_config(args)
+    check_ram_controller_args(args)
     tenants = registry_for_serve(args)  # a bad tenants file fails here, before the model loads
     listener = cli_args.bind_listener(args.host, args.port)  # a busy port fails here: before loading, before "serving"
     # the lab has no keys: never beside an API that requires them, and beyond loopback only when asked for
@@ -435,6 +443,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        model_identity=loaded.identity if config.prefix_cache_dir is not None else None)
     if speculative is not None:
         engine.drafters.check(speculative)  # e.g. the resident drafter on a family model: refuse at start
+    controller = attach_from_args(engine, args)
+    if controller is not None:
+        print(f"k3serve: {controller.lines()[0].strip()}", file=sys.stderr)
     name = args.served_model_name or loaded.name
     print(f"k3serve: serving '{name}' on http://{args.host}:{args.port}/v1", file=sys.stderr)
     tenants.on_reload = lambda config: engine.set_tenant_shares(config.shares())

@@ -25,7 +25,8 @@ def add_sim_commands(sim_sub) -> None:
                     help="a preset (c-engine, c-engine-v1, laptop, this-machine) or a machine file (.json/.toml)" + d)
     k3.add_argument("--engine", choices=("k3serve", "c-engine"), default="k3serve", help="engine profile" + d)
     k3.add_argument("--policy", default="lfu", help="expert cache policy: none, lru, lfu, s3fifo, pinned" + d)
-    k3.add_argument("--prefetch", choices=("none", "next-layer"), default="next-layer", help="prefetch mode" + d)
+    k3.add_argument("--prefetch", choices=("none", "next-layer"), default="none",
+                    help="prefetch mode, the engine's default unless given" + d)
     k3.add_argument("--prefetch-max", type=cli_args.non_negative_int, default=None,
                     help="guesses per layer (default: top-k)")
     k3.add_argument("--layout", choices=("natural", "frequency", "coactivation"), default="natural",

@@ -66,15 +66,19 @@ def generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams,
              stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
              speculative: SpeculativeConfig | None = None, drafters: DrafterFactory | None = None,
              constraint: Callable[[list[int]], np.ndarray | None] | None = None,
-             max_context: int = DEFAULT_MAX_MODEL_LEN) -> tuple[list[int], RunReport]:
+             max_context: int = DEFAULT_MAX_MODEL_LEN,
+             prepare: Callable[[LLMEngine], object] | None = None) -> tuple[list[int], RunReport]:
     """Generate up to params.max_tokens tokens after `prompt_ids`; `on_token` sees each one as it is made.
     With `speculative`, drafts are verified in windows (engine/speculative.py): same greedy tokens.
     `constraint(tokens so far)` may return the ids allowed next (token healing, engine/healing.py); None: any.
-    Raises `ContextLengthError` when the prompt plus max_tokens exceeds `max_context`, as the server does."""
+    Raises `ContextLengthError` when the prompt plus max_tokens exceeds `max_context`, as the server does.
+    `prepare(engine)` runs before the first step (the CLI attaches the RAM controller there)."""
     prompt_ids = validate_prompt(prompt_ids, model.config.vocab_size)
     ContextLengthError.check(len(prompt_ids), params.max_tokens, max_context)
     engine = LLMEngine(model, single_sequence_config(len(prompt_ids), params.max_tokens, max_context, speculative),
                        stop_ids=tuple(stop_ids), speculative=speculative, drafters=drafters)
+    if prepare is not None:
+        prepare(engine)
     source = model.experts  # a streaming source (K3's, or a family's experts) reports its I/O
     first_token_time: float | None = None
     after_prefill = None
@@ -115,6 +119,8 @@ def generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams,
     if limit is not None and limit.active:
         report.extra_lines.append(model.kept_experts.line() + f" (--expert-top-p {limit.top_p:g}, "
                                   f"min {limit.min_kept}; prompt and generated tokens)")
+    if engine.ram_steering is not None:
+        report.extra_lines = report.extra_lines + engine.ram_steering.controller.lines()
     if seq.speculation is not None:
         report.speculation = seq.speculation.stats
         report.extra_lines = report.extra_lines + seq.speculation.stats.lines()

@@ -234,6 +234,8 @@ class PrefixCache:
         self._block_ghost_capacity = 0
         self.block_shadow_hits: list[tuple[int, int]] = []
         self._pending_block_hit: tuple[int, int] | None = None
+        self.block_shadow_prefixes: set[bytes] = set()  # the distinct prefixes (last ghost block) those hits end at
+        self._pending_ghost_prefix = b""
         blocks.add_eviction_listener(self._on_block_evicted)
         self._m_queries = metrics.counter("prefix_cache_queries", "sequences looked up at admission")
         self._m_hits = metrics.counter("prefix_cache_hits", "lookups that restored at least one position")
@@ -299,6 +301,11 @@ class PrefixCache:
             if hit is not None:
                 break
         branch = self._branch_point(root, tokens, hashes, len(matched))
+        if branch is None and self._pending_block_hit is not None:
+            # the prompt repeats recently evicted cached blocks (the RAM controller's ghosts): their end is where a
+            # path seen before stops, so a checkpoint there lets the next repeat hit a round earlier
+            end = len(matched) * BS + self._pending_block_hit[1]
+            branch = end if end < len(tokens) else None
         block_hit = 0 if self.needs_state else min(len(matched), limit // BS) * BS
         best = max(block_hit, hit.position if hit is not None else 0)
         on_disk = self._match_disk(root, tokens, hashes, best) if self.disk is not None else None
@@ -368,6 +375,7 @@ class PrefixCache:
         self._m_query_tokens.inc(num_tokens)
         if self._pending_block_hit is not None:
             self.block_shadow_hits.append(self._pending_block_hit)
+            self.block_shadow_prefixes.add(self._pending_ghost_prefix)
             self._pending_block_hit = None
         self._m_block_tokens.inc(min(match.num_block_tokens, num_tokens - 1))
         if self.needs_state and not self.config.checkpoint_partial_blocks and num_tokens - 1 < self.block_size:
@@ -625,12 +633,16 @@ class PrefixCache:
             return None
         keys = list(self._block_ghost)
         depth = max(len(keys) - keys.index(h) for h in hashes[:run])
+        self._pending_ghost_prefix = hashes[run - 1]
         return depth, run * self.block_size
 
-    def take_block_shadow(self) -> list[tuple[int, int]]:
-        """This interval's block ghost hits as (depth in blocks, positions); starts a new interval."""
+    def take_block_shadow(self) -> tuple[list[tuple[int, int]], set[bytes]]:
+        """This interval's block ghost hits as (depth in blocks, positions), and the distinct prefixes they end at
+        (the hash of each one's last block: on a hybrid model each needs a checkpoint there to hit); starts a new
+        interval."""
         hits, self.block_shadow_hits = self.block_shadow_hits, []
-        return hits
+        prefixes, self.block_shadow_prefixes = self.block_shadow_prefixes, set()
+        return hits, prefixes
 
     def resize_checkpoints(self, num_checkpoints: int) -> int:
         """Keep at most `num_checkpoints` checkpoints (clamped to [0, the slot pool]); a shrink evicts the

@@ -20,7 +20,13 @@ The controller (`RamController.on_step`, called by the engine thread between ste
     gain(dearest) > (1 + hysteresis) * loss(cheapest) + min_gain_seconds_per_mib
 
 and neither pool moved the other way within `cooldown_intervals` (no flapping). It shrinks the donor first and
-grows the receiver by at most what was freed plus the ledger's headroom, so the budget holds at every point. Every
+grows the receiver by at most what was freed plus the ledger's headroom, so the budget holds at every point.
+
+Complements: a signal may name `companions`, bytes other pools must grow by for its gain to be had (on a hybrid
+model cached blocks hit only with a state checkpoint at their end). The gain is then priced per MiB of the step
+plus the companions, a companion is never the donor, and one move grows both. A pool's loss is floored by its own
+recent gain per MiB, decayed by `demand_decay` per interval: what a pool just grew for (a checkpoint hits only a
+round after it is saved) is not given back before its hits can show. Every
 move is a `RamMove` in `moves`, counted in `/metrics` (`ram_controller_moves`, `ram_pool_bytes{pool}`) and listed
 in the run report (`lines()`).
 """
@@ -46,6 +52,9 @@ class PoolSignal:
 
     gain_seconds: float = 0.0
     loss_seconds: float = 0.0
+    # bytes other pools must grow by for the gain to be had (complements: on a hybrid model a cached prefix's
+    # blocks hit only with a state checkpoint at their end); the gain is priced over the step plus these
+    companions: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,10 +107,12 @@ class RamMove:
     num_bytes: int
     donor_loss_per_mib: float  # seconds per MiB per interval
     receiver_gain_per_mib: float
+    companions: tuple[tuple[str, int], ...] = ()  # (pool, bytes) grown with the receiver, from the same donor
 
     def line(self) -> str:
+        also = "".join(f" + {format_size(n)} {name}" for name, n in self.companions)
         return (f"step {self.step}: {format_size(self.num_bytes)} {self.donor or 'headroom'} -> "
-                f"{self.receiver or 'headroom'} "
+                f"{self.receiver or 'headroom'}{also} "
                 f"(gain {self.receiver_gain_per_mib:.4g} s/MiB > loss {self.donor_loss_per_mib:.4g} s/MiB)")
 
 
@@ -148,6 +159,9 @@ class ControllerConfig:
     min_gain_seconds_per_mib: float = 0.0  # and by this margin (seconds per MiB per interval)
     cooldown_intervals: int = 3  # a pool that gave may not receive (and one that received may not give) for this long
     max_steps_per_move: int = 1  # a gain k times the bar moves min(k, this) steps at once (1: one step a decision)
+    # a pool's loss is at least its recent gain, decayed by this factor per interval (0: off): what a pool just grew
+    # for keeps it from being given back before its first hits show (a checkpoint hits a round after it is saved)
+    demand_decay: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("interval_steps", "step_bytes", "max_steps_per_move"):
@@ -158,6 +172,9 @@ class ControllerConfig:
                 or self.cooldown_intervals < 0:
             raise ConfigError(f"ControllerConfig.cooldown_intervals must be an integer >= 0, "
                               f"got {self.cooldown_intervals!r}")
+        if isinstance(self.demand_decay, bool) or not isinstance(self.demand_decay, (int, float)) \
+                or not 0 <= self.demand_decay < 1:
+            raise ConfigError(f"ControllerConfig.demand_decay must be a number in [0, 1), got {self.demand_decay!r}")
         for name in ("hysteresis", "min_gain_seconds_per_mib"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -168,6 +185,7 @@ class ControllerConfig:
 class _Valuation:
     gain_per_mib: float  # -inf: cannot grow
     loss_per_mib: float  # +inf: cannot shrink
+    companions: tuple[tuple[str, int], ...] = ()  # bytes other pools grow by with one step of this one
 
 
 class RamController:
@@ -184,6 +202,7 @@ class RamController:
         self._interval = 0
         self._gave_at: dict[str, int] = {}  # pool -> interval it last gave
         self._received_at: dict[str, int] = {}
+        self._demand: dict[str, float] = {}  # pool -> its recent gain per MiB, decayed (the loss floor)
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self._m_moves = self.metrics.counter("ram_controller_moves", "moves of RAM between pools")
         self._m_moved = self.metrics.counter("ram_controller_moved_bytes", "bytes moved between pools")
@@ -211,11 +230,15 @@ class RamController:
         unit = pool.unit_bytes
         step = max(unit, self.config.step_bytes // unit * unit)
         signal = pool.take_signal(step, self.prices)
-        mib = step / MiB
+        companions = tuple((name, n) for name, n in signal.companions if name in self.pools.pools and name != pool.name and n > 0)
+        mib = (step + sum(n for _, n in companions)) / MiB
         can_grow = pool.size_bytes + unit <= pool.max_bytes
         can_shrink = pool.size_bytes - unit >= pool.min_bytes
-        return _Valuation(signal.gain_seconds / mib if can_grow else float("-inf"),
-                          signal.loss_seconds / mib if can_shrink else float("inf"))
+        gain = signal.gain_seconds / mib
+        demand = max(gain, self._demand.get(pool.name, 0.0) * self.config.demand_decay)
+        self._demand[pool.name] = demand
+        loss = max(signal.loss_seconds / (step / MiB), demand)
+        return _Valuation(gain if can_grow else float("-inf"), loss if can_shrink else float("inf"), companions)
 
     def decide(self) -> RamMove | None:
         """One decision: value every pool, and move one step from the cheapest to the dearest when it pays."""
@@ -233,47 +256,65 @@ class RamController:
             return None
         pool = self.pools.pools[receiver]
         step = max(pool.unit_bytes, self.config.step_bytes // pool.unit_bytes * pool.unit_bytes)
-        if self.pools.headroom_bytes >= pool.unit_bytes:  # unspent budget goes first, at no loss
-            return self._move("", receiver, min(step, self.pools.headroom_bytes), float("nan"), gain)
+        companions = values[receiver].companions
+        headroom = self.pools.headroom_bytes
+        # unspent budget goes first, at no loss; a donor gives only what it lacks of a whole step
+        if headroom >= step + sum(n for _, n in companions):
+            return self._move("", receiver, step, float("nan"), gain, companions)
         donors = [n for n, v in values.items() if n != receiver and v.loss_per_mib < float("inf")
+                  and n not in dict(companions)
                   and self._interval - self._received_at.get(n, -cooldown - 1) > cooldown]
-        if not donors:
-            return None
-        donor = min(donors, key=lambda n: (values[n].loss_per_mib, n))
-        loss = values[donor].loss_per_mib
+        donor = min(donors, key=lambda n: (values[n].loss_per_mib, n)) if donors else ""
+        loss = values[donor].loss_per_mib if donor else float("inf")
         bar = (1 + self.config.hysteresis) * loss + self.config.min_gain_seconds_per_mib
         if not gain > bar:
+            if headroom >= pool.unit_bytes:
+                return self._move("", receiver, min(step, headroom), float("nan"), gain, companions)
             return None
         # a wide margin moves more at once (up to max_steps_per_move steps): twice the bar, two steps, ...
         most = self.config.max_steps_per_move
         steps = most if bar <= 0 or gain >= most * bar else max(1, int(gain / bar))
-        return self._move(donor, receiver, steps * step, loss, gain)
+        return self._move(donor, receiver, steps * step, loss, gain, tuple((n, steps * b) for n, b in companions))
 
-    def _move(self, donor: str, receiver: str, num_bytes: int, loss: float, gain: float) -> RamMove | None:
+    def _move(self, donor: str, receiver: str, num_bytes: int, loss: float, gain: float,
+              companions: tuple[tuple[str, int], ...] = ()) -> RamMove | None:
+        """Move `num_bytes` from `donor` (or the headroom) to `receiver`, and the companions' bytes with them (the
+        donor gives for both; each grows by at most what is unspent, so the budget holds at every point)."""
         pools = self.pools.pools
         freed = 0
-        if donor:
+        extra = sum(n for _, n in companions)
+        ask = num_bytes + extra - self.pools.headroom_bytes
+        if donor and ask > 0:
             before = pools[donor].size_bytes
-            freed = before - pools[donor].resize(before - num_bytes)
+            freed = before - pools[donor].resize(before - ask)
             if freed <= 0:
                 return None
+        elif donor:  # the headroom covers the step after all
+            donor, loss = "", float("nan")
         give = min(num_bytes, self.pools.headroom_bytes)
         before = pools[receiver].size_bytes
         grown = pools[receiver].resize(before + give) - before
+        with_receiver = []
+        for name, n in companions:  # grown after the receiver: the receiver's step comes first
+            before_companion = pools[name].size_bytes
+            added = pools[name].resize(before_companion + min(n, self.pools.headroom_bytes)) - before_companion
+            if added > 0:
+                self._received_at[name] = self._interval
+                with_receiver.append((name, added))
         assert self.pools.total_bytes <= self.pools.budget_bytes
         if grown <= 0:
             if not donor:
                 return None
             # the donor stopped short of one receiver unit: its bytes wait in the headroom for the next decision
             receiver, grown = "", freed
-        move = RamMove(self._num_steps, donor, receiver, grown, loss, gain)
+        move = RamMove(self._num_steps, donor, receiver, grown, loss, gain, tuple(with_receiver))
         self.moves.append(move)
         if donor:
             self._gave_at[donor] = self._interval
         if receiver:
             self._received_at[receiver] = self._interval
         self._m_moves.inc()
-        self._m_moved.inc(max(grown, freed))
+        self._m_moved.inc(max(grown + sum(n for _, n in with_receiver), freed))
         self._update_gauges()
         logger.info("RAM controller: %s", move.line())
         return move

@@ -5,7 +5,7 @@ under one budget on a running engine.
 |-------------|----------------------------|------------------------------------------|---------------------------------|---------------------------------------|
 | experts     | one slot (the blob stride) | `ExpertSlots.resize` (pages returned)    | ghost hits x blob bytes x read  | hits on the least-hit resident experts |
 | checkpoints | one checkpoint slot        | `PrefixCache.resize_checkpoints` (evict) | recomputed positions x compute  | positions restored from the least-hit  |
-| kv          | one attention block        | `BlockPool.withhold / give_back`         | preempted and ghost-block positions x compute | cached-block reuse it would drop, and a preemption if the peak would not fit |
+| kv          | one attention block        | `BlockPool.withhold / give_back`         | preempted and ghost-block positions x compute (on a hybrid model with the checkpoints the ghost prefixes lack as companions) | cached-block reuse it would drop, and a preemption if the peak would not fit |
 
 Seconds come from `Prices`: the measured read wait per byte of the expert store, and the measured compute time per
 position (forward seconds less read wait, per batched token). The trunk and the I/O buffers stay where the
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from k3serve.engine.engine import LLMEngine
 
 
+PREFIX_MEMORY = 4  # intervals a ghost prefix is remembered (it needs a checkpoint until its blocks hit again)
 LOOKAHEAD_STEPS = 16  # a pool's gain is its best rate over 1, 2, 4 .. 16 steps more (caches have cliffs)
 
 
@@ -138,6 +139,8 @@ class KVBlockPool(RamPool):
         self.peak_in_use = 0
         self.peak_running = 0
         self.reused_block_tokens = 0  # positions restored from the prefix cache this interval
+        self.recent_prefixes: dict[bytes, int] = {}  # ghost prefixes of the last PREFIX_MEMORY intervals -> last seen
+        self._interval = 0
 
     unit_bytes = property(lambda self: self.block_bytes)
     size_bytes = property(lambda self: self.blocks.num_usable_blocks * self.block_bytes)
@@ -167,9 +170,25 @@ class KVBlockPool(RamPool):
         if self.peak_in_use + k > self.blocks.num_usable_blocks:
             # the peak would not have fit: one sequence of the peak's mean length preempted and computed again
             lost_tokens += self.peak_in_use * self.blocks.block_size / self.peak_running
-        shadow = self.prefix_cache.take_block_shadow() if self.prefix_cache is not None else []
-        gained = self.preempted_tokens + best_gain_per_step(shadow, k)
-        signal = PoolSignal(gained * prices.compute_seconds_per_token, lost_tokens * prices.compute_seconds_per_token)
+        shadow, prefixes = self.prefix_cache.take_block_shadow() if self.prefix_cache is not None else ([], set())
+        self._interval += 1
+        for prefix in prefixes:
+            self.recent_prefixes[prefix] = self._interval
+        for prefix in [p for p, seen in self.recent_prefixes.items() if self._interval - seen >= PREFIX_MEMORY]:
+            del self.recent_prefixes[prefix]
+        ghost_gain = best_gain_per_step(shadow, k)
+        gained = self.preempted_tokens + ghost_gain
+        companions: tuple[tuple[str, int], ...] = ()
+        if ghost_gain > 0 and self.prefix_cache.needs_state and self.prefix_cache.store.num_slots:
+            # hybrid: the ghost prefixes hit again only with a state checkpoint at each one's end, so a step of
+            # blocks is priced, and moved, with the checkpoints the recent ghost prefixes lack (KV blocks and
+            # checkpoints are complements): one per prefix, and one more for the one-shot prompt ends that pass
+            # through the probation segment meanwhile
+            lacking = len(self.recent_prefixes) + 1 - self.prefix_cache.checkpoint_limit
+            if lacking > 0:
+                companions = (("checkpoints", lacking * self.prefix_cache.checkpoint_bytes),)
+        signal = PoolSignal(gained * prices.compute_seconds_per_token, lost_tokens * prices.compute_seconds_per_token,
+                            companions)
         self.preempted_tokens = self.reused_block_tokens = 0
         self.peak_in_use = self.peak_running = 0
         return signal

@@ -9,14 +9,16 @@ from pathlib import Path
 
 from k3serve.atomic_file import new_staging_folder, remove_stale_staging
 from k3serve.default_model import DEFAULT_MODEL_NAME, cache_root, default_model_dir, verify_checksums
-from k3serve.weights.store import is_packed_store
+from k3serve.weights.store import STORE_VERSION, is_packed_store
 
 logger = logging.getLogger(__name__)
 
 
 def default_packed_dir() -> Path:
     source = default_model_dir()
-    target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{verify_checksums(source)[:12]}-packed"
+    # NOTE: the store format is in the name, so a cache packed by an older k3serve is not reused (it would still
+    # open, but run as that format: a format-1 store builds its trunk as copies)
+    target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{verify_checksums(source)[:12]}-packed-v{STORE_VERSION}"
     remove_stale_staging(target.parent)
     if is_packed_store(target):
         return target

@@ -25,13 +25,13 @@ import numpy as np
 from k3serve.config import K3Config
 from k3serve.errors import ConfigError
 from k3serve.model.attn_res import attn_res
+from k3serve.model.fused_ops import attn_res_norm, rms_norm_into, route_top_k
 from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK
-from k3serve.model.kda import causal_conv, kda_forward
+from k3serve.model.kda import causal_conv, conv_step, kda_forward
 from k3serve.model.mla import mla_attend, mla_decode_batch, mla_project
 from k3serve.model.kernels import linear, mxfp4_expert_forward, widen_bf16
 from k3serve.model.moe import dense_mlp_forward, guess_next_layer, moe_forward, route, top_k_rows
 from k3serve.model.routing import ExpertTopP, KeptExperts, Routing, keep_top_p, pairs_by_expert
-from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, PauseHook, RoutingObserver,
                                      SingleSequenceMixin, finish_batch, flatten_items, logit_rows)
@@ -57,7 +57,13 @@ def load_compiled_loops() -> None:
     top_k_rows(np.zeros((1, 2), np.float32), ids)
     pairs_by_expert(ids)
     attn_res([np.ones((1, 32), np.float32)] * 2, np.ones(32, np.float32), 1e-5)
+    row, vector = np.ones((1, 32), np.float32), np.ones(32, np.float32)
+    attn_res_norm(np.ones((2, 1, 32), np.float32), vector, vector, np.float32(1e-5), row.copy(), row.copy())
+    rms_norm_into(row, vector, np.float32(1e-5), row.copy())
+    route_top_k(row, vector, True, np.float32(1.0), ids, row[:, :1].copy())
     causal_conv(np.ones((1, 2), np.float32), np.zeros((3, 2), np.float32), np.ones((2, 4), np.float32))
+    tail, channels = np.zeros((3, 2), np.float32), np.ones(2, np.float32)
+    conv_step(tail, channels, np.ones((2, 4), np.float32), channels.copy(), tail.copy())
     square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] MXFP4 matrix
     mxfp4_expert_forward(square, square, square, np.ones((1, 32), np.float32), 4.0, 25.0)
 
@@ -130,25 +136,37 @@ class K3Model(SingleSequenceMixin):
         h = embed.rows(ids) if isinstance(embed, QuantizedMatrix) else embed[ids]  # [T, H]
         if h.dtype == np.uint16:  # the embedding kept as bf16 bits (a bf16 trunk)
             h = widen_bf16(h)
-        stack: list[np.ndarray] = []
-        pref: np.ndarray | None = h
+        # The residual stack lives in one buffer for the step: rows 0..num_blocks-1 are the block snapshots, row
+        # num_blocks the partial sum `pref` (absent right after a push, until the mixer writes it). The fused
+        # stages (model/fused_ops.py) write h and the normed x into two more buffers: no layer allocates them.
+        T, H = h.shape
+        sources = np.empty((-(-c.num_layers // c.attn_res_block_size) + 1, T, H), np.float32)  # [S, T, H]
+        sources[0] = h
+        h = np.empty((T, H), np.float32)
+        x = np.empty((T, H), np.float32)
+        eps32 = np.float32(eps)
+        num_blocks, pref_written = 0, True
         for layer in range(c.num_layers):
             w = self.source.layer(layer)
-            if stack:
-                h = attn_res(stack + [pref], w.attn_res_query, eps)
+            if num_blocks:
+                attn_res_norm(sources[:num_blocks + 1], w.attn_res_query, w.input_norm, eps32, h, x)
+            else:  # layer 0: h is the embedding
+                rms_norm_into(sources[0], w.input_norm, eps32, x)
             if layer % c.attn_res_block_size == 0:
-                stack.append(pref)
-                pref = None
-            x = rms_norm(h, w.input_norm, eps)
+                num_blocks, pref_written = num_blocks + 1, False
             if isinstance(w.attention, KDAWeights):
                 a = kda_forward(c, w.attention, x, segments, caches, layer, self.chunk_size)
             else:
                 a = self._mla(w.attention, x, segments, caches, layer)
-            pref = a if pref is None else pref + a
+            pref = sources[num_blocks]
+            if pref_written:
+                np.add(pref, a, out=pref)
+            else:
+                np.copyto(pref, a)
+                pref_written = True
             if at_pause is not None:
                 at_pause(layer, MIXER)
-            h = attn_res(stack + [pref], w.mlp_res_query, eps)
-            x = rms_norm(h, w.post_attention_norm, eps)
+            attn_res_norm(sources[:num_blocks + 1], w.mlp_res_query, w.post_attention_norm, eps32, h, x)
             if source.prefetching:
                 self._prefetch_next(layer, h)
             if isinstance(w.mlp, MoEWeights):
@@ -164,14 +182,15 @@ class K3Model(SingleSequenceMixin):
                     on_routing(layer, routing, segments)
             else:
                 m = dense_mlp_forward(c, w.mlp, x)
-            pref = pref + m
+            np.add(pref, m, out=pref)
             if at_pause is not None and layer < c.num_layers - 1:
                 at_pause(layer, MLP)
 
         rows = logit_rows(items, segments)
-        out = attn_res([s[rows] for s in stack] + [pref[rows]], self._globals.output_res_query, eps)
+        picked = sources[:num_blocks + 1, rows]  # [S, R, H]
+        out, normed = np.empty(picked.shape[1:], np.float32), np.empty(picked.shape[1:], np.float32)  # [R, H]
+        attn_res_norm(picked, self._globals.output_res_query, self._globals.final_norm, eps32, out, normed)
         head = self._globals.lm_head
-        normed = rms_norm(out, self._globals.final_norm, eps)  # [R, H]
         held_whole = isinstance(head, (np.ndarray, QuantizedMatrix))
         logits = linear(normed, head) if held_whole else head.logits(normed)  # [R, V]
         return finish_batch(items, segments, logits, result)

@@ -85,6 +85,22 @@ def _causal_conv(full: np.ndarray, taps: np.ndarray, out: np.ndarray) -> None:
             out[t, c] = acc
 
 
+@njit(cache=True)
+def conv_step(tail: np.ndarray, x: np.ndarray, taps: np.ndarray, out: np.ndarray, new_tail: np.ndarray) -> None:
+    """One token of `causal_conv`: tail [K-1, C], x [C], taps [C, K] -> out [C] = ((0 + tail_0 w_0) + ...) + x
+    w_(K-1), and new_tail [K-1, C] = the last K-1 inputs (tail[1:], then x)."""
+    last = taps.shape[1] - 1
+    for c in range(x.shape[0]):
+        acc = np.float32(0.0)
+        for j in range(last):
+            acc += tail[j, c] * taps[c, j]
+        out[c] = acc + x[c] * taps[c, last]
+    for j in range(last - 1):
+        new_tail[j] = tail[j + 1]
+    if last:
+        new_tail[last - 1] = x
+
+
 def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequence[tuple[int, int]],
                 conv_tails: Sequence[np.ndarray]) -> tuple[KDAInputs, np.ndarray, list[np.ndarray]]:
     """Projections, short conv and decay for T tokens made of several sequence segments.
@@ -97,18 +113,11 @@ def kda_prepare(config: K3Config, w: KDAWeights, x: np.ndarray, segments: Sequen
     out_gate, f_a, b = proj[:, 3 * P:4 * P], proj[:, 4 * P:4 * P + D], proj[:, 4 * P + D:]
     qkv = np.empty((T, 3 * P), np.float32)
     new_tails: list[np.ndarray] = [np.empty(0)] * len(segments)
-    single = [i for i, (start, end) in enumerate(segments) if end - start == 1]
-    if single:  # decode: every one-token segment in one vectorised conv, same summation order as causal_conv
-        rows = np.array([segments[i][0] for i in single])
-        window = np.concatenate([np.stack([conv_tails[i] for i in single]), proj[rows, None, :3 * P]], axis=1)
-        out = np.zeros((len(single), 3 * P), np.float32)  # [B, 3P]
-        for j in range(window.shape[1]):
-            out += window[:, j] * w.conv[:, j]
-        qkv[rows] = out
-        for row, i in enumerate(single):
-            new_tails[i] = window[row, 1:].copy()
     for i, ((start, end), tail) in enumerate(zip(segments, conv_tails)):
-        if end - start > 1:
+        if end - start == 1:  # decode: one compiled call, same summation order as causal_conv
+            new_tails[i] = np.empty_like(tail)
+            conv_step(tail, proj[start, :3 * P], w.conv, qkv[start], new_tails[i])
+        elif end - start > 1:
             qkv[start:end], new_tails[i] = causal_conv(proj[start:end, :3 * P], tail, w.conv)
     qkv = silu(qkv).reshape(T, 3, NH, D)
     q = l2_normalize(qkv[:, 0]) * np.float32(1.0 / np.sqrt(D))

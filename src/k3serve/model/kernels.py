@@ -275,6 +275,15 @@ def _matmul_serial(packed, scales, xp, half_scales, isa, out):
         _matmul_task(packed, scales, xp, half_scales, isa, out, task)
 
 
+def _rows_contiguous(array: np.ndarray) -> np.ndarray:
+    """`array` itself when each of its rows is contiguous (what the row dot reads: a row's data pointer and
+    length), else a C-contiguous copy."""
+    array = np.asarray(array)
+    if array.ndim == 2 and (array.shape[1] <= 1 or array.strides[1] == array.itemsize) and array.strides[0] >= 0:
+        return array
+    return np.ascontiguousarray(array)
+
+
 def _check_operands(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tuple[int, int]:
     rows, cols = check_mxfp4_shapes(packed, scales)
     if x.ndim != 2 or x.shape[1] != cols:
@@ -294,10 +303,12 @@ def mxfp4_matmul(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.
     """x @ dequantize_mxfp4(packed, scales).T without building the float matrix.
 
     packed u8 [R, C/2], scales u8 [R, C/32], x float32 [T, C] (other layouts/dtypes are converted) -> [T, R].
-    `out`, if given, must be a C-contiguous float32 [T, R] array and is filled and returned. `isa` picks the
-    instruction set (default: the best this CPU has)."""
-    packed = np.ascontiguousarray(packed)
-    scales = np.ascontiguousarray(scales)
+    packed and scales may be row-strided views (each row's bytes contiguous, rows at any stride: an MXFP4 trunk
+    matrix laid out by rows, `weights.quantized`), multiplied in place; other layouts are copied. `out`, if given,
+    must be a C-contiguous float32 [T, R] array and is filled and returned. `isa` picks the instruction set
+    (default: the best this CPU has)."""
+    packed = _rows_contiguous(packed)
+    scales = _rows_contiguous(scales)
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, cols = _check_operands(packed, scales, x)
     num_tokens = x.shape[0]

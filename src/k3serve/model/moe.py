@@ -21,6 +21,7 @@ from numba import njit
 from k3serve.config import K3Config
 from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linear, mxfp4_experts_accumulate_stacked,
                                    mxfp4_experts_run, stack_expert)
+from k3serve.model.fused_ops import route_top_k
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.routing import ExpertPairs, Routing, pairs_by_expert
 from k3serve.model.weights import DenseMLPPieces, DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
@@ -33,14 +34,12 @@ def route(config: K3Config, w: MoEWeights, x: np.ndarray) -> Routing:
 
 def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Routing:
     """scores [T, NE] (after sigmoid) -> Routing. Ties in s + bias go to the lower expert id."""
-    top_k = config.num_experts_per_token
-    biased = np.ascontiguousarray(scores + bias, dtype=np.float32)  # [T, NE]
-    ids = np.empty((biased.shape[0], top_k), np.int64)  # [T, TOPK]
-    top_k_rows(biased, ids)
-    chosen = np.take_along_axis(scores, ids, axis=1)
-    if config.moe_renormalize:
-        chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
-    return Routing(expert_ids=ids, weights=(chosen * np.float32(config.routed_scaling_factor)).astype(np.float32))
+    num_tokens, top_k = scores.shape[0], config.num_experts_per_token
+    ids = np.empty((num_tokens, top_k), np.int64)  # [T, TOPK]
+    weights = np.empty((num_tokens, top_k), np.float32)  # [T, TOPK]
+    route_top_k(np.ascontiguousarray(scores, dtype=np.float32), np.ascontiguousarray(bias, dtype=np.float32),
+                config.moe_renormalize, np.float32(config.routed_scaling_factor), ids, weights)
+    return Routing(expert_ids=ids, weights=weights)
 
 
 @njit(cache=True)
@@ -118,9 +117,9 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     if remote_y is not None:  # [T*TOPK, LT] from the expert owners
         accumulate_expert_rows(remote_y, tokens_by_expert, weights_by_expert, mixed)
     elif stacked is not None:  # every expert of the layer in one call, spread over the cores
-        mxfp4_experts_accumulate_stacked(stacked, needed.astype(np.int64), z, tokens_by_expert,
-                                         starts.astype(np.int64), ends.astype(np.int64), weights_by_expert, beta,
-                                         linear_beta, mixed)
+        mxfp4_experts_accumulate_stacked(stacked, np.asarray(needed, np.int64), z, tokens_by_expert,
+                                         np.asarray(starts, np.int64), np.asarray(ends, np.int64),
+                                         weights_by_expert, beta, linear_beta, mixed)
     else:  # one call per expert, ascending id (a lazy mapping may reuse a slot for the next expert)
         experts = fetch_experts([int(e) for e in needed])
         single = np.zeros(1, np.int64)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from k3serve.model.fused_ops import l2_normalize_into, rms_norm_into
+
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     # one ufunc, no overflow for large |x|; absolute error ~1e-7, which is all the gates and decays need
@@ -19,7 +21,14 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis; `weight` None means no weight."""
+    """RMSNorm over the last axis; `weight` None means no weight. float32 rows with a float32 [H] weight run the
+    compiled stage (fused_ops.rms_norm_into: one call, the bits of the numpy lines below)."""
+    width = x.shape[-1] if x.ndim else 0
+    if (weight is not None and x.dtype == np.float32 and weight.dtype == np.float32 and x.size
+            and weight.shape == (width,)):
+        out = np.empty(x.shape, np.float32)
+        rms_norm_into(np.ascontiguousarray(x).reshape(-1, width), weight, np.float32(eps), out.reshape(-1, width))
+        return out
     variance = np.add.reduce(np.square(x), axis=-1, keepdims=True)
     np.true_divide(variance, x.shape[-1], out=variance)  # np.mean's bits without its Python overhead
     out = x / np.sqrt(variance + np.float32(eps))
@@ -44,7 +53,13 @@ def situ_glu(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float,
 
 
 def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """Divide by sqrt(sum of squares + eps) over the last axis."""
+    """Divide by sqrt(sum of squares + eps) over the last axis (float32 rows: one compiled call with the bits of
+    the numpy line, fused_ops.l2_normalize_into)."""
+    if x.dtype == np.float32 and x.size:
+        out = np.empty(x.shape, np.float32)
+        width = x.shape[-1]
+        l2_normalize_into(np.ascontiguousarray(x).reshape(-1, width), np.float32(eps), out.reshape(-1, width))
+        return out
     return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
 
 

@@ -87,7 +87,7 @@ class KeptExperts:
 
     def add(self, expert_ids: np.ndarray) -> None:
         """expert_ids [T, TOPK], DROPPED slots excluded."""
-        self.counts += np.bincount(np.sum(expert_ids >= 0, axis=1), minlength=self.counts.shape[0])
+        _count_kept(np.ascontiguousarray(expert_ids, dtype=np.int64), self.counts)
 
     @property
     def num_pairs(self) -> int:
@@ -105,6 +105,16 @@ class KeptExperts:
         top_k = self.counts.shape[0] - 1
         shares = ", ".join(f"{n}: {100 * c / max(self.num_pairs, 1):.1f}%" for n, c in self.histogram().items())
         return f"experts kept      {self.mean:.2f} of {top_k} per token and layer ({shares})"
+
+
+@njit(cache=True)
+def _count_kept(expert_ids: np.ndarray, counts: np.ndarray) -> None:
+    """counts[n] += the rows of expert_ids [T, TOPK] with n slots kept (>= 0), in one compiled call."""
+    for t in range(expert_ids.shape[0]):
+        kept = 0
+        for j in range(expert_ids.shape[1]):
+            kept += expert_ids[t, j] >= 0
+        counts[kept] += 1
 
 
 @dataclass(frozen=True)
@@ -129,14 +139,32 @@ def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
         top_k = max(expert_ids.shape[1], 1)
         order = kept[pairs.order]
         return ExpertPairs(pairs.expert_ids, pairs.starts, pairs.ends, order // top_k, order)
-    num_experts = int(flat.max()) + 1 if flat.size else 0
-    order = np.empty(flat.size, np.int64)  # by expert, tokens ascending within each expert (a stable sort)
+    order, tokens = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)  # [N]
+    groups = np.empty((3, flat.size), np.int64)  # [3, N]: experts present, starts, ends (K <= N filled)
+    count = _group_by_expert(flat, max(expert_ids.shape[1], 1), order, tokens, groups)
+    return ExpertPairs(groups[0, :count], groups[1, :count], groups[2, :count], tokens, order)
+
+
+@njit(cache=True)
+def _group_by_expert(flat: np.ndarray, top_k: int, order: np.ndarray, tokens: np.ndarray, groups: np.ndarray) -> int:
+    """flat [N] expert ids >= 0 -> order [N] (by expert, tokens ascending within each expert: a stable sort),
+    tokens [N] (the token of each pair) and, in groups [3, N], the K experts present (ascending), their starts and
+    ends; returns K. One compiled call that returns no array (numba's boxing of a returned array costs more than
+    the work here)."""
+    num_experts = 0
+    for v in flat:
+        num_experts = max(num_experts, v + 1)
     counts = np.zeros(num_experts, np.int64)
     _counting_sort(flat, order, counts)
-    present = np.flatnonzero(counts)
-    ends = np.cumsum(counts)[present]
-    top_k = max(expert_ids.shape[1], 1)
-    return ExpertPairs(present, ends - counts[present], ends, order // top_k, order)
+    k, total = 0, 0
+    for e in range(num_experts):
+        if counts[e]:
+            groups[0, k], groups[1, k], groups[2, k] = e, total, total + counts[e]
+            k += 1
+        total += counts[e]
+    for i in range(flat.shape[0]):
+        tokens[i] = order[i] // top_k
+    return k
 
 
 @njit(cache=True)

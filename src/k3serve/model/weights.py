@@ -247,35 +247,46 @@ def _widened(array: np.ndarray | QuantizedMatrix) -> np.ndarray:
 
 
 def adjacent_view(parts: list[np.ndarray]) -> np.ndarray | None:
-    """The row-wise stack of C-contiguous `parts` as one view when they lie back to back in one buffer (a store
-    of format 2 packs each fused group so), else None."""
+    """The row-wise stack of 2-D `parts` as one view when their rows continue one another in one buffer at one row
+    stride, each row's elements contiguous (a store of format 2 packs each fused group so; an MXFP4 entry of format
+    3 is two such views, nibbles and scales, at the stride of its rows), else None."""
     first = parts[0]
-    if any(p.dtype != first.dtype or p.ndim != 2 or p.shape[1] != first.shape[1] or not p.flags.c_contiguous
-           for p in parts):
+    row_stride, item = first.strides[0], first.itemsize
+    if any(p.dtype != first.dtype or p.ndim != 2 or p.shape[1] != first.shape[1]
+           or (p.shape[1] > 1 and p.strides[1] != item) or (p.shape[0] > 1 and p.strides[0] != row_stride)
+           for p in parts) or row_stride < first.shape[1] * item:
         return None
     base = first
     while isinstance(base.base, np.ndarray):
         base = base.base
     for a, b in zip(parts, parts[1:]):
-        if a.ctypes.data + a.nbytes != b.ctypes.data or not np.may_share_memory(b, base):
+        if a.ctypes.data + a.shape[0] * row_stride != b.ctypes.data or not np.may_share_memory(b, base):
             return None
     rows = sum(p.shape[0] for p in parts)
     # NOTE: the view reaches past `first` into the other parts, which the adjacency check found in `base`
-    return np.lib.stride_tricks.as_strided(first, shape=(rows, first.shape[1]), strides=first.strides)
+    return np.lib.stride_tricks.as_strided(first, shape=(rows, first.shape[1]), strides=(row_stride, item))
 
 
 def adjacent_quantized_view(parts: list[QuantizedMatrix]) -> QuantizedMatrix | None:
-    """The row-wise stack of Q8_0 `parts` as one view of their blocks when they lie back to back in one buffer,
-    else None. An MXFP4 entry is its nibbles then its scales, so MXFP4 parts are never one view (None)."""
-    if any(p.precision != "q8_0" or p.cols != parts[0].cols for p in parts):
+    """The row-wise stack of Q8_0 or MXFP4 `parts` as one view of their bytes when their rows lie back to back in
+    one buffer (Q8_0 blocks; MXFP4 laid out by rows, store format 3: nibbles and scales each one strided view),
+    else None (an MXFP4 entry of format 2 is its nibbles then its scales: never one view)."""
+    first = parts[0]
+    if any(p.precision != first.precision or p.cols != first.cols for p in parts):
         return None
     data = adjacent_view([p.data for p in parts])
-    return None if data is None else QuantizedMatrix("q8_0", data, None, parts[0].cols)
+    if data is None or first.scales is None:
+        return None if data is None else QuantizedMatrix(first.precision, data, None, first.cols)
+    scales = adjacent_view([p.scales for p in parts])  # type: ignore[misc]
+    if scales is None or scales.strides[0] != data.strides[0]:
+        return None
+    return QuantizedMatrix(first.precision, data, scales, first.cols)
 
 
 def fuse_rows(parts: list[np.ndarray | QuantizedMatrix], views: bool = False) -> np.ndarray | QuantizedMatrix:
     """Stack matrices row-wise; bf16 bits stay bf16 and Q8_0 / MXFP4 bytes stay quantized when every part is, else
-    all are widened. With `views`, bf16 or Q8_0 parts adjacent in one buffer give a view of it, no copy."""
+    all are widened. With `views`, bf16, Q8_0 or MXFP4 (by rows) parts adjacent in one buffer give a view of it, no
+    copy."""
     if all(isinstance(part, QuantizedMatrix) for part in parts) and len({p.precision for p in parts}) == 1:
         view = adjacent_quantized_view(parts) if views else None  # type: ignore[arg-type]
         return view if view is not None else QuantizedMatrix.stack(parts)  # type: ignore[arg-type]
@@ -292,9 +303,9 @@ def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: s
     (multiplied by `kernels.linear`); the MLP matrices are kept bf16 in both (`k3serve.weights.held.held_bytes` is
     the accounting). Q8_0 / MXFP4 matrices (a store packed with --trunk-precision) stay quantized whatever the
     trunk dtype. With `views` (a bf16 trunk read from a store of format 2) bf16 and quantized matrices and bf16 or
-    Q8_0 fused groups are views of the reader's arrays, never copies (`held.widened_bytes` is then what the layer
-    holds beside them; an MXFP4 fused group is stacked as a copy); `mlp` replaces a dense layer's MLP (read in
-    pieces)."""
+    quantized fused groups are views of the reader's arrays, never copies (`held.widened_bytes` is then what the
+    layer holds beside them; an MXFP4 fused group of a format-2 store, planar, is stacked as a copy); `mlp` replaces
+    a dense layer's MLP (read in pieces)."""
     if trunk_dtype not in TRUNK_DTYPES:
         raise ValueError(f"trunk dtype must be one of {', '.join(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     p = names.layer_prefix(layer)

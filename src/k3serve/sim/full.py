@@ -129,7 +129,8 @@ class VirtualStore:
         self.expert_stride = align_up(self.expert_blob_size)
         wide = 4 if trunk_dtype == "float32" else 2
         quantized = STORE_DTYPES.get(trunk_dtype)
-        self.adjacent_groups = True  # laid out as `k3serve pack` writes format 2
+        self.adjacent_groups = True  # laid out as `k3serve pack` writes format 2 and later
+        self.mxfp4_rows = True  # format 3: an MXFP4 trunk entry by rows (held as views)
 
         def stored(spec) -> tuple[str, int, int]:
             """(dtype, bytes on disk, bytes resident) of one tensor, as `pack --trunk-precision` writes it."""
@@ -181,6 +182,7 @@ class VirtualStore:
         self.layout = store.layout
         self.trunk_path, self.expert_path = store.trunk_path, store.expert_path
         self.adjacent_groups = store.adjacent_groups
+        self.mxfp4_rows = store.mxfp4_rows
         self.expert_blob_size, self.expert_stride = store.expert_blob_size, store.expert_stride
 
         def blob(b) -> VirtualBlob:
@@ -219,7 +221,7 @@ class SimConfig:
     model: K3Config | None = None  # None: the full K3
     engine: str = "k3serve"
     policy: str = "lfu"
-    prefetch: str = "next-layer"
+    prefetch: str = "none"  # the engine's default (StreamOptions.prefetch)
     prefetch_max: int | None = None
     layout: str = "natural"
     pin_trunk_bytes: int | None = None

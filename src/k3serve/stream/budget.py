@@ -21,9 +21,9 @@ bf16-stored matrix as bf16 bits, multiplied by `kernels.linear`; norms, conv tap
                      read-ahead is dropped (`trunk_read_ahead=False`: staging + 1 x held; each streamed layer is
                      read when it is needed, and next-layer prefetch, which needs the next layer's router, is off)
 
-With a bf16 trunk dtype on a store whose fused groups are adjacent (format 2), its trunk stored as bf16 or Q8_0
-(`builds_views`), the engine holds the trunk as views of what it read (`trunk_views`), and the charges are the
-memory floor's (stream/trunk_spans.py says what is read):
+With a bf16 trunk dtype on a store whose fused groups are adjacent (format 2), its trunk stored as bf16, Q8_0 or
+MXFP4 by rows (format 3; `builds_views`), the engine holds the trunk as views of what it read (`trunk_views`), and
+the charges are the memory floor's (stream/trunk_spans.py says what is read):
     globals          the small globals widened (final norm, output residual query), the bounded float32 transient
                      of `kernels.linear`, and the lm_head's read span when it is pinned. The embedding is never
                      held: its rows are read on demand, one per token
@@ -129,19 +129,21 @@ def _stream_buffer_bytes(store: PackedStore, streamed: list[int], trunk_dtype: s
     return staging + (2 if read_ahead else 1) * max(held[l] for l in streamed)
 
 
-VIEW_DTYPES = ("BF16", "Q8_0")  # stored matrix dtypes whose fused groups and rows are contiguous
+VIEW_DTYPES = ("BF16", "Q8_0", "MXFP4")  # stored matrix dtypes whose fused groups and rows are contiguous (MXFP4
+# from store format 3, laid out by rows)
 
 
 def builds_views(store: PackedStore, trunk_dtype: str) -> bool:
     """Whether the engine holds this store's trunk as views of what it read: a bf16 trunk dtype, fused groups
-    adjacent (format 2), the embedding and lm_head stored as bf16 or Q8_0 (`pack --trunk-precision q8_0`), and no
-    MXFP4 matrix (an MXFP4 entry is its nibbles then its scales: a fused group is stacked as a copy and a row is
-    not one read, so an MXFP4 trunk is built as copies and charged `held_bytes`)."""
+    adjacent (format 2), the embedding and lm_head stored as bf16, Q8_0 or MXFP4 (`pack --trunk-precision`), and
+    no MXFP4 matrix laid out planar (format 2: an MXFP4 entry there is its nibbles then its scales, so a fused group
+    is stacked as a copy and a row is not one read; such a trunk is built as copies and charged `held_bytes`)."""
     if trunk_dtype != "bf16" or not getattr(store, "adjacent_groups", False):
         return False
     from k3serve.weights import names
 
-    if any(t[1] == "MXFP4" for blob in [store.globals] + list(store.layers) for t in blob.tensors):
+    if not getattr(store, "mxfp4_rows", False) and any(
+            t[1] == "MXFP4" for blob in [store.globals] + list(store.layers) for t in blob.tensors):
         return False
     return all(store.globals.tensor(n).dtype in VIEW_DTYPES for n in (names.EMBED, names.LM_HEAD))
 

@@ -18,9 +18,10 @@ With a bf16 trunk on a format-2 store (`plan.trunk_views`, the memory floor, str
 layer is views of a staging ring buffer (the read-ahead goes to the other one), a dense layer's MLP is read in
 pieces as the model reaches it (`PieceReader`), embedding rows are read per token (`EmbeddingReader`) and an
 lm_head that is not pinned is read in row chunks through the ring (`HeadChunks`). A Q8_0 trunk (`pack
---trunk-precision q8_0`) is held so too: its matrices and fused groups are `QuantizedMatrix` views of the same
-buffers. An MXFP4 trunk is not (an entry is its nibbles, then its scales, so neither a fused group nor a row is
-contiguous): it is built as copies, as a float32 or bf16 trunk on a format-1 store is.
+--trunk-precision q8_0|mxfp4`) is held so too: its matrices and fused groups are `QuantizedMatrix` views of the
+same buffers. An MXFP4 trunk on a store of format 2 is not (an entry there is its nibbles, then its scales, so
+neither a fused group nor a row is contiguous): it is built as copies, as a float32 or bf16 trunk on a format-1
+store is.
 
 NOTE: the arrays returned by `experts()` are views of cache slots, valid until the next `experts()` call; a
 streamed layer's arrays (views mode) are valid until the layer after next is taken.
@@ -361,19 +362,20 @@ class StreamingSource(WeightSource):
 
 
 def stored_rows(dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | QuantizedMatrix:
-    """raw u8 [rows * row bytes], whole rows of a bf16 or Q8_0 matrix [rows, C] -> a view of them: bf16 bits
-    [rows, C] or a Q8_0 `QuantizedMatrix` (the formats whose rows are contiguous; `budget.builds_views`)."""
-    rows, cols = shape
-    if dtype == "Q8_0":
-        return QuantizedMatrix("q8_0", raw.reshape(rows, -1), None, cols)
+    """raw u8 [rows * row bytes], whole rows of a bf16, Q8_0 or MXFP4 (laid out by rows, format 3) matrix [rows, C]
+    -> a view of them: bf16 bits [rows, C] or a `QuantizedMatrix` (the formats whose rows are contiguous;
+    `budget.builds_views`)."""
+    if dtype in ("Q8_0", "MXFP4"):
+        return QuantizedMatrix.from_bytes(dtype, raw, shape, rows=True)
     assert dtype == "BF16", f"rows of a {dtype} matrix are not held as views"
+    rows, cols = shape
     return raw.view(np.uint16).reshape(rows, cols)
 
 
 def _shifted(blob: TrunkBlob, tensors: Sequence[TensorEntry], shift: int) -> TrunkBlob:
     """`tensors` of `blob` placed in a buffer whose byte 0 is `shift` bytes before the blob (a span's start)."""
     moved = tuple(t._replace(offset=t.offset + shift) for t in tensors)
-    return TrunkBlob(0, max(t.offset + t.nbytes for t in moved), 0, moved)
+    return TrunkBlob(0, max(t.offset + t.nbytes for t in moved), 0, moved, blob.mxfp4_rows)
 
 
 class PieceReader:

@@ -35,10 +35,10 @@ from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.held import quantized_in_trunk
 from k3serve.weights.layout import LAYOUTS, layer_order
 from k3serve.weights.quantized import TRUNK_PRECISIONS, QuantizedMatrix
-from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, READABLE_STORE_VERSIONS, STORE_FORMAT, STORE_INDEX,
-                                   STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX, STRIPE_VERSION, TENSOR_ALIGNMENT,
-                                   TRUNK_FILE, PackedStore, StoreError, TensorEntry, TrunkBlob, align_up,
-                                   config_fingerprint, expert_blob, expert_parts, follows_in_group, packed_specs,
+from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, MXFP4_ROWS_VERSION, READABLE_STORE_VERSIONS,
+                                   STORE_FORMAT, STORE_INDEX, STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX,
+                                   STRIPE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry,
+                                   TrunkBlob, align_up, config_fingerprint, expert_blob, expert_parts, follows_in_group, packed_specs,
                                    stripe_chunk_bytes, stripe_folder_name, trunk_stripe_chunk_bytes)
 from k3serve.weights.stripes import StripedWriter
 
@@ -54,9 +54,11 @@ def _write_padded(f, data: bytes | np.ndarray, alignment: int = ALIGNMENT) -> No
         f.write(b"\0" * pad)
 
 
-def _stored_tensor(checkpoint: Checkpoint, name: str, trunk_precision: str) -> tuple[str, tuple[int, ...], bytes]:
+def _stored_tensor(checkpoint: Checkpoint, name: str, trunk_precision: str,
+                   version: int = STORE_VERSION) -> tuple[str, tuple[int, ...], bytes]:
     """(dtype, shape, bytes) of one trunk tensor as the store holds it: its checkpoint bytes, or, at trunk precision
-    q8_0 / mxfp4, a matrix `quantized_in_trunk` picks encoded from its float32 values (`QuantizedMatrix`)."""
+    q8_0 / mxfp4, a matrix `quantized_in_trunk` picks encoded from its float32 values (`QuantizedMatrix`; an MXFP4
+    matrix by rows from version 3, planar before)."""
     info = checkpoint.index.info(name)
     shape = tuple(info.shape)
     if trunk_precision != "bf16" and quantized_in_trunk(name, shape):
@@ -66,7 +68,7 @@ def _stored_tensor(checkpoint: Checkpoint, name: str, trunk_precision: str) -> t
         else:
             matrix = QuantizedMatrix.quantize(values.dequantize() if isinstance(values, QuantizedMatrix) else values,
                                               trunk_precision)
-        return matrix.store_dtype, shape, matrix.to_bytes()
+        return matrix.store_dtype, shape, matrix.to_bytes(rows=version >= MXFP4_ROWS_VERSION)
     return info.dtype, shape, checkpoint.index.read_raw(name).tobytes()
 
 
@@ -75,9 +77,9 @@ def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offse
     entries, chunks, cursor = [], [], 0
     previous = None
     for spec in packed_specs(specs, version):
-        dtype, shape, raw = _stored_tensor(checkpoint, spec.name, trunk_precision)
+        dtype, shape, raw = _stored_tensor(checkpoint, spec.name, trunk_precision, version)
         # a fused group's parts back to back, so the fused matrix is one view of the read buffer (a Q8_0 group's
-        # blocks too; an MXFP4 entry is its nibbles then its scales, so an MXFP4 group is stacked as a copy)
+        # blocks too, and from version 3 an MXFP4 group's rows)
         adjacent = version >= 2 and follows_in_group(previous, spec.name)
         start = cursor if adjacent else align_up(cursor, TENSOR_ALIGNMENT)
         previous = spec.name
@@ -87,7 +89,7 @@ def _trunk_blob(checkpoint: Checkpoint, specs: Sequence[names.TensorSpec], offse
         entries.append(TensorEntry(spec.name, dtype, shape, start, len(raw)))
         cursor = start + len(raw)
     data = b"".join(chunks)
-    return TrunkBlob(offset, len(data), zlib.crc32(data), tuple(entries)), data
+    return TrunkBlob(offset, len(data), zlib.crc32(data), tuple(entries), version >= MXFP4_ROWS_VERSION), data
 
 
 class _Stripes:
@@ -145,8 +147,8 @@ def pack_checkpoint(source: str | Path, out: str | Path, layout: str = "natural"
     over (`stripe_chunk`: both files' chunk; by default `stripe_chunk_bytes` of the expert stride for experts.bin and
     `trunk_stripe_chunk_bytes` of the largest layer for trunk.bin). `trunk_precision` "bf16" copies the trunk as
     stored (lossless); "q8_0" or "mxfp4" stores its big matrices in those formats
-    (`weights.held.quantized_in_trunk`), which the model then multiplies straight from their bytes. `version` 1
-    writes the previous format (for tests of reading it)."""
+    (`weights.held.quantized_in_trunk`), which the model then multiplies straight from their bytes. `version` 1 or
+    2 writes a previous format (for tests of reading it)."""
     if trunk_precision not in TRUNK_PRECISIONS:
         raise StoreError(f"unknown trunk precision {trunk_precision!r}; choose one of {', '.join(TRUNK_PRECISIONS)}")
     if version not in READABLE_STORE_VERSIONS:

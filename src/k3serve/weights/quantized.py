@@ -6,7 +6,11 @@ Shape letters: R = rows, C = columns, G = C / 32 blocks per row.
     mxfp4  data uint8 [R, C / 2] packed nibbles, scales uint8 [R, G] E8M0 bytes (`k3serve.weights.mxfp4`)
 
 `k3serve.model.kernels.linear` multiplies one straight from these bytes. In a packed store's trunk file a matrix is
-one tensor entry of dtype "Q8_0" or "MXFP4" (`to_bytes` / `from_bytes`: the MXFP4 nibbles, then its scales).
+one tensor entry of dtype "Q8_0" or "MXFP4" (`to_bytes` / `from_bytes`). An MXFP4 entry is laid out by rows (store
+format 3): each row's C / 2 nibble bytes, then its G scale bytes, 17 C / 32 bytes a row, so that `data` and `scales`
+are two strided views of the entry, a fused group's parts back to back are one matrix, and a row is one read (as a
+Q8_0 row is). Stores of format 1 and 2 hold an MXFP4 entry planar: all the nibbles, then all the scales
+(`rows=False`): it decodes to views too, but a fused group of them is not one matrix, nor a row one read.
 """
 
 from __future__ import annotations
@@ -93,24 +97,34 @@ class QuantizedMatrix:
         return QuantizedMatrix(self.precision, self.data.copy(), None if self.scales is None else self.scales.copy(),
                                self.cols)
 
-    def to_bytes(self) -> bytes:
-        return self.data.tobytes() + (b"" if self.scales is None else self.scales.tobytes())
+    def to_bytes(self, rows: bool = True) -> bytes:
+        """The trunk-file entry: Q8_0 blocks; MXFP4 by rows (each row's nibbles, then its scales), or with
+        `rows=False` planar (every nibble, then every scale: stores of format 1 and 2)."""
+        if self.scales is None:
+            return self.data.tobytes()
+        if not rows:
+            return self.data.tobytes() + self.scales.tobytes()
+        return np.concatenate([self.data, self.scales], axis=1).tobytes()  # [R, C/2 + G]
 
     @staticmethod
-    def from_bytes(store_dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedMatrix:
-        """Views into raw u8 [nbytes] (a trunk-file entry of dtype "Q8_0" or "MXFP4") as a [R, C] matrix."""
+    def from_bytes(store_dtype: str, raw: np.ndarray, shape: tuple[int, ...], rows: bool = True) -> QuantizedMatrix:
+        """Views into raw u8 [nbytes] (a trunk-file entry of dtype "Q8_0" or "MXFP4", laid out as `to_bytes(rows)`
+        writes it) as a [R, C] matrix; no byte is copied."""
         precisions = {v: k for k, v in STORE_DTYPES.items()}
         if store_dtype not in precisions or len(shape) != 2:
             raise ValueError(f"not a quantized 2-D trunk entry: {store_dtype} {shape}")
-        precision, (rows, cols) = precisions[store_dtype], shape
-        if raw.size != quantized_nbytes(precision, rows, cols):
-            raise ValueError(f"{store_dtype} [{rows}, {cols}] needs {quantized_nbytes(precision, rows, cols)} bytes, "
-                             f"got {raw.size}")
+        precision, (num_rows, cols) = precisions[store_dtype], shape
+        if raw.size != quantized_nbytes(precision, num_rows, cols):
+            raise ValueError(f"{store_dtype} [{num_rows}, {cols}] needs "
+                             f"{quantized_nbytes(precision, num_rows, cols)} bytes, got {raw.size}")
         if precision == "q8_0":
-            return QuantizedMatrix(precision, raw.reshape(rows, -1), None, cols)
-        split = rows * cols // 2
-        return QuantizedMatrix(precision, raw[:split].reshape(rows, cols // 2),
-                               raw[split:].reshape(rows, cols // GROUP_SIZE), cols)
+            return QuantizedMatrix(precision, raw.reshape(num_rows, -1), None, cols)
+        if rows:
+            by_row = raw.reshape(num_rows, cols // 2 + cols // GROUP_SIZE)  # [R, C/2 + G]
+            return QuantizedMatrix(precision, by_row[:, :cols // 2], by_row[:, cols // 2:], cols)
+        split = num_rows * cols // 2
+        return QuantizedMatrix(precision, raw[:split].reshape(num_rows, cols // 2),
+                               raw[split:].reshape(num_rows, cols // GROUP_SIZE), cols)
 
     @staticmethod
     def stack(parts: list[QuantizedMatrix]) -> QuantizedMatrix:

@@ -8,7 +8,10 @@ A packed model folder holds:
                              parts of each fused projection group (KDA's q, k, v, g, f_a, b; MLA's q_a, kv_a, g;
                              an MLP's gate and up) lie back to back with no padding, so the fused matrix is a view
                              of the read buffer (`packed_specs`), and the globals put their small tensors first,
-                             then the embedding, then the lm_head (each read apart: stream/trunk_spans.py)
+                             then the embedding, then the lm_head (each read apart: stream/trunk_spans.py).
+                             From version 3 an MXFP4 trunk matrix (`pack --trunk-precision mxfp4`) is laid out by
+                             rows, each row's nibbles then its scales (`QuantizedMatrix.to_bytes`), so its fused
+                             groups and rows are views too; versions 1 and 2 hold it planar (built as copies)
     experts.bin              one blob per routed expert: w1, w3, w2 packed bytes and scales together, each blob
                              starting on a 4 KiB boundary and padded to a multiple of 4 KiB (O_DIRECT can read it)
     store.json               the index: for every blob its offset, size and CRC-32; the layout order of experts
@@ -53,8 +56,11 @@ if TYPE_CHECKING:
     from k3serve.weights.checkpoint import Checkpoint
 
 STORE_FORMAT = "k3serve-store"
-STORE_VERSION = 2
-READABLE_STORE_VERSIONS = (1, 2)  # version 1: fused groups not adjacent (built as copies, never views)
+STORE_VERSION = 3
+# version 1: fused groups not adjacent (built as copies, never views); version 2: an MXFP4 trunk entry planar (its
+# nibbles, then its scales: an MXFP4 trunk built as copies); version 3: an MXFP4 trunk entry by rows
+READABLE_STORE_VERSIONS = (1, 2, 3)
+MXFP4_ROWS_VERSION = 3  # the first version whose MXFP4 trunk entries are laid out by rows
 STORE_INDEX = "store.json"
 TRUNK_FILE = "trunk.bin"
 EXPERT_FILE = "experts.bin"
@@ -202,6 +208,7 @@ class TrunkBlob:
     size: int  # bytes of tensor data (the read length is align_up(size))
     crc32: int
     tensors: tuple[TensorEntry, ...]
+    mxfp4_rows: bool = True  # MXFP4 entries laid out by rows (format 3), else planar (`QuantizedMatrix.from_bytes`)
 
     @property
     def read_size(self) -> int:
@@ -235,7 +242,8 @@ class TrunkBlob:
         out: dict = {}
         for t in self.tensors:
             if t.dtype in _QUANTIZED_DTYPES:  # Q8_0 / MXFP4 bytes: views of `raw` (`build_layer` copies them)
-                out[t.name] = QuantizedMatrix.from_bytes(t.dtype, raw[t.offset:t.offset + t.nbytes], t.shape)
+                out[t.name] = QuantizedMatrix.from_bytes(t.dtype, raw[t.offset:t.offset + t.nbytes], t.shape,
+                                                         rows=self.mxfp4_rows)
                 continue
             stored = raw[t.offset:t.offset + t.nbytes].view(STORAGE_DTYPES[t.dtype]).reshape(t.shape)
             if t.dtype == "BF16" and keep_bf16:
@@ -252,9 +260,10 @@ class TrunkBlob:
                 "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors]}
 
     @staticmethod
-    def from_json(raw: dict) -> TrunkBlob:
+    def from_json(raw: dict, version: int = STORE_VERSION) -> TrunkBlob:
         return TrunkBlob(int(raw["offset"]), int(raw["size"]), int(raw["crc32"]),
-                         tuple(TensorEntry(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in raw["tensors"]))
+                         tuple(TensorEntry(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in raw["tensors"]),
+                         mxfp4_rows=version >= MXFP4_ROWS_VERSION)
 
 
 @dataclass(frozen=True)
@@ -289,8 +298,8 @@ class PackedStore:
             for k, d in enumerate(stripes["dirs"])) if stripes else ()
         self.trunk_files = tuple(f / raw["trunk_file"] for f in self.stripe_folders) or (self.trunk_path,)
         self.expert_files = tuple(f / raw["expert_file"] for f in self.stripe_folders) or (self.expert_path,)
-        self.globals = TrunkBlob.from_json(raw["globals"])
-        self.layers = [TrunkBlob.from_json(b) for b in raw["layers"]]
+        self.globals = TrunkBlob.from_json(raw["globals"], self.version)
+        self.layers = [TrunkBlob.from_json(b, self.version) for b in raw["layers"]]
         self.expert_blob_size = int(raw["expert_blob_size"])
         self.expert_stride = int(raw["expert_stride"])
         self.experts = {int(l): ExpertLayerIndex(tuple(v["order"]), tuple(v["offsets"]), tuple(v["crc32"]))
@@ -345,6 +354,11 @@ class PackedStore:
     def adjacent_groups(self) -> bool:
         """Whether each fused projection group is packed back to back (version 2): built as views."""
         return self.version >= 2
+
+    @property
+    def mxfp4_rows(self) -> bool:
+        """Whether an MXFP4 trunk entry is laid out by rows (version 3): its fused groups and rows are views."""
+        return self.version >= MXFP4_ROWS_VERSION
 
     # ---- sizes -----------------------------------------------------------------------------------------------
     @property

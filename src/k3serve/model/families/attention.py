@@ -64,7 +64,7 @@ class GQAAttention:
             q, gate = proj[:, :q_width].reshape(T, NQ, hd), None
         k = proj[:, q_width:q_width + NKV * hd].reshape(T, NKV, hd)
         v = proj[:, q_width + NKV * hd:]  # [T, NKV*hd]
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = batch.cos_sin(self.rotary)
         q = self.rotary.apply(rms_norm(q, self.weights.q_norm, self.eps), cos, sin)  # [T, NQ, hd]
         k = self.rotary.apply(rms_norm(k, self.weights.k_norm, self.eps), cos, sin)  # [T, NKV, hd]
         rows = np.concatenate([k.reshape(T, NKV * hd), v], axis=1)  # [T, 2*NKV*hd]

@@ -13,7 +13,7 @@ Shapes: T tokens of the batch, H hidden, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -22,12 +22,14 @@ from k3serve.errors import ConfigError
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, PauseHook, RoutingObserver,
                                      SingleSequenceMixin, finish_batch, flatten_items, logit_rows)
+from k3serve.model.fused_ops import add_rms_norm, rms_norm_into
 from k3serve.model.kernels import linear, widen_bf16
 from k3serve.model.routing import ExpertTopP, KeptExperts, Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 
 if TYPE_CHECKING:
+    from k3serve.model.families.rope import Rotary
     from k3serve.model.families.tensors import TensorReader
 
 
@@ -78,6 +80,14 @@ class Batch:
     segments: list[tuple[int, int]]  # [start, end) rows of each item
     caches: Sequence[SequenceCache]
     positions: np.ndarray  # [T] int64 position of each token in its sequence
+    rotations: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
+
+    def cos_sin(self, rotary: Rotary) -> tuple[np.ndarray, np.ndarray]:
+        """`rotary.cos_sin(positions)`, computed once per step for each rotary embedding the layers share."""
+        key = id(rotary)
+        if key not in self.rotations:
+            self.rotations[key] = rotary.cos_sin(self.positions)
+        return self.rotations[key]
 
 
 class Mixer(Protocol):
@@ -187,24 +197,33 @@ class FamilyModel(SingleSequenceMixin):
         if experts is not None:
             experts.begin_step(int(ids.shape[0]))
         h = widen_bf16(self.embed[ids]) if self.embed.dtype == np.uint16 else self.embed[ids]  # [T, H]
-        for index, layer in enumerate(self.layers):
-            h = h + layer.mixer(rms_norm(h, layer.input_norm, eps), batch)
+        h = np.ascontiguousarray(h, dtype=np.float32)  # a copy of the rows: the residual is added into it in place
+        x = np.empty_like(h)  # [T, H] the normed input of each mixer and MLP, rewritten by the fused stages
+        eps32 = np.float32(eps)
+        layers = self.layers
+        if layers:
+            rms_norm_into(h, layers[0].input_norm, eps32, x)
+        for index, layer in enumerate(layers):
+            add_rms_norm(h, layer.mixer(x, batch), layer.post_attention_norm, eps32, x)  # h += mixer; x = norm(h)
             if at_pause is not None:
                 at_pause(index, MIXER)
             if experts is not None and experts.prefetching:
                 self._prefetch_next(index, h)
-            m, routing = layer.mlp(rms_norm(h, layer.post_attention_norm, eps))
-            h = h + m
+            m, routing = layer.mlp(x)
+            following = layers[index + 1].input_norm if index + 1 < len(layers) else self.final_norm
+            add_rms_norm(h, m, following, eps32, x)  # h += mlp; x = the next layer's (or the final) norm of h
             if routing is not None:
                 self.kept_experts.add(routing.expert_ids)
                 if keep_routing:
                     result.routing[index] = routing
                 if on_routing is not None:
                     on_routing(index, routing, segments)
-            if at_pause is not None and index < len(self.layers) - 1:
+            if at_pause is not None and index < len(layers) - 1:
                 at_pause(index, MLP)
+        if not layers:
+            rms_norm_into(h, self.final_norm, eps32, x)
 
-        logits = linear(rms_norm(h[logit_rows(items, segments)], self.final_norm, eps), self.lm_head)  # [R, V]
+        logits = linear(x[logit_rows(items, segments)], self.lm_head)  # [R, V]
         return finish_batch(items, segments, logits, result)
 
 

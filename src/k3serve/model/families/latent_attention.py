@@ -76,7 +76,7 @@ class LatentAttention:
         latent = rms_norm(proj[:, q_width:q_width + KL], w.kv_a_norm, self.norm_eps)  # [T, KL]
         k_rope = proj[:, q_width + KL:q_width + KL + DR]  # [T, DR]
         if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(batch.positions)
+            cos, sin = batch.cos_sin(self.rotary)
             q = np.concatenate([q[:, :, :DN], self.rotary.apply(q[:, :, DN:], cos, sin)], axis=2)
             k_rope = self.rotary.apply(k_rope[:, None, :], cos, sin)[:, 0, :]
         rows = np.concatenate([latent, k_rope], axis=1)  # [T, KL+DR]

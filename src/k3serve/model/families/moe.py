@@ -24,9 +24,10 @@ import numpy as np
 
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.families.experts import outputs_one_by_one
+from k3serve.model.fused_ops import shift_by_row_max, softmax_top_k
 from k3serve.model.kernels import accumulate_expert_rows, linear
 from k3serve.model.routing import ExpertTopP, Routing, keep_top_p, pairs_by_expert
-from k3serve.model.ops import sigmoid, silu, softmax
+from k3serve.model.ops import sigmoid, silu
 
 
 def _top_k(values: np.ndarray, k: int) -> np.ndarray:
@@ -41,12 +42,13 @@ class SoftmaxRouter:
     normalize: bool
 
     def __call__(self, x: np.ndarray) -> Routing:
-        probs = softmax(x @ self.weight.T, axis=-1)  # [T, NE]
-        ids = _top_k(probs, self.top_k)
-        chosen = np.take_along_axis(probs, ids, axis=1)
-        if self.normalize:
-            chosen = chosen / np.sum(chosen, axis=1, keepdims=True)
-        return Routing(expert_ids=ids, weights=chosen.astype(np.float32))
+        logits = np.ascontiguousarray(x @ self.weight.T, dtype=np.float32)  # [T, NE]
+        shift_by_row_max(logits)
+        np.exp(logits, out=logits)  # numpy's exp between the two compiled stages: softmax's bits
+        ids = np.empty((logits.shape[0], self.top_k), np.int64)  # [T, TOPK]
+        weights = np.empty((logits.shape[0], self.top_k), np.float32)  # [T, TOPK]
+        softmax_top_k(logits, self.normalize, ids, weights)
+        return Routing(expert_ids=ids, weights=weights)
 
 
 @dataclass(frozen=True)

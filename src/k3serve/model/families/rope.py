@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from k3serve.errors import ConfigError
+from k3serve.model.fused_ops import rotate_into
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
@@ -53,6 +54,10 @@ class Rotary:
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [T, NH, D] (D >= d) -> rotated copy; cos, sin [T, d/2]."""
+        if x.dtype == np.float32 and cos.dtype == np.float32 and sin.dtype == np.float32:
+            out = np.empty(x.shape, np.float32)  # one compiled call, the bits of the numpy lines below
+            rotate_into(x, cos, sin, self.interleaved, out)
+            return out
         d = self.rotary_dim
         rot, rest = x[..., :d], x[..., d:]
         if self.interleaved:
