@@ -144,9 +144,14 @@ def test_serve_passes_the_disk_tier_and_the_io_charge_to_the_engine(tmp_path):
                          (["--prefix-cache-disk", "1G"], "--prefix-cache-dir"),
                          (["--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk", "1G", "--no-prefix-cache"],
                           "--no-prefix-cache"),
-                         (["--charge", "io", "--scheduling", "fcfs"], "--scheduling fair")):
+                         (["--charge", "io", "--scheduling", "fcfs"], "--scheduling fair"),
+                         (["--defer-io-heavy"], "--charge io")):
         with pytest.raises(UsageError, match=named):
             _engine_config(parser.parse_args(["serve", *flags]))
+    isolated = _engine_config(parser.parse_args(["serve", "--charge", "io", "--tenant-cache-shares",
+                                                 "--defer-io-heavy", "--io-heavy-step-tokens", "16"]))
+    assert (isolated.tenant_cache_shares, isolated.defer_io_heavy, isolated.io_heavy_step_tokens) == (True, True, 16)
+    assert (default.tenant_cache_shares, default.defer_io_heavy) == (False, False)
 
 
 @pytest.mark.parametrize("content", [b"", b"\x00\x17random bytes, not the GGUF magic" * 40])

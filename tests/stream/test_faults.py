@@ -171,6 +171,34 @@ def test_short_reads_are_completed_and_change_nothing(tiny_store):
     assert injector.num_short > 0
 
 
+def test_counted_eio_failures_land_on_one_read_whatever_the_thread_order(tmp_path):
+    """Two reads interleaved on reader threads: the first to touch the range takes all `times` failures, so it
+    fails after 3 attempts and the other is never failed (before, each could take some and both succeed)."""
+    import errno
+    import os
+
+    from k3serve.stream.faults import FaultyReads
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        inject = FaultyReads(eio_range=(0, 1 << 20), times=3)
+        outcomes = []
+        for offset in (0, 4096, 0, 4096, 0, 4096):  # the order two threads' retries could take
+            try:
+                inject(fd, [bytearray(512)], offset)
+                outcomes.append((offset, "ok"))
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+                outcomes.append((offset, "eio"))
+        assert [o for o in outcomes if o[1] == "eio"] == [(0, "eio")] * 3
+        assert all(result == "ok" for offset, result in outcomes if offset == 4096)
+        assert inject.num_failed == 3 and inject.failing_offset == 0
+    finally:
+        os.close(fd)
+
+
 def test_an_eio_fails_the_request_alone_and_the_engine_keeps_serving(tiny_store):
     from k3serve.stream.faults import FaultyReads
 

@@ -374,6 +374,8 @@ def _engine_config(args: argparse.Namespace):
     if args.charge == "io" and args.scheduling == "fcfs":
         raise UsageError("--charge io advances the tenants' virtual counters, which --scheduling fcfs does not rank "
                          "by: use --scheduling fair or priority")
+    if args.defer_io_heavy and args.charge != "io":
+        raise UsageError("--defer-io-heavy separates tenants by the disk reads --charge io measures: add --charge io")
     if (args.prefix_cache_dir is None) != (args.prefix_cache_disk is None):
         raise UsageError("--prefix-cache-dir and --prefix-cache-disk go together: the folder of the prefix cache's "
                          "disk tier and its size")
@@ -388,6 +390,8 @@ def _engine_config(args: argparse.Namespace):
                         checkpoint_every_blocks=args.checkpoint_every_blocks,
                         prefix_wait_tokens=args.prefix_wait_tokens, scheduling=args.scheduling,
                         output_cost=args.output_cost, charge=args.charge, io_cost=args.io_cost,
+                        tenant_cache_shares=args.tenant_cache_shares, defer_io_heavy=args.defer_io_heavy,
+                        io_heavy_step_tokens=args.io_heavy_step_tokens,
                         prefix_cache_dir=None if args.prefix_cache_dir is None else str(args.prefix_cache_dir),
                         prefix_cache_disk_bytes=0 if args.prefix_cache_disk is None else parse_size(
                             args.prefix_cache_disk),

@@ -37,6 +37,19 @@ def add_tenant_args(parser: argparse.ArgumentParser) -> None:
                             "pays for the reads it causes")
     group.add_argument("--io-cost", type=float_range(0.0), default=1000.0,
                        help="--charge io: tokens one second of waiting on the disk costs")
+    group.add_argument("--tenant-cache-shares", action="store_true",
+                       help="under --ram-budget: each tenant with work (or with work in the last 10 s) owns a share "
+                            "of the expert cache by its weight; its misses evict its own experts once it holds its "
+                            "share, so a tenant whose prompts miss never evicts another's experts within that "
+                            "one's share")
+    group.add_argument("--defer-io-heavy", action="store_true",
+                       help="--charge io: a tenant whose recent expert misses are far above another's runs in steps "
+                            "of its own (each waits at most one step in a row), kept to --io-heavy-step-tokens "
+                            "positions while a light tenant is around; with --tenant-cache-shares, heavy means at "
+                            "its share and still missing")
+    group.add_argument("--io-heavy-step-tokens", type=int, default=32,
+                       help="--defer-io-heavy: positions a step of I/O-heavy tenants only may compute while a light "
+                            "tenant is around (the step a light tenant's arrival waits for)")
     group.add_argument("--step-interruption", nargs="?", const="on", choices=("auto", "on", "off"), default="auto",
                        help="fair/priority: a forward pauses after a layer's attention or MLP to run an arriving "
                             "request of a tenant ranked ahead first (shorter first-token waits for light tenants; "

@@ -51,6 +51,14 @@ class EngineConfig:
     charge: str = "tokens"  # what advances a tenant's virtual counter: tokens, or io (tokens and seconds waiting
     # on the disk, engine/io_usage.py)
     io_cost: float = 1000.0  # charge='io': tokens one second of waiting on reads costs
+    tenant_cache_shares: bool = False  # each active tenant owns a share of the expert cache (by weight): its misses
+    # evict its own experts once it holds its share (stream/expert_cache.py; --tenant-cache-shares)
+    tenant_cache_hold_s: float = 10.0  # a tenant counts as around this long after its last sequence left: it keeps
+    # its expert cache share, and (defer_io_heavy) heavy-only steps stay short for it
+    defer_io_heavy: bool = False  # charge='io': a tenant whose recent misses per position are far above another's
+    # runs in steps of its own (engine/fairness.py `IOSeparation`; --defer-io-heavy)
+    io_heavy_step_tokens: int | None = 32  # defer_io_heavy: positions a step of I/O-heavy tenants only may compute
+    # while a light tenant is around (None: max_batch_tokens)
     step_interruption: bool | str = False  # fair/priority: a forward pauses at a pause point for an arrival of a
     # tenant ranked no worse than every other tenant in it, which runs in a forward of its own first (engine.py);
     # "auto" (the server's default): on under fair and priority when the model allows a nested forward
@@ -60,7 +68,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("num_blocks", "num_state_slots", "max_decode_seqs"):
+        for name in ("num_blocks", "num_state_slots", "max_decode_seqs", "io_heavy_step_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")
@@ -108,6 +116,15 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.charge must be tokens or io, got {self.charge!r}")
         if isinstance(self.io_cost, bool) or not isinstance(self.io_cost, (int, float)) or not self.io_cost >= 0:
             raise ConfigError(f"EngineConfig.io_cost must be a number >= 0, got {self.io_cost!r}")
+        for name in ("tenant_cache_shares", "defer_io_heavy"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.tenant_cache_hold_s, bool) or not isinstance(self.tenant_cache_hold_s, (int, float)) \
+                or not self.tenant_cache_hold_s >= 0:
+            raise ConfigError(f"EngineConfig.tenant_cache_hold_s must be a number >= 0, got {self.tenant_cache_hold_s!r}")
+        if self.defer_io_heavy and (self.charge != "io" or self.scheduling == "fcfs"):
+            raise ConfigError("EngineConfig.defer_io_heavy separates tenants by the disk reads --charge io measures: it "
+                              "needs charge='io' under fair or priority scheduling")
         if self.num_blocks is None and self.kv_cache_bytes == 0:
             raise ConfigError("EngineConfig needs num_blocks or a positive kv_cache_bytes")
         if self.num_state_slots is not None and self.num_state_slots < self.max_seqs:

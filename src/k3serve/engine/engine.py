@@ -52,7 +52,7 @@ from k3serve.model.rollback import RollbackCache
 from k3serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from k3serve.engine.source_metrics import watch_source
 from k3serve.errors import ConfigError, ContextLengthError, RequestError
-from k3serve.model.expert_source import StreamStats
+from k3serve.model.expert_source import StepTenants, StreamStats
 from k3serve.model.interface import MLP, ForwardItem, Model
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ class LLMEngine:
         self._live_ids: set[str] = set()  # submitted and not yet finished (guarded by _lock)
         self._requests: dict[str, Request] = {}  # live requests the engine thread has taken in
         self._pollution = PollutionLedger()  # who evicted each expert (charge='io')
+        self._cache_sharers: dict[str, float] = {}  # tenant -> when it last had work (tenant_cache_shares)
         self.prediction_quality = PredictionQuality()  # --batch-by-experts: previous step's experts vs the next's
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -371,6 +372,8 @@ class LLMEngine:
         source = self.model.experts
         before = (self._io_mark or source.local_stats()) if source is not None else None
         io_aware = self._io_aware_window(decision)
+        if source is not None:  # (None also clears shares an earlier engine on this model set)
+            source.note_tenants(self._step_tenants(decision) if self.config.tenant_cache_shares else None)
         try:
             if self.on_pause is None and not self.config.step_interruption:
                 result = self.model.forward(items)
@@ -412,6 +415,20 @@ class LLMEngine:
                 self.prediction_quality.observe(previous, current)
             scheduled.seq.predicted_experts = current
 
+    def _step_tenants(self, decision: SchedulerOutput) -> StepTenants:
+        """The forward's rows by tenant, and the expert cache shares: every tenant with work now or within
+        `tenant_cache_hold_s` (so a tenant between two requests keeps its experts) gets weight / sum of weights."""
+        now = time.perf_counter()
+        for tenant in self.scheduler.active_tenants():
+            self._cache_sharers[tenant] = now
+        hold = self.config.tenant_cache_hold_s
+        self._cache_sharers = {t: at for t, at in self._cache_sharers.items() if now - at <= hold}
+        weights = {t: self.scheduler.policy.share(t).weight for t in self._cache_sharers}
+        whole = sum(weights.values())
+        return StepTenants(tuple(s.seq.request.tenant for s in decision.scheduled),
+                           tuple(s.num_new_tokens for s in decision.scheduled),
+                           {t: w / whole for t, w in weights.items()})
+
     def _io_aware_window(self, decision: SchedulerOutput) -> SequenceSpeculation | None:
         """The speculation of the step's one sequence when it measures what its windows read (--speculative-io-aware)
         and this step is a decode or a verify window of it; else None."""
@@ -439,14 +456,25 @@ class LLMEngine:
 
     def _charge_io_of_step(self, decision: SchedulerOutput, step: StreamStats) -> None:
         source = self.model.experts
+        separation = self.scheduler.io_separation
+        num_tokens = [s.num_new_tokens for s in decision.scheduled]
         if not (step.bytes_read or step.expert_misses or step.io_wait_seconds):
+            if separation is not None:  # a step without reads lowers its tenants' miss rates
+                for scheduled in decision.scheduled:
+                    separation.observe(scheduled.seq.request.tenant, 0, scheduled.num_new_tokens)
             return
         reads = source.step_reads()
-        num_tokens = [s.num_new_tokens for s in decision.scheduled]
         for scheduled, share in zip(decision.scheduled, split_step(step, num_tokens, reads)):
             request = scheduled.seq.request
             request.io.add(share)
             self.figures.io_charged(request.tenant, share)
+            if separation is not None:
+                separation.observe(request.tenant, share.expert_misses, scheduled.num_new_tokens)
+        if self.config.tenant_cache_shares:
+            slots = source.tenant_slots()
+            self.figures.expert_slots(slots)
+            if separation is not None:
+                separation.note_cache_shares(slots)
         if self.scheduler.policy.io_cost:  # --charge io bills each miss to its cause (engine/io_usage.py)
             tenants = [s.seq.request.tenant for s in decision.scheduled]
             for tenant, seconds in self._pollution.causes(step, reads, num_tokens, tenants).items():

@@ -67,6 +67,12 @@ class EngineMetrics:
                                          "--charge io: seconds of waiting on reads billed to the tenant's virtual "
                                          "counter (a miss on an expert another tenant's read evicted is that "
                                          "tenant's)", ("tenant",))
+        self.tenant_expert_slots = m.family(Gauge, "tenant_expert_slots",
+                                            "--tenant-cache-shares: expert cache slots counted in the tenant's share",
+                                            ("tenant",))
+        self.tenant_expert_slot_share = m.family(Gauge, "tenant_expert_slot_share",
+                                                 "--tenant-cache-shares: slots the tenant's share allows before its "
+                                                 "misses evict its own experts", ("tenant",))
         self.tenant_counter = m.family(Gauge, "tenant_virtual_counter",
                                        "the scheduler's virtual token counter (weighted service received), per tenant",
                                        ("tenant",))
@@ -92,6 +98,11 @@ class EngineMetrics:
         self.tenant_bytes_read.labels(tenant).inc(usage.bytes_read)
         self.tenant_expert_misses.labels(tenant).inc(usage.expert_misses)
         self.tenant_io_wait.labels(tenant).inc(usage.io_wait_seconds)
+
+    def expert_slots(self, slots: dict[str, tuple[int, int]]) -> None:
+        for tenant, (owned, quota) in slots.items():
+            self.tenant_expert_slots.labels(tenant).set(owned)
+            self.tenant_expert_slot_share.labels(tenant).set(quota)
 
     def io_caused(self, tenant: str, seconds: float) -> None:
         """--charge io billed `seconds` of waiting on reads to `tenant`."""

@@ -30,6 +30,23 @@ output tokens x 2, over the weight), except that prompt positions served by the 
 lift looks at every tenant with a queued or running sequence where the paper's queue holds only waiting requests;
 with continuous batching a tenant whose requests all run is still being served, so it still sets the floor.
 
+I/O-heavy tenants in steps of their own (`IOSeparation`, `EngineConfig.defer_io_heavy`, with `charge='io'`): each
+tenant's recent expert misses per computed position are kept (decayed by `decay` per step it runs in). Who is heavy:
+- under expert cache shares (`note_cache_shares`), a tenant at or over its share whose rate is `floor` or more (its
+  working set is larger than its share, so it keeps reading); one within its share is light whatever its rate, since
+  its experts are kept and its misses are cold ones that pass (a first request's). The rate alone cannot tell them
+  apart: a flood's large prefill chunks share each read among many positions (about 1 miss per position in
+  bench_tenant_io), as few as a light tenant's first, cold request;
+- without shares, a tenant whose rate is at least `ratio` times the lightest's with work (and `floor` above it);
+- a tenant not measured yet (no step run) beside measured ones: heavy until its first step says otherwise. When
+  every tenant with work is new (a start), the one with the fewest positions to compute runs first, alone.
+When the tenants with work include heavy and light ones, a step takes either group, never both: the light first, the
+heavy once they have waited `max_wait` steps in a row (then the light wait one). So a light tenant's step reads only
+its own misses, and no tenant waits more than `max_wait` steps in a row. And while a light tenant has had work within
+the last `hold_s` seconds, a step of heavy tenants only computes at most `max_heavy_tokens` positions: the step in
+flight when the light tenant's next request arrives, which it must wait for, stays short (the heavy tenant pays in
+more, smaller steps).
+
 Shares: a tenant's `kv_share` caps the MLA blocks and KDA state slots its running sequences hold when it is
 admitted (it may grow past the cap while it runs, and a tenant with nothing running is always admitted if the
 pool can hold it, so a cap never deadlocks). Under memory pressure the victim is a sequence of a tenant over its
@@ -39,7 +56,8 @@ share (the most over) first; then the policy's own order.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from k3serve.engine.request import Sequence
@@ -212,6 +230,89 @@ class PriorityPolicy(SchedulingPolicy):
         if lower:
             return self.victim(lower, usage, limits)
         return super().displaces(waiting, running, usage, limits)
+
+
+class IOSeparation:
+    """Which tenants' work waits this step so that I/O-heavy and light tenants run in separate steps (see the
+    module docstring)."""
+
+    def __init__(self, max_heavy_tokens: int | None = None, ratio: float = 4.0, floor: float = 0.25,
+                 decay: float = 0.8, max_wait: int = 1, hold_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not ratio > 1 or not floor >= 0 or not 0 <= decay < 1 or isinstance(max_wait, bool) or max_wait < 1:
+            raise ConfigError(f"IOSeparation needs ratio > 1, floor >= 0, decay in [0, 1) and max_wait >= 1, got "
+                              f"{ratio!r}, {floor!r}, {decay!r}, {max_wait!r}")
+        if max_heavy_tokens is not None and (isinstance(max_heavy_tokens, bool) or max_heavy_tokens < 1):
+            raise ConfigError(f"IOSeparation.max_heavy_tokens must be a positive integer or None, got "
+                              f"{max_heavy_tokens!r}")
+        self.ratio, self.floor, self.decay, self.max_wait = ratio, floor, decay, max_wait
+        self.max_heavy_tokens, self.hold_s, self._clock = max_heavy_tokens, hold_s, clock
+        self._seen: dict[str, float] = {}  # tenant -> when it last had work
+        self._at_share: set[str] | None = None  # under expert cache shares: tenants at or over theirs
+        self._misses: dict[str, float] = {}
+        self._positions: dict[str, float] = {}
+        self.num_waited: dict[str, int] = {}  # steps in a row each tenant's work waited for another group
+        self.num_separated_steps = 0  # steps that left a group out
+
+    def observe(self, tenant: str, misses: int, positions: int) -> None:
+        """A step computed `positions` positions of `tenant`'s, whose tokens asked for `misses` expert reads."""
+        self._misses[tenant] = self._misses.get(tenant, 0.0) * self.decay + misses
+        self._positions[tenant] = self._positions.get(tenant, 0.0) * self.decay + positions
+
+    def rate(self, tenant: str) -> float:
+        """Recent expert misses per computed position (0 for a tenant not seen yet)."""
+        positions = self._positions.get(tenant, 0.0)
+        return self._misses[tenant] / positions if positions else 0.0
+
+    def note_cache_shares(self, slots: dict[str, tuple[int, int]]) -> None:
+        """tenant -> (expert cache slots owned, its share's slots) after a step (`ExpertSource.tenant_slots`);
+        empty: no shares, the rates alone decide."""
+        self._at_share = {t for t, (owned, quota) in slots.items() if owned >= quota} if slots else None
+
+    def _heavy(self, tenants: set[str]) -> set[str]:
+        measured = {t for t in tenants if t in self._positions}
+        new = tenants - measured if measured else set()  # beside measured tenants, a new one is heavy
+        if self._at_share is not None:
+            return new | {t for t in measured if t in self._at_share and self.rate(t) >= self.floor}
+        lightest = min((self.rate(t) for t in measured), default=0.0)
+        return new | {t for t in measured if self.rate(t) >= self.ratio * lightest
+                      and self.rate(t) - lightest >= self.floor}
+
+    def left_out(self, tenants: Mapping[str, int]) -> set[str]:
+        """Of the tenants with work now (tenant -> positions it has to compute), those whose work waits this step
+        (empty: one step for all)."""
+        now = self._clock()
+        for tenant in tenants:
+            self._seen[tenant] = now
+        if len(tenants) < 2:
+            return set()
+        names = set(tenants)
+        if not any(t in self._positions for t in names):  # a start (lasts one step): the least work first, alone
+            return names - {min(names, key=lambda t: (tenants[t], t))}
+        heavy = self._heavy(names)
+        if not heavy or heavy == names:
+            return set()
+        if any(self.num_waited.get(t, 0) >= self.max_wait for t in heavy):
+            return names - heavy
+        return heavy
+
+    def step_tokens(self, tenants: set[str]) -> int | None:
+        """The positions a step running `tenants` may compute: `max_heavy_tokens` when every one of them is heavy
+        and a light tenant had work within `hold_s` seconds; None (the engine's budget) otherwise."""
+        if self.max_heavy_tokens is None or not tenants:
+            return None
+        now = self._clock()
+        around = {t for t, at in self._seen.items() if now - at <= self.hold_s} | tenants
+        heavy = self._heavy(around)
+        return self.max_heavy_tokens if tenants <= heavy and around - heavy else None
+
+    def ran(self, ran: set[str], waited: set[str]) -> None:
+        """The step ran the tenants `ran`; `waited` had work left out."""
+        for tenant in ran:
+            self.num_waited.pop(tenant, None)
+        for tenant in waited - ran:
+            self.num_waited[tenant] = self.num_waited.get(tenant, 0) + 1
+        self.num_separated_steps += bool(waited - ran)
 
 
 def make_policy(name: str, output_cost: float = DEFAULT_OUTPUT_COST, io_cost: float = 0.0) -> SchedulingPolicy:

@@ -21,6 +21,9 @@ served):
      computing them, waits: the running one saves a checkpoint where the two part and the waiting one hits there
      instead of computing the same tokens beside it (in-flight prefix sharing; SGLang's in-batch prefix caching);
   3. deferred prefill chunks take the budget left over (work-conserving), without preempting.
+With `defer_io_heavy`, the tenants `IOSeparation` leaves out this step (I/O-heavy ones beside light ones, or the
+light ones when the heavy have waited their bound) take no part in 1-3; a step that would then run nothing runs
+them after all.
 A sequence whose batched forward failed is `suspect` and next runs alone, so one bad request cannot fail others.
 
 Decodes per forward: with `max_decode_seqs` below the ready decodes, the first ones in the policy's order run and the
@@ -44,7 +47,7 @@ import numpy as np
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.errors import IntegrityError
 from k3serve.engine.expert_batching import Candidate, choose_by_experts
-from k3serve.engine.fairness import TenantUsage, make_policy
+from k3serve.engine.fairness import IOSeparation, TenantUsage, make_policy
 from k3serve.engine.metrics import Counter as MetricCounter
 from k3serve.engine.metrics import Histogram, MetricsRegistry
 from k3serve.engine.paged_cache import PagedSequenceCache
@@ -117,6 +120,9 @@ class Scheduler:
             "prefix_waits", "sequences held back to hit a shared prefix a running sequence was still computing")
         self.policy = make_policy(config.scheduling, config.output_cost,
                                   config.io_cost if config.charge == "io" else 0.0)
+        self.io_separation = IOSeparation(config.io_heavy_step_tokens, hold_s=config.tenant_cache_hold_s) \
+            if config.defer_io_heavy else None
+        self._step_tokens = config.max_batch_tokens  # this step's token budget (smaller for I/O-heavy tenants)
         self.preemptions_by_tenant: Counter[str] = Counter()
         self._tenant_seqs: Counter[str] = Counter()  # queued + running sequences per tenant (the active ones)
         self._m_tenant_preemptions = metrics.family(
@@ -216,33 +222,56 @@ class Scheduler:
             self._schedule_alone(suspect, out)
             return out
         capped = any(share.kv_share < 1 for share in self.policy.shares.values())
-        best = self.policy.pick_waiting(self.waiting, set())
-        deferred: list[Sequence] = []
         left_out = self._decodes_left_out()
+        waits = set()
+        if self.io_separation is not None:
+            with_work: dict[str, int] = {}  # tenant -> positions it has to compute
+            for seq in [*self.running, *self.waiting]:
+                with_work[seq.request.tenant] = with_work.get(seq.request.tenant, 0) + seq.num_uncomputed_tokens
+            waits = self.io_separation.left_out(with_work)
+            tenants = set(with_work) - waits
+            self._step_tokens = min(self.config.max_batch_tokens,
+                                    self.io_separation.step_tokens(tenants) or self.config.max_batch_tokens)
+        try:
+            self._fill(out, capped, left_out, waits)
+            if waits and out.empty and not out.preempted:  # the others had nothing to run: work-conserving
+                self._fill(out, capped, left_out, set())
+        finally:
+            self._step_tokens = self.config.max_batch_tokens
+        if self.io_separation is not None:
+            self.io_separation.ran({s.seq.request.tenant for s in out.scheduled}, waits)
+        return out
+
+    def _fill(self, out: SchedulerOutput, capped: bool, left_out: set[int], waits: set[str]) -> None:
+        """Steps 1-3 of the module docstring into `out`, leaving out the decodes `left_out` and the tenants
+        `waits`."""
+        best = self.policy.pick_waiting(self.waiting, waits)
+        deferred: list[Sequence] = []
         for seq in list(self.running):
             if self._budget(out) <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or id(seq) in left_out:  # preempted earlier in this step,
                 continue  # or a decode beyond max_decode_seqs
+            if seq.request.tenant in waits:
+                continue
             if self.policy.defers(seq, best):
                 deferred.append(seq)
                 continue
             self._schedule_running(seq, out, capped, may_preempt=True)
         if out.preempted:
-            return out
-        stalled = self._admit_waiting(out, capped)
+            return
+        stalled = self._admit_waiting(out, capped, waits)
         if stalled is not None:
             usage, limits = self._usage(capped)
             victim = self.policy.displaces(stalled, self.running, usage, limits)
             if victim is not None:
                 self._preempt(victim, out)
-                return out
+                return
         for seq in deferred:
             if self._budget(out) <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_running(seq, out, capped, may_preempt=False)
-        return out
 
     def schedule_urgent(self, in_flight: set[str]) -> SchedulerOutput:
         """Waiting sequences to run in a forward of their own, ahead of the work of the tenants `in_flight` (those
@@ -302,7 +331,7 @@ class Scheduler:
         return {id(seq) for i, seq in enumerate(ready) if i not in chosen}
 
     def _budget(self, out: SchedulerOutput) -> int:
-        return self.config.max_batch_tokens - out.num_batched_tokens
+        return self._step_tokens - out.num_batched_tokens
 
     def _schedule_running(self, seq: Sequence, out: SchedulerOutput, capped: bool, may_preempt: bool) -> None:
         """Give running `seq` its next chunk (or decode, with drafts) if the budget and memory allow; may preempt
@@ -324,10 +353,10 @@ class Scheduler:
         seq.cache.reserve(n)
         out.scheduled.append(ScheduledSequence(seq, n, max(0, n - seq.num_uncomputed_tokens)))
 
-    def _admit_waiting(self, out: SchedulerOutput, capped: bool) -> Sequence | None:
-        """Admit waiting sequences in the policy's order. Returns the sequence that found no seat, state slot or
-        blocks (a candidate to displace a running one), or None."""
-        blocked: set[str] = set()  # tenants at their share: none of theirs this step
+    def _admit_waiting(self, out: SchedulerOutput, capped: bool, waits: set[str] = frozenset()) -> Sequence | None:
+        """Admit waiting sequences in the policy's order, none of the tenants `waits`. Returns the sequence that
+        found no seat, state slot or blocks (a candidate to displace a running one), or None."""
+        blocked: set[str] = set(waits)  # tenants at their share, or waiting: none of theirs this step
         held: set[int] = set()  # sequences waiting for a shared prefix that a running one is computing
         while self.waiting and self._budget(out) > 0:
             seq = self.policy.pick_waiting((s for s in self.waiting if id(s) not in held), blocked)

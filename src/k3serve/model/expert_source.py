@@ -83,6 +83,36 @@ class StepReads:
     routing: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> expert_ids [T, TOPK] of this forward
 
 
+@dataclass(frozen=True)
+class StepTenants:
+    """Whose tokens the coming forward computes, and each tenant's share of the expert cache (the engine's
+    --tenant-cache-shares; `ExpertSource.note_tenants`)."""
+
+    tenants: tuple[str, ...]  # per sequence, in batch order
+    num_tokens: tuple[int, ...]  # positions each sequence computes (its rows, in order)
+    shares: Mapping[str, float]  # tenant -> fraction of the expert cache's warm slots (summing to at most 1)
+
+    def users(self, expert_ids: np.ndarray) -> dict[int, tuple[str, ...]] | None:
+        """expert_ids [T, TOPK] of one layer of this forward -> for each expert routed to, the tenants whose tokens
+        routed there, most tokens first (ties by name); None when the routing does not cover the forward's rows."""
+        if expert_ids.shape[0] != sum(self.num_tokens):
+            return None
+        names = sorted(set(self.tenants))
+        index = {name: i for i, name in enumerate(names)}
+        rows = np.repeat([index[t] for t in self.tenants], self.num_tokens)  # [T] tenant index per row
+        pairs = expert_ids >= 0  # [T, TOPK]: -1 marks a slot --expert-top-p dropped
+        experts = expert_ids[pairs]
+        owners = np.broadcast_to(rows[:, None], expert_ids.shape)[pairs]
+        width = len(names)
+        counts = np.bincount(experts * width + owners, minlength=(int(experts.max(initial=0)) + 1) * width)
+        counts = counts.reshape(-1, width)  # [E, tenants]
+        users = {}
+        for expert in np.flatnonzero(counts.any(axis=1)).tolist():
+            row = counts[expert]
+            users[expert] = tuple(names[i] for i in sorted(np.flatnonzero(row).tolist(), key=lambda i: (-row[i], i)))
+        return users
+
+
 @dataclass
 class NetworkStats:
     """Expert parallelism's calls from the front to the expert owners (cluster/expert_parallel.py)."""
@@ -155,7 +185,16 @@ class ExpertSource(ABC):
         they may be read ahead, in `guess_priority` order."""
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
-        """expert_ids [T, TOPK] that `layer` routed to (routing traces)."""
+        """expert_ids [T, TOPK] that `layer` routed to (routing traces), before it asks for their `experts`."""
+
+    def note_tenants(self, tenants: StepTenants | None) -> None:
+        """Whose tokens the coming forwards compute and the tenants' shares of the expert cache (the engine's
+        --tenant-cache-shares); None: one cache shared by all. A source without an expert cache ignores it."""
+
+    def tenant_slots(self) -> dict[str, tuple[int, int]]:
+        """Under expert cache shares (`note_tenants`): tenant -> (warm slots it owns, slots its share allows);
+        empty otherwise."""
+        return {}
 
     def supports_nested_forward(self) -> bool:
         """Whether a forward may run at a pause point of another one (nothing held belongs to one step)."""

@@ -172,6 +172,7 @@ class K3Model(SingleSequenceMixin):
             if isinstance(w.mlp, MoEWeights):
                 routing = keep_top_p(route(c, w.mlp, x), self.expert_top_p, c.moe_renormalize)
                 self.kept_experts.add(routing.expert_ids)
+                source.note_routing(layer, routing.expert_ids)  # before its experts are asked for (tenant shares)
                 m, routing = moe_forward(c, w.mlp, x, lambda ids, l=layer: source.experts(l, ids), routing=routing,
                                          stacked=source.stacked_experts(layer),
                                          remote=lambda pairs, z, l=layer: source.expert_outputs(l, pairs, z))
@@ -179,7 +180,6 @@ class K3Model(SingleSequenceMixin):
                     result.routing[layer] = routing
                 if on_routing is not None:
                     on_routing(layer, routing, segments)
-                source.note_routing(layer, routing.expert_ids)
             else:
                 m = dense_mlp_forward(c, w.mlp, x)
             np.add(pref, m, out=pref)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.expert_source import ExpertSource, SourceStats, StepReads, StreamStats
+from k3serve.model.expert_source import ExpertSource, SourceStats, StepReads, StepTenants, StreamStats
 from k3serve.model.routing import ExpertPairs, Routing
 from k3serve.weights import names
 from k3serve.weights.held import TRUNK_DTYPES
@@ -195,6 +195,12 @@ class ForwardingSource(WeightSource):
 
     def note_routing(self, layer: int, expert_ids: np.ndarray) -> None:
         self.inner.note_routing(layer, expert_ids)
+
+    def note_tenants(self, tenants: StepTenants | None) -> None:
+        self.inner.note_tenants(tenants)
+
+    def tenant_slots(self) -> dict[str, tuple[int, int]]:
+        return self.inner.tenant_slots()
 
     def supports_nested_forward(self) -> bool:
         return self.inner.supports_nested_forward()

@@ -10,6 +10,13 @@ simulated time instead of bytes.
   on, 2 x `prefetch_max` slots are kept out of the warm set so that the guesses for the next layer find cold
   slots without dropping those for the layer about to run.
 - `release()`: end of a request: a non-retaining policy (none) frees its slots.
+- `set_tenant_shares(shares)` (--tenant-cache-shares): each warm slot counts in one tenant's share (it is *owned*):
+  the tenant it was read for, or a later user of it that is further under its share; a tenant's share is that
+  fraction of the warm slots. A miss read for a tenant at or over its share evicts one of
+  its own experts (the policy's victim among them); a tenant under its share takes the policy's victim among the
+  *pool*: experts no sharing tenant owns, and those of tenants over their share. So a tenant that floods the cache
+  with misses recycles its own slots and never evicts another's experts within that one's share. Which bytes sit in
+  which slot never changes what a load returns: outputs are identical with or without shares.
 
 Honest counters (on the shared `StreamStats`): a request is *retained* only if its expert was resident before
 the step began; an expert that a prefetch brought in during the step is a *prefetch hit*, never a retained one.
@@ -21,7 +28,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Mapping, Protocol, Sequence
 
 from k3serve.errors import CheckpointError, K3Error
 from k3serve.stream.cache import make_policy
@@ -45,7 +52,7 @@ class ExpertIO(Protocol):
 
 
 class _Slot:
-    __slots__ = ("index", "key", "future", "extent", "warm", "loaded_step", "prefetched")
+    __slots__ = ("index", "key", "future", "extent", "warm", "loaded_step", "prefetched", "owner")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -55,6 +62,19 @@ class _Slot:
         self.warm = False  # demanded at least once since it was loaded
         self.loaded_step = -1
         self.prefetched = False
+        self.owner: str | None = None  # the tenant whose share it counts in (tenant shares); None: no tenant's
+
+
+class _OwnedBy:
+    """A policy's `protected` keys for a victim drawn among some owners' keys only: it holds the keys protected and
+    every key whose owner `allowed` rejects (policies only ask `key in protected`)."""
+
+    def __init__(self, protected: Collection[Key], owner_of: Callable[[Key], str | None],
+                 allowed: Callable[[str | None], bool]) -> None:
+        self._protected, self._owner_of, self._allowed = protected, owner_of, allowed
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._protected or not self._allowed(self._owner_of(key))
 
 
 class ExpertCache:
@@ -87,6 +107,9 @@ class ExpertCache:
         self._ghost_capacity = 0
         self.ghost_hit_depths: list[int] = []  # per miss on a ghost: how many slots more would have made it a hit
         self.interval_hits: Counter = Counter()
+        # tenant shares (`set_tenant_shares`): each tenant's fraction of the warm slots, and its warm slots now
+        self._shares: dict[str, float] | None = None
+        self._owned: Counter = Counter()
 
     def _set_warm_capacity(self) -> None:
         # guesses for the layer about to run and for the one after it live side by side: two layers' worth
@@ -111,9 +134,13 @@ class ExpertCache:
         self._evicted = []
 
     # ---- demand loads ------------------------------------------------------------------------------------------
-    def load(self, layer: int, group: Sequence[int]) -> list[int]:
+    def load(self, layer: int, group: Sequence[int], users: Mapping[int, Sequence[str]] | None = None
+             ) -> list[int]:
         """Make experts `group` of `layer` resident (len(group) <= num_slots); returns their slot indices, hits
-        first. Blocks until every read is done and verified."""
+        first. Blocks until every read is done and verified. `users` (tenant shares): expert -> the tenants whose
+        tokens routed to it; a miss is read for the one of them furthest under its share, and a hit passes to that
+        one if it is further under its share than the owner (`_user`): an expert a light tenant shares with a flood
+        counts in the light tenant's share, and a flood's hit never takes an expert out of another's share."""
         self.release()
         protected = {(layer, e) for e in group}
         hits, misses = [], []
@@ -141,17 +168,23 @@ class ExpertCache:
             else:
                 self.policy.touch(key)
             slot.warm = True
+            if users is not None and users.get(expert):
+                self._own(slot, self._user((*users[expert], slot.owner) if slot.owner else users[expert],
+                                           slot.owner))
             hits.append(index)
         self.stats.expert_misses += len(misses)
         loading = []
         evictions: list[tuple] = []
         for expert in misses:
             first = len(self._evicted)
-            index = self._take_slot(protected)
+            tenants = users.get(expert) if users is not None else None
+            tenant = self._user(tenants, None) if tenants else None
+            index = self._take_slot(protected, tenant)
             evictions.append(tuple(self._evicted[first:]))
             slot = self._slots[index]
             self._assign(slot, (layer, expert), prefetched=False)
             slot.warm = True
+            self._own(slot, tenant)
             self.policy.admit(slot.key)
             loading.append(index)
         for index, evicted in zip(loading, evictions):
@@ -204,9 +237,9 @@ class ExpertCache:
         return len(extents)
 
     # ---- slots -------------------------------------------------------------------------------------------------
-    def _take_slot(self, protected: set) -> int:
+    def _take_slot(self, protected: set, tenant: str | None = None) -> int:
         while len(self._table) - len(self._cold) >= self._warm_capacity:  # keep the prefetch reserve cold
-            victim = self.policy.victim(protected)
+            victim = self._victim(protected, tenant)
             if victim is None:
                 break
             index = self._table[victim]
@@ -222,7 +255,7 @@ class ExpertCache:
                 continue
             self._drop_guess(index)
             return index
-        victim = self.policy.victim(protected)
+        victim = self._victim(protected, tenant)
         if victim is None:
             # only guesses still in flight remain: wait for the oldest and reuse it
             for index in list(self._cold):
@@ -233,6 +266,53 @@ class ExpertCache:
         index = self._table[victim]
         self._evict(index)
         return index
+
+    def _victim(self, protected: Collection[Key], tenant: str | None) -> Key | None:
+        """The policy's victim for a miss read for `tenant`: under tenant shares, one of its own experts when it
+        holds its share or more, else one of the pool (no sharing tenant's, or an over-share tenant's); the policy's
+        plain victim when neither has one to give (every candidate protected), or without shares."""
+        if self._shares is None or tenant is None:
+            return self.policy.victim(protected)
+        quotas = self.tenant_quotas()
+        if self._owned[tenant] >= quotas.get(tenant, 0):
+            victim = self.policy.victim(_OwnedBy(protected, self._owner_of, lambda owner: owner == tenant))
+            if victim is not None:
+                return victim
+
+        def in_pool(owner: str | None) -> bool:
+            return owner is None or owner not in quotas or self._owned[owner] > quotas[owner]
+
+        victim = self.policy.victim(_OwnedBy(protected, self._owner_of, in_pool))
+        return victim if victim is not None else self.policy.victim(protected)
+
+    def _user(self, tenants: Sequence[str], owner: str | None) -> str:
+        """Of `tenants`, the one an expert counts for: the furthest under its share (the smallest fraction of its
+        quota held; the current `owner` on a tie, then the first named); the first without shares."""
+        if self._shares is None:
+            return tenants[0]
+        quotas = self.tenant_quotas()
+
+        def held(tenant: str) -> tuple[float, bool]:
+            quota = quotas.get(tenant, 0)
+            fraction = self._owned[tenant] / quota if quota else float("inf")
+            return fraction, tenant != owner
+
+        return min(tenants, key=held)
+
+    def _owner_of(self, key: Key) -> str | None:
+        index = self._table.get(key)
+        return self._slots[index].owner if index is not None else None
+
+    def _own(self, slot: _Slot, tenant: str | None) -> None:
+        if slot.owner == tenant:
+            return
+        if slot.owner is not None:
+            self._owned[slot.owner] -= 1
+            if not self._owned[slot.owner]:
+                del self._owned[slot.owner]
+        slot.owner = tenant
+        if tenant is not None:
+            self._owned[tenant] += 1
 
     def _take_cold_slot(self, keep_layer: int) -> int | None:
         """A free slot, or one holding a finished guess that is not for `keep_layer` (the layer about to ask for
@@ -264,6 +344,7 @@ class ExpertCache:
 
     def _evict(self, index: int) -> None:
         slot = self._slots[index]
+        self._own(slot, None)
         if slot.key is not None:
             self._table.pop(slot.key, None)
             self.policy.remove(slot.key)
@@ -404,6 +485,7 @@ class ExpertCache:
             into = self._slots[low_free.pop()]
             self._slot_buffer(into.index)[:] = self._slot_buffer(index)
             into.key, into.warm, into.loaded_step, into.prefetched = slot.key, slot.warm, slot.loaded_step, False
+            into.owner, slot.owner = slot.owner, None
             into.future = None
             into.extent = Extent(slot.extent.offset, self._slot_buffer(into.index), slot.extent.check_bytes,
                                  slot.extent.crc32, tag=into.index)
@@ -414,6 +496,30 @@ class ExpertCache:
         self._active = []
         self._set_warm_capacity()
         return self._limit
+
+    # ---- tenant shares (--tenant-cache-shares, engine/engine.py) ---------------------------------------------------
+    def set_tenant_shares(self, shares: Mapping[str, float] | None) -> None:
+        """Each sharing tenant's fraction of the warm slots (summing to at most 1), or None: one cache shared by
+        all (the default; ownership is then neither kept nor consulted). Between steps, or before a forward."""
+        if shares is None:
+            self._shares = None
+            return
+        for tenant, share in shares.items():
+            if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+                raise ValueError(f"tenant {tenant!r}'s expert cache share must be in (0, 1], got {share!r}")
+        if sum(shares.values()) > 1 + 1e-9:
+            raise ValueError(f"expert cache shares sum to {sum(shares.values())}, above 1")
+        self._shares = dict(shares)
+
+    def tenant_quotas(self) -> dict[str, int]:
+        """Warm slots each sharing tenant may fill before its misses evict its own experts (empty without shares)."""
+        if self._shares is None:
+            return {}
+        return {tenant: int(share * self._warm_capacity) for tenant, share in self._shares.items()}
+
+    def owned_slots(self) -> dict[str, int]:
+        """Warm slots per tenant they count for (kept while shares are on)."""
+        return dict(self._owned)
 
     # ---- reporting ---------------------------------------------------------------------------------------------
     def resident_experts(self, layer: int) -> set[int]:
@@ -436,6 +542,10 @@ class ExpertCache:
         assert len(set(self._free)) == len(self._free), "a slot is free twice"
         for index in self._cold:
             assert self._slots[index].prefetched and index in seen
+        owners = Counter(self._slots[i].owner for i in seen if self._slots[i].owner is not None)
+        assert owners == +self._owned, ("tenant slot counts disagree with the slots", owners, self._owned)
+        assert all(self._slots[i].owner is None for i in range(len(self._slots)) if i not in seen), \
+            "a slot holding nothing has an owner"
 
 
 def _slot_part(slot: _Slot, i: int) -> object:

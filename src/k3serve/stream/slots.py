@@ -31,8 +31,10 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 class LayerExperts(Mapping, Generic[W]):
     """The experts of one request, loaded in groups that fit the slots, in ascending id order."""
 
-    def __init__(self, slots: ExpertSlots[W], layer: int, ids: Sequence[int], generation: int) -> None:
+    def __init__(self, slots: ExpertSlots[W], layer: int, ids: Sequence[int], generation: int,
+                 users: Mapping[int, Sequence[str]] | None = None) -> None:
         self._slots = slots
+        self.users = users  # expert -> tenants routed to it, most tokens first (tenant shares); None: not kept
         self.layer = layer
         self.ids = sorted(set(int(e) for e in ids))
         self._position = {e: i for i, e in enumerate(self.ids)}
@@ -87,11 +89,13 @@ class ExpertSlots(Generic[W]):
     def _slot_buffer(self, index: int) -> memoryview:
         return self._arena_view[index * self.stride:(index + 1) * self.stride]
 
-    def request(self, layer: int, expert_ids: Sequence[int]) -> LayerExperts[W]:
-        """The experts `expert_ids` of `layer`; the first group is loaded now, later ones on first lookup."""
+    def request(self, layer: int, expert_ids: Sequence[int], users: Mapping[int, Sequence[str]] | None = None
+                ) -> LayerExperts[W]:
+        """The experts `expert_ids` of `layer`; the first group is loaded now, later ones on first lookup. `users`:
+        the tenants each expert is read for (`ExpertCache.load`)."""
         self.cache.release()
         self._generation += 1
-        request = LayerExperts(self, layer, expert_ids, self._generation)
+        request = LayerExperts(self, layer, expert_ids, self._generation, users)
         if request.ids:
             self.load_group(request, 0)
         return request
@@ -101,5 +105,5 @@ class ExpertSlots(Generic[W]):
             raise RuntimeError("expert weights from an earlier experts() call are no longer valid")
         request.loaded.clear()
         group = request.ids[start:start + self.cache.num_slots]
-        used = self.cache.load(request.layer, group)
+        used = self.cache.load(request.layer, group, request.users)
         request.loaded.update({self.cache.slot_key(i)[1]: self._weights[i] for i in used})

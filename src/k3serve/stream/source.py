@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k3serve.model.expert_source import SourceStats, StepReads, StreamStats, guess_priority
+from k3serve.model.expert_source import SourceStats, StepReads, StepTenants, StreamStats, guess_priority
 from k3serve.model.routing import Routing
 from k3serve.model.kernels import linear
 from k3serve.model.weights import (DenseMLPPieces, ExpertWeights, GlobalWeights, LayerWeights, WeightSource,
@@ -86,6 +86,8 @@ class StreamingSource(WeightSource):
         self._next_token = 0
         self._step_routing: dict[int, np.ndarray] = {}  # layer -> expert_ids [T, TOPK] of this step (charging)
         self._step_first_token = 0
+        self._tenants: StepTenants | None = None  # whose tokens the forwards compute (tenant shares)
+        self._routing_ahead: tuple[int, np.ndarray] | None = None  # the layer about to ask for its experts
         # best effort: a full disk stops the trace, never a request (TraceWriter)
         self.trace: TraceWriter | None = (
             TraceWriter(options.trace_out, trace_meta(config, store.expert_blob_size), best_effort=True)
@@ -147,7 +149,11 @@ class StreamingSource(WeightSource):
         return weights
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
-        return self.slots.request(layer, expert_ids)
+        ahead, self._routing_ahead = self._routing_ahead, None
+        users = None
+        if self._tenants is not None and ahead is not None and ahead[0] == layer:  # (a draft's forward notes none)
+            users = self._tenants.users(ahead[1])
+        return self.slots.request(layer, expert_ids, users)
 
     # ---- hooks the model calls ---------------------------------------------------------------------------------
     def supports_nested_forward(self) -> bool:
@@ -168,6 +174,16 @@ class StreamingSource(WeightSource):
         if self.trace is not None:
             self.trace.write(self._step, self._step_first_token, layer, expert_ids)
         self._step_routing[layer] = expert_ids
+        self._routing_ahead = (layer, expert_ids)
+
+    def note_tenants(self, tenants: StepTenants | None) -> None:
+        self._tenants = tenants
+        self.expert_cache.set_tenant_shares(None if tenants is None else tenants.shares)
+
+    def tenant_slots(self) -> dict[str, tuple[int, int]]:
+        owned, quotas = self.expert_cache.owned_slots(), self.expert_cache.tenant_quotas()
+        return {tenant: (owned.get(tenant, 0), quotas.get(tenant, 0)) for tenant in {*owned, *quotas}} \
+            if quotas else {}
 
     def step_reads(self) -> StepReads:
         return StepReads(list(self.expert_cache.step_misses), dict(self._step_routing))
