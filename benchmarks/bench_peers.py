@@ -1,11 +1,32 @@
-"""k3serve against llama.cpp on the same K3 weights, with the machine's memory bandwidth as the yardstick.
+"""k3serve against llama.cpp: K3 and every family, at the tiny and the real-width fixtures, every precision pair.
 
     pip install -e '.[peers]'          # llama-cpp-python==0.3.36 (compiles ~13 min on 2 cores) and gguf
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llama_sdist   # its converter
-    python benchmarks/bench_peers.py [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz] [--rounds 3]
+    python benchmarks/bench_peers.py [--targets k3,qwen3_moe,...] [--sizes tiny,real] [--rounds 3]   # the matrix
+    python benchmarks/bench_peers.py --quick --targets qwen3_moe --precisions int8                   # smoke test
+    python benchmarks/bench_peers.py --k3-agreement --rounds 3        # K3 only: logits agreement, triad, bytes
     python benchmarks/bench_peers.py --memory-limits 768M,1G,1536M --rounds 3 --decode-steps 16   # streaming
 
-What it does, in one run:
+The matrix (the default), per target (k3 or a family) and fixture size (benchmarks/family_fixture.py: "tiny" =
+hidden 512, "real" = a released model's widths with 4 of its layers; K3's "tiny" is the shipped trained model,
+its "real" the widened copy below, since one layer of the released K3's experts is 15.7 GB):
+1. The files, once: the checkpoint (random bf16, released config spellings), then llama.cpp's own
+   convert_hf_to_gguf.py (BF16, Q8_0) and llama_model_quantize (MXFP4_MOE from the BF16 file); K3 through its
+   `conversion/kimi_k3.py` (MXFP4 experts repacked, bf16 trunk). Placeholder vocabularies; token ids fed.
+2. Pairs: k3serve experts bf16 vs BF16, int8 vs Q8_0, mxfp4 vs MXFP4_MOE (k3serve loads the checkpoint with that
+   expert precision and packs every expert before timing, as resident as llama.cpp's); K3: MXFP4 on both sides.
+3. One fresh process per (engine, precision, wait policy) and round, engines alternated: load, an untimed warm-up
+   of every shape, then prefill of each --prompt-lens (and --real-prompt-lens at real widths) at batch 1, decode
+   of --decode-steps steps at each --batches size after a --decode-context-token prompt per sequence (llama.cpp:
+   n_seq_max = the largest batch, one unified KV cache), and the process's peak RSS (VmHWM). 2 threads each.
+4. Wait policies (--policies): "default" runs both with OMP_WAIT_POLICY and GOMP_SPINCOUNT unset (each engine's
+   own default: k3serve sets PASSIVE, llama.cpp's libgomp spins, then sleeps), then ACTIVE and PASSIVE for both.
+   Reported per figure: the ratio at the defaults, and each engine's best policy against the other's best.
+5. The load average before and after each target and at the start of each run, in the record.
+One summary line per precision pair (defaults ratio first, best-policy ratio and the two policies in brackets) and
+a JSON record on the last line (--out also writes it). Figures: docs/BENCHMARKS.md.
+
+--k3-agreement, the K3-only comparison of the first figures, in one run:
 1. Memory bandwidth: a STREAM triad a = b + s c in numba over 3 x 128 MiB float32 arrays, every core; the best
    of 5 (STREAM's convention: 12 bytes counted per element).
 2. The fixture: the shipped trained K3 with its experts widened 16x in units and 32x in the latent (1.5 GB,
@@ -25,7 +46,6 @@ With --memory-limits 768M,1G instead: streaming under those cgroup-v1 memory lim
 root), alternated and cold (the files' pages evicted with POSIX_FADV_DONTNEED, not the machine's): k3serve from its
 packed store (RAM budget half the limit, O_DIRECT, LFU; `bench_stream.py`'s worker) against llama.cpp on the mmap'd
 GGUF, decode seconds per token, medians of --rounds.
-Prints one summary line and a JSON record on the last line. Figures: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -34,6 +54,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -688,6 +709,8 @@ def matrix(args: argparse.Namespace) -> None:
                       else family_target(name, size, tree, args.precisions))
             result = measure_target(target, args)
             results.append(result)
+            if args.delete_after and name != "k3":  # the real-width files take 10-17 GB each with their GGUFs
+                shutil.rmtree(target.checkpoint.parent)
             for line in summary_lines(result):
                 print(line, flush=True)
     record = {"benchmark": "peers_matrix", "machine": describe_host(), "rounds": args.rounds,
@@ -741,6 +764,8 @@ def main() -> None:
     parser.add_argument("--llama-tree", type=Path, default=None,
                         help="a llama.cpp source tree (default: the sdist's, as the lab's peers module finds it)")
     parser.add_argument("--out", default=None, help="also write the JSON record here")
+    parser.add_argument("--delete-after", action="store_true",
+                        help="delete each family fixture's folder (checkpoint and GGUFs) once it is measured")
     parser.add_argument("--k3-agreement", action="store_true",
                         help="the K3-only comparison of earlier figures instead: logits agreement, triad bandwidth "
                              "and bytes per token, --prompt-len prefill, batch-1 decode")

@@ -28,7 +28,6 @@ from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.loading import family_of
 from k3serve.model.families.moe import MoEBlock
 from k3serve.model.families.tensors import TensorReader
-from k3serve.weights.bf16 import f32_to_bf16_bits
 from k3serve.weights.safetensors_io import save_safetensors
 
 _COMMON = {"attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 64,
@@ -183,20 +182,25 @@ def family_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _random_rows(name: str, shape: tuple[int, ...], seed: int, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of tensor `name` (first axis), float32, seeded by (seed, name, start). Scales keep a random
-    model's activations O(1) at any width: matrices N(0, 1/fan_in), norm weights 1 + N(0, 0.2^2), routers
-    N(0, 4/fan_in) (routing neither uniform nor tied), selection biases N(0, 0.1^2), other vectors N(0, 0.08^2)."""
+    """Rows [start, stop) of tensor `name` (first axis) as bf16 bits, seeded by (seed, name, start). Uniform values
+    (cheaper to draw than normal ones; a random model needs only the spread) scaled so that a random model's
+    activations stay O(1) at any width: matrices standard deviation 1/sqrt(fan_in), norm weights 1 +- 0.2, routers
+    2/sqrt(fan_in) (routing neither uniform nor tied), selection biases 0.1, other vectors 0.08. bf16 by truncation."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), start])
     rows = (stop - start,) + tuple(shape[1:])
-    values = rng.standard_normal(rows, dtype=np.float32)
+    values = rng.random(rows, dtype=np.float32)  # U[0, 1): mean 1/2, standard deviation 1/sqrt(12)
     if name.endswith("norm.weight") or "layernorm" in name:
-        return values * np.float32(0.2) + np.float32(1.0)
-    if name.endswith("e_score_correction_bias"):
-        return values * np.float32(0.1)
-    if len(shape) >= 2:
-        scale = (4.0 if name.endswith("gate.weight") and shape[0] > 1 else 1.0) / shape[-1]
-        return values * np.float32(np.sqrt(scale))
-    return values * np.float32(0.08)
+        std, mean = 0.2, 1.0
+    elif name.endswith("e_score_correction_bias"):
+        std, mean = 0.1, 0.0
+    elif len(shape) >= 2:
+        std, mean = (2.0 if name.endswith("gate.weight") and shape[0] > 1 else 1.0) / np.sqrt(shape[-1]), 0.0
+    else:
+        std, mean = 0.08, 0.0
+    values -= np.float32(0.5)
+    values *= np.float32(std * np.sqrt(12.0))
+    values += np.float32(mean)
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
 
 
 def write_random_checkpoint_streaming(raw_config: dict, folder: str | Path, seed: int = 0,
@@ -228,7 +232,7 @@ def write_random_checkpoint_streaming(raw_config: dict, folder: str | Path, seed
             rows_per_chunk = max(1, (16 << 20) // row_values)
             for start in range(0, shape[0], rows_per_chunk):
                 stop = min(shape[0], start + rows_per_chunk)
-                handle.write(f32_to_bf16_bits(_random_rows(name, shape, seed, start, stop)).tobytes())
+                handle.write(_random_rows(name, shape, seed, start, stop).tobytes())
             written += int(np.prod(shape)) * 2
             if progress is not None:
                 progress(written, offset)
