@@ -458,7 +458,8 @@ def k3_target(size: str, tree: Path, args: argparse.Namespace) -> Target:
         gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist))
     else:
         checkpoint, note = Path(default_model_dir()), "the shipped trained K3 (6.9M parameters)"
-        gguf = build_k3_gguf(checkpoint, tree, WORK / "embedded" / "k3-embedded.gguf")
+        key = hashlib.sha256((checkpoint / "SHA256SUMS").read_bytes()).hexdigest()[:12]  # a new model, a new file
+        gguf = build_k3_gguf(checkpoint, tree, WORK / "embedded" / f"k3-{key}.gguf")
     vocab = Checkpoint(checkpoint).config.vocab_size
     return Target(f"K3 {size}", "k3", size, checkpoint, {"MXFP4": gguf}, dict(K3_PAIR), vocab, note)
 

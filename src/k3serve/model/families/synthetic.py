@@ -10,6 +10,11 @@ Values: matrices N(0, 0.08^2) (transformers' tiny-model initializer range); norm
 x3 and a selection bias N(0, 0.1^2), so that routing is neither uniform nor tied (as in tests/model/families). They
 are random weights: the model's tokens mean nothing, only its shapes, routing and state paths are real. The
 configs are the test suite's tiny shapes (hidden 64, expert width 32, so MXFP4 applies).
+
+`write_random_checkpoint_streaming(config, folder)` writes any family config, released widths included (the
+benchmarks' real-width fixtures, benchmarks/family_fixture.py): the tensor list comes from the family's builder run
+over unbacked zeros (`family_tensor_shapes`), the values (bf16, scaled by fan-in) are drawn and written a chunk of
+rows at a time, so a 6 GB checkpoint never sits in RAM.
 """
 
 from __future__ import annotations
