@@ -484,8 +484,9 @@ def run_shapes(spec: dict) -> dict:
     contexts = [rng.integers(3, spec["vocab"] - 8, size=spec["decode_context"]).tolist()
                 for _ in range(max(spec["batches"]))]
     engine = (_K3ServeShapes if spec["engine"] == "k3serve" else _LlamaCppShapes)(spec)
-    engine.prefill([contexts[0][:16]])  # warm-up: kernels compiled, experts resident
-    engine.decode([[contexts[0][-1]]] * 1, 1)
+    # warm-up: kernels compiled (the shortest prompt takes the prefill path every length takes), experts resident
+    engine.prefill([prompts[min(prompts)]])
+    engine.decode([[contexts[0][-1]]], 1)
     engine.reset()
     engine.prefill([c[:16] for c in contexts[:max(spec["batches"])]])
     engine.decode([[c[-1]] for c in contexts[:max(spec["batches"])]], 1)
