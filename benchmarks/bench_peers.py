@@ -1,11 +1,32 @@
-"""k3serve against llama.cpp on the same K3 weights, with the machine's memory bandwidth as the yardstick.
+"""k3serve against llama.cpp: K3 and every family, at the tiny and the real-width fixtures, every precision pair.
 
     pip install -e '.[peers]'          # llama-cpp-python==0.3.36 (compiles ~13 min on 2 cores) and gguf
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llama_sdist   # its converter
-    python benchmarks/bench_peers.py [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz] [--rounds 3]
+    python benchmarks/bench_peers.py [--targets k3,qwen3_moe,...] [--sizes tiny,real] [--rounds 3]   # the matrix
+    python benchmarks/bench_peers.py --quick --targets qwen3_moe --precisions int8                   # smoke test
+    python benchmarks/bench_peers.py --k3-agreement --rounds 3        # K3 only: logits agreement, triad, bytes
     python benchmarks/bench_peers.py --memory-limits 768M,1G,1536M --rounds 3 --decode-steps 16   # streaming
 
-What it does, in one run:
+The matrix (the default), per target (k3 or a family) and fixture size (benchmarks/family_fixture.py: "tiny" =
+hidden 512, "real" = a released model's widths with 4 of its layers; K3's "tiny" is the shipped trained model,
+its "real" the widened copy below, since one layer of the released K3's experts is 15.7 GB):
+1. The files, once: the checkpoint (random bf16, released config spellings), then llama.cpp's own
+   convert_hf_to_gguf.py (BF16, Q8_0) and llama_model_quantize (MXFP4_MOE from the BF16 file); K3 through its
+   `conversion/kimi_k3.py` (MXFP4 experts repacked, bf16 trunk). Placeholder vocabularies; token ids fed.
+2. Pairs: k3serve experts bf16 vs BF16, int8 vs Q8_0, mxfp4 vs MXFP4_MOE (k3serve loads the checkpoint with that
+   expert precision and packs every expert before timing, as resident as llama.cpp's); K3: MXFP4 on both sides.
+3. One fresh process per (engine, precision, wait policy) and round, engines alternated: load, an untimed warm-up
+   of every shape, then prefill of each --prompt-lens (and --real-prompt-lens at real widths) at batch 1, decode
+   of --decode-steps steps at each --batches size after a --decode-context-token prompt per sequence (llama.cpp:
+   n_seq_max = the largest batch, one unified KV cache), and the process's peak RSS (VmHWM). 2 threads each.
+4. Wait policies (--policies): "default" runs both with OMP_WAIT_POLICY and GOMP_SPINCOUNT unset (each engine's
+   own default: k3serve sets PASSIVE, llama.cpp's libgomp spins, then sleeps), then ACTIVE and PASSIVE for both.
+   Reported per figure: the ratio at the defaults, and each engine's best policy against the other's best.
+5. The load average before and after each target and at the start of each run, in the record.
+One summary line per precision pair (defaults ratio first, best-policy ratio and the two policies in brackets) and
+a JSON record on the last line (--out also writes it). Figures: docs/BENCHMARKS.md.
+
+--k3-agreement, the K3-only comparison of the first figures, in one run:
 1. Memory bandwidth: a STREAM triad a = b + s c in numba over 3 x 128 MiB float32 arrays, every core; the best
    of 5 (STREAM's convention: 12 bytes counted per element).
 2. The fixture: the shipped trained K3 with its experts widened 16x in units and 32x in the latent (1.5 GB,
@@ -25,7 +46,6 @@ With --memory-limits 768M,1G instead: streaming under those cgroup-v1 memory lim
 root), alternated and cold (the files' pages evicted with POSIX_FADV_DONTNEED, not the machine's): k3serve from its
 packed store (RAM budget half the limit, O_DIRECT, LFU; `bench_stream.py`'s worker) against llama.cpp on the mmap'd
 GGUF, decode seconds per token, medians of --rounds.
-Prints one summary line and a JSON record on the last line. Figures: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -34,12 +54,14 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,6 +70,7 @@ import numpy as np
 from k3serve.lab.peers import CONFIG_KEYS_FOR_LLAMA_CPP, CONVERT_SCRIPT as CONVERT
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # family_fixture
 WORK = Path(os.environ.get("K3BENCH_DIR", "/tmp/k3bench-trained"))
 
 
@@ -337,7 +360,380 @@ def streaming_comparison(checkpoint: Path, gguf: Path, spec: dict, limits: list[
     return out
 
 
+# ------------------------------------------------------------------------------------------------ the matrix
+# K3 and every family, each fixture size, each precision pair, prefill and decode at batch 1 and 8, each engine
+# at its own defaults and at its best OpenMP wait policy. One fresh process per (engine, precision, policy) run
+# measures every shape in turn; the processes alternate engines; medians over rounds.
+PAIRS = {"bf16": "BF16", "int8": "Q8_0", "mxfp4": "MXFP4_MOE"}  # k3serve expert precision -> llama.cpp GGUF type
+K3_PAIR = {"mxfp4": "MXFP4"}  # K3: MXFP4 experts as trained; llama.cpp's converter repacks them, bf16 trunk both
+POLICIES = ("default", "ACTIVE", "PASSIVE")  # default: OMP_WAIT_POLICY / GOMP_SPINCOUNT unset (each engine's own)
+
+# Run by `python -c` in a fresh process: llama.cpp's convert_hf_to_gguf.py with placeholder vocab (random models
+# have no tokenizer; ids are fed) and one fix for a heuristic of llama.cpp's loader: a deepseek2 file without
+# q_lora_rank loads only at 26 or 27 layers (where it guesses DeepSeek-V2-Lite / Moonlight), so a 4-layer
+# Moonlight gets the key with 0, which the loader reads as "no q LoRA" (src/models/deepseek2.cpp).
+FAMILY_CONVERT = r'''
+import sys, runpy
+tree = sys.argv[1]
+sys.path[:0] = [tree + "/gguf-py", tree]
+import gguf
+import conversion.base as base
+
+def placeholder_vocab(self):
+    n = self.hparams["vocab_size"]
+    self.gguf_writer.add_tokenizer_model("gpt2")
+    self.gguf_writer.add_tokenizer_pre("default")
+    self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
+    self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
+    self.gguf_writer.add_token_merges(["<t0> <t1>"])
+
+_prepare = base.TextModel.prepare_metadata
+def prepare_metadata(self, *a, **k):
+    type(self).set_vocab = placeholder_vocab
+    return _prepare(self, *a, **k)
+base.TextModel.prepare_metadata = prepare_metadata
+_params = base.TextModel.set_gguf_parameters
+def set_gguf_parameters(self):
+    _params(self)
+    if self.hparams.get("model_type") == "deepseek_v3" and self.hparams.get("q_lora_rank") is None:
+        self.gguf_writer.add_q_lora_rank(0)
+base.TextModel.set_gguf_parameters = set_gguf_parameters
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(tree + "/convert_hf_to_gguf.py", run_name="__main__")
+'''
+
+
+def family_ggufs(checkpoint: Path, tree: Path, kinds: list[str]) -> dict[str, Path]:
+    """The fixture's GGUFs by llama.cpp's own tools, once each: convert_hf_to_gguf.py --outtype bf16 (BF16) and
+    q8_0 (Q8_0, every matrix), llama_model_quantize of the BF16 file to MXFP4_MOE (MXFP4 experts, the rest Q8_0)."""
+    out = {kind: checkpoint.parent / f"{kind}.gguf" for kind in kinds}
+    config = json.loads((checkpoint / "config.json").read_text())
+    extra = ["--no-mtp"] if config["model_type"] == "qwen3_next" else []  # released files carry MTP; ours not
+    for kind, outtype in (("BF16", "bf16"), ("Q8_0", "q8_0")):
+        target = checkpoint.parent / f"{kind}.gguf"
+        needed = kind in kinds or (kind == "BF16" and "MXFP4_MOE" in kinds and not out["MXFP4_MOE"].exists())
+        if needed and not target.exists():
+            print(f"converting {checkpoint.parent.name} to {kind} with llama.cpp's converter (once)...",
+                  file=sys.stderr, flush=True)
+            done = subprocess.run([sys.executable, "-c", FAMILY_CONVERT, str(tree), str(checkpoint), "--outfile",
+                                   str(target), "--outtype", outtype, *extra], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"llama.cpp's converter failed on {checkpoint}: {done.stderr[-2000:]}")
+    if "MXFP4_MOE" in kinds and not out["MXFP4_MOE"].exists():
+        import llama_cpp
+
+        print(f"quantizing {checkpoint.parent.name} to MXFP4_MOE with llama_model_quantize (once)...",
+              file=sys.stderr, flush=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+        params.nthread = 2
+        bf16 = checkpoint.parent / "BF16.gguf"
+        if llama_cpp.llama_model_quantize(str(bf16).encode(), str(out["MXFP4_MOE"]).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize to MXFP4_MOE failed on {bf16}")
+        if "BF16" not in kinds:
+            bf16.unlink()  # only the source of the quantization: the disk is shared
+    return out
+
+
+class Target(NamedTuple):
+    label: str  # what the tables call it
+    family: str  # "k3" or a family's model_type
+    size: str
+    checkpoint: Path
+    ggufs: dict[str, Path]  # llama.cpp file type -> file
+    pairs: dict[str, str]  # k3serve precision -> llama.cpp file type
+    vocab: int
+    note: str
+
+
+def k3_target(size: str, tree: Path, args: argparse.Namespace) -> Target:
+    """K3: the shipped trained model ("tiny", "smoke") or its widened copy ("real": the released K3's experts hold
+    15.7 GB per layer, so no real-width K3 file fits; the widened one is the largest that does, 1.5 GB)."""
+    from k3serve.lab.peers import build_gguf as build_k3_gguf
+    from k3serve.loading import default_model_dir
+    from k3serve.weights.checkpoint import Checkpoint
+
+    if size == "real":
+        checkpoint, note = widened_checkpoint(args.inner, args.latent), f"trained K3 widened {args.inner}x/{args.latent}x"
+        gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist))
+    else:
+        checkpoint, note = Path(default_model_dir()), "the shipped trained K3 (6.9M parameters)"
+        key = hashlib.sha256((checkpoint / "SHA256SUMS").read_bytes()).hexdigest()[:12]  # a new model, a new file
+        gguf = build_k3_gguf(checkpoint, tree, WORK / "embedded" / f"k3-{key}.gguf")
+    vocab = Checkpoint(checkpoint).config.vocab_size
+    return Target(f"K3 {size}", "k3", size, checkpoint, {"MXFP4": gguf}, dict(K3_PAIR), vocab, note)
+
+
+def family_target(family: str, size: str, tree: Path, precisions: list[str]) -> Target:
+    import family_fixture
+
+    checkpoint = family_fixture.fixture_dir(family, size)
+    pairs = {ours: PAIRS[ours] for ours in precisions}
+    ggufs = family_ggufs(checkpoint, tree, list(pairs.values()))
+    config = json.loads((checkpoint / "config.json").read_text())
+    note = (f"copies {family_fixture.RELEASED[family].name}: {family_fixture.RELEASED[family].cut}" if size == "real"
+            else f"{size}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers")
+    return Target(f"{family} {size}", family, size, checkpoint, ggufs, pairs, config["vocab_size"], note)
+
+
+def run_shapes(spec: dict) -> dict:
+    """One engine in this process: load, warm up every shape, then prefill each prompt length at batch 1 and decode
+    `decode_steps` steps at each batch size after a `decode_context`-token prompt per sequence; peak RSS."""
+    rng = np.random.default_rng(0)
+    prompts = {n: rng.integers(3, spec["vocab"] - 8, size=n).tolist() for n in spec["prompt_lens"]}
+    contexts = [rng.integers(3, spec["vocab"] - 8, size=spec["decode_context"]).tolist()
+                for _ in range(max(spec["batches"]))]
+    engine = (_K3ServeShapes if spec["engine"] == "k3serve" else _LlamaCppShapes)(spec)
+    # warm-up: kernels compiled (the shortest prompt takes the prefill path every length takes), experts resident
+    engine.prefill([prompts[min(prompts)]])
+    engine.decode([[contexts[0][-1]]], 1)
+    engine.reset()
+    engine.prefill([c[:16] for c in contexts[:max(spec["batches"])]])
+    engine.decode([[c[-1]] for c in contexts[:max(spec["batches"])]], 1)
+    out: dict = {"load_avg_start": os.getloadavg()[0]}
+    for n, prompt in prompts.items():
+        engine.reset()
+        started = time.perf_counter()
+        engine.prefill([prompt])
+        out[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - started)
+    for batch in spec["batches"]:
+        engine.reset()
+        first = engine.prefill(contexts[:batch])
+        started = time.perf_counter()
+        tokens = engine.decode([[t] for t in first], spec["decode_steps"])
+        out[f"decode_b{batch}_tok_s"] = batch * spec["decode_steps"] / (time.perf_counter() - started)
+        if batch == 1:
+            out["greedy"] = tokens[0][:10]
+    out["peak_rss_mib"] = peak_rss_mib()
+    return out
+
+
+class _K3ServeShapes:
+    def __init__(self, spec: dict) -> None:
+        from k3serve.loading import load_model
+        from k3serve.model.families.moe import MoEBlock
+        from k3serve.model.interface import ForwardItem
+
+        self.item = ForwardItem
+        options = {} if spec["family"] == "k3" else {"expert_precision": spec["precision"]}
+        self.model = load_model(spec["checkpoint"], **options).model  # as the CLI loads it
+        for layer in getattr(self.model, "layers", []):  # resident like llama.cpp's: every expert packed first
+            if isinstance(getattr(layer, "mlp", None), MoEBlock):
+                for expert in range(layer.mlp.router.weight.shape[0]):
+                    layer.mlp.experts.get(layer.mlp.layer, expert)
+        self.caches: list = []
+
+    def reset(self) -> None:
+        self.caches = []
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        self.caches = [self.model.new_cache() for _ in prompts]
+        result = self.model.forward([self.item(np.asarray(p, np.int64), c) for p, c in zip(prompts, self.caches)])
+        return [int(np.argmax(logits[-1])) for logits in result.logits]
+
+    def decode(self, last: list[list[int]], steps: int) -> list[list[int]]:
+        tokens = [[t[0]] for t in last]
+        for _ in range(steps):
+            result = self.model.forward([self.item(np.array([seq[-1]]), c) for seq, c in zip(tokens, self.caches)])
+            for seq, logits in zip(tokens, result.logits):
+                seq.append(int(np.argmax(logits[-1])))
+        return [seq[1:] for seq in tokens]
+
+
+class _LlamaCppShapes:
+    """llama.cpp at its defaults (n_batch 2048, n_ubatch 512, its own threadpool settings) but for the thread count,
+    `use_extra_bufts` off (its AMX repack crashed at the first decode on the Xeon VM of the first figures), and
+    `n_seq_max` = the largest batch with a unified KV cache sized for it."""
+
+    def __init__(self, spec: dict) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = False
+        self.model = llama_cpp.llama_model_load_from_file(spec["gguf"].encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {spec['gguf']}")
+        batch = max(spec["batches"])
+        need = max(max(spec["prompt_lens"]), batch * (spec["decode_context"] + spec["decode_steps"] + 2))
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = -(-(need + 64) // 256) * 256
+        ctx_params.n_batch = max(ctx_params.n_batch, need)
+        ctx_params.n_seq_max = batch
+        ctx_params.kv_unified = True
+        ctx_params.n_threads = ctx_params.n_threads_batch = spec["threads"]
+        self.ctx = llama_cpp.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {spec['gguf']}")
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.positions: list[int] = []
+
+    def reset(self) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+        self.positions = []
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits)
+        batch = self.lib.llama_batch_init(len(rows), 0, 1)
+        for i, (token, position, sequence, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0], batch.logits[i] = sequence, logits
+        batch.n_tokens = len(rows)
+        status = self.lib.llama_decode(self.ctx, batch)
+        self.lib.llama_batch_free(batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed ({status})")
+
+    def _argmax(self, i: int) -> int:
+        return int(np.argmax(np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.vocab,))))
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        rows = [(t, p, s, p == len(prompt) - 1) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt)]
+        self._decode(rows)
+        self.positions = [len(prompt) for prompt in prompts]
+        ends = np.cumsum([len(prompt) for prompt in prompts]) - 1
+        return [self._argmax(int(i)) for i in ends]
+
+    def decode(self, last: list[list[int]], steps: int) -> list[list[int]]:
+        tokens = [[t[0]] for t in last]
+        for _ in range(steps):
+            self._decode([(seq[-1], self.positions[s], s, True) for s, seq in enumerate(tokens)])
+            self.positions = [p + 1 for p in self.positions]
+            for s, seq in enumerate(tokens):
+                seq.append(self._argmax(s))
+        return [seq[1:] for seq in tokens]
+
+
+def shapes_child(spec: dict, policy: str) -> dict:
+    """run_shapes in a fresh process under the wait policy `policy` (POLICIES); an error comes back as a record."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(OMP_NUM_THREADS=str(spec["threads"]), NUMBA_NUM_THREADS=str(spec["threads"]))
+    if policy != "default":
+        env["OMP_WAIT_POLICY"] = policy
+    done = subprocess.run([sys.executable, __file__, "--shapes-child", json.dumps(spec)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()
+        return {"error": tail[-1] if tail else f"exit status {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_target(target: Target, args: argparse.Namespace) -> dict:
+    """Every (engine, precision pair, policy) of `target`, alternated round by round in fresh processes; medians,
+    each engine's default-policy figures and its best policy per figure, and the ratios of both."""
+    prompt_lens = args.prompt_lens + (args.real_prompt_lens if target.size == "real" else [])
+    base = {"threads": args.threads, "prompt_lens": prompt_lens, "batches": args.batches,
+            "decode_context": args.decode_context, "decode_steps": args.decode_steps, "vocab": target.vocab,
+            "family": target.family, "checkpoint": str(target.checkpoint)}
+    configs = {}
+    for ours, theirs in target.pairs.items():
+        configs[("k3serve", ours)] = {**base, "engine": "k3serve", "precision": ours}
+        configs[("llama.cpp", theirs)] = {**base, "engine": "llama.cpp", "gguf": str(target.ggufs[theirs])}
+    runs: dict[str, list[dict]] = {}
+    for (engine, precision), spec in configs.items():  # untimed: numba compiles into its cache, pages come in
+        if engine == "k3serve":
+            shapes_child({**spec, "prompt_lens": [16], "decode_steps": 1}, args.policies[0])
+    load = [os.getloadavg()[0]]
+    for round_ in range(args.rounds):
+        for policy in args.policies:
+            for (engine, precision), spec in configs.items():
+                key = f"{engine} {precision} {policy}"
+                print(f"  {target.label} round {round_ + 1}/{args.rounds}: {key}", file=sys.stderr, flush=True)
+                runs.setdefault(key, []).append(shapes_child(spec, policy))
+    load.append(os.getloadavg()[0])
+    figures = [f"prefill_{n}_tok_s" for n in prompt_lens] + [f"decode_b{b}_tok_s" for b in args.batches] + [
+        "peak_rss_mib"]
+    median = {}
+    for key, rs in runs.items():
+        good = [r for r in rs if "error" not in r]
+        median[key] = ({f: statistics.median(r[f] for r in good) for f in figures} if good
+                       else {"error": rs[0]["error"]})
+
+    def at(engine: str, precision: str, figure: str, policy: str) -> float | None:
+        return median[f"{engine} {precision} {policy}"].get(figure)
+
+    def best(engine: str, precision: str, figure: str) -> tuple[float | None, str | None]:
+        measured = [(at(engine, precision, figure, p), p) for p in args.policies
+                    if at(engine, precision, figure, p) is not None]
+        if not measured:
+            return None, None
+        pick = min if figure == "peak_rss_mib" else max
+        return pick(measured, key=lambda x: x[0])
+
+    pairs = {}
+    for ours, theirs in target.pairs.items():
+        row: dict = {}
+        for figure in figures:
+            entry: dict = {}
+            if "default" in args.policies:
+                a, b = at("k3serve", ours, figure, "default"), at("llama.cpp", theirs, figure, "default")
+                entry["defaults"] = {"k3serve": a, "llama.cpp": b, "ratio": (round(a / b, 3) if a and b else None)}
+            (a, pa), (b, pb) = best("k3serve", ours, figure), best("llama.cpp", theirs, figure)
+            entry["best"] = {"k3serve": a, "k3serve_policy": pa, "llama.cpp": b, "llama.cpp_policy": pb,
+                             "ratio": (round(a / b, 3) if a and b else None)}
+            row[figure] = entry
+        pairs[f"{ours} vs {theirs}"] = row
+    greedy = {key: rs[0].get("greedy") for key, rs in runs.items()}
+    return {"target": target.label, "note": target.note, "checkpoint": str(target.checkpoint),
+            "ggufs": {k: str(v) for k, v in target.ggufs.items()}, "load_average": load, "pairs": pairs,
+            "median": median, "greedy_first_round": greedy,
+            "all_runs": {k: [{f: v for f, v in r.items() if f != "greedy"} for r in rs] for k, rs in runs.items()}}
+
+
+def summary_lines(result: dict) -> list[str]:
+    """One line per precision pair: the defaults ratio first, then the best-policy ratio, per figure."""
+    lines = []
+    for pair, row in result["pairs"].items():
+        parts = []
+        for figure, entry in row.items():
+            short = figure.replace("_tok_s", "").replace("peak_rss_mib", "RSS")
+            default = entry.get("defaults", {}).get("ratio")
+            best = entry["best"]
+            parts.append(f"{short} {default if default is not None else '-'}x "
+                         f"(best {best['ratio'] if best['ratio'] is not None else '-'}x: "
+                         f"{best['k3serve_policy']}/{best['llama.cpp_policy']})")
+        lines.append(f"{result['target']} {pair}: " + ", ".join(parts))
+    return lines
+
+
+def matrix(args: argparse.Namespace) -> None:
+    """The one peers benchmark: every target of --targets at every size of --sizes."""
+    from k3serve.host import describe_host
+    from k3serve.lab.peers import converter_tree
+
+    tree = args.llama_tree or converter_tree(WORK / "llama_cpp_src")
+    results = []
+    started = time.time()
+    for size in args.sizes:
+        for name in args.targets:
+            print(f"{name} {size}: building the fixture and GGUFs (once)...", file=sys.stderr, flush=True)
+            target = (k3_target(size, tree, args) if name == "k3"
+                      else family_target(name, size, tree, args.precisions))
+            result = measure_target(target, args)
+            results.append(result)
+            if args.delete_after and name != "k3":  # the real-width files take 10-17 GB each with their GGUFs
+                shutil.rmtree(target.checkpoint.parent)
+            for line in summary_lines(result):
+                print(line, flush=True)
+    record = {"benchmark": "peers_matrix", "machine": describe_host(), "rounds": args.rounds,
+              "threads": args.threads, "policies": args.policies, "decode_context": args.decode_context,
+              "decode_steps": args.decode_steps, "batches": args.batches, "prompt_lens": args.prompt_lens,
+              "real_prompt_lens": args.real_prompt_lens, "wall_s": round(time.time() - started, 1),
+              "how_to_read": "ratio = k3serve / llama.cpp (speed: > 1 is k3serve faster; RSS: < 1 is k3serve "
+                             "smaller). 'defaults': both engines with OMP_WAIT_POLICY and GOMP_SPINCOUNT unset "
+                             "(k3serve then sets PASSIVE itself, llama.cpp's libgomp spins then sleeps); 'best': "
+                             "each engine's best median over the policies run, per figure, policy named.",
+              "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+
+
 # ------------------------------------------------------------------------------------------------ main
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
 def main() -> None:
     from k3serve.host import describe_host
 
@@ -345,7 +741,36 @@ def main() -> None:
         spec = json.loads(sys.argv[3])
         print(json.dumps((run_k3serve if sys.argv[2] == "k3serve" else run_llama_cpp)(spec)))
         return
+    if len(sys.argv) > 2 and sys.argv[1] == "--shapes-child":
+        print(json.dumps(run_shapes(json.loads(sys.argv[2]))))
+        return
+    import family_fixture
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", type=_csv(str), default=["k3", *family_fixture.FAMILIES],
+                        help="k3 and families (default: all)")
+    parser.add_argument("--sizes", type=_csv(str), default=["tiny", "real"],
+                        help="fixture sizes: smoke, tiny, real (benchmarks/family_fixture.py)")
+    parser.add_argument("--precisions", type=_csv(str), default=list(PAIRS),
+                        help="k3serve expert precisions, each against its llama.cpp GGUF type (bf16 vs BF16, int8 "
+                             "vs Q8_0, mxfp4 vs MXFP4_MOE; K3 has one pair, its MXFP4 experts on both sides)")
+    parser.add_argument("--policies", type=_csv(str), default=list(POLICIES),
+                        help="OpenMP wait policies run for both engines: default (unset), ACTIVE, PASSIVE")
+    parser.add_argument("--prompt-lens", type=_csv(int), default=[512], help="prefill lengths, every size")
+    parser.add_argument("--real-prompt-lens", type=_csv(int), default=[2048], help="and these at real widths")
+    parser.add_argument("--batches", type=_csv(int), default=[1, 8], help="decode batch sizes (sequences)")
+    parser.add_argument("--decode-context", type=int, default=64, help="prompt tokens per sequence before decode")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: smoke fixtures, 1 round, 64-token prefill, 4 decode steps, default and "
+                             "PASSIVE policies (each option still overrides)")
+    parser.add_argument("--llama-tree", type=Path, default=None,
+                        help="a llama.cpp source tree (default: the sdist's, as the lab's peers module finds it)")
+    parser.add_argument("--out", default=None, help="also write the JSON record here")
+    parser.add_argument("--delete-after", action="store_true",
+                        help="delete each family fixture's folder (checkpoint and GGUFs) once it is measured")
+    parser.add_argument("--k3-agreement", action="store_true",
+                        help="the K3-only comparison of earlier figures instead: logits agreement, triad bandwidth "
+                             "and bytes per token, --prompt-len prefill, batch-1 decode")
     parser.add_argument("--sdist", type=Path, default=Path("/tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -361,7 +786,22 @@ def main() -> None:
     parser.add_argument("--memory-limits", default=None,
                         help="instead of the resident comparison: streaming under these cgroup memory limits, "
                              "e.g. 768M,1G (k3serve's packed store vs llama.cpp's mmap, cold; needs root)")
+    given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
     args = parser.parse_args()
+    if args.quick:
+        for option, value in (("--sizes", ["smoke"]), ("--rounds", 1), ("--prompt-lens", [64]),
+                              ("--real-prompt-lens", []), ("--decode-steps", 4), ("--decode-context", 16),
+                              ("--policies", ["default", "PASSIVE"])):
+            if option not in given:
+                setattr(args, option[2:].replace("-", "_"), value)
+    unknown = [p for p in args.policies if p not in POLICIES] + [s for s in args.sizes if s not in family_fixture.SIZES]
+    unknown += [t for t in args.targets if t != "k3" and t not in family_fixture.FAMILIES]
+    unknown += [p for p in args.precisions if p not in PAIRS]
+    if unknown:
+        parser.error(f"unknown {', '.join(unknown)}: see --help")
+    if not (args.memory_limits or args.k3_agreement):
+        matrix(args)
+        return
     if args.memory_limits:
         from k3serve.units import parse_size
 

@@ -43,3 +43,46 @@ def test_family_top_p_keeps_the_heaviest_experts_and_one_is_bit_identical(tmp_pa
     assert not np.array_equal(model.logits(prompt), full)
     counts = model.kept_experts.counts  # [TOPK + 1]
     assert counts.shape[0] == 4 and counts[0] == 0 and counts[:3].sum() > 0  # some token kept fewer than 3
+
+
+# ------------------------------------------------------------------------------------------------ any width
+def test_the_streamed_writer_holds_exactly_the_tensors_the_builder_asks_for(tmp_path):
+    from k3serve.model.families.synthetic import (SYNTHETIC_CONFIGS, family_tensor_shapes,
+                                                  write_random_checkpoint_streaming)
+    from k3serve.weights.safetensors_io import SafetensorsIndex
+
+    for family in SYNTHETIC_FAMILIES:
+        raw = SYNTHETIC_CONFIGS[family]
+        folder = write_random_checkpoint_streaming(raw, tmp_path / family, seed=5)
+        index = SafetensorsIndex.open(folder)
+        shapes = family_tensor_shapes(raw)
+        assert sorted(index.names()) == sorted(shapes)
+        assert all(tuple(index.info(n).shape) == shapes[n] and index.info(n).dtype == "BF16" for n in shapes)
+        again = write_random_checkpoint_streaming(raw, tmp_path / f"{family}-again", seed=5)
+        assert (folder / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+        model = load_family(folder)
+        logits = model.logits([5, 9, 20, 33, 7, 11])
+        # scaled by fan-in, so a random model's activations stay O(1): finite, non-trivial logits
+        assert np.all(np.isfinite(logits)) and 0.05 < float(np.std(logits)) < 50, (family, float(np.std(logits)))
+
+
+def test_the_streamed_writer_scales_by_fan_in_and_keeps_a_finished_folder(tmp_path):
+    from k3serve.model.families.synthetic import SYNTHETIC_CONFIGS, write_random_checkpoint_streaming
+    from k3serve.weights.safetensors_io import SafetensorsIndex
+
+    raw = {**SYNTHETIC_CONFIGS["qwen3_moe"], "hidden_size": 256, "moe_intermediate_size": 64}
+    calls = []
+    folder = write_random_checkpoint_streaming(raw, tmp_path / "q", progress=lambda done, total: calls.append(
+        (done, total)))
+    assert calls[-1][0] == calls[-1][1] == (folder / "model.safetensors").stat().st_size - (
+        8 + int.from_bytes((folder / "model.safetensors").read_bytes()[:8], "little"))
+    index = SafetensorsIndex.open(folder)
+    down = index.read("model.layers.0.mlp.experts.3.down_proj.weight").astype(np.float32)  # [H, I]
+    gate = index.read("model.layers.0.mlp.experts.3.gate_proj.weight").astype(np.float32)  # [I, H]
+    assert abs(float(down.std()) - 64 ** -0.5) < 0.1 * 64 ** -0.5
+    assert abs(float(gate.std()) - 256 ** -0.5) < 0.1 * 256 ** -0.5
+    norm = index.read("model.layers.0.input_layernorm.weight").astype(np.float32)
+    assert abs(float(norm.mean()) - 1.0) < 0.1
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    write_random_checkpoint_streaming(raw, folder, seed=9)  # a finished folder is kept as it is
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp

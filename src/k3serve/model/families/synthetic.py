@@ -10,12 +10,19 @@ Values: matrices N(0, 0.08^2) (transformers' tiny-model initializer range); norm
 x3 and a selection bias N(0, 0.1^2), so that routing is neither uniform nor tied (as in tests/model/families). They
 are random weights: the model's tokens mean nothing, only its shapes, routing and state paths are real. The
 configs are the test suite's tiny shapes (hidden 64, expert width 32, so MXFP4 applies).
+
+`write_random_checkpoint_streaming(config, folder)` writes any family config, released widths included (the
+benchmarks' real-width fixtures, benchmarks/family_fixture.py): the tensor list comes from the family's builder run
+over unbacked zeros (`family_tensor_shapes`), the values (bf16, scaled by fan-in) are drawn and written a chunk of
+rows at a time, so a 6 GB checkpoint never sits in RAM.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -138,4 +145,102 @@ def write_random_family(family: str, folder: str | Path, seed: int = 0, bf16: bo
     save_safetensors(folder / "model.safetensors", reader.tensors,
                      dtypes={name: "BF16" for name in reader.tensors} if bf16 else None)
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ any width
+class _ShapeRecorder(_RandomReader):
+    """Answers every tensor request with unbacked zeros (np.zeros: pages the builder only reads cost no RAM) and
+    records the shape, so that a released-width model's tensor list costs about its bf16 trunk, not its weights."""
+
+    # spellings the builder accepts that released checkpoints do not use (llama.cpp's converters know only the
+    # released ones): Kimi Linear ships its KDA short convolutions as q/k/v_conv1d, not one stacked conv1d
+    _NOT_RELEASED = ("self_attn.conv1d.weight",)
+
+    def __init__(self, family: str) -> None:
+        super().__init__(family, 0)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return not (self.family == "kimi_linear" and name.endswith(self._NOT_RELEASED))
+
+    def f32(self, *names: str, shape: tuple[int, ...] | None = None, size: int | None = None) -> np.ndarray:
+        shape = tuple(shape) if shape is not None else (int(size),)
+        stored = (1, 1, shape[0], 1) if names[0].endswith("self_attn.A_log") else shape  # Kimi Linear's layout
+        self.shapes[names[0]] = stored
+        return np.zeros(shape, np.float32)
+
+
+def family_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `raw_config` (a config.json as a dict, any family, any width) holds, by name:
+    the family's own builder asks for them (every expert of every MoE layer included)."""
+    hf = HFConfig(raw_config, str(raw_config.get("model_type")), "<synthetic config>")
+    spec = family_of(hf)
+    config = spec.parse(hf.with_family(spec.name))
+    reader = _ShapeRecorder(spec.name)
+    model = spec.build(config, reader, "native", 64)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoEBlock) and isinstance(model.experts, ExpertStore):
+            for expert in range(layer.mlp.router.weight.shape[0]):
+                model.experts.read(layer.mlp.layer, expert)
+    return dict(reader.shapes)
+
+
+def _random_rows(name: str, shape: tuple[int, ...], seed: int, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of tensor `name` (first axis) as bf16 bits, seeded by (seed, name, start). Uniform values
+    (cheaper to draw than normal ones; a random model needs only the spread) scaled so that a random model's
+    activations stay O(1) at any width: matrices standard deviation 1/sqrt(fan_in), norm weights 1 +- 0.2, routers
+    2/sqrt(fan_in) (routing neither uniform nor tied), selection biases 0.1, other vectors 0.08. bf16 by truncation."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), start])
+    rows = (stop - start,) + tuple(shape[1:])
+    values = rng.random(rows, dtype=np.float32)  # U[0, 1): mean 1/2, standard deviation 1/sqrt(12)
+    if name.endswith("norm.weight") or "layernorm" in name:
+        std, mean = 0.2, 1.0
+    elif name.endswith("e_score_correction_bias"):
+        std, mean = 0.1, 0.0
+    elif len(shape) >= 2:
+        std, mean = (2.0 if name.endswith("gate.weight") and shape[0] > 1 else 1.0) / np.sqrt(shape[-1]), 0.0
+    else:
+        std, mean = 0.08, 0.0
+    values -= np.float32(0.5)
+    values *= np.float32(std * np.sqrt(12.0))
+    values += np.float32(mean)
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def write_random_checkpoint_streaming(raw_config: dict, folder: str | Path, seed: int = 0,
+                                      progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write config.json and a random bf16 model.safetensors for `raw_config` (any family, released widths
+    included) into `folder`, tensor by tensor in chunks of rows, so RAM holds one chunk (64 MiB) at a time, not the
+    model. The file goes to a temporary name and is renamed into place; an existing complete folder is kept.
+    `progress(bytes_written, bytes_total)` is called after each tensor."""
+    folder = Path(folder)
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    shapes = dict(sorted(family_tensor_shapes(raw_config).items()))
+    header: dict[str, dict] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-(8 + len(header_bytes)) % 8)
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / "model.safetensors.tmp"
+    written = 0
+    with open(partial, "wb") as handle:
+        handle.write(len(header_bytes).to_bytes(8, "little"))
+        handle.write(header_bytes)
+        for name, shape in shapes.items():
+            row_values = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+            rows_per_chunk = max(1, (16 << 20) // row_values)
+            for start in range(0, shape[0], rows_per_chunk):
+                stop = min(shape[0], start + rows_per_chunk)
+                handle.write(_random_rows(name, shape, seed, start, stop).tobytes())
+            written += int(np.prod(shape)) * 2
+            if progress is not None:
+                progress(written, offset)
+    os.replace(partial, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
     return folder
