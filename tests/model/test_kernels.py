@@ -396,3 +396,38 @@ def test_dense_tiled_experts_match_numpy_twin_on_odd_group_sizes(dtype, hidden, 
         numba.set_num_threads(previous)
     with pytest.raises(ValueError, match="do not fit"):
         dense_experts_tiled(*stacked, expert_ids, x[:, 1:], tokens, starts, ends)
+
+
+@pytest.mark.parametrize(("hidden", "inner"), [(64, 96), (512, 256)])
+def test_mxfp4_tiled_experts_match_numpy_twin_on_odd_group_sizes(hidden, inner):
+    """The MXFP4 prefill tile kernel (rows decoded once, tokens four at a time): each (token, expert) row within
+    float32 rounding of the numpy twin on the dequantized matrices, for groups of 1, 3, 4, 17 and 63 tokens;
+    `out` is filled on the given experts' rows only, and one thread gives the same bits."""
+    from k3serve.model.kernels import dense_expert_reference, mxfp4_experts_tiled
+    from k3serve.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    rng = np.random.default_rng(hidden)
+    experts = [[quantize_mxfp4(rng.standard_normal(shape).astype(np.float32) * np.float32(0.1))
+                for shape in ((inner, hidden), (inner, hidden), (hidden, inner))] for _ in range(5)]
+    stacked = tuple(np.stack([e[m][i] for e in experts]) for m in range(3) for i in range(2))
+    sizes = [1, 3, 4, 17, 63]
+    expert_ids = np.array([4, 0, 2, 3, 1], np.int64)
+    x = rng.standard_normal((70, hidden)).astype(np.float32)
+    tokens = np.concatenate([rng.choice(70, size=n, replace=False) for n in sizes]).astype(np.int64)
+    ends = np.cumsum(sizes).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    got = mxfp4_experts_tiled(stacked, expert_ids, x, tokens, starts, ends)
+    for k, e in enumerate(expert_ids):
+        gate, up, down = (dequantize_mxfp4(*m) for m in experts[e])
+        want = dense_expert_reference(np.concatenate([gate, up]), None, down, None, x[tokens[starts[k]:ends[k]]])
+        assert _relative_rms(got[starts[k]:ends[k]], want) < 1e-5, sizes[k]
+    marked = np.full_like(got, 7.0)
+    mxfp4_experts_tiled(stacked, expert_ids[3:], x, tokens, starts[3:], ends[3:], out=marked)
+    assert np.all(marked[:starts[3]] == 7.0)
+    np.testing.assert_array_equal(marked[starts[3]:], got[starts[3]:])
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        np.testing.assert_array_equal(mxfp4_experts_tiled(stacked, expert_ids, x, tokens, starts, ends), got)
+    finally:
+        numba.set_num_threads(previous)

@@ -20,7 +20,8 @@ row: each output row is one row dot, whatever the other rows of the call).
 Experts with DENSE_KERNEL_MAX_TOKENS tokens or more (prefill) run the tiled kernel (`dense_experts_tiled`: each
 weight row widened once and multiplied by four tokens at a time, all such experts in one compiled call); from
 DENSE_BLAS_MIN_TOKENS on, an expert widens to float32 (a transient copy, never kept) and uses BLAS, which is
-faster still once the copy is shared by that many tokens.
+faster still once the copy is shared by that many tokens. MXFP4 experts with MXFP4_TILE_MIN_TOKENS or more run
+`mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile).
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
 """
@@ -34,7 +35,7 @@ import numpy as np
 
 from k3serve.errors import CheckpointError, ConfigError
 from k3serve.model.kernels import (dense_expert_reference, dense_experts_run, dense_experts_tiled,
-                                   mxfp4_experts_run)
+                                   mxfp4_experts_run, mxfp4_experts_tiled)
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.routing import ExpertPairs
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
@@ -48,7 +49,8 @@ ExpertParts = tuple[str, tuple]
 # row dot 0.29 ms a token; tiled 1.6 ms + 0.16 ms a token; BLAS 4.5 ms + 0.105 ms a token; benchmarks in
 # docs/BENCHMARKS.md "Prefill at real widths")
 DENSE_KERNEL_MAX_TOKENS = 8
-DENSE_BLAS_MIN_TOKENS = 96
+DENSE_BLAS_MIN_TOKENS = 64
+MXFP4_TILE_MIN_TOKENS = 16  # MXFP4: the row dot 0.23 ms a token; tiled 1.5 ms + 0.15 ms a token
 PRECISION_ALIASES = {"bf16": "native"}
 
 
@@ -195,11 +197,16 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
     """y [N, H]: y[n] = Expert_e(x[pairs.tokens[n]]) for e = pairs.expert_ids[k] on rows starts[k]:ends[k],
     every expert in one compiled call over the stacked parts [E, ...] (`kind`, `stacked`: `ExpertParts` of a
     stack), except that dense experts with DENSE_KERNEL_MAX_TOKENS tokens or more run the tiled kernel, and those with
-    DENSE_BLAS_MIN_TOKENS or more BLAS on a transient float32 copy."""
+    DENSE_BLAS_MIN_TOKENS or more BLAS on a transient float32 copy; MXFP4 ones from MXFP4_TILE_MIN_TOKENS tiled."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids, starts, ends, tokens = pairs.expert_ids, pairs.starts, pairs.ends, pairs.tokens
     if kind == "mxfp4":
-        return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
+        many = ends - starts >= MXFP4_TILE_MIN_TOKENS  # [K]
+        out = mxfp4_experts_run(stacked, ids[~many], x, tokens, starts[~many], ends[~many], 0.0, 0.0,
+                                activation="silu")
+        if np.any(many):
+            mxfp4_experts_tiled(stacked, ids[many], x, tokens, starts[many], ends[many], out=out)
+        return out
     out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     counts = ends - starts  # [K]
     many = counts >= DENSE_BLAS_MIN_TOKENS  # [K]
