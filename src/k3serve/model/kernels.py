@@ -1207,8 +1207,8 @@ def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.n
                         out: np.ndarray | None = None) -> np.ndarray:
     """`mxfp4_experts_run` (activation "silu") for experts with many tokens (prefill): each row decoded to float32
     once per call and multiplied by the tokens four at a time (`dense_experts_tiled`'s tile). `out` [N, LT], when
-    given, is filled on the experts' rows only. Within float32 rounding of `mxfp4_expert_reference`-style numpy
-    (dequantize, then matmuls); the bits are not those of the row dot."""
+    given, is filled on the experts' rows only. Within float32 rounding of the numpy twin `dense_expert_reference` on
+    the dequantized matrices (`dequantize_mxfp4`); the bits are not those of the row dot."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_inner, latent = w1p.shape[1], 2 * w1p.shape[2]
     z = np.ascontiguousarray(z, dtype=np.float32)
