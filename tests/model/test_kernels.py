@@ -359,3 +359,75 @@ def test_linear_on_bf16_bits_matches_float32(tokens):
     x = rng.standard_normal((tokens, 129)).astype(np.float32)
     assert _relative_rms(linear(x, bits), x @ w_bf16.T) < 1e-6
     np.testing.assert_array_equal(linear(x, w), x @ w.T)
+
+
+@pytest.mark.parametrize(("dtype", "hidden", "inner"), [(np.uint16, 37, 21), (np.int8, 40, 24),
+                                                         (np.float32, 37, 21), ("q8_0", 64, 96),
+                                                         (np.uint16, 512, 256)])
+def test_dense_tiled_experts_match_numpy_twin_on_odd_group_sizes(dtype, hidden, inner):
+    """The prefill tile kernel (rows widened once, tokens four at a time): every (token, expert) row within float32
+    rounding of the numpy twin, for groups of 1, 3, 4, 15 and 63 tokens (tails of the four-token tile), odd row
+    counts, and the same bits as one call per expert and as one thread."""
+    from k3serve.model.kernels import dense_expert_reference, dense_experts_tiled
+
+    rng = np.random.default_rng(hidden + inner)
+    experts = [_q8_0_expert_args(rng, hidden, inner) if dtype == "q8_0" else _dense_expert_args(dtype, rng, hidden,
+                                                                                                inner)
+               for _ in range(6)]
+    stacked = tuple(None if experts[0][i] is None else np.stack([e[i] for e in experts]) for i in range(4))
+    sizes = [1, 3, 4, 15, 63]
+    expert_ids = np.array([5, 0, 2, 3, 1], np.int64)
+    x = rng.standard_normal((70, hidden)).astype(np.float32)
+    tokens = np.concatenate([rng.choice(70, size=n, replace=False) for n in sizes]).astype(np.int64)
+    ends = np.cumsum(sizes).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    got = dense_experts_tiled(*stacked, expert_ids, x, tokens, starts, ends)
+    for k, e in enumerate(expert_ids):
+        rows = x[tokens[starts[k]:ends[k]]]
+        assert _relative_rms(got[starts[k]:ends[k]], dense_expert_reference(*experts[e], rows)) < 1e-5, sizes[k]
+        alone = dense_experts_tiled(*stacked, expert_ids[k:k + 1], x, tokens[starts[k]:ends[k]], np.zeros(1, np.int64),
+                                    np.full(1, sizes[k], np.int64))
+        np.testing.assert_array_equal(got[starts[k]:ends[k]], alone)
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        np.testing.assert_array_equal(dense_experts_tiled(*stacked, expert_ids, x, tokens, starts, ends), got)
+    finally:
+        numba.set_num_threads(previous)
+    with pytest.raises(ValueError, match="do not fit"):
+        dense_experts_tiled(*stacked, expert_ids, x[:, 1:], tokens, starts, ends)
+
+
+@pytest.mark.parametrize(("hidden", "inner"), [(64, 96), (512, 256)])
+def test_mxfp4_tiled_experts_match_numpy_twin_on_odd_group_sizes(hidden, inner):
+    """The MXFP4 prefill tile kernel (rows decoded once, tokens four at a time): each (token, expert) row within
+    float32 rounding of the numpy twin on the dequantized matrices, for groups of 1, 3, 4, 17 and 63 tokens;
+    `out` is filled on the given experts' rows only, and one thread gives the same bits."""
+    from k3serve.model.kernels import dense_expert_reference, mxfp4_experts_tiled
+    from k3serve.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    rng = np.random.default_rng(hidden)
+    experts = [[quantize_mxfp4(rng.standard_normal(shape).astype(np.float32) * np.float32(0.1))
+                for shape in ((inner, hidden), (inner, hidden), (hidden, inner))] for _ in range(5)]
+    stacked = tuple(np.stack([e[m][i] for e in experts]) for m in range(3) for i in range(2))
+    sizes = [1, 3, 4, 17, 63]
+    expert_ids = np.array([4, 0, 2, 3, 1], np.int64)
+    x = rng.standard_normal((70, hidden)).astype(np.float32)
+    tokens = np.concatenate([rng.choice(70, size=n, replace=False) for n in sizes]).astype(np.int64)
+    ends = np.cumsum(sizes).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    got = mxfp4_experts_tiled(stacked, expert_ids, x, tokens, starts, ends)
+    for k, e in enumerate(expert_ids):
+        gate, up, down = (dequantize_mxfp4(*m) for m in experts[e])
+        want = dense_expert_reference(np.concatenate([gate, up]), None, down, None, x[tokens[starts[k]:ends[k]]])
+        assert _relative_rms(got[starts[k]:ends[k]], want) < 1e-5, sizes[k]
+    marked = np.full_like(got, 7.0)
+    mxfp4_experts_tiled(stacked, expert_ids[3:], x, tokens, starts[3:], ends[3:], out=marked)
+    assert np.all(marked[:starts[3]] == 7.0)
+    np.testing.assert_array_equal(marked[starts[3]:], got[starts[3]:])
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        np.testing.assert_array_equal(mxfp4_experts_tiled(stacked, expert_ids, x, tokens, starts, ends), got)
+    finally:
+        numba.set_num_threads(previous)

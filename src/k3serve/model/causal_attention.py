@@ -25,8 +25,8 @@ import numpy as np
 
 from k3serve.model.ops import softmax
 
-DEFAULT_QUERY_BLOCK = 256
-DEFAULT_KEY_BLOCK = 1024
+DEFAULT_QUERY_BLOCK = 128  # [128 x 256] tiles: 2.1x the [256 x 1024] ones at T = 512 (32 heads of 128),
+DEFAULT_KEY_BLOCK = 256  # as fast at T = 2048; fewer masked keys on the diagonal (docs/BENCHMARKS.md)
 
 
 def causal_attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:

@@ -968,6 +968,269 @@ def dense_expert_forward(gate_up: np.ndarray, gate_up_scales: np.ndarray | None,
                              np.arange(n), _ZERO_ID, np.full(1, n, np.int64))
 
 
+# ------------------------------------------------------------------------- dense experts at prefill: tiles
+# An expert with many tokens (prefill) reuses each weight row across its tokens: a task widens one gate row and
+# one up row (or two down rows) to float32 once, then computes them against the tokens four at a time, 8 dot
+# products per pass over the row (6 loads per 8 FMAs, where the row dot makes 2 loads per FMA). No float32 copy of
+# the expert is made, as BLAS needs. The summation order is the compiler's (fastmath reassociation, for vectorized
+# reductions): a fixed order for a given CPU and tile shape, but not the row dot's, so a token's bits depend on
+# whether its expert ran tiled (as they already did with BLAS). `dense_expert_reference` is the numpy twin.
+TILE_TOKENS = 4  # tokens per pass over a widened row pair
+TILE_CHUNK_TOKENS = 32  # tokens whose x rows (32 x 8 KB at H = 2048) stay in L2 while a row block passes
+_TILE_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_KIND_CODES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}
+
+
+@njit(fastmath=_TILE_FASTMATH, cache=True)
+def _dots_2x4(a, b, x0, x1, x2, x3):
+    """(a.x0, a.x1, a.x2, a.x3, b.x0, ..., b.x3) over float32 rows [C]."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    for c in range(a.shape[0]):
+        wa, wb = a[c], b[c]
+        v0, v1, v2, v3 = x0[c], x1[c], x2[c], x3[c]
+        a0 += wa * v0
+        a1 += wa * v1
+        a2 += wa * v2
+        a3 += wa * v3
+        b0 += wb * v0
+        b1 += wb * v1
+        b2 += wb * v2
+        b3 += wb * v3
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@njit(fastmath=_TILE_FASTMATH, cache=True)
+def _dots_2x1(a, b, x0):
+    """(a.x0, b.x0) over float32 rows [C]."""
+    a0 = b0 = np.float32(0.0)
+    for c in range(a.shape[0]):
+        a0 += a[c] * x0[c]
+        b0 += b[c] * x0[c]
+    return a0, b0
+
+
+@njit(inline="always")
+def _widen_row(w_row, scales, scaled, kind, bits, out):
+    """out [C] = w_row as float32 (kind 0 float32, 1 bf16 bits, 2 int8) times its scale: scales [G] with one
+    scale per C / G values (G = 1: one per row); `bits` is `out` viewed as uint32."""
+    C = w_row.shape[0]
+    if kind == 1:
+        for c in range(C):
+            bits[c] = np.uint32(w_row[c]) << np.uint32(16)
+    else:
+        for c in range(C):
+            out[c] = np.float32(w_row[c])
+    if scaled:
+        block = C // scales.shape[0]
+        for c in range(C):
+            out[c] *= scales[c // block]
+
+
+@njit(inline="always")
+def _tiled_gate_up_task(gate_up, gate_up_scales, scaled, kind, expert_ids, x, tokens, starts, ends, hidden, task,
+                        blocks):
+    k = task // blocks
+    e = expert_ids[k]
+    width, C = hidden.shape[1], x.shape[1]
+    begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
+    bits = np.empty((2 * ROWS_PER_TASK, C), np.uint32)  # the block's gate rows, then its up rows, widened
+    rows = bits.view(np.float32)
+    for i in range(end - begin):
+        row = begin + i
+        _widen_row(gate_up[e, row], gate_up_scales[e if scaled else 0, row if scaled else 0], scaled, kind,
+                   bits[i], rows[i])
+        _widen_row(gate_up[e, width + row], gate_up_scales[e if scaled else 0, width + row if scaled else 0],
+                   scaled, kind, bits[ROWS_PER_TASK + i], rows[ROWS_PER_TASK + i])
+    for chunk in range(starts[k], ends[k], TILE_CHUNK_TOKENS):  # the chunk's x rows stay in L2 across the rows
+        chunk_end = min(ends[k], chunk + TILE_CHUNK_TOKENS)
+        for i in range(end - begin):
+            gate_row, up_row, row = rows[i], rows[ROWS_PER_TASK + i], begin + i
+            n = chunk
+            while n + TILE_TOKENS <= chunk_end:
+                g0, g1, g2, g3, u0, u1, u2, u3 = _dots_2x4(gate_row, up_row, x[tokens[n]], x[tokens[n + 1]],
+                                                           x[tokens[n + 2]], x[tokens[n + 3]])
+                hidden[n, row] = _silu_glu(g0, u0)
+                hidden[n + 1, row] = _silu_glu(g1, u1)
+                hidden[n + 2, row] = _silu_glu(g2, u2)
+                hidden[n + 3, row] = _silu_glu(g3, u3)
+                n += TILE_TOKENS
+            while n < chunk_end:
+                g0, u0 = _dots_2x1(gate_row, up_row, x[tokens[n]])
+                hidden[n, row] = _silu_glu(g0, u0)
+                n += 1
+
+
+@njit(inline="always")
+def _tiled_down_task(down, down_scales, scaled, kind, expert_ids, starts, ends, hidden, out, task, blocks):
+    k = task // blocks
+    e = expert_ids[k]
+    C = hidden.shape[1]
+    begin, end = (task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
+    bits = np.empty((ROWS_PER_TASK, C), np.uint32)  # the block's down rows, widened
+    rows = bits.view(np.float32)
+    for i in range(end - begin):
+        _widen_row(down[e, begin + i], down_scales[e if scaled else 0, begin + i if scaled else 0], scaled, kind,
+                   bits[i], rows[i])
+    for chunk in range(starts[k], ends[k], TILE_CHUNK_TOKENS):
+        chunk_end = min(ends[k], chunk + TILE_CHUNK_TOKENS)
+        for i in range(0, end - begin, 2):
+            j = min(i + 1, end - begin - 1)  # an odd last row is computed twice, written once
+            row, other = begin + i, begin + j
+            n = chunk
+            while n + TILE_TOKENS <= chunk_end:
+                a0, a1, a2, a3, b0, b1, b2, b3 = _dots_2x4(rows[i], rows[j], hidden[n], hidden[n + 1],
+                                                           hidden[n + 2], hidden[n + 3])
+                out[n, row], out[n + 1, row], out[n + 2, row], out[n + 3, row] = a0, a1, a2, a3
+                out[n, other], out[n + 1, other], out[n + 2, other], out[n + 3, other] = b0, b1, b2, b3
+                n += TILE_TOKENS
+            while n < chunk_end:
+                a0, b0 = _dots_2x1(rows[i], rows[j], hidden[n])
+                out[n, row], out[n, other] = a0, b0
+                n += 1
+
+
+@njit(cache=True, parallel=True)
+def _tiled_experts_parallel(gate_up, gate_up_scales, down, down_scales, scaled, kind, expert_ids, x, tokens, starts,
+                            ends, hidden, out):
+    """Stage 1 over (expert, gate/up row block), stage 2 over (expert, down row block); see `dense_experts_tiled`."""
+    blocks = (hidden.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _tiled_gate_up_task(gate_up, gate_up_scales, scaled, kind, expert_ids, x, tokens, starts, ends, hidden,
+                            task, blocks)
+    blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _tiled_down_task(down, down_scales, scaled, kind, expert_ids, starts, ends, hidden, out, task, blocks)
+
+
+def dense_experts_tiled(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, down: np.ndarray,
+                        down_scales: np.ndarray | None, expert_ids: np.ndarray, x: np.ndarray, tokens: np.ndarray,
+                        starts: np.ndarray, ends: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`dense_experts_run` for experts with many tokens (prefill), with the same arguments: each weight row is
+    widened once per call and multiplied by the expert's tokens four at a time (see the section comment). Within
+    float32 rounding of `dense_expert_reference`; the bits are not those of the row dot."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    num_experts, width, hidden_size = down.shape[0], down.shape[2], down.shape[1]
+    if (gate_up.shape != (num_experts, 2 * width, hidden_size) or x.ndim != 2 or x.shape[1] != hidden_size
+            or (gate_up_scales is None) != (down_scales is None) or gate_up.dtype != down.dtype
+            or gate_up.dtype not in _KIND_CODES):
+        raise ValueError(f"experts gate_up {gate_up.shape} {gate_up.dtype} / down {down.shape} {down.dtype} do not "
+                         f"fit x {x.shape}")
+    if out is None:
+        out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
+    if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
+        return out
+    hidden = np.empty((tokens.shape[0], width), np.float32)  # [N, I]
+    scaled = gate_up_scales is not None
+    gate_up_scales, down_scales = (np.ascontiguousarray(a, np.float32).reshape(*w.shape[:2], -1) if scaled
+                                   else _NO_SCALES for a, w in ((gate_up_scales, gate_up), (down_scales, down)))
+    for w, scales in ((gate_up, gate_up_scales), (down, down_scales)):
+        if scaled and w.shape[2] % scales.shape[2]:
+            raise ValueError(f"block scales {scales.shape} do not divide the rows of {w.shape}")
+    _tiled_experts_parallel(np.ascontiguousarray(gate_up), gate_up_scales, np.ascontiguousarray(down), down_scales,
+                            scaled, _KIND_CODES[gate_up.dtype], np.ascontiguousarray(expert_ids, dtype=np.int64), x,
+                            np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64),
+                            np.ascontiguousarray(ends, dtype=np.int64), hidden, out)
+    return out
+
+
+@njit(inline="always")
+def _mxfp4_widen_row(prow, srow, doubled_e2m1, half_scales, out):
+    """out [C] = the MXFP4 row (packed u8 [C/2], scale bytes [C/32]) as float32, in natural order: exact (each value
+    is V[nibble] * m[scale], a power-of-two multiple of a 4-bit integer)."""
+    for g in range(srow.shape[0]):
+        m = half_scales[srow[g]]
+        for j in range(BYTES_PER_GROUP):
+            byte = prow[g * BYTES_PER_GROUP + j]
+            out[g * GROUP_SIZE + 2 * j] = doubled_e2m1[byte & 15] * m
+            out[g * GROUP_SIZE + 2 * j + 1] = doubled_e2m1[byte >> 4] * m
+
+
+@njit(inline="always")
+def _mxfp4_tiled_pair_task(first_p, first_s, second_p, second_s, rows_first, rows_second, doubled_e2m1, half_scales,
+                           x, tokens, gathered, start, end, out_first, out_second, row_begin, row_end):
+    """For each row r of [row_begin, row_end): out_first[n, r] = W1[r] . x_n and out_second[n, r] = W2[r'] . x_n
+    for the tokens n of start:end (x rows tokens[n], or rows n of x when not `gathered`); W1 and W2 MXFP4."""
+    C = x.shape[1]
+    a, b = np.empty(C, np.float32), np.empty(C, np.float32)
+    for row in range(row_begin, row_end):
+        r1, r2 = rows_first[row], rows_second[row]
+        _mxfp4_widen_row(first_p[r1], first_s[r1], doubled_e2m1, half_scales, a)
+        _mxfp4_widen_row(second_p[r2], second_s[r2], doubled_e2m1, half_scales, b)
+        n = start
+        while n + TILE_TOKENS <= end:
+            i0, i1, i2, i3 = (tokens[n], tokens[n + 1], tokens[n + 2], tokens[n + 3]) if gathered else (
+                n, n + 1, n + 2, n + 3)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _dots_2x4(a, b, x[i0], x[i1], x[i2], x[i3])
+            out_first[n, row], out_first[n + 1, row], out_first[n + 2, row], out_first[n + 3, row] = a0, a1, a2, a3
+            out_second[n, r2], out_second[n + 1, r2], out_second[n + 2, r2], out_second[n + 3, r2] = b0, b1, b2, b3
+            n += TILE_TOKENS
+        while n < end:
+            a0, b0 = _dots_2x1(a, b, x[tokens[n] if gathered else n])
+            out_first[n, row], out_second[n, r2] = a0, b0
+            n += 1
+
+
+@njit(cache=True, parallel=True)
+def _mxfp4_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, x, tokens, starts, ends, doubled_e2m1, half_scales, gate,
+                         up):
+    """gate[n] = w1_e x[tokens[n]], up[n] = w3_e x[tokens[n]] (natural order) over (expert, row block) tasks."""
+    width = gate.shape[1]
+    rows = np.arange(width)
+    blocks = (width + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        _mxfp4_tiled_pair_task(w1p[e], w1s[e], w3p[e], w3s[e], rows, rows, doubled_e2m1, half_scales, x, tokens,
+                               True, starts[k], ends[k], gate, up, block * ROWS_PER_TASK,
+                               min(width, (block + 1) * ROWS_PER_TASK))
+
+
+@njit(cache=True, parallel=True)
+def _mxfp4_tiled_down(w2p, w2s, expert_ids, hidden, starts, ends, doubled_e2m1, half_scales, out):
+    """out[n] = w2_e hidden[n] over (expert, row pair block) tasks: rows r and r + R/2 share a pass over the
+    tokens."""
+    rows_total = out.shape[1]
+    half = (rows_total + 1) // 2
+    first = np.arange(half)
+    second = np.minimum(np.arange(half) + half, rows_total - 1)  # an odd last row is computed twice
+    blocks = (half + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        _mxfp4_tiled_pair_task(w2p[e], w2s[e], w2p[e], w2s[e], first, second, doubled_e2m1, half_scales, hidden,
+                               first, False, starts[k], ends[k], out, out, block * ROWS_PER_TASK,
+                               min(half, (block + 1) * ROWS_PER_TASK))
+
+
+def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
+                        starts: np.ndarray, ends: np.ndarray, activation: str = "silu",
+                        out: np.ndarray | None = None) -> np.ndarray:
+    """`mxfp4_experts_run` (activation "silu") for experts with many tokens (prefill): each row decoded to float32
+    once per call and multiplied by the tokens four at a time (`dense_experts_tiled`'s tile). `out` [N, LT], when
+    given, is filled on the experts' rows only. Within float32 rounding of the numpy twin `dense_expert_reference` on
+    the dequantized matrices (`dequantize_mxfp4`); the bits are not those of the row dot."""
+    w1p, w1s, w3p, w3s, w2p, w2s = stacked
+    num_inner, latent = w1p.shape[1], 2 * w1p.shape[2]
+    z = np.ascontiguousarray(z, dtype=np.float32)
+    if z.ndim != 2 or z.shape[1] != latent or w2p.shape[1] != latent or 2 * w2p.shape[2] != num_inner:
+        raise ValueError(f"experts [{num_inner}, {latent}] / [{w2p.shape[1]}, {2 * w2p.shape[2]}] do not fit z "
+                         f"{z.shape}")
+    if out is None:
+        out = np.empty((tokens.shape[0], latent), np.float32)  # [N, LT]
+    if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
+        return out
+    expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
+    gate = np.zeros((tokens.shape[0], num_inner), np.float32)  # [N, MI]; rows of other experts stay 0
+    up = np.zeros((tokens.shape[0], num_inner), np.float32)  # [N, MI]
+    _mxfp4_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, z, np.ascontiguousarray(tokens, dtype=np.int64), starts,
+                         ends, _DOUBLED_E2M1, _HALF_SCALES, gate, up)
+    expert_activation(gate, up, 0.0, 0.0, activation)
+    _mxfp4_tiled_down(w2p, w2s, expert_ids, gate, starts, ends, _DOUBLED_E2M1, _HALF_SCALES, out)
+    return out
+
+
 @njit(cache=True, parallel=True)
 def _bf16_matmul_parallel(w, x, out):
     """out [T, R] = x w^T, w bf16 bits u16 [R, C]."""
@@ -1068,3 +1331,8 @@ def warmup() -> None:
             kernel(gate_up, np.ones((1, 64, 1), np.float32), down, np.ones((1, 32, 1), np.float32), dtype == np.int8,
                    one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64), np.empty((2, 32), np.float32),
                    np.empty((2, 32), np.float32))
+        for scaled in (False, True):
+            _tiled_experts_parallel(gate_up, np.ones((1, 64, 1), np.float32), down, np.ones((1, 32, 1), np.float32),
+                                    scaled, _KIND_CODES[np.dtype(dtype)], one, x, np.zeros(2, np.int64), one,
+                                    np.full(1, 2, np.int64), np.empty((2, 32), np.float32),
+                                    np.empty((2, 32), np.float32))

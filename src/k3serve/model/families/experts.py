@@ -17,8 +17,11 @@ experts in stacked [NE, ...] arrays (a packed expert is a view into its layer's 
 are never touched), and the kernel takes the stack, the active expert ids and the token rows of each. A streaming
 store's experts live in slots, so it calls the same kernel once per expert on a stack of one (the same bits per
 row: each output row is one row dot, whatever the other rows of the call).
-Experts with DENSE_KERNEL_MAX_TOKENS tokens or more (prefill) widen to float32 one expert at a time (a transient
-copy, never kept) and use BLAS, which reuses each weight across tokens better than the row-dot kernel.
+Experts with DENSE_KERNEL_MAX_TOKENS tokens or more (prefill) run the tiled kernel (`dense_experts_tiled`: each
+weight row widened once and multiplied by four tokens at a time, all such experts in one compiled call); from
+DENSE_BLAS_MIN_TOKENS on, an expert widens to float32 (a transient copy, never kept) and uses BLAS, which is
+faster still once the copy is shared by that many tokens. MXFP4 experts with MXFP4_TILE_MIN_TOKENS or more run
+`mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile).
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
 """
@@ -31,7 +34,8 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import numpy as np
 
 from k3serve.errors import CheckpointError, ConfigError
-from k3serve.model.kernels import dense_expert_reference, dense_experts_run, mxfp4_experts_run
+from k3serve.model.kernels import (dense_expert_reference, dense_experts_run, dense_experts_tiled,
+                                   mxfp4_experts_run, mxfp4_experts_tiled)
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.routing import ExpertPairs
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
@@ -41,7 +45,12 @@ _ZERO = np.zeros(1, np.int64)
 # a packed expert as the kernels take it: ("dense", (gate_up, gate_up scales or None, down, down scales or None))
 # or ("mxfp4", (gate packed, gate scales, up packed, up scales, down packed, down scales)); stacked: [E, ...] each
 ExpertParts = tuple[str, tuple]
-DENSE_KERNEL_MAX_TOKENS = 32
+# tokens of one expert from which the tiled kernel, then BLAS, beat the row dot (bf16 expert 768 x 2048, one core:
+# row dot 0.29 ms a token; tiled 1.6 ms + 0.16 ms a token; BLAS 4.5 ms + 0.105 ms a token; benchmarks in
+# docs/BENCHMARKS.md "Prefill at real widths")
+DENSE_KERNEL_MAX_TOKENS = 8
+DENSE_BLAS_MIN_TOKENS = 64
+MXFP4_TILE_MIN_TOKENS = 16  # MXFP4: the row dot 0.23 ms a token; tiled 1.5 ms + 0.15 ms a token
 PRECISION_ALIASES = {"bf16": "native"}
 
 
@@ -187,21 +196,30 @@ def expert_from_parts(expert: Expert, parts: tuple) -> Expert:
 def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
     """y [N, H]: y[n] = Expert_e(x[pairs.tokens[n]]) for e = pairs.expert_ids[k] on rows starts[k]:ends[k],
     every expert in one compiled call over the stacked parts [E, ...] (`kind`, `stacked`: `ExpertParts` of a
-    stack), except that a dense expert with DENSE_KERNEL_MAX_TOKENS tokens or more uses BLAS on a transient float32
-    copy."""
+    stack), except that dense experts with DENSE_KERNEL_MAX_TOKENS tokens or more run the tiled kernel, and those with
+    DENSE_BLAS_MIN_TOKENS or more BLAS on a transient float32 copy; MXFP4 ones from MXFP4_TILE_MIN_TOKENS tiled."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids, starts, ends, tokens = pairs.expert_ids, pairs.starts, pairs.ends, pairs.tokens
     if kind == "mxfp4":
-        return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
+        many = ends - starts >= MXFP4_TILE_MIN_TOKENS  # [K]
+        out = mxfp4_experts_run(stacked, ids[~many], x, tokens, starts[~many], ends[~many], 0.0, 0.0,
+                                activation="silu")
+        if np.any(many):
+            mxfp4_experts_tiled(stacked, ids[many], x, tokens, starts[many], ends[many], out=out)
+        return out
     out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
-    many = ends - starts >= DENSE_KERNEL_MAX_TOKENS  # [K]
+    counts = ends - starts  # [K]
+    many = counts >= DENSE_BLAS_MIN_TOKENS  # [K]
+    tiled = (counts >= DENSE_KERNEL_MAX_TOKENS) & ~many  # [K]
     gate_up, gate_up_scales, down, down_scales = stacked
+    if np.any(tiled):
+        dense_experts_tiled(*stacked, ids[tiled], x, tokens, starts[tiled], ends[tiled], out=out)
     for k in np.flatnonzero(many):
         e = ids[k]
         out[starts[k]:ends[k]] = dense_expert_reference(
             gate_up[e], None if gate_up_scales is None else gate_up_scales[e], down[e],
             None if down_scales is None else down_scales[e], x[tokens[starts[k]:ends[k]]])
-    few = ~many
+    few = counts < DENSE_KERNEL_MAX_TOKENS
     return dense_experts_run(*stacked, ids[few], x, tokens, starts[few], ends[few], out=out)
 
 

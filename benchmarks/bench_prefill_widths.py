@@ -1,0 +1,185 @@
+"""Prefill of a Qwen3-MoE at Qwen3-30B-A3B's widths (hidden 2048, 128 experts of 768, top-8, 32/4 heads of 128,
+vocabulary 32000), random bf16-exact weights built in memory (no file), resident: where prefill time goes, and the
+prefill kernels of issue 33 against the settings before them, in one process.
+
+    --profile    time per op of one prefill (wall and CPU seconds): attention projections, the causal softmax,
+                 rope, norms, router, the routed experts, their weighted sum, lm_head (last position only)
+    (default)    A/B: "before" = row dot under 32 tokens an expert, BLAS on a float32 copy from 32, MXFP4 experts
+                 by the row dot at every size, [256 x 1024] attention tiles; "after" = the tile kernels
+                 (`dense_experts_tiled` from 8 tokens, BLAS from 64, `mxfp4_experts_tiled` from 16), [128 x 256]
+                 tiles. The two alternate on the same model, so load swings hit both alike.
+
+    python benchmarks/bench_prefill_widths.py [--layers 1] [--tokens 512 2048] [--precision native|int8|mxfp4]
+                                              [--rounds 3] [--profile]
+Builds in about 30 s a layer (2 cores). Prints one line per prompt length, then a JSON record on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+import zlib
+
+import numpy as np
+
+from k3serve.model.families import attention, decoder, experts as family_experts, moe as family_moe, rope
+from k3serve.model.families.hf_config import HFConfig
+from k3serve.model.families.loading import family_of
+from k3serve.model.families.synthetic import _ROPE, _RandomReader
+from k3serve.model.interface import ForwardItem
+from k3serve.model.kernels import linear
+
+QWEN3_30B_A3B_WIDTHS = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32,
+                        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 768, "intermediate_size": 6144, "vocab_size": 32000,
+                        "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1, "rms_norm_eps": 1e-6,
+                        "max_position_embeddings": 40960, "use_sliding_window": False, "rope_parameters": _ROPE,
+                        "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+                        "tie_word_embeddings": False}
+SETTINGS = {"before": dict(dense=32, blas=32, mxfp4=1 << 30, blocks=(256, 1024)),
+            "after": dict(dense=8, blas=64, mxfp4=16, blocks=(128, 256))}
+
+
+class _BF16Reader(_RandomReader):
+    """Seeded N(0, 0.02^2) matrices (norms 1 + N(0, 0.2^2), routers N(0, 0.24^2)) truncated to bf16, so the trunk
+    and the experts load as bf16 bits as from a bf16 checkpoint; expert matrices are not kept once packed."""
+
+    def f32(self, *names: str, shape: tuple[int, ...] | None = None, size: int | None = None) -> np.ndarray:
+        name = names[0]
+        if name in self.tensors:
+            return self.tensors[name].copy()
+        shape = shape if shape is not None else (int(size),)
+        values = np.random.default_rng([self.seed, zlib.crc32(name.encode())]).standard_normal(shape, np.float32)
+        if name.endswith("norm.weight") or "layernorm" in name:
+            values = 1.0 + np.float32(0.2) * values
+        elif name.endswith("gate.weight") and len(shape) == 2 and shape[0] > 1:
+            values *= np.float32(0.24)
+        else:
+            values *= np.float32(0.02)
+        values = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        if ".experts." not in name:
+            self.tensors[name] = values
+        return values.copy()
+
+
+def build_model(layers: int, precision: str):
+    hf = HFConfig({**QWEN3_30B_A3B_WIDTHS, "num_hidden_layers": layers}, "qwen3_moe", "<in memory>")
+    spec = family_of(hf)
+    model = spec.build(spec.parse(hf.with_family(spec.name)), _BF16Reader("qwen3_moe", 0), precision, 64)
+    for layer in model.layers:
+        for expert in range(QWEN3_30B_A3B_WIDTHS["num_experts"]):
+            model.experts.get(layer.mlp.layer, expert)
+    return model
+
+
+def use(model, name: str) -> None:
+    s = SETTINGS[name]
+    family_experts.DENSE_KERNEL_MAX_TOKENS = s["dense"]
+    family_experts.DENSE_BLAS_MIN_TOKENS = s["blas"]
+    family_experts.MXFP4_TILE_MIN_TOKENS = s["mxfp4"]
+    for layer in model.layers:
+        layer.mixer.query_block, layer.mixer.key_block = s["blocks"]
+
+
+def profile(model, ids: np.ndarray) -> dict[str, tuple[float, float, int]]:
+    """label -> (wall s, CPU s, calls) of one prefill, each op wrapped in a timer (nested ops are also counted in
+    their parent's line)."""
+    spent = collections.defaultdict(lambda: [0.0, 0.0, 0])
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                entry = spent[label]
+                entry[0] += time.perf_counter() - wall
+                entry[1] += time.process_time() - cpu
+                entry[2] += 1
+        return wrapper
+
+    patches = [(attention.GQAAttention, "_attend", "attention: causal softmax (tiles)"),
+               (attention, "linear", "attention: qkv and o projections"),
+               (attention, "rms_norm", "attention: q/k head norms"),
+               (rope.Rotary, "apply", "attention: rope"),
+               (decoder, "linear", "lm_head (last position)"),
+               (decoder, "rms_norm", "layer and final norms"),
+               (family_moe.SoftmaxRouter, "__call__", "router"),
+               (family_experts.ExpertStore, "expert_outputs", "routed experts (gate_up, down)"),
+               (family_moe, "accumulate_expert_rows", "routed experts: weighted sum"),
+               (family_moe, "pairs_by_expert", "routing: group tokens by expert")]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for owner, attr, label in patches:
+        setattr(owner, attr, timed(label, getattr(owner, attr)))
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        model.forward([ForwardItem(ids, model.new_cache())])
+        spent["total prefill"] = [time.perf_counter() - wall, time.process_time() - cpu, 1]
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    return {label: tuple(v) for label, v in spent.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--precision", default="native", choices=["native", "int8", "mxfp4"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="time per op of the 'after' settings")
+    args = parser.parse_args()
+    assert linear is not None  # the kernels module (and its OpenMP wait setting) loads before the model
+    start = time.perf_counter()
+    model = build_model(args.layers, args.precision)
+    print(f"built {args.layers} layer(s) at {args.precision} in {time.perf_counter() - start:.0f} s; routed experts "
+          f"{model.experts.nbytes / 2**30:.2f} GiB", flush=True)
+    rng = np.random.default_rng(1)
+    record = {"precision": args.precision, "layers": args.layers, "threads": os.environ.get("NUMBA_NUM_THREADS"),
+              "load_before": os.getloadavg()[0], "prompts": {}}
+    for T in args.tokens:
+        ids = rng.integers(3, QWEN3_30B_A3B_WIDTHS["vocab_size"], size=T)
+        logits = {}
+        for name in SETTINGS:  # compiles and warms both paths
+            use(model, name)
+            logits[name] = np.asarray(model.forward([ForwardItem(ids, model.new_cache())]).logits[0]).ravel()
+        if args.profile:
+            use(model, "after")
+            table = profile(model, ids)
+            total_wall = table["total prefill"][0]
+            print(f"T={T} per op (after): wall ms, CPU ms, share of the wall, calls")
+            for label, (wall, cpu, calls) in sorted(table.items(), key=lambda kv: -kv[1][0]):
+                print(f"  {label:36s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f} {100 * wall / total_wall:6.1f}% {calls:4d}")
+            record["prompts"].setdefault(T, {})["profile"] = table
+            continue
+        rounds: dict[str, list[float]] = {name: [] for name in SETTINGS}
+        cpu_rounds: dict[str, list[float]] = {name: [] for name in SETTINGS}  # CPU s: less swayed by other jobs
+        for _ in range(args.rounds):
+            for name in SETTINGS:
+                use(model, name)
+                wall, cpu = time.perf_counter(), time.process_time()
+                model.forward([ForwardItem(ids, model.new_cache())])
+                rounds[name].append(time.perf_counter() - wall)
+                cpu_rounds[name].append(time.process_time() - cpu)
+        ratios = [b / a for b, a in zip(rounds["before"], rounds["after"])]
+        cpu_ratios = [b / a for b, a in zip(cpu_rounds["before"], cpu_rounds["after"])]
+        before, after = logits["before"], logits["after"]
+        drift = float(np.sqrt(np.mean((before - after) ** 2) / np.mean(before ** 2)))
+        same = int(np.argmax(before)) == int(np.argmax(after))
+        print(f"T={T} {args.precision}: before {T / statistics.median(rounds['before']):.1f} tok/s, after "
+              f"{T / statistics.median(rounds['after']):.1f} tok/s; per-round speedups "
+              f"{[round(r, 2) for r in ratios]}, median {statistics.median(ratios):.2f}x (CPU time "
+              f"{[round(r, 2) for r in cpu_ratios]}, median {statistics.median(cpu_ratios):.2f}x); last-position "
+              f"logits "
+              f"relative RMS difference {drift:.1e}, same argmax {same}; load {os.getloadavg()[0]:.1f}", flush=True)
+        record["prompts"][T] = {"rounds_s": rounds, "cpu_s": cpu_rounds, "speedups": ratios,
+                                "cpu_speedups": cpu_ratios, "logit_drift": drift, "same_argmax": same}
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
