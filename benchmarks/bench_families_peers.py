@@ -32,7 +32,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "model" / "families")]
-from bench_peers import peak_rss_mib  # noqa: E402
+from bench_peers import FAMILY_CONVERT, peak_rss_mib  # noqa: E402
 WORK = Path(os.environ.get("K3BENCH_FAMILIES_DIR", "/tmp/k3bench-families"))
 PAIRS = (("bf16", "BF16"), ("int8", "Q8_0"), ("mxfp4", "MXFP4_MOE"))
 
@@ -97,29 +97,9 @@ def build_checkpoint(family: str, args: argparse.Namespace) -> Path:
     return folder
 
 
-CONVERT = r'''
-import sys, runpy
-tree = sys.argv[1]
-sys.path[:0] = [tree + "/gguf-py", tree]
-import gguf
-import conversion.base as base
-
-def placeholder_vocab(self):  # random models have no tokenizer: placeholder tokens, ids fed directly
-    n = self.hparams["vocab_size"]
-    self.gguf_writer.add_tokenizer_model("gpt2")
-    self.gguf_writer.add_tokenizer_pre("default")
-    self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
-    self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
-    self.gguf_writer.add_token_merges(["<t0> <t1>"])
-
-_prepare = base.TextModel.prepare_metadata
-def prepare_metadata(self, *a, **k):
-    type(self).set_vocab = placeholder_vocab
-    return _prepare(self, *a, **k)
-base.TextModel.prepare_metadata = prepare_metadata
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
-runpy.run_path(tree + "/convert_hf_to_gguf.py", run_name="__main__")
-'''
+# llama.cpp's converter with placeholder vocab (random models have no tokenizer; ids are fed directly), as
+# bench_peers.py runs it for every family
+CONVERT = FAMILY_CONVERT
 
 
 def build_ggufs(checkpoint: Path, tree: Path) -> dict[str, Path]:

@@ -156,7 +156,7 @@ def attn_res_norm(sources: np.ndarray, query: np.ndarray, weight: np.ndarray, ep
 
 
 @njit(cache=True, error_model="numpy")
-def _select_top_k(values: np.ndarray, taken: np.ndarray, ids: np.ndarray) -> None:
+def select_top_k(values: np.ndarray, taken: np.ndarray, ids: np.ndarray) -> None:
     """ids [TOPK] = the ids of the largest of values [NE], largest first, the lower id first among equal values
     (a stable descending sort's first TOPK; NaN counts as the smallest); taken [NE] is scratch."""
     num_experts = values.shape[0]
@@ -190,7 +190,7 @@ def route_top_k(scores: np.ndarray, bias: np.ndarray, renormalize: bool, scale: 
     for t in range(scores.shape[0]):
         for e in range(num_experts):
             biased[e] = scores[t, e] + bias[e]
-        _select_top_k(biased, taken, ids[t])
+        select_top_k(biased, taken, ids[t])
         for j in range(top_k):
             chosen[j] = scores[t, ids[t, j]]
         if renormalize:
@@ -230,7 +230,7 @@ def softmax_top_k(exps: np.ndarray, normalize: bool, ids: np.ndarray, weights: n
         total = _pairwise_sum(exps[t], num_experts, frames, values)
         for e in range(num_experts):
             exps[t, e] = exps[t, e] / total
-        _select_top_k(exps[t], taken, ids[t])
+        select_top_k(exps[t], taken, ids[t])
         for j in range(top_k):
             chosen[j] = exps[t, ids[t, j]]
         if normalize:

@@ -21,7 +21,7 @@ from numba import njit
 from k3serve.config import K3Config
 from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linear, mxfp4_experts_accumulate_stacked,
                                    mxfp4_experts_run, stack_expert)
-from k3serve.model.fused_ops import route_top_k
+from k3serve.model.fused_ops import select_top_k, route_top_k
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
 from k3serve.model.routing import ExpertPairs, Routing, pairs_by_expert
 from k3serve.model.weights import DenseMLPPieces, DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
@@ -45,24 +45,10 @@ def route_scores(config: K3Config, scores: np.ndarray, bias: np.ndarray) -> Rout
 @njit(cache=True)
 def top_k_rows(biased: np.ndarray, ids: np.ndarray) -> None:
     """ids[t] = the ids of row t's largest values, largest first, the lower id first among equal values (a stable
-    descending sort's first TOPK; NaN counts as the smallest). One pass over the row per chosen expert."""
-    num_experts = biased.shape[1]
-    taken = np.zeros(num_experts, np.bool_)
+    descending sort's first TOPK; NaN counts as the smallest): `fused_ops.select_top_k` on every row."""
+    taken = np.zeros(biased.shape[1], np.bool_)
     for t in range(biased.shape[0]):
-        taken[:] = False
-        for j in range(ids.shape[1]):
-            best = -1
-            for e in range(num_experts):
-                if taken[e] or biased[t, e] != biased[t, e]:
-                    continue
-                if best < 0 or biased[t, e] > biased[t, best]:
-                    best = e
-            if best < 0:  # only NaN left: the lowest id not yet taken
-                best = 0
-                while taken[best]:
-                    best += 1
-            taken[best] = True
-            ids[t, j] = best
+        select_top_k(biased[t], taken, ids[t])
 
 
 def guess_next_layer(config: K3Config, next_layer: LayerWeights, hidden: np.ndarray
