@@ -762,7 +762,9 @@ def mxfp4_experts_accumulate(
 # is widened: the float32 kernel's bits on the dequantized values), float32 as is. Same row dot structure as
 # MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum, a scalar tail, in portable LLVM IR. As for MXFP4, a
 # layer's active experts run in one compiled call over a stack [E, ...] of its experts (`dense_experts_run`),
-# spread over the cores across (expert, row block).
+# spread over the cores across (expert, row block). From 4 tokens on (decode batches, short prompts) the same dots
+# run in tiles of 2 rows x 4 tokens (`_dense_dots_2x4`): 8 independent accumulators instead of one FMA chain that
+# waits on its own latency, each dot with the one-pair operation order, so the bits do not change.
 DENSE_LANES = 16
 _DENSE_KINDS = {types.uint16: "bf16", types.int8: "int8", types.float32: "f32"}
 _DENSE_STORED = {"bf16": ir.IntType(16), "int8": _I8, "f32": _F32}
