@@ -9,8 +9,14 @@ prefill kernels of issue 33 against the settings before them, in one process.
                  (`dense_experts_tiled` from 8 tokens, BLAS from 64, `mxfp4_experts_tiled` from 16), [128 x 256]
                  tiles. The two alternate on the same model, so load swings hit both alike.
 
+    --decode-batches 1 8   decode steps instead: B sequences (a --decode-context-token prompt each), one token
+                 each per step, timed per op as --profile does (issue 33: a batch-8 step was slower per token than
+                 batch 1); with --vocab 151936 (Qwen3-30B-A3B's own) the lm_head is the released one. Runs the code on
+                 PYTHONPATH, so base and tip compare in alternated processes.
+
     python benchmarks/bench_prefill_widths.py [--layers 1] [--tokens 512 2048] [--precision native|int8|mxfp4]
-                                              [--rounds 3] [--profile]
+                                              [--rounds 3] [--profile] [--vocab 32000]
+                                              [--decode-batches 1 8 [--decode-steps 5] [--decode-context 64]]
 Builds in about 30 s a layer (2 cores). Prints one line per prompt length, then a JSON record on the last line.
 """
 
@@ -85,9 +91,9 @@ def use(model, name: str) -> None:
         layer.mixer.query_block, layer.mixer.key_block = s["blocks"]
 
 
-def profile(model, ids: np.ndarray) -> dict[str, tuple[float, float, int]]:
-    """label -> (wall s, CPU s, calls) of one prefill, each op wrapped in a timer (nested ops are also counted in
-    their parent's line)."""
+def profile(model, ids: np.ndarray, steps=None) -> dict[str, tuple[float, float, int]]:
+    """label -> (wall s, CPU s, calls) of one prefill (or of the forwards `steps()` makes, "total" their sum), each
+    op wrapped in a timer (nested ops are also counted in their parent's line)."""
     spent = collections.defaultdict(lambda: [0.0, 0.0, 0])
 
     def timed(label, fn):
@@ -117,8 +123,13 @@ def profile(model, ids: np.ndarray) -> dict[str, tuple[float, float, int]]:
         setattr(owner, attr, timed(label, getattr(owner, attr)))
     try:
         wall, cpu = time.perf_counter(), time.process_time()
-        model.forward([ForwardItem(ids, model.new_cache())])
-        spent["total prefill"] = [time.perf_counter() - wall, time.process_time() - cpu, 1]
+        if steps is None:
+            model.forward([ForwardItem(ids, model.new_cache())])
+            calls = 1
+        else:
+            calls = steps()
+        spent["total prefill" if steps is None else "total"] = [time.perf_counter() - wall,
+                                                               time.process_time() - cpu, calls]
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
@@ -132,13 +143,21 @@ def main() -> None:
     parser.add_argument("--precision", default="native", choices=["native", "int8", "mxfp4"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="time per op of the 'after' settings")
+    parser.add_argument("--vocab", type=int, default=QWEN3_30B_A3B_WIDTHS["vocab_size"])
+    parser.add_argument("--decode-batches", type=int, nargs="*", default=[])
+    parser.add_argument("--decode-steps", type=int, default=5)
+    parser.add_argument("--decode-context", type=int, default=64)
     args = parser.parse_args()
+    QWEN3_30B_A3B_WIDTHS["vocab_size"] = args.vocab
     assert linear is not None  # the kernels module (and its OpenMP wait setting) loads before the model
     start = time.perf_counter()
     model = build_model(args.layers, args.precision)
     print(f"built {args.layers} layer(s) at {args.precision} in {time.perf_counter() - start:.0f} s; routed experts "
           f"{model.experts.nbytes / 2**30:.2f} GiB", flush=True)
     rng = np.random.default_rng(1)
+    if args.decode_batches:
+        decode(model, args, rng)
+        return
     record = {"precision": args.precision, "layers": args.layers, "threads": os.environ.get("NUMBA_NUM_THREADS"),
               "load_before": os.getloadavg()[0], "prompts": {}}
     for T in args.tokens:
@@ -178,6 +197,34 @@ def main() -> None:
               f"relative RMS difference {drift:.1e}, same argmax {same}; load {os.getloadavg()[0]:.1f}", flush=True)
         record["prompts"][T] = {"rounds_s": rounds, "cpu_s": cpu_rounds, "speedups": ratios,
                                 "cpu_speedups": cpu_ratios, "logit_drift": drift, "same_argmax": same}
+    print(json.dumps(record))
+
+
+def decode(model, args, rng: np.random.Generator) -> None:
+    """Per op of --decode-steps steps at each batch size (after one untimed step), then one line and a JSON
+    record: ms per step, tok/s and the per-op table."""
+    record = {"precision": args.precision, "layers": args.layers, "vocab": args.vocab,
+              "threads": os.environ.get("NUMBA_NUM_THREADS"), "load_before": os.getloadavg()[0], "batches": {}}
+    for B in args.decode_batches:
+        caches = [model.new_cache() for _ in range(B)]
+        model.forward([ForwardItem(rng.integers(3, args.vocab, size=args.decode_context), c) for c in caches])
+        last = [np.array([int(rng.integers(3, args.vocab))]) for _ in range(B)]
+
+        def steps(count: int = args.decode_steps) -> int:
+            for _ in range(count):
+                model.forward([ForwardItem(ids, cache) for ids, cache in zip(last, caches)])
+            return count
+
+        steps(1)  # compiled, warm
+        table = profile(model, None, steps)
+        step_ms = 1e3 * table["total"][0] / args.decode_steps
+        print(f"decode batch {B}: {step_ms:.1f} ms a step, {1e3 * B / step_ms:.1f} tok/s (per op, ms a step: wall, "
+              f"CPU, calls)")
+        for label, (wall, cpu, calls) in sorted(table.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {label:36s} {wall * 1e3 / args.decode_steps:9.2f} {cpu * 1e3 / args.decode_steps:9.2f} "
+                  f"{calls / args.decode_steps:5.1f}")
+        record["batches"][B] = {"step_ms": step_ms, "tok_s": 1e3 * B / step_ms, "profile": table}
+    record["load_after"] = os.getloadavg()[0]
     print(json.dumps(record))
 
 

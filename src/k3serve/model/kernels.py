@@ -762,7 +762,9 @@ def mxfp4_experts_accumulate(
 # is widened: the float32 kernel's bits on the dequantized values), float32 as is. Same row dot structure as
 # MXFP4: 16 float32 lanes, FMA, a fixed pairwise lane sum, a scalar tail, in portable LLVM IR. As for MXFP4, a
 # layer's active experts run in one compiled call over a stack [E, ...] of its experts (`dense_experts_run`),
-# spread over the cores across (expert, row block).
+# spread over the cores across (expert, row block). From 4 tokens on (decode batches, short prompts) the same dots
+# run in tiles of 2 rows x 4 tokens (`_dense_dots_2x4`): 8 independent accumulators instead of one FMA chain that
+# waits on its own latency, each dot with the one-pair operation order, so the bits do not change.
 DENSE_LANES = 16
 _DENSE_KINDS = {types.uint16: "bf16", types.int8: "int8", types.float32: "f32"}
 _DENSE_STORED = {"bf16": ir.IntType(16), "int8": _I8, "f32": _F32}
@@ -779,34 +781,50 @@ def _widen(builder: ir.IRBuilder, kind: str, value: ir.Value, lanes: int | None)
     return builder.sitofp(value, vf)
 
 
-def _dense_row_dot_codegen(kind: str):
+def _dense_dots_codegen(kind: str, num_rows: int = 1, num_tokens: int = 1):
+    """IR of the dense row dot for `num_rows` weight rows against `num_tokens` x rows: every (row, token) pair keeps
+    its own accumulator with exactly the one-pair operation order (16-lane FMAs, the fixed pairwise lane sum, then
+    the scalar tail), so each dot has the bits of `_dense_row_dot`. Each weight chunk is loaded and widened once for
+    all tokens and each x chunk once for all rows; the independent accumulators hide the FMA latency that bounds
+    a single chain (one FMA per ~4 cycles)."""
     def codegen(context, builder, signature, args):
-        w_t, x_t = signature.args
-        w = context.make_array(w_t)(context, builder, args[0])
-        x = context.make_array(x_t)(context, builder, args[1])
-        (length,) = cgutils.unpack_tuple(builder, w.shape, 1)
+        ws = [context.make_array(signature.args[r])(context, builder, args[r]) for r in range(num_rows)]
+        xs = [context.make_array(signature.args[num_rows + t])(context, builder, args[num_rows + t])
+              for t in range(num_tokens)]
+        (length,) = cgutils.unpack_tuple(builder, ws[0].shape, 1)
         lanes = DENSE_LANES
         vf = _vector(_F32, lanes)
-        vi = _vector(_I32, lanes)
         stored = _vector(_DENSE_STORED[kind], lanes)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
 
         index_type = length.type
         chunks = builder.udiv(length, ir.Constant(index_type, lanes))
-        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+        acc_slots = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
+                     for _ in range(num_rows)]
         with cgutils.for_range(builder, chunks) as loop:
             base = builder.mul(loop.index, ir.Constant(index_type, lanes))
-            weights = _widen(builder, kind, _load(builder, w.data, base, stored, 4 if kind == "f32" else 1), lanes)
-            inputs = _load(builder, x.data, base, vf, 4)
-            builder.store(builder.call(fma, [weights, inputs, builder.load(acc_slot)]), acc_slot)
-        total_slot = cgutils.alloca_once_value(builder, _pairwise_sum(builder, builder.load(acc_slot), lanes))
+            weights = [_widen(builder, kind, _load(builder, w.data, base, stored, 4 if kind == "f32" else 1), lanes)
+                       for w in ws]
+            inputs = [_load(builder, x.data, base, vf, 4) for x in xs]
+            for r in range(num_rows):
+                for t in range(num_tokens):
+                    slot = acc_slots[r][t]
+                    builder.store(builder.call(fma, [weights[r], inputs[t], builder.load(slot)]), slot)
+        total_slots = [[cgutils.alloca_once_value(builder, _pairwise_sum(builder, builder.load(slot), lanes))
+                        for slot in row] for row in acc_slots]
         tail_start = builder.mul(chunks, ir.Constant(index_type, lanes))
         with cgutils.for_range(builder, builder.sub(length, tail_start)) as loop:
             i = builder.add(tail_start, loop.index)
-            product = builder.fmul(_widen(builder, kind, builder.load(builder.gep(w.data, [i])), None),
-                                   builder.load(builder.gep(x.data, [i])))
-            builder.store(builder.fadd(builder.load(total_slot), product), total_slot)
-        return builder.load(total_slot)
+            for r in range(num_rows):
+                weight = _widen(builder, kind, builder.load(builder.gep(ws[r].data, [i])), None)
+                for t in range(num_tokens):
+                    product = builder.fmul(weight, builder.load(builder.gep(xs[t].data, [i])))
+                    slot = total_slots[r][t]
+                    builder.store(builder.fadd(builder.load(slot), product), slot)
+        totals = [builder.load(slot) for row in total_slots for slot in row]
+        if num_rows * num_tokens == 1:
+            return totals[0]
+        return context.make_tuple(builder, signature.return_type, totals)
 
     return codegen
 
@@ -815,8 +833,51 @@ def _dense_row_dot_codegen(kind: str):
 def _dense_row_dot(typingctx, w_row, x):
     """sum_c w[c] x[c]; w_row bf16 bits (uint16), int8 or float32 [C], x float32 [C]."""
     if w_row.dtype in _DENSE_KINDS:
-        return types.float32(w_row, x), _dense_row_dot_codegen(_DENSE_KINDS[w_row.dtype])
+        return types.float32(w_row, x), _dense_dots_codegen(_DENSE_KINDS[w_row.dtype])
     return None
+
+
+@njit(inline="always")
+def _touch_rows(w, begin, end):
+    """Load one value of each cache line of rows begin:end of w [R, C], one row after another, and return their
+    sum. The multi-dot tiles read several rows at once, 4 KB apart (one page each), which the hardware prefetcher
+    follows badly (a bf16 [151936, 2048] lm_head against 4 tokens: 8.7 GB/s tiled, 23 GB/s by the one-row dot);
+    streaming a block's rows into the cache first, in order, runs at the one-row rate (llvm.prefetch hints instead
+    of loads gained only half as much here)."""
+    total = 0
+    step = max(1, 64 // w.itemsize)
+    for row in range(begin, end):
+        values = w[row]
+        for c in range(0, values.shape[0], step):
+            total += values[c]
+    return total
+
+
+DOT_TILE_ROWS, DOT_TILE_TOKENS = 2, 4  # the multi-dot tiles: 2 rows x 4 tokens (and 1 x 4)
+LINEAR_ROWS_PER_TASK = 64  # rows of a bf16 trunk matrix one task streams in (256 KB at C = 2048: in L2)
+
+
+def _dense_dots_intrinsic(num_rows: int, num_tokens: int):
+    def typer(typingctx, *arrays):
+        rows, xs = arrays[:num_rows], arrays[num_rows:]
+        if (len(arrays) == num_rows + num_tokens and rows[0].dtype in _DENSE_KINDS
+                and all(w.dtype == rows[0].dtype for w in rows) and all(x.dtype == types.float32 for x in xs)):
+            return (types.UniTuple(types.float32, num_rows * num_tokens)(*arrays),
+                    _dense_dots_codegen(_DENSE_KINDS[rows[0].dtype], num_rows, num_tokens))
+        return None
+    return typer
+
+
+@intrinsic
+def _dense_dots_2x4(typingctx, w0, w1, x0, x1, x2, x3):
+    """(w0.x0, w0.x1, w0.x2, w0.x3, w1.x0, ..., w1.x3), each with the bits of `_dense_row_dot`."""
+    return _dense_dots_intrinsic(2, 4)(typingctx, w0, w1, x0, x1, x2, x3)
+
+
+@intrinsic
+def _dense_dots_1x4(typingctx, w0, x0, x1, x2, x3):
+    """(w0.x0, w0.x1, w0.x2, w0.x3), each with the bits of `_dense_row_dot`."""
+    return _dense_dots_intrinsic(1, 4)(typingctx, w0, x0, x1, x2, x3)
 
 
 def _block_scaled_row_dot_codegen(kind: str):
@@ -869,28 +930,98 @@ def _scaled_row_dot(w_row, scales, scaled, x):
 
 
 @njit(inline="always")
+def _row_scale(scales, scaled):
+    """The factor a row's dot is multiplied by: its one scale (int8 per row), or 1 (unscaled)."""
+    return scales[0] if scaled else np.float32(1.0)
+
+
+@njit(inline="always")
 def _dense_gate_up_task(gate_up, gate_up_scales, scaled, expert_ids, x, tokens, starts, ends, hidden, task, blocks):
     k = task // blocks
     e = expert_ids[k]
     width = hidden.shape[1]
-    for row in range((task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)):
-        gate_scales = gate_up_scales[e if scaled else 0, row if scaled else 0]
-        up_scales = gate_up_scales[e if scaled else 0, width + row if scaled else 0]
-        for n in range(starts[k], ends[k]):
-            x_row = x[tokens[n]]
-            gate = _scaled_row_dot(gate_up[e, row], gate_scales, scaled, x_row)
-            up = _scaled_row_dot(gate_up[e, width + row], up_scales, scaled, x_row)
+    begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
+    if scaled and gate_up_scales.shape[2] > 1:  # block scales (Q8_0): one pair at a time
+        for row in range(begin, end):
+            gate_scales, up_scales = gate_up_scales[e, row], gate_up_scales[e, width + row]
+            for n in range(starts[k], ends[k]):
+                x_row = x[tokens[n]]
+                gate = _scaled_row_dot(gate_up[e, row], gate_scales, scaled, x_row)
+                up = _scaled_row_dot(gate_up[e, width + row], up_scales, scaled, x_row)
+                hidden[n, row] = _silu_glu(gate, up)
+        return
+    # the same dots in tiles: a gate row and its up row against 4 tokens
+    if ends[k] - starts[k] >= DOT_TILE_TOKENS and begin < end:  # the rows streamed in first (`_touch_rows`)
+        hidden[starts[k], begin] = np.float32(_touch_rows(gate_up[e], begin, end)
+                                              + _touch_rows(gate_up[e], width + begin, width + end))
+    n = starts[k]
+    while n + DOT_TILE_TOKENS <= ends[k]:
+        x0, x1, x2, x3 = x[tokens[n]], x[tokens[n + 1]], x[tokens[n + 2]], x[tokens[n + 3]]
+        for row in range(begin, end):
+            gs = _row_scale(gate_up_scales[e if scaled else 0, row if scaled else 0], scaled)
+            us = _row_scale(gate_up_scales[e if scaled else 0, width + row if scaled else 0], scaled)
+            g0, g1, g2, g3, u0, u1, u2, u3 = _dense_dots_2x4(gate_up[e, row], gate_up[e, width + row], x0, x1, x2, x3)
+            if scaled:
+                g0, g1, g2, g3, u0, u1, u2, u3 = g0 * gs, g1 * gs, g2 * gs, g3 * gs, u0 * us, u1 * us, u2 * us, u3 * us
+            hidden[n, row] = _silu_glu(g0, u0)
+            hidden[n + 1, row] = _silu_glu(g1, u1)
+            hidden[n + 2, row] = _silu_glu(g2, u2)
+            hidden[n + 3, row] = _silu_glu(g3, u3)
+        n += DOT_TILE_TOKENS
+    while n < ends[k]:  # fewer than 4 tokens left: one pair at a time, as the row dot always ran
+        x_row = x[tokens[n]]
+        for row in range(begin, end):
+            gate = _scaled_row_dot(gate_up[e, row], gate_up_scales[e if scaled else 0, row if scaled else 0], scaled,
+                                   x_row)
+            up = _scaled_row_dot(gate_up[e, width + row],
+                                 gate_up_scales[e if scaled else 0, width + row if scaled else 0], scaled, x_row)
             hidden[n, row] = _silu_glu(gate, up)
+        n += 1
 
 
 @njit(inline="always")
 def _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden, out, task, blocks):
     k = task // blocks
     e = expert_ids[k]
-    for row in range((task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)):
-        scales = down_scales[e if scaled else 0, row if scaled else 0]
-        for n in range(starts[k], ends[k]):
-            out[n, row] = _scaled_row_dot(down[e, row], scales, scaled, hidden[n])
+    begin, end = (task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
+    if scaled and down_scales.shape[2] > 1:  # block scales (Q8_0): one dot at a time
+        for row in range(begin, end):
+            for n in range(starts[k], ends[k]):
+                out[n, row] = _scaled_row_dot(down[e, row], down_scales[e, row], scaled, hidden[n])
+        return
+    _dense_rows_tiled(down[e], down_scales[e if scaled else 0], scaled, hidden, starts[k], ends[k], out, begin, end)
+
+
+@njit(inline="always")
+def _dense_rows_tiled(w, scales, scaled, x, first, last, out, begin, end):
+    """out[n, r] = (w[r] . x[n]) * scales[r, 0] (when `scaled`) for rows begin:end and x rows first:last, in the
+    multi-dot tiles: each dot has the bits of `_dense_row_dot` times its scale."""
+    if last - first >= DOT_TILE_TOKENS and begin < end:
+        # the loaded values' sum goes where the tiles write next, so the loads stay (the tiles overwrite it)
+        out[first, begin] = np.float32(_touch_rows(w, begin, end))
+    n = first
+    while n + DOT_TILE_TOKENS <= last:
+        x0, x1, x2, x3 = x[n], x[n + 1], x[n + 2], x[n + 3]
+        row = begin
+        while row + DOT_TILE_ROWS <= end:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _dense_dots_2x4(w[row], w[row + 1], x0, x1, x2, x3)
+            if scaled:
+                sa, sb = scales[row, 0], scales[row + 1, 0]
+                a0, a1, a2, a3, b0, b1, b2, b3 = a0 * sa, a1 * sa, a2 * sa, a3 * sa, b0 * sb, b1 * sb, b2 * sb, b3 * sb
+            out[n, row], out[n + 1, row], out[n + 2, row], out[n + 3, row] = a0, a1, a2, a3
+            out[n, row + 1], out[n + 1, row + 1], out[n + 2, row + 1], out[n + 3, row + 1] = b0, b1, b2, b3
+            row += DOT_TILE_ROWS
+        if row < end:
+            a0, a1, a2, a3 = _dense_dots_1x4(w[row], x0, x1, x2, x3)
+            if scaled:
+                sa = scales[row, 0]
+                a0, a1, a2, a3 = a0 * sa, a1 * sa, a2 * sa, a3 * sa
+            out[n, row], out[n + 1, row], out[n + 2, row], out[n + 3, row] = a0, a1, a2, a3
+        n += DOT_TILE_TOKENS
+    while n < last:  # fewer than 4 tokens left: one row after another, as the row dot always ran
+        for row in range(begin, end):
+            out[n, row] = _scaled_row_dot(w[row], scales[row if scaled else 0], scaled, x[n])
+        n += 1
 
 
 @njit(cache=True, parallel=True)
@@ -1233,17 +1364,17 @@ def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.n
 
 @njit(cache=True, parallel=True)
 def _bf16_matmul_parallel(w, x, out):
-    """out [T, R] = x w^T, w bf16 bits u16 [R, C]."""
-    for row in prange(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, row] = _dense_row_dot(w[row], x[t])
+    """out [T, R] = x w^T, w bf16 bits u16 [R, C], over blocks of LINEAR_ROWS_PER_TASK rows in the multi-dot tiles (each
+    output the bits of the row dot, whatever T and the threads)."""
+    blocks = (w.shape[0] + LINEAR_ROWS_PER_TASK - 1) // LINEAR_ROWS_PER_TASK
+    for block in prange(blocks):
+        _dense_rows_tiled(w, _NO_SCALES[0], False, x, 0, x.shape[0], out, block * LINEAR_ROWS_PER_TASK,
+                          min(w.shape[0], (block + 1) * LINEAR_ROWS_PER_TASK))
 
 
 @njit(cache=True)
 def _bf16_matmul_serial(w, x, out):
-    for row in range(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, row] = _dense_row_dot(w[row], x[t])
+    _dense_rows_tiled(w, _NO_SCALES[0], False, x, 0, x.shape[0], out, 0, w.shape[0])
 
 
 BF16_KERNEL_MAX_TOKENS = 32  # from this many tokens on, BLAS on a transient float32 copy is faster
