@@ -33,6 +33,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "model" / "families")]
 from bench_peers import FAMILY_CONVERT, peak_rss_mib  # noqa: E402
+from k3serve.host import defaults_environment  # noqa: E402
 WORK = Path(os.environ.get("K3BENCH_FAMILIES_DIR", "/tmp/k3bench-families"))
 PAIRS = (("bf16", "BF16"), ("int8", "Q8_0"), ("mxfp4", "MXFP4_MOE"))
 
@@ -186,7 +187,7 @@ RUNNERS = {"k3serve": run_k3serve, "llama.cpp": run_llama_cpp, "transformers": r
 
 
 def child(engine: str, spec: dict) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "NUMBA_NUM_THREADS": str(spec["threads"])}
+    env = defaults_environment(spec["threads"])  # not this process's OMP_WAIT_POLICY, which k3serve set
     if engine == "llama.cpp" and spec.get("llama_omp_wait_policy"):  # a second row; the headline is its default
         env["OMP_WAIT_POLICY"] = spec["llama_omp_wait_policy"]
     out = subprocess.run([sys.executable, __file__, "--child", engine, json.dumps(spec)], env=env,

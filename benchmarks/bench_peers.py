@@ -67,6 +67,7 @@ import numpy as np
 
 # llama.cpp's own converter (placeholder vocab) and the config keys it reads that our writer leaves out: one copy,
 # shared with the lab's peers module
+from k3serve.host import defaults_environment
 from k3serve.lab.peers import CONFIG_KEYS_FOR_LLAMA_CPP, CONVERT_SCRIPT as CONVERT
 
 HERE = Path(__file__).resolve().parent
@@ -291,7 +292,7 @@ def run_llama_cpp(spec: dict) -> dict:
 def child(engine: str, spec: dict, memory_limit: int | None = None) -> dict:
     """One measurement in a fresh process (its own peak RSS); with `memory_limit`, inside a memory cgroup of that
     many bytes that counts page cache (`confined`)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "NUMBA_NUM_THREADS": str(spec["threads"])}
+    env = defaults_environment(spec["threads"])  # not this process's OMP_WAIT_POLICY, which k3serve set
     if engine == "llama.cpp" and spec.get("llama_omp_wait_policy"):
         env["OMP_WAIT_POLICY"] = spec["llama_omp_wait_policy"]
     command = [sys.executable, __file__, "--child", engine, json.dumps(spec)]
@@ -606,8 +607,7 @@ class _LlamaCppShapes:
 
 def shapes_child(spec: dict, policy: str) -> dict:
     """run_shapes in a fresh process under the wait policy `policy` (POLICIES); an error comes back as a record."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(OMP_NUM_THREADS=str(spec["threads"]), NUMBA_NUM_THREADS=str(spec["threads"]))
+    env = defaults_environment(spec["threads"])
     if policy != "default":
         env["OMP_WAIT_POLICY"] = policy
     done = subprocess.run([sys.executable, __file__, "--shapes-child", json.dumps(spec)], env=env,

@@ -18,3 +18,16 @@ def describe_host() -> dict[str, object]:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
             "load_average": os.getloadavg()[0]}
+
+
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def defaults_environment(threads: int | str) -> dict[str, str]:
+    """The environment for an engine run in a fresh process "at its defaults": this process's, less the OpenMP wait
+    variables, with `threads` threads. Importing k3serve's kernels sets OMP_WAIT_POLICY=PASSIVE in this process
+    (`model/kernels.py`); a child that inherited it would run llama.cpp with its workers sleeping, which is not
+    llama.cpp's default (bench_peers' figures before 2026-12-06 noon had that flaw: docs/BENCHMARKS.md)."""
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
+    env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+    return env

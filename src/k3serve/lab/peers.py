@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from k3serve.errors import K3Error
+from k3serve.host import defaults_environment
 
 LLAMA_CPP_VERSION = "0.3.36"
 DEFAULT_SDIST = Path(f"/tmp/llama_sdist/llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz")
@@ -183,8 +184,7 @@ def evict(paths: list[Path]) -> None:
 def measure(engine: str, spec: dict, group: Path | None = None, timeout_s: float = 300.0) -> dict:
     """One measurement of `engine` ("k3serve" or "llama.cpp") in a fresh process, inside `group` if given.
     Returns {prefill_tok_s, decode_tok_s, peak_rss_mib}, or K3Error with the child's last words."""
-    threads = str(spec["threads"])
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads}
+    env = defaults_environment(spec["threads"])  # each engine at its own defaults, not the server's wait policy
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     command = [sys.executable, "-m", "k3serve.lab.peers", engine, json.dumps(spec)]
