@@ -121,3 +121,24 @@ def test_the_converter_is_unpacked_from_the_sdist_once_and_only_its_python(tmp_p
     assert not (tree / "ggml").exists() and not (tmp_path / "cache" / "llama_cpp_python-0.3.36" / "llama_cpp").exists()
     sdist.unlink()  # the second time the unpacked tree is used
     assert peers.converter_tree(tmp_path / "cache") == tree
+
+
+def test_k3serve_streams_under_at_least_the_plans_minimum(tiny_store):
+    from k3serve.stream.budget import minimum_budget_bytes
+    from k3serve.stream.options import StreamOptions
+    from k3serve.weights.store import PackedStore
+
+    store = tiny_store.path
+    minimum = minimum_budget_bytes(PackedStore(store), None, StreamOptions().trunk_dtype)
+    for fraction in (0.1, 0.9):
+        budget, share = module._k3serve_budget(store, fraction)
+        assert share == int(fraction * module._store_bytes(store)) and budget == max(share, minimum)
+    assert module._k3serve_budget(store, 0.1)[0] == minimum  # a tenth of the tiny store cannot run a layer
+
+
+def test_a_budget_raised_to_the_plans_minimum_is_said_in_the_notes():
+    measured = {**_measured(), "k3serve_ram_budget_mib": 4.5, "k3serve_ram_share_mib": 4.4}
+    note = next(n for n in module.build_result(measured, None).notes if n.startswith("under RAM: each engine"))
+    assert "RAM budget 4.5 MiB, the plan's minimum: 50% of the store, 4.4 MiB, is below it)" in note
+    plain = next(n for n in module.build_result(_measured(), None).notes if n.startswith("under RAM: each engine"))
+    assert "RAM budget 4.3 MiB)" in plain and "minimum" not in plain

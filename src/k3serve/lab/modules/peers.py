@@ -36,6 +36,17 @@ def _pack(gguf: Path, out: Path) -> Path:
     return _atomic_dir(out, lambda staging: pack_checkpoint(gguf, staging))
 
 
+def _k3serve_budget(store: Path, fraction: float) -> tuple[int, int]:
+    """(the RAM budget k3serve streams under, fraction x the store's bytes): the larger of that share and the
+    plan's minimum at the default trunk dtype (a bf16 trunk's widening transient alone can exceed half a tiny store)."""
+    from k3serve.stream.budget import minimum_budget_bytes
+    from k3serve.stream.options import StreamOptions
+    from k3serve.weights.store import PackedStore
+
+    share = int(fraction * _store_bytes(store))
+    return max(share, minimum_budget_bytes(PackedStore(store), None, StreamOptions().trunk_dtype)), share
+
+
 def _store_bytes(store: Path) -> int:
     from k3serve.weights.store import PackedStore
 
@@ -84,7 +95,7 @@ def measure_live(params, progress, cancel, lab) -> dict:
     failures: list[str] = []
     if cgroup is None:
         withheld = (1 - params["ram_fraction"]) * weights
-        budget = int(params["ram_fraction"] * _store_bytes(store))
+        budget, share = _k3serve_budget(store, params["ram_fraction"])
         for engine in ENGINES:  # each engine gets its own in-RAM peak minus the same withheld weight bytes
             limits[engine] = medians["in RAM"][engine]["peak_rss_mib"] * 2**20 - withheld
         for r in range(repeats):
@@ -106,7 +117,8 @@ def measure_live(params, progress, cancel, lab) -> dict:
 
     return {"rows": medians, "runs": runs, "limits_mib": {e: v / 2**20 for e, v in limits.items()},
             "under_ram_skipped": cgroup, "failures": failures, "weights_mib": weights / 2**20,
-            "k3serve_ram_budget_mib": params["ram_fraction"] * _store_bytes(store) / 2**20 if cgroup is None else None,
+            "k3serve_ram_budget_mib": budget / 2**20 if cgroup is None else None,
+            "k3serve_ram_share_mib": share / 2**20 if cgroup is None else None,
             "gguf": gguf.name, "machine": describe_host(), "params": dict(params),
             "date": datetime.date.today().isoformat()}
 
@@ -199,10 +211,13 @@ def build_result(measured: dict, recorded: str | None, why_recorded: str = "") -
         notes.append(f"{row}: k3serve / llama.cpp decode {r['decode_tok_s']:.2f}x, prefill {r['prefill_tok_s']:.2f}x, "
                      f"peak RSS {r['peak_rss_mib']:.2f}x")
     if limits:
+        budget_mib, share_mib = measured["k3serve_ram_budget_mib"], measured.get("k3serve_ram_share_mib")
+        raised = (f", the plan's minimum: {p['ram_fraction']:.0%} of the store, {share_mib:.1f} MiB, is below it"
+                  if share_mib is not None and budget_mib > share_mib else "")
         notes.append(f"under RAM: each engine in a cgroup-v1 memory group (page cache counted) limited to its own "
                      f"in-RAM peak RSS minus {1 - p['ram_fraction']:.0%} of the weights: k3serve "
                      f"{limits['k3serve']:.0f} MiB (streaming from a store packed from the GGUF, RAM budget "
-                     f"{measured['k3serve_ram_budget_mib']:.1f} MiB), llama.cpp {limits['llama.cpp']:.0f} MiB (the "
+                     f"{budget_mib:.1f} MiB{raised}), llama.cpp {limits['llama.cpp']:.0f} MiB (the "
                      "GGUF memory-mapped); the files' pages evicted before each run")
     if measured.get("under_ram_skipped"):
         notes.append(f"under RAM skipped: {measured['under_ram_skipped']}")
