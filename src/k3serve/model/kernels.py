@@ -67,6 +67,13 @@ logger = logging.getLogger(__name__)
 GROUP_SIZE = 32
 BYTES_PER_GROUP = GROUP_SIZE // 2
 ROWS_PER_TASK = 16  # weight rows one parallel task computes (for every token routed to it)
+# Rows the MXFP4 row dot computes in one pass over x (1, 2 or 4; `_rows_dot_into`, `_gate_up_task`). Each row keeps
+# its own accumulator, so the bits do not depend on it; the compiled kernels take it as an argument (default these).
+# The loop is bound by its vector uops (~7 zmm ops a group, double-pumped on Zen 4), not by the accumulator's FMA
+# latency, so more rows a pass gain little: the w1 and w3 rows of one index together (same x) were ~7% faster
+# than apart; consecutive w2 rows in pairs or quads were slower (docs/BENCHMARKS.md, "MXFP4 rows a pass").
+MXFP4_GATE_UP_ROWS_PER_DOT = 2
+MXFP4_ROWS_PER_DOT = 1
 # Below this many weights (K * R * C) one thread is faster than waking the pool (the tiny model's 64x64
 # experts take microseconds); both paths run the same row dot and give the same bits.
 PARALLEL_MIN_WEIGHTS = 2**17
@@ -126,16 +133,19 @@ def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vector_type: 
     return builder.load(builder.bitcast(builder.gep(base, [offset]), vector_type.as_pointer()), align=align)
 
 
-def _row_dot_codegen(lanes: int):
-    """IR of the row dot with `lanes` float32 lanes (16: AVX-512 vpermd, 8: AVX2 vpermps and a sign flip)."""
+def _row_dot_codegen(lanes: int, num_rows: int = 1):
+    """IR of the row dot with `lanes` float32 lanes (16: AVX-512 vpermd, 8: AVX2 vpermps and a sign flip), for
+    `num_rows` rows of the same matrix against the same permuted x in one pass. Each row keeps its own accumulator
+    with exactly the one-row operation order, so every dot has the bits of the one-row dot; the rows' independent
+    FMA chains overlap (one row alone waits ~4 cycles a group on its accumulator) and x is loaded once for all."""
 
     def codegen(context, builder, signature, args):
-        prow_t, srow_t, x_t, half_t = signature.args
-        prow = context.make_array(prow_t)(context, builder, args[0])
-        srow = context.make_array(srow_t)(context, builder, args[1])
-        x = context.make_array(x_t)(context, builder, args[2])
-        half_scales = context.make_array(half_t)(context, builder, args[3])
-        (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
+        prow_ts, srow_ts = signature.args[:num_rows], signature.args[num_rows:2 * num_rows]
+        prows = [context.make_array(t)(context, builder, a) for t, a in zip(prow_ts, args[:num_rows])]
+        srows = [context.make_array(t)(context, builder, a) for t, a in zip(srow_ts, args[num_rows:2 * num_rows])]
+        x = context.make_array(signature.args[2 * num_rows])(context, builder, args[2 * num_rows])
+        half_scales = context.make_array(signature.args[2 * num_rows + 1])(context, builder, args[2 * num_rows + 1])
+        (num_groups,) = cgutils.unpack_tuple(builder, srows[0].shape, 1)
         module = builder.module
         vf, vi, vb = _vector(_F32, lanes), _vector(_I32, lanes), _vector(_I8, lanes)
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
@@ -156,28 +166,33 @@ def _row_dot_codegen(lanes: int):
             sign = builder.shl(builder.and_(nibbles, sign_mask), sign_shift)
             return builder.bitcast(builder.xor(builder.bitcast(values, vi), sign), vf)
 
-        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_rows)]
         index_type = ir.IntType(64)
+        parts = BYTES_PER_GROUP // lanes  # 1 part of 16 lanes, or 2 parts of 8
         with cgutils.for_range(builder, num_groups) as loop:
             group = loop.index
             byte_base = builder.mul(group, ir.Constant(index_type, BYTES_PER_GROUP))
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
-            scale_byte = builder.load(builder.gep(srow.data, [group]))
-            multiplier = builder.load(builder.gep(half_scales.data, [builder.zext(scale_byte, index_type)]))
-            acc = builder.load(acc_slot)
-            for part in range(BYTES_PER_GROUP // lanes):  # 1 part of 16 lanes, or 2 parts of 8
-                offset = part * lanes
-                packed = builder.zext(_load(builder, prow.data, builder.add(byte_base, ir.Constant(index_type, offset)),
-                                            vb, 1), vi)
-                low = lookup(packed)
-                high = lookup(builder.lshr(packed, ir.Constant(vi, [4] * lanes)))
-                x_even = _load(builder, x.data, builder.add(x_base, ir.Constant(index_type, offset)), vf, 4)
-                x_odd = _load(builder, x.data, builder.add(x_base, ir.Constant(index_type, BYTES_PER_GROUP + offset)),
-                              vf, 4)
-                pair = builder.call(fma, [high, x_odd, builder.fmul(low, x_even)])
-                acc = builder.call(fma, [pair, _splat(builder, multiplier, lanes), acc])
-            builder.store(acc, acc_slot)
-        return _pairwise_sum(builder, builder.load(acc_slot), lanes)
+            x_parts = [(_load(builder, x.data, builder.add(x_base, ir.Constant(index_type, p * lanes)), vf, 4),
+                        _load(builder, x.data, builder.add(x_base, ir.Constant(index_type, BYTES_PER_GROUP + p * lanes)),
+                              vf, 4)) for p in range(parts)]
+            for prow, srow, acc_slot in zip(prows, srows, acc_slots):
+                scale_byte = builder.load(builder.gep(srow.data, [group]))
+                multiplier = builder.load(builder.gep(half_scales.data, [builder.zext(scale_byte, index_type)]))
+                acc = builder.load(acc_slot)
+                for part, (x_even, x_odd) in enumerate(x_parts):
+                    offset = part * lanes
+                    packed = builder.zext(_load(builder, prow.data,
+                                                builder.add(byte_base, ir.Constant(index_type, offset)), vb, 1), vi)
+                    low = lookup(packed)
+                    high = lookup(builder.lshr(packed, ir.Constant(vi, [4] * lanes)))
+                    pair = builder.call(fma, [high, x_odd, builder.fmul(low, x_even)])
+                    acc = builder.call(fma, [pair, _splat(builder, multiplier, lanes), acc])
+                builder.store(acc, acc_slot)
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        if num_rows == 1:
+            return totals[0]
+        return context.make_tuple(builder, signature.return_type, totals)
 
     return codegen
 
@@ -237,6 +252,92 @@ def _row_dot(prow: np.ndarray, srow: np.ndarray, x: np.ndarray, half_scales: np.
     return _row_dot_portable(prow, srow, x, half_scales)
 
 
+def _unavailable_rows_codegen(context, builder, signature, args):
+    # never executed, as `_unavailable_codegen`
+    nan = ir.Constant(_F32, float("nan"))
+    return context.make_tuple(builder, signature.return_type, [nan] * signature.return_type.count)
+
+
+def _row_dots_intrinsic(isa: str, num_rows: int):
+    """Typer of the `num_rows`-row dot on `isa`: (prow_0, .., prow_{n-1}, srow_0, .., srow_{n-1}, x, half_scales)
+    -> num_rows float32, each with the bits of the one-row dot of that row."""
+    lanes = {"avx512": 16, "avx2": 8}[isa]
+
+    def typer(typingctx, *arrays):
+        if len(arrays) != 2 * num_rows + 2:
+            return None
+        codegen = _row_dot_codegen(lanes, num_rows) if isa in AVAILABLE_ISAS else _unavailable_rows_codegen
+        return types.UniTuple(types.float32, num_rows)(*arrays), codegen
+
+    return typer
+
+
+@intrinsic
+def _row_dots2_avx512(typingctx, p0, p1, s0, s1, x, half_scales):
+    """Two MXFP4 rows . the same permuted x, 16 lanes: (row 0 dot, row 1 dot)."""
+    return _row_dots_intrinsic("avx512", 2)(typingctx, p0, p1, s0, s1, x, half_scales)
+
+
+@intrinsic
+def _row_dots2_avx2(typingctx, p0, p1, s0, s1, x, half_scales):
+    """The same two dots on 8 lanes (AVX2)."""
+    return _row_dots_intrinsic("avx2", 2)(typingctx, p0, p1, s0, s1, x, half_scales)
+
+
+@intrinsic
+def _row_dots4_avx512(typingctx, p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales):
+    """Four MXFP4 rows . the same permuted x, 16 lanes."""
+    return _row_dots_intrinsic("avx512", 4)(typingctx, p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales)
+
+
+@intrinsic
+def _row_dots4_avx2(typingctx, p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales):
+    """The same four dots on 8 lanes (AVX2)."""
+    return _row_dots_intrinsic("avx2", 4)(typingctx, p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales)
+
+
+@njit(inline="always")
+def _row_dots2(p0, p1, s0, s1, x, half_scales, isa):
+    """(`_row_dot` of row 0, of row 1) in one pass over x; the portable path runs the one-row dot twice."""
+    if isa == 2:
+        return _row_dots2_avx512(p0, p1, s0, s1, x, half_scales)
+    if isa == 1:
+        return _row_dots2_avx2(p0, p1, s0, s1, x, half_scales)
+    return _row_dot_portable(p0, s0, x, half_scales), _row_dot_portable(p1, s1, x, half_scales)
+
+
+@njit(inline="always")
+def _row_dots4(p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales, isa):
+    """The `_row_dot` of four rows in one pass over x."""
+    if isa == 2:
+        return _row_dots4_avx512(p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales)
+    if isa == 1:
+        return _row_dots4_avx2(p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales)
+    return (_row_dot_portable(p0, s0, x, half_scales), _row_dot_portable(p1, s1, x, half_scales),
+            _row_dot_portable(p2, s2, x, half_scales), _row_dot_portable(p3, s3, x, half_scales))
+
+
+@njit(inline="always")
+def _rows_dot_into(packed, scales, xs, half_scales, isa, rows_per_dot, row, row_end, first, last, out):
+    """out[n, r] = `_row_dot`(row r of packed, xs[n]) for r in row:row_end, n in first:last: `rows_per_dot` rows
+    (1, 2 or 4) a pass over xs[n] while that many are left, then pairs, then single rows; rows outer, so a row's
+    bytes stay in L1 for all n. Every output has the one-row dot's bits."""
+    while rows_per_dot >= 4 and row + 4 <= row_end:
+        for n in range(first, last):
+            a, b, c, d = _row_dots4(packed[row], packed[row + 1], packed[row + 2], packed[row + 3], scales[row],
+                                    scales[row + 1], scales[row + 2], scales[row + 3], xs[n], half_scales, isa)
+            out[n, row], out[n, row + 1], out[n, row + 2], out[n, row + 3] = a, b, c, d
+        row += 4
+    while rows_per_dot >= 2 and row + 2 <= row_end:
+        for n in range(first, last):
+            a, b = _row_dots2(packed[row], packed[row + 1], scales[row], scales[row + 1], xs[n], half_scales, isa)
+            out[n, row], out[n, row + 1] = a, b
+        row += 2
+    for r in range(row, row_end):
+        for n in range(first, last):
+            out[n, r] = _row_dot(packed[r], scales[r], xs[n], half_scales, isa)
+
+
 # ------------------------------------------------------------------------------------------- matmul
 @njit(cache=True)
 def permute_groups(x: np.ndarray, out: np.ndarray) -> None:
@@ -255,24 +356,24 @@ def _permuted_index(i: int) -> int:
 
 
 @njit(inline="always")
-def _matmul_task(packed, scales, xp, half_scales, isa, out, task):
+def _matmul_task(packed, scales, xp, half_scales, isa, out, task, rows_per_dot):
     row_end = min(packed.shape[0], (task + 1) * ROWS_PER_TASK)
-    for row in range(task * ROWS_PER_TASK, row_end):
-        for t in range(xp.shape[0]):
-            out[t, row] = _row_dot(packed[row], scales[row], xp[t], half_scales, isa)
+    _rows_dot_into(packed, scales, xp, half_scales, isa, rows_per_dot, task * ROWS_PER_TASK, row_end, 0, xp.shape[0],
+                   out)
 
 
 @njit(cache=True, parallel=True)
-def _matmul_parallel(packed, scales, xp, half_scales, isa, out):
-    """out [T, R] = x W^T; packed u8 [R, C/2], scales u8 [R, G], xp f32 [T, C] permuted."""
+def _matmul_parallel(packed, scales, xp, half_scales, isa, out, rows_per_dot=MXFP4_ROWS_PER_DOT):
+    """out [T, R] = x W^T; packed u8 [R, C/2], scales u8 [R, G], xp f32 [T, C] permuted. rows_per_dot (1, 2, 4):
+    rows a pass of the row dot; every value gives the same bits."""
     for task in prange((packed.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        _matmul_task(packed, scales, xp, half_scales, isa, out, task)
+        _matmul_task(packed, scales, xp, half_scales, isa, out, task, rows_per_dot)
 
 
 @njit(cache=True)
-def _matmul_serial(packed, scales, xp, half_scales, isa, out):
+def _matmul_serial(packed, scales, xp, half_scales, isa, out, rows_per_dot=MXFP4_ROWS_PER_DOT):
     for task in range((packed.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        _matmul_task(packed, scales, xp, half_scales, isa, out, task)
+        _matmul_task(packed, scales, xp, half_scales, isa, out, task, rows_per_dot)
 
 
 def _rows_contiguous(array: np.ndarray) -> np.ndarray:
@@ -581,59 +682,76 @@ ACTIVATIONS = {"situ": 0, "silu": 1}
 
 @njit(inline="always")
 def _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up, task,
-                  blocks):
+                  blocks, rows_per_dot):
+    """The w1 and w3 rows of a block against each token: with rows_per_dot 2 the w1 and w3 row of one index in one
+    pass over z, with 4 those of two indices; 1 runs each dot alone. The bits are the same."""
     k = task // blocks
     e = expert_ids[k]
-    row_end = min(w1p.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
-    for row in range((task % blocks) * ROWS_PER_TASK, row_end):
+    row = (task % blocks) * ROWS_PER_TASK
+    row_end = min(w1p.shape[1], row + ROWS_PER_TASK)
+    while rows_per_dot >= 4 and row + 2 <= row_end:
+        column, next_column = _permuted_index(row), _permuted_index(row + 1)
+        for n in range(starts[k], ends[k]):
+            g0, u0, g1, u1 = _row_dots4(w1p[e, row], w3p[e, row], w1p[e, row + 1], w3p[e, row + 1], w1s[e, row],
+                                        w3s[e, row], w1s[e, row + 1], w3s[e, row + 1], zp[tokens[n]], half_scales,
+                                        isa)
+            gate[n, column], up[n, column], gate[n, next_column], up[n, next_column] = g0, u0, g1, u1
+        row += 2
+    for row in range(row, row_end):
         column = _permuted_index(row)
         for n in range(starts[k], ends[k]):
             z_row = zp[tokens[n]]
-            gate[n, column] = _row_dot(w1p[e, row], w1s[e, row], z_row, half_scales, isa)
-            up[n, column] = _row_dot(w3p[e, row], w3s[e, row], z_row, half_scales, isa)
+            if rows_per_dot >= 2:
+                gate[n, column], up[n, column] = _row_dots2(w1p[e, row], w3p[e, row], w1s[e, row], w3s[e, row],
+                                                            z_row, half_scales, isa)
+            else:
+                gate[n, column] = _row_dot(w1p[e, row], w1s[e, row], z_row, half_scales, isa)
+                up[n, column] = _row_dot(w3p[e, row], w3s[e, row], z_row, half_scales, isa)
 
 
 @njit(inline="always")
-def _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks):
+def _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks, rows_per_dot):
     k = task // blocks
     e = expert_ids[k]
     row_end = min(w2p.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
-    for row in range((task % blocks) * ROWS_PER_TASK, row_end):
-        for n in range(starts[k], ends[k]):
-            out[n, row] = _row_dot(w2p[e, row], w2s[e, row], hidden[n], half_scales, isa)
+    _rows_dot_into(w2p[e], w2s[e], hidden, half_scales, isa, rows_per_dot, (task % blocks) * ROWS_PER_TASK, row_end,
+                   starts[k], ends[k], out)
 
 
 @njit(cache=True, parallel=True)
 def _experts_gate_up_parallel(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate,
-                              up):
+                              up, rows_per_dot=MXFP4_GATE_UP_ROWS_PER_DOT):
     """Stage 1 of `mxfp4_experts_run` over (expert, w1/w3 row block): the gate and up dots, no activation."""
     blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
         _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up, task,
-                      blocks)
+                      blocks, rows_per_dot)
 
 
 @njit(cache=True)
-def _experts_gate_up_serial(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up):
+def _experts_gate_up_serial(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up,
+                            rows_per_dot=MXFP4_GATE_UP_ROWS_PER_DOT):
     blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in range(expert_ids.shape[0] * blocks):
         _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half_scales, isa, gate, up, task,
-                      blocks)
+                      blocks, rows_per_dot)
 
 
 @njit(cache=True, parallel=True)
-def _experts_down_parallel(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out):
+def _experts_down_parallel(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out,
+                           rows_per_dot=MXFP4_ROWS_PER_DOT):
     """Stage 2 of `mxfp4_experts_run` over (expert, w2 row block)."""
     blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
-        _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks)
+        _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks, rows_per_dot)
 
 
 @njit(cache=True)
-def _experts_down_serial(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out):
+def _experts_down_serial(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out,
+                         rows_per_dot=MXFP4_ROWS_PER_DOT):
     blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in range(expert_ids.shape[0] * blocks):
-        _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks)
+        _down_task(w2p, w2s, expert_ids, starts, ends, half_scales, isa, hidden, out, task, blocks, rows_per_dot)
 
 
 def expert_activation(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float, activation: str) -> None:
