@@ -8,8 +8,9 @@ as in decode):
     matmul   `mxfp4_matmul` on one full-K3 w1 [3072, 3584] (the trunk's MXFP4 path), T = 1
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_mxfp4_row_dots.py [--rounds 7] [--calls 8] [--threads 1 2]
-Prints one line per (shape, threads): median ms of each variant (stage 1 + stage 2), GB/s, the gain of 4 rows a
-pass over 1; then a JSON record on the last line.
+Variants: rows a pass in stage 1 / stage 2 (1/1: the one-row dot everywhere, as before; 2/1: the w1 and w3 rows of
+one index together, the default; 2/2 and 4/4). Prints one line per (shape, threads): median wall ms of each variant
+(stage 1 + stage 2), its CPU ms, GB/s, the default's gain over 1/1; then a JSON record on the last line.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 
 from k3serve.model import kernels
 
-VARIANTS = (1, 2, 4)
+VARIANTS = ((1, 1), (2, 1), (2, 2), (4, 4))  # rows a pass (stage 1, stage 2); the matmul case uses the second
+BASE, DEFAULT = (1, 1), (kernels.MXFP4_GATE_UP_ROWS_PER_DOT, kernels.MXFP4_ROWS_PER_DOT)
 EXPERT_SHAPES = {"widened": (1024, 2048, 64), "k3": (3072, 3584, 8)}  # (MI, LT, E)
 ACTIVE = 4
 
@@ -49,14 +51,14 @@ def _experts_case(rng: np.random.Generator, inner: int, latent: int, count: int)
     code = kernels.ISA_CODES[kernels.ISA]
     state = {"call": 0}
 
-    def run(rows_per_dot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run(rows_per_dot: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         first = (state["call"] * ACTIVE) % count
         state["call"] += 1
         expert_ids = (first + np.arange(ACTIVE, dtype=np.int64)) % count
         kernels._experts_gate_up_parallel(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends,
-                                          kernels._HALF_SCALES, code, gate, up, rows_per_dot)
+                                          kernels._HALF_SCALES, code, gate, up, rows_per_dot[0])
         kernels._experts_down_parallel(w2p, w2s, expert_ids, starts, ends, kernels._HALF_SCALES, code, hidden, out,
-                                       rows_per_dot)
+                                       rows_per_dot[1])
         return gate, up, out
 
     run.reset = lambda: state.update(call=0)  # type: ignore[attr-defined]
@@ -73,8 +75,8 @@ def _matmul_case(rng: np.random.Generator):
     out = np.empty((1, 3072), np.float32)
     code = kernels.ISA_CODES[kernels.ISA]
 
-    def run(rows_per_dot: int) -> tuple[np.ndarray]:
-        kernels._matmul_parallel(packed, scales, xp, kernels._HALF_SCALES, code, out, rows_per_dot)
+    def run(rows_per_dot: tuple[int, int]) -> tuple[np.ndarray]:
+        kernels._matmul_parallel(packed, scales, xp, kernels._HALF_SCALES, code, out, rows_per_dot[1])
         return (out,)
 
     return run, packed.nbytes + scales.nbytes
@@ -115,22 +117,29 @@ def main() -> None:
             for rows_per_dot in VARIANTS:  # compile / first touch
                 run(rows_per_dot)
             same_bits = _same_bits(run)
-            samples: dict[int, list[float]] = {v: [] for v in VARIANTS}
+            samples: dict[tuple[int, int], list[float]] = {v: [] for v in VARIANTS}
+            cpu: dict[tuple[int, int], list[float]] = {v: [] for v in VARIANTS}
             for round_index in range(args.rounds):
                 order = VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]
                 for rows_per_dot in order:
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     for _ in range(args.calls):
                         run(rows_per_dot)
                     samples[rows_per_dot].append((time.perf_counter() - start) / args.calls)
+                    cpu[rows_per_dot].append((time.process_time() - start_cpu) / args.calls)
             median_ms = {v: float(np.median(samples[v])) * 1e3 for v in VARIANTS}
+            cpu_ms = {v: float(np.median(cpu[v])) * 1e3 for v in VARIANTS}
             gb_per_s = {v: nbytes / (median_ms[v] * 1e-3) / 1e9 for v in VARIANTS}
-            gain = median_ms[1] / median_ms[4]
+            gain = median_ms[BASE] / median_ms[DEFAULT]
             print(f"{shape:>8} threads {threads} | " + " | ".join(
-                f"{v} row{'s' if v > 1 else ''}: {median_ms[v]:7.3f} ms {gb_per_s[v]:5.1f} GB/s" for v in VARIANTS)
-                + f" | 4 rows vs 1: {gain:.2f}x | same bits {same_bits}")
-            records.append({"shape": shape, "threads": threads, "bytes_per_call": nbytes, "median_ms": median_ms,
-                            "gb_per_s": gb_per_s, "samples_ms": {v: [s * 1e3 for s in samples[v]] for v in VARIANTS},
+                f"{v[0]}/{v[1]}: {median_ms[v]:7.3f} ms (cpu {cpu_ms[v]:7.3f}) {gb_per_s[v]:5.1f} GB/s"
+                for v in VARIANTS) + f" | default {DEFAULT[0]}/{DEFAULT[1]} vs 1/1: {gain:.2f}x | same bits {same_bits}",
+                flush=True)
+            records.append({"shape": shape, "threads": threads, "bytes_per_call": nbytes,
+                            "median_ms": {f"{v[0]}/{v[1]}": median_ms[v] for v in VARIANTS},
+                            "cpu_ms": {f"{v[0]}/{v[1]}": cpu_ms[v] for v in VARIANTS},
+                            "gb_per_s": {f"{v[0]}/{v[1]}": gb_per_s[v] for v in VARIANTS},
+                            "samples_ms": {f"{v[0]}/{v[1]}": [s * 1e3 for s in samples[v]] for v in VARIANTS},
                             "same_bits": same_bits})
     print(json.dumps({"benchmark": "mxfp4_row_dots", "isa": kernels.ISA, "rounds": args.rounds,
                       "calls": args.calls, "results": records}))

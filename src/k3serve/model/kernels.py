@@ -68,7 +68,8 @@ GROUP_SIZE = 32
 BYTES_PER_GROUP = GROUP_SIZE // 2
 ROWS_PER_TASK = 16  # weight rows one parallel task computes (for every token routed to it)
 # Rows the MXFP4 row dot computes in one pass over x (1, 2 or 4; `_rows_dot_into`, `_gate_up_task`). Each row keeps
-# its own accumulator, so the bits do not depend on it; the compiled kernels take it as an argument (default these).
+# its own accumulator, so the bits do not depend on it; the compiled kernels take it as an argument, which callers
+# pass explicitly (numba's specialization for the omitted default ran ~15% slower on the widened experts).
 # The loop is bound by its vector uops (~7 zmm ops a group, double-pumped on Zen 4), not by the accumulator's FMA
 # latency, so more rows a pass gain little: the w1 and w3 rows of one index together (same x) were ~7% faster
 # than apart; consecutive w2 rows in pairs or quads were slower (docs/BENCHMARKS.md, "MXFP4 rows a pass").
@@ -173,9 +174,8 @@ def _row_dot_codegen(lanes: int, num_rows: int = 1):
             group = loop.index
             byte_base = builder.mul(group, ir.Constant(index_type, BYTES_PER_GROUP))
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
-            x_parts = [(_load(builder, x.data, builder.add(x_base, ir.Constant(index_type, p * lanes)), vf, 4),
-                        _load(builder, x.data, builder.add(x_base, ir.Constant(index_type, BYTES_PER_GROUP + p * lanes)),
-                              vf, 4)) for p in range(parts)]
+            x_parts = [tuple(_load(builder, x.data, builder.add(x_base, ir.Constant(index_type, half + p * lanes)),
+                                   vf, 4) for half in (0, BYTES_PER_GROUP)) for p in range(parts)]
             for prow, srow, acc_slot in zip(prows, srows, acc_slots):
                 scale_byte = builder.load(builder.gep(srow.data, [group]))
                 multiplier = builder.load(builder.gep(half_scales.data, [builder.zext(scale_byte, index_type)]))
@@ -425,7 +425,7 @@ def mxfp4_matmul(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.
     xp = np.empty_like(x)  # [T, C]
     permute_groups(x, xp)
     kernel = _matmul_parallel if rows * cols >= PARALLEL_MIN_WEIGHTS else _matmul_serial
-    kernel(packed, scales, xp, _HALF_SCALES, code, out)
+    kernel(packed, scales, xp, _HALF_SCALES, code, out, MXFP4_ROWS_PER_DOT)
     return out
 
 
@@ -670,6 +670,201 @@ def quantized_matmul(w: QuantizedMatrix, x: np.ndarray, isa: str | None = None) 
     assert w.scales is not None
     return mxfp4_matmul(w.data, w.scales, x, isa=isa)
 
+# ------------------------------------------------------------------------------------------- MXFP4 x int8 (VNNI)
+# An opt-in decode path that trades the float path's bits for fewer vector ops a weight (`activations="q8"`): the
+# activation row is quantized as the Q8_0 trunk quantizes it (`quantize_activations`: blocks of 32, d = max|x| /
+# 127 rounded to half, q = round(x / d)), llama.cpp's ggml_vec_dot_mxfp4_q8_0 semantics, and each group's sum is
+# an exact int32:
+#
+#     y[r] = sum_g m[r, g] d[g] * sum_{k < 32} V[nibble(r, 32 g + k)] q[32 g + k]
+#
+# AVX-512 VNNI, 4 groups (64 weight bytes) a step: the nibbles index a 16-byte table of V + 12 (unsigned, vpshufb),
+# vpdpbusd multiplies them with the int8 q and sums 4 products a lane; 12 sum q, which depends on x only, is
+# subtracted once per lane (`_q8_vnni_activations` precomputes it). Lane l of a step holds group l // 4, so the
+# float scale m[r, g] d[g] is one vector a step: m from the scale byte's exponent bits (byte 255 -> 0; byte 0, a
+# 2^-128 scale, -> 0 too). ~4 zmm ops a group against the float path's ~7. The float path stays the default.
+Q8_VNNI_GROUPS_PER_STEP = 4
+Q8_VNNI_AVAILABLE = "avx512" in AVAILABLE_ISAS and "avx512vnni" in _FEATURES
+# Debug toggle: "q8" runs the routed experts (`mxfp4_experts_run`) on this path; read at each call.
+MXFP4_ACTIVATIONS = os.environ.get("K3SERVE_MXFP4_ACTIVATIONS", "f32")
+if MXFP4_ACTIVATIONS not in ("f32", "q8") or (MXFP4_ACTIVATIONS == "q8" and not Q8_VNNI_AVAILABLE):
+    raise RuntimeError(f"K3SERVE_MXFP4_ACTIVATIONS={MXFP4_ACTIVATIONS!r}: known f32, q8 (q8 needs AVX-512 VNNI, "
+                       f"available here: {Q8_VNNI_AVAILABLE})")
+_V_OFFSET = 12  # V + 12 >= 0 for every V
+
+
+@njit(cache=True)
+def _q8_vnni_activations(q, d, xq, corrections, lane_scales):
+    """Rearrange Q8_0 activations q int8 [T, C], d f32 [T, G] for `_mxfp4_q8_row_dot`: per step of 4 groups
+    (S = ceil(G / 4) steps, padded with zeros), xq int8 [T, S * 128] = the 4 groups' 16 even inputs, then their 16
+    odd ones; corrections int32 [T, S * 16] = 12 * (the 4 even + 4 odd q of each lane); lane_scales f32 [T, S * 16]
+    = d[g] / 2 for lane l of step s (g = 4 s + l // 4; the 1/2 of m = 2^(byte - 127) / 2)."""
+    xq[:] = 0
+    corrections[:] = 0
+    lane_scales[:] = 0
+    for t in range(q.shape[0]):
+        for g in range(d.shape[1]):
+            step, slot = g // Q8_VNNI_GROUPS_PER_STEP, g % Q8_VNNI_GROUPS_PER_STEP
+            base = step * 128 + slot * BYTES_PER_GROUP
+            for j in range(BYTES_PER_GROUP):
+                even, odd = q[t, g * GROUP_SIZE + 2 * j], q[t, g * GROUP_SIZE + 2 * j + 1]
+                xq[t, base + j] = even
+                xq[t, base + 64 + j] = odd
+                lane = step * 16 + slot * 4 + j // 4
+                corrections[t, lane] += _V_OFFSET * (np.int32(even) + np.int32(odd))
+            for lane in range(4):
+                lane_scales[t, step * 16 + slot * 4 + lane] = d[t, g] * np.float32(0.5)
+
+
+def _mxfp4_q8_row_dot_codegen(context, builder, signature, args):
+    prow, srow, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
+                                                for t, a in zip(signature.args, args))
+    (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
+    module = builder.module
+    index_type = ir.IntType(64)
+    vb, vi, vf, vk = _vector(_I8, 64), _vector(_I32, 16), _vector(_F32, 16), _vector(ir.IntType(1), 64)
+    pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx512.pshuf.b.512")
+    dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512")
+    fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v16f32")
+    masked_load = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb.as_pointer(), _I32, vk, vb]),
+                                                 "llvm.masked.load.v64i8.p0")
+    table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * 4)
+    nibble_mask = ir.Constant(vb, [15] * 64)
+    iota = ir.Constant(vb, list(range(64)))
+    row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
+    full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
+    acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16))
+    last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
+    spread = ir.Constant(vi, [lane // 4 for lane in range(16)])
+
+    def scale_bits(byte):  # i32 scale byte(s) -> float bits of 2^(byte - 127), byte 255 -> 0
+        shifted = builder.shl(byte, ir.Constant(byte.type, [23] * byte.type.count) if isinstance(byte.type,
+                              ir.VectorType) else ir.Constant(_I32, 23))
+        is_nan = builder.icmp_unsigned("==", byte, ir.Constant(byte.type, [255] * byte.type.count)
+                                       if isinstance(byte.type, ir.VectorType) else ir.Constant(_I32, 255))
+        zero = ir.Constant(byte.type, [0] * byte.type.count) if isinstance(byte.type, ir.VectorType) else \
+            ir.Constant(_I32, 0)
+        return builder.select(is_nan, zero, shifted)
+
+    def step_dot(step, tail: bool):
+        """acc += the 4 groups of `step`; the tail step masks the row's end (zero nibbles meet zero q)."""
+        byte_base = builder.mul(step, ir.Constant(index_type, 64))
+        pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
+        if tail:
+            in_row = builder.trunc(builder.sub(row_bytes, byte_base), _I8)
+            mask = builder.icmp_unsigned("<", iota, _splat(builder, in_row, 64))
+            packed = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(vb, [0] * 64)])
+        else:
+            packed = builder.load(pointer, align=1)
+        low = builder.and_(packed, nibble_mask)
+        high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * 64)), nibble_mask)
+        weights_low = builder.bitcast(builder.call(pshufb, [table, low]), vi)
+        weights_high = builder.bitcast(builder.call(pshufb, [table, high]), vi)
+        x_base = builder.mul(step, ir.Constant(index_type, 128))
+        x_bytes = builder.bitcast(xq.data, _I8.as_pointer())
+        x_even = _load(builder, x_bytes, x_base, vi, 1)
+        x_odd = _load(builder, x_bytes, builder.add(x_base, ir.Constant(index_type, 64)), vi, 1)
+        sums = builder.call(dpbusd, [ir.Constant(vi, [0] * 16), weights_low, x_even])
+        sums = builder.call(dpbusd, [sums, weights_high, x_odd])
+        lane_base = builder.mul(step, ir.Constant(index_type, 16))
+        sums = builder.sub(sums, _load(builder, corrections.data, lane_base, vi, 4))
+        first_group = builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
+        if tail:  # groups past the row's end read the last group's byte (finite; its q and d are 0)
+            exponents = ir.Constant(_vector(_I32, 4), ir.Undefined)
+            for slot in range(Q8_VNNI_GROUPS_PER_STEP):
+                group = builder.add(first_group, ir.Constant(index_type, slot))
+                group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
+                byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
+                exponents = builder.insert_element(exponents, scale_bits(byte), ir.Constant(_I32, slot))
+        else:
+            four = _vector(_I8, 4)
+            bytes4 = builder.load(builder.bitcast(builder.gep(srow.data, [first_group]), four.as_pointer()), align=1)
+            exponents = scale_bits(builder.zext(bytes4, _vector(_I32, 4)))
+        lanes = builder.shuffle_vector(exponents, exponents, spread)
+        scale = builder.fmul(builder.bitcast(lanes, vf), _load(builder, lane_scales.data, lane_base, vf, 4))
+        builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(acc_slot)]), acc_slot)
+
+    with cgutils.for_range(builder, full_steps) as loop:
+        step_dot(loop.index, tail=False)
+    has_tail = builder.icmp_unsigned("!=", builder.mul(full_steps, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)),
+                                     num_groups)
+    with builder.if_then(has_tail):
+        step_dot(full_steps, tail=True)
+    return _pairwise_sum(builder, builder.load(acc_slot), 16)
+
+
+@intrinsic
+def _mxfp4_q8_row_dot(typingctx, prow, srow, xq, corrections, lane_scales):
+    """One MXFP4 row . Q8_0 activations in `_q8_vnni_activations`' layout (AVX-512 VNNI)."""
+    codegen = _mxfp4_q8_row_dot_codegen if Q8_VNNI_AVAILABLE else _unavailable_codegen
+    return types.float32(prow, srow, xq, corrections, lane_scales), codegen
+
+
+@njit(cache=True, parallel=True)
+def _matmul_q8_parallel(packed, scales, xq, corrections, lane_scales, out):
+    """out [T, R] = the `_mxfp4_q8_row_dot` of every (token, row), over row blocks."""
+    for task in prange((packed.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        for row in range(task * ROWS_PER_TASK, min(packed.shape[0], (task + 1) * ROWS_PER_TASK)):
+            for t in range(xq.shape[0]):
+                out[t, row] = _mxfp4_q8_row_dot(packed[row], scales[row], xq[t], corrections[t], lane_scales[t])
+
+
+def _q8_vnni_prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """f32 [T, C] -> (xq int8 [T, S * 128], corrections int32 [T, S * 16], lane scales f32 [T, S * 16])."""
+    q, d = quantize_activations(x)  # [T, C] int8, [T, G]
+    num_tokens, steps = x.shape[0], (d.shape[1] + Q8_VNNI_GROUPS_PER_STEP - 1) // Q8_VNNI_GROUPS_PER_STEP
+    xq = np.empty((num_tokens, steps * 128), np.int8)  # [T, S * 128]
+    corrections = np.empty((num_tokens, steps * 16), np.int32)  # [T, S * 16]
+    lane_scales = np.empty((num_tokens, steps * 16), np.float32)  # [T, S * 16]
+    _q8_vnni_activations(q, d, xq, corrections, lane_scales)
+    return xq, corrections, lane_scales
+
+
+@njit(cache=True, parallel=True)
+def _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, lane_scales, tokens, starts, ends, gate,
+                        up):
+    """Stage 1 of `mxfp4_experts_run` on the int8 path: gate, up [N, MI] in natural order."""
+    blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        for row in range(block * ROWS_PER_TASK, min(w1p.shape[1], (block + 1) * ROWS_PER_TASK)):
+            for n in range(starts[k], ends[k]):
+                t = tokens[n]
+                gate[n, row] = _mxfp4_q8_row_dot(w1p[e, row], w1s[e, row], xq[t], corrections[t], lane_scales[t])
+                up[n, row] = _mxfp4_q8_row_dot(w3p[e, row], w3s[e, row], xq[t], corrections[t], lane_scales[t])
+
+
+@njit(cache=True, parallel=True)
+def _experts_q8_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, starts, ends, out):
+    """Stage 2 on the int8 path: xq etc. hold the quantized hidden rows [N, ...]."""
+    blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        for row in range(block * ROWS_PER_TASK, min(w2p.shape[1], (block + 1) * ROWS_PER_TASK)):
+            for n in range(starts[k], ends[k]):
+                out[n, row] = _mxfp4_q8_row_dot(w2p[e, row], w2s[e, row], xq[n], corrections[n], lane_scales[n])
+
+
+def mxfp4_matmul_q8(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`mxfp4_matmul` with the activations quantized to Q8_0 first (the VNNI path above; not the float path's bits:
+    llama.cpp's error). packed u8 [R, C/2], scales u8 [R, G], x f32 [T, C] -> f32 [T, R]. Needs AVX-512 VNNI."""
+    if not Q8_VNNI_AVAILABLE:
+        raise ValueError("the MXFP4 x int8 path needs AVX-512 VNNI, which this CPU (or numba's target) lacks")
+    packed = _rows_contiguous(packed)
+    scales = _rows_contiguous(scales)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, _ = _check_operands(packed, scales, x)
+    num_tokens = x.shape[0]
+    out = np.empty((num_tokens, rows), dtype=np.float32)  # [T, R]
+    if num_tokens == 0 or rows == 0:
+        return out
+    xq, corrections, lane_scales = _q8_vnni_prepare(x)
+    _matmul_q8_parallel(packed, scales, xq, corrections, lane_scales, out)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- routed experts
 @njit(inline="always", fastmath=False)
 def _silu_glu(gate: np.float32, up: np.float32) -> np.float32:
@@ -779,13 +974,14 @@ StackedExperts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarra
 
 def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                       starts: np.ndarray, ends: np.ndarray, beta: float, linear_beta: float,
-                      isa: str | None = None, activation: str = "situ") -> np.ndarray:
+                      isa: str | None = None, activation: str = "situ", activations: str | None = None) -> np.ndarray:
     """y[n] = w2_e SiTU-GLU(w1_e z[tokens[n]], w3_e z[tokens[n]]) for every routed (token, expert) pair, in one
     compiled call. stacked = (w1 packed, w1 scales, w3 packed, w3 scales, w2 packed, w2 scales), each [E, ...]
     (u8 [E, MI, LT/2], [E, MI, LT/32], ..., [E, LT, MI/2], [E, LT, MI/32]); expert_ids [K] index E; expert k owns
     rows starts[k]:ends[k] of tokens [N]. z [T, LT] -> y [N, LT]. Each y[n] is the same bits whatever the other
     tokens, experts and threads of the call. activation "silu" computes SiLU(w1 z) * (w3 z) instead (beta and
-    linear_beta unused)."""
+    linear_beta unused). activations "q8" (default `MXFP4_ACTIVATIONS`) quantizes z and the hidden rows to Q8_0 and
+    runs the VNNI row dot (section "MXFP4 x int8"; other bits, llama.cpp's error; `isa` is then unused)."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_inner, latent = w1p.shape[1], 2 * w1p.shape[2]
     z = np.ascontiguousarray(z, dtype=np.float32)
@@ -794,6 +990,11 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
                          f"{z.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown expert activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    activations = MXFP4_ACTIVATIONS if activations is None else activations
+    if activations == "q8":
+        return _mxfp4_experts_run_q8(stacked, expert_ids, z, tokens, starts, ends, beta, linear_beta, activation)
+    if activations != "f32":
+        raise ValueError(f"unknown activations {activations!r} (known: f32, q8)")
     code = _isa_code(isa)
     zp = np.empty_like(z)  # [T, LT]
     permute_groups(z, zp)
@@ -808,10 +1009,33 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
     ends = np.ascontiguousarray(ends, dtype=np.int64)
     (_experts_gate_up_parallel if parallel else _experts_gate_up_serial)(
         w1p, w1s, w3p, w3s, expert_ids, zp, np.ascontiguousarray(tokens, dtype=np.int64), starts, ends,
-        _HALF_SCALES, code, gate, up)
+        _HALF_SCALES, code, gate, up, MXFP4_GATE_UP_ROWS_PER_DOT)
     expert_activation(gate, up, beta, linear_beta, activation)
     (_experts_down_parallel if parallel else _experts_down_serial)(w2p, w2s, expert_ids, starts, ends, _HALF_SCALES,
-                                                                   code, gate, out)
+                                                                   code, gate, out, MXFP4_ROWS_PER_DOT)
+    return out
+
+
+def _mxfp4_experts_run_q8(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
+                          starts: np.ndarray, ends: np.ndarray, beta: float, linear_beta: float,
+                          activation: str) -> np.ndarray:
+    """`mxfp4_experts_run` on the int8 path (z checked there)."""
+    if not Q8_VNNI_AVAILABLE:
+        raise ValueError("the MXFP4 x int8 path needs AVX-512 VNNI, which this CPU (or numba's target) lacks")
+    w1p, w1s, w3p, w3s, w2p, w2s = stacked
+    num_pairs, num_inner, latent = tokens.shape[0], w1p.shape[1], z.shape[1]
+    out = np.empty((num_pairs, latent), np.float32)  # [N, LT]
+    if num_pairs == 0:
+        return out
+    expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
+    gate = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
+    up = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
+    _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z),
+                        np.ascontiguousarray(tokens, dtype=np.int64), starts, ends, gate, up)
+    expert_activation(gate, up, beta, linear_beta, activation)
+    _experts_q8_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, out)
     return out
 
 
@@ -1556,7 +1780,7 @@ def warmup() -> None:
     x = np.ones((2, GROUP_SIZE), dtype=np.float32)  # [2, 32]
     out = np.empty((2, 3), dtype=np.float32)  # [2, 3]
     for kernel in (_matmul_serial, _matmul_parallel):
-        kernel(packed, scales, x, _HALF_SCALES, ISA_CODES[ISA], out)
+        kernel(packed, scales, x, _HALF_SCALES, ISA_CODES[ISA], out, MXFP4_ROWS_PER_DOT)
     square = (np.zeros((32, 16), np.uint8), np.full((32, 1), 127, np.uint8))  # a [32, 32] matrix
     stacked = stack_expert(square, square, square)
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
@@ -1564,9 +1788,13 @@ def warmup() -> None:
     zp, tokens, ends = np.ones((2, 32), np.float32), np.zeros(2, np.int64), np.full(1, 2, np.int64)
     gate, up = np.empty((2, 32), np.float32), np.empty((2, 32), np.float32)
     for kernel in (_experts_gate_up_serial, _experts_gate_up_parallel):
-        kernel(w1p, w1s, w3p, w3s, one, zp, tokens, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, up)
+        kernel(w1p, w1s, w3p, w3s, one, zp, tokens, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, up,
+               MXFP4_GATE_UP_ROWS_PER_DOT)
     for kernel in (_experts_down_serial, _experts_down_parallel):
-        kernel(w2p, w2s, one, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, np.empty((2, 32), np.float32))
+        kernel(w2p, w2s, one, one, ends, _HALF_SCALES, ISA_CODES[ISA], gate, np.empty((2, 32), np.float32),
+               MXFP4_ROWS_PER_DOT)
+    if MXFP4_ACTIVATIONS == "q8":
+        mxfp4_experts_run(stacked, one, zp, tokens, one, ends, 4.0, 25.0)
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
     q8_blocks, (xq, xd) = np.zeros((3, Q8_0_BLOCK_BYTES), np.uint8), quantize_activations(x)
