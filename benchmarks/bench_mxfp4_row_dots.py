@@ -1,16 +1,20 @@
-"""The MXFP4 routed-expert kernels with 1, 2 or 4 rows a pass of the row dot (`kernels.MXFP4_ROWS_PER_DOT`),
-alternated in one process: same bits (asserted), decode-step time and GB/s of MXFP4 bytes, at 1 and 2 threads.
+"""The MXFP4 routed-expert kernels with 1, 2 or 4 rows a pass of the row dot (`kernels.MXFP4_ROWS_PER_DOT`), and
+the opt-in int8 VNNI path, alternated in one process: same bits for the float variants (checked: the run stops if
+not), time and GB/s of MXFP4 bytes, at 1 and 2 threads.
 
 Shapes (T = 1, 4 experts active a call, each call the next 4 of E stacked experts so the weights come from DRAM
 as in decode):
-    widened  the widened K3 fixture's experts: w1/w3 [1024, 2048], w2 [2048, 1024], E = 64
-    k3       full K3's experts: w1/w3 [3072, 3584], w2 [3584, 3072], E = 8
+    widened  the widened K3 fixture's experts: w1/w3 [1024, 2048], w2 [2048, 1024], E = 64 (200 MB)
+    k3       full K3's experts: w1/w3 [3072, 3584], w2 [3584, 3072], E = 8 (132 MB)
     matmul   `mxfp4_matmul` on one full-K3 w1 [3072, 3584] (the trunk's MXFP4 path), T = 1
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_mxfp4_row_dots.py [--rounds 7] [--calls 8] [--threads 1 2]
 Variants: rows a pass in stage 1 / stage 2 (1/1: the one-row dot everywhere, as before; 2/1: the w1 and w3 rows of
-one index together, the default; 2/2 and 4/4). Prints one line per (shape, threads): median wall ms of each variant
-(stage 1 + stage 2), its CPU ms, GB/s, the default's gain over 1/1; then a JSON record on the last line.
+one index together, the default; 2/2 and 4/4), and q8 (the int8 VNNI path, activation quantization included; its
+relative RMS error against the float path is printed).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_mxfp4_row_dots.py [--rounds 7] [--calls 8] [--threads 1 2]
+Prints one line per (shape, threads): median wall ms of each variant (stage 1 + stage 2), its CPU ms, GB/s, the
+default's and q8's gain over 1/1; then a JSON record on the last line.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ def _experts_case(rng: np.random.Generator, inner: int, latent: int, count: int)
     z = rng.standard_normal((1, latent)).astype(np.float32)  # [T, LT]
     zp = np.empty_like(z)
     kernels.permute_groups(z, zp)
-    hidden = rng.standard_normal((ACTIVE, inner)).astype(np.float32)  # [N, MI] the stage-2 input
+    hidden = rng.standard_normal((ACTIVE, inner)).astype(np.float32)  # [N, MI] the stage-2 input, permuted
+    natural = np.array([(i // 32) * 32 + (i % 2) * 16 + (i % 32) // 2 for i in range(inner)])
+    hidden_natural = hidden[:, natural]  # the same vector in natural order (what the int8 path reads)
     tokens = np.zeros(ACTIVE, np.int64)
     starts, ends = np.arange(ACTIVE, dtype=np.int64), np.arange(1, ACTIVE + 1, dtype=np.int64)
     gate, up = np.empty((ACTIVE, inner), np.float32), np.empty((ACTIVE, inner), np.float32)
@@ -51,10 +57,16 @@ def _experts_case(rng: np.random.Generator, inner: int, latent: int, count: int)
     code = kernels.ISA_CODES[kernels.ISA]
     state = {"call": 0}
 
-    def run(rows_per_dot: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run(rows_per_dot: tuple[int, int] | str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         first = (state["call"] * ACTIVE) % count
         state["call"] += 1
         expert_ids = (first + np.arange(ACTIVE, dtype=np.int64)) % count
+        if rows_per_dot == "q8":  # the int8 path's two stages, each with its activation quantization
+            kernels._experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *kernels._q8_vnni_prepare(z), tokens, starts,
+                                        ends, gate, up)
+            kernels._experts_q8_down(w2p, w2s, expert_ids, *kernels._q8_vnni_prepare(hidden_natural), starts, ends,
+                                     out)
+            return gate, up, out
         kernels._experts_gate_up_parallel(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends,
                                           kernels._HALF_SCALES, code, gate, up, rows_per_dot[0])
         kernels._experts_down_parallel(w2p, w2s, expert_ids, starts, ends, kernels._HALF_SCALES, code, hidden, out,
@@ -75,21 +87,30 @@ def _matmul_case(rng: np.random.Generator):
     out = np.empty((1, 3072), np.float32)
     code = kernels.ISA_CODES[kernels.ISA]
 
-    def run(rows_per_dot: tuple[int, int]) -> tuple[np.ndarray]:
+    def run(rows_per_dot: tuple[int, int] | str) -> tuple[np.ndarray]:
+        if rows_per_dot == "q8":
+            out[:] = kernels.mxfp4_matmul_q8(packed, scales, x)
+            return (out,)
         kernels._matmul_parallel(packed, scales, xp, kernels._HALF_SCALES, code, out, rows_per_dot[1])
         return (out,)
 
     return run, packed.nbytes + scales.nbytes
 
 
-def _same_bits(run) -> bool:
-    """Each variant on the same call (the experts case rotates its experts per call: reset the rotation)."""
-    results = []
-    for rows_per_dot in VARIANTS:
+def _same_bits_and_q8_error(run, variants) -> tuple[bool, float | None]:
+    """Whether the float variants give the same bits on the same call (the experts case rotates its experts per
+    call: reset the rotation), and the int8 path's relative RMS error against them (its last output)."""
+    results = {}
+    for rows_per_dot in variants:
         if hasattr(run, "reset"):
             run.reset()
-        results.append([a.copy() for a in run(rows_per_dot)])
-    return all(all(np.array_equal(a, b) for a, b in zip(results[0], other)) for other in results[1:])
+        results[rows_per_dot] = [a.copy() for a in run(rows_per_dot)]
+    floats = [results[v] for v in variants if v != "q8"]
+    same = all(all(np.array_equal(a, b) for a, b in zip(floats[0], other)) for other in floats[1:])
+    if "q8" not in results:
+        return same, None
+    got, want = results["q8"][-1].astype(np.float64), floats[0][-1].astype(np.float64)
+    return same, float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
 
 
 def main() -> None:
@@ -114,33 +135,36 @@ def main() -> None:
             run, nbytes = _experts_case(rng, inner, latent, args.experts or count)
         for threads in args.threads:
             numba.set_num_threads(threads)
-            for rows_per_dot in VARIANTS:  # compile / first touch
+            variants = VARIANTS + (("q8",) if kernels.Q8_VNNI_AVAILABLE else ())
+            for rows_per_dot in variants:  # compile / first touch
                 run(rows_per_dot)
-            same_bits = _same_bits(run)
-            samples: dict[tuple[int, int], list[float]] = {v: [] for v in VARIANTS}
-            cpu: dict[tuple[int, int], list[float]] = {v: [] for v in VARIANTS}
+            same_bits, q8_error = _same_bits_and_q8_error(run, variants)
+            if not same_bits:
+                raise SystemExit(f"{shape}: the rows-a-pass variants gave different bits")
+            samples: dict[object, list[float]] = {v: [] for v in variants}
+            cpu: dict[object, list[float]] = {v: [] for v in variants}
             for round_index in range(args.rounds):
-                order = VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]
+                order = variants if round_index % 2 == 0 else variants[::-1]
                 for rows_per_dot in order:
                     start, start_cpu = time.perf_counter(), time.process_time()
                     for _ in range(args.calls):
                         run(rows_per_dot)
                     samples[rows_per_dot].append((time.perf_counter() - start) / args.calls)
                     cpu[rows_per_dot].append((time.process_time() - start_cpu) / args.calls)
-            median_ms = {v: float(np.median(samples[v])) * 1e3 for v in VARIANTS}
-            cpu_ms = {v: float(np.median(cpu[v])) * 1e3 for v in VARIANTS}
-            gb_per_s = {v: nbytes / (median_ms[v] * 1e-3) / 1e9 for v in VARIANTS}
-            gain = median_ms[BASE] / median_ms[DEFAULT]
+            name = {v: v if isinstance(v, str) else f"{v[0]}/{v[1]}" for v in variants}
+            median_ms = {name[v]: float(np.median(samples[v])) * 1e3 for v in variants}
+            cpu_ms = {name[v]: float(np.median(cpu[v])) * 1e3 for v in variants}
+            gb_per_s = {k: nbytes / (ms * 1e-3) / 1e9 for k, ms in median_ms.items()}
+            base, default = name[BASE], name[DEFAULT]
             print(f"{shape:>8} threads {threads} | " + " | ".join(
-                f"{v[0]}/{v[1]}: {median_ms[v]:7.3f} ms (cpu {cpu_ms[v]:7.3f}) {gb_per_s[v]:5.1f} GB/s"
-                for v in VARIANTS) + f" | default {DEFAULT[0]}/{DEFAULT[1]} vs 1/1: {gain:.2f}x | same bits {same_bits}",
-                flush=True)
-            records.append({"shape": shape, "threads": threads, "bytes_per_call": nbytes,
-                            "median_ms": {f"{v[0]}/{v[1]}": median_ms[v] for v in VARIANTS},
-                            "cpu_ms": {f"{v[0]}/{v[1]}": cpu_ms[v] for v in VARIANTS},
-                            "gb_per_s": {f"{v[0]}/{v[1]}": gb_per_s[v] for v in VARIANTS},
-                            "samples_ms": {f"{v[0]}/{v[1]}": [s * 1e3 for s in samples[v]] for v in VARIANTS},
-                            "same_bits": same_bits})
+                f"{k}: {median_ms[k]:7.3f} ms (cpu {cpu_ms[k]:7.3f}) {gb_per_s[k]:5.1f} GB/s" for k in median_ms)
+                + f" | {default} vs {base}: {median_ms[base] / median_ms[default]:.2f}x"
+                + (f", q8 vs {base}: {median_ms[base] / median_ms['q8']:.2f}x (rel RMS {q8_error:.1e})"
+                   if q8_error is not None else "") + f" | same bits {same_bits}", flush=True)
+            records.append({"shape": shape, "threads": threads, "bytes_per_call": nbytes, "median_ms": median_ms,
+                            "cpu_ms": cpu_ms, "gb_per_s": gb_per_s,
+                            "samples_ms": {name[v]: [s * 1e3 for s in samples[v]] for v in variants},
+                            "same_bits": same_bits, "q8_relative_rms_vs_float": q8_error})
     print(json.dumps({"benchmark": "mxfp4_row_dots", "isa": kernels.ISA, "rounds": args.rounds,
                       "calls": args.calls, "results": records}))
 

@@ -32,6 +32,11 @@ the number of threads. The routed experts of one layer run as one compiled call 
 stage 1 computes w1 and w3 rows together and applies SiTU-GLU to the pair (writing the hidden vector straight
 into the permuted group order), stage 2 multiplies by w2, both spread over the cores across (expert, row block).
 
+The row dot can compute 2 or 4 rows of one matrix against the same x in one pass (`_row_dots2`, `_row_dots4`), each
+row with its own accumulator and the one-row operation order, so with the same bits; stage 1 uses it for the w1
+and w3 rows of one index. An opt-in path (section "MXFP4 x int8") quantizes the activations to Q8_0 and sums int8
+products exactly (AVX-512 VNNI), llama.cpp's arithmetic: about twice the float path's speed, other bits.
+
 TODO: prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode is one
 instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
 """
