@@ -12,7 +12,7 @@ Variants: rows a pass in stage 1 / stage 2 (1/1: the one-row dot everywhere, as 
 one index together, the default; 2/2 and 4/4), and q8 (the int8 VNNI path, activation quantization included; its
 relative RMS error against the float path is printed).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_mxfp4_row_dots.py [--rounds 7] [--calls 8] [--threads 1 2]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_mxfp4_row_dots.py [--rounds 7] [--calls 32] [--threads 1 2]
 Prints one line per (shape, threads): median wall ms of each variant (stage 1 + stage 2), its CPU ms, GB/s, the
 default's and q8's gain over 1/1; then a JSON record on the last line.
 """
@@ -116,7 +116,7 @@ def _same_bits_and_q8_error(run, variants) -> tuple[bool, float | None]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=8, help="calls per timed sample")
+    parser.add_argument("--calls", type=int, default=32, help="calls per timed sample")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--shapes", nargs="+", default=["widened", "k3", "matmul"])
     parser.add_argument("--experts", type=int, default=None,
