@@ -6,7 +6,8 @@ loaded one: K3 decode ms/token per wait setting, each run a fresh process (libgo
 
 Settings: PASSIVE (sleep as soon as a region ends), GOMP_SPINCOUNT=N with the policy unset (spin N iterations,
 then sleep; libgomp's own default is 300,000), ACTIVE (spin until the next region), and `adaptive` (no variable
-set: k3serve's default, the thread governor of k3serve/threads.py). Conditions: idle; `hogs`, loaded by --hogs
+set: k3serve's default, PASSIVE workers and idle-class core keepers, k3serve/threads.py; `adaptive 1` with one keeper
+instead of one per core). Conditions: idle; `hogs`, loaded by --hogs
 busy-looping processes; `job`, loaded by another --job-threads-thread job (bench_peers.py's OpenBLAS matmul loop). Within a condition the settings alternate round by round; medians. Default model: the widened
 trained K3 of bench_peers.py (1.5 GB); --embedded for the 6.9M-parameter default (short regions, where the wake-up
 cost weighs most). Prints the machine, a table, one summary line and a JSON record on the last line.
@@ -30,8 +31,9 @@ SETTINGS = {
     "spin 300k": {"GOMP_SPINCOUNT": "300000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
     "adaptive": {},
+    "adaptive 1": {"K3SERVE_CORE_KEEPERS": "1"},
 }
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY")
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS")
 
 CHILD = r"""
 import json, sys, time
@@ -50,13 +52,13 @@ wall, cpu = time.perf_counter(), time.process_time()
 for i in range(36, 36 + steps):
     model.forward([ForwardItem(prompt[i:i + 1], cache)])
 from k3serve.threads import governor
-stats = governor().stats
+g = governor()
 print(json.dumps({"wall_ms": (time.perf_counter() - wall) / steps * 1e3,
                   "cpu_ms": (time.process_time() - cpu) / steps * 1e3,
                   "policy": __import__("os").environ.get("OMP_WAIT_POLICY"),
                   "spincount": __import__("os").environ.get("GOMP_SPINCOUNT"),
-                  "governor": {"enabled": governor().enabled, "mode": stats.mode, "to_narrow": stats.to_narrow,
-                               "to_spread": stats.to_spread}}))
+                  "keepers": g.keeper.keepers if g.keeper else 0, "keeper_spins": g.keeper.spins if g.keeper else 0,
+                  "no_keeper_because": g.reason}))
 """
 
 

@@ -54,7 +54,9 @@ def test_keepers_start_only_where_they_help_and_cost_nothing():
     quota = WaitGovernor("adaptive", threads=2, cores=2, quota=1.5)
     assert quota.keeper is None and "quota" in quota.reason
     governor = WaitGovernor("adaptive", threads=4, cores=2)
-    assert governor.keeper is not None and governor.keeper.keepers == 1  # the cores the workers wake on, less ours
+    assert governor.keeper is not None and governor.keeper.keepers == 2  # one per core the kernels use
+    assert WaitGovernor("adaptive", threads=2, cores=2, keepers=1).keeper.keepers == 1
+    assert WaitGovernor("adaptive", threads=2, cores=2, keepers=0).keeper is None
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")

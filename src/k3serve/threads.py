@@ -13,8 +13,8 @@ widened K3 decode (benchmarks/bench_wait_policy.py, docs/BENCHMARKS.md):
 libgomp reads its setting once per process, so no choice of it is right in both cases. What k3serve does instead
 (`K3SERVE_WAIT_POLICY=adaptive`, the default):
 - the workers sleep at once (`OMP_WAIT_POLICY=PASSIVE`), and
-- while forwards are running, `CoreKeeper` keeps the cores the workers wake on busy with threads of the `SCHED_IDLE`
-  class: they spin in compiled code (no GIL held), so a worker's core never halts and its wake-up is a context
+- while forwards are running, `CoreKeeper` keeps the cores the kernels' threads run on (one keeper per core, up to
+  the thread count; `K3SERVE_CORE_KEEPERS` sets another number) busy with threads of the `SCHED_IDLE` class: they spin in compiled code (no GIL held), so a worker's core never halts and its wake-up is a context
   switch, not a virtual CPU's exit from halt; the kernel runs an idle-class thread only when nothing else wants the
   core, and preempts it the moment anything does, so on a loaded machine the keepers get (almost) no time and
   the workers behave exactly as PASSIVE ones. About 20 ms after the last forward the keepers stop spinning and
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 WAIT_POLICY_ENV = "K3SERVE_WAIT_POLICY"
 WAIT_POLICIES = ("adaptive", "passive", "active")
 OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+KEEPERS_ENV = "K3SERVE_CORE_KEEPERS"  # how many keepers (default: one per core the kernels' threads use)
 POLICY: str | None = None  # what configure_wait_policy decided for this process
 
 # the keepers' shared state: a generation bumped at each forward's start and end, the forwards in flight, stop
@@ -235,7 +236,7 @@ class WaitGovernor:
     """The process's choice of how kernel threads wait, applied around each outermost forward."""
 
     def __init__(self, policy: str, threads: int | None = None, cores: int | None = None,
-                 quota: float | None = None) -> None:
+                 quota: float | None = None, keepers: int | None = None) -> None:
         self.policy = policy
         self._local = threading.local()
         self.keeper: CoreKeeper | None = None
@@ -249,12 +250,15 @@ class WaitGovernor:
             threads = numba.config.NUMBA_NUM_THREADS
         if cores is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        keepers = min(threads, cores) if keepers is None else keepers
         if quota is not None:
             self.reason = f"CPU quota of {quota:g} cores (spinning would spend it)"
         elif min(threads, cores) < 2:
             self.reason = "one thread or one core"
+        elif keepers < 1:
+            self.reason = f"{KEEPERS_ENV}=0"
         else:
-            self.keeper = CoreKeeper(min(threads, cores) - 1)
+            self.keeper = CoreKeeper(keepers)
         if self.reason:
             logger.info("no core keepers: %s", self.reason)
 
@@ -283,7 +287,12 @@ def governor() -> WaitGovernor:
     global GOVERNOR
     if GOVERNOR is None:
         policy = POLICY if POLICY is not None else configure_wait_policy(dict(os.environ))
-        GOVERNOR = WaitGovernor(policy, quota=cpu_quota_cores() if policy == "adaptive" else None)
+        try:
+            keepers = int(os.environ[KEEPERS_ENV]) if os.environ.get(KEEPERS_ENV, "").strip() else None
+        except ValueError:
+            logger.warning("%s=%r is not an integer; using the default", KEEPERS_ENV, os.environ[KEEPERS_ENV])
+            keepers = None
+        GOVERNOR = WaitGovernor(policy, quota=cpu_quota_cores() if policy == "adaptive" else None, keepers=keepers)
     return GOVERNOR
 
 
