@@ -37,6 +37,10 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 logger = logging.getLogger(__name__)
 
@@ -111,53 +115,40 @@ def cpu_quota_cores(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self
     return None
 
 
-_KEEP_CORE = None
+@intrinsic
+def _usleep(typingctx, micros):
+    """libc's usleep(micros) from compiled code (the keepers sleep without taking the GIL)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32)]),
+                                            "usleep")
+        return builder.call(fn, [builder.trunc(args[0], ir.IntType(32))])
+    return types.int32(micros), codegen
 
 
-def _keep_core():
-    """The keepers' loop, compiled without the GIL (numba, cached): spin in chunks while a forward is in flight or
-    the generation moved within `quiet_chunks` chunks, else sleep `poll_short` microseconds (`poll_long` after
-    500 polls), until state[STOP]."""
-    global _KEEP_CORE
-    if _KEEP_CORE is not None:
-        return _KEEP_CORE
-    from llvmlite import ir
-    from numba import njit, types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def usleep(typingctx, micros):
-        def codegen(context, builder, signature, args):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32)]),
-                                                "usleep")
-            return builder.call(fn, [builder.trunc(args[0], ir.IntType(32))])
-        return types.int32(micros), codegen
-
-    @njit(nogil=True, cache=True)
-    def keep_core(state, spin_iterations, quiet_chunks, poll_short, poll_long):
-        seen = state[GENERATION]
-        quiet = quiet_chunks  # start stopped: nothing ran yet
-        polls = 0
-        x = np.uint64(1)
-        while state[STOP] == 0:
-            generation = state[GENERATION]
-            if generation != seen or state[IN_FLIGHT] > 0:
-                seen = generation
-                quiet = 0
-                polls = 0
-            if quiet < quiet_chunks:
-                for _ in range(spin_iterations):
-                    x = x * np.uint64(6364136223846793005) + np.uint64(1442695040888963407)
-                state[SPINS] += 1  # approximate where several keepers add at once
-                quiet += 1
-            else:
-                usleep(poll_short if polls < 500 else poll_long)
-                polls += 1
-        return x
-
-    _KEEP_CORE = keep_core
-    return keep_core
+@njit(nogil=True, cache=True)
+def keep_core(state, spin_iterations, quiet_chunks, poll_short, poll_long):
+    """The keepers' loop, without the GIL: spin in chunks while a forward is in flight or the generation moved
+    within `quiet_chunks` chunks, else sleep `poll_short` microseconds (`poll_long` after 500 polls), until
+    state[STOP]."""
+    seen = state[GENERATION]
+    quiet = quiet_chunks  # start stopped: nothing ran yet
+    polls = 0
+    x = np.uint64(1)
+    while state[STOP] == 0:
+        generation = state[GENERATION]
+        if generation != seen or state[IN_FLIGHT] > 0:
+            seen = generation
+            quiet = 0
+            polls = 0
+        if quiet < quiet_chunks:
+            for _ in range(spin_iterations):
+                x = x * np.uint64(6364136223846793005) + np.uint64(1442695040888963407)
+            state[SPINS] += 1  # approximate where several keepers add at once
+            quiet += 1
+        else:
+            _usleep(poll_short if polls < 500 else poll_long)
+            polls += 1
+    return x
 
 
 class CoreKeeper:
@@ -183,7 +174,6 @@ class CoreKeeper:
                 return True
             if self.error is not None or self.keepers < 1:
                 return False
-            keep_core = _keep_core()
             self.state[:] = 0
             self._pid = os.getpid()
             ready = threading.Barrier(self.keepers + 1)
