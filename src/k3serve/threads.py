@@ -201,6 +201,7 @@ class CoreKeeper:
                 self.threads = []
                 logger.info("core keepers not started: %s", self.error)
                 return False
+            logger.info("core keepers: %d idle-class threads spin while forwards run", self.keepers)
             return True
 
     def begin(self) -> None:
@@ -233,6 +234,7 @@ class WaitGovernor:
         self.reason = ""
         if policy != "adaptive":
             self.reason = f"policy {policy}"
+            logger.info("no core keepers: %s", self.reason)
             return
         if threads is None:
             import numba
