@@ -17,8 +17,8 @@ libgomp reads its setting once per process, so no choice of it is right in both 
   the thread count; `K3SERVE_CORE_KEEPERS` sets another number) busy with threads of the `SCHED_IDLE` class: they spin in compiled code (no GIL held), so a worker's core never halts and its wake-up is a context
   switch, not a virtual CPU's exit from halt; the kernel runs an idle-class thread only when nothing else wants the
   core, and preempts it the moment anything does, so on a loaded machine the keepers get (almost) no time and
-  the workers behave exactly as PASSIVE ones. About 20 ms after the last forward the keepers stop spinning and
-  poll every few milliseconds.
+  the workers behave exactly as PASSIVE ones. Tens of milliseconds after the last forward the keepers stop
+  spinning and poll every few milliseconds.
 `K3SERVE_WAIT_POLICY=passive` is PASSIVE without keepers (k3serve's default before 2026-12-06 evening), `active`
 is ACTIVE; an explicit `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment is respected (no keepers). The
 keepers are not started where the process's CPU time is capped by a cgroup quota (their spinning would spend the
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -52,8 +53,8 @@ POLICY: str | None = None  # what configure_wait_policy decided for this process
 
 # the keepers' shared state: a generation bumped at each forward's start and end, the forwards in flight, stop
 GENERATION, IN_FLIGHT, STOP, SPINS = 0, 1, 2, 3
-SPIN_ITERATIONS = 1024  # one spin chunk: a dependent multiply-add chain (about a microsecond), then the state again
-QUIET_CHUNKS = 15_000  # chunks without a forward before a keeper stops spinning (about 20 ms)
+SPIN_ITERATIONS = 64  # one spin chunk: 64 `pause`s (a few microseconds), then the state again
+QUIET_CHUNKS = 5_000  # chunks without a forward before a keeper stops spinning (tens of milliseconds)
 POLL_MICROS = (2_000, 20_000)  # a stopped keeper's poll interval: right after activity, and after a second idle
 
 
@@ -125,6 +126,21 @@ def _usleep(typingctx, micros):
     return types.int32(micros), codegen
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def _spin_pause(typingctx):
+    """The spin-wait hint (`pause` on x86; nothing elsewhere)."""
+    def codegen(context, builder, signature, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
 @njit(nogil=True, cache=True)
 def keep_core(state, spin_iterations, quiet_chunks, poll_short, poll_long):
     """The keepers' loop, without the GIL: spin in chunks while a forward is in flight or the generation moved
@@ -142,6 +158,7 @@ def keep_core(state, spin_iterations, quiet_chunks, poll_short, poll_long):
             polls = 0
         if quiet < quiet_chunks:
             for _ in range(spin_iterations):
+                _spin_pause()  # x86's `pause`: leaves a hyperthread sibling its share of the core
                 x = x * np.uint64(6364136223846793005) + np.uint64(1442695040888963407)
             state[SPINS] += 1  # approximate where several keepers add at once
             quiet += 1
