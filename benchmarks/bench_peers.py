@@ -19,10 +19,12 @@ its "real" the widened copy below, since one layer of the released K3's experts 
    of every shape, then prefill of each --prompt-lens (and --real-prompt-lens at real widths) at batch 1, decode
    of --decode-steps steps at each --batches size after a --decode-context-token prompt per sequence (llama.cpp:
    n_seq_max = the largest batch, one unified KV cache), and the process's peak RSS (VmHWM). 2 threads each.
-4. Wait policies (--policies): "default" runs both with OMP_WAIT_POLICY and GOMP_SPINCOUNT unset (each engine's
-   own default: k3serve sets PASSIVE, llama.cpp's libgomp spins, then sleeps), then ACTIVE and PASSIVE for both.
-   Reported per figure: the ratio at the defaults, and each engine's best policy against the other's best.
-5. The load average before and after each target and at the start of each run, in the record.
+4. Wait policies (--policies): "default" runs both with OMP_WAIT_POLICY, GOMP_SPINCOUNT and K3SERVE_WAIT_POLICY
+   unset (each engine's own default: k3serve's adaptive thread governor, k3serve/threads.py; llama.cpp's libgomp
+   spins, then sleeps), then ACTIVE and PASSIVE for both. Reported per figure: the ratio at the defaults, and each
+   engine's best policy against the other's best.
+5. The load average before and after each target and at the start of each run, in the record. --load-job N runs
+   every measurement beside another job (an N-thread OpenBLAS matmul loop): the loaded-machine row.
 One summary line per precision pair (defaults ratio first, best-policy ratio and the two policies in brackets) and
 a JSON record on the last line (--out also writes it). Figures: docs/BENCHMARKS.md.
 
@@ -618,6 +620,23 @@ def shapes_child(spec: dict, policy: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+LOAD_JOB = """
+import numpy as np
+a = np.random.default_rng(0).random((1024, 1024), dtype=np.float32)
+while True:
+    a = a @ a
+    a /= np.abs(a).max()
+"""
+
+
+def load_job(threads: int) -> subprocess.Popen:
+    """Another job on the machine for the loaded row: float32 1024x1024 matrix products on `threads` OpenBLAS
+    threads, in a loop, at numpy's defaults otherwise (its threads spin, then sleep, as OpenBLAS's do)."""
+    env = defaults_environment(threads)
+    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    return subprocess.Popen([sys.executable, "-c", LOAD_JOB], env=env, stdout=subprocess.DEVNULL)
+
+
 def measure_target(target: Target, args: argparse.Namespace) -> dict:
     """Every (engine, precision pair, policy) of `target`, alternated round by round in fresh processes; medians,
     each engine's default-policy figures and its best policy per figure, and the ratios of both."""
@@ -633,14 +652,20 @@ def measure_target(target: Target, args: argparse.Namespace) -> dict:
     for (engine, precision), spec in configs.items():  # untimed: numba compiles into its cache, pages come in
         if engine == "k3serve":
             shapes_child({**spec, "prompt_lens": [16], "decode_steps": 1}, args.policies[0])
-    load = [os.getloadavg()[0]]
-    for round_ in range(args.rounds):
-        for policy in args.policies:
-            for (engine, precision), spec in configs.items():
-                key = f"{engine} {precision} {policy}"
-                print(f"  {target.label} round {round_ + 1}/{args.rounds}: {key}", file=sys.stderr, flush=True)
-                runs.setdefault(key, []).append(shapes_child(spec, policy))
-    load.append(os.getloadavg()[0])
+    job = load_job(args.load_job) if args.load_job else None  # the loaded-machine row: another job on the cores
+    try:
+        load = [os.getloadavg()[0]]
+        for round_ in range(args.rounds):
+            for policy in args.policies:
+                for (engine, precision), spec in configs.items():
+                    key = f"{engine} {precision} {policy}"
+                    print(f"  {target.label} round {round_ + 1}/{args.rounds}: {key}", file=sys.stderr, flush=True)
+                    runs.setdefault(key, []).append(shapes_child(spec, policy))
+        load.append(os.getloadavg()[0])
+    finally:
+        if job is not None:
+            job.kill()
+            job.wait()
     figures = [f"prefill_{n}_tok_s" for n in prompt_lens] + [f"decode_b{b}_tok_s" for b in args.batches] + [
         "peak_rss_mib"]
     median = {}
@@ -716,12 +741,15 @@ def matrix(args: argparse.Namespace) -> None:
             for line in summary_lines(result):
                 print(line, flush=True)
     record = {"benchmark": "peers_matrix", "machine": describe_host(), "rounds": args.rounds,
-              "threads": args.threads, "policies": args.policies, "decode_context": args.decode_context,
+              "threads": args.threads, "policies": args.policies,
+              "load_job": ({"threads": args.load_job, "what": "float32 1024x1024 matmul loop, OpenBLAS"}
+                           if args.load_job else None), "decode_context": args.decode_context,
               "decode_steps": args.decode_steps, "batches": args.batches, "prompt_lens": args.prompt_lens,
               "real_prompt_lens": args.real_prompt_lens, "wall_s": round(time.time() - started, 1),
               "how_to_read": "ratio = k3serve / llama.cpp (speed: > 1 is k3serve faster; RSS: < 1 is k3serve "
-                             "smaller). 'defaults': both engines with OMP_WAIT_POLICY and GOMP_SPINCOUNT unset "
-                             "(k3serve then sets PASSIVE itself, llama.cpp's libgomp spins then sleeps); 'best': "
+                             "smaller). 'defaults': both engines with OMP_WAIT_POLICY, GOMP_SPINCOUNT and K3SERVE_WAIT_"
+                             "POLICY unset (k3serve then runs its adaptive thread governor, k3serve/threads.py, "
+                             "PASSIVE before 2026-12-06 evening; llama.cpp's libgomp spins then sleeps); 'best': "
                              "each engine's best median over the policies run, per figure, policy named.",
               "results": results}
     if args.out:
@@ -756,6 +784,9 @@ def main() -> None:
                              "vs Q8_0, mxfp4 vs MXFP4_MOE; K3 has one pair, its MXFP4 experts on both sides)")
     parser.add_argument("--policies", type=_csv(str), default=list(POLICIES),
                         help="OpenMP wait policies run for both engines: default (unset), ACTIVE, PASSIVE")
+    parser.add_argument("--load-job", type=int, default=0, metavar="THREADS",
+                        help="run every measurement beside another job: a THREADS-thread OpenBLAS matmul loop "
+                             "(the loaded-machine row; 0: none)")
     parser.add_argument("--prompt-lens", type=_csv(int), default=[512], help="prefill lengths, every size")
     parser.add_argument("--real-prompt-lens", type=_csv(int), default=[2048], help="and these at real widths")
     parser.add_argument("--batches", type=_csv(int), default=[1, 8], help="decode batch sizes (sequences)")

@@ -2,11 +2,13 @@
 loaded one: K3 decode ms/token per wait setting, each run a fresh process (libgomp reads its settings once).
 
     python benchmarks/bench_wait_policy.py [--model DIR | --embedded] [--rounds 3] [--steps 16] [--hogs 2]
+        [--job-threads 2] [--conditions idle,hogs,job]
 
 Settings: PASSIVE (sleep as soon as a region ends), GOMP_SPINCOUNT=N with the policy unset (spin N iterations,
-then sleep; libgomp's own default is 300,000), ACTIVE (spin until the next region), and `auto` (no variable set:
-k3serve's own choice, model/kernels.py). Conditions: idle, and loaded by --hogs busy-looping processes (other jobs
-on the machine). Within a condition the settings alternate round by round; medians. Default model: the widened
+then sleep; libgomp's own default is 300,000), ACTIVE (spin until the next region), and `adaptive` (no variable
+set: k3serve's default, PASSIVE workers and idle-class core keepers, k3serve/threads.py; `adaptive 1` with one keeper
+instead of one per core). Conditions: idle; `hogs`, loaded by --hogs
+busy-looping processes; `job`, loaded by another --job-threads-thread job (bench_peers.py's OpenBLAS matmul loop). Within a condition the settings alternate round by round; medians. Default model: the widened
 trained K3 of bench_peers.py (1.5 GB); --embedded for the 6.9M-parameter default (short regions, where the wake-up
 cost weighs most). Prints the machine, a table, one summary line and a JSON record on the last line.
 """
@@ -28,9 +30,10 @@ SETTINGS = {
     "spin 30k": {"GOMP_SPINCOUNT": "30000"},
     "spin 300k": {"GOMP_SPINCOUNT": "300000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
-    "auto": {},
+    "adaptive": {},
+    "adaptive 1": {"K3SERVE_CORE_KEEPERS": "1"},
 }
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS")
 
 CHILD = r"""
 import json, sys, time
@@ -40,18 +43,22 @@ from k3serve.model.interface import ForwardItem
 
 path, steps = (None if sys.argv[1] == "-" else sys.argv[1]), int(sys.argv[2])
 model = load_model(path).model
-prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 32)
+prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 32 + 4 + steps)
 cache = model.new_cache()
-model.forward([ForwardItem(prompt, cache)])
-for i in range(4):  # warm: first decode steps touch every page
+model.forward([ForwardItem(prompt[:32], cache)])
+for i in range(32, 36):  # warm: first decode steps touch every page
     model.forward([ForwardItem(prompt[i:i + 1], cache)])
 wall, cpu = time.perf_counter(), time.process_time()
-for i in range(steps):
+for i in range(36, 36 + steps):
     model.forward([ForwardItem(prompt[i:i + 1], cache)])
+from k3serve.threads import governor
+g = governor()
 print(json.dumps({"wall_ms": (time.perf_counter() - wall) / steps * 1e3,
                   "cpu_ms": (time.process_time() - cpu) / steps * 1e3,
                   "policy": __import__("os").environ.get("OMP_WAIT_POLICY"),
-                  "spincount": __import__("os").environ.get("GOMP_SPINCOUNT")}))
+                  "spincount": __import__("os").environ.get("GOMP_SPINCOUNT"),
+                  "keepers": g.keeper.keepers if g.keeper else 0, "keeper_spins": g.keeper.spins if g.keeper else 0,
+                  "no_keeper_because": g.reason}))
 """
 
 
@@ -70,6 +77,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy processes in the loaded runs")
+    parser.add_argument("--job-threads", type=int, default=2, help="threads of the other job in the `job` runs")
+    parser.add_argument("--conditions", default="idle,hogs,job", help="comma-separated subset of idle,hogs,job")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset of the settings")
     args = parser.parse_args()
 
@@ -80,11 +89,14 @@ def main() -> None:
     else:
         from bench_peers import widened_checkpoint
         model = str(args.model or widened_checkpoint(16, 32))
+    from bench_peers import load_job
+
     names = args.settings.split(",")
-    results: dict[str, dict[str, list[dict]]] = {"idle": {n: [] for n in names}, "loaded": {n: [] for n in names}}
-    for condition in ("idle", "loaded"):
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)] \
-            if condition == "loaded" else []
+    conditions = args.conditions.split(",")
+    results: dict[str, dict[str, list[dict]]] = {c: {n: [] for n in names} for c in conditions}
+    for condition in conditions:
+        hogs = ([subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
+                if condition == "hogs" else [load_job(args.job_threads)] if condition == "job" else [])
         try:
             for _ in range(args.rounds):
                 for name in names:
@@ -95,19 +107,17 @@ def main() -> None:
                 hog.wait()
     host = describe_host()
     print(host)
-    print(f"{'setting':<10} {'idle ms/token':>14} {'loaded ms/token':>16}")
-    medians = {}
+    print(f"{'setting':<10} " + " ".join(f"{c + ' ms/token':>16}" for c in conditions))
+    medians = {name: {f"{c}_ms": statistics.median(r["wall_ms"] for r in results[c][name]) for c in conditions}
+               for name in names}
     for name in names:
-        idle = statistics.median(r["wall_ms"] for r in results["idle"][name])
-        loaded = statistics.median(r["wall_ms"] for r in results["loaded"][name])
-        medians[name] = {"idle_ms": idle, "loaded_ms": loaded}
-        print(f"{name:<10} {idle:14.2f} {loaded:16.2f}")
-    best_idle = min(m["idle_ms"] for m in medians.values())
-    best_loaded = min(m["loaded_ms"] for m in medians.values())
-    print("relative to the best setting (idle, loaded): " + ", ".join(
-        f"{n} {m['idle_ms'] / best_idle:.2f}x/{m['loaded_ms'] / best_loaded:.2f}x" for n, m in medians.items()))
+        print(f"{name:<10} " + " ".join(f"{medians[name][c + '_ms']:16.2f}" for c in conditions))
+    best = {c: min(m[f"{c}_ms"] for m in medians.values()) for c in conditions}
+    print(f"relative to the best setting ({', '.join(conditions)}): " + ", ".join(
+        f"{n} " + "/".join(f"{m[c + '_ms'] / best[c]:.2f}x" for c in conditions) for n, m in medians.items()))
     print(json.dumps({"benchmark": "wait_policy", "host": host, "model": model, "steps": args.steps,
-                      "rounds": args.rounds, "hogs": args.hogs, "medians": medians, "runs": results}))
+                      "rounds": args.rounds, "hogs": args.hogs, "job_threads": args.job_threads,
+                      "medians": medians, "runs": results}))
 
 
 if __name__ == "__main__":

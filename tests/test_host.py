@@ -17,16 +17,16 @@ def test_the_record_names_this_machine():
 
 
 def test_a_peer_runs_at_its_own_defaults_not_at_the_wait_policy_k3serve_set(monkeypatch):
-    """Importing the kernels sets OMP_WAIT_POLICY=PASSIVE in this process; a child started "at its defaults" must not
-    inherit it (a benchmark once ran llama.cpp with its workers sleeping that way)."""
+    """A wait setting in this process (a benchmark's OMP_WAIT_POLICY, k3serve's own K3SERVE_WAIT_POLICY) must not
+    reach a child started "at its defaults" (a benchmark once ran llama.cpp with its workers sleeping that way)."""
     import os
 
-    import k3serve.model.kernels  # noqa: F401  (sets the variable when it was unset)
     from k3serve.host import defaults_environment
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    monkeypatch.setenv("K3SERVE_WAIT_POLICY", "passive")
     env = defaults_environment(2)
-    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env and "K3SERVE_WAIT_POLICY" not in env
     assert env["OMP_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == "2"
     assert env["PATH"] == os.environ["PATH"]

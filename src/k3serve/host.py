@@ -20,14 +20,14 @@ def describe_host() -> dict[str, object]:
             "load_average": os.getloadavg()[0]}
 
 
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY")
 
 
 def defaults_environment(threads: int | str) -> dict[str, str]:
-    """The environment for an engine run in a fresh process "at its defaults": this process's, less the OpenMP wait
-    variables, with `threads` threads. Importing k3serve's kernels sets OMP_WAIT_POLICY=PASSIVE in this process
-    (`model/kernels.py`); a child that inherited it would run llama.cpp with its workers sleeping, which is not
-    llama.cpp's default (bench_peers' figures before 2026-12-06 noon had that flaw: docs/BENCHMARKS.md)."""
+    """The environment for an engine run in a fresh process "at its defaults": this process's, less the wait
+    variables (OpenMP's and k3serve's), with `threads` threads. A benchmark may set OMP_WAIT_POLICY (or, before
+    2026-12-06 evening, importing k3serve's kernels set PASSIVE); a child that inherited it would run llama.cpp with
+    its workers sleeping, which is not llama.cpp's default (bench_peers' figures before 2026-12-06 noon had that flaw: docs/BENCHMARKS.md)."""
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
     env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
     return env

@@ -75,6 +75,33 @@ def _drafters(args: argparse.Namespace, config, target):
     return DrafterFactory(target, draft_model)
 
 
+def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
+    from k3serve.threads import WAIT_POLICIES
+
+    parser.add_argument("--wait-policy", choices=WAIT_POLICIES, default=None,
+                        help="how the kernels' threads wait between parallel regions: adaptive (the default: workers "
+                             "sleep, idle-class core keepers spin while forwards run, yielding to any other job), "
+                             "passive (workers sleep; no keepers), active (workers spin); overrides "
+                             "K3SERVE_WAIT_POLICY, OMP_WAIT_POLICY and GOMP_SPINCOUNT (k3serve/threads.py)")
+
+
+def apply_wait_policy(args: argparse.Namespace) -> None:
+    """--wait-policy into the environment, before the kernels are imported (they read it once, at import)."""
+    import os
+
+    from k3serve.threads import OPENMP_WAIT_VARIABLES, WAIT_POLICY_ENV
+
+    policy = getattr(args, "wait_policy", None)
+    if policy is None:
+        return
+    if "k3serve.model.kernels" in sys.modules:
+        logging.getLogger(__name__).warning("--wait-policy %s: the kernels were already imported; not applied", policy)
+        return
+    for name in OPENMP_WAIT_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ[WAIT_POLICY_ENV] = policy
+
+
 def _add_context_arg(parser: argparse.ArgumentParser) -> None:
     from k3serve.config import DEFAULT_MAX_MODEL_LEN
 
@@ -111,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "--speculative: heal first, then speculate)")
     _add_speculative_args(gen)
     _add_context_arg(gen)
+    _add_wait_policy_arg(gen)
 
     add_stream_args(gen)
     add_ram_controller_args(gen)
@@ -133,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_serve_args(serve)
+    _add_wait_policy_arg(serve)
     lab_choice = serve.add_mutually_exclusive_group()
     lab_choice.add_argument("--lab", action="store_true",
                             help="mount the lab page at /lab on any address (default: only on a loopback --host; "
@@ -525,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                             format="%(levelname)s %(name)s: %(message)s")
+        apply_wait_policy(args)
         with interrupts.policy():  # the first SIGINT/SIGTERM stops or drains, the second exits at once
             return {**COMMANDS, **STREAM_COMMANDS, **LAB_COMMANDS}[args.command](args)
     except BrokenPipeError:

@@ -38,6 +38,7 @@ from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, Pau
 from k3serve.model.restricted_routing import ResidentExperts, RestrictedRoutingSource
 from k3serve.model.weights import KDAWeights, MLAWeights, MoEWeights, WeightSource
 from k3serve.weights.quantized import QuantizedMatrix
+from k3serve.threads import governed
 
 
 def k3_cache_layout(config: K3Config) -> CacheLayout:
@@ -115,6 +116,7 @@ class K3Model(SingleSequenceMixin):
         draft.limit_experts(self.expert_top_p)
         return draft
 
+    @governed
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None,
                 at_pause: PauseHook | None = None) -> ForwardResult:

@@ -46,14 +46,12 @@ from __future__ import annotations
 import logging
 import os
 
-# OpenMP worker threads sleep as soon as a parallel region ends instead of spinning (set before numba starts its
-# OpenMP pool; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins, benchmarks/bench_wait_policy.py compares them).
-# Measured on the shared 2-core machine with other jobs running: the
-# widened K3 decoded at 36-47 ms per token passive and 1843 ms active, because spinning workers took the cores
-# from the thread that had work (and from OpenBLAS between the kernels); on an idle machine the difference is a
-# futex wake-up per region, a few microseconds.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# How OpenMP workers wait between parallel regions is set before numba starts its pool: by default libgomp's own
+# spin-then-sleep, with the kernels' thread count steered step by step (k3serve/threads.py); K3SERVE_WAIT_POLICY=
+# passive or active fixes it, and an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (benchmarks/bench_wait_policy.py).
+from k3serve.threads import configure_wait_policy  # noqa: E402
+
+configure_wait_policy()
 
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402

@@ -27,6 +27,7 @@ from k3serve.model.kernels import linear, widen_bf16
 from k3serve.model.routing import ExpertTopP, KeptExperts, Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
+from k3serve.threads import governed
 
 if TYPE_CHECKING:
     from k3serve.model.families.rope import Rotary
@@ -180,6 +181,7 @@ class FamilyModel(SingleSequenceMixin):
         expert store has not been checked for it."""
         return False
 
+    @governed
     def forward(self, items: Sequence[ForwardItem], keep_routing: bool = False,
                 on_routing: RoutingObserver | None = None,
                 at_pause: PauseHook | None = None) -> ForwardResult:

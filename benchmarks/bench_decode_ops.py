@@ -1,0 +1,243 @@
+"""Where a K3 decode step goes, op by op, in k3serve and in llama.cpp on the same weights: milliseconds and bytes
+per token per op, and each op's bandwidth against a STREAM triad (issue 33's "profile of what remains").
+
+    python benchmarks/bench_decode_ops.py [--steps 200] [--rounds 3] [--threads 2]
+        [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz]
+
+The model is the widened trained K3 of bench_peers.py (1.5 GB, MXFP4 experts, bf16 trunk; built once) and its GGUF
+from llama.cpp's own converter; each engine in a fresh process at its own defaults (`host.defaults_environment`),
+2 threads, the processes alternated round by round; medians.
+
+- k3serve: the model's kernel entry points are wrapped with a wall clock (routed experts, each module's `linear`,
+  the MLA and KDA cores); "the rest" is the step less the timed ops (Python, norms, routing, the residual
+  stack, small numpy calls). The wrappers cost about a microsecond per call (~100 calls a step). Bytes per op: the
+  weight bytes each call reads (a routed expert's MXFP4 bytes and scales; a trunk matrix as held).
+- llama.cpp: `perf record` (cpu-clock, 1999 Hz, both threads) started and stopped through its control fifo
+  around the timed decode only, samples grouped by symbol into the same ops (`ggml_vec_dot_mxfp4_q8_0`: routed
+  experts; `ggml_vec_dot_bf16` and the bf16 conversions: trunk matmuls; the activation quantizers; attention;
+  the thread pool's barrier and spin). An op's ms per token is its share of the samples times the decode's wall
+  time per token (every ggml op runs on all threads between barriers, so a CPU share is a wall share). Needs
+  `perf` (linux-perf); without it that side is skipped and said so.
+
+Prints the machine, one table per engine, and a JSON record on the last line (--out also writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+K3SERVE_CHILD = r"""
+import json, sys, time
+import numpy as np
+spec = json.loads(sys.argv[1])
+from k3serve.loading import load_model
+from k3serve.model import k3 as k3_module, kda, mla, moe
+from k3serve.model.interface import ForwardItem
+
+model = load_model(spec["checkpoint"]).model
+timers = {}
+bytes_read = {}
+
+def weight_bytes(w):
+    if isinstance(w, np.ndarray):
+        return w.nbytes
+    return sum(getattr(w, name).nbytes for name in ("data", "scales") if getattr(w, name, None) is not None)
+
+def wrap(module, name, op, count_bytes):
+    inner = getattr(module, name)
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        out = inner(*args, **kwargs)
+        timers[op] = timers.get(op, 0.0) + time.perf_counter() - started
+        bytes_read[op] = bytes_read.get(op, 0) + count_bytes(args)
+        return out
+    setattr(module, name, timed)
+
+def expert_bytes(args):
+    stacked, ids = args[0], args[1]
+    return sum(int(a[0].nbytes) for a in stacked) * len(ids)
+
+wrap(moe, "mxfp4_experts_accumulate_stacked", "routed experts (MXFP4)", expert_bytes)
+wrap(moe, "linear", "MoE trunk matmuls (latent down/up, shared expert)", lambda a: weight_bytes(a[1]))
+wrap(kda, "linear", "KDA projections", lambda a: weight_bytes(a[1]))
+wrap(mla, "linear", "MLA projections", lambda a: weight_bytes(a[1]))
+wrap(k3_module, "linear", "lm_head and dense MLP", lambda a: weight_bytes(a[1]))
+rng = np.random.default_rng(0)
+prompt = rng.integers(3, model.config.vocab_size - 8, 64)
+cache = model.new_cache()
+token = int(np.argmax(model.forward([ForwardItem(prompt, cache)]).logits[0][-1]))
+for _ in range(8):
+    token = int(np.argmax(model.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]))
+timers.clear(); bytes_read.clear()
+started = time.perf_counter()
+for _ in range(spec["steps"]):
+    token = int(np.argmax(model.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]))
+wall = (time.perf_counter() - started) / spec["steps"]
+ops = {op: {"ms": t / spec["steps"] * 1e3, "bytes": bytes_read[op] // spec["steps"]} for op, t in timers.items()}
+ops["the rest (Python, norms, routing, attention cores, residual stack)"] = {
+    "ms": wall * 1e3 - sum(o["ms"] for o in ops.values()), "bytes": 0}
+print(json.dumps({"wall_ms": wall * 1e3, "ops": ops}))
+"""
+
+LLAMA_CHILD = r"""
+import json, os, sys, time
+import numpy as np
+spec = json.loads(sys.argv[1])
+sys.path.insert(0, spec["benchmarks"])
+from bench_peers import _LlamaCppShapes
+engine = _LlamaCppShapes({"gguf": spec["gguf"], "batches": [1], "prompt_lens": [64], "decode_context": 64,
+                          "decode_steps": spec["steps"], "threads": spec["threads"]})
+rng = np.random.default_rng(0)
+first = engine.prefill([rng.integers(3, spec["vocab"] - 8, 64).tolist()])
+engine.decode([[first[0]]], 8)
+control = spec.get("control")
+if control:
+    with open(control, "w") as f:
+        f.write("enable\n")
+started = time.perf_counter()
+engine.decode([[first[0]]], spec["steps"])
+wall = (time.perf_counter() - started) / spec["steps"]
+if control:
+    with open(control, "w") as f:
+        f.write("disable\n")
+print(json.dumps({"wall_ms": wall * 1e3}))
+"""
+
+# llama.cpp's symbols -> the ops of the k3serve table (first match wins); the rest is "other"
+LLAMA_OPS = [
+    ("routed experts (MXFP4)", r"mxfp4"),
+    ("trunk matmuls (bf16)", r"vec_dot_bf16|bf16_to_fp32|fp32_to_bf16|gemm_bf16|mul_mat"),
+    ("activation quantization (q8_0)", r"quantize_row_q8|quantize_q8"),
+    ("attention", r"flash_attn|vec_dot_f16|soft_max|rope"),
+    ("thread pool (barrier, spin, wake)", r"barrier|gomp|omp_|futex|sched_yield|do_syscall|entry_SYSCALL|"
+                                          r"^0x0000"),
+    ("math (exp, tanh, sigmoid, norms)", r"exp|tanh|sigmoid|norm|silu|glu|unary|mul$|add$|forward_mul|"
+                                         r"forward_add|forward_scale|ssm|gla|delta"),
+]
+
+
+def llama_ops(perf_data: Path, wall_ms: float) -> dict:
+    report = subprocess.run(["perf", "report", "-i", str(perf_data), "--no-children", "--sort", "symbol",
+                             "-F", "overhead,sym", "--stdio", "-g", "none", "--percent-limit", "0"], capture_output=True, text=True)
+    shares: dict[str, float] = {}
+    symbols: dict[str, float] = {}
+    for line in report.stdout.splitlines():
+        match = re.match(r"\s*([\d.]+)%\s+\[[.k]\]\s+(.+?)\s*$", line)
+        if not match:
+            continue
+        share, symbol = float(match.group(1)) / 100, re.sub(r"[\s-]+$", "", match.group(2))
+        symbols[symbol] = symbols.get(symbol, 0.0) + share
+        op = next((name for name, pattern in LLAMA_OPS if re.search(pattern, symbol)), "other")
+        shares[op] = shares.get(op, 0.0) + share
+    total = sum(shares.values()) or 1.0
+    top = sorted(symbols.items(), key=lambda kv: -kv[1])[:12]
+    return {"ops": {op: {"share": s / total, "ms": s / total * wall_ms} for op, s in shares.items()},
+            "top_symbols": [{"symbol": sym, "share": s / total} for sym, s in top]}
+
+
+def run_k3serve(spec: dict) -> dict:
+    from k3serve.host import defaults_environment
+
+    done = subprocess.run([sys.executable, "-c", K3SERVE_CHILD, json.dumps(spec)], capture_output=True, text=True,
+                          env=defaults_environment(spec["threads"]), check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_llama(spec: dict, perf: str | None) -> dict:
+    from k3serve.host import defaults_environment
+
+    env = defaults_environment(spec["threads"])
+    command = [sys.executable, "-c", LLAMA_CHILD]
+    if perf is None:
+        done = subprocess.run([*command, json.dumps(spec)], capture_output=True, text=True, env=env, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        fifo, data = Path(tmp) / "ctl", Path(tmp) / "perf.data"
+        os.mkfifo(fifo)
+        spec = {**spec, "control": str(fifo)}
+        done = subprocess.run([perf, "record", "-e", "cpu-clock", "-F", "1999", "-D", "-1", "--control",
+                               f"fifo:{fifo}", "-o", str(data), "--", *command, json.dumps(spec)],
+                              capture_output=True, text=True, env=env, check=True)
+        out = json.loads(next(line for line in reversed(done.stdout.strip().splitlines()) if line.startswith("{")))
+        out.update(llama_ops(data, out["wall_ms"]))
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--inner", type=int, default=16)
+    parser.add_argument("--latent", type=int, default=32)
+    parser.add_argument("--sdist", type=Path, default=Path("/tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz"))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from bench_peers import build_gguf, llama_cpp_tree, triad_bandwidth, widened_checkpoint
+    from k3serve.host import describe_host
+    from k3serve.weights.checkpoint import Checkpoint
+
+    checkpoint = widened_checkpoint(args.inner, args.latent)
+    gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist))
+    vocab = Checkpoint(checkpoint).config.vocab_size
+    spec = {"checkpoint": str(checkpoint), "gguf": str(gguf), "steps": args.steps, "threads": args.threads,
+            "vocab": vocab, "benchmarks": str(HERE)}
+    perf = shutil.which("perf")
+    triad = triad_bandwidth()
+    runs: dict[str, list[dict]] = {"k3serve": [], "llama.cpp": []}
+    for round_ in range(args.rounds):
+        print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        runs["k3serve"].append(run_k3serve(spec))
+        runs["llama.cpp"].append(run_llama(spec, perf))
+    host = describe_host()
+    print(host, f"| triad {triad:.1f} GB/s | perf: {perf or 'not found (llama.cpp per-op skipped)'}")
+    record: dict = {"benchmark": "decode_ops", "machine": host, "triad_gb_s": triad, "steps": args.steps,
+                    "rounds": args.rounds, "threads": args.threads, "checkpoint": str(checkpoint),
+                    "gguf": str(gguf), "engines": {}, "runs": runs}
+    for engine, rs in runs.items():
+        wall = statistics.median(r["wall_ms"] for r in rs)
+        names = sorted({op for r in rs for op in r.get("ops", {})})
+        ops = {}
+        for op in names:
+            ms = statistics.median(r["ops"].get(op, {}).get("ms", 0.0) for r in rs)
+            entry = {"ms_per_token": ms, "share": ms / wall}
+            if engine == "k3serve":
+                nbytes = statistics.median(r["ops"][op]["bytes"] for r in rs if op in r["ops"])
+                entry["bytes_per_token"] = nbytes
+                if nbytes and ms > 0:
+                    entry["gb_s"] = nbytes / ms / 1e6
+                    entry["of_triad"] = entry["gb_s"] / triad
+            ops[op] = entry
+        record["engines"][engine] = {"wall_ms_per_token": wall, "tok_s": 1e3 / wall, "ops": ops}
+        print(f"\n{engine}: decode {wall:.2f} ms/token ({1e3 / wall:.1f} tok/s), medians of {len(rs)}")
+        print(f"  {'op':<62} {'ms/token':>9} {'share':>6} {'MB/token':>9} {'GB/s':>6} {'triad':>6}")
+        for op, e in sorted(ops.items(), key=lambda kv: -kv[1]["ms_per_token"]):
+            mb = f"{e['bytes_per_token'] / 1e6:9.2f}" if e.get("bytes_per_token") else f"{'':>9}"
+            gbs = f"{e['gb_s']:6.1f} {e['of_triad']:6.0%}" if "gb_s" in e else f"{'':>13}"
+            print(f"  {op:<62} {e['ms_per_token']:9.3f} {e['share']:6.1%} {mb} {gbs}")
+        if engine == "llama.cpp" and rs and "top_symbols" in rs[-1]:
+            print("  top symbols (last round): " + ", ".join(f"{s['symbol']} {s['share']:.1%}"
+                                                         for s in rs[-1]["top_symbols"][:8]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""How the kernels' threads wait (k3serve/threads.py): the policy set from K3SERVE_WAIT_POLICY, the CPU quota
+read from the cgroup files, when the core keepers start, and the keepers themselves (idle class, spinning while a
+forward is in flight, stopping on request)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from k3serve.threads import CoreKeeper, WaitGovernor, configure_wait_policy, cpu_quota_cores, governed
+
+
+def test_the_policy_sets_the_openmp_variables_and_an_explicit_one_wins(caplog):
+    env: dict[str, str] = {}
+    assert configure_wait_policy(env) == "adaptive" and env["OMP_WAIT_POLICY"] == "PASSIVE"  # + core keepers
+    env = {"K3SERVE_WAIT_POLICY": "passive"}
+    assert configure_wait_policy(env) == "passive" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    env = {"K3SERVE_WAIT_POLICY": "ACTIVE"}
+    assert configure_wait_policy(env) == "active" and env["OMP_WAIT_POLICY"] == "ACTIVE"
+    env = {"K3SERVE_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "1000"}
+    assert configure_wait_policy(env) == "explicit" and "OMP_WAIT_POLICY" not in env
+    with caplog.at_level(logging.WARNING, logger="k3serve.threads"):
+        assert configure_wait_policy({"K3SERVE_WAIT_POLICY": "spinny"}) == "adaptive"
+    assert "spinny" in caplog.text and "passive" in caplog.text
+
+
+def test_the_cpu_quota_is_read_from_cgroup_v2_and_v1(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job\n")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota_cores(str(tmp_path), str(proc)) is None
+    (tmp_path / "job" / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota_cores(str(tmp_path), str(proc)) == pytest.approx(1.5)
+    v1 = tmp_path / "v1"
+    (v1 / "cpu" / "job").mkdir(parents=True)
+    proc.write_text("4:cpu,cpuacct:/job\n")
+    (v1 / "cpu" / "job" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota_cores(str(v1), str(proc)) is None
+    (v1 / "cpu" / "job" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu" / "job" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota_cores(str(v1), str(proc)) == pytest.approx(0.5)
+    assert cpu_quota_cores(str(tmp_path / "none"), str(tmp_path / "missing")) is None
+
+
+def test_keepers_start_only_where_they_help_and_cost_nothing():
+    assert WaitGovernor("passive").keeper is None
+    assert WaitGovernor("explicit").keeper is None
+    assert WaitGovernor("adaptive", threads=1, cores=8).keeper is None
+    assert WaitGovernor("adaptive", threads=4, cores=1).keeper is None
+    quota = WaitGovernor("adaptive", threads=2, cores=2, quota=1.5)
+    assert quota.keeper is None and "quota" in quota.reason
+    governor = WaitGovernor("adaptive", threads=4, cores=2)
+    assert governor.keeper is not None and governor.keeper.keepers == 2  # one per core the kernels use
+    assert WaitGovernor("adaptive", threads=2, cores=2, keepers=1).keeper.keepers == 1
+    assert WaitGovernor("adaptive", threads=2, cores=2, keepers=0).keeper is None
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_a_keeper_is_idle_class_spins_while_a_forward_is_in_flight_and_stops():
+    keeper = CoreKeeper(1)
+    try:
+        assert keeper.start() and keeper.running
+        thread = keeper.threads[0]
+        assert os.sched_getscheduler(thread.native_id) == os.SCHED_IDLE
+        before = keeper.spins
+        keeper.begin()
+        deadline = time.monotonic() + 10  # an idle-class thread runs when a core is free: soon, even under load
+        while keeper.spins == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        keeper.end()
+        assert keeper.spins > before
+    finally:
+        keeper.stop()
+    if keeper.threads:
+        keeper.threads[0].join(timeout=10)
+        assert not keeper.threads[0].is_alive()
+
+
+def test_governed_keeps_the_forward_s_name_and_result_and_nests():
+    calls = []
+    governor = WaitGovernor("passive")
+
+    class Model:
+        @governed
+        def forward(self, x):
+            """doc"""
+            calls.append(x)
+            return x + 1
+
+    assert Model().forward(1) == 2 and calls == [1]
+    assert Model.forward.__name__ == "forward" and Model.forward.__doc__ == "doc"
+    with governor.step():
+        with governor.step():
+            assert governor._local.depth == 2
+    assert governor._local.depth == 0
