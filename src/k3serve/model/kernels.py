@@ -74,8 +74,9 @@ ROWS_PER_TASK = 16  # weight rows one parallel task computes (for every token ro
 # its own accumulator, so the bits do not depend on it; the compiled kernels take it as an argument, which callers
 # pass explicitly (numba's specialization for the omitted default ran ~15% slower on the widened experts).
 # The loop is bound by its vector uops (~7 zmm ops a group, double-pumped on Zen 4), not by the accumulator's FMA
-# latency, so more rows a pass gain little: the w1 and w3 rows of one index together (same x) were ~7% faster
-# than apart; consecutive w2 rows in pairs or quads were slower (docs/BENCHMARKS.md, "MXFP4 rows a pass").
+# latency, so more rows a pass gain little: the w1 and w3 rows of one index together (same x) ran ~1.1x as fast
+# as apart; consecutive w2 rows in pairs or quads were slower (docs/BENCHMARKS.md, "The MXFP4 expert row dot on
+# Zen 4").
 MXFP4_GATE_UP_ROWS_PER_DOT = 2
 MXFP4_ROWS_PER_DOT = 1
 # Below this many weights (K * R * C) one thread is faster than waking the pool (the tiny model's 64x64
@@ -740,14 +741,12 @@ def _mxfp4_q8_row_dot_codegen(context, builder, signature, args):
     last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
     spread = ir.Constant(vi, [lane // 4 for lane in range(16)])
 
-    def scale_bits(byte):  # i32 scale byte(s) -> float bits of 2^(byte - 127), byte 255 -> 0
-        shifted = builder.shl(byte, ir.Constant(byte.type, [23] * byte.type.count) if isinstance(byte.type,
-                              ir.VectorType) else ir.Constant(_I32, 23))
-        is_nan = builder.icmp_unsigned("==", byte, ir.Constant(byte.type, [255] * byte.type.count)
-                                       if isinstance(byte.type, ir.VectorType) else ir.Constant(_I32, 255))
-        zero = ir.Constant(byte.type, [0] * byte.type.count) if isinstance(byte.type, ir.VectorType) else \
-            ir.Constant(_I32, 0)
-        return builder.select(is_nan, zero, shifted)
+    four = _vector(_I32, Q8_VNNI_GROUPS_PER_STEP)
+
+    def scale_bits(scale_bytes):  # i32 [4] scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0
+        shifted = builder.shl(scale_bytes, ir.Constant(four, [23] * 4))
+        is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(four, [255] * 4))
+        return builder.select(is_nan, ir.Constant(four, [0] * 4), shifted)
 
     def step_dot(step, tail: bool):
         """acc += the 4 groups of `step`; the tail step masks the row's end (zero nibbles meet zero q)."""
@@ -772,17 +771,17 @@ def _mxfp4_q8_row_dot_codegen(context, builder, signature, args):
         lane_base = builder.mul(step, ir.Constant(index_type, 16))
         sums = builder.sub(sums, _load(builder, corrections.data, lane_base, vi, 4))
         first_group = builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
-        if tail:  # groups past the row's end read the last group's byte (finite; its q and d are 0)
-            exponents = ir.Constant(_vector(_I32, 4), ir.Undefined)
+        if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
+            scale_bytes = ir.Constant(four, ir.Undefined)
             for slot in range(Q8_VNNI_GROUPS_PER_STEP):
                 group = builder.add(first_group, ir.Constant(index_type, slot))
                 group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
                 byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
-                exponents = builder.insert_element(exponents, scale_bits(byte), ir.Constant(_I32, slot))
+                scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
         else:
-            four = _vector(_I8, 4)
-            bytes4 = builder.load(builder.bitcast(builder.gep(srow.data, [first_group]), four.as_pointer()), align=1)
-            exponents = scale_bits(builder.zext(bytes4, _vector(_I32, 4)))
+            pointer = builder.bitcast(builder.gep(srow.data, [first_group]), _vector(_I8, 4).as_pointer())
+            scale_bytes = builder.zext(builder.load(pointer, align=1), four)
+        exponents = scale_bits(scale_bytes)
         lanes = builder.shuffle_vector(exponents, exponents, spread)
         scale = builder.fmul(builder.bitcast(lanes, vf), _load(builder, lane_scales.data, lane_base, vf, 4))
         builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(acc_slot)]), acc_slot)
