@@ -13,6 +13,7 @@ one index together, the default; 2/2 and 4/4), and q8 (the int8 VNNI path, activ
 relative RMS error against the float path is printed).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_mxfp4_row_dots.py [--rounds 7] [--calls 32] [--threads 1 2]
+(K3SERVE_MXFP4_ISA=avx2 runs every variant, the int8 one included, on AVX2.)
 Prints one line per (shape, threads): median wall ms of each variant (stage 1 + stage 2), its CPU ms, GB/s, the
 default's and q8's gain over 1/1; then a JSON record on the last line.
 """
@@ -55,6 +56,7 @@ def _experts_case(rng: np.random.Generator, inner: int, latent: int, count: int)
     gate, up = np.empty((ACTIVE, inner), np.float32), np.empty((ACTIVE, inner), np.float32)
     out = np.empty((ACTIVE, latent), np.float32)
     code = kernels.ISA_CODES[kernels.ISA]
+    q8_code = kernels._q8_isa_code(kernels.ISA if kernels.ISA in kernels.Q8_ISAS else None) if kernels.Q8_ISAS else -1
     state = {"call": 0}
 
     def run(rows_per_dot: tuple[int, int] | str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -63,9 +65,9 @@ def _experts_case(rng: np.random.Generator, inner: int, latent: int, count: int)
         expert_ids = (first + np.arange(ACTIVE, dtype=np.int64)) % count
         if rows_per_dot == "q8":  # the int8 path's two stages, each with its activation quantization
             kernels._experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *kernels._q8_vnni_prepare(z), tokens, starts,
-                                        ends, gate, up)
+                                        ends, q8_code, gate, up)
             kernels._experts_q8_down(w2p, w2s, expert_ids, *kernels._q8_vnni_prepare(hidden_natural), starts, ends,
-                                     out)
+                                     q8_code, out)
             return gate, up, out
         kernels._experts_gate_up_parallel(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends,
                                           kernels._HALF_SCALES, code, gate, up, rows_per_dot[0])
@@ -89,7 +91,8 @@ def _matmul_case(rng: np.random.Generator):
 
     def run(rows_per_dot: tuple[int, int] | str) -> tuple[np.ndarray]:
         if rows_per_dot == "q8":
-            out[:] = kernels.mxfp4_matmul_q8(packed, scales, x)
+            out[:] = kernels.mxfp4_matmul_q8(packed, scales, x, isa=kernels.ISA if kernels.ISA in kernels.Q8_ISAS
+                                             else None)
             return (out,)
         kernels._matmul_parallel(packed, scales, xp, kernels._HALF_SCALES, code, out, rows_per_dot[1])
         return (out,)
@@ -125,7 +128,9 @@ def main() -> None:
     kernels.warmup()
     rng = np.random.default_rng(0)
     records = []
-    print(f"isa {kernels.ISA} | numba threads available {numba.config.NUMBA_NUM_THREADS} | {args.rounds} rounds x "
+    int8_isa = kernels.ISA if kernels.ISA in kernels.Q8_ISAS else (kernels.Q8_ISAS or ("none",))[-1]
+    print(f"isa {kernels.ISA} (int8 path: {int8_isa}) | numba threads available {numba.config.NUMBA_NUM_THREADS} | "
+          f"{args.rounds} rounds x "
           f"{args.calls} calls")
     for shape in args.shapes:
         if shape == "matmul":
@@ -135,7 +140,7 @@ def main() -> None:
             run, nbytes = _experts_case(rng, inner, latent, args.experts or count)
         for threads in args.threads:
             numba.set_num_threads(threads)
-            variants = VARIANTS + (("q8",) if kernels.Q8_VNNI_AVAILABLE else ())
+            variants = VARIANTS + (("q8",) if kernels.Q8_ISAS else ())
             for rows_per_dot in variants:  # compile / first touch
                 run(rows_per_dot)
             same_bits, q8_error = _same_bits_and_q8_error(run, variants)

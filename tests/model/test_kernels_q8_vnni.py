@@ -1,6 +1,7 @@
-"""The opt-in MXFP4 x int8 path (`kernels.mxfp4_matmul_q8`, `mxfp4_experts_run(activations="q8")`): equal to its
-exact twin (Q8_0-quantized activations times the dequantized weights, in float64) on odd group counts and 255
-scales, its error against the float path reported and bounded, and refused clearly where the CPU lacks VNNI."""
+"""The opt-in MXFP4 x int8 path (`kernels.mxfp4_matmul_q8`, `mxfp4_experts_run(activations="q8")`) on every
+instruction set this CPU has for it (AVX-512 VNNI, AVX2): equal to its exact twin (Q8_0-quantized activations times
+the dequantized weights, in float64) on odd group counts and 255 scales, its error against the float path reported
+and bounded, and refused clearly on an instruction set without it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from k3serve.model import kernels
 from k3serve.model.ops import situ_glu
 from k3serve.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
-needs_vnni = pytest.mark.skipif(not kernels.Q8_VNNI_AVAILABLE, reason="covered by test_refused_without_vnni")
 
 
 def _relative_rms(got: np.ndarray, want: np.ndarray) -> float:
@@ -24,10 +24,10 @@ def _dequantized_activations(x: np.ndarray) -> np.ndarray:
     return (q.reshape(x.shape[0], -1, 32).astype(np.float64) * d[:, :, None]).reshape(x.shape)
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", kernels.Q8_ISAS)
 @pytest.mark.parametrize(("rows", "cols", "num_tokens"), [(1, 32, 1), (7, 96, 2), (9, 160, 3), (37, 3584, 1),
                                                           (20, 2080, 2)])
-def test_q8_matmul_equals_its_exact_twin(rows: int, cols: int, num_tokens: int) -> None:
+def test_q8_matmul_equals_its_exact_twin(isa: str, rows: int, cols: int, num_tokens: int) -> None:
     """1 to 4 groups in the last VNNI step (the masked tail), 255-scale groups; against float64 of the same
     quantized inputs the only error is float32 summation."""
     rng = np.random.default_rng(rows + cols)
@@ -35,7 +35,7 @@ def test_q8_matmul_equals_its_exact_twin(rows: int, cols: int, num_tokens: int) 
     scales = rng.integers(116, 127, size=(rows, cols // 32), dtype=np.uint8)
     scales.reshape(-1)[1::5] = 255
     x = rng.standard_normal((num_tokens, cols)).astype(np.float32)
-    got = kernels.mxfp4_matmul_q8(packed, scales, x)
+    got = kernels.mxfp4_matmul_q8(packed, scales, x, isa=isa)
     twin = _dequantized_activations(x) @ dequantize_mxfp4(packed, scales).T.astype(np.float64)  # [T, R]
     assert got.shape == (num_tokens, rows) and got.dtype == np.float32
     assert _relative_rms(got, twin) < 1e-6
@@ -45,9 +45,9 @@ def test_q8_matmul_equals_its_exact_twin(rows: int, cols: int, num_tokens: int) 
     assert 1e-4 < error < 5e-2, error
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", kernels.Q8_ISAS)
 @pytest.mark.parametrize(("latent", "inter"), [(64, 96), (256, 160)])
-def test_q8_experts_equal_their_twin_and_stay_near_the_float_path(latent: int, inter: int) -> None:
+def test_q8_experts_equal_their_twin_and_stay_near_the_float_path(isa: str, latent: int, inter: int) -> None:
     rng = np.random.default_rng(latent + inter)
     mats = [[quantize_mxfp4((s * rng.normal(size=shape)).astype(np.float32)) for s, shape in
              ((2.0, (inter, latent)), (20.0, (inter, latent)), (0.1, (latent, inter)))] for _ in range(4)]
@@ -55,7 +55,8 @@ def test_q8_experts_equal_their_twin_and_stay_near_the_float_path(latent: int, i
     expert_ids, tokens = np.array([1, 3], np.int64), np.array([0, 2, 1], np.int64)
     starts, ends = np.array([0, 2], np.int64), np.array([2, 3], np.int64)
     z = rng.normal(size=(3, latent)).astype(np.float32)
-    got = kernels.mxfp4_experts_run(stacked, expert_ids, z, tokens, starts, ends, 4.0, 25.0, activations="q8")
+    got = kernels.mxfp4_experts_run(stacked, expert_ids, z, tokens, starts, ends, 4.0, 25.0, isa=isa,
+                                    activations="q8")
     float_path = kernels.mxfp4_experts_run(stacked, expert_ids, z, tokens, starts, ends, 4.0, 25.0,
                                            activations="f32")
     zq = _dequantized_activations(z)
@@ -77,8 +78,20 @@ def test_unknown_activations_are_refused() -> None:
                                   25.0, activations="int4")
 
 
-@pytest.mark.skipif(kernels.Q8_VNNI_AVAILABLE, reason="this CPU has VNNI: the path itself is tested above")
-def test_refused_without_vnni() -> None:
-    with pytest.raises(ValueError, match="VNNI"):
+def test_instruction_set_without_the_int8_path_is_refused() -> None:
+    with pytest.raises(ValueError, match="int8 path"):
         kernels.mxfp4_matmul_q8(np.zeros((1, 16), np.uint8), np.full((1, 1), 127, np.uint8),
-                                np.ones((1, 32), np.float32))
+                                np.ones((1, 32), np.float32), isa="portable")
+
+
+def test_int8_instruction_sets_agree_closely() -> None:
+    """AVX-512 and AVX2 group the lanes differently (other float bits), but sum the same exact int32 group sums."""
+    if len(kernels.Q8_ISAS) < 2:
+        assert kernels.Q8_ISAS in ((), ("avx2",)), kernels.Q8_ISAS
+        return
+    rng = np.random.default_rng(4)
+    packed = rng.integers(0, 256, size=(33, 1120), dtype=np.uint8)  # [33, 2240]: 70 groups, a 2-group tail
+    scales = rng.integers(116, 127, size=(33, 70), dtype=np.uint8)
+    x = rng.standard_normal((2, 2240)).astype(np.float32)
+    wide, narrow = (kernels.mxfp4_matmul_q8(packed, scales, x, isa=isa) for isa in ("avx512", "avx2"))
+    assert _relative_rms(wide, narrow.astype(np.float64)) < 1e-6

@@ -35,7 +35,7 @@ into the permuted group order), stage 2 multiplies by w2, both spread over the c
 The row dot can compute 2 or 4 rows of one matrix against the same x in one pass (`_row_dots2`, `_row_dots4`), each
 row with its own accumulator and the one-row operation order, so with the same bits; stage 1 uses it for the w1
 and w3 rows of one index. An opt-in path (section "MXFP4 x int8") quantizes the activations to Q8_0 and sums int8
-products exactly (AVX-512 VNNI), llama.cpp's arithmetic: about twice the float path's speed, other bits.
+products exactly (AVX-512 VNNI or AVX2), llama.cpp's arithmetic: about twice the float path's speed, other bits.
 
 TODO: prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode is one
 instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
@@ -674,7 +674,7 @@ def quantized_matmul(w: QuantizedMatrix, x: np.ndarray, isa: str | None = None) 
     assert w.scales is not None
     return mxfp4_matmul(w.data, w.scales, x, isa=isa)
 
-# ------------------------------------------------------------------------------------------- MXFP4 x int8 (VNNI)
+# ------------------------------------------------------------------------------------------- MXFP4 x int8
 # An opt-in decode path that trades the float path's bits for fewer vector ops a weight (`activations="q8"`): the
 # activation row is quantized as the Q8_0 trunk quantizes it (`quantize_activations`: blocks of 32, d = max|x| /
 # 127 rounded to half, q = round(x / d)), llama.cpp's ggml_vec_dot_mxfp4_q8_0 semantics, and each group's sum is
@@ -682,18 +682,21 @@ def quantized_matmul(w: QuantizedMatrix, x: np.ndarray, isa: str | None = None) 
 #
 #     y[r] = sum_g m[r, g] d[g] * sum_{k < 32} V[nibble(r, 32 g + k)] q[32 g + k]
 #
-# AVX-512 VNNI, 4 groups (64 weight bytes) a step: the nibbles index a 16-byte table of V + 12 (unsigned, vpshufb),
-# vpdpbusd multiplies them with the int8 q and sums 4 products a lane; 12 sum q, which depends on x only, is
-# subtracted once per lane (`_q8_vnni_activations` precomputes it). Lane l of a step holds group l // 4, so the
-# float scale m[r, g] d[g] is one vector a step: m from the scale byte's exponent bits (byte 255 -> 0; byte 0, a
-# 2^-128 scale, -> 0 too). ~4 zmm ops a group against the float path's ~7. The float path stays the default.
+# 4 groups (64 weight bytes) a step: the nibbles index a 16-byte table of V + 12 (unsigned, vpshufb); AVX-512 VNNI's
+# vpdpbusd multiplies them with the int8 q and sums 4 products a lane (AVX2: vpmaddubsw, then vpmaddwd by ones, in
+# two parts of 2 groups); 12 sum q, which depends on x only, is subtracted once per lane (`_q8_vnni_activations`
+# precomputes it). Lane l of a part holds group l // 4, so the float scale m[r, g] d[g] is one vector a part: m from
+# the scale byte's exponent bits (byte 255 -> 0; byte 0, a 2^-128 scale, -> 0 too). ~4 zmm ops a group against the
+# float path's ~7. The two instruction sets give other bits (lane grouping); the float path stays the default.
 Q8_VNNI_GROUPS_PER_STEP = 4
-Q8_VNNI_AVAILABLE = "avx512" in AVAILABLE_ISAS and "avx512vnni" in _FEATURES
+Q8_ISAS: tuple[str, ...] = tuple(name for name, present in (("avx2", "avx2" in AVAILABLE_ISAS),
+                                                              ("avx512", "avx512" in AVAILABLE_ISAS
+                                                               and "avx512vnni" in _FEATURES)) if present)
 # Debug toggle: "q8" runs the routed experts (`mxfp4_experts_run`) on this path; read at each call.
 MXFP4_ACTIVATIONS = os.environ.get("K3SERVE_MXFP4_ACTIVATIONS", "f32")
-if MXFP4_ACTIVATIONS not in ("f32", "q8") or (MXFP4_ACTIVATIONS == "q8" and not Q8_VNNI_AVAILABLE):
-    raise RuntimeError(f"K3SERVE_MXFP4_ACTIVATIONS={MXFP4_ACTIVATIONS!r}: known f32, q8 (q8 needs AVX-512 VNNI, "
-                       f"available here: {Q8_VNNI_AVAILABLE})")
+if MXFP4_ACTIVATIONS not in ("f32", "q8") or (MXFP4_ACTIVATIONS == "q8" and not Q8_ISAS):
+    raise RuntimeError(f"K3SERVE_MXFP4_ACTIVATIONS={MXFP4_ACTIVATIONS!r}: known f32, q8 (q8 needs AVX2 or AVX-512 "
+                       f"VNNI; here: {Q8_ISAS})")
 _V_OFFSET = 12  # V + 12 >= 0 for every V
 
 
@@ -720,95 +723,157 @@ def _q8_vnni_activations(q, d, xq, corrections, lane_scales):
                 lane_scales[t, step * 16 + slot * 4 + lane] = d[t, g] * np.float32(0.5)
 
 
-def _mxfp4_q8_row_dot_codegen(context, builder, signature, args):
-    prow, srow, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
-                                                for t, a in zip(signature.args, args))
-    (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
-    module = builder.module
-    index_type = ir.IntType(64)
-    vb, vi, vf, vk = _vector(_I8, 64), _vector(_I32, 16), _vector(_F32, 16), _vector(ir.IntType(1), 64)
-    pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx512.pshuf.b.512")
-    dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512")
-    fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v16f32")
-    masked_load = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb.as_pointer(), _I32, vk, vb]),
-                                                 "llvm.masked.load.v64i8.p0")
-    table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * 4)
-    nibble_mask = ir.Constant(vb, [15] * 64)
-    iota = ir.Constant(vb, list(range(64)))
-    row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
-    full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
-    acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16))
-    last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
-    spread = ir.Constant(vi, [lane // 4 for lane in range(16)])
+def _mxfp4_q8_row_dot_codegen(lanes: int):
+    """IR of the int8 row dot with `lanes` int32 lanes: 16 (AVX-512 VNNI: a step's 64 weight bytes at once, two
+    vpdpbusd) or 8 (AVX2: two parts of 32 bytes, vpmaddubsw then vpmaddwd by ones; the i16 sums stay under 2 x 2 x
+    24 x 127 = 12192, no saturation). Lane l of a part holds group l // 4 of it."""
+    part_bytes, groups_per_part = 4 * lanes, lanes // 4
+    parts = Q8_VNNI_GROUPS_PER_STEP // groups_per_part
 
-    four = _vector(_I32, Q8_VNNI_GROUPS_PER_STEP)
-
-    def scale_bits(scale_bytes):  # i32 [4] scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0
-        shifted = builder.shl(scale_bytes, ir.Constant(four, [23] * 4))
-        is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(four, [255] * 4))
-        return builder.select(is_nan, ir.Constant(four, [0] * 4), shifted)
-
-    def step_dot(step, tail: bool):
-        """acc += the 4 groups of `step`; the tail step masks the row's end (zero nibbles meet zero q)."""
-        byte_base = builder.mul(step, ir.Constant(index_type, 64))
-        pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
-        if tail:
-            in_row = builder.trunc(builder.sub(row_bytes, byte_base), _I8)
-            mask = builder.icmp_unsigned("<", iota, _splat(builder, in_row, 64))
-            packed = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(vb, [0] * 64)])
+    def codegen(context, builder, signature, args):
+        prow, srow, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
+                                                    for t, a in zip(signature.args, args))
+        (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
+        module = builder.module
+        index_type = ir.IntType(64)
+        vb, vi, vf = _vector(_I8, part_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), part_bytes), vb]),
+            f"llvm.masked.load.v{part_bytes}i8.p0")
+        if lanes == 16:
+            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]),
+                                                    "llvm.x86.avx512.pshuf.b.512")
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
         else:
-            packed = builder.load(pointer, align=1)
-        low = builder.and_(packed, nibble_mask)
-        high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * 64)), nibble_mask)
-        weights_low = builder.bitcast(builder.call(pshufb, [table, low]), vi)
-        weights_high = builder.bitcast(builder.call(pshufb, [table, high]), vi)
-        x_base = builder.mul(step, ir.Constant(index_type, 128))
+            vw = _vector(ir.IntType(16), 16)
+            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.pshuf.b")
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+            ones = ir.Constant(vw, [1] * 16)
+        table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * (part_bytes // 16))
+        nibble_mask = ir.Constant(vb, [15] * part_bytes)
+        iota = ir.Constant(vb, list(range(part_bytes)))
+        row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
+        full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
+        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+        last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
+        scale_type = _vector(_I32, groups_per_part)
+        spread = ir.Constant(vi, [lane // 4 for lane in range(lanes)])
         x_bytes = builder.bitcast(xq.data, _I8.as_pointer())
-        x_even = _load(builder, x_bytes, x_base, vi, 1)
-        x_odd = _load(builder, x_bytes, builder.add(x_base, ir.Constant(index_type, 64)), vi, 1)
-        sums = builder.call(dpbusd, [ir.Constant(vi, [0] * 16), weights_low, x_even])
-        sums = builder.call(dpbusd, [sums, weights_high, x_odd])
-        lane_base = builder.mul(step, ir.Constant(index_type, 16))
-        sums = builder.sub(sums, _load(builder, corrections.data, lane_base, vi, 4))
-        first_group = builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
-        if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
-            scale_bytes = ir.Constant(four, ir.Undefined)
-            for slot in range(Q8_VNNI_GROUPS_PER_STEP):
-                group = builder.add(first_group, ir.Constant(index_type, slot))
-                group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
-                byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
-                scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
-        else:
-            pointer = builder.bitcast(builder.gep(srow.data, [first_group]), _vector(_I8, 4).as_pointer())
-            scale_bytes = builder.zext(builder.load(pointer, align=1), four)
-        exponents = scale_bits(scale_bytes)
-        lanes = builder.shuffle_vector(exponents, exponents, spread)
-        scale = builder.fmul(builder.bitcast(lanes, vf), _load(builder, lane_scales.data, lane_base, vf, 4))
-        builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(acc_slot)]), acc_slot)
 
-    with cgutils.for_range(builder, full_steps) as loop:
-        step_dot(loop.index, tail=False)
-    has_tail = builder.icmp_unsigned("!=", builder.mul(full_steps, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)),
-                                     num_groups)
-    with builder.if_then(has_tail):
-        step_dot(full_steps, tail=True)
-    return _pairwise_sum(builder, builder.load(acc_slot), 16)
+        def scale_bits(scale_bytes):  # i32 scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0
+            shifted = builder.shl(scale_bytes, ir.Constant(scale_type, [23] * groups_per_part))
+            is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(scale_type, [255] * groups_per_part))
+            return builder.select(is_nan, ir.Constant(scale_type, [0] * groups_per_part), shifted)
+
+        def part_dot(step, part: int, tail: bool):
+            """acc += the groups of one part of `step`; the tail step masks the row's end (zero nibbles meet
+            zero q)."""
+            byte_base = builder.add(builder.mul(step, ir.Constant(index_type, 64)),
+                                    ir.Constant(index_type, part * part_bytes))
+            pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
+            if tail:
+                remaining = builder.sub(row_bytes, byte_base)
+                remaining = builder.select(builder.icmp_signed("<", remaining, ir.Constant(index_type, 0)),
+                                           ir.Constant(index_type, 0), remaining)
+                remaining = builder.select(builder.icmp_signed(">", remaining, ir.Constant(index_type, part_bytes)),
+                                           ir.Constant(index_type, part_bytes), remaining)
+                mask = builder.icmp_unsigned("<", iota, _splat(builder, builder.trunc(remaining, _I8), part_bytes))
+                packed = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), mask,
+                                                    ir.Constant(vb, [0] * part_bytes)])
+            else:
+                packed = builder.load(pointer, align=1)
+            low = builder.and_(packed, nibble_mask)
+            high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * part_bytes)), nibble_mask)
+            weights_low, weights_high = builder.call(pshufb, [table, low]), builder.call(pshufb, [table, high])
+            x_base = builder.add(builder.mul(step, ir.Constant(index_type, 128)),
+                                 ir.Constant(index_type, part * part_bytes))
+            x_even = _load(builder, x_bytes, x_base, vb, 1)
+            x_odd = _load(builder, x_bytes, builder.add(x_base, ir.Constant(index_type, 64)), vb, 1)
+            if lanes == 16:
+                sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(weights_low, vi),
+                                             builder.bitcast(x_even, vi)])
+                sums = builder.call(dpbusd, [sums, builder.bitcast(weights_high, vi), builder.bitcast(x_odd, vi)])
+            else:
+                pairs = builder.add(builder.call(maddubs, [weights_low, x_even]),
+                                    builder.call(maddubs, [weights_high, x_odd]))
+                sums = builder.call(maddwd, [pairs, ones])
+            lane_base = builder.add(builder.mul(step, ir.Constant(index_type, 16)),
+                                    ir.Constant(index_type, part * lanes))
+            sums = builder.sub(sums, _load(builder, corrections.data, lane_base, vi, 4))
+            first_group = builder.add(builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)),
+                                      ir.Constant(index_type, part * groups_per_part))
+            if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
+                scale_bytes = ir.Constant(scale_type, ir.Undefined)
+                for slot in range(groups_per_part):
+                    group = builder.add(first_group, ir.Constant(index_type, slot))
+                    group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
+                    byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
+                    scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
+            else:
+                pointer = builder.bitcast(builder.gep(srow.data, [first_group]),
+                                          _vector(_I8, groups_per_part).as_pointer())
+                scale_bytes = builder.zext(builder.load(pointer, align=1), scale_type)
+            exponents = scale_bits(scale_bytes)
+            spread_bits = builder.shuffle_vector(exponents, exponents, spread)
+            scale = builder.fmul(builder.bitcast(spread_bits, vf), _load(builder, lane_scales.data, lane_base, vf, 4))
+            builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(acc_slot)]), acc_slot)
+
+        with cgutils.for_range(builder, full_steps) as loop:
+            for part in range(parts):
+                part_dot(loop.index, part, tail=False)
+        has_tail = builder.icmp_unsigned(
+            "!=", builder.mul(full_steps, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)), num_groups)
+        with builder.if_then(has_tail):
+            for part in range(parts):
+                part_dot(full_steps, part, tail=True)
+        return _pairwise_sum(builder, builder.load(acc_slot), lanes)
+
+    return codegen
 
 
 @intrinsic
-def _mxfp4_q8_row_dot(typingctx, prow, srow, xq, corrections, lane_scales):
-    """One MXFP4 row . Q8_0 activations in `_q8_vnni_activations`' layout (AVX-512 VNNI)."""
-    codegen = _mxfp4_q8_row_dot_codegen if Q8_VNNI_AVAILABLE else _unavailable_codegen
+def _mxfp4_q8_row_dot_avx512(typingctx, prow, srow, xq, corrections, lane_scales):
+    """One MXFP4 row . Q8_0 activations in `_q8_vnni_activations`' layout, AVX-512 VNNI."""
+    codegen = _mxfp4_q8_row_dot_codegen(16) if "avx512" in Q8_ISAS else _unavailable_codegen
     return types.float32(prow, srow, xq, corrections, lane_scales), codegen
 
 
+@intrinsic
+def _mxfp4_q8_row_dot_avx2(typingctx, prow, srow, xq, corrections, lane_scales):
+    """The same dot on AVX2 (vpmaddubsw), 8 lanes: other bits than AVX-512's (another lane grouping)."""
+    codegen = _mxfp4_q8_row_dot_codegen(8) if "avx2" in Q8_ISAS else _unavailable_codegen
+    return types.float32(prow, srow, xq, corrections, lane_scales), codegen
+
+
+@njit(inline="always")
+def _mxfp4_q8_row_dot(prow, srow, xq, corrections, lane_scales, isa):
+    if isa == 2:
+        return _mxfp4_q8_row_dot_avx512(prow, srow, xq, corrections, lane_scales)
+    return _mxfp4_q8_row_dot_avx2(prow, srow, xq, corrections, lane_scales)
+
+
+def _q8_isa_code(isa: str | None) -> int:
+    """The int8 path's instruction set: `isa`, or the best this CPU has for it."""
+    if not Q8_ISAS:
+        raise ValueError("the MXFP4 x int8 path needs AVX2 or AVX-512 VNNI, which this CPU (or numba's target) lacks")
+    name = Q8_ISAS[-1] if isa is None else isa
+    if name not in Q8_ISAS:
+        raise ValueError(f"the MXFP4 x int8 path runs on {Q8_ISAS}, not {name!r}")
+    return ISA_CODES[name]
+
+
 @njit(cache=True, parallel=True)
-def _matmul_q8_parallel(packed, scales, xq, corrections, lane_scales, out):
+def _matmul_q8_parallel(packed, scales, xq, corrections, lane_scales, isa, out):
     """out [T, R] = the `_mxfp4_q8_row_dot` of every (token, row), over row blocks."""
     for task in prange((packed.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         for row in range(task * ROWS_PER_TASK, min(packed.shape[0], (task + 1) * ROWS_PER_TASK)):
             for t in range(xq.shape[0]):
-                out[t, row] = _mxfp4_q8_row_dot(packed[row], scales[row], xq[t], corrections[t], lane_scales[t])
+                out[t, row] = _mxfp4_q8_row_dot(packed[row], scales[row], xq[t], corrections[t], lane_scales[t],
+                                                isa)
 
 
 def _q8_vnni_prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -823,8 +888,8 @@ def _q8_vnni_prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @njit(cache=True, parallel=True)
-def _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, lane_scales, tokens, starts, ends, gate,
-                        up):
+def _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, lane_scales, tokens, starts, ends, isa,
+                        gate, up):
     """Stage 1 of `mxfp4_experts_run` on the int8 path: gate, up [N, MI] in natural order."""
     blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
@@ -833,12 +898,13 @@ def _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, lane_sc
         for row in range(block * ROWS_PER_TASK, min(w1p.shape[1], (block + 1) * ROWS_PER_TASK)):
             for n in range(starts[k], ends[k]):
                 t = tokens[n]
-                gate[n, row] = _mxfp4_q8_row_dot(w1p[e, row], w1s[e, row], xq[t], corrections[t], lane_scales[t])
-                up[n, row] = _mxfp4_q8_row_dot(w3p[e, row], w3s[e, row], xq[t], corrections[t], lane_scales[t])
+                gate[n, row] = _mxfp4_q8_row_dot(w1p[e, row], w1s[e, row], xq[t], corrections[t], lane_scales[t],
+                                                 isa)
+                up[n, row] = _mxfp4_q8_row_dot(w3p[e, row], w3s[e, row], xq[t], corrections[t], lane_scales[t], isa)
 
 
 @njit(cache=True, parallel=True)
-def _experts_q8_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, starts, ends, out):
+def _experts_q8_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, starts, ends, isa, out):
     """Stage 2 on the int8 path: xq etc. hold the quantized hidden rows [N, ...]."""
     blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
@@ -846,14 +912,15 @@ def _experts_q8_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, starts,
         e = expert_ids[k]
         for row in range(block * ROWS_PER_TASK, min(w2p.shape[1], (block + 1) * ROWS_PER_TASK)):
             for n in range(starts[k], ends[k]):
-                out[n, row] = _mxfp4_q8_row_dot(w2p[e, row], w2s[e, row], xq[n], corrections[n], lane_scales[n])
+                out[n, row] = _mxfp4_q8_row_dot(w2p[e, row], w2s[e, row], xq[n], corrections[n], lane_scales[n],
+                                                isa)
 
 
-def mxfp4_matmul_q8(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """`mxfp4_matmul` with the activations quantized to Q8_0 first (the VNNI path above; not the float path's bits:
-    llama.cpp's error). packed u8 [R, C/2], scales u8 [R, G], x f32 [T, C] -> f32 [T, R]. Needs AVX-512 VNNI."""
-    if not Q8_VNNI_AVAILABLE:
-        raise ValueError("the MXFP4 x int8 path needs AVX-512 VNNI, which this CPU (or numba's target) lacks")
+def mxfp4_matmul_q8(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, isa: str | None = None) -> np.ndarray:
+    """`mxfp4_matmul` with the activations quantized to Q8_0 first (the int8 path above; not the float path's bits:
+    llama.cpp's error). packed u8 [R, C/2], scales u8 [R, G], x f32 [T, C] -> f32 [T, R]. `isa`: one of `Q8_ISAS`
+    (default the best)."""
+    code = _q8_isa_code(isa)
     packed = _rows_contiguous(packed)
     scales = _rows_contiguous(scales)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -863,7 +930,7 @@ def mxfp4_matmul_q8(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np
     if num_tokens == 0 or rows == 0:
         return out
     xq, corrections, lane_scales = _q8_vnni_prepare(x)
-    _matmul_q8_parallel(packed, scales, xq, corrections, lane_scales, out)
+    _matmul_q8_parallel(packed, scales, xq, corrections, lane_scales, code, out)
     return out
 
 
@@ -983,7 +1050,8 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
     rows starts[k]:ends[k] of tokens [N]. z [T, LT] -> y [N, LT]. Each y[n] is the same bits whatever the other
     tokens, experts and threads of the call. activation "silu" computes SiLU(w1 z) * (w3 z) instead (beta and
     linear_beta unused). activations "q8" (default `MXFP4_ACTIVATIONS`) quantizes z and the hidden rows to Q8_0 and
-    runs the VNNI row dot (section "MXFP4 x int8"; other bits, llama.cpp's error; `isa` is then unused)."""
+    runs the int8 row dot (section "MXFP4 x int8"; other bits, llama.cpp's error) on `isa` if it is one of
+    `Q8_ISAS`, else on the best of them."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_inner, latent = w1p.shape[1], 2 * w1p.shape[2]
     z = np.ascontiguousarray(z, dtype=np.float32)
@@ -994,7 +1062,8 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
         raise ValueError(f"unknown expert activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     activations = MXFP4_ACTIVATIONS if activations is None else activations
     if activations == "q8":
-        return _mxfp4_experts_run_q8(stacked, expert_ids, z, tokens, starts, ends, beta, linear_beta, activation)
+        return _mxfp4_experts_run_q8(stacked, expert_ids, z, tokens, starts, ends, beta, linear_beta, activation,
+                                     _q8_isa_code(isa if isa in Q8_ISAS else None))
     if activations != "f32":
         raise ValueError(f"unknown activations {activations!r} (known: f32, q8)")
     code = _isa_code(isa)
@@ -1020,10 +1089,8 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
 
 def _mxfp4_experts_run_q8(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                           starts: np.ndarray, ends: np.ndarray, beta: float, linear_beta: float,
-                          activation: str) -> np.ndarray:
-    """`mxfp4_experts_run` on the int8 path (z checked there)."""
-    if not Q8_VNNI_AVAILABLE:
-        raise ValueError("the MXFP4 x int8 path needs AVX-512 VNNI, which this CPU (or numba's target) lacks")
+                          activation: str, code: int) -> np.ndarray:
+    """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_pairs, num_inner, latent = tokens.shape[0], w1p.shape[1], z.shape[1]
     out = np.empty((num_pairs, latent), np.float32)  # [N, LT]
@@ -1035,9 +1102,9 @@ def _mxfp4_experts_run_q8(stacked: StackedExperts, expert_ids: np.ndarray, z: np
     gate = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
     up = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
     _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z),
-                        np.ascontiguousarray(tokens, dtype=np.int64), starts, ends, gate, up)
+                        np.ascontiguousarray(tokens, dtype=np.int64), starts, ends, code, gate, up)
     expert_activation(gate, up, beta, linear_beta, activation)
-    _experts_q8_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, out)
+    _experts_q8_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, code, out)
     return out
 
 
