@@ -631,15 +631,15 @@ def test_serve_and_cluster_pass_batch_by_experts_to_the_engine(command, capsys):
     assert exit_info.value.code == 2 and "--max-decode-seqs" in capsys.readouterr().err
 
 
-def test_wait_policy_flag_reaches_the_kernels_and_the_default_starts_core_keepers():
+def test_wait_policy_and_activation_flags_reach_the_kernels_and_the_default_starts_core_keepers():
     """--wait-policy passive: no core keepers (said with -v); the default (adaptive) starts them on a machine with
     two or more cores, or says why not; the tokens are the same either way."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY")}
     runs = {}
-    for policy in ("passive", None):
-        extra = ["--wait-policy", policy] if policy else []
+    for policy in ("passive", None, "q8"):
+        extra = (["--mxfp4-activations", "q8"] if policy == "q8" else ["--wait-policy", policy] if policy else [])
         result = subprocess.run([sys.executable, "-m", "k3serve.cli", "generate", "-v", "--prompt-ids", "5,6,7",
                                  "--max-tokens", "6", "--ignore-eos", *extra], capture_output=True, text=True,
                                 timeout=300, env=env)
@@ -649,3 +649,7 @@ def test_wait_policy_flag_reaches_the_kernels_and_the_default_starts_core_keeper
     default = runs[None].stderr
     assert "core keepers: " in default and "policy passive" not in default
     assert runs["passive"].stdout == runs[None].stdout and runs[None].stdout.strip()
+    # --mxfp4-activations q8 reaches the kernels: said at -v (or, on a CPU without the int8 instructions, refused)
+    q8 = runs["q8"].stderr
+    assert "routed MXFP4 experts on Q8_0 activations" in q8 or "lacks" in q8
+    assert len(runs["q8"].stdout.strip().split(",")) == 6

@@ -83,23 +83,33 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
                              "sleep, idle-class core keepers spin while forwards run, yielding to any other job), "
                              "passive (workers sleep; no keepers), active (workers spin); overrides "
                              "K3SERVE_WAIT_POLICY, OMP_WAIT_POLICY and GOMP_SPINCOUNT (k3serve/threads.py)")
+    parser.add_argument("--mxfp4-activations", choices=("f32", "q8"), default=None,
+                        help="K3's routed MXFP4 experts multiply float32 activations (f32, the default, the reference "
+                             "bits) or Q8_0-quantized ones with int8 dot products (q8: llama.cpp's arithmetic; "
+                             "1.4-1.9x faster expert kernels, logits within ~4e-3 relative RMS of f32; needs AVX2 or "
+                             "AVX-512 VNNI; docs/BENCHMARKS.md)")
 
 
 def apply_wait_policy(args: argparse.Namespace) -> None:
-    """--wait-policy into the environment, before the kernels are imported (they read it once, at import)."""
+    """--wait-policy and --mxfp4-activations into the environment, before the kernels are imported (they read it
+    once, at import)."""
     import os
 
     from k3serve.threads import OPENMP_WAIT_VARIABLES, WAIT_POLICY_ENV
 
-    policy = getattr(args, "wait_policy", None)
-    if policy is None:
+    policy, activations = getattr(args, "wait_policy", None), getattr(args, "mxfp4_activations", None)
+    if policy is None and activations is None:
         return
     if "k3serve.model.kernels" in sys.modules:
-        logging.getLogger(__name__).warning("--wait-policy %s: the kernels were already imported; not applied", policy)
+        logging.getLogger(__name__).warning("--wait-policy / --mxfp4-activations: the kernels were already imported; "
+                                            "not applied")
         return
-    for name in OPENMP_WAIT_VARIABLES:
-        os.environ.pop(name, None)
-    os.environ[WAIT_POLICY_ENV] = policy
+    if policy is not None:
+        for name in OPENMP_WAIT_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ[WAIT_POLICY_ENV] = policy
+    if activations is not None:
+        os.environ["K3SERVE_MXFP4_ACTIVATIONS"] = activations
 
 
 def _add_context_arg(parser: argparse.ArgumentParser) -> None:

@@ -692,11 +692,17 @@ Q8_VNNI_GROUPS_PER_STEP = 4
 Q8_ISAS: tuple[str, ...] = tuple(name for name, present in (("avx2", "avx2" in AVAILABLE_ISAS),
                                                               ("avx512", "avx512" in AVAILABLE_ISAS
                                                                and "avx512vnni" in _FEATURES)) if present)
-# Debug toggle: "q8" runs the routed experts (`mxfp4_experts_run`) on this path; read at each call.
-MXFP4_ACTIVATIONS = os.environ.get("K3SERVE_MXFP4_ACTIVATIONS", "f32")
+# Opt-in (`generate`/`serve --mxfp4-activations q8`, or K3SERVE_MXFP4_ACTIVATIONS=q8): the routed experts
+# (`mxfp4_experts_run`) on this path; read at each call. An unknown value, or q8 on a CPU without AVX2, is logged and
+# runs the float path.
+MXFP4_ACTIVATIONS = os.environ.get("K3SERVE_MXFP4_ACTIVATIONS", "f32").strip().lower() or "f32"
 if MXFP4_ACTIVATIONS not in ("f32", "q8") or (MXFP4_ACTIVATIONS == "q8" and not Q8_ISAS):
-    raise RuntimeError(f"K3SERVE_MXFP4_ACTIVATIONS={MXFP4_ACTIVATIONS!r}: known f32, q8 (q8 needs AVX2 or AVX-512 "
-                       f"VNNI; here: {Q8_ISAS})")
+    logger.warning("K3SERVE_MXFP4_ACTIVATIONS=%r: %s; the routed experts run on float activations (f32)",
+                   MXFP4_ACTIVATIONS, "known: f32, q8" if MXFP4_ACTIVATIONS != "q8" else
+                   "q8 needs AVX2 or AVX-512 VNNI, which this CPU lacks")
+    MXFP4_ACTIVATIONS = "f32"
+elif MXFP4_ACTIVATIONS == "q8":
+    logger.info("routed MXFP4 experts on Q8_0 activations (int8 dot products, %s)", Q8_ISAS[-1])
 _V_OFFSET = 12  # V + 12 >= 0 for every V
 
 
