@@ -38,9 +38,10 @@ def _chromium_or_skip() -> None:
 
 
 @contextlib.contextmanager
-def _open_page(url: str, viewport: dict | None = None, **page_options):
+def _open_page(url: str, viewport: dict | None = None, defaults: dict[str, dict] | None = None, **page_options):
     """Chromium with one page at `url`, ready; yields (browser, page, errors: console and page errors so far). The
-    browser closes on leaving."""
+    browser closes on leaving. `defaults` (module -> {parameter: value}) replaces those defaults in the module
+    listing the page reads (`api/modules`), so that what the page does at its defaults (Run all) runs them."""
     _chromium_or_skip()
     from playwright.sync_api import sync_playwright
 
@@ -51,11 +52,23 @@ def _open_page(url: str, viewport: dict | None = None, **page_options):
             page = browser.new_page(viewport=viewport or {"width": 1280, "height": 900}, **page_options)
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
+            if defaults:
+                page.route("**/api/modules", lambda route: _serve_listing_with_defaults(route, defaults))
             page.goto(url)
             page.wait_for_selector("body[data-ready='true']", timeout=30_000)
             yield browser, page, errors
         finally:
             browser.close()
+
+
+def _serve_listing_with_defaults(route, defaults: dict[str, dict]) -> None:
+    response = route.fetch()
+    listing = response.json()
+    for module in listing:
+        for param in module["params"]:
+            if param["name"] in defaults.get(module["id"], {}):
+                param["default"] = defaults[module["id"]][param["name"]]
+    route.fulfill(response=response, json=listing)
 
 
 @pytest.fixture(scope="module")
@@ -352,9 +365,12 @@ def fresh_lab_url(lab_fixtures, monkeypatch):
 
 
 RUN_ALL_LIMIT_SECONDS = 300  # at the defaults: about 3 minutes of runs on a shared 2-core machine (docs/LAB.md)
+# Run all queues each module at the page's defaults; the test serves the page FAST_PARAMS as those defaults (Run all
+# then takes about 20 s instead of 60-200 s), unless this is set, to time Run all at the real defaults
+RUN_ALL_AT_DEFAULTS = os.environ.get("K3SERVE_TEST_RUN_ALL_AT_DEFAULTS", "") == "1"
 
 
-def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fresh_lab_url):
+def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fresh_lab_url, fast_params):
     import time
 
     from k3serve.lab.overview import HEADLINES, load_stored_runs
@@ -362,7 +378,11 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
 
     stored = load_stored_runs()
     ids = list(modules())
-    with _open_page(fresh_lab_url, viewport={"width": 1400, "height": 900}) as (browser, page, errors):
+    for module, params in fast_params.items():  # each a parameter of its module, or the page would ignore it
+        assert set(params) <= {p.name for p in modules()[module].params}, module
+    defaults = None if RUN_ALL_AT_DEFAULTS else fast_params
+    with _open_page(fresh_lab_url, viewport={"width": 1400, "height": 900}, defaults=defaults) as (browser, page,
+                                                                                                  errors):
         # before any click: the headline figures and every module's verdict, from the stored runs
         for headline in HEADLINES:
             card = page.locator(f".headline[data-slot='{headline.slot}']")
@@ -397,7 +417,15 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
             assert raw not in (None, "null") and math.isfinite(float(raw)), (module, metric, raw)
             assert section.locator("[data-role=error]").inner_text() == "", module
         seconds = time.monotonic() - started
-        print(f"Run all at the defaults: {len(ids)} modules in {seconds:.0f} s")
+        if not RUN_ALL_AT_DEFAULTS:  # Run all filled each form with the defaults the page was served
+            for module, params in fast_params.items():
+                for name, value in params.items():
+                    field = page.locator(f"#m-{module} [data-param='{name}']")
+                    shown = str(field.is_checked()) if field.get_attribute("type") == "checkbox" else \
+                        field.input_value()
+                    assert shown.lower() == str(value).lower(), (module, name, shown, value)
+        at = "the defaults" if RUN_ALL_AT_DEFAULTS else "the tests' FAST_PARAMS"
+        print(f"Run all at {at}: {len(ids)} modules in {seconds:.0f} s")
         # the overview now shows this server's runs, each with its own date, not the stored ones; the one run that
         # shows a record instead of measuring (peers without llama.cpp) keeps the "recorded" badge, with the record's
         # date
