@@ -4,8 +4,9 @@ Opens the page served by uvicorn, runs every module (at the API tests' reduced s
 modules and checks that their numbers and charts change, that every figure carries its mark and command, and that
 the console shows no errors, and that charts are readable (human units, axes from 0, legends clear of axis titles).
 Smaller tests check the number formatter, the page at 400 and 1400 px with the keyboard, live regions, data tables
-and dark mode, permalinks, exports and the dashed previous run, and the cost and energy of a throughput. Screenshots of each module go to out/lab/ (git-ignored). Without chromium the test
-skips, except under CI=true, where it fails.
+and dark mode, permalinks, exports and the dashed previous run, and the cost and energy of a throughput. With
+K3SERVE_LAB_SCREENSHOTS=1, screenshots of each module go to out/lab/ (git-ignored). Without chromium the test skips,
+except under CI=true, where it fails.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from k3serve.serve.threaded import serve_in_thread
 
 CHROMIUM = Path(os.environ.get("K3SERVE_CHROMIUM", "/usr/bin/chromium"))
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "out" / "lab"
+# screenshots for a person to look at (they check nothing, and took about 20 of the page test's 45 s on 2 shared
+# cores): taken only when asked, K3SERVE_LAB_SCREENSHOTS=1 pytest tests/lab/test_browser.py
+TAKE_SCREENSHOTS = os.environ.get("K3SERVE_LAB_SCREENSHOTS", "") == "1"
 CHANGES = {  # module -> (parameter, new value, metric that must change)
     "mxfp4": ("distribution", "student_t3", "relative_rms_error"),
     "cache_policies": ("capacity", "200", "retention_pct"),
@@ -71,6 +75,13 @@ def _serve_listing_with_defaults(route, defaults: dict[str, dict]) -> None:
     route.fulfill(response=response, json=listing)
 
 
+def _screenshot(target, name: str, **options) -> None:
+    """`target` (a page or a locator) to out/lab/`name` when K3SERVE_LAB_SCREENSHOTS=1."""
+    if TAKE_SCREENSHOTS:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        target.screenshot(path=str(SCREENSHOTS / name), **options)
+
+
 @pytest.fixture(scope="module")
 def lab_url(lab_app):
     with serve_in_thread(lab_app, lifespan="off", start_timeout=20) as url:
@@ -111,7 +122,6 @@ def _chart_data(page, module: str) -> list:
 def test_the_page_in_chromium(lab_url, fast_params):
     from k3serve.lab.registry import modules
 
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with _open_page(lab_url) as (browser, page, errors):
         ids = list(modules())
         assert page.locator("section.module").count() == len(ids)
@@ -128,20 +138,20 @@ def test_the_page_in_chromium(lab_url, fast_params):
                 assert mark in ("measured on this machine", "simulated (model)") or mark.startswith("recorded 20")
                 assert figure.locator(".command code").inner_text().startswith(f"k3serve lab run {module}")
                 assert figure.locator(".chart .main-svg").count() >= 1  # plotly drew it
-            page.locator(f"#m-{module}").screenshot(path=str(SCREENSHOTS / f"{module}.png"))
+            _screenshot(page.locator(f"#m-{module}"), f"{module}.png")
         for module, (name, value, metric) in CHANGES.items():
             charts_before = _chart_data(page, module)
             _set(page, module, name, value)
             second = _run(page, module)
             assert second[metric] != first[module][metric], (module, metric)
             assert _chart_data(page, module) != charts_before, module
-            page.locator(f"#m-{module}").screenshot(path=str(SCREENSHOTS / f"{module}-changed.png"))
+            _screenshot(page.locator(f"#m-{module}"), f"{module}-changed.png")
         _check_charts_are_readable(page)
         # a bad value is shown beside the form, not thrown
         _set(page, "mxfp4", "rows", "0")
         page.locator("#m-mxfp4 [data-action='run']").click()
         page.wait_for_function("() => document.querySelector('#m-mxfp4 [data-role=error]').textContent.includes('rows')")
-        page.screenshot(path=str(SCREENSHOTS / "page.png"), full_page=True)
+        _screenshot(page, "page.png", full_page=True)
     expected = "the server responded with a status of 400"  # the bad value above, shown on the page
     assert [e for e in errors if expected not in e] == [], errors
 
@@ -215,7 +225,7 @@ def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_
                                ".includes('queued, position 1')")
         panel = page.locator("#queue-jobs li[data-job]")
         assert panel.count() == 2 and panel.nth(0).get_attribute("data-status") == "running"
-        page.screenshot(path=str(SCREENSHOTS / "queue.png"))
+        _screenshot(page, "queue.png")
         panel.nth(0).locator("[data-action='cancel-job']").click()
         # the queue moves on: the queued run starts and its result appears on the reloaded page
         page.locator("#m-mxfp4 table.metrics").wait_for(timeout=60_000)
@@ -251,7 +261,7 @@ def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode
         assert rows.nth(3).locator("th").text_content() == "4"
         width, inner = _overflow(page)
         assert width <= inner == 400, (width, inner)
-        section.screenshot(path=str(SCREENSHOTS / "narrow-dark.png"))
+        _screenshot(section, "narrow-dark.png")
         background = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
         assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) < 3 * 64, background  # dark
         page.set_viewport_size({"width": 1400, "height": 900})
@@ -298,7 +308,7 @@ def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_das
         assert previous and all(t[2] == "dash" and "previous: window=7" in t[0] for t in previous), traces
         assert len(previous) == len(traces) - len(previous)  # each trace of the previous run, once
         assert "Dashed: the previous run (window=7)" in form.locator(".export").inner_text()
-        form.screenshot(path=str(SCREENSHOTS / "rollback-previous.png"))
+        _screenshot(form, "rollback-previous.png")
     assert errors == [], errors
 
 
@@ -335,8 +345,8 @@ def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
         dollars, joules = _cost_numbers(row.locator("td.value .cost").inner_text())
         assert dollars == pytest.approx(0.36 / (rate * 3600) * 1e6, rel=5e-3)
         assert joules == pytest.approx(50 / rate, rel=5e-3)
-        page.locator("#about").screenshot(path=str(SCREENSHOTS / "profile.png"))
-        page.locator("#m-speculative table.metrics").screenshot(path=str(SCREENSHOTS / "speculative-cost.png"))
+        _screenshot(page.locator("#about"), "profile.png")
+        _screenshot(page.locator("#m-speculative table.metrics"), "speculative-cost.png")
         page.reload()
         page.wait_for_selector("body[data-ready='true']", timeout=30_000)
         assert (page.locator("#price-per-hour").input_value(), page.locator("#watts").input_value()) == ("0.36", "50")
@@ -404,7 +414,7 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
         for width in (1400, 400):
             page.set_viewport_size({"width": width, "height": 900})
             page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth", timeout=5_000)
-            page.locator("#overview").screenshot(path=str(SCREENSHOTS / f"overview-{width}.png"))
+            _screenshot(page.locator("#overview"), f"overview-{width}.png")
         page.set_viewport_size({"width": 1400, "height": 900})
         started = time.monotonic()
         page.locator("#run-all").click()
@@ -450,5 +460,5 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
             page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth", timeout=5_000)
             width_now, inner = _overflow(page)
             assert width_now <= inner == width
-            page.screenshot(path=str(SCREENSHOTS / f"after-run-all-{width}.png"))
+            _screenshot(page, f"after-run-all-{width}.png")
     assert errors == [], errors
