@@ -41,28 +41,40 @@ def _chromium_or_skip() -> None:
     pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
 
 
-@contextlib.contextmanager
-def _open_page(url: str, viewport: dict | None = None, defaults: dict[str, dict] | None = None, **page_options):
-    """Chromium with one page at `url`, ready; yields (browser, page, errors: console and page errors so far). The
-    browser closes on leaving. `defaults` (module -> {parameter: value}) replaces those defaults in the module
-    listing the page reads (`api/modules`), so that what the page does at its defaults (Run all) runs them."""
+@pytest.fixture(scope="module")
+def chromium():
+    """One Chromium for this module's tests (about 1.3 s a launch on 2 shared cores); each test's page has a context
+    of its own (its own storage)."""
     _chromium_or_skip()
     from playwright.sync_api import sync_playwright
 
-    errors: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
         try:
-            page = browser.new_page(viewport=viewport or {"width": 1280, "height": 900}, **page_options)
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            if defaults:
-                page.route("**/api/modules", lambda route: _serve_listing_with_defaults(route, defaults))
-            page.goto(url)
-            page.wait_for_selector("body[data-ready='true']", timeout=30_000)
-            yield browser, page, errors
+            yield browser
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def _open_page(browser, url: str, viewport: dict | None = None, defaults: dict[str, dict] | None = None,
+               **page_options):
+    """A page of `browser` at `url` in a new context, ready; yields (browser, page, errors: console and page errors
+    so far). The context closes on leaving. `defaults` (module -> {parameter: value}) replaces those defaults in the
+    module listing the page reads (`api/modules`), so that what the page does at its defaults (Run all) runs them."""
+    errors: list[str] = []
+    context = browser.new_context(viewport=viewport or {"width": 1280, "height": 900}, **page_options)
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        if defaults:
+            page.route("**/api/modules", lambda route: _serve_listing_with_defaults(route, defaults))
+        page.goto(url)
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        yield browser, page, errors
+    finally:
+        context.close()
 
 
 def _serve_listing_with_defaults(route, defaults: dict[str, dict]) -> None:
@@ -119,10 +131,10 @@ def _chart_data(page, module: str) -> list:
         .map(d => (d.data || []).map(t => [t.y || t.z, t.x]))""", module)
 
 
-def test_the_page_in_chromium(lab_url, fast_params):
+def test_the_page_in_chromium(chromium, lab_url, fast_params):
     from k3serve.lab.registry import modules
 
-    with _open_page(lab_url) as (browser, page, errors):
+    with _open_page(chromium, lab_url) as (browser, page, errors):
         ids = list(modules())
         assert page.locator("section.module").count() == len(ids)
         first: dict[str, dict] = {}
@@ -185,7 +197,7 @@ def _check_charts_are_readable(page) -> None:
     assert len(set(colors)) == 2
 
 
-def test_the_page_writes_numbers_in_human_units(lab_url):
+def test_the_page_writes_numbers_in_human_units(chromium, lab_url):
     cases = [("number", [2.349e9, "resident bytes (all weights)"], "2.35 GB"),
              ("number", [512, "expert bytes read per token"], "512 bytes"),
              ("number", [3.5, "storage per sequence (MiB)"], "3.5"),
@@ -197,7 +209,7 @@ def test_the_page_writes_numbers_in_human_units(lab_url):
              ("number", [12.3456, "retention (%)"], "12.35"),
              ("ratio", [4.95e5], "495,000x"), ("ratio", [0.0], "0x"), ("ratio", [0.0001], "<0.01x"),
              ("ratio", [2.5], "2.50x"), ("ratio", [12.34], "12.3x")]
-    with _open_page(lab_url) as (_, page, _):
+    with _open_page(chromium, lab_url) as (_, page, _):
         got = [page.evaluate(f"(args) => window.labFormat.{name}(...args)", args) for name, args, _ in cases]
     assert got == [want for _, _, want in cases]
 
@@ -206,8 +218,8 @@ HEAVY_CLUSTER_SCALE = {"groups": "1024", "per_group": "256", "max_replicas": "64
                        "clients": "1024", "seeds": "20"}  # many minutes of simulation
 
 
-def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_url):
-    with _open_page(lab_url) as (browser, page, errors):
+def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(chromium, lab_url):
+    with _open_page(chromium, lab_url) as (browser, page, errors):
         for name, value in HEAVY_CLUSTER_SCALE.items():
             _set(page, "cluster_scale", name, value)
         page.locator("#m-cluster_scale [data-action='run']").click()
@@ -240,9 +252,9 @@ def _overflow(page) -> tuple[int, int]:
     return page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
 
 
-def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode(lab_url):
-    with _open_page(lab_url, viewport={"width": 400, "height": 800}, color_scheme="dark") as (browser, page,
-                                                                                            errors):
+def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode(chromium, lab_url):
+    with _open_page(chromium, lab_url, viewport={"width": 400, "height": 800},
+                    color_scheme="dark") as (browser, page, errors):
         section = page.locator("#m-rollback")
         # progress and results are announced; errors too
         assert section.locator("[data-role=message]").get_attribute("aria-live") == "polite"
@@ -275,13 +287,14 @@ def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode
         background = light.evaluate("() => getComputedStyle(document.body).backgroundColor")
         assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) > 3 * 192, background  # light
         width, inner = _overflow(light)
+        light.context.close()
         assert width <= inner == 1400, (width, inner)
     assert errors == [], errors
 
 
-def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_dashed(lab_url):
+def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_dashed(chromium, lab_url):
     link = f"{lab_url}?module=rollback&window=6&repeats=0&precision=fp32"
-    with _open_page(link) as (browser, page, errors):
+    with _open_page(chromium, link) as (browser, page, errors):
         form = page.locator("#m-rollback")
         assert [form.locator(f"[data-param='{n}']").input_value() for n in ("window", "repeats", "precision")] == \
             ["6", "0", "fp32"]
@@ -318,8 +331,8 @@ def _cost_numbers(text: str) -> tuple[float, float]:
     return float(found.group(1).replace(",", "")), float(found.group(2).replace(",", ""))
 
 
-def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
-    with _open_page(lab_url) as (browser, page, errors):
+def test_cost_and_energy_beside_every_throughput(chromium, lab_url, fast_params):
+    with _open_page(chromium, lab_url) as (browser, page, errors):
         # the arithmetic: $/M tokens = price per hour / (tok/s x 3600) x 1e6; J/token = W / (tok/s)
         cost = page.evaluate("() => window.labCost.costOf(100, {pricePerHour: 0.36, watts: 50})")
         assert cost["dollarsPerMillion"] == pytest.approx(1.0) and cost["joulesPerToken"] == pytest.approx(0.5)
@@ -380,7 +393,7 @@ RUN_ALL_LIMIT_SECONDS = 300  # at the defaults: about 3 minutes of runs on a sha
 RUN_ALL_AT_DEFAULTS = os.environ.get("K3SERVE_TEST_RUN_ALL_AT_DEFAULTS", "") == "1"
 
 
-def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fresh_lab_url, fast_params):
+def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(chromium, fresh_lab_url, fast_params):
     import time
 
     from k3serve.lab.overview import HEADLINES, load_stored_runs
@@ -391,8 +404,8 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
     for module, params in fast_params.items():  # each a parameter of its module, or the page would ignore it
         assert set(params) <= {p.name for p in modules()[module].params}, module
     defaults = None if RUN_ALL_AT_DEFAULTS else fast_params
-    with _open_page(fresh_lab_url, viewport={"width": 1400, "height": 900}, defaults=defaults) as (browser, page,
-                                                                                                  errors):
+    with _open_page(chromium, fresh_lab_url, viewport={"width": 1400, "height": 900},
+                    defaults=defaults) as (browser, page, errors):
         # before any click: the headline figures and every module's verdict, from the stored runs
         for headline in HEADLINES:
             card = page.locator(f".headline[data-slot='{headline.slot}']")
