@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import heapq
 import json
 import logging
@@ -190,10 +191,17 @@ def write_tokenizer(folder: str | Path, tokens: list[bytes], pattern: str, speci
 
 def stdlib_source_files() -> list[Path]:
     """The standard library's .py files in sorted relative-path order, without tests and third-party packages."""
+    return list(_listed_stdlib_source_files())
+
+
+@functools.lru_cache(maxsize=1)
+def _listed_stdlib_source_files() -> tuple[Path, ...]:
+    # listed once a process (about 1 s of rglob on 2 cores; a training run lists it twice, the tests many times):
+    # the stdlib does not change under a running interpreter
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [path for path in root.rglob("*.py")
              if path.is_file() and not _SKIPPED_STDLIB_DIRS.intersection(path.relative_to(root).parts[:-1])]
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda path: path.relative_to(root).as_posix()))
 
 
 def stdlib_corpus(max_bytes: int) -> Iterator[str]:

@@ -4,8 +4,9 @@ Opens the page served by uvicorn, runs every module (at the API tests' reduced s
 modules and checks that their numbers and charts change, that every figure carries its mark and command, and that
 the console shows no errors, and that charts are readable (human units, axes from 0, legends clear of axis titles).
 Smaller tests check the number formatter, the page at 400 and 1400 px with the keyboard, live regions, data tables
-and dark mode, permalinks, exports and the dashed previous run, and the cost and energy of a throughput. Screenshots of each module go to out/lab/ (git-ignored). Without chromium the test
-skips, except under CI=true, where it fails.
+and dark mode, permalinks, exports and the dashed previous run, and the cost and energy of a throughput. With
+K3SERVE_LAB_SCREENSHOTS=1, screenshots of each module go to out/lab/ (git-ignored). Without chromium the test skips,
+except under CI=true, where it fails.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from k3serve.serve.threaded import serve_in_thread
 
 CHROMIUM = Path(os.environ.get("K3SERVE_CHROMIUM", "/usr/bin/chromium"))
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "out" / "lab"
+# screenshots for a person to look at (they check nothing, and took about 20 of the page test's 45 s on 2 shared
+# cores): taken only when asked, K3SERVE_LAB_SCREENSHOTS=1 pytest tests/lab/test_browser.py
+TAKE_SCREENSHOTS = os.environ.get("K3SERVE_LAB_SCREENSHOTS", "") == "1"
 CHANGES = {  # module -> (parameter, new value, metric that must change)
     "mxfp4": ("distribution", "student_t3", "relative_rms_error"),
     "cache_policies": ("capacity", "200", "retention_pct"),
@@ -37,25 +41,57 @@ def _chromium_or_skip() -> None:
     pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
 
 
-@contextlib.contextmanager
-def _open_page(url: str, viewport: dict | None = None, **page_options):
-    """Chromium with one page at `url`, ready; yields (browser, page, errors: console and page errors so far). The
-    browser closes on leaving."""
+@pytest.fixture(scope="module")
+def chromium():
+    """One Chromium for this module's tests (about 1.3 s a launch on 2 shared cores); each test's page has a context
+    of its own (its own storage)."""
     _chromium_or_skip()
     from playwright.sync_api import sync_playwright
 
-    errors: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
         try:
-            page = browser.new_page(viewport=viewport or {"width": 1280, "height": 900}, **page_options)
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(url)
-            page.wait_for_selector("body[data-ready='true']", timeout=30_000)
-            yield browser, page, errors
+            yield browser
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def _open_page(browser, url: str, viewport: dict | None = None, defaults: dict[str, dict] | None = None,
+               **page_options):
+    """A page of `browser` at `url` in a new context, ready; yields (browser, page, errors: console and page errors
+    so far). The context closes on leaving. `defaults` (module -> {parameter: value}) replaces those defaults in the
+    module listing the page reads (`api/modules`), so that what the page does at its defaults (Run all) runs them."""
+    errors: list[str] = []
+    context = browser.new_context(viewport=viewport or {"width": 1280, "height": 900}, **page_options)
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        if defaults:
+            page.route("**/api/modules", lambda route: _serve_listing_with_defaults(route, defaults))
+        page.goto(url)
+        page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        yield browser, page, errors
+    finally:
+        context.close()
+
+
+def _serve_listing_with_defaults(route, defaults: dict[str, dict]) -> None:
+    response = route.fetch()
+    listing = response.json()
+    for module in listing:
+        for param in module["params"]:
+            if param["name"] in defaults.get(module["id"], {}):
+                param["default"] = defaults[module["id"]][param["name"]]
+    route.fulfill(response=response, json=listing)
+
+
+def _screenshot(target, name: str, **options) -> None:
+    """`target` (a page or a locator) to out/lab/`name` when K3SERVE_LAB_SCREENSHOTS=1."""
+    if TAKE_SCREENSHOTS:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        target.screenshot(path=str(SCREENSHOTS / name), **options)
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +131,10 @@ def _chart_data(page, module: str) -> list:
         .map(d => (d.data || []).map(t => [t.y || t.z, t.x]))""", module)
 
 
-def test_the_page_in_chromium(lab_url, fast_params):
+def test_the_page_in_chromium(chromium, lab_url, fast_params):
     from k3serve.lab.registry import modules
 
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with _open_page(lab_url) as (browser, page, errors):
+    with _open_page(chromium, lab_url) as (browser, page, errors):
         ids = list(modules())
         assert page.locator("section.module").count() == len(ids)
         first: dict[str, dict] = {}
@@ -115,20 +150,20 @@ def test_the_page_in_chromium(lab_url, fast_params):
                 assert mark in ("measured on this machine", "simulated (model)") or mark.startswith("recorded 20")
                 assert figure.locator(".command code").inner_text().startswith(f"k3serve lab run {module}")
                 assert figure.locator(".chart .main-svg").count() >= 1  # plotly drew it
-            page.locator(f"#m-{module}").screenshot(path=str(SCREENSHOTS / f"{module}.png"))
+            _screenshot(page.locator(f"#m-{module}"), f"{module}.png")
         for module, (name, value, metric) in CHANGES.items():
             charts_before = _chart_data(page, module)
             _set(page, module, name, value)
             second = _run(page, module)
             assert second[metric] != first[module][metric], (module, metric)
             assert _chart_data(page, module) != charts_before, module
-            page.locator(f"#m-{module}").screenshot(path=str(SCREENSHOTS / f"{module}-changed.png"))
+            _screenshot(page.locator(f"#m-{module}"), f"{module}-changed.png")
         _check_charts_are_readable(page)
         # a bad value is shown beside the form, not thrown
         _set(page, "mxfp4", "rows", "0")
         page.locator("#m-mxfp4 [data-action='run']").click()
         page.wait_for_function("() => document.querySelector('#m-mxfp4 [data-role=error]').textContent.includes('rows')")
-        page.screenshot(path=str(SCREENSHOTS / "page.png"), full_page=True)
+        _screenshot(page, "page.png", full_page=True)
     expected = "the server responded with a status of 400"  # the bad value above, shown on the page
     assert [e for e in errors if expected not in e] == [], errors
 
@@ -162,7 +197,7 @@ def _check_charts_are_readable(page) -> None:
     assert len(set(colors)) == 2
 
 
-def test_the_page_writes_numbers_in_human_units(lab_url):
+def test_the_page_writes_numbers_in_human_units(chromium, lab_url):
     cases = [("number", [2.349e9, "resident bytes (all weights)"], "2.35 GB"),
              ("number", [512, "expert bytes read per token"], "512 bytes"),
              ("number", [3.5, "storage per sequence (MiB)"], "3.5"),
@@ -174,7 +209,7 @@ def test_the_page_writes_numbers_in_human_units(lab_url):
              ("number", [12.3456, "retention (%)"], "12.35"),
              ("ratio", [4.95e5], "495,000x"), ("ratio", [0.0], "0x"), ("ratio", [0.0001], "<0.01x"),
              ("ratio", [2.5], "2.50x"), ("ratio", [12.34], "12.3x")]
-    with _open_page(lab_url) as (_, page, _):
+    with _open_page(chromium, lab_url) as (_, page, _):
         got = [page.evaluate(f"(args) => window.labFormat.{name}(...args)", args) for name, args, _ in cases]
     assert got == [want for _, _, want in cases]
 
@@ -183,8 +218,8 @@ HEAVY_CLUSTER_SCALE = {"groups": "1024", "per_group": "256", "max_replicas": "64
                        "clients": "1024", "seeds": "20"}  # many minutes of simulation
 
 
-def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_url):
-    with _open_page(lab_url) as (browser, page, errors):
+def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(chromium, lab_url):
+    with _open_page(chromium, lab_url) as (browser, page, errors):
         for name, value in HEAVY_CLUSTER_SCALE.items():
             _set(page, "cluster_scale", name, value)
         page.locator("#m-cluster_scale [data-action='run']").click()
@@ -202,7 +237,7 @@ def test_a_reloaded_page_reattaches_to_its_jobs_and_the_queue_panel_cancels(lab_
                                ".includes('queued, position 1')")
         panel = page.locator("#queue-jobs li[data-job]")
         assert panel.count() == 2 and panel.nth(0).get_attribute("data-status") == "running"
-        page.screenshot(path=str(SCREENSHOTS / "queue.png"))
+        _screenshot(page, "queue.png")
         panel.nth(0).locator("[data-action='cancel-job']").click()
         # the queue moves on: the queued run starts and its result appears on the reloaded page
         page.locator("#m-mxfp4 table.metrics").wait_for(timeout=60_000)
@@ -217,9 +252,9 @@ def _overflow(page) -> tuple[int, int]:
     return page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
 
 
-def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode(lab_url):
-    with _open_page(lab_url, viewport={"width": 400, "height": 800}, color_scheme="dark") as (browser, page,
-                                                                                            errors):
+def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode(chromium, lab_url):
+    with _open_page(chromium, lab_url, viewport={"width": 400, "height": 800},
+                    color_scheme="dark") as (browser, page, errors):
         section = page.locator("#m-rollback")
         # progress and results are announced; errors too
         assert section.locator("[data-role=message]").get_attribute("aria-live") == "polite"
@@ -238,7 +273,7 @@ def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode
         assert rows.nth(3).locator("th").text_content() == "4"
         width, inner = _overflow(page)
         assert width <= inner == 400, (width, inner)
-        section.screenshot(path=str(SCREENSHOTS / "narrow-dark.png"))
+        _screenshot(section, "narrow-dark.png")
         background = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
         assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) < 3 * 64, background  # dark
         page.set_viewport_size({"width": 1400, "height": 900})
@@ -252,13 +287,14 @@ def test_narrow_and_wide_windows_keyboard_live_regions_data_tables_and_dark_mode
         background = light.evaluate("() => getComputedStyle(document.body).backgroundColor")
         assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) > 3 * 192, background  # light
         width, inner = _overflow(light)
+        light.context.close()
         assert width <= inner == 1400, (width, inner)
     assert errors == [], errors
 
 
-def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_dashed(lab_url):
+def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_dashed(chromium, lab_url):
     link = f"{lab_url}?module=rollback&window=6&repeats=0&precision=fp32"
-    with _open_page(link) as (browser, page, errors):
+    with _open_page(chromium, link) as (browser, page, errors):
         form = page.locator("#m-rollback")
         assert [form.locator(f"[data-param='{n}']").input_value() for n in ("window", "repeats", "precision")] == \
             ["6", "0", "fp32"]
@@ -285,7 +321,7 @@ def test_a_permalink_fills_the_form_results_download_and_the_previous_run_is_das
         assert previous and all(t[2] == "dash" and "previous: window=7" in t[0] for t in previous), traces
         assert len(previous) == len(traces) - len(previous)  # each trace of the previous run, once
         assert "Dashed: the previous run (window=7)" in form.locator(".export").inner_text()
-        form.screenshot(path=str(SCREENSHOTS / "rollback-previous.png"))
+        _screenshot(form, "rollback-previous.png")
     assert errors == [], errors
 
 
@@ -295,8 +331,8 @@ def _cost_numbers(text: str) -> tuple[float, float]:
     return float(found.group(1).replace(",", "")), float(found.group(2).replace(",", ""))
 
 
-def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
-    with _open_page(lab_url) as (browser, page, errors):
+def test_cost_and_energy_beside_every_throughput(chromium, lab_url, fast_params):
+    with _open_page(chromium, lab_url) as (browser, page, errors):
         # the arithmetic: $/M tokens = price per hour / (tok/s x 3600) x 1e6; J/token = W / (tok/s)
         cost = page.evaluate("() => window.labCost.costOf(100, {pricePerHour: 0.36, watts: 50})")
         assert cost["dollarsPerMillion"] == pytest.approx(1.0) and cost["joulesPerToken"] == pytest.approx(0.5)
@@ -322,8 +358,8 @@ def test_cost_and_energy_beside_every_throughput(lab_url, fast_params):
         dollars, joules = _cost_numbers(row.locator("td.value .cost").inner_text())
         assert dollars == pytest.approx(0.36 / (rate * 3600) * 1e6, rel=5e-3)
         assert joules == pytest.approx(50 / rate, rel=5e-3)
-        page.locator("#about").screenshot(path=str(SCREENSHOTS / "profile.png"))
-        page.locator("#m-speculative table.metrics").screenshot(path=str(SCREENSHOTS / "speculative-cost.png"))
+        _screenshot(page.locator("#about"), "profile.png")
+        _screenshot(page.locator("#m-speculative table.metrics"), "speculative-cost.png")
         page.reload()
         page.wait_for_selector("body[data-ready='true']", timeout=30_000)
         assert (page.locator("#price-per-hour").input_value(), page.locator("#watts").input_value()) == ("0.36", "50")
@@ -352,9 +388,12 @@ def fresh_lab_url(lab_fixtures, monkeypatch):
 
 
 RUN_ALL_LIMIT_SECONDS = 300  # at the defaults: about 3 minutes of runs on a shared 2-core machine (docs/LAB.md)
+# Run all queues each module at the page's defaults; the test serves the page FAST_PARAMS as those defaults (Run all
+# then takes about 20 s instead of 60-200 s), unless this is set, to time Run all at the real defaults
+RUN_ALL_AT_DEFAULTS = os.environ.get("K3SERVE_TEST_RUN_ALL_AT_DEFAULTS", "") == "1"
 
 
-def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fresh_lab_url):
+def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(chromium, fresh_lab_url, fast_params):
     import time
 
     from k3serve.lab.overview import HEADLINES, load_stored_runs
@@ -362,7 +401,11 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
 
     stored = load_stored_runs()
     ids = list(modules())
-    with _open_page(fresh_lab_url, viewport={"width": 1400, "height": 900}) as (browser, page, errors):
+    for module, params in fast_params.items():  # each a parameter of its module, or the page would ignore it
+        assert set(params) <= {p.name for p in modules()[module].params}, module
+    defaults = None if RUN_ALL_AT_DEFAULTS else fast_params
+    with _open_page(chromium, fresh_lab_url, viewport={"width": 1400, "height": 900},
+                    defaults=defaults) as (browser, page, errors):
         # before any click: the headline figures and every module's verdict, from the stored runs
         for headline in HEADLINES:
             card = page.locator(f".headline[data-slot='{headline.slot}']")
@@ -384,7 +427,7 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
         for width in (1400, 400):
             page.set_viewport_size({"width": width, "height": 900})
             page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth", timeout=5_000)
-            page.locator("#overview").screenshot(path=str(SCREENSHOTS / f"overview-{width}.png"))
+            _screenshot(page.locator("#overview"), f"overview-{width}.png")
         page.set_viewport_size({"width": 1400, "height": 900})
         started = time.monotonic()
         page.locator("#run-all").click()
@@ -397,7 +440,15 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
             assert raw not in (None, "null") and math.isfinite(float(raw)), (module, metric, raw)
             assert section.locator("[data-role=error]").inner_text() == "", module
         seconds = time.monotonic() - started
-        print(f"Run all at the defaults: {len(ids)} modules in {seconds:.0f} s")
+        if not RUN_ALL_AT_DEFAULTS:  # Run all filled each form with the defaults the page was served
+            for module, params in fast_params.items():
+                for name, value in params.items():
+                    field = page.locator(f"#m-{module} [data-param='{name}']")
+                    shown = str(field.is_checked()) if field.get_attribute("type") == "checkbox" else \
+                        field.input_value()
+                    assert shown.lower() == str(value).lower(), (module, name, shown, value)
+        at = "the defaults" if RUN_ALL_AT_DEFAULTS else "the tests' FAST_PARAMS"
+        print(f"Run all at {at}: {len(ids)} modules in {seconds:.0f} s")
         # the overview now shows this server's runs, each with its own date, not the stored ones; the one run that
         # shows a record instead of measuring (peers without llama.cpp) keeps the "recorded" badge, with the record's
         # date
@@ -422,5 +473,5 @@ def test_the_overview_answers_first_and_run_all_gives_every_module_a_verdict(fre
             page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth", timeout=5_000)
             width_now, inner = _overflow(page)
             assert width_now <= inner == width
-            page.screenshot(path=str(SCREENSHOTS / f"after-run-all-{width}.png"))
+            _screenshot(page, f"after-run-all-{width}.png")
     assert errors == [], errors

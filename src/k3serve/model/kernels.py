@@ -1845,7 +1845,9 @@ def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | Non
     h = np.asarray(x, np.float32) @ widen(gate_up, gate_up_scales).T  # [T, 2I]
     width = down.shape[1]
     gate = h[:, :width]
-    return (gate / (1 + np.exp(-gate)) * h[:, width:]) @ widen(down, down_scales).T
+    with np.errstate(over="ignore"):  # a large negative gate overflows exp to inf: gate / inf is the right -0
+        silu = gate / (1 + np.exp(-gate))
+    return (silu * h[:, width:]) @ widen(down, down_scales).T
 
 
 def warmup() -> None:
