@@ -32,8 +32,10 @@ SETTINGS = {
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
     "adaptive": {},
     "adaptive 1": {"K3SERVE_CORE_KEEPERS": "1"},
+    "adaptive spin 300": {"K3SERVE_SPIN": "300"},
+    "adaptive spin 1500": {"K3SERVE_SPIN": "1500"},
 }
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS")
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS", "K3SERVE_SPIN")
 
 CHILD = r"""
 import json, sys, time

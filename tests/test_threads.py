@@ -20,6 +20,8 @@ def test_the_policy_sets_the_openmp_variables_and_an_explicit_one_wins(caplog):
     assert configure_wait_policy(env) == "passive" and env["OMP_WAIT_POLICY"] == "PASSIVE"
     env = {"K3SERVE_WAIT_POLICY": "ACTIVE"}
     assert configure_wait_policy(env) == "active" and env["OMP_WAIT_POLICY"] == "ACTIVE"
+    env = {"K3SERVE_SPIN": "300"}  # adaptive with a short spin before the workers sleep
+    assert configure_wait_policy(env) == "adaptive" and env["GOMP_SPINCOUNT"] == "300" and "OMP_WAIT_POLICY" not in env
     env = {"K3SERVE_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "1000"}
     assert configure_wait_policy(env) == "explicit" and "OMP_WAIT_POLICY" not in env
     with caplog.at_level(logging.WARNING, logger="k3serve.threads"):

@@ -4,12 +4,12 @@ one (issue 33).
 A decode step runs a few hundred short parallel regions (each layer's projections and experts) with Python in
 between. Between two regions libgomp's workers either spin (`OMP_WAIT_POLICY=ACTIVE`, or libgomp's default: spin
 300,000 iterations, then sleep) or sleep at once (`PASSIVE`). Measured on the 2-core VM (a Firecracker guest),
-widened K3 decode (benchmarks/bench_wait_policy.py, docs/BENCHMARKS.md):
-- idle, sleeping workers cost 1.5-1.7x against spinning ones: a sleeping worker's core halts, and waking a halted
-  virtual CPU for every region costs tens of microseconds;
-- beside another job, spinning workers take the time slices the working thread needs: 2.5-20x slower than
-  sleeping ones. Running on one thread beside the job is no cure either (the scheduler shares the cores per
-  thread, so one thread gets less than two sleeping ones).
+widened K3 decode (benchmarks/bench_wait_policy.py, docs/BENCHMARKS.md "How the kernels' threads wait"):
+- idle, sleeping workers cost 1.46x against spinning ones (10.29 against 7.06 ms a token): a sleeping worker's core
+  halts, and waking a halted virtual CPU for every region costs tens of microseconds;
+- beside another 2-thread job, spinning workers take the time slices the working threads need: 1.4-1.7x slower
+  than sleeping ones (3-7x beside two busy loops). Running on one thread beside the job is no cure either (the
+  scheduler shares the cores per thread, so one thread gets less than two sleeping ones).
 libgomp reads its setting once per process, so no choice of it is right in both cases. What k3serve does instead
 (`K3SERVE_WAIT_POLICY=adaptive`, the default):
 - the workers sleep at once (`OMP_WAIT_POLICY=PASSIVE`), and
@@ -19,7 +19,10 @@ libgomp reads its setting once per process, so no choice of it is right in both 
   core, and preempts it the moment anything does, so on a loaded machine the keepers get (almost) no time and
   the workers behave exactly as PASSIVE ones. Tens of milliseconds after the last forward the keepers stop
   spinning and poll every few milliseconds.
-`K3SERVE_WAIT_POLICY=passive` is PASSIVE without keepers (k3serve's default before 2026-12-06 evening), `active`
+Measured: 8.69 ms idle (1.18x of the 1.46x recovered) and 12.14 ms beside the job, the best of every setting there;
+at batch 8 the keepers measured 12% slower than PASSIVE, not explained yet (docs/BENCHMARKS.md).
+`K3SERVE_SPIN=N` adds a spin of N pauses before a worker sleeps (off by default: 10-16% faster idle, 32-47% slower
+beside a job). `K3SERVE_WAIT_POLICY=passive` is PASSIVE without keepers (k3serve's default before 2026-12-06 evening), `active`
 is ACTIVE; an explicit `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment is respected (no keepers). The
 keepers are not started where the process's CPU time is capped by a cgroup quota (their spinning would spend the
 quota), on one core, or where `SCHED_IDLE` is refused. Their spinning shows as CPU use in `top` while the engine
@@ -48,6 +51,7 @@ logger = logging.getLogger(__name__)
 WAIT_POLICY_ENV = "K3SERVE_WAIT_POLICY"
 WAIT_POLICIES = ("adaptive", "passive", "active")
 OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+SPIN_ENV = "K3SERVE_SPIN"
 KEEPERS_ENV = "K3SERVE_CORE_KEEPERS"  # how many keepers (default: one per core the kernels' threads use)
 POLICY: str | None = None  # what configure_wait_policy decided for this process
 
@@ -70,6 +74,8 @@ def configure_wait_policy(environ: dict[str, str] | None = None) -> str:
         policy = "adaptive"
     if any(name in env for name in OPENMP_WAIT_VARIABLES):
         policy = "explicit"
+    elif policy == "adaptive" and _spin_count(env):
+        env["GOMP_SPINCOUNT"] = str(_spin_count(env))  # a short spin, then sleep (libgomp's policy left unset)
     elif policy in ("adaptive", "passive"):
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     else:
@@ -78,6 +84,16 @@ def configure_wait_policy(environ: dict[str, str] | None = None) -> str:
         global POLICY
         POLICY = policy
     return policy
+
+
+def _spin_count(env) -> int:
+    """K3SERVE_SPIN: pause iterations libgomp's workers spin before they sleep under the adaptive policy (0: sleep
+    at once, the default)."""
+    try:
+        return max(0, int(env.get(SPIN_ENV, "0") or 0))
+    except ValueError:
+        logger.warning("%s=%r is not an integer; no spin", SPIN_ENV, env[SPIN_ENV])
+        return 0
 
 
 def cpu_quota_cores(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
