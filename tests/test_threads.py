@@ -82,6 +82,28 @@ def test_a_keeper_is_idle_class_spins_while_a_forward_is_in_flight_and_stops():
         assert not keeper.threads[0].is_alive()
 
 
+def test_forwards_in_several_threads_leave_no_forward_in_flight():
+    """begin/end from many threads at once: the count of forwards in flight returns to 0 (a lost update would
+    leave the keepers spinning for good)."""
+    import threading
+
+    from k3serve.threads import IN_FLIGHT
+
+    keeper = CoreKeeper(1)  # not started: only the counting
+
+    def work():
+        for _ in range(2000):
+            keeper.begin()
+            keeper.end()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert keeper.state[IN_FLIGHT] == 0
+
+
 def test_governed_keeps_the_forward_s_name_and_result_and_nests():
     calls = []
     governor = WaitGovernor("passive")

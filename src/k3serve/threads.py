@@ -186,7 +186,7 @@ def keep_core(state, spin_iterations, quiet_chunks, poll_short, poll_long):
 
 class CoreKeeper:
     """Idle-class threads that spin while forwards run (module docstring). `begin()` / `end()` bracket each
-    outermost forward; they only write two integers, so they cost nothing measurable."""
+    outermost forward; they write two integers under a lock, so they cost nothing measurable."""
 
     def __init__(self, keepers: int) -> None:
         self.keepers = keepers
@@ -194,6 +194,7 @@ class CoreKeeper:
         self.threads: list[threading.Thread] = []
         self._pid: int | None = None
         self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self.error: str | None = None
 
     @property
@@ -238,14 +239,14 @@ class CoreKeeper:
             return True
 
     def begin(self) -> None:
-        state = self.state
-        state[IN_FLIGHT] += 1
-        state[GENERATION] += 1
+        with self._count_lock:  # forwards in several threads: a lost update would leave the keepers spinning
+            self.state[IN_FLIGHT] += 1
+            self.state[GENERATION] += 1
 
     def end(self) -> None:
-        state = self.state
-        state[IN_FLIGHT] -= 1
-        state[GENERATION] += 1
+        with self._count_lock:
+            self.state[IN_FLIGHT] -= 1
+            self.state[GENERATION] += 1
 
     def stop(self) -> None:
         self.state[STOP] = 1
