@@ -8,7 +8,7 @@ widened K3 decode (benchmarks/bench_wait_policy.py, docs/BENCHMARKS.md "How the 
 - idle, sleeping workers cost 1.46x against spinning ones (10.29 against 7.06 ms a token): a sleeping worker's core
   halts, and waking a halted virtual CPU for every region costs tens of microseconds;
 - beside another 2-thread job, spinning workers take the time slices the working threads need: 1.4-1.7x slower
-  than sleeping ones (3-7x beside two busy loops). Running on one thread beside the job is no cure either (the
+  than sleeping ones (2.7-7.3x beside two busy loops, older code). Running on one thread beside the job is no cure either (the
   scheduler shares the cores per thread, so one thread gets less than two sleeping ones).
 libgomp reads its setting once per process, so no choice of it is right in both cases. What k3serve does instead
 (`K3SERVE_WAIT_POLICY=adaptive`, the default):
