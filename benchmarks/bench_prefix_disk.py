@@ -29,18 +29,15 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.sampling import SamplingParams
 from k3serve.host import describe_host
+from k3serve.lab.workloads import run_all
 from k3serve.loading import load_model
 from k3serve.stream.options import StreamOptions
 from k3serve.units import parse_size
 
 
 def _finish(engine: LLMEngine, request_id: str):
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.request_id == request_id:
-                final = out
-    return final
+    """Step the engine until nothing is left; the final output of `request_id`."""
+    return run_all(engine)[request_id]
 
 
 def run_once(loaded, use_disk: bool, args: argparse.Namespace, folder: str) -> dict:

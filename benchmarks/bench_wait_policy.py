@@ -35,7 +35,6 @@ SETTINGS = {
     "adaptive spin 300": {"K3SERVE_SPIN": "300"},
     "adaptive spin 1500": {"K3SERVE_SPIN": "1500"},
 }
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS", "K3SERVE_SPIN")
 
 CHILD = r"""
 import json, sys, time
@@ -65,6 +64,8 @@ print(json.dumps({"wall_ms": (time.perf_counter() - wall) / steps * 1e3,
 
 
 def run(model: str, steps: int, setting: dict[str, str]) -> dict:
+    from k3serve.host import WAIT_VARIABLES  # every wait setting, OpenMP's and k3serve's
+
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
     env.update(setting)
     done = subprocess.run([sys.executable, "-c", CHILD, model, str(steps)], env=env, capture_output=True, text=True,

@@ -25,8 +25,10 @@ def test_a_peer_runs_at_its_own_defaults_not_at_the_wait_policy_k3serve_set(monk
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
-    monkeypatch.setenv("K3SERVE_WAIT_POLICY", "passive")
+    for name, value in (("K3SERVE_WAIT_POLICY", "passive"), ("K3SERVE_CORE_KEEPERS", "1"), ("K3SERVE_SPIN", "300")):
+        monkeypatch.setenv(name, value)
     env = defaults_environment(2)
-    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env and "K3SERVE_WAIT_POLICY" not in env
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS", "K3SERVE_SPIN"):
+        assert name not in env, name
     assert env["OMP_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == "2"
     assert env["PATH"] == os.environ["PATH"]

@@ -44,6 +44,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 logger = logging.getLogger(__name__)
@@ -271,9 +272,7 @@ class WaitGovernor:
             logger.info("no core keepers: %s", self.reason)
             return
         if threads is None:
-            import numba
-
-            threads = numba.config.NUMBA_NUM_THREADS
+            threads = numba_config.NUMBA_NUM_THREADS
         if cores is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         keepers = min(threads, cores) if keepers is None else keepers

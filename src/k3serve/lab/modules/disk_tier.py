@@ -20,6 +20,7 @@ from k3serve.engine.sampling import SamplingParams
 from k3serve.lab.registry import Figure, LabModule, LabResult, Param
 from k3serve.lab.timing import WARM_UP_MESSAGE, repeats_param
 from k3serve.lab.verdict import crossing, judge
+from k3serve.lab.workloads import run_all
 from k3serve.sim.returning import checkpoint_bytes
 
 REPLY_TOKENS = 8  # turn 1's reply
@@ -30,12 +31,8 @@ STREAMED_BUDGETS = {"streamed-4MiB": 4 << 20, "streamed-8MiB": 8 << 20}  # the w
 
 
 def _finish(engine: LLMEngine, request_id: str):
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.request_id == request_id:
-                final = out
-    return final
+    """Step the engine until nothing is left; the final output of `request_id`."""
+    return run_all(engine)[request_id]
 
 
 class _Conversation:
