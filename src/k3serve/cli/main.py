@@ -88,21 +88,27 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
                              "bits) or Q8_0-quantized ones with int8 dot products (q8: llama.cpp's arithmetic; "
                              "1.4-1.9x faster expert kernels, logits within ~4e-3 relative RMS of f32; needs AVX2 or "
                              "AVX-512 VNNI; docs/BENCHMARKS.md)")
+    parser.add_argument("--bf16-activations", choices=("f32", "bf16"), default=None,
+                        help="bf16 weights (a bf16 checkpoint's trunk and experts) multiply float32 activations (f32, "
+                             "the default, the reference bits) or, from 4 tokens on (prefill), activations rounded to "
+                             "bf16 with AVX512_BF16 dot products (bf16: llama.cpp's arithmetic for BF16 matrices; "
+                             "needs AVX512_BF16, else f32 with a warning; docs/BENCHMARKS.md)")
 
 
 def apply_wait_policy(args: argparse.Namespace) -> None:
-    """--wait-policy and --mxfp4-activations into the environment, before the kernels are imported (they read it
-    once, at import)."""
+    """--wait-policy, --mxfp4-activations and --bf16-activations into the environment, before the kernels are
+    imported (they read it once, at import)."""
     import os
 
     from k3serve.threads import OPENMP_WAIT_VARIABLES, WAIT_POLICY_ENV
 
     policy, activations = getattr(args, "wait_policy", None), getattr(args, "mxfp4_activations", None)
-    if policy is None and activations is None:
+    bf16_activations = getattr(args, "bf16_activations", None)
+    if policy is None and activations is None and bf16_activations is None:
         return
     if "k3serve.model.kernels" in sys.modules:
-        logging.getLogger(__name__).warning("--wait-policy / --mxfp4-activations: the kernels were already imported; "
-                                            "not applied")
+        logging.getLogger(__name__).warning("--wait-policy / --mxfp4-activations / --bf16-activations: the kernels "
+                                            "were already imported; not applied")
         return
     if policy is not None:
         for name in OPENMP_WAIT_VARIABLES:
@@ -110,6 +116,8 @@ def apply_wait_policy(args: argparse.Namespace) -> None:
         os.environ[WAIT_POLICY_ENV] = policy
     if activations is not None:
         os.environ["K3SERVE_MXFP4_ACTIVATIONS"] = activations
+    if bf16_activations is not None:
+        os.environ["K3SERVE_BF16_ACTIVATIONS"] = bf16_activations
 
 
 def _add_context_arg(parser: argparse.ArgumentParser) -> None:

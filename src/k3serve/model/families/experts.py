@@ -21,7 +21,9 @@ Experts with DENSE_KERNEL_MAX_TOKENS tokens or more (prefill) run the tiled kern
 weight row widened once and multiplied by four tokens at a time, all such experts in one compiled call); from
 DENSE_BLAS_MIN_TOKENS on, an expert widens to float32 (a transient copy, never kept) and uses BLAS, which is
 faster still once the copy is shared by that many tokens. MXFP4 experts with MXFP4_TILE_MIN_TOKENS or more run
-`mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile).
+`mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile). With bf16
+activations on (`--bf16-activations bf16`), bf16 experts with BF16_MIN_TOKENS tokens or more run
+`kernels.bf16_experts_run` instead of the float tile and of BLAS.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
 """
@@ -34,8 +36,8 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import numpy as np
 
 from k3serve.errors import CheckpointError, ConfigError
-from k3serve.model.kernels import (dense_expert_reference, dense_experts_run, dense_experts_tiled,
-                                   mxfp4_experts_run, mxfp4_experts_tiled)
+from k3serve.model.kernels import (BF16_MIN_TOKENS, bf16_experts_on, dense_expert_reference, dense_experts_run,
+                                   dense_experts_tiled, mxfp4_experts_run, mxfp4_experts_tiled)
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.routing import ExpertPairs
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
@@ -209,9 +211,12 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         return out
     out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     counts = ends - starts  # [K]
-    many = counts >= DENSE_BLAS_MIN_TOKENS  # [K]
-    tiled = (counts >= DENSE_KERNEL_MAX_TOKENS) & ~many  # [K]
     gate_up, gate_up_scales, down, down_scales = stacked
+    tile_min, blas_min = DENSE_KERNEL_MAX_TOKENS, DENSE_BLAS_MIN_TOKENS
+    if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one bf16 tile, faster than BLAS at every count
+        tile_min, blas_min = BF16_MIN_TOKENS, np.iinfo(np.int64).max
+    many = counts >= blas_min  # [K]
+    tiled = (counts >= tile_min) & ~many  # [K]
     if np.any(tiled):
         dense_experts_tiled(*stacked, ids[tiled], x, tokens, starts[tiled], ends[tiled], out=out)
     for k in np.flatnonzero(many):
@@ -219,7 +224,7 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         out[starts[k]:ends[k]] = dense_expert_reference(
             gate_up[e], None if gate_up_scales is None else gate_up_scales[e], down[e],
             None if down_scales is None else down_scales[e], x[tokens[starts[k]:ends[k]]])
-    few = counts < DENSE_KERNEL_MAX_TOKENS
+    few = counts < tile_min
     return dense_experts_run(*stacked, ids[few], x, tokens, starts[few], ends[few], out=out)
 
 
