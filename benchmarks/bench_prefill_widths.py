@@ -9,6 +9,10 @@ prefill kernels of issue 33 against the settings before them, in one process.
                  (`dense_experts_tiled` from 8 tokens, BLAS from 64, `mxfp4_experts_tiled` from 16), [128 x 256]
                  tiles. The two alternate on the same model, so load swings hit both alike.
 
+    --compare activations   A/B of bf16 weights' activations instead: "f32" (the default path) against "bf16"
+                 (`K3SERVE_BF16_ACTIVATIONS=bf16`: rounded to bf16, AVX512_BF16 dot products), both at the "after"
+                 settings; --profile --bf16-activations bf16 profiles the bf16 path.
+
     --decode-batches 1 8   decode steps instead: B sequences (a --decode-context-token prompt each), one token
                  each per step, timed per op as --profile does (issue 33: a batch-8 step was slower per token than
                  batch 1); with --vocab 151936 (Qwen3-30B-A3B's own) the lm_head is the released one. Runs the code on
@@ -16,6 +20,7 @@ prefill kernels of issue 33 against the settings before them, in one process.
 
     python benchmarks/bench_prefill_widths.py [--layers 1] [--tokens 512 2048] [--precision native|int8|mxfp4]
                                               [--rounds 3] [--profile] [--vocab 32000]
+                                              [--compare settings|activations] [--bf16-activations f32|bf16]
                                               [--decode-batches 1 8 [--decode-steps 5] [--decode-context 64]]
 Builds in about 30 s a layer (2 cores). Prints one line per prompt length, then a JSON record on the last line.
 """
@@ -37,6 +42,7 @@ from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.loading import family_of
 from k3serve.model.families.synthetic import _ROPE, _RandomReader
 from k3serve.model.interface import ForwardItem
+from k3serve.model import kernels
 from k3serve.model.kernels import linear
 
 QWEN3_30B_A3B_WIDTHS = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32,
@@ -82,7 +88,15 @@ def build_model(layers: int, precision: str):
     return model
 
 
+COMPARISONS = {"settings": ("before", "after"), "activations": ("f32", "bf16")}
+
+
 def use(model, name: str) -> None:
+    """The thresholds and tiles of `name` ("before", "after"), or the "after" ones with bf16 weights multiplying
+    activations of `name` ("f32", "bf16")."""
+    if name in COMPARISONS["activations"]:
+        kernels.BF16_ACTIVATIONS = name
+        name = "after"
     s = SETTINGS[name]
     family_experts.DENSE_KERNEL_MAX_TOKENS = s["dense"]
     family_experts.DENSE_BLAS_MIN_TOKENS = s["blas"]
@@ -144,6 +158,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="time per op of the 'after' settings")
     parser.add_argument("--vocab", type=int, default=QWEN3_30B_A3B_WIDTHS["vocab_size"])
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="settings",
+                        help="settings: before / after the tile kernels; activations: f32 / bf16 activations of bf16 "
+                             "weights")
+    parser.add_argument("--bf16-activations", choices=COMPARISONS["activations"], default="f32",
+                        help="the activations of bf16 weights under --profile and --decode-batches")
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[])
     parser.add_argument("--decode-steps", type=int, default=5)
     parser.add_argument("--decode-context", type=int, default=64)
@@ -155,48 +174,55 @@ def main() -> None:
     print(f"built {args.layers} layer(s) at {args.precision} in {time.perf_counter() - start:.0f} s; routed experts "
           f"{model.experts.nbytes / 2**30:.2f} GiB", flush=True)
     rng = np.random.default_rng(1)
+    if args.bf16_activations == "bf16" and not kernels.BF16_DOT_AVAILABLE:
+        raise SystemExit("--bf16-activations bf16: this CPU lacks AVX512_BF16")
     if args.decode_batches:
+        kernels.BF16_ACTIVATIONS = args.bf16_activations
         decode(model, args, rng)
         return
+    first, second = COMPARISONS[args.compare]
     record = {"precision": args.precision, "layers": args.layers, "threads": os.environ.get("NUMBA_NUM_THREADS"),
-              "load_before": os.getloadavg()[0], "prompts": {}}
+              "compare": [first, second], "load_before": os.getloadavg()[0], "prompts": {}}
     for T in args.tokens:
         ids = rng.integers(3, QWEN3_30B_A3B_WIDTHS["vocab_size"], size=T)
         logits = {}
-        for name in SETTINGS:  # compiles and warms both paths
+        for name in (first, second):  # compiles and warms both paths
             use(model, name)
             logits[name] = np.asarray(model.forward([ForwardItem(ids, model.new_cache())]).logits[0]).ravel()
         if args.profile:
             use(model, "after")
+            kernels.BF16_ACTIVATIONS = args.bf16_activations
             table = profile(model, ids)
             total_wall = table["total prefill"][0]
-            print(f"T={T} per op (after): wall ms, CPU ms, share of the wall, calls")
+            print(f"T={T} per op (after, {args.bf16_activations} activations of bf16 weights): wall ms, CPU ms, "
+                  f"share of the wall, calls")
             for label, (wall, cpu, calls) in sorted(table.items(), key=lambda kv: -kv[1][0]):
                 print(f"  {label:36s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f} {100 * wall / total_wall:6.1f}% {calls:4d}")
             record["prompts"].setdefault(T, {})["profile"] = table
             continue
-        rounds: dict[str, list[float]] = {name: [] for name in SETTINGS}
-        cpu_rounds: dict[str, list[float]] = {name: [] for name in SETTINGS}  # CPU s: less swayed by other jobs
+        rounds: dict[str, list[float]] = {name: [] for name in (first, second)}
+        cpu_rounds: dict[str, list[float]] = {name: [] for name in (first, second)}  # CPU s: less swayed by others
         for _ in range(args.rounds):
-            for name in SETTINGS:
+            for name in (first, second):
                 use(model, name)
                 wall, cpu = time.perf_counter(), time.process_time()
                 model.forward([ForwardItem(ids, model.new_cache())])
                 rounds[name].append(time.perf_counter() - wall)
                 cpu_rounds[name].append(time.process_time() - cpu)
-        ratios = [b / a for b, a in zip(rounds["before"], rounds["after"])]
-        cpu_ratios = [b / a for b, a in zip(cpu_rounds["before"], cpu_rounds["after"])]
-        before, after = logits["before"], logits["after"]
+        ratios = [b / a for b, a in zip(rounds[first], rounds[second])]
+        cpu_ratios = [b / a for b, a in zip(cpu_rounds[first], cpu_rounds[second])]
+        before, after = logits[first], logits[second]
         drift = float(np.sqrt(np.mean((before - after) ** 2) / np.mean(before ** 2)))
         same = int(np.argmax(before)) == int(np.argmax(after))
-        print(f"T={T} {args.precision}: before {T / statistics.median(rounds['before']):.1f} tok/s, after "
-              f"{T / statistics.median(rounds['after']):.1f} tok/s; per-round speedups "
+        print(f"T={T} {args.precision}: {first} {T / statistics.median(rounds[first]):.1f} tok/s, {second} "
+              f"{T / statistics.median(rounds[second]):.1f} tok/s; per-round speedups "
               f"{[round(r, 2) for r in ratios]}, median {statistics.median(ratios):.2f}x (CPU time "
               f"{[round(r, 2) for r in cpu_ratios]}, median {statistics.median(cpu_ratios):.2f}x); last-position "
               f"logits "
               f"relative RMS difference {drift:.1e}, same argmax {same}; load {os.getloadavg()[0]:.1f}", flush=True)
         record["prompts"][T] = {"rounds_s": rounds, "cpu_s": cpu_rounds, "speedups": ratios,
                                 "cpu_speedups": cpu_ratios, "logit_drift": drift, "same_argmax": same}
+    kernels.BF16_ACTIVATIONS = "f32"
     print(json.dumps(record))
 
 
