@@ -1867,8 +1867,9 @@ def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | Non
 #     y = the fixed pairwise sum of acc's 16 lanes
 #
 # llama.cpp's arithmetic for a BF16 matrix (its vec_dot_type is BF16). Twice the products of an f32 FMA an
-# instruction, half the bytes loaded for both operands, and no widening of the weights. Tiles of 2 rows x 4 tokens
-# (8 accumulators hide the instruction's latency; 6 zmm loads per 8 instructions), a token tail 2 rows x 1; a row
+# instruction, half the bytes loaded for both operands, and no widening of the weights. Tiles of 4 rows x 4 tokens
+# (16 accumulators hide the instruction's latency; 8 zmm loads per 16 instructions: at C = 4096 the 4 x rows
+# no longer fit L1 beside the rows, and 2 x 4 tiles, 6 loads per 8, ran at 2/3 of the speed), a token tail 4 x 1; a row
 # length that is not a multiple of 32 ends in one masked step. The instruction treats denormal inputs and results as
 # zero. Each y has the same bits whatever T, the tile it ran in and the threads; they are not the float path's (x
 # loses 16 bits of mantissa, a relative error up to 2^-8 a value), which stays the default. Used for bf16 `linear`
@@ -1876,7 +1877,7 @@ def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | Non
 # (`bf16_experts_on`; `dense_experts_tiled` also takes it); `bf16_dot_reference` is the numpy twin.
 BF16_DOT_AVAILABLE = "avx512" in AVAILABLE_ISAS and "avx512bf16" in _FEATURES
 BF16_STEP = 32  # bf16 products one vdpbf16ps adds, into 16 float32 lanes
-BF16_TILE_ROWS, BF16_TILE_TOKENS = 2, 4
+BF16_TILE_ROWS, BF16_TILE_TOKENS = 4, 4
 # tokens from which bf16 `linear` and a bf16 expert take this path; below, the float row dot (decode: both stream
 # the weights once, at memory speed; docs/BENCHMARKS.md "bf16 activations")
 BF16_MIN_TOKENS = 4
@@ -1989,15 +1990,15 @@ def _bf16_dots_intrinsic(num_rows: int, num_tokens: int):
 
 
 @intrinsic
-def _bf16_dots_2x4(typingctx, w0, w1, x0, x1, x2, x3):
-    """(w0.x0, w0.x1, w0.x2, w0.x3, w1.x0, ..., w1.x3) on bf16 bits [C] (x at least C long)."""
-    return _bf16_dots_intrinsic(2, 4)(typingctx, w0, w1, x0, x1, x2, x3)
+def _bf16_dots_4x4(typingctx, w0, w1, w2, w3, x0, x1, x2, x3):
+    """(w0.x0, w0.x1, w0.x2, w0.x3, w1.x0, ..., w3.x3) on bf16 bits [C] (x at least C long)."""
+    return _bf16_dots_intrinsic(4, 4)(typingctx, w0, w1, w2, w3, x0, x1, x2, x3)
 
 
 @intrinsic
-def _bf16_dots_2x1(typingctx, w0, w1, x0):
-    """(w0.x0, w1.x0) on bf16 bits [C], each with the bits of the same pair in `_bf16_dots_2x4`."""
-    return _bf16_dots_intrinsic(2, 1)(typingctx, w0, w1, x0)
+def _bf16_dots_4x1(typingctx, w0, w1, w2, w3, x0):
+    """(w0.x0, w1.x0, w2.x0, w3.x0) on bf16 bits [C], each with the bits of the same pair in `_bf16_dots_4x4`."""
+    return _bf16_dots_intrinsic(4, 1)(typingctx, w0, w1, w2, w3, x0)
 
 
 @njit(inline="always")
@@ -2054,21 +2055,26 @@ def bf16_dot_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 @njit(inline="always")
 def _bf16_rows_tiled(w, xb, first, last, out, begin, end):
     """out[n, r] = w[r] . xb[n] for rows begin:end of w (bf16 bits [R, C]) and rows first:last of xb (bf16 bits
-    [N, C]): four tokens at a time against each row pair, the weight rows re-read from L2 for each four (their block
-    stays there), the token tail one at a time. An odd last row is computed twice, written once."""
+    [N, C]): four tokens at a time against each four rows, the weight rows re-read from L2 for each four tokens
+    (their block stays there), the token tail one at a time. A row block that is not a multiple of 4 repeats its
+    last row in the last tile (computed again, written again with the same bits)."""
+    if last - first >= BF16_TILE_TOKENS and begin < end:  # the rows streamed in first, in order (`_touch_rows`)
+        out[first, begin] = np.float32(_touch_rows(w, begin, end))  # overwritten by the tiles
     n = first
     while n + BF16_TILE_TOKENS <= last:
         x0, x1, x2, x3 = xb[n], xb[n + 1], xb[n + 2], xb[n + 3]
         for row in range(begin, end, BF16_TILE_ROWS):
-            other = min(row + 1, end - 1)
-            a0, a1, a2, a3, b0, b1, b2, b3 = _bf16_dots_2x4(w[row], w[other], x0, x1, x2, x3)
-            out[n, row], out[n + 1, row], out[n + 2, row], out[n + 3, row] = a0, a1, a2, a3
-            out[n, other], out[n + 1, other], out[n + 2, other], out[n + 3, other] = b0, b1, b2, b3
+            r1, r2, r3 = min(row + 1, end - 1), min(row + 2, end - 1), min(row + 3, end - 1)
+            dots = _bf16_dots_4x4(w[row], w[r1], w[r2], w[r3], x0, x1, x2, x3)
+            for i in range(BF16_TILE_ROWS):
+                r = min(row + i, end - 1)
+                for t in range(BF16_TILE_TOKENS):
+                    out[n + t, r] = dots[BF16_TILE_TOKENS * i + t]
         n += BF16_TILE_TOKENS
     while n < last:
         for row in range(begin, end, BF16_TILE_ROWS):
-            other = min(row + 1, end - 1)
-            out[n, row], out[n, other] = _bf16_dots_2x1(w[row], w[other], xb[n])
+            r1, r2, r3 = min(row + 1, end - 1), min(row + 2, end - 1), min(row + 3, end - 1)
+            out[n, row], out[n, r1], out[n, r2], out[n, r3] = _bf16_dots_4x1(w[row], w[r1], w[r2], w[r3], xb[n])
         n += 1
 
 
@@ -2106,27 +2112,37 @@ def bf16_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 @njit(inline="always")
 def _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, starts, ends, hidden, task, blocks):
     """hidden[n, r] = SiLU(gate_e[r] . x_n) (up_e[r] . x_n) for the rows r of the task's block and the tokens n of
-    its expert (x_n = xb[tokens[n]]): the gate row and the up row of each r form the tile's row pair."""
+    its expert (x_n = xb[tokens[n]]): gate rows r, r + 1 and up rows r, r + 1 form a tile's four rows."""
     k = task // blocks
     e = expert_ids[k]
     width = hidden.shape[1]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
+    if ends[k] - starts[k] >= BF16_TILE_TOKENS and begin < end:  # the rows streamed in first; the tiles overwrite
+        hidden[starts[k], begin] = np.float32(_touch_rows(gate_up[e], begin, end)
+                                              + _touch_rows(gate_up[e], width + begin, width + end))
     n = starts[k]
     while n + BF16_TILE_TOKENS <= ends[k]:
         x0, x1, x2, x3 = xb[tokens[n]], xb[tokens[n + 1]], xb[tokens[n + 2]], xb[tokens[n + 3]]
-        for row in range(begin, end):
-            g0, g1, g2, g3, u0, u1, u2, u3 = _bf16_dots_2x4(gate_up[e, row], gate_up[e, width + row], x0, x1, x2,
-                                                            x3)
+        for row in range(begin, end, 2):
+            other = min(row + 1, end - 1)
+            g0, g1, g2, g3, h0, h1, h2, h3, u0, u1, u2, u3, v0, v1, v2, v3 = _bf16_dots_4x4(
+                gate_up[e, row], gate_up[e, other], gate_up[e, width + row], gate_up[e, width + other], x0, x1, x2, x3)
             hidden[n, row] = _silu_glu(g0, u0)
             hidden[n + 1, row] = _silu_glu(g1, u1)
             hidden[n + 2, row] = _silu_glu(g2, u2)
             hidden[n + 3, row] = _silu_glu(g3, u3)
+            hidden[n, other] = _silu_glu(h0, v0)
+            hidden[n + 1, other] = _silu_glu(h1, v1)
+            hidden[n + 2, other] = _silu_glu(h2, v2)
+            hidden[n + 3, other] = _silu_glu(h3, v3)
         n += BF16_TILE_TOKENS
     while n < ends[k]:
         x0 = xb[tokens[n]]
-        for row in range(begin, end):
-            g0, u0 = _bf16_dots_2x1(gate_up[e, row], gate_up[e, width + row], x0)
-            hidden[n, row] = _silu_glu(g0, u0)
+        for row in range(begin, end, 2):
+            other = min(row + 1, end - 1)
+            g0, h0, u0, v0 = _bf16_dots_4x1(gate_up[e, row], gate_up[e, other], gate_up[e, width + row],
+                                            gate_up[e, width + other], x0)
+            hidden[n, row], hidden[n, other] = _silu_glu(g0, u0), _silu_glu(h0, v0)
         n += 1
 
 
