@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numba
 import numpy as np
 import pytest
 
@@ -117,6 +118,12 @@ def test_bf16_experts_match_their_twin_on_odd_group_sizes(hidden_size, inner):
     starts = ends - sizes
     tokens = rng.integers(0, x.shape[0], ends[-1])  # [N]: a token may reach several experts
     y = bf16_experts_run(gate_up, down, expert_ids, x, tokens, starts, ends)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        np.testing.assert_array_equal(bf16_experts_run(gate_up, down, expert_ids, x, tokens, starts, ends), y)
+    finally:
+        numba.set_num_threads(threads)
     for k, e in enumerate(expert_ids):
         rows = slice(starts[k], ends[k])
         twin, bound = _experts_twin(gate_up[e], down[e], x[tokens[rows]])
