@@ -230,7 +230,8 @@ def decode(model, args, rng: np.random.Generator) -> None:
     """Per op of --decode-steps steps at each batch size (after one untimed step), then one line and a JSON
     record: ms per step, tok/s and the per-op table."""
     record = {"precision": args.precision, "layers": args.layers, "vocab": args.vocab,
-              "threads": os.environ.get("NUMBA_NUM_THREADS"), "load_before": os.getloadavg()[0], "batches": {}}
+              "bf16_activations": kernels.BF16_ACTIVATIONS, "threads": os.environ.get("NUMBA_NUM_THREADS"),
+              "load_before": os.getloadavg()[0], "batches": {}}
     for B in args.decode_batches:
         caches = [model.new_cache() for _ in range(B)]
         model.forward([ForwardItem(rng.integers(3, args.vocab, size=args.decode_context), c) for c in caches])

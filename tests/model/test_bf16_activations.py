@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from k3serve.model import kernels
-from k3serve.model.kernels import (bf16_dot_reference, bf16_experts_run, bf16_linear, round_to_bf16, widen_bf16)
+from k3serve.model.kernels import bf16_dot_reference, bf16_experts_run, bf16_linear, round_to_bf16, widen_bf16
 
 needs_bf16 = pytest.mark.skipif(not kernels.BF16_DOT_AVAILABLE, reason="this CPU lacks AVX512_BF16 (the fallback "
                                 "is tested below)")
@@ -25,9 +25,9 @@ def _bits(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarr
 
 
 def _accumulation_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """|kernel - twin| <= (additions a lane + lane sum) 2^-24 sum_c |w x|: every product is exact in float32, each of
-    the C/32 vdpbf16ps steps rounds a lane once (both products of a pair added, each rounded: 2 per step, here
-    counted as C/16), the pairwise lane sum 4 more times. [T, R]"""
+    """|kernel - twin| <= (roundings a sum meets) 2^-24 sum_c |w x|, [T, R]: every product is exact in float32; each
+    of the C/32 vdpbf16ps steps adds two of them to a lane (two roundings, C/16 in all), the pairwise lane sum
+    rounds 4 more times; 2 to spare."""
     C = w.shape[1]
     magnitude = np.abs(widen_bf16(round_to_bf16(x))).astype(np.float64) @ np.abs(widen_bf16(w)).astype(np.float64).T
     return (C / 16 + 4 + 2) * 2.0**-24 * magnitude + 1e-37  # + the flushed denormal products, at most
