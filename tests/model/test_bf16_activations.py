@@ -142,7 +142,7 @@ def test_the_switch_routes_bf16_linear_and_experts_and_off_keeps_the_float_bits(
     rng = np.random.default_rng(5)
     w, x = _bits(rng, 40, 96), rng.standard_normal((40, 96)).astype(np.float32)
     gate_up, down = _bits(rng, 3, 64, 96, scale=0.3), _bits(rng, 3, 96, 32, scale=0.3)
-    sizes = np.array([2, 5, 70])  # the row dot, then (float path) the float tile and BLAS
+    sizes = np.array([2, 5, 70])  # on the float path: the row dot, the float tile, BLAS
     ends = np.cumsum(sizes)
     starts, ids, tokens = ends - sizes, np.array([1, 0, 2]), rng.integers(0, 40, ends[-1])
     pairs = ExpertPairs(ids, starts, ends, tokens, np.arange(ends[-1]))
@@ -161,28 +161,20 @@ def test_the_switch_routes_bf16_linear_and_experts_and_off_keeps_the_float_bits(
         *stacked, ids[:1], x, tokens, starts[:1], ends[:1])[starts[0]:ends[0]])
 
     monkeypatch.setattr(kernels, "BF16_ACTIVATIONS", "bf16")
-    np.testing.assert_array_equal(kernels.linear(x[:3], w), _float_linear(w, x[:3]))  # under BF16_MIN_TOKENS
-    np.testing.assert_array_equal(kernels.linear(x[:8], w), bf16_linear(x[:8], w))
-    np.testing.assert_array_equal(kernels.linear(x, w), bf16_linear(x, w))
+    every = bf16_linear(x, w)  # [40, 40]
+    for T in (1, 3, 8, 40):  # every T on the bf16 path, with each token's bits as in the whole batch
+        np.testing.assert_array_equal(kernels.linear(x[:T], w), every[:T])
     bf16_experts = run_experts("dense", stacked, pairs, x)
-    np.testing.assert_array_equal(bf16_experts[starts[0]:ends[0]], float_experts[starts[0]:ends[0]])  # 2 tokens
-    alone = bf16_experts_run(gate_up, down, ids[1:], x, tokens, starts[1:], ends[1:])
-    np.testing.assert_array_equal(bf16_experts[starts[1]:], alone[starts[1]:])
-    np.testing.assert_array_equal(kernels.dense_experts_tiled(*stacked, ids, x, tokens, starts, ends),
-                                  bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends))
-    assert not np.array_equal(bf16_experts[starts[1]:], float_experts[starts[1]:])
+    np.testing.assert_array_equal(bf16_experts, bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends))
+    np.testing.assert_array_equal(kernels.dense_experts_tiled(*stacked, ids, x, tokens, starts, ends), bf16_experts)
+    for k in range(3):  # the row dot's 2 tokens, the float tile's 5 and BLAS's 70: all moved
+        assert not np.array_equal(bf16_experts[starts[k]:ends[k]], float_experts[starts[k]:ends[k]])
 
     monkeypatch.setattr(kernels, "BF16_DOT_AVAILABLE", False)  # switched on, but the CPU lacks the instruction
     np.testing.assert_array_equal(kernels.linear(x, w), x @ widen_bf16(w).T)
     np.testing.assert_array_equal(run_experts("dense", stacked, pairs, x), float_experts)
     with pytest.raises(RuntimeError, match="AVX512_BF16"):
         bf16_linear(x, w)
-
-
-def _float_linear(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    kernels._bf16_matmul_serial(w, x, out)
-    return out
 
 
 def test_the_setting_falls_back_to_f32_with_a_warning(caplog):

@@ -90,8 +90,8 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
                              "AVX-512 VNNI; docs/BENCHMARKS.md)")
     parser.add_argument("--bf16-activations", choices=("f32", "bf16"), default=None,
                         help="bf16 weights (a bf16 checkpoint's trunk and experts) multiply float32 activations (f32, "
-                             "the default, the reference bits) or, from 4 tokens on (prefill), activations rounded to "
-                             "bf16 with AVX512_BF16 dot products (bf16: llama.cpp's arithmetic for BF16 matrices; "
+                             "the default, the reference bits) or activations rounded to bf16 with AVX512_BF16 dot "
+                             "products (bf16: llama.cpp's arithmetic for BF16 matrices; "
                              "needs AVX512_BF16, else f32 with a warning; docs/BENCHMARKS.md)")
 
 

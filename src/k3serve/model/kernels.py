@@ -1820,7 +1820,7 @@ def linear(x: np.ndarray, w: np.ndarray | QuantizedMatrix) -> np.ndarray:
         return quantized_matmul(w, x)
     if w.dtype != np.uint16:
         return x @ w.T
-    if x.shape[0] >= BF16_MIN_TOKENS and bf16_activations_on():
+    if bf16_activations_on():
         return bf16_linear(x, w)
     if x.shape[0] >= BF16_KERNEL_MAX_TOKENS:
         block = max(1, BF16_WIDEN_BLOCK_BYTES // (4 * max(w.shape[1], 1)))
@@ -1873,14 +1873,12 @@ def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | Non
 # length that is not a multiple of 32 ends in one masked step. The instruction treats denormal inputs and results as
 # zero. Each y has the same bits whatever T, the tile it ran in and the threads; they are not the float path's (x
 # loses 16 bits of mantissa, a relative error up to 2^-8 a value), which stays the default. Used for bf16 `linear`
-# from BF16_MIN_TOKENS tokens and for bf16 experts with that many tokens, in place of the float tile and of BLAS
-# (`bf16_experts_on`; `dense_experts_tiled` also takes it); `bf16_dot_reference` is the numpy twin.
+# and bf16 experts at every token count, in place of the row dot, the float tile and BLAS (`bf16_experts_on`;
+# `dense_experts_tiled` also takes it), so that a row's bits do not depend on its batch either (decode at batch 1
+# and 8, chunked prefill and one token at a time agree); `bf16_dot_reference` is the numpy twin.
 BF16_DOT_AVAILABLE = "avx512" in AVAILABLE_ISAS and "avx512bf16" in _FEATURES
 BF16_STEP = 32  # bf16 products one vdpbf16ps adds, into 16 float32 lanes
 BF16_TILE_ROWS, BF16_TILE_TOKENS = 4, 4
-# tokens from which bf16 `linear` and a bf16 expert take this path; below, the float row dot (decode: both stream
-# the weights once, at memory speed; docs/BENCHMARKS.md "bf16 activations")
-BF16_MIN_TOKENS = 4
 _I16 = ir.IntType(16)
 
 
@@ -1897,8 +1895,7 @@ def _bf16_activations_setting(value: str, available: bool) -> str:
                        "bf16 weights multiply float32 activations (f32)")
         return "f32"
     if name == "bf16":
-        logger.info("bf16 weights on bf16-rounded activations (AVX512_BF16 vdpbf16ps) from %d tokens",
-                    BF16_MIN_TOKENS)
+        logger.info("bf16 weights on bf16-rounded activations (AVX512_BF16 vdpbf16ps)")
     return name
 
 
@@ -2191,8 +2188,8 @@ def bf16_experts_run(gate_up: np.ndarray, down: np.ndarray, expert_ids: np.ndarr
 
 
 def bf16_experts_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None) -> bool:
-    """Whether experts of this kind with BF16_MIN_TOKENS tokens or more run `bf16_experts_run` (in place of the
-    float tile and of BLAS on a float32 copy): bf16 experts while the bf16-activation path is on."""
+    """Whether experts of this kind run `bf16_experts_run` at every token count (in place of the row dot, the float
+    tile and BLAS on a float32 copy): bf16 experts while the bf16-activation path is on."""
     return bf16_activations_on() and gate_up.dtype == np.uint16 and gate_up_scales is None
 
 

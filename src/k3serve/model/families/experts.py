@@ -22,8 +22,8 @@ weight row widened once and multiplied by four tokens at a time, all such expert
 DENSE_BLAS_MIN_TOKENS on, an expert widens to float32 (a transient copy, never kept) and uses BLAS, which is
 faster still once the copy is shared by that many tokens. MXFP4 experts with MXFP4_TILE_MIN_TOKENS or more run
 `mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile). With bf16
-activations on (`--bf16-activations bf16`), bf16 experts with BF16_MIN_TOKENS tokens or more run
-`kernels.bf16_experts_run` instead of the float tile and of BLAS.
+activations on (`--bf16-activations bf16`), bf16 experts run `kernels.bf16_experts_run` at every token count
+instead.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
 """
@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import numpy as np
 
 from k3serve.errors import CheckpointError, ConfigError
-from k3serve.model.kernels import (BF16_MIN_TOKENS, bf16_experts_on, dense_expert_reference, dense_experts_run,
+from k3serve.model.kernels import (bf16_experts_on, bf16_experts_run, dense_expert_reference, dense_experts_run,
                                    dense_experts_tiled, mxfp4_experts_run, mxfp4_experts_tiled)
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.routing import ExpertPairs
@@ -209,14 +209,13 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         if np.any(many):
             mxfp4_experts_tiled(stacked, ids[many], x, tokens, starts[many], ends[many], out=out)
         return out
+    gate_up, gate_up_scales, down, down_scales = stacked
+    if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one kernel at every count, the same bits
+        return bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends)
     out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     counts = ends - starts  # [K]
-    gate_up, gate_up_scales, down, down_scales = stacked
-    tile_min, blas_min = DENSE_KERNEL_MAX_TOKENS, DENSE_BLAS_MIN_TOKENS
-    if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one bf16 tile, faster than BLAS at every count
-        tile_min, blas_min = BF16_MIN_TOKENS, np.iinfo(np.int64).max
-    many = counts >= blas_min  # [K]
-    tiled = (counts >= tile_min) & ~many  # [K]
+    many = counts >= DENSE_BLAS_MIN_TOKENS  # [K]
+    tiled = (counts >= DENSE_KERNEL_MAX_TOKENS) & ~many  # [K]
     if np.any(tiled):
         dense_experts_tiled(*stacked, ids[tiled], x, tokens, starts[tiled], ends[tiled], out=out)
     for k in np.flatnonzero(many):
@@ -224,7 +223,7 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         out[starts[k]:ends[k]] = dense_expert_reference(
             gate_up[e], None if gate_up_scales is None else gate_up_scales[e], down[e],
             None if down_scales is None else down_scales[e], x[tokens[starts[k]:ends[k]]])
-    few = counts < tile_min
+    few = counts < DENSE_KERNEL_MAX_TOKENS
     return dense_experts_run(*stacked, ids[few], x, tokens, starts[few], ends[few], out=out)
 
 
