@@ -1998,6 +1998,12 @@ def _bf16_dots_4x1(typingctx, w0, w1, w2, w3, x0):
     return _bf16_dots_intrinsic(4, 1)(typingctx, w0, w1, w2, w3, x0)
 
 
+@intrinsic
+def _bf16_dots_1x1(typingctx, w0, x0):
+    """(w0.x0,) on bf16 bits [C], with the bits of the same pair in `_bf16_dots_4x4`."""
+    return _bf16_dots_intrinsic(1, 1)(typingctx, w0, x0)
+
+
 @njit(inline="always")
 def _round_row_bf16(x, out):
     """out [C] uint16 = x float32 [C] rounded to bf16: to nearest, ties to even; NaN stays NaN (made quiet)."""
@@ -2053,9 +2059,15 @@ def bf16_dot_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 def _bf16_rows_tiled(w, xb, first, last, out, begin, end):
     """out[n, r] = w[r] . xb[n] for rows begin:end of w (bf16 bits [R, C]) and rows first:last of xb (bf16 bits
     [N, C]): four tokens at a time against each four rows, the weight rows re-read from L2 for each four tokens
-    (their block stays there), the token tail one at a time. A row block that is not a multiple of 4 repeats its
-    last row in the last tile (computed again, written again with the same bits)."""
-    if last - first >= BF16_TILE_TOKENS and begin < end:  # the rows streamed in first, in order (`_touch_rows`)
+    (their block stays there), the token tail one at a time; under four tokens, one row at a time. A row block that
+    is not a multiple of 4 repeats its last row in the last tile (computed again, written again with the same
+    bits)."""
+    if last - first < BF16_TILE_TOKENS:  # decode: one row at a time, streamed in order (the prefetcher follows)
+        for row in range(begin, end):
+            for n in range(first, last):
+                out[n, row] = _bf16_dots_1x1(w[row], xb[n])[0]
+        return
+    if begin < end:  # the rows streamed in first, in order (`_touch_rows`)
         out[first, begin] = np.float32(_touch_rows(w, begin, end))  # overwritten by the tiles
     n = first
     while n + BF16_TILE_TOKENS <= last:
@@ -2114,7 +2126,7 @@ def _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, starts, ends, hidden, ta
     e = expert_ids[k]
     width = hidden.shape[1]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
-    if ends[k] - starts[k] >= BF16_TILE_TOKENS and begin < end:  # the rows streamed in first; the tiles overwrite
+    if ends[k] > starts[k] and begin < end:  # the rows streamed in first; the tiles overwrite
         hidden[starts[k], begin] = np.float32(_touch_rows(gate_up[e], begin, end)
                                               + _touch_rows(gate_up[e], width + begin, width + end))
     n = starts[k]
