@@ -1874,8 +1874,8 @@ def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | Non
 # zero. Each y has the same bits whatever T, the tile it ran in and the threads; they are not the float path's (x
 # loses 16 bits of mantissa, a relative error up to 2^-8 a value), which stays the default. Used for bf16 `linear`
 # and bf16 experts at every token count, in place of the row dot, the float tile and BLAS (`bf16_experts_on`;
-# `dense_experts_tiled` also takes it), so that a row's bits do not depend on its batch either (decode at batch 1
-# and 8, chunked prefill and one token at a time agree); `bf16_dot_reference` is the numpy twin.
+# `dense_experts_tiled` also takes it), so that a product's bits do not depend on its batch either (decode at batch 1
+# and 8, a chunked prefill and one token at a time take the same path); `bf16_dot_reference` is the numpy twin.
 BF16_DOT_AVAILABLE = "avx512" in AVAILABLE_ISAS and "avx512bf16" in _FEATURES
 BF16_STEP = 32  # bf16 products one vdpbf16ps adds, into 16 float32 lanes
 BF16_TILE_ROWS, BF16_TILE_TOKENS = 4, 4
