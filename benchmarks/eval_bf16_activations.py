@@ -3,7 +3,8 @@ activations") moves a model's logits from the float path: the logits of every po
 through both, in one process; their relative RMS difference and how often the top token agrees. A third run rounds
 only the activations of the same matrix products to bf16 and keeps the float path's arithmetic (numpy, float32), to
 tell the rounding of x, which is the path's definition, from the kernel's own summation; a fourth moves each such
-activation by one float32 step at random, to show how much any tiny change grows through the model.
+activation by one float32 step at random, to show how much any tiny change grows through the model. Last, how far
+the prompt's last logits from one prefill are from those of one token at a time, on each path.
 
     PYTHONPATH=src .venv/bin/python benchmarks/eval_bf16_activations.py [--model embedded|qwen3_moe|deepseek_v3|...]
                                                                         [--tokens 64]
@@ -85,7 +86,18 @@ def main() -> None:
         return {"relative_rms": float(np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2))),
                 "top_token_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1)))}
 
-    record = {"model": args.model, "tokens": args.tokens, "bf16 vs f32": compare(logits["f32"], logits["bf16"]),
+    from k3serve.model.interface import ForwardItem
+
+    steps_apart = {}  # the last logits of one prefill against one token at a time, on each path
+    for mode in ("f32", "bf16"):
+        kernels.BF16_ACTIVATIONS = mode
+        whole = np.asarray(model.forward([ForwardItem(np.array(ids), model.new_cache())]).logits[0])[-1]
+        cache = model.new_cache()
+        for token in ids:
+            last = np.asarray(model.forward([ForwardItem(np.array([token]), cache)]).logits[0])[-1]
+        steps_apart[mode] = float(np.max(np.abs(whole - last)))
+    kernels.BF16_ACTIVATIONS = "f32"
+    record = {"model": args.model, "prefill vs one token at a time (max abs)": steps_apart, "tokens": args.tokens, "bf16 vs f32": compare(logits["f32"], logits["bf16"]),
               "rounded x vs f32": compare(logits["f32"], logits["rounded x"]),
               "bf16 vs rounded x": compare(logits["rounded x"], logits["bf16"]),
               "nudged x vs f32": compare(logits["f32"], logits["nudged x"])}
@@ -94,7 +106,8 @@ def main() -> None:
           f"{record['bf16 vs f32']['top_token_agreement']:.1%}; float path on bf16-rounded x vs f32 "
           f"{record['rounded x vs f32']['relative_rms']:.1e}; bf16 kernels vs that "
           f"{record['bf16 vs rounded x']['relative_rms']:.1e}; x moved one float32 step vs f32 "
-          f"{record['nudged x vs f32']['relative_rms']:.1e}")
+          f"{record['nudged x vs f32']['relative_rms']:.1e}; last logits of the prefill against one token at a time "
+          f"{steps_apart['f32']:.1e} (f32) / {steps_apart['bf16']:.1e} (bf16) apart")
     print(json.dumps(record))
 
 
