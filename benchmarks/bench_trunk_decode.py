@@ -3,7 +3,9 @@ for them (issue 33): three measurements in one process, under the process's wait
 workers and idle-class core keepers, k3serve/threads.py).
 
 1. A parallel region's fixed cost: an almost empty `prange` over 2 items, called back to back and with a busy gap
-   of 20 / 200 us between calls (the Python between a decode step's regions).
+   of 20 / 200 us between calls (the Python between a decode step's regions); and, inside one region that splits
+   a [2048, 128] matrix (in cache) in two halves, when each thread starts and ends its half after the call (TSC
+   stamps; thread 0 is the calling thread).
 2. Each trunk shape of the widened K3 alone, T = 1: the serial and parallel bf16 kernels (and the parallel one on
    1 thread), hot (the same matrix again) and cold (after reading 96 MB, more than the 32 MB L3: what the routed
    experts do to the caches between two layers).
@@ -49,6 +51,31 @@ def region_cost(empty_region, gaps_us=(0, 20, 200), calls=400) -> dict[str, floa
             times.append(time.perf_counter() - started)
         result[f"gap {gap} us"] = statistics.median(times) * 1e6
     return result
+
+
+def region_timeline(halves, now, tsc_per_us: float, calls=200) -> dict[str, float]:
+    rng = np.random.default_rng(1)
+    w = (rng.integers(0, 1 << 15, (2048, 128)) & 0x3FFF | 0x3C00).astype(np.uint16)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    out, stamps = np.empty((1, 2048), np.float32), np.zeros((2, 2), np.int64)
+    halves(w, x, out, stamps)
+    rows = []
+    for _ in range(calls):
+        started = now()
+        halves(w, x, out, stamps)
+        returned = now()
+        rows.append([stamps[0, 0] - started, stamps[0, 1] - started, stamps[1, 0] - started, stamps[1, 1] - started,
+                     returned - started])
+    median = np.median(np.array(rows, np.float64), axis=0) / tsc_per_us
+    return dict(zip(("caller starts", "caller ends", "worker starts", "worker ends", "call returns"),
+                    (float(v) for v in median)))
+
+
+def tsc_rate(now) -> float:
+    """TSC ticks per microsecond, against perf_counter over 50 ms."""
+    t0, c0 = time.perf_counter(), now()
+    time.sleep(0.05)
+    return (now() - c0) / ((time.perf_counter() - t0) * 1e6)
 
 
 def shape_times(kernels, read_all, flush, rounds=40) -> dict[str, dict[str, float]]:
@@ -124,7 +151,10 @@ def main() -> None:
     parser.add_argument("--skip-shapes", action="store_true", help="only the decode A/B")
     args = parser.parse_args()
 
-    from numba import njit, prange
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
 
     from bench_peers import widened_checkpoint
     from k3serve.host import describe_host
@@ -136,6 +166,27 @@ def main() -> None:
     def empty_region(out):
         for i in prange(out.shape[0]):
             out[i] += 1.0
+
+    @intrinsic
+    def cycle_counter(typingctx):
+        def codegen(context, builder, signature, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                                "llvm.readcyclecounter")
+            return builder.call(fn, [])
+        return types.int64(), codegen
+
+    @njit
+    def now():
+        return cycle_counter()
+
+    @njit(parallel=True)
+    def halves(w, x, out, stamps):
+        half = w.shape[0] // 2
+        for t in prange(2):
+            stamps[t, 0] = cycle_counter()
+            for r in range(t * half, (t + 1) * half):
+                out[0, r] = kernels._dense_row_dot(w[r], x[0])
+            stamps[t, 1] = cycle_counter()
 
     @njit
     def read_all(buf):
@@ -152,9 +203,12 @@ def main() -> None:
         read_all(flush)
         with governor().step():  # the keepers spin, as during a forward
             record["region_us"] = region_cost(empty_region)
+            record["region_timeline_us"] = region_timeline(halves, now, tsc_rate(now))
             record["shapes_us"] = shape_times(kernels, read_all, flush)
         print(f"machine: {describe_host()} | wait policy {POLICY}")
         print("empty parallel region, median us: " + ", ".join(f"{k} {v:.1f}" for k, v in record["region_us"].items()))
+        print("a region over two halves of a [2048, 128] matrix, us after the call (median): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in record["region_timeline_us"].items()))
         print(f"\n{'shape, T = 1 (us, median)':<42} " + " ".join(f"{k:>26}" for k in next(iter(
             record["shapes_us"].values()))))
         for label, row in record["shapes_us"].items():
