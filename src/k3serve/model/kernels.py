@@ -1798,6 +1798,13 @@ def _bf16_matmul_serial(w, x, out):
 
 
 BF16_KERNEL_MAX_TOKENS = 32  # from this many tokens on, BLAS on a transient float32 copy is faster
+# Below this many weights (4 MB of bf16) the bf16 kernel runs on the calling thread. At decode the trunk matrices
+# come from DRAM (the routed experts stream through the caches in between), and a parallel region's start costs
+# more than a second thread's reads save: its main thread starts its own rows ~12 us after the call (waking the
+# sleeping worker, threads.py), and in the widened K3's decode a [2048, 128] matrix took 66 us over 2 threads against
+# 45 us on one (docs/BENCHMARKS.md, "The bf16 trunk of the MoE block at decode"). Full-K3 matrices (25M+ weights)
+# still split over the threads. Both paths run the same row dot, so the bits do not depend on it.
+BF16_PARALLEL_MIN_WEIGHTS = 1 << 21
 BF16_WIDEN_BLOCK_BYTES = 64 << 20  # the transient float32 copy is made this many bytes of rows at a time
 
 
@@ -1828,7 +1835,7 @@ def linear(x: np.ndarray, w: np.ndarray | QuantizedMatrix) -> np.ndarray:
         return out
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)  # [T, R]
-    kernel = _bf16_matmul_parallel if w.size >= PARALLEL_MIN_WEIGHTS else _bf16_matmul_serial
+    kernel = _bf16_matmul_parallel if w.size >= BF16_PARALLEL_MIN_WEIGHTS else _bf16_matmul_serial
     kernel(w, x, out)
     return out
 
