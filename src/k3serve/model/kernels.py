@@ -940,6 +940,251 @@ def mxfp4_matmul_q8(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, isa: 
     return out
 
 
+# ------------------------------------------------------------------------------------------- MXFP4 x int8 tiles
+# The int8 path at prefill: an expert with several tokens decodes each row's nibbles to int8 once (the vpshufb
+# lookup of the row dot above) and multiplies them with Q8_TILE_TOKENS tokens' Q8_0 activations in the same pass,
+# each token with its own accumulator and exactly the row dot's operations in the row dot's order (the int32 group
+# sums, the correction, m[r, g] d[g] / 2 per lane, one FMA, the same pairwise lane sum), so **every output has the
+# row dot's bits**, whatever the number of tokens routed with it (tested). Per token and step of 4 groups the tile
+# spends 2 vpdpbusd, a subtract, a convert, a multiply and an FMA; the decode (load, 2 masks, a shift, 2 vpshufb)
+# and the scale bytes' exponent bits are paid once a row for all the tokens of the pass. Work is split over
+# (expert, row block) as in the row dot's kernels; an expert's last tokens (fewer than a tile) run the row dot.
+Q8_TILE_TOKENS = 8  # tokens one pass over a decoded row serves (then 4, then the row dot; docs/BENCHMARKS.md)
+Q8_TILE_CHUNK_TOKENS = 8  # tokens whose activations (~4 KB each at C = 2048) stay in L1 while a row block passes
+
+
+def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
+    """IR of `num_tokens` int8 row dots of one MXFP4 row: args (prow u8 [C/2], srow u8 [G], xq int8 [T, S * 128],
+    corrections int32 [T, S * 16], lane_scales f32 [T, S * 16], then num_tokens row indices t into them) -> a
+    tuple of num_tokens float32, each the bits of `_mxfp4_q8_row_dot` on row t."""
+    part_bytes, groups_per_part = 4 * lanes, lanes // 4
+    parts = Q8_VNNI_GROUPS_PER_STEP // groups_per_part
+
+    def codegen(context, builder, signature, args):
+        prow, srow, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
+                                                    for t, a in zip(signature.args[:5], args[:5]))
+        token_rows = args[5:]
+        (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
+        module = builder.module
+        index_type = ir.IntType(64)
+        vb, vi, vf = _vector(_I8, part_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), part_bytes), vb]),
+            f"llvm.masked.load.v{part_bytes}i8.p0")
+        if lanes == 16:
+            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]),
+                                                    "llvm.x86.avx512.pshuf.b.512")
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+        else:
+            vw = _vector(ir.IntType(16), 16)
+            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.pshuf.b")
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+            ones = ir.Constant(vw, [1] * 16)
+        table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * (part_bytes // 16))
+        nibble_mask = ir.Constant(vb, [15] * part_bytes)
+        iota = ir.Constant(vb, list(range(part_bytes)))
+        row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
+        full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
+        last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
+        scale_type = _vector(_I32, groups_per_part)
+        spread = ir.Constant(vi, [lane // 4 for lane in range(lanes)])
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
+
+        def row_of(array, element_type, token):  # a pointer to row `token` of a C-contiguous 2D array
+            (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
+            base = builder.bitcast(array.data, _I8.as_pointer())
+            return builder.bitcast(builder.gep(base, [builder.mul(token, stride)]), element_type.as_pointer())
+
+        x_rows = [row_of(xq, _I8, t) for t in token_rows]
+        correction_rows = [row_of(corrections, _I32, t) for t in token_rows]
+        scale_rows = [row_of(lane_scales, _F32, t) for t in token_rows]
+
+        def scale_bits(scale_bytes):  # i32 scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0
+            shifted = builder.shl(scale_bytes, ir.Constant(scale_type, [23] * groups_per_part))
+            is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(scale_type, [255] * groups_per_part))
+            return builder.select(is_nan, ir.Constant(scale_type, [0] * groups_per_part), shifted)
+
+        def part_dots(step, part: int, tail: bool):
+            """Every token's acc += the groups of one part of `step`, the row's bytes decoded once."""
+            byte_base = builder.add(builder.mul(step, ir.Constant(index_type, 64)),
+                                    ir.Constant(index_type, part * part_bytes))
+            pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
+            if tail:
+                remaining = builder.sub(row_bytes, byte_base)
+                remaining = builder.select(builder.icmp_signed("<", remaining, ir.Constant(index_type, 0)),
+                                           ir.Constant(index_type, 0), remaining)
+                remaining = builder.select(builder.icmp_signed(">", remaining, ir.Constant(index_type, part_bytes)),
+                                           ir.Constant(index_type, part_bytes), remaining)
+                mask = builder.icmp_unsigned("<", iota, _splat(builder, builder.trunc(remaining, _I8), part_bytes))
+                packed = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), mask,
+                                                    ir.Constant(vb, [0] * part_bytes)])
+            else:
+                packed = builder.load(pointer, align=1)
+            low = builder.and_(packed, nibble_mask)
+            high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * part_bytes)), nibble_mask)
+            weights_low, weights_high = builder.call(pshufb, [table, low]), builder.call(pshufb, [table, high])
+            first_group = builder.add(builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)),
+                                      ir.Constant(index_type, part * groups_per_part))
+            if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
+                scale_bytes = ir.Constant(scale_type, ir.Undefined)
+                for slot in range(groups_per_part):
+                    group = builder.add(first_group, ir.Constant(index_type, slot))
+                    group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
+                    byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
+                    scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
+            else:
+                scale_pointer = builder.bitcast(builder.gep(srow.data, [first_group]),
+                                                _vector(_I8, groups_per_part).as_pointer())
+                scale_bytes = builder.zext(builder.load(scale_pointer, align=1), scale_type)
+            exponents = scale_bits(scale_bytes)
+            row_scale = builder.bitcast(builder.shuffle_vector(exponents, exponents, spread), vf)
+            x_base = builder.add(builder.mul(step, ir.Constant(index_type, 128)),
+                                 ir.Constant(index_type, part * part_bytes))
+            x_odd_base = builder.add(x_base, ir.Constant(index_type, 64))
+            lane_base = builder.add(builder.mul(step, ir.Constant(index_type, 16)),
+                                    ir.Constant(index_type, part * lanes))
+            for j in range(num_tokens):
+                x_even = _load(builder, x_rows[j], x_base, vb, 1)
+                x_odd = _load(builder, x_rows[j], x_odd_base, vb, 1)
+                if lanes == 16:
+                    sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(weights_low, vi),
+                                                 builder.bitcast(x_even, vi)])
+                    sums = builder.call(dpbusd, [sums, builder.bitcast(weights_high, vi),
+                                                 builder.bitcast(x_odd, vi)])
+                else:
+                    pairs = builder.add(builder.call(maddubs, [weights_low, x_even]),
+                                        builder.call(maddubs, [weights_high, x_odd]))
+                    sums = builder.call(maddwd, [pairs, ones])
+                sums = builder.sub(sums, _load(builder, correction_rows[j], lane_base, vi, 4))
+                scale = builder.fmul(row_scale, _load(builder, scale_rows[j], lane_base, vf, 4))
+                builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(acc_slots[j])]),
+                              acc_slots[j])
+
+        with cgutils.for_range(builder, full_steps) as loop:
+            for part in range(parts):
+                part_dots(loop.index, part, tail=False)
+        has_tail = builder.icmp_unsigned(
+            "!=", builder.mul(full_steps, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)), num_groups)
+        with builder.if_then(has_tail):
+            for part in range(parts):
+                part_dots(full_steps, part, tail=True)
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return codegen
+
+
+def _unavailable_tile_codegen(context, builder, signature, args):
+    # never executed: the drivers only call a tile on an instruction set in Q8_ISAS
+    nan = ir.Constant(_F32, float("nan"))
+    return context.make_tuple(builder, signature.return_type, [nan] * len(signature.return_type))
+
+
+def _q8_tile_signature(num_tokens, prow, srow, xq, corrections, lane_scales, token_rows):
+    return types.UniTuple(types.float32, num_tokens)(prow, srow, xq, corrections, lane_scales, *token_rows)
+
+
+@intrinsic
+def _mxfp4_q8_tile4_avx512(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """4 int8 row dots of one MXFP4 row (rows t0..t3 of the activations), AVX-512 VNNI."""
+    codegen = _mxfp4_q8_tile_codegen(16, 4) if "avx512" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(4, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3)), codegen
+
+
+@intrinsic
+def _mxfp4_q8_tile4_avx2(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """The same 4 dots on AVX2 (the AVX2 row dot's bits)."""
+    codegen = _mxfp4_q8_tile_codegen(8, 4) if "avx2" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(4, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3)), codegen
+
+
+@intrinsic
+def _mxfp4_q8_tile8_avx512(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """8 int8 row dots of one MXFP4 row, AVX-512 VNNI."""
+    codegen = _mxfp4_q8_tile_codegen(16, 8) if "avx512" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(8, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
+
+
+@intrinsic
+def _mxfp4_q8_tile8_avx2(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """The same 8 dots on AVX2."""
+    codegen = _mxfp4_q8_tile_codegen(8, 8) if "avx2" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(8, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
+
+
+@njit(inline="always")
+def _q8_tile_row(prow, srow, xq, corrections, lane_scales, rows, gathered, start, end, isa, tile_tokens, out,
+                 column):
+    """out[n, column] = the int8 row dot of (prow, srow) with activation row rows[n] (or n when not `gathered`) for
+    n in start:end: tile_tokens (8 or 4; anything else: the row dot) tokens a pass, the rest one at a time."""
+    n = start
+    while tile_tokens == 8 and n + 8 <= end:
+        if gathered:
+            t0, t1, t2, t3, t4, t5, t6, t7 = (rows[n], rows[n + 1], rows[n + 2], rows[n + 3], rows[n + 4],
+                                              rows[n + 5], rows[n + 6], rows[n + 7])
+        else:
+            t0, t1, t2, t3, t4, t5, t6, t7 = n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6, n + 7
+        if isa == 2:
+            d = _mxfp4_q8_tile8_avx512(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        else:
+            d = _mxfp4_q8_tile8_avx2(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        out[n, column], out[n + 1, column], out[n + 2, column], out[n + 3, column] = d[0], d[1], d[2], d[3]
+        out[n + 4, column], out[n + 5, column], out[n + 6, column], out[n + 7, column] = d[4], d[5], d[6], d[7]
+        n += 8
+    while tile_tokens >= 4 and n + 4 <= end:
+        if gathered:
+            t0, t1, t2, t3 = rows[n], rows[n + 1], rows[n + 2], rows[n + 3]
+        else:
+            t0, t1, t2, t3 = n, n + 1, n + 2, n + 3
+        if isa == 2:
+            d = _mxfp4_q8_tile4_avx512(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3)
+        else:
+            d = _mxfp4_q8_tile4_avx2(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3)
+        out[n, column], out[n + 1, column], out[n + 2, column], out[n + 3, column] = d[0], d[1], d[2], d[3]
+        n += 4
+    while n < end:
+        t = rows[n] if gathered else n
+        out[n, column] = _mxfp4_q8_row_dot(prow, srow, xq[t], corrections[t], lane_scales[t], isa)
+        n += 1
+
+
+@njit(cache=True, parallel=True)
+def _experts_q8_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, lane_scales, tokens, starts, ends,
+                              isa, tile_tokens, gate, up):
+    """`_experts_q8_gate_up` in tiles: gate, up [N, MI] (natural order), the same bits."""
+    blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(w1p.shape[1], (block + 1) * ROWS_PER_TASK)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end):
+                _q8_tile_row(w1p[e, row], w1s[e, row], xq, corrections, lane_scales, tokens, True, chunk,
+                             chunk_end, isa, tile_tokens, gate, row)
+                _q8_tile_row(w3p[e, row], w3s[e, row], xq, corrections, lane_scales, tokens, True, chunk,
+                             chunk_end, isa, tile_tokens, up, row)
+
+
+@njit(cache=True, parallel=True)
+def _experts_q8_tiled_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, starts, ends, isa, tile_tokens, out):
+    """`_experts_q8_down` in tiles (xq etc. hold the quantized hidden rows [N, ...]), the same bits."""
+    blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(w2p.shape[1], (block + 1) * ROWS_PER_TASK)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end):
+                _q8_tile_row(w2p[e, row], w2s[e, row], xq, corrections, lane_scales, starts, False, chunk,
+                             chunk_end, isa, tile_tokens, out, row)
+
+
 # ------------------------------------------------------------------------------------------- routed experts
 @njit(inline="always", fastmath=False)
 def _silu_glu(gate: np.float32, up: np.float32) -> np.float32:
@@ -1098,22 +1343,38 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
 
 def _mxfp4_experts_run_q8(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                           starts: np.ndarray, ends: np.ndarray, beta: float, linear_beta: float,
-                          activation: str, code: int) -> np.ndarray:
-    """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`."""
+                          activation: str, code: int, out: np.ndarray | None = None,
+                          tile_tokens: int = Q8_TILE_TOKENS) -> np.ndarray:
+    """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`: experts with tile_tokens (4
+    or 8) tokens or more in the tiles of section "MXFP4 x int8 tiles" (the row dot's bits); tile_tokens 1 runs every
+    dot alone (the kernels before the tiles, kept for the A/B). `out` [N, LT], when given, is filled on the experts'
+    rows only."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_pairs, num_inner, latent = tokens.shape[0], w1p.shape[1], z.shape[1]
-    out = np.empty((num_pairs, latent), np.float32)  # [N, LT]
-    if num_pairs == 0:
-        return out
+    if num_pairs == 0 or expert_ids.shape[0] == 0:
+        return np.empty((num_pairs, latent), np.float32) if out is None else out
+    if tile_tokens not in (1, 4, 8):
+        raise ValueError(f"tile_tokens must be 1, 4 or 8, got {tile_tokens}")
     expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     ends = np.ascontiguousarray(ends, dtype=np.int64)
-    gate = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
-    up = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
-    _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z),
-                        np.ascontiguousarray(tokens, dtype=np.int64), starts, ends, code, gate, up)
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    # [N, MI]: with `out` the experts may cover some rows only; the others are zeros (quantized, never read)
+    allocate = np.empty if out is None else np.zeros
+    gate, up = allocate((num_pairs, num_inner), np.float32), allocate((num_pairs, num_inner), np.float32)
+    if out is None:
+        out = np.empty((num_pairs, latent), np.float32)  # [N, LT]
+    if tile_tokens == 1:
+        _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z), tokens, starts, ends, code, gate,
+                            up)
+    else:
+        _experts_q8_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z), tokens, starts, ends, code,
+                                  tile_tokens, gate, up)
     expert_activation(gate, up, beta, linear_beta, activation)
-    _experts_q8_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, code, out)
+    if tile_tokens == 1:
+        _experts_q8_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, code, out)
+    else:
+        _experts_q8_tiled_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, code, tile_tokens, out)
     return out
 
 
@@ -1755,11 +2016,15 @@ def _mxfp4_tiled_down(w2p, w2s, expert_ids, hidden, starts, ends, doubled_e2m1, 
 
 def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                         starts: np.ndarray, ends: np.ndarray, activation: str = "silu",
-                        out: np.ndarray | None = None) -> np.ndarray:
+                        out: np.ndarray | None = None, activations: str | None = None) -> np.ndarray:
     """`mxfp4_experts_run` (activation "silu") for experts with many tokens (prefill): each row decoded to float32
     once per call and multiplied by the tokens four at a time (`dense_experts_tiled`'s tile). `out` [N, LT], when
     given, is filled on the experts' rows only. Within float32 rounding of the numpy twin `dense_expert_reference` on
-    the dequantized matrices (`dequantize_mxfp4`); the bits are not those of the row dot."""
+    the dequantized matrices (`dequantize_mxfp4`); the bits are not those of the row dot. activations "q8" (default
+    `MXFP4_ACTIVATIONS`) runs the int8 tiles instead (section "MXFP4 x int8 tiles": the int8 row dot's bits)."""
+    activations = MXFP4_ACTIVATIONS if activations is None else activations
+    if activations not in ("f32", "q8"):
+        raise ValueError(f"unknown activations {activations!r} (known: f32, q8)")
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_inner, latent = w1p.shape[1], 2 * w1p.shape[2]
     z = np.ascontiguousarray(z, dtype=np.float32)
@@ -1770,6 +2035,9 @@ def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.n
         out = np.empty((tokens.shape[0], latent), np.float32)  # [N, LT]
     if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
         return out
+    if activations == "q8":
+        return _mxfp4_experts_run_q8(stacked, expert_ids, z, tokens, starts, ends, 0.0, 0.0, activation,
+                                     _q8_isa_code(None), out=out)
     expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     ends = np.ascontiguousarray(ends, dtype=np.int64)
