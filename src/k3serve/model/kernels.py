@@ -1344,15 +1344,16 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
 def _mxfp4_experts_run_q8(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                           starts: np.ndarray, ends: np.ndarray, beta: float, linear_beta: float,
                           activation: str, code: int, out: np.ndarray | None = None,
-                          tile_tokens: int = Q8_TILE_TOKENS) -> np.ndarray:
-    """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`: experts with tile_tokens (4
-    or 8) tokens or more in the tiles of section "MXFP4 x int8 tiles" (the row dot's bits); tile_tokens 1 runs every
-    dot alone (the kernels before the tiles, kept for the A/B). `out` [N, LT], when given, is filled on the experts'
-    rows only."""
+                          tile_tokens: int | None = None) -> np.ndarray:
+    """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`: experts with tile_tokens (8
+    or 4; default `Q8_TILE_TOKENS`, read at each call) tokens or more in the tiles of section "MXFP4 x int8 tiles"
+    (the row dot's bits); tile_tokens 1 runs every dot alone (the kernels before the tiles, kept for the A/B).
+    `out` [N, LT], when given, is filled on the experts' rows only."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_pairs, num_inner, latent = tokens.shape[0], w1p.shape[1], z.shape[1]
     if num_pairs == 0 or expert_ids.shape[0] == 0:
         return np.empty((num_pairs, latent), np.float32) if out is None else out
+    tile_tokens = Q8_TILE_TOKENS if tile_tokens is None else tile_tokens
     if tile_tokens not in (1, 4, 8):
         raise ValueError(f"tile_tokens must be 1, 4 or 8, got {tile_tokens}")
     expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
