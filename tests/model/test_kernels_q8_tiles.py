@@ -67,8 +67,9 @@ def test_tiles_keep_the_row_dot_bits(isa: str, latent: int, inter: int) -> None:
 
 @pytest.mark.parametrize("isa", kernels.Q8_ISAS)
 def test_tiles_equal_their_exact_twin(isa: str) -> None:
-    """One matrix through the stage-2 tile kernel (tiles of 8, 4, then a single token) against its exact twin:
-    Q8_0-quantized activations times the dequantized rows in float64; the only error is float32 summation."""
+    """One matrix of 37 rows (rows in pairs, the last one alone) through the stage-2 tile kernel (tiles of 8, 4, then
+    a single token): the row dot's bits, and against its exact twin (Q8_0-quantized activations times the
+    dequantized rows in float64) the only error is float32 summation."""
     rng = np.random.default_rng(11)
     rows, cols, num_tokens = 37, 224, 13  # 7 groups: one full step and a 3-group tail
     packed = rng.integers(0, 256, size=(1, rows, cols // 2), dtype=np.uint8)
@@ -80,6 +81,10 @@ def test_tiles_equal_their_exact_twin(isa: str) -> None:
     one = np.zeros(1, np.int64)
     kernels._experts_q8_tiled_down(packed, scales, one, xq, corrections, lane_scales, one,
                                    np.full(1, num_tokens, np.int64), kernels.ISA_CODES[isa], 8, out)
+    row_dots = np.full_like(out, np.nan)  # the row dot's kernel: 37 rows, so the tiles' odd last row is checked too
+    kernels._experts_q8_down(packed, scales, one, xq, corrections, lane_scales, one, np.full(1, num_tokens, np.int64),
+                             kernels.ISA_CODES[isa], row_dots)
+    np.testing.assert_array_equal(_bits(out), _bits(row_dots))
     q, d = kernels.quantize_activations(x)
     x_decoded = (q.reshape(num_tokens, -1, 32).astype(np.float64) * d[:, :, None]).reshape(x.shape)
     twin = x_decoded @ dequantize_mxfp4(packed[0], scales[0]).astype(np.float64).T  # [T, R]

@@ -954,17 +954,19 @@ Q8_TILE_CHUNK_TOKENS = 8  # tokens whose activations (~4 KB each at C = 2048) st
 
 
 def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
-    """IR of `num_tokens` int8 row dots of one MXFP4 row: args (prow u8 [C/2], srow u8 [G], xq int8 [T, S * 128],
-    corrections int32 [T, S * 16], lane_scales f32 [T, S * 16], then num_tokens row indices t into them) -> a
-    tuple of num_tokens float32, each the bits of `_mxfp4_q8_row_dot` on row t."""
+    """IR of the int8 row dots of two MXFP4 rows (a, b) with `num_tokens` activation rows: args (prow_a, srow_a,
+    prow_b, srow_b (u8 [C/2], [G]), xq int8 [T, S * 128], corrections int32 [T, S * 16], lane_scales f32 [T,
+    S * 16], then num_tokens row indices t into them) -> a tuple of 2 num_tokens float32 (a's dots, then b's), each
+    the bits of `_mxfp4_q8_row_dot` on row t. A token's activations are loaded once for both rows."""
     part_bytes, groups_per_part = 4 * lanes, lanes // 4
     parts = Q8_VNNI_GROUPS_PER_STEP // groups_per_part
 
     def codegen(context, builder, signature, args):
-        prow, srow, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
-                                                    for t, a in zip(signature.args[:5], args[:5]))
-        token_rows = args[5:]
-        (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
+        prow_a, srow_a, prow_b, srow_b, xq, corrections, lane_scales = (
+            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:7], args[:7]))
+        rows = ((prow_a, srow_a), (prow_b, srow_b))
+        token_rows = args[7:]
+        (num_groups,) = cgutils.unpack_tuple(builder, srow_a.shape, 1)
         module = builder.module
         index_type = ir.IntType(64)
         vb, vi, vf = _vector(_I8, part_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
@@ -992,7 +994,7 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
         last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
         scale_type = _vector(_I32, groups_per_part)
         spread = ir.Constant(vi, [lane // 4 for lane in range(lanes)])
-        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(2 * num_tokens)]
 
         def row_of(array, element_type, token):  # a pointer to row `token` of a C-contiguous 2D array
             (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
@@ -1008,8 +1010,8 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
             is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(scale_type, [255] * groups_per_part))
             return builder.select(is_nan, ir.Constant(scale_type, [0] * groups_per_part), shifted)
 
-        def part_dots(step, part: int, tail: bool):
-            """Every token's acc += the groups of one part of `step`, the row's bytes decoded once."""
+        def decode(prow, srow, step, part: int, tail: bool):
+            """One row's weights (V + 12 of the low and high nibbles) and per-lane m bits of one part of `step`."""
             byte_base = builder.add(builder.mul(step, ir.Constant(index_type, 64)),
                                     ir.Constant(index_type, part * part_bytes))
             pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
@@ -1041,7 +1043,12 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
                                                 _vector(_I8, groups_per_part).as_pointer())
                 scale_bytes = builder.zext(builder.load(scale_pointer, align=1), scale_type)
             exponents = scale_bits(scale_bytes)
-            row_scale = builder.bitcast(builder.shuffle_vector(exponents, exponents, spread), vf)
+            return weights_low, weights_high, builder.bitcast(builder.shuffle_vector(exponents, exponents, spread), vf)
+
+        def part_dots(step, part: int, tail: bool):
+            """Every (row, token) acc += the groups of one part of `step`: each row decoded once, each token's
+            activations loaded once."""
+            decoded = [decode(prow, srow, step, part, tail) for prow, srow in rows]
             x_base = builder.add(builder.mul(step, ir.Constant(index_type, 128)),
                                  ir.Constant(index_type, part * part_bytes))
             x_odd_base = builder.add(x_base, ir.Constant(index_type, 64))
@@ -1050,19 +1057,22 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
             for j in range(num_tokens):
                 x_even = _load(builder, x_rows[j], x_base, vb, 1)
                 x_odd = _load(builder, x_rows[j], x_odd_base, vb, 1)
-                if lanes == 16:
-                    sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(weights_low, vi),
-                                                 builder.bitcast(x_even, vi)])
-                    sums = builder.call(dpbusd, [sums, builder.bitcast(weights_high, vi),
-                                                 builder.bitcast(x_odd, vi)])
-                else:
-                    pairs = builder.add(builder.call(maddubs, [weights_low, x_even]),
-                                        builder.call(maddubs, [weights_high, x_odd]))
-                    sums = builder.call(maddwd, [pairs, ones])
-                sums = builder.sub(sums, _load(builder, correction_rows[j], lane_base, vi, 4))
-                scale = builder.fmul(row_scale, _load(builder, scale_rows[j], lane_base, vf, 4))
-                builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(acc_slots[j])]),
-                              acc_slots[j])
+                correction = _load(builder, correction_rows[j], lane_base, vi, 4)
+                token_scale = _load(builder, scale_rows[j], lane_base, vf, 4)
+                for i, (weights_low, weights_high, row_scale) in enumerate(decoded):
+                    if lanes == 16:
+                        sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(weights_low, vi),
+                                                     builder.bitcast(x_even, vi)])
+                        sums = builder.call(dpbusd, [sums, builder.bitcast(weights_high, vi),
+                                                     builder.bitcast(x_odd, vi)])
+                    else:
+                        pairs = builder.add(builder.call(maddubs, [weights_low, x_even]),
+                                            builder.call(maddubs, [weights_high, x_odd]))
+                        sums = builder.call(maddwd, [pairs, ones])
+                    sums = builder.sub(sums, correction)
+                    scale = builder.fmul(row_scale, token_scale)
+                    slot = acc_slots[i * num_tokens + j]
+                    builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(slot)]), slot)
 
         with cgutils.for_range(builder, full_steps) as loop:
             for part in range(parts):
@@ -1084,43 +1094,47 @@ def _unavailable_tile_codegen(context, builder, signature, args):
     return context.make_tuple(builder, signature.return_type, [nan] * len(signature.return_type))
 
 
-def _q8_tile_signature(num_tokens, prow, srow, xq, corrections, lane_scales, token_rows):
-    return types.UniTuple(types.float32, num_tokens)(prow, srow, xq, corrections, lane_scales, *token_rows)
+def _q8_tile_signature(num_tokens, rows, activations, token_rows):
+    return types.UniTuple(types.float32, 2 * num_tokens)(*rows, *activations, *token_rows)
 
 
 @intrinsic
-def _mxfp4_q8_tile4_avx512(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3):
-    """4 int8 row dots of one MXFP4 row (rows t0..t3 of the activations), AVX-512 VNNI."""
+def _mxfp4_q8_tile4_avx512(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """2 MXFP4 rows x 4 tokens (rows t0..t3 of the activations) of int8 row dots, AVX-512 VNNI."""
     codegen = _mxfp4_q8_tile_codegen(16, 4) if "avx512" in Q8_ISAS else _unavailable_tile_codegen
-    return _q8_tile_signature(4, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3)), codegen
+    return _q8_tile_signature(4, (pa, sa, pb, sb), (xq, corrections, lane_scales), (t0, t1, t2, t3)), codegen
 
 
 @intrinsic
-def _mxfp4_q8_tile4_avx2(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3):
-    """The same 4 dots on AVX2 (the AVX2 row dot's bits)."""
+def _mxfp4_q8_tile4_avx2(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """The same 2 x 4 dots on AVX2 (the AVX2 row dot's bits)."""
     codegen = _mxfp4_q8_tile_codegen(8, 4) if "avx2" in Q8_ISAS else _unavailable_tile_codegen
-    return _q8_tile_signature(4, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3)), codegen
+    return _q8_tile_signature(4, (pa, sa, pb, sb), (xq, corrections, lane_scales), (t0, t1, t2, t3)), codegen
 
 
 @intrinsic
-def _mxfp4_q8_tile8_avx512(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
-    """8 int8 row dots of one MXFP4 row, AVX-512 VNNI."""
+def _mxfp4_q8_tile8_avx512(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6,
+                           t7):
+    """2 MXFP4 rows x 8 tokens of int8 row dots, AVX-512 VNNI."""
     codegen = _mxfp4_q8_tile_codegen(16, 8) if "avx512" in Q8_ISAS else _unavailable_tile_codegen
-    return _q8_tile_signature(8, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
+    return _q8_tile_signature(8, (pa, sa, pb, sb), (xq, corrections, lane_scales),
+                              (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
 
 
 @intrinsic
-def _mxfp4_q8_tile8_avx2(typingctx, prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
-    """The same 8 dots on AVX2."""
+def _mxfp4_q8_tile8_avx2(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """The same 2 x 8 dots on AVX2."""
     codegen = _mxfp4_q8_tile_codegen(8, 8) if "avx2" in Q8_ISAS else _unavailable_tile_codegen
-    return _q8_tile_signature(8, prow, srow, xq, corrections, lane_scales, (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
+    return _q8_tile_signature(8, (pa, sa, pb, sb), (xq, corrections, lane_scales),
+                              (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
 
 
 @njit(inline="always")
-def _q8_tile_row(prow, srow, xq, corrections, lane_scales, rows, gathered, start, end, isa, tile_tokens, out,
-                 column):
-    """out[n, column] = the int8 row dot of (prow, srow) with activation row rows[n] (or n when not `gathered`) for
-    n in start:end: tile_tokens (8 or 4; anything else: the row dot) tokens a pass, the rest one at a time."""
+def _q8_tile_rows(pa, sa, pb, sb, xq, corrections, lane_scales, rows, gathered, start, end, isa, tile_tokens,
+                  out_a, out_b, column_a, column_b):
+    """out_a[n, column_a], out_b[n, column_b] = the int8 row dots of rows (pa, sa) and (pb, sb) with activation row
+    rows[n] (or n when not `gathered`) for n in start:end: tile_tokens (8 or 4; anything else: the row dot) tokens
+    a pass, then 4, then one at a time."""
     n = start
     while tile_tokens == 8 and n + 8 <= end:
         if gathered:
@@ -1129,11 +1143,13 @@ def _q8_tile_row(prow, srow, xq, corrections, lane_scales, rows, gathered, start
         else:
             t0, t1, t2, t3, t4, t5, t6, t7 = n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6, n + 7
         if isa == 2:
-            d = _mxfp4_q8_tile8_avx512(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+            d = _mxfp4_q8_tile8_avx512(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
         else:
-            d = _mxfp4_q8_tile8_avx2(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
-        out[n, column], out[n + 1, column], out[n + 2, column], out[n + 3, column] = d[0], d[1], d[2], d[3]
-        out[n + 4, column], out[n + 5, column], out[n + 6, column], out[n + 7, column] = d[4], d[5], d[6], d[7]
+            d = _mxfp4_q8_tile8_avx2(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        out_a[n, column_a], out_a[n + 1, column_a], out_a[n + 2, column_a], out_a[n + 3, column_a] = d[:4]
+        out_a[n + 4, column_a], out_a[n + 5, column_a], out_a[n + 6, column_a], out_a[n + 7, column_a] = d[4:8]
+        out_b[n, column_b], out_b[n + 1, column_b], out_b[n + 2, column_b], out_b[n + 3, column_b] = d[8:12]
+        out_b[n + 4, column_b], out_b[n + 5, column_b], out_b[n + 6, column_b], out_b[n + 7, column_b] = d[12:]
         n += 8
     while tile_tokens >= 4 and n + 4 <= end:
         if gathered:
@@ -1141,14 +1157,16 @@ def _q8_tile_row(prow, srow, xq, corrections, lane_scales, rows, gathered, start
         else:
             t0, t1, t2, t3 = n, n + 1, n + 2, n + 3
         if isa == 2:
-            d = _mxfp4_q8_tile4_avx512(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3)
+            d = _mxfp4_q8_tile4_avx512(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3)
         else:
-            d = _mxfp4_q8_tile4_avx2(prow, srow, xq, corrections, lane_scales, t0, t1, t2, t3)
-        out[n, column], out[n + 1, column], out[n + 2, column], out[n + 3, column] = d[0], d[1], d[2], d[3]
+            d = _mxfp4_q8_tile4_avx2(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3)
+        out_a[n, column_a], out_a[n + 1, column_a], out_a[n + 2, column_a], out_a[n + 3, column_a] = d[:4]
+        out_b[n, column_b], out_b[n + 1, column_b], out_b[n + 2, column_b], out_b[n + 3, column_b] = d[4:]
         n += 4
     while n < end:
         t = rows[n] if gathered else n
-        out[n, column] = _mxfp4_q8_row_dot(prow, srow, xq[t], corrections[t], lane_scales[t], isa)
+        out_a[n, column_a] = _mxfp4_q8_row_dot(pa, sa, xq[t], corrections[t], lane_scales[t], isa)
+        out_b[n, column_b] = _mxfp4_q8_row_dot(pb, sb, xq[t], corrections[t], lane_scales[t], isa)
         n += 1
 
 
@@ -1163,11 +1181,9 @@ def _experts_q8_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, l
         row_end = min(w1p.shape[1], (block + 1) * ROWS_PER_TASK)
         for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
             chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
-            for row in range(block * ROWS_PER_TASK, row_end):
-                _q8_tile_row(w1p[e, row], w1s[e, row], xq, corrections, lane_scales, tokens, True, chunk,
-                             chunk_end, isa, tile_tokens, gate, row)
-                _q8_tile_row(w3p[e, row], w3s[e, row], xq, corrections, lane_scales, tokens, True, chunk,
-                             chunk_end, isa, tile_tokens, up, row)
+            for row in range(block * ROWS_PER_TASK, row_end):  # the w1 and w3 row of one index together
+                _q8_tile_rows(w1p[e, row], w1s[e, row], w3p[e, row], w3s[e, row], xq, corrections, lane_scales,
+                              tokens, True, chunk, chunk_end, isa, tile_tokens, gate, up, row, row)
 
 
 @njit(cache=True, parallel=True)
@@ -1180,9 +1196,10 @@ def _experts_q8_tiled_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, s
         row_end = min(w2p.shape[1], (block + 1) * ROWS_PER_TASK)
         for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
             chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
-            for row in range(block * ROWS_PER_TASK, row_end):
-                _q8_tile_row(w2p[e, row], w2s[e, row], xq, corrections, lane_scales, starts, False, chunk,
-                             chunk_end, isa, tile_tokens, out, row)
+            for row in range(block * ROWS_PER_TASK, row_end, 2):  # rows in pairs; an odd last row twice
+                other = min(row + 1, row_end - 1)
+                _q8_tile_rows(w2p[e, row], w2s[e, row], w2p[e, other], w2s[e, other], xq, corrections, lane_scales,
+                              starts, False, chunk, chunk_end, isa, tile_tokens, out, out, row, other)
 
 
 # ------------------------------------------------------------------------------------------- routed experts
