@@ -15,7 +15,8 @@ prefill kernels of issue 33 against the settings before them, in one process.
                  PYTHONPATH, so base and tip compare in alternated processes.
 
     --variants after q8-rowdot q8   (with --precision mxfp4) the MXFP4 experts' activations: float32, Q8_0 on the
-                 int8 row dot, Q8_0 on the int8 tiles (kernels section "MXFP4 x int8 tiles"), alternated in one process
+                 int8 row dot, Q8_0 on the int8 tiles (kernels section "int8 tiles"), alternated in one process;
+    --variants after int8-q8        (with --precision int8) the int8 experts on float32 or Q8_0 activations
 
     python benchmarks/bench_prefill_widths.py [--layers 1] [--tokens 512 2048] [--precision native|int8|mxfp4]
                                               [--rounds 3] [--profile] [--vocab 32000] [--variants before after]
@@ -53,10 +54,13 @@ QWEN3_30B_A3B_WIDTHS = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_att
 _AFTER = dict(dense=8, blas=64, mxfp4=16, blocks=(128, 256))
 # "after" and the next two differ only in the MXFP4 experts' activations: float32 (the default), Q8_0 on the int8
 # row dot (one token a pass, before the tiles), Q8_0 on the int8 tiles (`kernels.Q8_TILE_TOKENS`)
-SETTINGS = {"before": dict(dense=32, blas=32, mxfp4=1 << 30, blocks=(256, 1024), activations="f32", tile=None),
-            "after": dict(_AFTER, activations="f32", tile=None),
-            "q8-rowdot": dict(_AFTER, activations="q8", tile=1),
-            "q8": dict(_AFTER, activations="q8", tile=None)}
+# (--precision mxfp4), and "int8-q8" the int8 experts on Q8_0 activations (--precision int8, `int8_experts_q8`)
+SETTINGS = {"before": dict(dense=32, blas=32, mxfp4=1 << 30, blocks=(256, 1024), activations="f32", tile=None,
+                           int8="f32"),
+            "after": dict(_AFTER, activations="f32", tile=None, int8="f32"),
+            "q8-rowdot": dict(_AFTER, activations="q8", tile=1, int8="f32"),
+            "q8": dict(_AFTER, activations="q8", tile=None, int8="f32"),
+            "int8-q8": dict(_AFTER, activations="f32", tile=None, int8="q8")}
 _DEFAULT_TILE_TOKENS = kernels.Q8_TILE_TOKENS
 
 
@@ -99,6 +103,7 @@ def use(model, name: str) -> None:
     family_experts.MXFP4_TILE_MIN_TOKENS = s["mxfp4"]
     kernels.MXFP4_ACTIVATIONS = s["activations"]  # read at each expert call
     kernels.Q8_TILE_TOKENS = _DEFAULT_TILE_TOKENS if s["tile"] is None else s["tile"]
+    kernels.INT8_ACTIVATIONS = s["int8"]
     for layer in model.layers:
         layer.mixer.query_block, layer.mixer.key_block = s["blocks"]
 

@@ -1,4 +1,4 @@
-"""The int8 tiles of the MXFP4 experts at prefill (kernels section "MXFP4 x int8 tiles"): 8 or 4 tokens a pass over
+"""The int8 tiles of the MXFP4 experts at prefill (kernels section "int8 tiles"): 8 or 4 tokens a pass over
 a row decoded once, each output the int8 row dot's bits on every instruction set this CPU has for it (AVX-512 VNNI,
 AVX2), on odd token counts (tiles of 8, of 4, then single tails), odd group counts (the masked last step), 255-scale
 groups and NaN / inf activation blocks; the families' MXFP4 experts on the int8 path; the float path unchanged."""
@@ -163,3 +163,87 @@ def test_families_mxfp4_experts_follow_the_switch(monkeypatch: pytest.MonkeyPatc
     twin = (gate / (1 + np.exp(-gate)) * up) @ w2.T
     assert np.sqrt(np.mean((float_path[2:19] - twin) ** 2) / np.mean(twin ** 2)) < 1e-5
     assert 1e-4 < np.sqrt(np.mean((int8[2:19] - twin) ** 2) / np.mean(twin ** 2)) < 5e-2
+
+
+def _int8_experts(rng: np.random.Generator, num_experts: int, inter: int, hidden: int):
+    """Per-row int8 experts (gate_up [E, 2I, H], scales [E, 2I]; down [E, H, I], scales [E, H]); one row of -128."""
+    gate_up = rng.integers(-127, 128, size=(num_experts, 2 * inter, hidden), dtype=np.int8)
+    gate_up[0, 1] = -128
+    down = rng.integers(-127, 128, size=(num_experts, hidden, inter), dtype=np.int8)
+    gate_up_scales = (0.002 * (1 + rng.random((num_experts, 2 * inter)))).astype(np.float32)
+    down_scales = (0.002 * (1 + rng.random((num_experts, hidden)))).astype(np.float32)
+    return gate_up, gate_up_scales, down, down_scales
+
+
+def _through_q8_0(x: np.ndarray) -> np.ndarray:
+    q, d = kernels.quantize_activations(np.asarray(x, np.float32))
+    return (q.reshape(x.shape[0], -1, 32).astype(np.float64) * d[:, :, None]).reshape(x.shape)
+
+
+@pytest.mark.parametrize("isa", kernels.Q8_ISAS)
+@pytest.mark.parametrize(("hidden", "inter"), [(160, 96), (64, 32)])
+def test_int8_experts_on_q8_activations_equal_their_twin(isa: str, hidden: int, inter: int) -> None:
+    """H = 160 (AVX-512's last step half full), I = 96; experts of 1, 3, 4, 9, 17 tokens (tiles of 8, 4, 1); a NaN
+    activation poisons its token only; against float64 of the same quantized operands the error is float32
+    summation's, and the float path's output is near."""
+    rng = np.random.default_rng(hidden + inter)
+    stacked = _int8_experts(rng, 11, inter, hidden)
+    expert_ids, tokens, starts, ends = _routing(rng, [1, 3, 4, 9, 17], 23)
+    x = rng.standard_normal((23, hidden)).astype(np.float32)
+    got = kernels.int8_experts_q8(*stacked, expert_ids, x, tokens, starts, ends, isa=isa)
+    gate_up, gate_up_scales, down, down_scales = (np.asarray(a, np.float64) for a in stacked)
+    for k, e in enumerate(expert_ids):
+        xs = _through_q8_0(x[tokens[starts[k]:ends[k]]])
+        h = xs @ (gate_up[e] * gate_up_scales[e][:, None]).T  # [n, 2I]
+        gate, up = h[:, :inter], h[:, inter:]
+        hidden_rows = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+        want = _through_q8_0(hidden_rows) @ (down[e] * down_scales[e][:, None]).T
+        block = got[starts[k]:ends[k]]
+        # a hidden value on a rounding edge may quantize one step apart from the twin's: a small tolerance
+        assert np.sqrt(np.mean((block - want) ** 2) / np.mean(want ** 2)) < 1e-4
+    float_path = kernels.dense_experts_run(*stacked, expert_ids, x, tokens, starts, ends)
+    assert 1e-4 < np.sqrt(np.mean((got - float_path) ** 2) / np.mean(float_path ** 2)) < 5e-2
+    x[tokens[0], 5] = np.nan
+    poisoned = kernels.int8_experts_q8(*stacked, expert_ids, x, tokens, starts, ends, isa=isa)
+    hit = tokens == tokens[0]
+    assert np.all(np.isnan(poisoned[hit])) and np.all(np.isfinite(poisoned[~hit]))
+    np.testing.assert_array_equal(_bits(poisoned[~hit]), _bits(got[~hit]))
+
+
+def test_int8_experts_each_token_has_its_own_bits() -> None:
+    """A token's output does not depend on the tile it ran in: one expert with 13 tokens against each token alone."""
+    rng = np.random.default_rng(3)
+    stacked = _int8_experts(rng, 1, 64, 96)
+    x = rng.standard_normal((13, 96)).astype(np.float32)
+    one = np.zeros(1, np.int64)
+    together = kernels.int8_experts_q8(*stacked, one, x, np.arange(13), one, np.full(1, 13, np.int64))
+    for n in (0, 7, 8, 12):
+        alone = kernels.int8_experts_q8(*stacked, one, x[n:n + 1], one, one, np.ones(1, np.int64))
+        np.testing.assert_array_equal(_bits(alone[0]), _bits(together[n]))
+
+
+def test_int8_switch_in_the_families_and_block_scales_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K3SERVE_INT8_ACTIVATIONS=q8: the families' per-row int8 experts are `int8_experts_q8`'s bits; f32 (the
+    default) keeps the float kernels' bits; Q8_0 block scales are refused by the int8 kernel (the families keep
+    them on the float path)."""
+    rng = np.random.default_rng(4)
+    stacked = _int8_experts(rng, 5, 64, 96)
+    expert_ids, tokens, starts, ends = _routing(rng, [2, 9, 70], 40)
+    pairs = ExpertPairs(expert_ids, starts, ends, tokens, np.arange(tokens.shape[0]))
+    x = rng.standard_normal((40, 96)).astype(np.float32)
+    assert kernels.INT8_ACTIVATIONS == "f32"
+    float_path = run_experts("dense", stacked, pairs, x)
+    few = np.array([0])
+    np.testing.assert_array_equal(_bits(float_path[:2]), _bits(kernels.dense_experts_run(
+        *stacked, expert_ids[few], x, tokens, starts[few], ends[few])[:2]))
+    monkeypatch.setattr(kernels, "INT8_ACTIVATIONS", "q8")
+    np.testing.assert_array_equal(_bits(run_experts("dense", stacked, pairs, x)),
+                                  _bits(kernels.int8_experts_q8(*stacked, expert_ids, x, tokens, starts, ends)))
+    gate_up, _, down, _ = stacked
+    block_scales = (np.ones((5, 128, 3), np.float32), np.ones((5, 96, 2), np.float32))
+    with pytest.raises(ValueError, match="per-row scales"):
+        kernels.int8_experts_q8(gate_up, block_scales[0], down, block_scales[1], expert_ids, x, tokens, starts, ends)
+    block_path = run_experts("dense", (gate_up, block_scales[0], down, block_scales[1]), pairs, x)
+    monkeypatch.setattr(kernels, "INT8_ACTIVATIONS", "f32")
+    np.testing.assert_array_equal(_bits(block_path), _bits(run_experts(
+        "dense", (gate_up, block_scales[0], down, block_scales[1]), pairs, x)))

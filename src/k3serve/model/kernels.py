@@ -940,7 +940,7 @@ def mxfp4_matmul_q8(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, isa: 
     return out
 
 
-# ------------------------------------------------------------------------------------------- MXFP4 x int8 tiles
+# ------------------------------------------------------------------ int8 tiles: MXFP4 and int8 experts x Q8_0
 # The int8 path at prefill: an expert with several tokens decodes each row's nibbles to int8 once (the vpshufb
 # lookup of the row dot above) and multiplies them with Q8_TILE_TOKENS tokens' Q8_0 activations in the same pass,
 # each token with its own accumulator and exactly the row dot's operations in the row dot's order (the int32 group
@@ -1202,6 +1202,315 @@ def _experts_q8_tiled_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, s
                               starts, False, chunk, chunk_end, isa, tile_tokens, out, out, row, other)
 
 
+# The families' int8 experts (per row: w[r, c] = q_w[r, c] s[r], `families.experts.Int8Matrix`) on Q8_0
+# activations, llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic with a per-row weight scale (opt-in:
+# K3SERVE_INT8_ACTIVATIONS=q8, `generate`/`serve --int8-activations q8`):
+#
+#     y[t, r] = s[r] * sum_lanes sum_k d[t, g(lane)] * (sum_{4 bytes of the lane} q_w q_x)
+#
+# AVX-512 VNNI: vpdpbusd needs one unsigned side, so the weight bytes are offset by 128 (w ^ 0x80 = w + 128, once a
+# row for all tokens) and 128 * (each lane's 4 q_x), precomputed per token, is subtracted. AVX2: vpmaddubsw on |w|
+# and q_x with w's sign (vpsignb; |w| <= 128 and |q_x| <= 127, so a pair's sum stays under 32767), then vpmaddwd by
+# ones. Each lane's int32 is exact; one FMA a lane folds it in with d. The same tiles of 2 rows x 8, 4 or 1 tokens.
+INT8_ACTIVATIONS = os.environ.get("K3SERVE_INT8_ACTIVATIONS", "f32").strip().lower() or "f32"
+if INT8_ACTIVATIONS not in ("f32", "q8") or (INT8_ACTIVATIONS == "q8" and not Q8_ISAS):
+    logger.warning("K3SERVE_INT8_ACTIVATIONS=%r: %s; the int8 experts run on float activations (f32)",
+                   INT8_ACTIVATIONS, "known: f32, q8" if INT8_ACTIVATIONS != "q8" else
+                   "q8 needs AVX2 or AVX-512 VNNI, which this CPU lacks")
+    INT8_ACTIVATIONS = "f32"
+elif INT8_ACTIVATIONS == "q8":
+    logger.info("int8 experts on Q8_0 activations (int8 dot products, %s)", Q8_ISAS[-1])
+_INT8_OFFSET = 128
+_INT8_CHUNK = 64  # activation rows are padded to a multiple of this many bytes (one AVX-512 step)
+
+
+@njit(cache=True)
+def _int8_q8_activations(q, d, xq, corrections, lane_scales):
+    """Q8_0 activations q int8 [T, C], d f32 [T, G] -> xq int8 [T, P] (P = C rounded up to 64, zero padded),
+    corrections int32 [T, P / 4] = 128 * the sum of each lane's 4 q, lane_scales f32 [T, P / 4] = the d of each
+    lane's group (lane l holds bytes 4 l .. 4 l + 3)."""
+    xq[:] = 0
+    corrections[:] = 0
+    lane_scales[:] = 0
+    for t in range(q.shape[0]):
+        for c in range(q.shape[1]):
+            xq[t, c] = q[t, c]
+            corrections[t, c // 4] += _INT8_OFFSET * np.int32(q[t, c])
+        for lane in range(q.shape[1] // 4):
+            lane_scales[t, lane] = d[t, lane // 8]
+
+
+def _int8_q8_prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """f32 [T, C] -> (xq int8 [T, P], corrections int32 [T, P / 4], lane scales f32 [T, P / 4])."""
+    q, d = quantize_activations(x)  # [T, C] int8, [T, G]
+    padded = (x.shape[1] + _INT8_CHUNK - 1) // _INT8_CHUNK * _INT8_CHUNK
+    xq = np.empty((x.shape[0], padded), np.int8)  # [T, P]
+    corrections = np.empty((x.shape[0], padded // 4), np.int32)  # [T, P / 4]
+    lane_scales = np.empty((x.shape[0], padded // 4), np.float32)  # [T, P / 4]
+    _int8_q8_activations(q, d, xq, corrections, lane_scales)
+    return xq, corrections, lane_scales
+
+
+def _int8_q8_tile_codegen(lanes: int, num_tokens: int):
+    """IR of the unscaled int8 dots of two int8 rows (a, b) with `num_tokens` activation rows: args (w_a, w_b int8
+    [C], xq, corrections, lane_scales of `_int8_q8_prepare`, then num_tokens row indices) -> 2 num_tokens float32
+    (a's, then b's); the caller multiplies by the rows' scales."""
+    chunk_bytes = 4 * lanes
+
+    def codegen(context, builder, signature, args):
+        w_a, w_b, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
+                                                  for t, a in zip(signature.args[:5], args[:5]))
+        token_rows = args[5:]
+        (num_columns,) = cgutils.unpack_tuple(builder, w_a.shape, 1)
+        module = builder.module
+        index_type = ir.IntType(64)
+        vb, vi, vf = _vector(_I8, chunk_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        if lanes == 16:
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+            masked_load = cgutils.get_or_insert_function(
+                module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), chunk_bytes), vb]),
+                f"llvm.masked.load.v{chunk_bytes}i8.p0")
+            offset = ir.Constant(vb, [-128] * chunk_bytes)
+            half_mask = ir.Constant(_vector(ir.IntType(1), chunk_bytes), [1] * (chunk_bytes // 2)
+                                    + [0] * (chunk_bytes // 2))
+        else:
+            vw = _vector(ir.IntType(16), 16)
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+            psign = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.psign.b")
+            absolute = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, ir.IntType(1)]),
+                                                      f"llvm.abs.v{chunk_bytes}i8")
+            ones = ir.Constant(vw, [1] * 16)
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(2 * num_tokens)]
+
+        def row_of(array, element_type, token):
+            (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
+            base = builder.bitcast(array.data, _I8.as_pointer())
+            return builder.bitcast(builder.gep(base, [builder.mul(token, stride)]), element_type.as_pointer())
+
+        x_rows = [row_of(xq, _I8, t) for t in token_rows]
+        correction_rows = [row_of(corrections, _I32, t) for t in token_rows]
+        scale_rows = [row_of(lane_scales, _F32, t) for t in token_rows]
+
+        def chunk_dots(chunk, half: bool):
+            """Every (row, token) acc += one chunk of `chunk_bytes` weights (AVX-512's last chunk may hold 32)."""
+            byte_base = builder.mul(chunk, ir.Constant(index_type, chunk_bytes))
+            weights = []
+            for w in (w_a, w_b):
+                pointer = builder.bitcast(builder.gep(w.data, [byte_base]), vb.as_pointer())
+                if half:  # the row's last 32 bytes; the rest reads as 0 (+ 128 meets padded zero q)
+                    values = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), half_mask,
+                                                        ir.Constant(vb, [0] * chunk_bytes)])
+                else:
+                    values = builder.load(pointer, align=1)
+                if lanes == 16:
+                    weights.append((builder.bitcast(builder.xor(values, offset), vi), None))
+                else:
+                    weights.append((builder.call(absolute, [values, ir.Constant(ir.IntType(1), 0)]), values))
+            lane_base = builder.mul(chunk, ir.Constant(index_type, lanes))
+            for j in range(num_tokens):
+                x = _load(builder, x_rows[j], byte_base, vb, 1)
+                token_scale = _load(builder, scale_rows[j], lane_base, vf, 4)
+                correction = _load(builder, correction_rows[j], lane_base, vi, 4) if lanes == 16 else None
+                for i, (unsigned, signs) in enumerate(weights):
+                    if lanes == 16:
+                        sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), unsigned,
+                                                     builder.bitcast(x, vi)])
+                        sums = builder.sub(sums, correction)
+                    else:
+                        pairs = builder.call(maddubs, [unsigned, builder.call(psign, [x, signs])])
+                        sums = builder.call(maddwd, [pairs, ones])
+                    slot = acc_slots[i * num_tokens + j]
+                    builder.store(builder.call(fma, [builder.sitofp(sums, vf), token_scale, builder.load(slot)]),
+                                  slot)
+
+        full_chunks = builder.udiv(num_columns, ir.Constant(index_type, chunk_bytes))
+        with cgutils.for_range(builder, full_chunks) as loop:
+            chunk_dots(loop.index, half=False)
+        if lanes == 16:  # C = 64 k + 32
+            has_half = builder.icmp_unsigned(
+                "!=", builder.mul(full_chunks, ir.Constant(index_type, chunk_bytes)), num_columns)
+            with builder.if_then(has_half):
+                chunk_dots(full_chunks, half=True)
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return codegen
+
+
+def _int8_q8_tile_intrinsic(isa: str, num_tokens: int):
+    lanes = {"avx512": 16, "avx2": 8}[isa]
+
+    def typer(typingctx, *operands):
+        if len(operands) != 5 + num_tokens:
+            return None
+        codegen = _int8_q8_tile_codegen(lanes, num_tokens) if isa in Q8_ISAS else _unavailable_tile_codegen
+        return types.UniTuple(types.float32, 2 * num_tokens)(*operands), codegen
+
+    return typer
+
+
+@intrinsic
+def _int8_q8_tile8_avx512(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """2 int8 rows x 8 tokens, AVX-512 VNNI (unscaled)."""
+    return _int8_q8_tile_intrinsic("avx512", 8)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3,
+                                                t4, t5, t6, t7)
+
+
+@intrinsic
+def _int8_q8_tile8_avx2(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """The same on AVX2."""
+    return _int8_q8_tile_intrinsic("avx2", 8)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4,
+                                              t5, t6, t7)
+
+
+@intrinsic
+def _int8_q8_tile4_avx512(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """2 int8 rows x 4 tokens, AVX-512 VNNI (unscaled)."""
+    return _int8_q8_tile_intrinsic("avx512", 4)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+
+
+@intrinsic
+def _int8_q8_tile4_avx2(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """The same on AVX2."""
+    return _int8_q8_tile_intrinsic("avx2", 4)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+
+
+@intrinsic
+def _int8_q8_tile1_avx512(typingctx, wa, wb, xq, corrections, lane_scales, t0):
+    """2 int8 rows x 1 token, AVX-512 VNNI (unscaled)."""
+    return _int8_q8_tile_intrinsic("avx512", 1)(typingctx, wa, wb, xq, corrections, lane_scales, t0)
+
+
+@intrinsic
+def _int8_q8_tile1_avx2(typingctx, wa, wb, xq, corrections, lane_scales, t0):
+    """The same on AVX2."""
+    return _int8_q8_tile_intrinsic("avx2", 1)(typingctx, wa, wb, xq, corrections, lane_scales, t0)
+
+
+@njit(inline="always")
+def _int8_q8_tile_rows(wa, wb, scale_a, scale_b, xq, corrections, lane_scales, rows, gathered, start, end, isa,
+                       out_a, out_b, column_a, column_b):
+    """out_a[n, column_a] = scale_a * (row wa . activation row rows[n] (or n when not `gathered`)), and the same for
+    b, for n in start:end: 8 tokens a pass, then 4, then 1. Each output's bits depend on its row and token only."""
+    n = start
+    while n + 8 <= end:
+        if gathered:
+            t0, t1, t2, t3, t4, t5, t6, t7 = (rows[n], rows[n + 1], rows[n + 2], rows[n + 3], rows[n + 4],
+                                              rows[n + 5], rows[n + 6], rows[n + 7])
+        else:
+            t0, t1, t2, t3, t4, t5, t6, t7 = n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6, n + 7
+        if isa == 2:
+            d = _int8_q8_tile8_avx512(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        else:
+            d = _int8_q8_tile8_avx2(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        for i in range(8):
+            out_a[n + i, column_a] = scale_a * d[i]
+            out_b[n + i, column_b] = scale_b * d[8 + i]
+        n += 8
+    while n + 4 <= end:
+        if gathered:
+            t0, t1, t2, t3 = rows[n], rows[n + 1], rows[n + 2], rows[n + 3]
+        else:
+            t0, t1, t2, t3 = n, n + 1, n + 2, n + 3
+        if isa == 2:
+            d = _int8_q8_tile4_avx512(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+        else:
+            d = _int8_q8_tile4_avx2(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+        for i in range(4):
+            out_a[n + i, column_a] = scale_a * d[i]
+            out_b[n + i, column_b] = scale_b * d[4 + i]
+        n += 4
+    while n < end:
+        t = rows[n] if gathered else n
+        if isa == 2:
+            d = _int8_q8_tile1_avx512(wa, wb, xq, corrections, lane_scales, t)
+        else:
+            d = _int8_q8_tile1_avx2(wa, wb, xq, corrections, lane_scales, t)
+        out_a[n, column_a] = scale_a * d[0]
+        out_b[n, column_b] = scale_b * d[1]
+        n += 1
+
+
+@njit(cache=True, parallel=True)
+def _int8_q8_gate_up(gate_up, gate_up_scales, expert_ids, xq, corrections, lane_scales, tokens, starts, ends, isa,
+                     hidden):
+    """hidden[n, i] = SiLU(gate) * up of the gate row i and up row I + i (each times its row scale) of expert
+    expert_ids[k] for the tokens n of starts[k]:ends[k]; gate_up int8 [E, 2I, H], scales f32 [E, 2I, 1]."""
+    width = hidden.shape[1]
+    blocks = (width + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(width, (block + 1) * ROWS_PER_TASK)
+        up = np.empty((Q8_TILE_CHUNK_TOKENS, ROWS_PER_TASK), np.float32)  # the chunk's up values
+        gate = np.empty((Q8_TILE_CHUNK_TOKENS, ROWS_PER_TASK), np.float32)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end):
+                column = row - block * ROWS_PER_TASK
+                _int8_q8_tile_rows(gate_up[e, row], gate_up[e, width + row], gate_up_scales[e, row, 0],
+                                   gate_up_scales[e, width + row, 0], xq, corrections, lane_scales,
+                                   tokens[chunk:chunk_end], True, 0, chunk_end - chunk, isa, gate, up, column,
+                                   column)
+            for n in range(chunk, chunk_end):
+                for row in range(block * ROWS_PER_TASK, row_end):
+                    column = row - block * ROWS_PER_TASK
+                    hidden[n, row] = _silu_glu(gate[n - chunk, column], up[n - chunk, column])
+
+
+@njit(cache=True, parallel=True)
+def _int8_q8_down(down, down_scales, expert_ids, xq, corrections, lane_scales, starts, ends, isa, out):
+    """out[n] = down_e hidden[n] (xq etc. hold the quantized hidden rows [N, ...]); rows in pairs, an odd last row
+    twice."""
+    blocks = (down.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(down.shape[1], (block + 1) * ROWS_PER_TASK)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end, 2):
+                other = min(row + 1, row_end - 1)
+                _int8_q8_tile_rows(down[e, row], down[e, other], down_scales[e, row, 0], down_scales[e, other, 0],
+                                   xq, corrections, lane_scales, starts, False, chunk, chunk_end, isa, out, out, row,
+                                   other)
+
+
+def int8_experts_q8(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray, down_scales: np.ndarray,
+                    expert_ids: np.ndarray, x: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                    out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+    """`dense_experts_run` for per-row int8 experts (gate_up int8 [E, 2I, H], down [E, H, I], scales f32 [E, 2I]
+    and [E, H]) with x and the hidden rows quantized to Q8_0 (see the section comment; other bits than the float
+    path, llama.cpp's error). `out` [N, H], when given, is filled on the experts' rows only. `isa`: one of
+    `Q8_ISAS` (default the best)."""
+    code = _q8_isa_code(isa)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    num_experts, hidden_size, width = down.shape
+    if (gate_up.dtype != np.int8 or down.dtype != np.int8 or gate_up.shape != (num_experts, 2 * width, hidden_size)
+            or x.ndim != 2 or x.shape[1] != hidden_size or hidden_size % GROUP_SIZE or width % GROUP_SIZE
+            or np.size(gate_up_scales) != num_experts * 2 * width or np.size(down_scales) != num_experts * hidden_size):
+        raise ValueError(f"int8 experts gate_up {gate_up.shape} {gate_up.dtype} / down {down.shape} {down.dtype} with "
+                         f"per-row scales do not fit x {x.shape} (widths must be multiples of {GROUP_SIZE})")
+    if out is None:
+        out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
+    if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
+        return out
+    expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
+    hidden = np.zeros((tokens.shape[0], width), np.float32)  # [N, I]; rows of experts not in this call stay 0
+    _int8_q8_gate_up(np.ascontiguousarray(gate_up), np.ascontiguousarray(gate_up_scales, np.float32).reshape(
+        num_experts, 2 * width, 1), expert_ids, *_int8_q8_prepare(x), np.ascontiguousarray(tokens, dtype=np.int64),
+        starts, ends, code, hidden)
+    _int8_q8_down(np.ascontiguousarray(down), np.ascontiguousarray(down_scales, np.float32).reshape(
+        num_experts, hidden_size, 1), expert_ids, *_int8_q8_prepare(hidden), starts, ends, code, out)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- routed experts
 @njit(inline="always", fastmath=False)
 def _silu_glu(gate: np.float32, up: np.float32) -> np.float32:
@@ -1363,7 +1672,7 @@ def _mxfp4_experts_run_q8(stacked: StackedExperts, expert_ids: np.ndarray, z: np
                           activation: str, code: int, out: np.ndarray | None = None,
                           tile_tokens: int | None = None) -> np.ndarray:
     """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`: experts with tile_tokens (8
-    or 4; default `Q8_TILE_TOKENS`, read at each call) tokens or more in the tiles of section "MXFP4 x int8 tiles"
+    or 4; default `Q8_TILE_TOKENS`, read at each call) tokens or more in the tiles of section "int8 tiles"
     (the row dot's bits); tile_tokens 1 runs every dot alone (the kernels before the tiles, kept for the A/B).
     `out` [N, LT], when given, is filled on the experts' rows only."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
@@ -2039,7 +2348,7 @@ def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.n
     once per call and multiplied by the tokens four at a time (`dense_experts_tiled`'s tile). `out` [N, LT], when
     given, is filled on the experts' rows only. Within float32 rounding of the numpy twin `dense_expert_reference` on
     the dequantized matrices (`dequantize_mxfp4`); the bits are not those of the row dot. activations "q8" (default
-    `MXFP4_ACTIVATIONS`) runs the int8 tiles instead (section "MXFP4 x int8 tiles": the int8 row dot's bits)."""
+    `MXFP4_ACTIVATIONS`) runs the int8 tiles instead (section "int8 tiles": the int8 row dot's bits)."""
     activations = MXFP4_ACTIVATIONS if activations is None else activations
     if activations not in ("f32", "q8"):
         raise ValueError(f"unknown activations {activations!r} (known: f32, q8)")
