@@ -2477,6 +2477,9 @@ def warmup() -> None:
         kernel(q8_blocks, xq, xd, _F16_TO_F32, ISA_CODES[ISA], out)
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
         kernel(np.zeros((3, 32), np.uint16), x, out)
+    if INT8_ACTIVATIONS == "q8":
+        int8_experts_q8(np.zeros((1, 64, 32), np.int8), np.ones((1, 64), np.float32), np.zeros((1, 32, 32), np.int8),
+                        np.ones((1, 32), np.float32), one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
     for dtype in (np.uint16, np.int8, np.float32):
         gate_up, down = np.zeros((1, 64, 32), dtype), np.zeros((1, 32, 32), dtype)  # I = 32, H = 32
         for kernel in (_dense_experts_serial, _dense_experts_parallel):
