@@ -36,8 +36,11 @@ The row dot can compute 2 or 4 rows of one matrix against the same x in one pass
 row with its own accumulator and the one-row operation order, so with the same bits; stage 1 uses it for the w1
 and w3 rows of one index. An opt-in path (section "MXFP4 x int8") quantizes the activations to Q8_0 and sums int8
 products exactly (AVX-512 VNNI or AVX2), llama.cpp's arithmetic: about twice the float path's speed, other bits.
+At prefill that path runs in tiles (section "int8 tiles": two rows decoded once, 8 or 4 tokens a pass, the int8
+row dot's bits), and the families' per-row int8 experts have the same kind of tiles on Q8_0 activations (opt-in,
+K3SERVE_INT8_ACTIVATIONS=q8).
 
-TODO: prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode is one
+TODO: the float path's prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode is one
 instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
 """
 

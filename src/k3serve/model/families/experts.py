@@ -25,7 +25,7 @@ faster still once the copy is shared by that many tokens. MXFP4 experts with MXF
 `K3SERVE_MXFP4_ACTIVATIONS=q8` every MXFP4 expert runs the int8 path in one call (`mxfp4_experts_run`), whose
 tiles serve 8 or 4 tokens a pass over a decoded row at any token count. With `K3SERVE_INT8_ACTIVATIONS=q8` the
 "int8" experts (per-row scales) multiply Q8_0 activations with int8 dot products (`kernels.int8_experts_q8`, every
-token count, one call); GGUF Q8_0 experts (block scales) stay on the float path.
+token count, one call); GGUF Q8_0 experts (block scales) and widths not multiples of 32 stay on the float path.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
 """
@@ -216,7 +216,8 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         return out
     gate_up, gate_up_scales, down, down_scales = stacked
     if (kernels.INT8_ACTIVATIONS == "q8" and gate_up.dtype == np.int8 and gate_up_scales is not None
-            and gate_up_scales.size == gate_up.shape[0] * gate_up.shape[1]):  # per-row int8 on Q8_0 activations
+            and gate_up_scales.size == gate_up.shape[0] * gate_up.shape[1]
+            and gate_up.shape[2] % GROUP_SIZE == 0 and down.shape[2] % GROUP_SIZE == 0):  # per-row int8 x Q8_0
         return kernels.int8_experts_q8(*stacked, ids, x, tokens, starts, ends)
     out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     counts = ends - starts  # [K]
