@@ -95,8 +95,8 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_wait_policy(args: argparse.Namespace) -> None:
-    """--wait-policy, --mxfp4-activations and --int8-activations into the environment, before the kernels are imported (they read it
-    once, at import)."""
+    """--wait-policy, --mxfp4-activations and --int8-activations into the environment, before the kernels are
+    imported (they read it once, at import)."""
     import os
 
     from k3serve.threads import OPENMP_WAIT_VARIABLES, WAIT_POLICY_ENV

@@ -40,8 +40,8 @@ At prefill that path runs in tiles (section "int8 tiles": two rows decoded once,
 row dot's bits), and the families' per-row int8 experts have the same kind of tiles on Q8_0 activations (opt-in,
 K3SERVE_INT8_ACTIVATIONS=q8).
 
-TODO: the float path's prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode is one
-instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
+TODO: the float path's prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode
+is one instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
 """
 
 from __future__ import annotations
