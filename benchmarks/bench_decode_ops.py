@@ -1,8 +1,10 @@
 """Where a K3 decode step goes, op by op, in k3serve and in llama.cpp on the same weights: milliseconds and bytes
 per token per op, and each op's bandwidth against a STREAM triad (issue 33's "profile of what remains").
 
-    python benchmarks/bench_decode_ops.py [--steps 200] [--rounds 3] [--threads 2]
+    python benchmarks/bench_decode_ops.py [--steps 200] [--rounds 3] [--threads 2] [--engines k3serve,llama.cpp]
         [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz]
+
+--engines k3serve runs k3serve's side alone (no llama.cpp build, GGUF or perf).
 
 The model is the widened trained K3 of bench_peers.py (1.5 GB, MXFP4 experts, bf16 trunk; built once) and its GGUF
 from llama.cpp's own converter; each engine in a fresh process at its own defaults (`host.defaults_environment`),
@@ -186,25 +188,31 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=16)
     parser.add_argument("--latent", type=int, default=32)
     parser.add_argument("--sdist", type=Path, default=Path("/tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz"))
+    parser.add_argument("--engines", default="k3serve,llama.cpp", help="comma-separated subset of k3serve,llama.cpp")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    engines = args.engines.split(",")
+    if not engines or any(e not in ("k3serve", "llama.cpp") for e in engines):
+        parser.error(f"--engines must name k3serve and/or llama.cpp, got {args.engines!r}")
 
     from bench_peers import build_gguf, llama_cpp_tree, triad_bandwidth, widened_checkpoint
     from k3serve.host import describe_host
     from k3serve.weights.checkpoint import Checkpoint
 
     checkpoint = widened_checkpoint(args.inner, args.latent)
-    gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist))
+    gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist)) if "llama.cpp" in engines else None
     vocab = Checkpoint(checkpoint).config.vocab_size
     spec = {"checkpoint": str(checkpoint), "gguf": str(gguf), "steps": args.steps, "threads": args.threads,
             "vocab": vocab, "benchmarks": str(HERE)}
     perf = shutil.which("perf")
     triad = triad_bandwidth()
-    runs: dict[str, list[dict]] = {"k3serve": [], "llama.cpp": []}
+    runs: dict[str, list[dict]] = {engine: [] for engine in engines}
     for round_ in range(args.rounds):
         print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        runs["k3serve"].append(run_k3serve(spec))
-        runs["llama.cpp"].append(run_llama(spec, perf))
+        if "k3serve" in runs:
+            runs["k3serve"].append(run_k3serve(spec))
+        if "llama.cpp" in runs:
+            runs["llama.cpp"].append(run_llama(spec, perf))
     host = describe_host()
     print(host, f"| triad {triad:.1f} GB/s | perf: {perf or 'not found (llama.cpp per-op skipped)'}")
     record: dict = {"benchmark": "decode_ops", "machine": host, "triad_gb_s": triad, "steps": args.steps,

@@ -9,18 +9,21 @@ prefill kernels of issue 33 against the settings before them, in one process.
                  (`dense_experts_tiled` from 8 tokens, BLAS from 64, `mxfp4_experts_tiled` from 16), [128 x 256]
                  tiles. The two alternate on the same model, so load swings hit both alike.
 
-    --compare activations   A/B of bf16 weights' activations instead: "f32" (the default path) against "bf16"
-                 (`K3SERVE_BF16_ACTIVATIONS=bf16`: rounded to bf16, AVX512_BF16 dot products), both at the "after"
-                 settings; --profile --bf16-activations bf16 profiles the bf16 path.
-
     --decode-batches 1 8   decode steps instead: B sequences (a --decode-context-token prompt each), one token
                  each per step, timed per op as --profile does (issue 33: a batch-8 step was slower per token than
                  batch 1); with --vocab 151936 (Qwen3-30B-A3B's own) the lm_head is the released one. Runs the code on
                  PYTHONPATH, so base and tip compare in alternated processes.
 
+    --variants after q8-rowdot q8   (with --precision mxfp4) the MXFP4 experts' activations: float32, Q8_0 on the
+                 int8 row dot, Q8_0 on the int8 tiles (kernels section "int8 tiles"), alternated in one process;
+    --variants after int8-q8        (with --precision int8) the int8 experts on float32 or Q8_0 activations
+    --variants after bf16           bf16 weights (trunk, and experts at --precision native) on float32 activations or
+                 on activations rounded to bf16 (`K3SERVE_BF16_ACTIVATIONS=bf16`, AVX512_BF16 dot products);
+                 --bf16-activations bf16 runs --decode-batches on that path
+
     python benchmarks/bench_prefill_widths.py [--layers 1] [--tokens 512 2048] [--precision native|int8|mxfp4]
-                                              [--rounds 3] [--profile] [--vocab 32000]
-                                              [--compare settings|activations] [--bf16-activations f32|bf16]
+                                              [--rounds 3] [--profile] [--vocab 32000] [--variants before after]
+                                              [--bf16-activations f32|bf16]
                                               [--decode-batches 1 8 [--decode-steps 5] [--decode-context 64]]
 Builds in about 30 s a layer (2 cores). Prints one line per prompt length, then a JSON record on the last line.
 """
@@ -52,8 +55,18 @@ QWEN3_30B_A3B_WIDTHS = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_att
                         "max_position_embeddings": 40960, "use_sliding_window": False, "rope_parameters": _ROPE,
                         "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
                         "tie_word_embeddings": False}
-SETTINGS = {"before": dict(dense=32, blas=32, mxfp4=1 << 30, blocks=(256, 1024)),
-            "after": dict(dense=8, blas=64, mxfp4=16, blocks=(128, 256))}
+_AFTER = dict(dense=8, blas=64, mxfp4=16, blocks=(128, 256))
+# "after" and the next two differ only in the MXFP4 experts' activations: float32 (the default), Q8_0 on the int8
+# row dot (one token a pass, before the tiles), Q8_0 on the int8 tiles (`kernels.Q8_TILE_TOKENS`)
+# (--precision mxfp4), and "int8-q8" the int8 experts on Q8_0 activations (--precision int8, `int8_experts_q8`)
+SETTINGS = {"before": dict(dense=32, blas=32, mxfp4=1 << 30, blocks=(256, 1024), activations="f32", tile=None,
+                           int8="f32", bf16="f32"),
+            "after": dict(_AFTER, activations="f32", tile=None, int8="f32", bf16="f32"),
+            "q8-rowdot": dict(_AFTER, activations="q8", tile=1, int8="f32", bf16="f32"),
+            "q8": dict(_AFTER, activations="q8", tile=None, int8="f32", bf16="f32"),
+            "int8-q8": dict(_AFTER, activations="f32", tile=None, int8="q8", bf16="f32"),
+            "bf16": dict(_AFTER, activations="f32", tile=None, int8="f32", bf16="bf16")}
+_DEFAULT_TILE_TOKENS = kernels.Q8_TILE_TOKENS
 
 
 class _BF16Reader(_RandomReader):
@@ -88,19 +101,15 @@ def build_model(layers: int, precision: str):
     return model
 
 
-COMPARISONS = {"settings": ("before", "after"), "activations": ("f32", "bf16")}
-
-
 def use(model, name: str) -> None:
-    """The thresholds and tiles of `name` ("before", "after"), or the "after" ones with bf16 weights multiplying
-    activations of `name` ("f32", "bf16")."""
-    if name in COMPARISONS["activations"]:
-        kernels.BF16_ACTIVATIONS = name
-        name = "after"
     s = SETTINGS[name]
     family_experts.DENSE_KERNEL_MAX_TOKENS = s["dense"]
     family_experts.DENSE_BLAS_MIN_TOKENS = s["blas"]
     family_experts.MXFP4_TILE_MIN_TOKENS = s["mxfp4"]
+    kernels.MXFP4_ACTIVATIONS = s["activations"]  # read at each expert call
+    kernels.Q8_TILE_TOKENS = _DEFAULT_TILE_TOKENS if s["tile"] is None else s["tile"]
+    kernels.INT8_ACTIVATIONS = s["int8"]
+    kernels.BF16_ACTIVATIONS = s["bf16"]
     for layer in model.layers:
         layer.mixer.query_block, layer.mixer.key_block = s["blocks"]
 
@@ -156,13 +165,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--precision", default="native", choices=["native", "int8", "mxfp4"])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="time per op of the 'after' settings")
+    parser.add_argument("--profile", action="store_true", help="time per op of each variant but 'before'")
+    parser.add_argument("--variants", nargs="+", default=["before", "after"], choices=list(SETTINGS),
+                        help="alternated in each round; speedups and logit drift against the first (the MXFP4 int8 "
+                             "A/B: --precision mxfp4 --variants after q8-rowdot q8)")
     parser.add_argument("--vocab", type=int, default=QWEN3_30B_A3B_WIDTHS["vocab_size"])
-    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="settings",
-                        help="settings: before / after the tile kernels; activations: f32 / bf16 activations of bf16 "
-                             "weights")
-    parser.add_argument("--bf16-activations", choices=COMPARISONS["activations"], default="f32",
-                        help="the activations of bf16 weights under --profile and --decode-batches")
+    parser.add_argument("--bf16-activations", choices=("f32", "bf16"), default="f32",
+                        help="the activations of bf16 weights under --decode-batches")
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[])
     parser.add_argument("--decode-steps", type=int, default=5)
     parser.add_argument("--decode-context", type=int, default=64)
@@ -180,49 +189,51 @@ def main() -> None:
         kernels.BF16_ACTIVATIONS = args.bf16_activations
         decode(model, args, rng)
         return
-    first, second = COMPARISONS[args.compare]
     record = {"precision": args.precision, "layers": args.layers, "threads": os.environ.get("NUMBA_NUM_THREADS"),
-              "compare": [first, second], "load_before": os.getloadavg()[0], "prompts": {}}
+              "load_before": os.getloadavg()[0], "prompts": {}}
     for T in args.tokens:
         ids = rng.integers(3, QWEN3_30B_A3B_WIDTHS["vocab_size"], size=T)
         logits = {}
-        for name in (first, second):  # compiles and warms both paths
+        for name in args.variants:  # compiles and warms every path
             use(model, name)
             logits[name] = np.asarray(model.forward([ForwardItem(ids, model.new_cache())]).logits[0]).ravel()
         if args.profile:
-            use(model, "after")
-            kernels.BF16_ACTIVATIONS = args.bf16_activations
-            table = profile(model, ids)
-            total_wall = table["total prefill"][0]
-            print(f"T={T} per op (after, {args.bf16_activations} activations of bf16 weights): wall ms, CPU ms, "
-                  f"share of the wall, calls")
-            for label, (wall, cpu, calls) in sorted(table.items(), key=lambda kv: -kv[1][0]):
-                print(f"  {label:36s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f} {100 * wall / total_wall:6.1f}% {calls:4d}")
-            record["prompts"].setdefault(T, {})["profile"] = table
+            for name in [v for v in args.variants if v != "before"]:
+                use(model, name)
+                table = profile(model, ids)
+                total_wall = table["total prefill"][0]
+                print(f"T={T} per op ({name}): wall ms, CPU ms, share of the wall, calls")
+                for label, (wall, cpu, calls) in sorted(table.items(), key=lambda kv: -kv[1][0]):
+                    print(f"  {label:36s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f} {100 * wall / total_wall:6.1f}% "
+                          f"{calls:4d}")
+                record["prompts"].setdefault(T, {})[f"profile {name}"] = table
             continue
-        rounds: dict[str, list[float]] = {name: [] for name in (first, second)}
-        cpu_rounds: dict[str, list[float]] = {name: [] for name in (first, second)}  # CPU s: less swayed by others
+        rounds: dict[str, list[float]] = {name: [] for name in args.variants}
+        cpu_rounds: dict[str, list[float]] = {name: [] for name in args.variants}  # CPU s: less swayed by others
         for _ in range(args.rounds):
-            for name in (first, second):
+            for name in args.variants:
                 use(model, name)
                 wall, cpu = time.perf_counter(), time.process_time()
                 model.forward([ForwardItem(ids, model.new_cache())])
                 rounds[name].append(time.perf_counter() - wall)
                 cpu_rounds[name].append(time.process_time() - cpu)
-        ratios = [b / a for b, a in zip(rounds[first], rounds[second])]
-        cpu_ratios = [b / a for b, a in zip(cpu_rounds[first], cpu_rounds[second])]
-        before, after = logits[first], logits[second]
-        drift = float(np.sqrt(np.mean((before - after) ** 2) / np.mean(before ** 2)))
-        same = int(np.argmax(before)) == int(np.argmax(after))
-        print(f"T={T} {args.precision}: {first} {T / statistics.median(rounds[first]):.1f} tok/s, {second} "
-              f"{T / statistics.median(rounds[second]):.1f} tok/s; per-round speedups "
-              f"{[round(r, 2) for r in ratios]}, median {statistics.median(ratios):.2f}x (CPU time "
-              f"{[round(r, 2) for r in cpu_ratios]}, median {statistics.median(cpu_ratios):.2f}x); last-position "
-              f"logits "
-              f"relative RMS difference {drift:.1e}, same argmax {same}; load {os.getloadavg()[0]:.1f}", flush=True)
-        record["prompts"][T] = {"rounds_s": rounds, "cpu_s": cpu_rounds, "speedups": ratios,
-                                "cpu_speedups": cpu_ratios, "logit_drift": drift, "same_argmax": same}
-    kernels.BF16_ACTIVATIONS = "f32"
+        base = args.variants[0]
+        entry = {"rounds_s": rounds, "cpu_s": cpu_rounds}
+        for name in args.variants[1:]:
+            ratios = [b / a for b, a in zip(rounds[base], rounds[name])]
+            cpu_ratios = [b / a for b, a in zip(cpu_rounds[base], cpu_rounds[name])]
+            before, after = logits[base], logits[name]
+            drift = float(np.sqrt(np.mean((before - after) ** 2) / np.mean(before ** 2)))
+            same = int(np.argmax(before)) == int(np.argmax(after))
+            print(f"T={T} {args.precision}: {base} {T / statistics.median(rounds[base]):.1f} tok/s, {name} "
+                  f"{T / statistics.median(rounds[name]):.1f} tok/s; per-round speedups "
+                  f"{[round(r, 2) for r in ratios]}, median {statistics.median(ratios):.2f}x (CPU time "
+                  f"{[round(r, 2) for r in cpu_ratios]}, median {statistics.median(cpu_ratios):.2f}x); last-position "
+                  f"logits relative RMS difference {drift:.1e}, same argmax {same}; load {os.getloadavg()[0]:.1f}",
+                  flush=True)
+            entry[name] = {"speedups": ratios, "cpu_speedups": cpu_ratios, "logit_drift": drift,
+                           "same_argmax": same}
+        record["prompts"][T] = entry
     print(json.dumps(record))
 
 

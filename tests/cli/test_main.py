@@ -655,6 +655,26 @@ def test_wait_policy_and_activation_flags_reach_the_kernels_and_the_default_star
     assert len(runs["q8"].stdout.strip().split(",")) == 6
 
 
+def test_int8_activations_flag_reaches_the_kernels():
+    """generate --int8-activations q8 sets the families' int8 experts on Q8_0 activations (read by the kernels at
+    import); the MXFP4 switch stays at its default; an unknown value is refused by the parser."""
+    import os
+
+    from k3serve.cli.main import build_parser
+
+    code = ("from k3serve.cli.main import build_parser, apply_wait_policy\n"
+            "args = build_parser().parse_args(['generate', '--int8-activations', 'q8', '--prompt-ids', '1'])\n"
+            "apply_wait_policy(args)\n"
+            "from k3serve.model import kernels\n"
+            "print(kernels.INT8_ACTIVATIONS if kernels.Q8_ISAS else 'q8', kernels.MXFP4_ACTIVATIONS)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("K3SERVE_INT8_ACTIVATIONS", "K3SERVE_MXFP4_ACTIVATIONS")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["q8", "f32"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--int8-activations", "int4"])
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_bf16_activations_flag_sets_the_kernels_environment_before_their_import(command, monkeypatch, capsys):
     """--bf16-activations reaches K3SERVE_BF16_ACTIVATIONS (read once when the kernels are imported); with the

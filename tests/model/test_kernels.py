@@ -361,21 +361,41 @@ def test_linear_on_bf16_bits_matches_float32(tokens):
     np.testing.assert_array_equal(linear(x, w), x @ w.T)
 
 
-@pytest.mark.parametrize(("rows", "cols", "tokens"), [(301, 131, 4), (301, 131, 7), (67, 2048, 9), (1200, 160, 5)])
-def test_linear_bf16_token_tiles_keep_the_row_dot_bits(rows, cols, tokens):
+@pytest.mark.parametrize(("rows", "cols", "tokens"), [(301, 131, 4), (301, 131, 7), (67, 2048, 9), (1200, 160, 5),
+                                                   (1200, 160, 1)])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_linear_bf16_token_tiles_keep_the_row_dot_bits(rows, cols, tokens, parallel, monkeypatch):
     """From 4 tokens the bf16 kernel runs 2-row x 4-token tiles (decode batches, short prefills): each output has
-    the bits of the one-token row dot, whatever T, on odd row counts and a scalar tail (131 columns), serial and
-    parallel sizes (1200 x 160 runs over several 64-row tasks), and matches the float32 product."""
+    the bits of the one-token row dot, whatever T, on odd row counts and a scalar tail (131 columns), on the calling
+    thread and over the threads (1200 x 160 runs over several 64-row tasks), and matches the float32 product."""
+    from k3serve.model import kernels
     from k3serve.model.kernels import BF16_KERNEL_MAX_TOKENS, linear, widen_bf16
 
     assert tokens < BF16_KERNEL_MAX_TOKENS
+    monkeypatch.setattr(kernels, "BF16_PARALLEL_MIN_WEIGHTS", 1 if parallel else 1 << 40)
     rng = np.random.default_rng(rows + tokens)
     bits = (rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     got = linear(x, bits)
     one_by_one = np.concatenate([linear(x[t:t + 1], bits) for t in range(tokens)])
     np.testing.assert_array_equal(got, one_by_one)
+    other = np.empty_like(got)  # the other path's bits
+    (kernels._bf16_matmul_serial if parallel else kernels._bf16_matmul_parallel)(bits, x, other)
+    np.testing.assert_array_equal(got, other)
     assert _relative_rms(got, x @ widen_bf16(bits).T) < 1e-6
+
+
+def test_linear_bf16_runs_small_matrices_on_the_calling_thread(monkeypatch):
+    """The widened K3's trunk matrices (at most 2048 x 128 weights) run serially; full-K3 sizes split."""
+    from k3serve.model import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "_bf16_matmul_serial", lambda w, x, out: calls.append(("serial", w.size)))
+    monkeypatch.setattr(kernels, "_bf16_matmul_parallel", lambda w, x, out: calls.append(("parallel", w.size)))
+    x = np.ones((1, 128), np.float32)
+    kernels.linear(x, np.zeros((2048, 128), np.uint16))
+    kernels.linear(x, np.zeros((kernels.BF16_PARALLEL_MIN_WEIGHTS // 128, 128), np.uint16))
+    assert calls == [("serial", 2048 * 128), ("parallel", kernels.BF16_PARALLEL_MIN_WEIGHTS)]
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int8, np.float32, "q8_0"])

@@ -88,6 +88,10 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
                              "bits) or Q8_0-quantized ones with int8 dot products (q8: llama.cpp's arithmetic; "
                              "1.4-1.9x faster expert kernels, logits within ~4e-3 relative RMS of f32; needs AVX2 or "
                              "AVX-512 VNNI; docs/BENCHMARKS.md)")
+    parser.add_argument("--int8-activations", choices=("f32", "q8"), default=None,
+                        help="the families' int8 experts (--expert-precision int8) multiply float32 activations (f32, "
+                             "the default, today's bits) or Q8_0-quantized ones with int8 dot products (q8: "
+                             "llama.cpp's Q8_0 x Q8_0 arithmetic; needs AVX2 or AVX-512 VNNI; docs/BENCHMARKS.md)")
     parser.add_argument("--bf16-activations", choices=("f32", "bf16"), default=None,
                         help="bf16 weights (a bf16 checkpoint's trunk and experts) multiply float32 activations (f32, "
                              "the default, the reference bits) or activations rounded to bf16 with AVX512_BF16 dot "
@@ -96,18 +100,20 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_wait_policy(args: argparse.Namespace) -> None:
-    """--wait-policy, --mxfp4-activations and --bf16-activations into the environment, before the kernels are
+    """--wait-policy and the --*-activations flags into the environment, before the kernels are
     imported (they read it once, at import)."""
     import os
 
     from k3serve.threads import OPENMP_WAIT_VARIABLES, WAIT_POLICY_ENV
 
     policy, activations = getattr(args, "wait_policy", None), getattr(args, "mxfp4_activations", None)
+    int8_activations = getattr(args, "int8_activations", None)
     bf16_activations = getattr(args, "bf16_activations", None)
-    if policy is None and activations is None and bf16_activations is None:
+    if policy is None and activations is None and int8_activations is None and bf16_activations is None:
         return
     if "k3serve.model.kernels" in sys.modules:
-        logging.getLogger(__name__).warning("--wait-policy / --mxfp4-activations / --bf16-activations: the kernels "
+        logging.getLogger(__name__).warning("--wait-policy / --mxfp4-activations / --int8-activations / "
+                                            "--bf16-activations: the kernels "
                                             "were already imported; not applied")
         return
     if policy is not None:
@@ -116,6 +122,8 @@ def apply_wait_policy(args: argparse.Namespace) -> None:
         os.environ[WAIT_POLICY_ENV] = policy
     if activations is not None:
         os.environ["K3SERVE_MXFP4_ACTIVATIONS"] = activations
+    if int8_activations is not None:
+        os.environ["K3SERVE_INT8_ACTIVATIONS"] = int8_activations
     if bf16_activations is not None:
         os.environ["K3SERVE_BF16_ACTIVATIONS"] = bf16_activations
 

@@ -36,9 +36,12 @@ The row dot can compute 2 or 4 rows of one matrix against the same x in one pass
 row with its own accumulator and the one-row operation order, so with the same bits; stage 1 uses it for the w1
 and w3 rows of one index. An opt-in path (section "MXFP4 x int8") quantizes the activations to Q8_0 and sums int8
 products exactly (AVX-512 VNNI or AVX2), llama.cpp's arithmetic: about twice the float path's speed, other bits.
+At prefill that path runs in tiles (section "int8 tiles": two rows decoded once, 8 or 4 tokens a pass, the int8
+row dot's bits), and the families' per-row int8 experts have the same kind of tiles on Q8_0 activations (opt-in,
+K3SERVE_INT8_ACTIVATIONS=q8).
 
-TODO: prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode is one
-instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
+TODO: the float path's prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode
+is one instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
 """
 
 from __future__ import annotations
@@ -940,6 +943,577 @@ def mxfp4_matmul_q8(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, isa: 
     return out
 
 
+# ------------------------------------------------------------------ int8 tiles: MXFP4 and int8 experts x Q8_0
+# The int8 path at prefill: an expert with several tokens decodes each row's nibbles to int8 once (the vpshufb
+# lookup of the row dot above) and multiplies them with Q8_TILE_TOKENS tokens' Q8_0 activations in the same pass,
+# each token with its own accumulator and exactly the row dot's operations in the row dot's order (the int32 group
+# sums, the correction, m[r, g] d[g] / 2 per lane, one FMA, the same pairwise lane sum), so **every output has the
+# row dot's bits**, whatever the number of tokens routed with it (tested). Per token and step of 4 groups the tile
+# spends 2 vpdpbusd, a subtract, a convert, a multiply and an FMA; the decode (load, 2 masks, a shift, 2 vpshufb)
+# and the scale bytes' exponent bits are paid once a row for all the tokens of the pass. Work is split over
+# (expert, row block) as in the row dot's kernels; an expert's last tokens (fewer than a tile) run the row dot.
+Q8_TILE_TOKENS = 8  # tokens one pass over a decoded row serves (then 4, then the row dot; docs/BENCHMARKS.md)
+Q8_TILE_CHUNK_TOKENS = 8  # tokens whose activations (~4 KB each at C = 2048) stay in L1 while a row block passes
+
+
+def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
+    """IR of the int8 row dots of two MXFP4 rows (a, b) with `num_tokens` activation rows: args (prow_a, srow_a,
+    prow_b, srow_b (u8 [C/2], [G]), xq int8 [T, S * 128], corrections int32 [T, S * 16], lane_scales f32 [T,
+    S * 16], then num_tokens row indices t into them) -> a tuple of 2 num_tokens float32 (a's dots, then b's), each
+    the bits of `_mxfp4_q8_row_dot` on row t. A token's activations are loaded once for both rows."""
+    part_bytes, groups_per_part = 4 * lanes, lanes // 4
+    parts = Q8_VNNI_GROUPS_PER_STEP // groups_per_part
+
+    def codegen(context, builder, signature, args):
+        prow_a, srow_a, prow_b, srow_b, xq, corrections, lane_scales = (
+            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:7], args[:7]))
+        rows = ((prow_a, srow_a), (prow_b, srow_b))
+        token_rows = args[7:]
+        (num_groups,) = cgutils.unpack_tuple(builder, srow_a.shape, 1)
+        module = builder.module
+        index_type = ir.IntType(64)
+        vb, vi, vf = _vector(_I8, part_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), part_bytes), vb]),
+            f"llvm.masked.load.v{part_bytes}i8.p0")
+        if lanes == 16:
+            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]),
+                                                    "llvm.x86.avx512.pshuf.b.512")
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+        else:
+            vw = _vector(ir.IntType(16), 16)
+            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.pshuf.b")
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+            ones = ir.Constant(vw, [1] * 16)
+        table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * (part_bytes // 16))
+        nibble_mask = ir.Constant(vb, [15] * part_bytes)
+        iota = ir.Constant(vb, list(range(part_bytes)))
+        row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
+        full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
+        last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
+        scale_type = _vector(_I32, groups_per_part)
+        spread = ir.Constant(vi, [lane // 4 for lane in range(lanes)])
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(2 * num_tokens)]
+
+        def row_of(array, element_type, token):  # a pointer to row `token` of a C-contiguous 2D array
+            (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
+            base = builder.bitcast(array.data, _I8.as_pointer())
+            return builder.bitcast(builder.gep(base, [builder.mul(token, stride)]), element_type.as_pointer())
+
+        x_rows = [row_of(xq, _I8, t) for t in token_rows]
+        correction_rows = [row_of(corrections, _I32, t) for t in token_rows]
+        scale_rows = [row_of(lane_scales, _F32, t) for t in token_rows]
+
+        def scale_bits(scale_bytes):  # i32 scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0
+            shifted = builder.shl(scale_bytes, ir.Constant(scale_type, [23] * groups_per_part))
+            is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(scale_type, [255] * groups_per_part))
+            return builder.select(is_nan, ir.Constant(scale_type, [0] * groups_per_part), shifted)
+
+        def decode(prow, srow, step, part: int, tail: bool):
+            """One row's weights (V + 12 of the low and high nibbles) and per-lane m bits of one part of `step`."""
+            byte_base = builder.add(builder.mul(step, ir.Constant(index_type, 64)),
+                                    ir.Constant(index_type, part * part_bytes))
+            pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
+            if tail:
+                remaining = builder.sub(row_bytes, byte_base)
+                remaining = builder.select(builder.icmp_signed("<", remaining, ir.Constant(index_type, 0)),
+                                           ir.Constant(index_type, 0), remaining)
+                remaining = builder.select(builder.icmp_signed(">", remaining, ir.Constant(index_type, part_bytes)),
+                                           ir.Constant(index_type, part_bytes), remaining)
+                mask = builder.icmp_unsigned("<", iota, _splat(builder, builder.trunc(remaining, _I8), part_bytes))
+                packed = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), mask,
+                                                    ir.Constant(vb, [0] * part_bytes)])
+            else:
+                packed = builder.load(pointer, align=1)
+            low = builder.and_(packed, nibble_mask)
+            high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * part_bytes)), nibble_mask)
+            weights_low, weights_high = builder.call(pshufb, [table, low]), builder.call(pshufb, [table, high])
+            first_group = builder.add(builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)),
+                                      ir.Constant(index_type, part * groups_per_part))
+            if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
+                scale_bytes = ir.Constant(scale_type, ir.Undefined)
+                for slot in range(groups_per_part):
+                    group = builder.add(first_group, ir.Constant(index_type, slot))
+                    group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
+                    byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
+                    scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
+            else:
+                scale_pointer = builder.bitcast(builder.gep(srow.data, [first_group]),
+                                                _vector(_I8, groups_per_part).as_pointer())
+                scale_bytes = builder.zext(builder.load(scale_pointer, align=1), scale_type)
+            exponents = scale_bits(scale_bytes)
+            return weights_low, weights_high, builder.bitcast(builder.shuffle_vector(exponents, exponents, spread), vf)
+
+        def part_dots(step, part: int, tail: bool):
+            """Every (row, token) acc += the groups of one part of `step`: each row decoded once, each token's
+            activations loaded once."""
+            decoded = [decode(prow, srow, step, part, tail) for prow, srow in rows]
+            x_base = builder.add(builder.mul(step, ir.Constant(index_type, 128)),
+                                 ir.Constant(index_type, part * part_bytes))
+            x_odd_base = builder.add(x_base, ir.Constant(index_type, 64))
+            lane_base = builder.add(builder.mul(step, ir.Constant(index_type, 16)),
+                                    ir.Constant(index_type, part * lanes))
+            for j in range(num_tokens):
+                x_even = _load(builder, x_rows[j], x_base, vb, 1)
+                x_odd = _load(builder, x_rows[j], x_odd_base, vb, 1)
+                correction = _load(builder, correction_rows[j], lane_base, vi, 4)
+                token_scale = _load(builder, scale_rows[j], lane_base, vf, 4)
+                for i, (weights_low, weights_high, row_scale) in enumerate(decoded):
+                    if lanes == 16:
+                        sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(weights_low, vi),
+                                                     builder.bitcast(x_even, vi)])
+                        sums = builder.call(dpbusd, [sums, builder.bitcast(weights_high, vi),
+                                                     builder.bitcast(x_odd, vi)])
+                    else:
+                        pairs = builder.add(builder.call(maddubs, [weights_low, x_even]),
+                                            builder.call(maddubs, [weights_high, x_odd]))
+                        sums = builder.call(maddwd, [pairs, ones])
+                    sums = builder.sub(sums, correction)
+                    scale = builder.fmul(row_scale, token_scale)
+                    slot = acc_slots[i * num_tokens + j]
+                    builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(slot)]), slot)
+
+        with cgutils.for_range(builder, full_steps) as loop:
+            for part in range(parts):
+                part_dots(loop.index, part, tail=False)
+        has_tail = builder.icmp_unsigned(
+            "!=", builder.mul(full_steps, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)), num_groups)
+        with builder.if_then(has_tail):
+            for part in range(parts):
+                part_dots(full_steps, part, tail=True)
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return codegen
+
+
+def _unavailable_tile_codegen(context, builder, signature, args):
+    # never executed: the drivers only call a tile on an instruction set in Q8_ISAS
+    nan = ir.Constant(_F32, float("nan"))
+    return context.make_tuple(builder, signature.return_type, [nan] * len(signature.return_type))
+
+
+def _q8_tile_signature(num_tokens, rows, activations, token_rows):
+    return types.UniTuple(types.float32, 2 * num_tokens)(*rows, *activations, *token_rows)
+
+
+@intrinsic
+def _mxfp4_q8_tile4_avx512(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """2 MXFP4 rows x 4 tokens (rows t0..t3 of the activations) of int8 row dots, AVX-512 VNNI."""
+    codegen = _mxfp4_q8_tile_codegen(16, 4) if "avx512" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(4, (pa, sa, pb, sb), (xq, corrections, lane_scales), (t0, t1, t2, t3)), codegen
+
+
+@intrinsic
+def _mxfp4_q8_tile4_avx2(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """The same 2 x 4 dots on AVX2 (the AVX2 row dot's bits)."""
+    codegen = _mxfp4_q8_tile_codegen(8, 4) if "avx2" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(4, (pa, sa, pb, sb), (xq, corrections, lane_scales), (t0, t1, t2, t3)), codegen
+
+
+@intrinsic
+def _mxfp4_q8_tile8_avx512(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6,
+                           t7):
+    """2 MXFP4 rows x 8 tokens of int8 row dots, AVX-512 VNNI."""
+    codegen = _mxfp4_q8_tile_codegen(16, 8) if "avx512" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(8, (pa, sa, pb, sb), (xq, corrections, lane_scales),
+                              (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
+
+
+@intrinsic
+def _mxfp4_q8_tile8_avx2(typingctx, pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """The same 2 x 8 dots on AVX2."""
+    codegen = _mxfp4_q8_tile_codegen(8, 8) if "avx2" in Q8_ISAS else _unavailable_tile_codegen
+    return _q8_tile_signature(8, (pa, sa, pb, sb), (xq, corrections, lane_scales),
+                              (t0, t1, t2, t3, t4, t5, t6, t7)), codegen
+
+
+@njit(inline="always")
+def _q8_tile_rows(pa, sa, pb, sb, xq, corrections, lane_scales, rows, gathered, start, end, isa, tile_tokens,
+                  out_a, out_b, column_a, column_b):
+    """out_a[n, column_a], out_b[n, column_b] = the int8 row dots of rows (pa, sa) and (pb, sb) with activation row
+    rows[n] (or n when not `gathered`) for n in start:end: tile_tokens (8 or 4; anything else: the row dot) tokens
+    a pass, then 4, then one at a time."""
+    n = start
+    while tile_tokens == 8 and n + 8 <= end:
+        if gathered:
+            t0, t1, t2, t3, t4, t5, t6, t7 = (rows[n], rows[n + 1], rows[n + 2], rows[n + 3], rows[n + 4],
+                                              rows[n + 5], rows[n + 6], rows[n + 7])
+        else:
+            t0, t1, t2, t3, t4, t5, t6, t7 = n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6, n + 7
+        if isa == 2:
+            d = _mxfp4_q8_tile8_avx512(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        else:
+            d = _mxfp4_q8_tile8_avx2(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        out_a[n, column_a], out_a[n + 1, column_a], out_a[n + 2, column_a], out_a[n + 3, column_a] = d[:4]
+        out_a[n + 4, column_a], out_a[n + 5, column_a], out_a[n + 6, column_a], out_a[n + 7, column_a] = d[4:8]
+        out_b[n, column_b], out_b[n + 1, column_b], out_b[n + 2, column_b], out_b[n + 3, column_b] = d[8:12]
+        out_b[n + 4, column_b], out_b[n + 5, column_b], out_b[n + 6, column_b], out_b[n + 7, column_b] = d[12:]
+        n += 8
+    while tile_tokens >= 4 and n + 4 <= end:
+        if gathered:
+            t0, t1, t2, t3 = rows[n], rows[n + 1], rows[n + 2], rows[n + 3]
+        else:
+            t0, t1, t2, t3 = n, n + 1, n + 2, n + 3
+        if isa == 2:
+            d = _mxfp4_q8_tile4_avx512(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3)
+        else:
+            d = _mxfp4_q8_tile4_avx2(pa, sa, pb, sb, xq, corrections, lane_scales, t0, t1, t2, t3)
+        out_a[n, column_a], out_a[n + 1, column_a], out_a[n + 2, column_a], out_a[n + 3, column_a] = d[:4]
+        out_b[n, column_b], out_b[n + 1, column_b], out_b[n + 2, column_b], out_b[n + 3, column_b] = d[4:]
+        n += 4
+    while n < end:
+        t = rows[n] if gathered else n
+        out_a[n, column_a] = _mxfp4_q8_row_dot(pa, sa, xq[t], corrections[t], lane_scales[t], isa)
+        out_b[n, column_b] = _mxfp4_q8_row_dot(pb, sb, xq[t], corrections[t], lane_scales[t], isa)
+        n += 1
+
+
+@njit(cache=True, parallel=True)
+def _experts_q8_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, lane_scales, tokens, starts, ends,
+                              isa, tile_tokens, gate, up):
+    """`_experts_q8_gate_up` in tiles: gate, up [N, MI] (natural order), the same bits."""
+    blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(w1p.shape[1], (block + 1) * ROWS_PER_TASK)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end):  # the w1 and w3 row of one index together
+                _q8_tile_rows(w1p[e, row], w1s[e, row], w3p[e, row], w3s[e, row], xq, corrections, lane_scales,
+                              tokens, True, chunk, chunk_end, isa, tile_tokens, gate, up, row, row)
+
+
+@njit(cache=True, parallel=True)
+def _experts_q8_tiled_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, starts, ends, isa, tile_tokens, out):
+    """`_experts_q8_down` in tiles (xq etc. hold the quantized hidden rows [N, ...]), the same bits."""
+    blocks = (w2p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(w2p.shape[1], (block + 1) * ROWS_PER_TASK)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end, 2):  # rows in pairs; an odd last row twice
+                other = min(row + 1, row_end - 1)
+                _q8_tile_rows(w2p[e, row], w2s[e, row], w2p[e, other], w2s[e, other], xq, corrections, lane_scales,
+                              starts, False, chunk, chunk_end, isa, tile_tokens, out, out, row, other)
+
+
+# The families' int8 experts (per row: w[r, c] = q_w[r, c] s[r], `families.experts.Int8Matrix`) on Q8_0
+# activations, llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic with a per-row weight scale (opt-in:
+# K3SERVE_INT8_ACTIVATIONS=q8, `generate`/`serve --int8-activations q8`):
+#
+#     y[t, r] = s[r] * sum_lanes sum_k d[t, g(lane)] * (sum_{4 bytes of the lane} q_w q_x)
+#
+# AVX-512 VNNI: vpdpbusd needs one unsigned side, so the weight bytes are offset by 128 (w ^ 0x80 = w + 128, once a
+# row for all tokens) and 128 * (each lane's 4 q_x), precomputed per token, is subtracted. AVX2: vpmaddubsw on |w|
+# and q_x with w's sign (vpsignb; |w| <= 128 and |q_x| <= 127, so a pair's sum stays under 32767), then vpmaddwd by
+# ones. Each lane's int32 is exact; one FMA a lane folds it in with d. The same tiles of 2 rows x 8, 4 or 1 tokens.
+INT8_ACTIVATIONS = os.environ.get("K3SERVE_INT8_ACTIVATIONS", "f32").strip().lower() or "f32"
+if INT8_ACTIVATIONS not in ("f32", "q8") or (INT8_ACTIVATIONS == "q8" and not Q8_ISAS):
+    logger.warning("K3SERVE_INT8_ACTIVATIONS=%r: %s; the int8 experts run on float activations (f32)",
+                   INT8_ACTIVATIONS, "known: f32, q8" if INT8_ACTIVATIONS != "q8" else
+                   "q8 needs AVX2 or AVX-512 VNNI, which this CPU lacks")
+    INT8_ACTIVATIONS = "f32"
+elif INT8_ACTIVATIONS == "q8":
+    logger.info("int8 experts on Q8_0 activations (int8 dot products, %s)", Q8_ISAS[-1])
+_INT8_OFFSET = 128
+_INT8_CHUNK = 64  # activation rows are padded to a multiple of this many bytes (one AVX-512 step)
+
+
+@njit(cache=True)
+def _int8_q8_activations(q, d, xq, corrections, lane_scales):
+    """Q8_0 activations q int8 [T, C], d f32 [T, G] -> xq int8 [T, P] (P = C rounded up to 64, zero padded),
+    corrections int32 [T, P / 4] = 128 * the sum of each lane's 4 q, lane_scales f32 [T, P / 4] = the d of each
+    lane's group (lane l holds bytes 4 l .. 4 l + 3)."""
+    xq[:] = 0
+    corrections[:] = 0
+    lane_scales[:] = 0
+    for t in range(q.shape[0]):
+        for c in range(q.shape[1]):
+            xq[t, c] = q[t, c]
+            corrections[t, c // 4] += _INT8_OFFSET * np.int32(q[t, c])
+        for lane in range(q.shape[1] // 4):
+            lane_scales[t, lane] = d[t, lane // 8]
+
+
+def _int8_q8_prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """f32 [T, C] -> (xq int8 [T, P], corrections int32 [T, P / 4], lane scales f32 [T, P / 4])."""
+    q, d = quantize_activations(x)  # [T, C] int8, [T, G]
+    padded = (x.shape[1] + _INT8_CHUNK - 1) // _INT8_CHUNK * _INT8_CHUNK
+    xq = np.empty((x.shape[0], padded), np.int8)  # [T, P]
+    corrections = np.empty((x.shape[0], padded // 4), np.int32)  # [T, P / 4]
+    lane_scales = np.empty((x.shape[0], padded // 4), np.float32)  # [T, P / 4]
+    _int8_q8_activations(q, d, xq, corrections, lane_scales)
+    return xq, corrections, lane_scales
+
+
+def _int8_q8_tile_codegen(lanes: int, num_tokens: int):
+    """IR of the unscaled int8 dots of two int8 rows (a, b) with `num_tokens` activation rows: args (w_a, w_b int8
+    [C], xq, corrections, lane_scales of `_int8_q8_prepare`, then num_tokens row indices) -> 2 num_tokens float32
+    (a's, then b's); the caller multiplies by the rows' scales."""
+    chunk_bytes = 4 * lanes
+
+    def codegen(context, builder, signature, args):
+        w_a, w_b, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
+                                                  for t, a in zip(signature.args[:5], args[:5]))
+        token_rows = args[5:]
+        (num_columns,) = cgutils.unpack_tuple(builder, w_a.shape, 1)
+        module = builder.module
+        index_type = ir.IntType(64)
+        vb, vi, vf = _vector(_I8, chunk_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        if lanes == 16:
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+            masked_load = cgutils.get_or_insert_function(
+                module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), chunk_bytes), vb]),
+                f"llvm.masked.load.v{chunk_bytes}i8.p0")
+            offset = ir.Constant(vb, [-128] * chunk_bytes)
+            half_mask = ir.Constant(_vector(ir.IntType(1), chunk_bytes), [1] * (chunk_bytes // 2)
+                                    + [0] * (chunk_bytes // 2))
+        else:
+            vw = _vector(ir.IntType(16), 16)
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+            psign = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.psign.b")
+            absolute = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, ir.IntType(1)]),
+                                                      f"llvm.abs.v{chunk_bytes}i8")
+            ones = ir.Constant(vw, [1] * 16)
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(2 * num_tokens)]
+
+        def row_of(array, element_type, token):
+            (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
+            base = builder.bitcast(array.data, _I8.as_pointer())
+            return builder.bitcast(builder.gep(base, [builder.mul(token, stride)]), element_type.as_pointer())
+
+        x_rows = [row_of(xq, _I8, t) for t in token_rows]
+        correction_rows = [row_of(corrections, _I32, t) for t in token_rows]
+        scale_rows = [row_of(lane_scales, _F32, t) for t in token_rows]
+
+        def chunk_dots(chunk, half: bool):
+            """Every (row, token) acc += one chunk of `chunk_bytes` weights (AVX-512's last chunk may hold 32)."""
+            byte_base = builder.mul(chunk, ir.Constant(index_type, chunk_bytes))
+            weights = []
+            for w in (w_a, w_b):
+                pointer = builder.bitcast(builder.gep(w.data, [byte_base]), vb.as_pointer())
+                if half:  # the row's last 32 bytes; the rest reads as 0 (+ 128 meets padded zero q)
+                    values = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), half_mask,
+                                                        ir.Constant(vb, [0] * chunk_bytes)])
+                else:
+                    values = builder.load(pointer, align=1)
+                if lanes == 16:
+                    weights.append((builder.bitcast(builder.xor(values, offset), vi), None))
+                else:
+                    weights.append((builder.call(absolute, [values, ir.Constant(ir.IntType(1), 0)]), values))
+            lane_base = builder.mul(chunk, ir.Constant(index_type, lanes))
+            for j in range(num_tokens):
+                x = _load(builder, x_rows[j], byte_base, vb, 1)
+                token_scale = _load(builder, scale_rows[j], lane_base, vf, 4)
+                correction = _load(builder, correction_rows[j], lane_base, vi, 4) if lanes == 16 else None
+                for i, (unsigned, signs) in enumerate(weights):
+                    if lanes == 16:
+                        sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), unsigned,
+                                                     builder.bitcast(x, vi)])
+                        sums = builder.sub(sums, correction)
+                    else:
+                        pairs = builder.call(maddubs, [unsigned, builder.call(psign, [x, signs])])
+                        sums = builder.call(maddwd, [pairs, ones])
+                    slot = acc_slots[i * num_tokens + j]
+                    builder.store(builder.call(fma, [builder.sitofp(sums, vf), token_scale, builder.load(slot)]),
+                                  slot)
+
+        full_chunks = builder.udiv(num_columns, ir.Constant(index_type, chunk_bytes))
+        with cgutils.for_range(builder, full_chunks) as loop:
+            chunk_dots(loop.index, half=False)
+        if lanes == 16:  # C = 64 k + 32
+            has_half = builder.icmp_unsigned(
+                "!=", builder.mul(full_chunks, ir.Constant(index_type, chunk_bytes)), num_columns)
+            with builder.if_then(has_half):
+                chunk_dots(full_chunks, half=True)
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return codegen
+
+
+def _int8_q8_tile_intrinsic(isa: str, num_tokens: int):
+    lanes = {"avx512": 16, "avx2": 8}[isa]
+
+    def typer(typingctx, *operands):
+        if len(operands) != 5 + num_tokens:
+            return None
+        codegen = _int8_q8_tile_codegen(lanes, num_tokens) if isa in Q8_ISAS else _unavailable_tile_codegen
+        return types.UniTuple(types.float32, 2 * num_tokens)(*operands), codegen
+
+    return typer
+
+
+@intrinsic
+def _int8_q8_tile8_avx512(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """2 int8 rows x 8 tokens, AVX-512 VNNI (unscaled)."""
+    return _int8_q8_tile_intrinsic("avx512", 8)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3,
+                                                t4, t5, t6, t7)
+
+
+@intrinsic
+def _int8_q8_tile8_avx2(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7):
+    """The same on AVX2."""
+    return _int8_q8_tile_intrinsic("avx2", 8)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4,
+                                              t5, t6, t7)
+
+
+@intrinsic
+def _int8_q8_tile4_avx512(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """2 int8 rows x 4 tokens, AVX-512 VNNI (unscaled)."""
+    return _int8_q8_tile_intrinsic("avx512", 4)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+
+
+@intrinsic
+def _int8_q8_tile4_avx2(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3):
+    """The same on AVX2."""
+    return _int8_q8_tile_intrinsic("avx2", 4)(typingctx, wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+
+
+@intrinsic
+def _int8_q8_tile1_avx512(typingctx, wa, wb, xq, corrections, lane_scales, t0):
+    """2 int8 rows x 1 token, AVX-512 VNNI (unscaled)."""
+    return _int8_q8_tile_intrinsic("avx512", 1)(typingctx, wa, wb, xq, corrections, lane_scales, t0)
+
+
+@intrinsic
+def _int8_q8_tile1_avx2(typingctx, wa, wb, xq, corrections, lane_scales, t0):
+    """The same on AVX2."""
+    return _int8_q8_tile_intrinsic("avx2", 1)(typingctx, wa, wb, xq, corrections, lane_scales, t0)
+
+
+@njit(inline="always")
+def _int8_q8_tile_rows(wa, wb, scale_a, scale_b, xq, corrections, lane_scales, rows, gathered, start, end, isa,
+                       out_a, out_b, column_a, column_b):
+    """out_a[n, column_a] = scale_a * (row wa . activation row rows[n] (or n when not `gathered`)), and the same for
+    b, for n in start:end: 8 tokens a pass, then 4, then 1. Each output's bits depend on its row and token only."""
+    n = start
+    while n + 8 <= end:
+        if gathered:
+            t0, t1, t2, t3, t4, t5, t6, t7 = (rows[n], rows[n + 1], rows[n + 2], rows[n + 3], rows[n + 4],
+                                              rows[n + 5], rows[n + 6], rows[n + 7])
+        else:
+            t0, t1, t2, t3, t4, t5, t6, t7 = n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6, n + 7
+        if isa == 2:
+            d = _int8_q8_tile8_avx512(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        else:
+            d = _int8_q8_tile8_avx2(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3, t4, t5, t6, t7)
+        for i in range(8):
+            out_a[n + i, column_a] = scale_a * d[i]
+            out_b[n + i, column_b] = scale_b * d[8 + i]
+        n += 8
+    while n + 4 <= end:
+        if gathered:
+            t0, t1, t2, t3 = rows[n], rows[n + 1], rows[n + 2], rows[n + 3]
+        else:
+            t0, t1, t2, t3 = n, n + 1, n + 2, n + 3
+        if isa == 2:
+            d = _int8_q8_tile4_avx512(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+        else:
+            d = _int8_q8_tile4_avx2(wa, wb, xq, corrections, lane_scales, t0, t1, t2, t3)
+        for i in range(4):
+            out_a[n + i, column_a] = scale_a * d[i]
+            out_b[n + i, column_b] = scale_b * d[4 + i]
+        n += 4
+    while n < end:
+        t = rows[n] if gathered else n
+        if isa == 2:
+            d = _int8_q8_tile1_avx512(wa, wb, xq, corrections, lane_scales, t)
+        else:
+            d = _int8_q8_tile1_avx2(wa, wb, xq, corrections, lane_scales, t)
+        out_a[n, column_a] = scale_a * d[0]
+        out_b[n, column_b] = scale_b * d[1]
+        n += 1
+
+
+@njit(cache=True, parallel=True)
+def _int8_q8_gate_up(gate_up, gate_up_scales, expert_ids, xq, corrections, lane_scales, tokens, starts, ends, isa,
+                     hidden):
+    """hidden[n, i] = SiLU(gate) * up of the gate row i and up row I + i (each times its row scale) of expert
+    expert_ids[k] for the tokens n of starts[k]:ends[k]; gate_up int8 [E, 2I, H], scales f32 [E, 2I, 1]."""
+    width = hidden.shape[1]
+    blocks = (width + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(width, (block + 1) * ROWS_PER_TASK)
+        up = np.empty((Q8_TILE_CHUNK_TOKENS, ROWS_PER_TASK), np.float32)  # the chunk's up values
+        gate = np.empty((Q8_TILE_CHUNK_TOKENS, ROWS_PER_TASK), np.float32)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end):
+                column = row - block * ROWS_PER_TASK
+                _int8_q8_tile_rows(gate_up[e, row], gate_up[e, width + row], gate_up_scales[e, row, 0],
+                                   gate_up_scales[e, width + row, 0], xq, corrections, lane_scales,
+                                   tokens[chunk:chunk_end], True, 0, chunk_end - chunk, isa, gate, up, column,
+                                   column)
+            for n in range(chunk, chunk_end):
+                for row in range(block * ROWS_PER_TASK, row_end):
+                    column = row - block * ROWS_PER_TASK
+                    hidden[n, row] = _silu_glu(gate[n - chunk, column], up[n - chunk, column])
+
+
+@njit(cache=True, parallel=True)
+def _int8_q8_down(down, down_scales, expert_ids, xq, corrections, lane_scales, starts, ends, isa, out):
+    """out[n] = down_e hidden[n] (xq etc. hold the quantized hidden rows [N, ...]); rows in pairs, an odd last row
+    twice."""
+    blocks = (down.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
+        e = expert_ids[k]
+        row_end = min(down.shape[1], (block + 1) * ROWS_PER_TASK)
+        for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
+            chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
+            for row in range(block * ROWS_PER_TASK, row_end, 2):
+                other = min(row + 1, row_end - 1)
+                _int8_q8_tile_rows(down[e, row], down[e, other], down_scales[e, row, 0], down_scales[e, other, 0],
+                                   xq, corrections, lane_scales, starts, False, chunk, chunk_end, isa, out, out, row,
+                                   other)
+
+
+def int8_experts_q8(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray, down_scales: np.ndarray,
+                    expert_ids: np.ndarray, x: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                    out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+    """`dense_experts_run` for per-row int8 experts (gate_up int8 [E, 2I, H], down [E, H, I], scales f32 [E, 2I]
+    and [E, H]) with x and the hidden rows quantized to Q8_0 (see the section comment; other bits than the float
+    path, llama.cpp's error). `out` [N, H], when given, is filled on the experts' rows only. `isa`: one of
+    `Q8_ISAS` (default the best)."""
+    code = _q8_isa_code(isa)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    num_experts, hidden_size, width = down.shape
+    if (gate_up.dtype != np.int8 or down.dtype != np.int8 or gate_up.shape != (num_experts, 2 * width, hidden_size)
+            or x.ndim != 2 or x.shape[1] != hidden_size or hidden_size % GROUP_SIZE or width % GROUP_SIZE
+            or np.size(gate_up_scales) != num_experts * 2 * width or np.size(down_scales) != num_experts * hidden_size):
+        raise ValueError(f"int8 experts gate_up {gate_up.shape} {gate_up.dtype} / down {down.shape} {down.dtype} with "
+                         f"per-row scales do not fit x {x.shape} (widths must be multiples of {GROUP_SIZE})")
+    if out is None:
+        out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
+    if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
+        return out
+    expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
+    hidden = np.zeros((tokens.shape[0], width), np.float32)  # [N, I]; rows of experts not in this call stay 0
+    _int8_q8_gate_up(np.ascontiguousarray(gate_up), np.ascontiguousarray(gate_up_scales, np.float32).reshape(
+        num_experts, 2 * width, 1), expert_ids, *_int8_q8_prepare(x), np.ascontiguousarray(tokens, dtype=np.int64),
+        starts, ends, code, hidden)
+    _int8_q8_down(np.ascontiguousarray(down), np.ascontiguousarray(down_scales, np.float32).reshape(
+        num_experts, hidden_size, 1), expert_ids, *_int8_q8_prepare(hidden), starts, ends, code, out)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- routed experts
 @njit(inline="always", fastmath=False)
 def _silu_glu(gate: np.float32, up: np.float32) -> np.float32:
@@ -1098,22 +1672,39 @@ def mxfp4_experts_run(stacked: StackedExperts, expert_ids: np.ndarray, z: np.nda
 
 def _mxfp4_experts_run_q8(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                           starts: np.ndarray, ends: np.ndarray, beta: float, linear_beta: float,
-                          activation: str, code: int) -> np.ndarray:
-    """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`."""
+                          activation: str, code: int, out: np.ndarray | None = None,
+                          tile_tokens: int | None = None) -> np.ndarray:
+    """`mxfp4_experts_run` on the int8 path (z checked there), instruction set `code`: experts with tile_tokens (8
+    or 4; default `Q8_TILE_TOKENS`, read at each call) tokens or more in the tiles of section "int8 tiles"
+    (the row dot's bits); tile_tokens 1 runs every dot alone (the kernels before the tiles, kept for the A/B).
+    `out` [N, LT], when given, is filled on the experts' rows only."""
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_pairs, num_inner, latent = tokens.shape[0], w1p.shape[1], z.shape[1]
-    out = np.empty((num_pairs, latent), np.float32)  # [N, LT]
-    if num_pairs == 0:
-        return out
+    if num_pairs == 0 or expert_ids.shape[0] == 0:
+        return np.empty((num_pairs, latent), np.float32) if out is None else out
+    tile_tokens = Q8_TILE_TOKENS if tile_tokens is None else tile_tokens
+    if tile_tokens not in (1, 4, 8):
+        raise ValueError(f"tile_tokens must be 1, 4 or 8, got {tile_tokens}")
     expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     ends = np.ascontiguousarray(ends, dtype=np.int64)
-    gate = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
-    up = np.empty((num_pairs, num_inner), np.float32)  # [N, MI]
-    _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z),
-                        np.ascontiguousarray(tokens, dtype=np.int64), starts, ends, code, gate, up)
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    # [N, MI]: with `out` the experts may cover some rows only; the others are zeros (quantized, never read)
+    allocate = np.empty if out is None else np.zeros
+    gate, up = allocate((num_pairs, num_inner), np.float32), allocate((num_pairs, num_inner), np.float32)
+    if out is None:
+        out = np.empty((num_pairs, latent), np.float32)  # [N, LT]
+    if tile_tokens == 1:
+        _experts_q8_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z), tokens, starts, ends, code, gate,
+                            up)
+    else:
+        _experts_q8_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, *_q8_vnni_prepare(z), tokens, starts, ends, code,
+                                  tile_tokens, gate, up)
     expert_activation(gate, up, beta, linear_beta, activation)
-    _experts_q8_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, code, out)
+    if tile_tokens == 1:
+        _experts_q8_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, code, out)
+    else:
+        _experts_q8_tiled_down(w2p, w2s, expert_ids, *_q8_vnni_prepare(gate), starts, ends, code, tile_tokens, out)
     return out
 
 
@@ -1757,11 +2348,15 @@ def _mxfp4_tiled_down(w2p, w2s, expert_ids, hidden, starts, ends, doubled_e2m1, 
 
 def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.ndarray, tokens: np.ndarray,
                         starts: np.ndarray, ends: np.ndarray, activation: str = "silu",
-                        out: np.ndarray | None = None) -> np.ndarray:
+                        out: np.ndarray | None = None, activations: str | None = None) -> np.ndarray:
     """`mxfp4_experts_run` (activation "silu") for experts with many tokens (prefill): each row decoded to float32
     once per call and multiplied by the tokens four at a time (`dense_experts_tiled`'s tile). `out` [N, LT], when
     given, is filled on the experts' rows only. Within float32 rounding of the numpy twin `dense_expert_reference` on
-    the dequantized matrices (`dequantize_mxfp4`); the bits are not those of the row dot."""
+    the dequantized matrices (`dequantize_mxfp4`); the bits are not those of the row dot. activations "q8" (default
+    `MXFP4_ACTIVATIONS`) runs the int8 tiles instead (section "int8 tiles": the int8 row dot's bits)."""
+    activations = MXFP4_ACTIVATIONS if activations is None else activations
+    if activations not in ("f32", "q8"):
+        raise ValueError(f"unknown activations {activations!r} (known: f32, q8)")
     w1p, w1s, w3p, w3s, w2p, w2s = stacked
     num_inner, latent = w1p.shape[1], 2 * w1p.shape[2]
     z = np.ascontiguousarray(z, dtype=np.float32)
@@ -1772,6 +2367,9 @@ def mxfp4_experts_tiled(stacked: StackedExperts, expert_ids: np.ndarray, z: np.n
         out = np.empty((tokens.shape[0], latent), np.float32)  # [N, LT]
     if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
         return out
+    if activations == "q8":
+        return _mxfp4_experts_run_q8(stacked, expert_ids, z, tokens, starts, ends, 0.0, 0.0, activation,
+                                     _q8_isa_code(None), out=out)
     expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     ends = np.ascontiguousarray(ends, dtype=np.int64)
@@ -1800,6 +2398,13 @@ def _bf16_matmul_serial(w, x, out):
 
 
 BF16_KERNEL_MAX_TOKENS = 32  # from this many tokens on, BLAS on a transient float32 copy is faster
+# Below this many weights (4 MB of bf16) the bf16 kernel runs on the calling thread. At decode the trunk matrices
+# come from DRAM (the routed experts stream through the caches in between), and a parallel region's start costs
+# more than a second thread's reads save: its main thread starts its own rows ~12 us after the call (waking the
+# sleeping worker, threads.py), and in the widened K3's decode a [2048, 128] matrix took 66 us over 2 threads against
+# 45 us on one (docs/BENCHMARKS.md, "The bf16 trunk of the MoE block at decode"). Full-K3 matrices (25M+ weights)
+# still split over the threads. Both paths run the same row dot, so the bits do not depend on it.
+BF16_PARALLEL_MIN_WEIGHTS = 1 << 21
 BF16_WIDEN_BLOCK_BYTES = 64 << 20  # the transient float32 copy is made this many bytes of rows at a time
 
 
@@ -1832,7 +2437,7 @@ def linear(x: np.ndarray, w: np.ndarray | QuantizedMatrix) -> np.ndarray:
         return out
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)  # [T, R]
-    kernel = _bf16_matmul_parallel if w.size >= PARALLEL_MIN_WEIGHTS else _bf16_matmul_serial
+    kernel = _bf16_matmul_parallel if w.size >= BF16_PARALLEL_MIN_WEIGHTS else _bf16_matmul_serial
     kernel(w, x, out)
     return out
 
@@ -2112,8 +2717,10 @@ def bf16_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)  # [T, R]
     if x.shape[0] == 0 or w.shape[0] == 0:
         return out
-    kernel = _bf16_linear_parallel if w.size * min(x.shape[0], BF16_TILE_TOKENS) >= PARALLEL_MIN_WEIGHTS \
-        else _bf16_linear_serial
+    # under four tokens the float row dot's rule (small trunk matrices on the calling thread), else the tiles' work
+    parallel = (w.size >= BF16_PARALLEL_MIN_WEIGHTS if x.shape[0] < BF16_TILE_TOKENS
+                else w.size * BF16_TILE_TOKENS >= PARALLEL_MIN_WEIGHTS)
+    kernel = _bf16_linear_parallel if parallel else _bf16_linear_serial
     kernel(w, xb, out)
     return out
 
@@ -2234,6 +2841,9 @@ def warmup() -> None:
         kernel(q8_blocks, xq, xd, _F16_TO_F32, ISA_CODES[ISA], out)
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
         kernel(np.zeros((3, 32), np.uint16), x, out)
+    if INT8_ACTIVATIONS == "q8":
+        int8_experts_q8(np.zeros((1, 64, 32), np.int8), np.ones((1, 64), np.float32), np.zeros((1, 32, 32), np.int8),
+                        np.ones((1, 32), np.float32), one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
     for dtype in (np.uint16, np.int8, np.float32):
         gate_up, down = np.zeros((1, 64, 32), dtype), np.zeros((1, 32, 32), dtype)  # I = 32, H = 32
         for kernel in (_dense_experts_serial, _dense_experts_parallel):

@@ -18,6 +18,7 @@ from k3serve.model.kernels import StackedExperts
 from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_expert,
                                    build_globals, build_layer)
 from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.huge_pages import gather_small_arrays
 from k3serve.weights.shared_pages import SharedArrays, SharedPagesWriter, to_refs
 
 _PARTS = ("w1_packed", "w1_scales", "w3_packed", "w3_scales", "w2_packed", "w2_scales")
@@ -31,6 +32,8 @@ class ResidentSource(WeightSource):
         read = checkpoint.read
         self._globals = build_globals(read)
         self._layers = [build_layer(self.config, layer, read) for layer in range(self.config.num_layers)]
+        # small trunk matrices onto huge pages (weights/huge_pages.py): read from DRAM at every decode step
+        self._globals, self._layers = gather_small_arrays((self._globals, self._layers))
         self._stacks: dict[int, StackedExperts] = {}
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
         for layer in self.config.moe_layer_ids:

@@ -21,9 +21,13 @@ Experts with DENSE_KERNEL_MAX_TOKENS tokens or more (prefill) run the tiled kern
 weight row widened once and multiplied by four tokens at a time, all such experts in one compiled call); from
 DENSE_BLAS_MIN_TOKENS on, an expert widens to float32 (a transient copy, never kept) and uses BLAS, which is
 faster still once the copy is shared by that many tokens. MXFP4 experts with MXFP4_TILE_MIN_TOKENS or more run
-`mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile). With bf16
-activations on (`--bf16-activations bf16`), bf16 experts run `kernels.bf16_experts_run` at every token count
-instead.
+`mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile). With
+`K3SERVE_MXFP4_ACTIVATIONS=q8` every MXFP4 expert runs the int8 path in one call (`mxfp4_experts_run`), whose
+tiles serve 8 or 4 tokens a pass over a decoded row at any token count. With `K3SERVE_INT8_ACTIVATIONS=q8` the
+"int8" experts (per-row scales) multiply Q8_0 activations with int8 dot products (`kernels.int8_experts_q8`, every
+token count, one call); GGUF Q8_0 experts (block scales) and widths not multiples of 32 stay on the float path.
+With `K3SERVE_BF16_ACTIVATIONS=bf16` (`--bf16-activations bf16`) bf16 experts run `kernels.bf16_experts_run` at
+every token count instead.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
 """
@@ -36,6 +40,7 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import numpy as np
 
 from k3serve.errors import CheckpointError, ConfigError
+from k3serve.model import kernels
 from k3serve.model.kernels import (bf16_experts_on, bf16_experts_run, dense_expert_reference, dense_experts_run,
                                    dense_experts_tiled, mxfp4_experts_run, mxfp4_experts_tiled)
 from k3serve.model.expert_source import ExpertSource
@@ -203,6 +208,8 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids, starts, ends, tokens = pairs.expert_ids, pairs.starts, pairs.ends, pairs.tokens
     if kind == "mxfp4":
+        if kernels.MXFP4_ACTIVATIONS == "q8":  # the int8 path tiles an expert's tokens itself, whatever their number
+            return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
         many = ends - starts >= MXFP4_TILE_MIN_TOKENS  # [K]
         out = mxfp4_experts_run(stacked, ids[~many], x, tokens, starts[~many], ends[~many], 0.0, 0.0,
                                 activation="silu")
@@ -212,6 +219,10 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
     gate_up, gate_up_scales, down, down_scales = stacked
     if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one kernel at every count, the same bits
         return bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends)
+    if (kernels.INT8_ACTIVATIONS == "q8" and gate_up.dtype == np.int8 and gate_up_scales is not None
+            and gate_up_scales.size == gate_up.shape[0] * gate_up.shape[1]
+            and gate_up.shape[2] % GROUP_SIZE == 0 and down.shape[2] % GROUP_SIZE == 0):  # per-row int8 x Q8_0
+        return kernels.int8_experts_q8(*stacked, ids, x, tokens, starts, ends)
     out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     counts = ends - starts  # [K]
     many = counts >= DENSE_BLAS_MIN_TOKENS  # [K]
