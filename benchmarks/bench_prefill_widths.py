@@ -17,9 +17,13 @@ prefill kernels of issue 33 against the settings before them, in one process.
     --variants after q8-rowdot q8   (with --precision mxfp4) the MXFP4 experts' activations: float32, Q8_0 on the
                  int8 row dot, Q8_0 on the int8 tiles (kernels section "int8 tiles"), alternated in one process;
     --variants after int8-q8        (with --precision int8) the int8 experts on float32 or Q8_0 activations
+    --variants after bf16           bf16 weights (trunk, and experts at --precision native) on float32 activations or
+                 on activations rounded to bf16 (`K3SERVE_BF16_ACTIVATIONS=bf16`, AVX512_BF16 dot products);
+                 --bf16-activations bf16 runs --decode-batches on that path
 
     python benchmarks/bench_prefill_widths.py [--layers 1] [--tokens 512 2048] [--precision native|int8|mxfp4]
                                               [--rounds 3] [--profile] [--vocab 32000] [--variants before after]
+                                              [--bf16-activations f32|bf16]
                                               [--decode-batches 1 8 [--decode-steps 5] [--decode-context 64]]
 Builds in about 30 s a layer (2 cores). Prints one line per prompt length, then a JSON record on the last line.
 """
@@ -56,11 +60,12 @@ _AFTER = dict(dense=8, blas=64, mxfp4=16, blocks=(128, 256))
 # row dot (one token a pass, before the tiles), Q8_0 on the int8 tiles (`kernels.Q8_TILE_TOKENS`)
 # (--precision mxfp4), and "int8-q8" the int8 experts on Q8_0 activations (--precision int8, `int8_experts_q8`)
 SETTINGS = {"before": dict(dense=32, blas=32, mxfp4=1 << 30, blocks=(256, 1024), activations="f32", tile=None,
-                           int8="f32"),
-            "after": dict(_AFTER, activations="f32", tile=None, int8="f32"),
-            "q8-rowdot": dict(_AFTER, activations="q8", tile=1, int8="f32"),
-            "q8": dict(_AFTER, activations="q8", tile=None, int8="f32"),
-            "int8-q8": dict(_AFTER, activations="f32", tile=None, int8="q8")}
+                           int8="f32", bf16="f32"),
+            "after": dict(_AFTER, activations="f32", tile=None, int8="f32", bf16="f32"),
+            "q8-rowdot": dict(_AFTER, activations="q8", tile=1, int8="f32", bf16="f32"),
+            "q8": dict(_AFTER, activations="q8", tile=None, int8="f32", bf16="f32"),
+            "int8-q8": dict(_AFTER, activations="f32", tile=None, int8="q8", bf16="f32"),
+            "bf16": dict(_AFTER, activations="f32", tile=None, int8="f32", bf16="bf16")}
 _DEFAULT_TILE_TOKENS = kernels.Q8_TILE_TOKENS
 
 
@@ -104,6 +109,7 @@ def use(model, name: str) -> None:
     kernels.MXFP4_ACTIVATIONS = s["activations"]  # read at each expert call
     kernels.Q8_TILE_TOKENS = _DEFAULT_TILE_TOKENS if s["tile"] is None else s["tile"]
     kernels.INT8_ACTIVATIONS = s["int8"]
+    kernels.BF16_ACTIVATIONS = s["bf16"]
     for layer in model.layers:
         layer.mixer.query_block, layer.mixer.key_block = s["blocks"]
 
@@ -164,6 +170,8 @@ def main() -> None:
                         help="alternated in each round; speedups and logit drift against the first (the MXFP4 int8 "
                              "A/B: --precision mxfp4 --variants after q8-rowdot q8)")
     parser.add_argument("--vocab", type=int, default=QWEN3_30B_A3B_WIDTHS["vocab_size"])
+    parser.add_argument("--bf16-activations", choices=("f32", "bf16"), default="f32",
+                        help="the activations of bf16 weights under --decode-batches")
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[])
     parser.add_argument("--decode-steps", type=int, default=5)
     parser.add_argument("--decode-context", type=int, default=64)
@@ -175,7 +183,10 @@ def main() -> None:
     print(f"built {args.layers} layer(s) at {args.precision} in {time.perf_counter() - start:.0f} s; routed experts "
           f"{model.experts.nbytes / 2**30:.2f} GiB", flush=True)
     rng = np.random.default_rng(1)
+    if args.bf16_activations == "bf16" and not kernels.BF16_DOT_AVAILABLE:
+        raise SystemExit("--bf16-activations bf16: this CPU lacks AVX512_BF16")
     if args.decode_batches:
+        kernels.BF16_ACTIVATIONS = args.bf16_activations
         decode(model, args, rng)
         return
     record = {"precision": args.precision, "layers": args.layers, "threads": os.environ.get("NUMBA_NUM_THREADS"),
@@ -230,7 +241,8 @@ def decode(model, args, rng: np.random.Generator) -> None:
     """Per op of --decode-steps steps at each batch size (after one untimed step), then one line and a JSON
     record: ms per step, tok/s and the per-op table."""
     record = {"precision": args.precision, "layers": args.layers, "vocab": args.vocab,
-              "threads": os.environ.get("NUMBA_NUM_THREADS"), "load_before": os.getloadavg()[0], "batches": {}}
+              "bf16_activations": kernels.BF16_ACTIVATIONS, "threads": os.environ.get("NUMBA_NUM_THREADS"),
+              "load_before": os.getloadavg()[0], "batches": {}}
     for B in args.decode_batches:
         caches = [model.new_cache() for _ in range(B)]
         model.forward([ForwardItem(rng.integers(3, args.vocab, size=args.decode_context), c) for c in caches])

@@ -673,3 +673,24 @@ def test_int8_activations_flag_reaches_the_kernels():
     assert result.stdout.split() == ["q8", "f32"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--int8-activations", "int4"])
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bf16_activations_flag_sets_the_kernels_environment_before_their_import(command, monkeypatch, capsys):
+    """--bf16-activations reaches K3SERVE_BF16_ACTIVATIONS (read once when the kernels are imported); with the
+    kernels already imported it says so instead."""
+    import os
+
+    from k3serve.cli.main import apply_wait_policy, build_parser
+
+    parser = build_parser()
+    required = ["--prompt", "hi"] if command == "generate" else []
+    args = parser.parse_args([command, *required, "--bf16-activations", "bf16"])
+    monkeypatch.delenv("K3SERVE_BF16_ACTIVATIONS", raising=False)
+    monkeypatch.delitem(sys.modules, "k3serve.model.kernels", raising=False)
+    apply_wait_policy(args)
+    assert os.environ["K3SERVE_BF16_ACTIVATIONS"] == "bf16"
+    assert parser.parse_args([command, *required]).bf16_activations is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, *required, "--bf16-activations", "fp8"])
+    assert "--bf16-activations" in capsys.readouterr().err

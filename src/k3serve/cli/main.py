@@ -92,10 +92,15 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
                         help="the families' int8 experts (--expert-precision int8) multiply float32 activations (f32, "
                              "the default, today's bits) or Q8_0-quantized ones with int8 dot products (q8: "
                              "llama.cpp's Q8_0 x Q8_0 arithmetic; needs AVX2 or AVX-512 VNNI; docs/BENCHMARKS.md)")
+    parser.add_argument("--bf16-activations", choices=("f32", "bf16"), default=None,
+                        help="bf16 weights (a bf16 checkpoint's trunk and experts) multiply float32 activations (f32, "
+                             "the default, the reference bits) or activations rounded to bf16 with AVX512_BF16 dot "
+                             "products (bf16: llama.cpp's arithmetic for BF16 matrices; "
+                             "needs AVX512_BF16, else f32 with a warning; docs/BENCHMARKS.md)")
 
 
 def apply_wait_policy(args: argparse.Namespace) -> None:
-    """--wait-policy, --mxfp4-activations and --int8-activations into the environment, before the kernels are
+    """--wait-policy and the --*-activations flags into the environment, before the kernels are
     imported (they read it once, at import)."""
     import os
 
@@ -103,10 +108,12 @@ def apply_wait_policy(args: argparse.Namespace) -> None:
 
     policy, activations = getattr(args, "wait_policy", None), getattr(args, "mxfp4_activations", None)
     int8_activations = getattr(args, "int8_activations", None)
-    if policy is None and activations is None and int8_activations is None:
+    bf16_activations = getattr(args, "bf16_activations", None)
+    if policy is None and activations is None and int8_activations is None and bf16_activations is None:
         return
     if "k3serve.model.kernels" in sys.modules:
-        logging.getLogger(__name__).warning("--wait-policy / --mxfp4-activations / --int8-activations: the kernels "
+        logging.getLogger(__name__).warning("--wait-policy / --mxfp4-activations / --int8-activations / "
+                                            "--bf16-activations: the kernels "
                                             "were already imported; not applied")
         return
     if policy is not None:
@@ -117,6 +124,8 @@ def apply_wait_policy(args: argparse.Namespace) -> None:
         os.environ["K3SERVE_MXFP4_ACTIVATIONS"] = activations
     if int8_activations is not None:
         os.environ["K3SERVE_INT8_ACTIVATIONS"] = int8_activations
+    if bf16_activations is not None:
+        os.environ["K3SERVE_BF16_ACTIVATIONS"] = bf16_activations
 
 
 def _add_context_arg(parser: argparse.ArgumentParser) -> None:

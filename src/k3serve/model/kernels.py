@@ -2257,6 +2257,8 @@ def dense_experts_tiled(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, 
             or gate_up.dtype not in _KIND_CODES):
         raise ValueError(f"experts gate_up {gate_up.shape} {gate_up.dtype} / down {down.shape} {down.dtype} do not "
                          f"fit x {x.shape}")
+    if bf16_experts_on(gate_up, gate_up_scales):
+        return bf16_experts_run(gate_up, down, expert_ids, x, tokens, starts, ends, out)
     if out is None:
         out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
     if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
@@ -2423,6 +2425,8 @@ def linear(x: np.ndarray, w: np.ndarray | QuantizedMatrix) -> np.ndarray:
         return quantized_matmul(w, x)
     if w.dtype != np.uint16:
         return x @ w.T
+    if bf16_activations_on():
+        return bf16_linear(x, w)
     if x.shape[0] >= BF16_KERNEL_MAX_TOKENS:
         block = max(1, BF16_WIDEN_BLOCK_BYTES // (4 * max(w.shape[1], 1)))
         if block >= w.shape[0]:
@@ -2456,6 +2460,356 @@ def dense_expert_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray | Non
     with np.errstate(over="ignore"):  # a large negative gate overflows exp to inf: gate / inf is the right -0
         silu = gate / (1 + np.exp(-gate))
     return (silu * h[:, width:]) @ widen(down, down_scales).T
+
+
+# ------------------------------------------------------------------------- bf16 weights x bf16 activations
+# An opt-in path for bf16 weights with many tokens (`generate`/`serve --bf16-activations bf16`, or
+# K3SERVE_BF16_ACTIVATIONS=bf16): the activations are rounded to bf16 once per call (round to nearest even, NaN
+# kept quiet: llama.cpp's ggml_compute_fp32_to_bf16), and AVX512_BF16's vdpbf16ps multiplies 32 stored bf16 weights
+# by 32 bf16 activations an instruction, adding each adjacent pair's products into one of 16 float32 lanes:
+#
+#     acc[l] += w[32 s + 2 l] x[32 s + 2 l] + w[32 s + 2 l + 1] x[32 s + 2 l + 1]   (l < 16, each product exact)
+#     y = the fixed pairwise sum of acc's 16 lanes
+#
+# llama.cpp's arithmetic for a BF16 matrix (its vec_dot_type is BF16). Twice the products of an f32 FMA an
+# instruction, half the bytes loaded for both operands, and no widening of the weights. Tiles of 4 rows x 4 tokens
+# (16 accumulators hide the instruction's latency; 8 zmm loads per 16 instructions: at C = 4096 the 4 x rows
+# no longer fit L1 beside the rows, and 2 x 4 tiles, 6 loads per 8, ran at 2/3 of the speed), a token tail 4 x 1; a row
+# length that is not a multiple of 32 ends in one masked step. The instruction treats denormal inputs and results as
+# zero. Each y has the same bits whatever T, the tile it ran in and the threads; they are not the float path's (x
+# loses 16 bits of mantissa, a relative error up to 2^-8 a value), which stays the default. Used for bf16 `linear`
+# and bf16 experts at every token count, in place of the row dot, the float tile and BLAS (`bf16_experts_on`;
+# `dense_experts_tiled` also takes it), so that a product's bits do not depend on its batch either (decode at batch 1
+# and 8, a chunked prefill and one token at a time take the same path); `bf16_dot_reference` is the numpy twin.
+BF16_DOT_AVAILABLE = "avx512" in AVAILABLE_ISAS and "avx512bf16" in _FEATURES
+BF16_STEP = 32  # bf16 products one vdpbf16ps adds, into 16 float32 lanes
+BF16_TILE_ROWS, BF16_TILE_TOKENS = 4, 4
+_I16 = ir.IntType(16)
+
+
+def _bf16_activations_setting(value: str, available: bool) -> str:
+    """The activation path a K3SERVE_BF16_ACTIVATIONS value selects: "f32" or "bf16"; an unknown value, or bf16 on
+    a CPU without AVX512_BF16, is logged and gives f32."""
+    name = value.strip().lower() or "f32"
+    if name not in ("f32", "bf16"):
+        logger.warning("K3SERVE_BF16_ACTIVATIONS=%r: known: f32, bf16; bf16 weights multiply float32 activations "
+                       "(f32)", value)
+        return "f32"
+    if name == "bf16" and not available:
+        logger.warning("K3SERVE_BF16_ACTIVATIONS=bf16 needs AVX512_BF16, which this CPU (or numba's target) lacks; "
+                       "bf16 weights multiply float32 activations (f32)")
+        return "f32"
+    if name == "bf16":
+        logger.info("bf16 weights on bf16-rounded activations (AVX512_BF16 vdpbf16ps)")
+    return name
+
+
+# read at each call (`linear`, `dense_experts_tiled`), so a process can compare both paths
+BF16_ACTIVATIONS = _bf16_activations_setting(os.environ.get("K3SERVE_BF16_ACTIVATIONS", "f32"), BF16_DOT_AVAILABLE)
+
+
+def bf16_activations_on() -> bool:
+    """Whether bf16 weights multiply bf16-rounded activations now (the switch is on and the CPU has the
+    instruction)."""
+    return BF16_ACTIVATIONS == "bf16" and BF16_DOT_AVAILABLE
+
+
+def _check_bf16_dot() -> None:
+    if not BF16_DOT_AVAILABLE:  # the compiled instruction would fault
+        raise RuntimeError("the bf16-activation path needs AVX512_BF16, which this CPU (or numba's target) lacks")
+
+
+class _BFloat16(ir.Type):
+    """LLVM's bfloat, the element type of vdpbf16ps's operands (llvmlite.ir names no such type)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat16)
+
+    def __hash__(self) -> int:
+        return hash(_BFloat16)
+
+
+def _bf16_dots_codegen(num_rows: int, num_tokens: int):
+    """IR of `num_rows` bf16 weight rows [C] against `num_tokens` bf16 x rows [C] (all uint16 bits): one float32
+    accumulator of 16 lanes a (row, token) pair, one vdpbf16ps a pair and step of 32 values, the last step masked
+    (zeros past C), then the fixed pairwise lane sum. Each dot's operations do not depend on the other rows and
+    tokens of the tile, so neither do its bits."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
+        ws, xs = arrays[:num_rows], arrays[num_rows:]
+        (length,) = cgutils.unpack_tuple(builder, ws[0].shape, 1)
+        lanes = BF16_STEP // 2
+        vf, vh, vb = _vector(_F32, lanes), _vector(_I16, BF16_STEP), _vector(_BFloat16(), BF16_STEP)
+        module = builder.module
+        dpbf16 = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vb, vb]),
+                                                "llvm.x86.avx512bf16.dpbf16ps.512")
+        masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(vh, [vh.as_pointer(), _I32, _vector(ir.IntType(1), BF16_STEP), vh]),
+            f"llvm.masked.load.v{BF16_STEP}i16.p0")
+        index_type = length.type
+        steps = builder.udiv(length, ir.Constant(index_type, BF16_STEP))
+        acc_slots = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
+                     for _ in range(num_rows)]
+
+        def step(base: ir.Value, mask: ir.Value | None) -> None:
+            def load(array):
+                if mask is None:
+                    return builder.bitcast(_load(builder, array.data, base, vh, 2), vb)
+                pointer = builder.bitcast(builder.gep(array.data, [base]), vh.as_pointer())
+                return builder.bitcast(builder.call(masked_load, [pointer, ir.Constant(_I32, 2), mask,
+                                                                  ir.Constant(vh, [0] * BF16_STEP)]), vb)
+
+            weights, inputs = [load(w) for w in ws], [load(x) for x in xs]
+            for r in range(num_rows):
+                for t in range(num_tokens):
+                    slot = acc_slots[r][t]
+                    builder.store(builder.call(dpbf16, [builder.load(slot), weights[r], inputs[t]]), slot)
+
+        with cgutils.for_range(builder, steps) as loop:
+            step(builder.mul(loop.index, ir.Constant(index_type, BF16_STEP)), None)
+        tail_start = builder.mul(steps, ir.Constant(index_type, BF16_STEP))
+        remaining = builder.sub(length, tail_start)
+        with builder.if_then(builder.icmp_unsigned("!=", remaining, ir.Constant(index_type, 0))):
+            iota = ir.Constant(_vector(index_type, BF16_STEP), list(range(BF16_STEP)))
+            step(tail_start, builder.icmp_unsigned("<", iota, _splat(builder, remaining, BF16_STEP)))
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for row in acc_slots for slot in row]
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return codegen
+
+
+def _bf16_dots_intrinsic(num_rows: int, num_tokens: int):
+    def typer(typingctx, *arrays):
+        if len(arrays) == num_rows + num_tokens and all(
+                isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint16 for a in arrays):
+            return (types.UniTuple(types.float32, num_rows * num_tokens)(*arrays),
+                    _bf16_dots_codegen(num_rows, num_tokens))
+        return None
+    return typer
+
+
+@intrinsic
+def _bf16_dots_4x4(typingctx, w0, w1, w2, w3, x0, x1, x2, x3):
+    """(w0.x0, w0.x1, w0.x2, w0.x3, w1.x0, ..., w3.x3) on bf16 bits [C] (x at least C long)."""
+    return _bf16_dots_intrinsic(4, 4)(typingctx, w0, w1, w2, w3, x0, x1, x2, x3)
+
+
+@intrinsic
+def _bf16_dots_4x1(typingctx, w0, w1, w2, w3, x0):
+    """(w0.x0, w1.x0, w2.x0, w3.x0) on bf16 bits [C], each with the bits of the same pair in `_bf16_dots_4x4`."""
+    return _bf16_dots_intrinsic(4, 1)(typingctx, w0, w1, w2, w3, x0)
+
+
+@intrinsic
+def _bf16_dots_1x1(typingctx, w0, x0):
+    """(w0.x0,) on bf16 bits [C], with the bits of the same pair in `_bf16_dots_4x4`."""
+    return _bf16_dots_intrinsic(1, 1)(typingctx, w0, x0)
+
+
+@njit(inline="always")
+def _round_row_bf16(x, out):
+    """out [C] uint16 = x float32 [C] rounded to bf16: to nearest, ties to even; NaN stays NaN (made quiet)."""
+    bits = x.view(np.uint32)
+    for c in range(x.shape[0]):
+        b = np.int64(bits[c])
+        if b & 0x7FFFFFFF > 0x7F800000:
+            out[c] = np.uint16((b >> 16) | 0x40)
+        else:
+            out[c] = np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+
+@njit(cache=True, parallel=True)
+def _round_bf16_parallel(x, out):
+    for t in prange(x.shape[0]):
+        _round_row_bf16(x[t], out[t])
+
+
+@njit(cache=True)
+def _round_bf16_serial(x, out):
+    for t in range(x.shape[0]):
+        _round_row_bf16(x[t], out[t])
+
+
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """x float32 [..., C] -> bf16 bits uint16 [..., C], round to nearest even (NaN kept, quiet), compiled."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)  # [T, C]
+    out = np.empty(rows.shape, np.uint16)  # [T, C]
+    (_round_bf16_parallel if rows.size >= PARALLEL_MIN_WEIGHTS else _round_bf16_serial)(rows, out)
+    return out.reshape(x.shape)
+
+
+def _round_to_bf16_reference(x: np.ndarray) -> np.ndarray:
+    """The numpy twin of `round_to_bf16`."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def bf16_dot_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The numpy twin of the bf16-activation path: x float32 [T, C] rounded to bf16 (`round_to_bf16`'s rounding),
+    times w bf16 bits [R, C] widened, products summed in float64. -> float64 [T, R]. The kernels add the same exact
+    products in float32 (C/32 additions a lane, then 4 for the lane sum), so they are within about
+    (C/32 + 4) 2^-24 sum_c |w[r, c] x[t, c]| of it."""
+    xb = _round_to_bf16_reference(np.asarray(x, np.float32))
+    return widen_bf16(xb).astype(np.float64) @ widen_bf16(np.asarray(w, np.uint16)).astype(np.float64).T
+
+
+@njit(inline="always")
+def _bf16_rows_tiled(w, xb, first, last, out, begin, end):
+    """out[n, r] = w[r] . xb[n] for rows begin:end of w (bf16 bits [R, C]) and rows first:last of xb (bf16 bits
+    [N, C]): four tokens at a time against each four rows, the weight rows re-read from L2 for each four tokens
+    (their block stays there), the token tail one at a time; under four tokens, one row at a time. A row block that
+    is not a multiple of 4 repeats its last row in the last tile (computed again, written again with the same
+    bits)."""
+    if last - first < BF16_TILE_TOKENS:  # decode: one row at a time, streamed in order (the prefetcher follows)
+        for row in range(begin, end):
+            for n in range(first, last):
+                out[n, row] = _bf16_dots_1x1(w[row], xb[n])[0]
+        return
+    if begin < end:  # the rows streamed in first, in order (`_touch_rows`)
+        out[first, begin] = np.float32(_touch_rows(w, begin, end))  # overwritten by the tiles
+    n = first
+    while n + BF16_TILE_TOKENS <= last:
+        x0, x1, x2, x3 = xb[n], xb[n + 1], xb[n + 2], xb[n + 3]
+        for row in range(begin, end, BF16_TILE_ROWS):
+            r1, r2, r3 = min(row + 1, end - 1), min(row + 2, end - 1), min(row + 3, end - 1)
+            dots = _bf16_dots_4x4(w[row], w[r1], w[r2], w[r3], x0, x1, x2, x3)
+            for i in range(BF16_TILE_ROWS):
+                r = min(row + i, end - 1)
+                for t in range(BF16_TILE_TOKENS):
+                    out[n + t, r] = dots[BF16_TILE_TOKENS * i + t]
+        n += BF16_TILE_TOKENS
+    while n < last:
+        for row in range(begin, end, BF16_TILE_ROWS):
+            r1, r2, r3 = min(row + 1, end - 1), min(row + 2, end - 1), min(row + 3, end - 1)
+            out[n, row], out[n, r1], out[n, r2], out[n, r3] = _bf16_dots_4x1(w[row], w[r1], w[r2], w[r3], xb[n])
+        n += 1
+
+
+@njit(cache=True, parallel=True)
+def _bf16_linear_parallel(w, xb, out):
+    """out [T, R] = xb w^T on bf16 bits, over blocks of LINEAR_ROWS_PER_TASK rows."""
+    blocks = (w.shape[0] + LINEAR_ROWS_PER_TASK - 1) // LINEAR_ROWS_PER_TASK
+    for block in prange(blocks):
+        _bf16_rows_tiled(w, xb, 0, xb.shape[0], out, block * LINEAR_ROWS_PER_TASK,
+                         min(w.shape[0], (block + 1) * LINEAR_ROWS_PER_TASK))
+
+
+@njit(cache=True)
+def _bf16_linear_serial(w, xb, out):
+    _bf16_rows_tiled(w, xb, 0, xb.shape[0], out, 0, w.shape[0])
+
+
+def bf16_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x float32 [T, C] @ w.T for w bf16 bits uint16 [R, C] on the bf16-activation path (x rounded to bf16 once);
+    needs AVX512_BF16 (`BF16_DOT_AVAILABLE`). -> float32 [T, R]; `bf16_dot_reference` is the twin."""
+    if x.ndim != 2 or w.ndim != 2 or w.dtype != np.uint16 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"bf16 linear: x {x.shape} does not fit w {w.shape} {w.dtype}")
+    _check_bf16_dot()
+    w = np.ascontiguousarray(w)
+    xb = round_to_bf16(x)  # [T, C]
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)  # [T, R]
+    if x.shape[0] == 0 or w.shape[0] == 0:
+        return out
+    # under four tokens the float row dot's rule (small trunk matrices on the calling thread), else the tiles' work
+    parallel = (w.size >= BF16_PARALLEL_MIN_WEIGHTS if x.shape[0] < BF16_TILE_TOKENS
+                else w.size * BF16_TILE_TOKENS >= PARALLEL_MIN_WEIGHTS)
+    kernel = _bf16_linear_parallel if parallel else _bf16_linear_serial
+    kernel(w, xb, out)
+    return out
+
+
+@njit(inline="always")
+def _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, starts, ends, hidden, task, blocks):
+    """hidden[n, r] = SiLU(gate_e[r] . x_n) (up_e[r] . x_n) for the rows r of the task's block and the tokens n of
+    its expert (x_n = xb[tokens[n]]): gate rows r, r + 1 and up rows r, r + 1 form a tile's four rows."""
+    k = task // blocks
+    e = expert_ids[k]
+    width = hidden.shape[1]
+    begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
+    if ends[k] > starts[k] and begin < end:  # the rows streamed in first; the tiles overwrite
+        hidden[starts[k], begin] = np.float32(_touch_rows(gate_up[e], begin, end)
+                                              + _touch_rows(gate_up[e], width + begin, width + end))
+    n = starts[k]
+    while n + BF16_TILE_TOKENS <= ends[k]:
+        x0, x1, x2, x3 = xb[tokens[n]], xb[tokens[n + 1]], xb[tokens[n + 2]], xb[tokens[n + 3]]
+        for row in range(begin, end, 2):
+            other = min(row + 1, end - 1)
+            g0, g1, g2, g3, h0, h1, h2, h3, u0, u1, u2, u3, v0, v1, v2, v3 = _bf16_dots_4x4(
+                gate_up[e, row], gate_up[e, other], gate_up[e, width + row], gate_up[e, width + other], x0, x1, x2, x3)
+            hidden[n, row] = _silu_glu(g0, u0)
+            hidden[n + 1, row] = _silu_glu(g1, u1)
+            hidden[n + 2, row] = _silu_glu(g2, u2)
+            hidden[n + 3, row] = _silu_glu(g3, u3)
+            hidden[n, other] = _silu_glu(h0, v0)
+            hidden[n + 1, other] = _silu_glu(h1, v1)
+            hidden[n + 2, other] = _silu_glu(h2, v2)
+            hidden[n + 3, other] = _silu_glu(h3, v3)
+        n += BF16_TILE_TOKENS
+    while n < ends[k]:
+        x0 = xb[tokens[n]]
+        for row in range(begin, end, 2):
+            other = min(row + 1, end - 1)
+            g0, h0, u0, v0 = _bf16_dots_4x1(gate_up[e, row], gate_up[e, other], gate_up[e, width + row],
+                                            gate_up[e, width + other], x0)
+            hidden[n, row], hidden[n, other] = _silu_glu(g0, u0), _silu_glu(h0, v0)
+        n += 1
+
+
+@njit(cache=True, parallel=True)
+def _bf16_experts_parallel(gate_up, down, expert_ids, xb, tokens, starts, ends, hidden, hidden_bits, out):
+    """Stage 1 over (expert, gate/up row block); the hidden rows rounded to bf16; stage 2 over (expert, down row
+    block). See `bf16_experts_run`."""
+    blocks = (hidden.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, starts, ends, hidden, task, blocks)
+    for k in prange(expert_ids.shape[0]):
+        for n in range(starts[k], ends[k]):
+            _round_row_bf16(hidden[n], hidden_bits[n])
+    blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        k = task // blocks
+        block = task % blocks
+        _bf16_rows_tiled(down[expert_ids[k]], hidden_bits, starts[k], ends[k], out, block * ROWS_PER_TASK,
+                         min(out.shape[1], (block + 1) * ROWS_PER_TASK))
+
+
+def bf16_experts_run(gate_up: np.ndarray, down: np.ndarray, expert_ids: np.ndarray, x: np.ndarray,
+                     tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                     out: np.ndarray | None = None) -> np.ndarray:
+    """`dense_experts_run` for bf16 experts (gate_up [E, 2I, H], down [E, H, I] bf16 bits, no scales) on the
+    bf16-activation path: x rounded to bf16 once, the SiLU-GLU hidden rows rounded to bf16 before down, every
+    product by vdpbf16ps (llama.cpp's arithmetic). `out` [N, H], when given, is filled on the experts' rows only.
+    Each y[n] has the same bits whatever the other tokens, experts and threads of the call. Needs AVX512_BF16."""
+    num_experts, hidden_size, width = down.shape
+    if (gate_up.shape != (num_experts, 2 * width, hidden_size) or gate_up.dtype != np.uint16
+            or down.dtype != np.uint16 or x.ndim != 2 or x.shape[1] != hidden_size):
+        raise ValueError(f"bf16 experts gate_up {gate_up.shape} {gate_up.dtype} / down {down.shape} {down.dtype} do "
+                         f"not fit x {x.shape}")
+    _check_bf16_dot()
+    if out is None:
+        out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
+    if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
+        return out
+    hidden = np.empty((tokens.shape[0], width), np.float32)  # [N, I]
+    hidden_bits = np.empty((tokens.shape[0], width), np.uint16)  # [N, I]
+    _bf16_experts_parallel(np.ascontiguousarray(gate_up), np.ascontiguousarray(down),
+                           np.ascontiguousarray(expert_ids, dtype=np.int64), round_to_bf16(x),
+                           np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64),
+                           np.ascontiguousarray(ends, dtype=np.int64), hidden, hidden_bits, out)
+    return out
+
+
+def bf16_experts_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None) -> bool:
+    """Whether experts of this kind run `bf16_experts_run` at every token count (in place of the row dot, the float
+    tile and BLAS on a float32 copy): bf16 experts while the bf16-activation path is on."""
+    return bf16_activations_on() and gate_up.dtype == np.uint16 and gate_up_scales is None
 
 
 def warmup() -> None:
@@ -2501,3 +2855,10 @@ def warmup() -> None:
                                     scaled, _KIND_CODES[np.dtype(dtype)], one, x, np.zeros(2, np.int64), one,
                                     np.full(1, 2, np.int64), np.empty((2, 32), np.float32),
                                     np.empty((2, 32), np.float32))
+    if bf16_activations_on():
+        bits = np.zeros((1, 64, 32), np.uint16)  # I = 32, H = 32
+        bf16_experts_run(bits, bits[:, :32], one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
+        for kernel in (_bf16_linear_serial, _bf16_linear_parallel):
+            kernel(bits[0], round_to_bf16(x), np.empty((2, 64), np.float32))
+        for kernel in (_round_bf16_serial, _round_bf16_parallel):
+            kernel(x, np.empty(x.shape, np.uint16))

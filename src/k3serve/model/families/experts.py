@@ -26,6 +26,8 @@ faster still once the copy is shared by that many tokens. MXFP4 experts with MXF
 tiles serve 8 or 4 tokens a pass over a decoded row at any token count. With `K3SERVE_INT8_ACTIVATIONS=q8` the
 "int8" experts (per-row scales) multiply Q8_0 activations with int8 dot products (`kernels.int8_experts_q8`, every
 token count, one call); GGUF Q8_0 experts (block scales) and widths not multiples of 32 stay on the float path.
+With `K3SERVE_BF16_ACTIVATIONS=bf16` (`--bf16-activations bf16`) bf16 experts run `kernels.bf16_experts_run` at
+every token count instead.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
 at "native". Shapes: n tokens routed to an expert, H hidden, I expert intermediate.
 """
@@ -39,8 +41,8 @@ import numpy as np
 
 from k3serve.errors import CheckpointError, ConfigError
 from k3serve.model import kernels
-from k3serve.model.kernels import (dense_expert_reference, dense_experts_run, dense_experts_tiled,
-                                   mxfp4_experts_run, mxfp4_experts_tiled)
+from k3serve.model.kernels import (bf16_experts_on, bf16_experts_run, dense_expert_reference, dense_experts_run,
+                                   dense_experts_tiled, mxfp4_experts_run, mxfp4_experts_tiled)
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.routing import ExpertPairs
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
@@ -215,6 +217,8 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
             mxfp4_experts_tiled(stacked, ids[many], x, tokens, starts[many], ends[many], out=out)
         return out
     gate_up, gate_up_scales, down, down_scales = stacked
+    if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one kernel at every count, the same bits
+        return bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends)
     if (kernels.INT8_ACTIVATIONS == "q8" and gate_up.dtype == np.int8 and gate_up_scales is not None
             and gate_up_scales.size == gate_up.shape[0] * gate_up.shape[1]
             and gate_up.shape[2] % GROUP_SIZE == 0 and down.shape[2] % GROUP_SIZE == 0):  # per-row int8 x Q8_0
