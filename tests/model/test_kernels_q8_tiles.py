@@ -157,6 +157,11 @@ def test_families_mxfp4_experts_follow_the_switch(monkeypatch: pytest.MonkeyPatc
     tiled_f32 = kernels.mxfp4_experts_tiled(stacked, expert_ids[many], z, tokens, starts[many], ends[many],
                                             activations="f32")
     np.testing.assert_array_equal(_bits(float_path[2:19]), _bits(tiled_f32[2:19]))
+    # the few-token experts run the row dot on their own pairs only: the bits of the row dot over every pair
+    row_dot = kernels.mxfp4_experts_run(stacked, expert_ids, z, tokens, starts, ends, 0.0, 0.0, activation="silu",
+                                        activations="f32")
+    few_rows = np.r_[0:2, 19:tokens.shape[0]]
+    np.testing.assert_array_equal(_bits(float_path[few_rows]), _bits(row_dot[few_rows]))
     w1, w3, w2 = (dequantize_mxfp4(stacked[2 * i][2], stacked[2 * i + 1][2]).astype(np.float64) for i in range(3))
     x = z[tokens[2:19]].astype(np.float64)
     gate, up = x @ w1.T, x @ w3.T

@@ -1601,8 +1601,8 @@ def _experts_down_serial(w2p, w2s, expert_ids, starts, ends, half_scales, isa, h
 def expert_activation(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float, activation: str) -> None:
     """gate <- act(gate, up) in place with numpy's vectorized ufuncs: `ops.situ_glu` (the dense MLP's and the
     shared expert's activation) or `ops.silu(gate) * up`. Each element's bits depend only on its own gate and up.
-    numpy's overflow warnings are off: a caller that runs some experts elsewhere (the families' tiled experts) leaves
-    their rows of gate/up unwritten, and their garbage may overflow; a real overflow still shows as inf."""
+    numpy's overflow warnings are off (a large gate overflows exp on the way to the right limit); a real overflow
+    still shows as inf."""
     if activation not in ("situ", "silu"):
         raise ValueError(f"unknown expert activation {activation!r} (known: situ, silu)")
     with np.errstate(over="ignore", invalid="ignore"):

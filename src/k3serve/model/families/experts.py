@@ -211,10 +211,17 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         if kernels.MXFP4_ACTIVATIONS == "q8":  # the int8 path tiles an expert's tokens itself, whatever their number
             return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
         many = ends - starts >= MXFP4_TILE_MIN_TOKENS  # [K]
-        out = mxfp4_experts_run(stacked, ids[~many], x, tokens, starts[~many], ends[~many], 0.0, 0.0,
-                                activation="silu")
-        if np.any(many):
-            mxfp4_experts_tiled(stacked, ids[many], x, tokens, starts[many], ends[many], out=out)
+        if not np.any(many):
+            return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
+        out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
+        few = ~many
+        if np.any(few):  # only the few-token experts' pairs: each row's bits do not depend on the other rows
+            counts = ends[few] - starts[few]  # [F]
+            rows = np.concatenate([np.arange(a, b) for a, b in zip(starts[few], ends[few])])  # [sum counts]
+            compact_ends = np.cumsum(counts)
+            out[rows] = mxfp4_experts_run(stacked, ids[few], x, tokens[rows], compact_ends - counts, compact_ends,
+                                          0.0, 0.0, activation="silu")
+        mxfp4_experts_tiled(stacked, ids[many], x, tokens, starts[many], ends[many], out=out)
         return out
     gate_up, gate_up_scales, down, down_scales = stacked
     if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one kernel at every count, the same bits
