@@ -732,113 +732,153 @@ def _q8_vnni_activations(q, d, xq, corrections, lane_scales):
                 lane_scales[t, step * 16 + slot * 4 + lane] = d[t, g] * np.float32(0.5)
 
 
+class _MXFP4Q8IR:
+    """The IR the int8 row dot and the int8 tiles share, for one function being built: the intrinsics and constants
+    of `lanes` int32 lanes (16: AVX-512 VNNI; 8: AVX2), a row's decode (`decode`) and a part's integer dot
+    (`dot`). Both kernels call the same code, so a tile's (row, token) makes exactly the row dot's operations."""
+
+    def __init__(self, builder, lanes: int, num_groups):
+        self.builder, self.lanes = builder, lanes
+        self.part_bytes, self.groups_per_part = 4 * lanes, lanes // 4
+        self.parts = Q8_VNNI_GROUPS_PER_STEP // self.groups_per_part
+        module = builder.module
+        self.index_type = index_type = ir.IntType(64)
+        self.vb, self.vi, self.vf = vb, vi, vf = (_vector(_I8, self.part_bytes), _vector(_I32, lanes),
+                                                  _vector(_F32, lanes))
+        self.fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        self.masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), self.part_bytes), vb]),
+            f"llvm.masked.load.v{self.part_bytes}i8.p0")
+        if lanes == 16:
+            self.pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]),
+                                                         "llvm.x86.avx512.pshuf.b.512")
+            self.dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                         "llvm.x86.avx512.vpdpbusd.512")
+        else:
+            vw = _vector(ir.IntType(16), 16)
+            self.pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]),
+                                                         "llvm.x86.avx2.pshuf.b")
+            self.maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
+                                                          "llvm.x86.avx2.pmadd.ub.sw")
+            self.maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]),
+                                                         "llvm.x86.avx2.pmadd.wd")
+            self.ones = ir.Constant(vw, [1] * 16)
+        self.table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * (self.part_bytes // 16))
+        self.nibble_mask = ir.Constant(vb, [15] * self.part_bytes)
+        self.iota = ir.Constant(vb, list(range(self.part_bytes)))
+        self.num_groups = num_groups
+        self.row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
+        self.full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
+        self.last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
+        self.scale_type = _vector(_I32, self.groups_per_part)
+        self.spread = ir.Constant(vi, [lane // 4 for lane in range(lanes)])
+
+    def offset(self, step, per_step: int, within: int):
+        """step * per_step + within, an i64 index."""
+        builder, index_type = self.builder, self.index_type
+        return builder.add(builder.mul(step, ir.Constant(index_type, per_step)), ir.Constant(index_type, within))
+
+    def scale_bits(self, scale_bytes):
+        """i32 scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0."""
+        builder, scale_type, count = self.builder, self.scale_type, self.groups_per_part
+        shifted = builder.shl(scale_bytes, ir.Constant(scale_type, [23] * count))
+        is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(scale_type, [255] * count))
+        return builder.select(is_nan, ir.Constant(scale_type, [0] * count), shifted)
+
+    def decode(self, prow, srow, step, part: int, tail: bool):
+        """One row's weights (V + 12 of the low and high nibbles) and its per-lane m (float) of one part of `step`;
+        the tail step masks the row's end (zero nibbles meet zero q)."""
+        builder, index_type, vb, part_bytes = self.builder, self.index_type, self.vb, self.part_bytes
+        byte_base = self.offset(step, 64, part * part_bytes)
+        pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
+        if tail:
+            remaining = builder.sub(self.row_bytes, byte_base)
+            remaining = builder.select(builder.icmp_signed("<", remaining, ir.Constant(index_type, 0)),
+                                       ir.Constant(index_type, 0), remaining)
+            remaining = builder.select(builder.icmp_signed(">", remaining, ir.Constant(index_type, part_bytes)),
+                                       ir.Constant(index_type, part_bytes), remaining)
+            mask = builder.icmp_unsigned("<", self.iota, _splat(builder, builder.trunc(remaining, _I8), part_bytes))
+            packed = builder.call(self.masked_load, [pointer, ir.Constant(_I32, 1), mask,
+                                                     ir.Constant(vb, [0] * part_bytes)])
+        else:
+            packed = builder.load(pointer, align=1)
+        low = builder.and_(packed, self.nibble_mask)
+        high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * part_bytes)), self.nibble_mask)
+        weights_low, weights_high = builder.call(self.pshufb, [self.table, low]), builder.call(self.pshufb,
+                                                                                               [self.table, high])
+        first_group = self.offset(step, Q8_VNNI_GROUPS_PER_STEP, part * self.groups_per_part)
+        if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
+            scale_bytes = ir.Constant(self.scale_type, ir.Undefined)
+            for slot in range(self.groups_per_part):
+                group = builder.add(first_group, ir.Constant(index_type, slot))
+                group = builder.select(builder.icmp_unsigned(">", group, self.last_group), self.last_group, group)
+                byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
+                scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
+        else:
+            scale_pointer = builder.bitcast(builder.gep(srow.data, [first_group]),
+                                            _vector(_I8, self.groups_per_part).as_pointer())
+            scale_bytes = builder.zext(builder.load(scale_pointer, align=1), self.scale_type)
+        exponents = self.scale_bits(scale_bytes)
+        return weights_low, weights_high, builder.bitcast(builder.shuffle_vector(exponents, exponents, self.spread),
+                                                          self.vf)
+
+    def dot(self, weights_low, weights_high, x_even, x_odd):
+        """The int32 lane sums of a part: 4 products a lane (vpdpbusd twice, or vpmaddubsw then vpmaddwd)."""
+        builder, vi = self.builder, self.vi
+        if self.lanes == 16:
+            sums = builder.call(self.dpbusd, [ir.Constant(vi, [0] * self.lanes), builder.bitcast(weights_low, vi),
+                                              builder.bitcast(x_even, vi)])
+            return builder.call(self.dpbusd, [sums, builder.bitcast(weights_high, vi), builder.bitcast(x_odd, vi)])
+        pairs = builder.add(builder.call(self.maddubs, [weights_low, x_even]),
+                            builder.call(self.maddubs, [weights_high, x_odd]))
+        return builder.call(self.maddwd, [pairs, self.ones])
+
+    def accumulate(self, slot, sums, correction, row_scale, token_scale):
+        """slot += float(sums - correction) * (m * d / 2), one FMA."""
+        builder = self.builder
+        sums = builder.sub(sums, correction)
+        scale = builder.fmul(row_scale, token_scale)
+        builder.store(builder.call(self.fma, [builder.sitofp(sums, self.vf), scale, builder.load(slot)]), slot)
+
+    def steps(self, part_step) -> None:
+        """part_step(step, part, tail) for every part of every full step, then of the tail step if the row has
+        one."""
+        builder = self.builder
+        with cgutils.for_range(builder, self.full_steps) as loop:
+            for part in range(self.parts):
+                part_step(loop.index, part, False)
+        has_tail = builder.icmp_unsigned(
+            "!=", builder.mul(self.full_steps, ir.Constant(self.index_type, Q8_VNNI_GROUPS_PER_STEP)),
+            self.num_groups)
+        with builder.if_then(has_tail):
+            for part in range(self.parts):
+                part_step(self.full_steps, part, True)
+
+
 def _mxfp4_q8_row_dot_codegen(lanes: int):
     """IR of the int8 row dot with `lanes` int32 lanes: 16 (AVX-512 VNNI: a step's 64 weight bytes at once, two
     vpdpbusd) or 8 (AVX2: two parts of 32 bytes, vpmaddubsw then vpmaddwd by ones; the i16 sums stay under 2 x 2 x
     24 x 127 = 12192, no saturation). Lane l of a part holds group l // 4 of it."""
-    part_bytes, groups_per_part = 4 * lanes, lanes // 4
-    parts = Q8_VNNI_GROUPS_PER_STEP // groups_per_part
 
     def codegen(context, builder, signature, args):
         prow, srow, xq, corrections, lane_scales = (context.make_array(t)(context, builder, a)
                                                     for t, a in zip(signature.args, args))
         (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
-        module = builder.module
-        index_type = ir.IntType(64)
-        vb, vi, vf = _vector(_I8, part_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-        masked_load = cgutils.get_or_insert_function(
-            module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), part_bytes), vb]),
-            f"llvm.masked.load.v{part_bytes}i8.p0")
-        if lanes == 16:
-            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]),
-                                                    "llvm.x86.avx512.pshuf.b.512")
-            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
-                                                    "llvm.x86.avx512.vpdpbusd.512")
-        else:
-            vw = _vector(ir.IntType(16), 16)
-            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.pshuf.b")
-            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
-                                                     "llvm.x86.avx2.pmadd.ub.sw")
-            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
-            ones = ir.Constant(vw, [1] * 16)
-        table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * (part_bytes // 16))
-        nibble_mask = ir.Constant(vb, [15] * part_bytes)
-        iota = ir.Constant(vb, list(range(part_bytes)))
-        row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
-        full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
-        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
-        last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
-        scale_type = _vector(_I32, groups_per_part)
-        spread = ir.Constant(vi, [lane // 4 for lane in range(lanes)])
+        q = _MXFP4Q8IR(builder, lanes, num_groups)
+        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(q.vf, [0.0] * lanes))
         x_bytes = builder.bitcast(xq.data, _I8.as_pointer())
 
-        def scale_bits(scale_bytes):  # i32 scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0
-            shifted = builder.shl(scale_bytes, ir.Constant(scale_type, [23] * groups_per_part))
-            is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(scale_type, [255] * groups_per_part))
-            return builder.select(is_nan, ir.Constant(scale_type, [0] * groups_per_part), shifted)
-
         def part_dot(step, part: int, tail: bool):
-            """acc += the groups of one part of `step`; the tail step masks the row's end (zero nibbles meet
-            zero q)."""
-            byte_base = builder.add(builder.mul(step, ir.Constant(index_type, 64)),
-                                    ir.Constant(index_type, part * part_bytes))
-            pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
-            if tail:
-                remaining = builder.sub(row_bytes, byte_base)
-                remaining = builder.select(builder.icmp_signed("<", remaining, ir.Constant(index_type, 0)),
-                                           ir.Constant(index_type, 0), remaining)
-                remaining = builder.select(builder.icmp_signed(">", remaining, ir.Constant(index_type, part_bytes)),
-                                           ir.Constant(index_type, part_bytes), remaining)
-                mask = builder.icmp_unsigned("<", iota, _splat(builder, builder.trunc(remaining, _I8), part_bytes))
-                packed = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), mask,
-                                                    ir.Constant(vb, [0] * part_bytes)])
-            else:
-                packed = builder.load(pointer, align=1)
-            low = builder.and_(packed, nibble_mask)
-            high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * part_bytes)), nibble_mask)
-            weights_low, weights_high = builder.call(pshufb, [table, low]), builder.call(pshufb, [table, high])
-            x_base = builder.add(builder.mul(step, ir.Constant(index_type, 128)),
-                                 ir.Constant(index_type, part * part_bytes))
-            x_even = _load(builder, x_bytes, x_base, vb, 1)
-            x_odd = _load(builder, x_bytes, builder.add(x_base, ir.Constant(index_type, 64)), vb, 1)
-            if lanes == 16:
-                sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(weights_low, vi),
-                                             builder.bitcast(x_even, vi)])
-                sums = builder.call(dpbusd, [sums, builder.bitcast(weights_high, vi), builder.bitcast(x_odd, vi)])
-            else:
-                pairs = builder.add(builder.call(maddubs, [weights_low, x_even]),
-                                    builder.call(maddubs, [weights_high, x_odd]))
-                sums = builder.call(maddwd, [pairs, ones])
-            lane_base = builder.add(builder.mul(step, ir.Constant(index_type, 16)),
-                                    ir.Constant(index_type, part * lanes))
-            sums = builder.sub(sums, _load(builder, corrections.data, lane_base, vi, 4))
-            first_group = builder.add(builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)),
-                                      ir.Constant(index_type, part * groups_per_part))
-            if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
-                scale_bytes = ir.Constant(scale_type, ir.Undefined)
-                for slot in range(groups_per_part):
-                    group = builder.add(first_group, ir.Constant(index_type, slot))
-                    group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
-                    byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
-                    scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
-            else:
-                pointer = builder.bitcast(builder.gep(srow.data, [first_group]),
-                                          _vector(_I8, groups_per_part).as_pointer())
-                scale_bytes = builder.zext(builder.load(pointer, align=1), scale_type)
-            exponents = scale_bits(scale_bytes)
-            spread_bits = builder.shuffle_vector(exponents, exponents, spread)
-            scale = builder.fmul(builder.bitcast(spread_bits, vf), _load(builder, lane_scales.data, lane_base, vf, 4))
-            builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(acc_slot)]), acc_slot)
+            weights_low, weights_high, row_scale = q.decode(prow, srow, step, part, tail)
+            x_base = q.offset(step, 128, part * q.part_bytes)
+            x_even = _load(builder, x_bytes, x_base, q.vb, 1)
+            x_odd = _load(builder, x_bytes, builder.add(x_base, ir.Constant(q.index_type, 64)), q.vb, 1)
+            lane_base = q.offset(step, 16, part * lanes)
+            q.accumulate(acc_slot, q.dot(weights_low, weights_high, x_even, x_odd),
+                         _load(builder, corrections.data, lane_base, q.vi, 4), row_scale,
+                         _load(builder, lane_scales.data, lane_base, q.vf, 4))
 
-        with cgutils.for_range(builder, full_steps) as loop:
-            for part in range(parts):
-                part_dot(loop.index, part, tail=False)
-        has_tail = builder.icmp_unsigned(
-            "!=", builder.mul(full_steps, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)), num_groups)
-        with builder.if_then(has_tail):
-            for part in range(parts):
-                part_dot(full_steps, part, tail=True)
+        q.steps(part_dot)
         return _pairwise_sum(builder, builder.load(acc_slot), lanes)
 
     return codegen
@@ -961,8 +1001,6 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
     prow_b, srow_b (u8 [C/2], [G]), xq int8 [T, S * 128], corrections int32 [T, S * 16], lane_scales f32 [T,
     S * 16], then num_tokens row indices t into them) -> a tuple of 2 num_tokens float32 (a's dots, then b's), each
     the bits of `_mxfp4_q8_row_dot` on row t. A token's activations are loaded once for both rows."""
-    part_bytes, groups_per_part = 4 * lanes, lanes // 4
-    parts = Q8_VNNI_GROUPS_PER_STEP // groups_per_part
 
     def codegen(context, builder, signature, args):
         prow_a, srow_a, prow_b, srow_b, xq, corrections, lane_scales = (
@@ -970,34 +1008,9 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
         rows = ((prow_a, srow_a), (prow_b, srow_b))
         token_rows = args[7:]
         (num_groups,) = cgutils.unpack_tuple(builder, srow_a.shape, 1)
-        module = builder.module
-        index_type = ir.IntType(64)
-        vb, vi, vf = _vector(_I8, part_bytes), _vector(_I32, lanes), _vector(_F32, lanes)
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-        masked_load = cgutils.get_or_insert_function(
-            module, ir.FunctionType(vb, [vb.as_pointer(), _I32, _vector(ir.IntType(1), part_bytes), vb]),
-            f"llvm.masked.load.v{part_bytes}i8.p0")
-        if lanes == 16:
-            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]),
-                                                    "llvm.x86.avx512.pshuf.b.512")
-            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
-                                                    "llvm.x86.avx512.vpdpbusd.512")
-        else:
-            vw = _vector(ir.IntType(16), 16)
-            pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.pshuf.b")
-            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
-                                                     "llvm.x86.avx2.pmadd.ub.sw")
-            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
-            ones = ir.Constant(vw, [1] * 16)
-        table = ir.Constant(vb, [int(v) + _V_OFFSET for v in _DOUBLED_E2M1] * (part_bytes // 16))
-        nibble_mask = ir.Constant(vb, [15] * part_bytes)
-        iota = ir.Constant(vb, list(range(part_bytes)))
-        row_bytes = builder.mul(num_groups, ir.Constant(index_type, BYTES_PER_GROUP))
-        full_steps = builder.udiv(num_groups, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP))
-        last_group = builder.sub(num_groups, ir.Constant(index_type, 1))
-        scale_type = _vector(_I32, groups_per_part)
-        spread = ir.Constant(vi, [lane // 4 for lane in range(lanes)])
-        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(2 * num_tokens)]
+        q = _MXFP4Q8IR(builder, lanes, num_groups)
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(q.vf, [0.0] * lanes))
+                     for _ in range(2 * num_tokens)]
 
         def row_of(array, element_type, token):  # a pointer to row `token` of a C-contiguous 2D array
             (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
@@ -1008,83 +1021,23 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
         correction_rows = [row_of(corrections, _I32, t) for t in token_rows]
         scale_rows = [row_of(lane_scales, _F32, t) for t in token_rows]
 
-        def scale_bits(scale_bytes):  # i32 scale bytes -> float bits of 2^(byte - 127), byte 255 -> 0
-            shifted = builder.shl(scale_bytes, ir.Constant(scale_type, [23] * groups_per_part))
-            is_nan = builder.icmp_unsigned("==", scale_bytes, ir.Constant(scale_type, [255] * groups_per_part))
-            return builder.select(is_nan, ir.Constant(scale_type, [0] * groups_per_part), shifted)
-
-        def decode(prow, srow, step, part: int, tail: bool):
-            """One row's weights (V + 12 of the low and high nibbles) and per-lane m bits of one part of `step`."""
-            byte_base = builder.add(builder.mul(step, ir.Constant(index_type, 64)),
-                                    ir.Constant(index_type, part * part_bytes))
-            pointer = builder.bitcast(builder.gep(prow.data, [byte_base]), vb.as_pointer())
-            if tail:
-                remaining = builder.sub(row_bytes, byte_base)
-                remaining = builder.select(builder.icmp_signed("<", remaining, ir.Constant(index_type, 0)),
-                                           ir.Constant(index_type, 0), remaining)
-                remaining = builder.select(builder.icmp_signed(">", remaining, ir.Constant(index_type, part_bytes)),
-                                           ir.Constant(index_type, part_bytes), remaining)
-                mask = builder.icmp_unsigned("<", iota, _splat(builder, builder.trunc(remaining, _I8), part_bytes))
-                packed = builder.call(masked_load, [pointer, ir.Constant(_I32, 1), mask,
-                                                    ir.Constant(vb, [0] * part_bytes)])
-            else:
-                packed = builder.load(pointer, align=1)
-            low = builder.and_(packed, nibble_mask)
-            high = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * part_bytes)), nibble_mask)
-            weights_low, weights_high = builder.call(pshufb, [table, low]), builder.call(pshufb, [table, high])
-            first_group = builder.add(builder.mul(step, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)),
-                                      ir.Constant(index_type, part * groups_per_part))
-            if tail:  # groups past the row's end read the last group's byte (finite; their q and d are 0)
-                scale_bytes = ir.Constant(scale_type, ir.Undefined)
-                for slot in range(groups_per_part):
-                    group = builder.add(first_group, ir.Constant(index_type, slot))
-                    group = builder.select(builder.icmp_unsigned(">", group, last_group), last_group, group)
-                    byte = builder.zext(builder.load(builder.gep(srow.data, [group])), _I32)
-                    scale_bytes = builder.insert_element(scale_bytes, byte, ir.Constant(_I32, slot))
-            else:
-                scale_pointer = builder.bitcast(builder.gep(srow.data, [first_group]),
-                                                _vector(_I8, groups_per_part).as_pointer())
-                scale_bytes = builder.zext(builder.load(scale_pointer, align=1), scale_type)
-            exponents = scale_bits(scale_bytes)
-            return weights_low, weights_high, builder.bitcast(builder.shuffle_vector(exponents, exponents, spread), vf)
-
         def part_dots(step, part: int, tail: bool):
             """Every (row, token) acc += the groups of one part of `step`: each row decoded once, each token's
             activations loaded once."""
-            decoded = [decode(prow, srow, step, part, tail) for prow, srow in rows]
-            x_base = builder.add(builder.mul(step, ir.Constant(index_type, 128)),
-                                 ir.Constant(index_type, part * part_bytes))
-            x_odd_base = builder.add(x_base, ir.Constant(index_type, 64))
-            lane_base = builder.add(builder.mul(step, ir.Constant(index_type, 16)),
-                                    ir.Constant(index_type, part * lanes))
+            decoded = [q.decode(prow, srow, step, part, tail) for prow, srow in rows]
+            x_base = q.offset(step, 128, part * q.part_bytes)
+            x_odd_base = builder.add(x_base, ir.Constant(q.index_type, 64))
+            lane_base = q.offset(step, 16, part * lanes)
             for j in range(num_tokens):
-                x_even = _load(builder, x_rows[j], x_base, vb, 1)
-                x_odd = _load(builder, x_rows[j], x_odd_base, vb, 1)
-                correction = _load(builder, correction_rows[j], lane_base, vi, 4)
-                token_scale = _load(builder, scale_rows[j], lane_base, vf, 4)
+                x_even = _load(builder, x_rows[j], x_base, q.vb, 1)
+                x_odd = _load(builder, x_rows[j], x_odd_base, q.vb, 1)
+                correction = _load(builder, correction_rows[j], lane_base, q.vi, 4)
+                token_scale = _load(builder, scale_rows[j], lane_base, q.vf, 4)
                 for i, (weights_low, weights_high, row_scale) in enumerate(decoded):
-                    if lanes == 16:
-                        sums = builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(weights_low, vi),
-                                                     builder.bitcast(x_even, vi)])
-                        sums = builder.call(dpbusd, [sums, builder.bitcast(weights_high, vi),
-                                                     builder.bitcast(x_odd, vi)])
-                    else:
-                        pairs = builder.add(builder.call(maddubs, [weights_low, x_even]),
-                                            builder.call(maddubs, [weights_high, x_odd]))
-                        sums = builder.call(maddwd, [pairs, ones])
-                    sums = builder.sub(sums, correction)
-                    scale = builder.fmul(row_scale, token_scale)
-                    slot = acc_slots[i * num_tokens + j]
-                    builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(slot)]), slot)
+                    q.accumulate(acc_slots[i * num_tokens + j], q.dot(weights_low, weights_high, x_even, x_odd),
+                                 correction, row_scale, token_scale)
 
-        with cgutils.for_range(builder, full_steps) as loop:
-            for part in range(parts):
-                part_dots(loop.index, part, tail=False)
-        has_tail = builder.icmp_unsigned(
-            "!=", builder.mul(full_steps, ir.Constant(index_type, Q8_VNNI_GROUPS_PER_STEP)), num_groups)
-        with builder.if_then(has_tail):
-            for part in range(parts):
-                part_dots(full_steps, part, tail=True)
+        q.steps(part_dots)
         totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
         return context.make_tuple(builder, signature.return_type, totals)
 
