@@ -241,3 +241,28 @@ def test_nested_k3_config_is_not_taken_for_kimi_linear(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_linear", "text_config": {}}))
     with pytest.raises(ConfigError, match="text_config"):
         load_family(tmp_path)
+
+
+def test_bf16_tensors_are_read_as_stored_bits(tmp_path):
+    """`TensorReader.values` returns a BF16 tensor's stored bits without widening it first (a real-width lm_head
+    peaked the load at 6x its size), the same bits `keep_bf16` gives on the widened values; F32 values that are not
+    bf16 stay float32; a shape the config does not imply is an error naming both shapes."""
+    from k3serve.model.families.tensors import TensorReader
+    from k3serve.model.weights import keep_bf16
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**16, size=(6, 64), dtype=np.uint16)
+    bits[(bits & 0x7F80) == 0x7F80] = 0x3F80  # no random NaN (the writer may quieten its payload) or inf
+    bits[0, :3] = (0x7FC1, 0xFF80, 0x0001)  # a NaN payload, -inf, a denormal
+    exact = (bits.astype(np.uint32) << 16).view(np.float32)
+    other = rng.standard_normal((6, 64)).astype(np.float32)
+    save_safetensors(tmp_path / "model.safetensors", {"a": exact, "b": other}, dtypes={"a": "BF16"})
+    reader = TensorReader.open(tmp_path, "qwen3_moe")
+    got = reader.values("a", shape=(6, 64))
+    assert got.dtype == np.uint16 and got.flags.c_contiguous and got.flags.writeable
+    np.testing.assert_array_equal(got, bits)
+    np.testing.assert_array_equal(got, keep_bf16(reader.f32("a", shape=(6, 64))))
+    assert reader.values("b", shape=(6, 64)).dtype == np.float32
+    with pytest.raises(CheckpointError, match=r"shape \[6, 64\], the config implies \[64, 6\]"):
+        reader.values("a", shape=(64, 6))
+    reader.close()
