@@ -686,7 +686,10 @@ def test_bf16_activations_flag_sets_the_kernels_environment_before_their_import(
     parser = build_parser()
     required = ["--prompt", "hi"] if command == "generate" else []
     args = parser.parse_args([command, *required, "--bf16-activations", "bf16"])
-    monkeypatch.delenv("K3SERVE_BF16_ACTIVATIONS", raising=False)
+    # setenv first: delenv of an unset variable records nothing, and the flag's "bf16" outlived the test, reaching
+    # every process later tests spawned (the lab's worker, the cluster's replicas) and changing their bits
+    monkeypatch.setenv("K3SERVE_BF16_ACTIVATIONS", "f32")
+    monkeypatch.delenv("K3SERVE_BF16_ACTIVATIONS")
     monkeypatch.delitem(sys.modules, "k3serve.model.kernels", raising=False)
     apply_wait_policy(args)
     assert os.environ["K3SERVE_BF16_ACTIVATIONS"] == "bf16"
