@@ -92,6 +92,9 @@ class _RandomReader(TensorReader):
     def _stored_blocks(self, name: str, shape) -> None:  # made-up tensors are never stored as Q8_0
         return None
 
+    def _stored_bf16(self, name: str, shape) -> None:  # nor as a checkpoint's bf16 bits
+        return None
+
     def __contains__(self, name: str) -> bool:
         return True
 

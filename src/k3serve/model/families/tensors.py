@@ -114,11 +114,18 @@ class TensorReader:
         of `f32`). A checkpoint's BF16 tensor is read as stored: widening it first cost 4-6x its size in transient
         copies (a 622 MB lm_head peaked the load at 3.8 GB)."""
         name = self.name_of(*names)
-        if isinstance(self.index, SafetensorsIndex) and sys.byteorder == "little" \
-                and self.index.info(name).dtype == "BF16" and self._stored_blocks(name, shape) is None:
-            self._check_shape(name, self.index.info(name).shape, shape)
-            return self.index.read_raw(name).view(np.uint16).reshape(shape)
-        return keep_bf16(self.f32(name, shape=shape))
+        bits = self._stored_bf16(name, shape)
+        return bits if bits is not None else keep_bf16(self.f32(name, shape=shape))
+
+    def _stored_bf16(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        """`name`'s stored bits (uint16 of `shape`) where a checkpoint holds it as BF16, else None."""
+        if not isinstance(self.index, SafetensorsIndex) or sys.byteorder != "little":
+            return None
+        info = self.index.info(name)
+        if info.dtype != "BF16" or self._stored_blocks(name, shape) is not None:
+            return None
+        self._check_shape(name, info.shape, shape)
+        return self.index.read_raw(name).view(np.uint16).reshape(shape)
 
     def kept(self, name: str) -> tuple[str, np.ndarray, np.ndarray] | None:
         """A matrix the source stores quantized (a GGUF's MXFP4 or Q8_0 expert) as stored
