@@ -996,6 +996,18 @@ Q8_TILE_TOKENS = 8  # tokens one pass over a decoded row serves (then 4, then th
 Q8_TILE_CHUNK_TOKENS = 8  # tokens whose activations (~4 KB each at C = 2048) stay in L1 while a row block passes
 
 
+def _q8_token_rows(builder: ir.IRBuilder, xq, corrections, lane_scales, token_rows) -> tuple[list, list, list]:
+    """Pointers to rows `token_rows` of the prepared Q8_0 activations (xq int8, corrections int32, lane_scales f32;
+    each a C-contiguous 2D array), for the int8 tiles."""
+    def row_of(array, element_type, token):
+        (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
+        base = builder.bitcast(array.data, _I8.as_pointer())
+        return builder.bitcast(builder.gep(base, [builder.mul(token, stride)]), element_type.as_pointer())
+
+    return ([row_of(xq, _I8, t) for t in token_rows], [row_of(corrections, _I32, t) for t in token_rows],
+            [row_of(lane_scales, _F32, t) for t in token_rows])
+
+
 def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
     """IR of the int8 row dots of two MXFP4 rows (a, b) with `num_tokens` activation rows: args (prow_a, srow_a,
     prow_b, srow_b (u8 [C/2], [G]), xq int8 [T, S * 128], corrections int32 [T, S * 16], lane_scales f32 [T,
@@ -1012,14 +1024,7 @@ def _mxfp4_q8_tile_codegen(lanes: int, num_tokens: int):
         acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(q.vf, [0.0] * lanes))
                      for _ in range(2 * num_tokens)]
 
-        def row_of(array, element_type, token):  # a pointer to row `token` of a C-contiguous 2D array
-            (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
-            base = builder.bitcast(array.data, _I8.as_pointer())
-            return builder.bitcast(builder.gep(base, [builder.mul(token, stride)]), element_type.as_pointer())
-
-        x_rows = [row_of(xq, _I8, t) for t in token_rows]
-        correction_rows = [row_of(corrections, _I32, t) for t in token_rows]
-        scale_rows = [row_of(lane_scales, _F32, t) for t in token_rows]
+        x_rows, correction_rows, scale_rows = _q8_token_rows(builder, xq, corrections, lane_scales, token_rows)
 
         def part_dots(step, part: int, tail: bool):
             """Every (row, token) acc += the groups of one part of `step`: each row decoded once, each token's
@@ -1242,14 +1247,7 @@ def _int8_q8_tile_codegen(lanes: int, num_tokens: int):
             ones = ir.Constant(vw, [1] * 16)
         acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(2 * num_tokens)]
 
-        def row_of(array, element_type, token):
-            (stride, _) = cgutils.unpack_tuple(builder, array.strides, 2)
-            base = builder.bitcast(array.data, _I8.as_pointer())
-            return builder.bitcast(builder.gep(base, [builder.mul(token, stride)]), element_type.as_pointer())
-
-        x_rows = [row_of(xq, _I8, t) for t in token_rows]
-        correction_rows = [row_of(corrections, _I32, t) for t in token_rows]
-        scale_rows = [row_of(lane_scales, _F32, t) for t in token_rows]
+        x_rows, correction_rows, scale_rows = _q8_token_rows(builder, xq, corrections, lane_scales, token_rows)
 
         def chunk_dots(chunk, half: bool):
             """Every (row, token) acc += one chunk of `chunk_bytes` weights (AVX-512's last chunk may hold 32)."""
@@ -2763,6 +2761,14 @@ def bf16_experts_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None) -> b
     """Whether experts of this kind run `bf16_experts_run` at every token count (in place of the row dot, the float
     tile and BLAS on a float32 copy): bf16 experts while the bf16-activation path is on."""
     return bf16_activations_on() and gate_up.dtype == np.uint16 and gate_up_scales is None
+
+
+def int8_experts_q8_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, down: np.ndarray) -> bool:
+    """Whether int8 experts run `int8_experts_q8` (Q8_0 activations) at every token count: the switch is on, the
+    scales are per row (a GGUF's Q8_0 block scales stay on the float path) and both widths are multiples of 32."""
+    return (INT8_ACTIVATIONS == "q8" and gate_up.dtype == np.int8 and gate_up_scales is not None
+            and gate_up_scales.size == gate_up.shape[0] * gate_up.shape[1]
+            and gate_up.shape[2] % GROUP_SIZE == 0 and down.shape[2] % GROUP_SIZE == 0)
 
 
 def warmup() -> None:

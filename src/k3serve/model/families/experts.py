@@ -226,9 +226,7 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
     gate_up, gate_up_scales, down, down_scales = stacked
     if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one kernel at every count, the same bits
         return bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends)
-    if (kernels.INT8_ACTIVATIONS == "q8" and gate_up.dtype == np.int8 and gate_up_scales is not None
-            and gate_up_scales.size == gate_up.shape[0] * gate_up.shape[1]
-            and gate_up.shape[2] % GROUP_SIZE == 0 and down.shape[2] % GROUP_SIZE == 0):  # per-row int8 x Q8_0
+    if kernels.int8_experts_q8_on(gate_up, gate_up_scales, down):  # per-row int8 x Q8_0, every token count
         return kernels.int8_experts_q8(*stacked, ids, x, tokens, starts, ends)
     out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     counts = ends - starts  # [K]
