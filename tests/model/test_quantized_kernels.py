@@ -67,6 +67,22 @@ def test_q8_0_rows_do_not_depend_on_the_batch_or_the_threads():
         assert np.array_equal(serial, parallel), isa
 
 
+def test_q8_0_vector_paths_give_the_same_bits():
+    """AVX-512 (VNNI's vpdpbusd) and AVX2 (vpmaddubsw, vpmaddwd) sum each lane's 4 products exactly and run the
+    same float operations, so they agree bit for bit, at 1 token and in the 4-token passes."""
+    vector = [isa for isa in kernels.AVAILABLE_ISAS if isa != "portable"]
+    if len(vector) < 2:
+        pytest.skip("needs AVX-512 and AVX2 (this CPU has " + ", ".join(kernels.AVAILABLE_ISAS) + ")")
+    rng = np.random.default_rng(8)
+    w = _matrix(rng, 41, 7168 + 32)  # an odd number of blocks: the last one folds into the even chain
+    blocks = quantize_q8_0(w)
+    blocks[3, 2:34] = 0x80  # q_w = -128 (not llama.cpp's encoder, but a file may hold it): |q_w| = 128
+    x = rng.standard_normal((9, w.shape[1])).astype(np.float32)
+    outs = [q8_0_matmul(blocks, x, isa=isa) for isa in vector]
+    assert all(np.array_equal(outs[0], out) for out in outs[1:])
+    assert _relative_rms(outs[0], q8_0_matmul_reference(blocks, x)) < 1e-6
+
+
 def test_q8_0_encoder_is_llama_cpp_s():
     """gguf-py (llama.cpp's Python package) quantizes to the same bytes."""
     import gguf  # the test extra carries it (the GGUF tests write their files with it)

@@ -450,18 +450,24 @@ def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray
 #
 #     y[t, r] = sum_g (d_w[r, g] d_x[t, g]) * sum_{k < 32} q_w[r, 32 g + k] q_x[t, 32 g + k]
 #
-# The inner sums are exact int32 (vpmaddwd on sign-extended int16 pairs); one float FMA per block and lane folds
-# them in: 16 lanes (AVX-512: one vpmaddwd on 32 pairs), 8 lanes (AVX2: two vpmaddwd on 16 pairs, added as
-# integers), or plain numba (portable; the block's integer sum, then one scalar FMA). The per-lane float order is
-# fixed in IR, so a row's result is the same bits whatever T, the other rows and the threads.
+# The inner sums are exact int32, 8 lanes of 4 products each (lane l holds bytes 4 l .. 4 l + 3 of a block): |q_w|
+# (unsigned) times q_x with q_w's sign, by AVX-512 VNNI's vpdpbusd, or, on AVX2 (and AVX-512 without VNNI), by
+# vpmaddubsw (pairs; |q_w| <= 128 and |q_x| <= 127 never saturate) then vpmaddwd by ones. One float FMA a block folds
+# a lane in, scaled by d_w d_x, into one of two accumulators (even and odd blocks: two FMA chains), added and summed
+# pairwise at the end. Both instruction sets run the same float operations on the same exact integers, so they give
+# the same bits; so does a row whatever T, the other rows and the threads (the per-lane order is fixed in IR).
+# Plain numba (portable) takes each block's integer sum, then one scalar multiply-add.
 Q8_0_BLOCK_BYTES = 34
+Q8_0_LANES = 8
 _F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] scale table
+_Q8_0_VNNI = "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 
 
-def _q8_0_row_dot_codegen(lanes: int, num_tokens: int = 1):
-    """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows, `lanes` float32
-    lanes. With several tokens the row's bytes are loaded and widened once per block for all of them, and each
-    token keeps its own accumulator with exactly the one-token operation order (the same bits as one at a time)."""
+def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1):
+    """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows (8 float32 lanes; see
+    above). With several tokens the row's bytes are loaded once per block for all of them, and each token keeps
+    its own accumulators with exactly the one-token operation order (the same bits as one at a time)."""
+    lanes = Q8_0_LANES
 
     def codegen(context, builder, signature, args):
         wrow = context.make_array(signature.args[0])(context, builder, args[0])
@@ -470,40 +476,58 @@ def _q8_0_row_dot_codegen(lanes: int, num_tokens: int = 1):
                for j in range(num_tokens)]
         (num_groups,) = cgutils.unpack_tuple(builder, xds[0].shape, 1)
         module = builder.module
-        vf, vi = _vector(_F32, lanes), _vector(_I32, lanes)
+        vb, vi, vf, vw = _vector(_I8, 4 * lanes), _vector(_I32, lanes), _vector(_F32, lanes), _vector(ir.IntType(16),
+                                                                                                    2 * lanes)
         i16 = ir.IntType(16)
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-        if lanes == 16:
-            madd = cgutils.get_or_insert_function(
-                module, ir.FunctionType(vi, [_vector(i16, 32), _vector(i16, 32)]), "llvm.x86.avx512.pmaddw.d.512")
+        absolute = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, ir.IntType(1)]), "llvm.abs.v32i8")
+        psign = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.psign.b")
+        if isa == "avx512" and _Q8_0_VNNI:
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                    "llvm.x86.avx512.vpdpbusd.256")
+
+            def lane_sums(unsigned, signed):
+                return builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(unsigned, vi),
+                                             builder.bitcast(signed, vi)])
         else:
-            madd = cgutils.get_or_insert_function(
-                module, ir.FunctionType(vi, [_vector(i16, 16), _vector(i16, 16)]), "llvm.x86.avx2.pmadd.wd")
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+            ones = ir.Constant(vw, [1] * (2 * lanes))
+
+            def lane_sums(unsigned, signed):
+                return builder.call(maddwd, [builder.call(maddubs, [unsigned, signed]), ones])
+
         index_type = ir.IntType(64)
-        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
-        parts = GROUP_SIZE // (2 * lanes)  # 1 part of 32 pairs, or 2 parts of 16
-        with cgutils.for_range(builder, num_groups) as loop:
-            group = loop.index
+        zero = ir.Constant(vf, [0.0] * lanes)
+        acc_slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(num_tokens)]
+
+        def block(group, parity: int) -> None:
             w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
             scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]), i16.as_pointer()), align=1)
             w_scale = builder.fpext(builder.bitcast(scale_bits, ir.HalfType()), _F32)
-            w_data = builder.add(w_base, ir.Constant(index_type, 2))
-            wvs = [builder.sext(_load(builder, wrow.data, builder.add(w_data, ir.Constant(index_type, p * 2 * lanes)),
-                                      _vector(_I8, 2 * lanes), 1), _vector(i16, 2 * lanes)) for p in range(parts)]
+            weights = _load(builder, wrow.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
+            magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
             for j in range(num_tokens):
+                x = _load(builder, builder.bitcast(xqs[j].data, _I8.as_pointer()), x_base, vb, 1)
+                sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
                 scale = builder.fmul(w_scale, builder.load(builder.gep(xds[j].data, [group])))
-                sums = None
-                for p in range(parts):
-                    xv = builder.sext(_load(builder, builder.bitcast(xqs[j].data, _I8.as_pointer()),
-                                            builder.add(x_base, ir.Constant(index_type, p * 2 * lanes)),
-                                            _vector(_I8, 2 * lanes), 1), _vector(i16, 2 * lanes))
-                    pair_sums = builder.call(madd, [wvs[p], xv])
-                    sums = pair_sums if sums is None else builder.add(sums, pair_sums)
-                acc = builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes),
-                                         builder.load(acc_slots[j])])
-                builder.store(acc, acc_slots[j])
-        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+                slot = acc_slots[j][parity]
+                builder.store(builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes),
+                                                 builder.load(slot)]), slot)
+
+        pairs = builder.udiv(num_groups, ir.Constant(index_type, 2))
+        with cgutils.for_range(builder, pairs) as loop:
+            even = builder.mul(loop.index, ir.Constant(index_type, 2))
+            block(even, 0)
+            block(builder.add(even, ir.Constant(index_type, 1)), 1)
+        last = builder.sub(num_groups, ir.Constant(index_type, 1))
+        with builder.if_then(builder.icmp_unsigned("!=", builder.mul(pairs, ir.Constant(index_type, 2)),
+                                                   num_groups)):
+            block(last, 0)
+        totals = [_pairwise_sum(builder, builder.fadd(builder.load(even), builder.load(odd)), lanes)
+                  for even, odd in acc_slots]
         if num_tokens == 1:
             return totals[0]
         return context.make_tuple(builder, signature.return_type, totals)
@@ -513,15 +537,16 @@ def _q8_0_row_dot_codegen(lanes: int, num_tokens: int = 1):
 
 @intrinsic
 def _q8_0_row_dot_avx512(typingctx, wrow, xq, xd):
-    """One Q8_0 row u8 [G * 34] . activation q int8 [C] with scales f32 [G], 16 lanes."""
-    codegen = _q8_0_row_dot_codegen(16) if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
+    """One Q8_0 row u8 [G * 34] . activation q int8 [C] with scales f32 [G], 8 lanes (AVX-512 VNNI's vpdpbusd,
+    or the AVX2 instructions on an AVX-512 CPU without VNNI)."""
+    codegen = _q8_0_row_dot_codegen("avx512") if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
     return types.float32(wrow, xq, xd), codegen
 
 
 @intrinsic
 def _q8_0_row_dot_avx2(typingctx, wrow, xq, xd):
     """The same row dot on 8 lanes (AVX2)."""
-    codegen = _q8_0_row_dot_codegen(8) if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
+    codegen = _q8_0_row_dot_codegen("avx2") if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
     return types.float32(wrow, xq, xd), codegen
 
 
@@ -536,7 +561,7 @@ def _unavailable_tuple_codegen(context, builder, signature, args):
 @intrinsic
 def _q8_0_row_dot4_avx512(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
     """One Q8_0 row against 4 activation rows (q int8 [C], scales f32 [G] each): 4 dots, 16 lanes."""
-    codegen = (_q8_0_row_dot_codegen(16, Q8_0_TOKENS_PER_DOT) if "avx512" in AVAILABLE_ISAS
+    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TOKENS_PER_DOT) if "avx512" in AVAILABLE_ISAS
                else _unavailable_tuple_codegen)
     return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
 
@@ -544,7 +569,7 @@ def _q8_0_row_dot4_avx512(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
 @intrinsic
 def _q8_0_row_dot4_avx2(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
     """The same 4 dots on 8 lanes (AVX2)."""
-    codegen = (_q8_0_row_dot_codegen(8, Q8_0_TOKENS_PER_DOT) if "avx2" in AVAILABLE_ISAS
+    codegen = (_q8_0_row_dot_codegen("avx2", Q8_0_TOKENS_PER_DOT) if "avx2" in AVAILABLE_ISAS
                else _unavailable_tuple_codegen)
     return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
 
