@@ -11,6 +11,7 @@ from k3serve.cli.main import main
 from k3serve.default_model import default_model_dir
 from k3serve.engine.generate import generate
 from k3serve.engine.sampling import SamplingParams
+from k3serve.errors import UsageError
 from k3serve.loading import load_model
 from k3serve.model.weights import build_globals, build_layer
 from k3serve.stream.budget import minimum_budget_bytes, plan_budget
@@ -151,3 +152,27 @@ def test_a_float32_trunk_dtype_charges_quantized_matrices_their_bytes(default_st
         assert np.array_equal(loaded.model.logits(PROMPT), logits)  # the same Q8_0 bytes, the same kernel
     finally:
         loaded.model.source.close()
+
+
+@pytest.mark.parametrize("precision", ["q8_0", "mxfp4"])
+def test_a_checkpoint_quantized_at_load_computes_what_its_quantized_store_does(default_stores, precision):
+    """`load_model(folder, trunk_precision=...)` (`generate --trunk-precision`): the resident model holds the same
+    bytes the store packed at that precision holds, so logits and greedy tokens are the same bits."""
+    loaded = load_model(default_model_dir(), trunk_precision=precision)
+    source = loaded.model.source
+    held = [source.global_weights().embed, source.global_weights().lm_head,
+            *(v for layer in range(loaded.model.config.num_layers)
+              for part in (source.layer(layer).attention, source.layer(layer).mlp) for v in vars(part).values())]
+    quantized = [m for m in held if isinstance(m, QuantizedMatrix)]
+    assert len(quantized) >= 2 + 2 * loaded.model.config.num_layers and all(m.precision == precision
+                                                                             for m in quantized)
+    tokens, logits, _ = _run(default_stores[precision])
+    assert np.array_equal(loaded.model.logits(PROMPT), logits)
+    assert generate(loaded.model, PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))[0] == tokens
+
+
+def test_trunk_precision_is_refused_for_a_packed_store_and_unknown_names(default_stores):
+    with pytest.raises(UsageError, match="pack --trunk-precision"):
+        load_model(default_stores["bf16"].path, trunk_precision="q8_0")
+    with pytest.raises(UsageError, match="q4_k"):
+        load_model(default_model_dir(), trunk_precision="q4_k")

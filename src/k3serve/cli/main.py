@@ -31,6 +31,11 @@ def _add_model_arg(parser: argparse.ArgumentParser, required: bool = False) -> N
 def _add_precision_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-precision", choices=("native", "bf16", "mxfp4", "int8"), default="native",
                         help="routed-expert precision for non-K3 families (K3 experts are MXFP4 already)")
+    parser.add_argument("--trunk-precision", choices=("native", "bf16", "q8_0", "mxfp4"), default="native",
+                        help="a checkpoint folder's or GGUF file's trunk matrices, embedding and lm_head: as stored "
+                             "(native, alias bf16) or quantized at load to Q8_0 (8.5 bits a weight, as llama.cpp's "
+                             "Q8_0 and MXFP4_MOE files hold them) or MXFP4 (4.25), multiplied from those bytes "
+                             "(lossy; a packed store's trunk is set by `pack --trunk-precision`; default native)")
 
 
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_serve_args(serve)
+    _add_precision_arg(serve)
     _add_wait_policy_arg(serve)
     lab_choice = serve.add_mutually_exclusive_group()
     lab_choice.add_argument("--lab", action="store_true",
@@ -280,7 +286,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     speculative = _speculative_config(args)  # every argument is checked before the model loads
     check_ram_controller_args(args)
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt_file(args.prompt_file)
-    loaded = load_for_run(args, expert_precision=args.expert_precision)
+    loaded = load_for_run(args, expert_precision=args.expert_precision, trunk_precision=args.trunk_precision)
     try:
         return _generate_loaded(args, loaded, params, speculative, prompt_text)
     finally:
@@ -364,7 +370,7 @@ def _print_report(loaded, report) -> None:
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
-    loaded = load_for_run(args, expert_precision=args.expert_precision)
+    loaded = load_for_run(args, expert_precision=args.expert_precision, trunk_precision=args.trunk_precision)
     _check_ids(args.ids, loaded.model.config.vocab_size, "--ids")
     logits = loaded.model.logits(args.ids, mode=args.mode, max_context=args.max_model_len)  # [T, V]
     from k3serve.atomic_file import atomic_output
@@ -486,7 +492,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warn_if_open(tenants, args.host, lab_mounted=mount_lab_page)
     # resident, or streamed from a packed store under --ram-budget; beside the lab, a resident K3 checkpoint's
     # weights go to read-only shared pages, which the lab's worker maps instead of loading a second copy
-    loaded = load_for_run(args, share_weights=mount_lab_page)
+    # (a model loaded at another precision than stored is not shared: the lab's worker loads its own)
+    as_stored = args.expert_precision in ("native", "bf16") and args.trunk_precision in ("native", "bf16")
+    loaded = load_for_run(args, share_weights=mount_lab_page and as_stored, expert_precision=args.expert_precision,
+                          trunk_precision=args.trunk_precision)
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "
                       "one")

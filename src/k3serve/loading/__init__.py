@@ -26,6 +26,7 @@ from k3serve.model.routing import ExpertTopP
 from k3serve.stream.options import StreamOptions
 from k3serve.weights import shared_pages
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
+from k3serve.weights.quantized import check_load_trunk_precision
 from k3serve.weights.store import is_packed_store
 
 logger = logging.getLogger(__name__)
@@ -38,20 +39,27 @@ __all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_MODEL_PATH", "LoadedModel", "SharedWei
 
 def load_model(path: str | Path | None = None, expert_precision: str = "native", stream: StreamOptions | None = None,
                wrap_experts: ExpertWrapper | None = None, share_weights: bool = False,
-               shared_weights: SharedWeights | None = None, expert_top_p: ExpertTopP | None = None) -> LoadedModel:
+               shared_weights: SharedWeights | None = None, expert_top_p: ExpertTopP | None = None,
+               trunk_precision: str = "native") -> LoadedModel:
     """Open `path` (None: the embedded default model).
 
     A packed store, or any streaming option (`stream`), streams: the default model is packed into the user cache
     on first use. A GGUF file takes its tokenizer and chat template from its metadata. `expert_precision` quantizes
     a family's routed experts at load ("native", "bf16", "mxfp4", "int8"; K3's ship as MXFP4). `wrap_experts`
     wraps a K3 store's streaming source before the model is built on it (expert parallelism). `expert_top_p`
-    keeps only each token's heaviest routed experts (--expert-top-p, model/routing.py).
+    keeps only each token's heaviest routed experts (--expert-top-p, model/routing.py). `trunk_precision`
+    ("native", alias "bf16"; "q8_0"; "mxfp4") quantizes a resident model's trunk matrices, embedding and lm_head at
+    load (--trunk-precision; a packed store's trunk is what `pack --trunk-precision` wrote, so it refuses one).
 
     `share_weights` places a resident checkpoint folder's weights in sealed read-only shared pages where its
     architecture offers it (K3) and the system has them (Linux): `LoadedModel.shared_weights` is then the handle a
     spawned process passes back as `shared_weights` to build the same model over the same pages, with no copy of
     its own. Anything else (a store, a GGUF file, a family) loads as without it, with `shared_weights` None."""
-    loaded = _load(path, expert_precision, stream, wrap_experts, share_weights, shared_weights)
+    try:
+        trunk = check_load_trunk_precision(trunk_precision)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    loaded = _load(path, expert_precision, stream, wrap_experts, share_weights, shared_weights, trunk)
     if expert_top_p is not None and expert_top_p.active:
         if loaded.model.kept_experts.counts.shape[0] <= 1:
             raise UsageError(f"{loaded.path}: --expert-top-p needs a model with routed experts")
@@ -60,8 +68,8 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
 
 
 def _load(path: str | Path | None, expert_precision: str, stream: StreamOptions | None,
-          wrap_experts: ExpertWrapper | None, share_weights: bool, shared_weights: SharedWeights | None
-          ) -> LoadedModel:
+          wrap_experts: ExpertWrapper | None, share_weights: bool, shared_weights: SharedWeights | None,
+          trunk_precision: str = "native") -> LoadedModel:
     if shared_weights is not None:
         return _load_shared(Path(path) if path is not None else default_model_dir(), shared_weights)
     if stream is not None or wrap_experts is not None or (path is not None and is_packed_store(path)):
@@ -71,18 +79,22 @@ def _load(path: str | Path | None, expert_precision: str, stream: StreamOptions 
                 f"{folder} is not a packed store; streaming options (--ram-budget, --io, --cache, --prefetch, "
                 f"--trace-out) read a packed store: run `k3serve pack {folder} PACKED_DIR` and pass --model "
                 "PACKED_DIR")
+        if trunk_precision != "native":
+            raise UsageError(f"{folder}: a packed store's trunk is stored at the precision `pack --trunk-precision` "
+                             f"gave it; --trunk-precision {trunk_precision} applies to a checkpoint folder or a "
+                             "GGUF file")
         architecture = registry.of_store(folder)
         opened = architecture.open_store(folder, stream if stream is not None else StreamOptions(), wrap_experts)
     elif path is not None and is_gguf_file(path):
         folder = Path(path)
-        opened, architecture = _open_gguf(folder, expert_precision)
+        opened, architecture = _open_gguf(folder, expert_precision, trunk_precision)
     else:
         folder = Path(path) if path is not None else default_model_dir()
         architecture = registry.of_folder(folder)
         if share_weights and architecture.share_folder is not None and shared_pages.supported():
-            opened, arrays = architecture.share_folder(folder, expert_precision)
+            opened, arrays = architecture.share_folder(folder, expert_precision, trunk_precision)
             return _loaded(opened, folder, architecture, SharedWeights(folder.resolve(), arrays))
-        opened = architecture.open_folder(folder, expert_precision)
+        opened = architecture.open_folder(folder, expert_precision, trunk_precision)
     return _loaded(opened, folder, architecture)
 
 
@@ -118,7 +130,8 @@ def _warm_read_only(model) -> None:
     model.logits(ids[:2], mode="incremental")
 
 
-def _open_gguf(path: Path, expert_precision: str) -> tuple[Opened, registry.Architecture]:
+def _open_gguf(path: Path, expert_precision: str, trunk_precision: str = "native"
+               ) -> tuple[Opened, registry.Architecture]:
     """A GGUF file, with the tokenizer and chat template from its metadata; a tokenizer that cannot be rebuilt
     leaves the model usable with token ids, as for folders."""
     file = GGUFFile(path)
@@ -129,7 +142,7 @@ def _open_gguf(path: Path, expert_precision: str) -> tuple[Opened, registry.Arch
             tokenizer = tokenizer_from_gguf(file.metadata, str(path))
         except TokenizerError as exc:
             logger.warning("%s: tokenizer not usable (%s); pass token ids instead", path, exc)
-        opened = architecture.open_gguf(file, expert_precision)
+        opened = architecture.open_gguf(file, expert_precision, trunk_precision)
     except BaseException:
         file.close()
         raise

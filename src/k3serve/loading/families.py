@@ -35,12 +35,13 @@ def family_tokenizer(folder: Path) -> Tokenizer | HFTokenizer | None:
     return None
 
 
-def open_folder(folder: Path, expert_precision: str) -> Opened:
-    return Opened(load_family(folder, expert_precision=expert_precision), family_tokenizer(folder))
+def open_folder(folder: Path, expert_precision: str, trunk_precision: str = "native") -> Opened:
+    return Opened(load_family(folder, expert_precision=expert_precision, trunk_precision=trunk_precision),
+                  family_tokenizer(folder))
 
 
-def open_gguf(file: GGUFFile, expert_precision: str) -> Opened:
-    return Opened(load_family_gguf(file, expert_precision=expert_precision), None)
+def open_gguf(file: GGUFFile, expert_precision: str, trunk_precision: str = "native") -> Opened:
+    return Opened(load_family_gguf(file, expert_precision=expert_precision, trunk_precision=trunk_precision), None)
 
 
 def open_store(folder: Path, options: StreamOptions, wrap: ExpertWrapper | None = None) -> Opened:

@@ -29,21 +29,22 @@ def _check_precision(expert_precision: str) -> None:
                           "families")
 
 
-def open_folder(folder: Path, expert_precision: str) -> Opened:
+def open_folder(folder: Path, expert_precision: str, trunk_precision: str = "native") -> Opened:
     _check_precision(expert_precision)
     checkpoint = Checkpoint(folder)
     tokenizer = Tokenizer.from_dir(checkpoint.tokenizer_dir) if checkpoint.tokenizer_dir else None
-    return Opened(K3Model(ResidentSource(checkpoint)), tokenizer, checkpoint)
+    return Opened(K3Model(ResidentSource(checkpoint, trunk_precision)), tokenizer, checkpoint)
 
 
-def share_folder(folder: Path, expert_precision: str) -> tuple[Opened, SharedArrays]:
+def share_folder(folder: Path, expert_precision: str, trunk_precision: str = "native"
+                 ) -> tuple[Opened, SharedArrays]:
     """`open_folder` with the weights moved into sealed shared pages (model/source.py `ResidentSource.share`),
     before the model is built on them: the model reads read-only views, and the handle lets another process
     (`open_shared`) map the same pages."""
     _check_precision(expert_precision)
     checkpoint = Checkpoint(folder)
     tokenizer = Tokenizer.from_dir(checkpoint.tokenizer_dir) if checkpoint.tokenizer_dir else None
-    source = ResidentSource(checkpoint)
+    source = ResidentSource(checkpoint, trunk_precision)
     shared = source.share()
     return Opened(K3Model(source), tokenizer, checkpoint), shared
 
@@ -59,10 +60,10 @@ def open_shared(folder: Path, shared: SharedArrays) -> Opened:
     return Opened(K3Model(source), tokenizer)
 
 
-def open_gguf(file: GGUFFile, expert_precision: str) -> Opened:
+def open_gguf(file: GGUFFile, expert_precision: str, trunk_precision: str = "native") -> Opened:
     _check_precision(expert_precision)
     checkpoint = Checkpoint.from_gguf(file)
-    return Opened(K3Model(ResidentSource(checkpoint)), None, checkpoint)
+    return Opened(K3Model(ResidentSource(checkpoint, trunk_precision)), None, checkpoint)
 
 
 def open_store(folder: Path, options: StreamOptions, wrap: ExpertWrapper | None = None) -> Opened:

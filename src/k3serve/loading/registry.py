@@ -40,17 +40,19 @@ class Architecture:
     name: str
     model_types: tuple[str, ...]  # config.json model_type values that name it
     gguf_architectures: tuple[str, ...]  # llama.cpp's general.architecture values
-    open_folder: Callable[[Path, str], Opened]  # (checkpoint folder, expert precision) -> resident
-    open_gguf: Callable[[GGUFFile, str], Opened]  # (GGUF file, expert precision) -> resident
+    # (checkpoint folder / GGUF file, expert precision, trunk precision) -> resident
+    open_folder: Callable[[Path, str, str], Opened]
+    open_gguf: Callable[[GGUFFile, str, str], Opened]
     open_store: Callable[[Path, StreamOptions, ExpertWrapper | None], Opened]  # packed store -> streaming
     pack: Callable[..., object]  # (source, out, expert_precision, **layout options) -> the packed store
     routing_traces: bool = False  # --trace-out, pack --layout/--trace, routing-stats, the lab's fixtures
     expert_shards: bool = False  # pack --shard and expert parallelism (k3serve cluster --expert-parallel)
     cluster_replicas: bool = False  # served by `k3serve cluster` replicas (tested with K3 models)
     record_routing: Callable | None = None  # (model, trace path): record a resident model's routing
-    # (checkpoint folder, expert precision) -> (resident, its weights in shared pages), and (folder, those pages) ->
-    # the model over them in another process (weights/shared_pages.py; `serve` lends its model to the lab's worker)
-    share_folder: Callable[[Path, str], tuple[Opened, SharedArrays]] | None = None
+    # (checkpoint folder, expert and trunk precision) -> (resident, its weights in shared pages), and (folder, those
+    # pages) -> the model over them in another process (weights/shared_pages.py; `serve` lends its model to the
+    # lab's worker)
+    share_folder: Callable[[Path, str, str], tuple[Opened, SharedArrays]] | None = None
     open_shared: Callable[[Path, SharedArrays], Opened] | None = None
 
 

@@ -3,13 +3,16 @@
 The routed experts of each MoE layer are held stacked, one [NE, ...] array per matrix part, so that one compiled
 call runs every active expert of a layer (`stacked_experts`); `experts()` hands out views into those stacks.
 
+`trunk_precision` "q8_0" / "mxfp4" quantizes the trunk matrices at load (the ones `pack --trunk-precision`
+quantizes: `weights.held.quantized_in_trunk`, the embedding and the lm_head included), multiplied from their bytes.
+
 `share()` moves the weights into sealed read-only pages (weights/shared_pages.py) that another process maps with
 `ResidentSource.from_shared`: `k3serve serve` and its lab worker hold one copy of the model between them.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -18,18 +21,33 @@ from k3serve.model.kernels import StackedExperts
 from k3serve.model.weights import (ExpertWeights, GlobalWeights, LayerWeights, WeightSource, build_expert,
                                    build_globals, build_layer)
 from k3serve.weights.checkpoint import Checkpoint
+from k3serve.weights.held import quantized_in_trunk
 from k3serve.weights.huge_pages import gather_small_arrays
+from k3serve.weights.quantized import QuantizedMatrix, check_load_trunk_precision, quantize_matrix
 from k3serve.weights.shared_pages import SharedArrays, SharedPagesWriter, to_refs
 
 _PARTS = ("w1_packed", "w1_scales", "w3_packed", "w3_scales", "w2_packed", "w2_scales")
 
 
-class ResidentSource(WeightSource):
-    """Loads a whole checkpoint into memory at construction. The baseline every streaming source must match."""
+def quantizing_reader(read: Callable[[str], np.ndarray | QuantizedMatrix], precision: str
+                      ) -> Callable[[str], np.ndarray | QuantizedMatrix]:
+    """`read` with every trunk matrix `quantized_in_trunk` picks quantized to `precision` (bytes already at it kept)."""
+    def read_quantized(name: str) -> np.ndarray | QuantizedMatrix:
+        array = read(name)
+        if quantized_in_trunk(name, array.shape) and (isinstance(array, QuantizedMatrix) or array.dtype != np.uint8):
+            return quantize_matrix(array, precision)
+        return array
+    return read_quantized
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
+
+class ResidentSource(WeightSource):
+    """Loads a whole checkpoint into memory at construction. The baseline every streaming source must match.
+    `trunk_precision`: "native" (as stored) or "q8_0" / "mxfp4" (the trunk matrices quantized at load)."""
+
+    def __init__(self, checkpoint: Checkpoint, trunk_precision: str = "native") -> None:
         self.config: K3Config = checkpoint.config
-        read = checkpoint.read
+        precision = check_load_trunk_precision(trunk_precision)
+        read = checkpoint.read if precision == "native" else quantizing_reader(checkpoint.read, precision)
         self._globals = build_globals(read)
         self._layers = [build_layer(self.config, layer, read) for layer in range(self.config.num_layers)]
         # small trunk matrices onto huge pages (weights/huge_pages.py): read from DRAM at every decode step

@@ -23,7 +23,53 @@ from k3serve.weights.mxfp4 import dequantize_mxfp4, mxfp4_nbytes, quantize_mxfp4
 from k3serve.weights.q8_0 import BLOCK_BYTES, GROUP_SIZE, dequantize_q8_0, q8_0_nbytes, quantize_q8_0
 
 TRUNK_PRECISIONS = ("bf16", "q8_0", "mxfp4")  # `k3serve pack --trunk-precision`; bf16 keeps the stored bytes
+# `generate` / `serve` / `load_model(trunk_precision=...)`: the trunk matrices as stored ("native", alias "bf16"), or
+# quantized at load to Q8_0 / MXFP4 (`quantize_matrix`), as `pack --trunk-precision` stores them
+LOAD_TRUNK_PRECISIONS = ("native", "bf16", "q8_0", "mxfp4")
+QUANTIZE_BLOCK_ROWS = 4096  # rows widened to float32 at a time by `quantize_matrix` (a bounded transient)
 STORE_DTYPES = {"q8_0": "Q8_0", "mxfp4": "MXFP4"}  # trunk-file tensor dtype of each quantized precision
+
+
+def check_load_trunk_precision(precision: str) -> str:
+    """`precision` normalized ("bf16" -> "native"); an unknown one is a ValueError naming the known ones."""
+    if precision not in LOAD_TRUNK_PRECISIONS:
+        raise ValueError(f"unknown trunk precision {precision!r}; choose one of {', '.join(LOAD_TRUNK_PRECISIONS)}")
+    return "native" if precision == "bf16" else precision
+
+
+def quantize_matrix(values: np.ndarray | QuantizedMatrix, precision: str,
+                    block_rows: int = QUANTIZE_BLOCK_ROWS) -> QuantizedMatrix:
+    """A trunk matrix quantized at load: bf16 bits (uint16), float values or another precision's bytes [R, C] ->
+    `precision` ("q8_0" / "mxfp4"), `block_rows` rows at a time, so that a 600 MB bf16 lm_head never exists
+    widened in full. The same bytes as `QuantizedMatrix.quantize` of the whole float32 matrix (rows are
+    independent); bytes already at `precision` are returned as they are."""
+    if isinstance(values, QuantizedMatrix):
+        if values.precision == precision:
+            return values
+    elif values.ndim != 2 or values.shape[1] % GROUP_SIZE:
+        raise ValueError(f"{precision} needs a [R, C] matrix with C % {GROUP_SIZE} == 0, got {values.shape}")
+    rows, cols = values.shape
+    if precision == "q8_0":
+        data = np.empty((rows, cols // GROUP_SIZE * BLOCK_BYTES), np.uint8)
+        scales = None
+    elif precision == "mxfp4":
+        data, scales = np.empty((rows, cols // 2), np.uint8), np.empty((rows, cols // GROUP_SIZE), np.uint8)
+    else:
+        raise ValueError(f"unknown quantized precision {precision!r} (known: {', '.join(STORE_DTYPES)})")
+    for start in range(0, rows, max(1, block_rows)):
+        end = min(rows, start + max(1, block_rows))
+        if isinstance(values, QuantizedMatrix):
+            part = QuantizedMatrix(values.precision, values.data[start:end],
+                                   None if values.scales is None else values.scales[start:end], cols).dequantize()
+        elif values.dtype == np.uint16:  # bf16 bits: widening is exact
+            part = (values[start:end].astype(np.uint32) << 16).view(np.float32)
+        else:
+            part = np.asarray(values[start:end], dtype=np.float32)
+        chunk = QuantizedMatrix.quantize(part, precision)
+        data[start:end] = chunk.data
+        if scales is not None:
+            scales[start:end] = chunk.scales
+    return QuantizedMatrix(precision, data, scales, cols)
 
 
 def quantized_nbytes(precision: str, rows: int, cols: int) -> int:

@@ -58,9 +58,10 @@ def glu(reader: TensorReader, prefixes: tuple[str, ...], hidden: int, width: int
 
 
 def embeddings(reader: TensorReader, vocab: int, hidden: int, tied: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(embed [V, H], lm_head [V, H]), each as bf16 bits when its values are bf16 (`keep_bf16`); a tied model
-    reuses the embedding."""
-    embed = reader.values("model.embed_tokens.weight", shape=(vocab, hidden))
+    """(embed [V, H], lm_head [V, H]), each as bf16 bits when its values are bf16 (`keep_bf16`), or Q8_0 / MXFP4
+    bytes where the source stores them so or the reader's trunk precision quantizes them; a tied model reuses the
+    embedding."""
+    embed = reader.embedding("model.embed_tokens.weight", shape=(vocab, hidden))
     if tied:
         return embed, embed
     return embed, reader.matrix("lm_head.weight", shape=(vocab, hidden))

@@ -28,6 +28,7 @@ from k3serve.model.routing import ExpertTopP, KeptExperts, Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
 from k3serve.threads import governed
+from k3serve.weights.quantized import QuantizedMatrix
 
 if TYPE_CHECKING:
     from k3serve.model.families.rope import Rotary
@@ -198,7 +199,9 @@ class FamilyModel(SingleSequenceMixin):
         experts = self._experts
         if experts is not None:
             experts.begin_step(int(ids.shape[0]))
-        h = widen_bf16(self.embed[ids]) if self.embed.dtype == np.uint16 else self.embed[ids]  # [T, H]
+        embed = self.embed  # float32, bf16 bits, or Q8_0 / MXFP4 bytes (a quantized trunk) decoded by rows
+        h = embed.rows(ids) if isinstance(embed, QuantizedMatrix) else (
+            widen_bf16(embed[ids]) if embed.dtype == np.uint16 else embed[ids])  # [T, H]
         h = np.ascontiguousarray(h, dtype=np.float32)  # a copy of the rows: the residual is added into it in place
         x = np.empty_like(h)  # [T, H] the normed input of each mixer and MLP, rewritten by the fused stages
         eps32 = np.float32(eps)

@@ -22,6 +22,7 @@ from k3serve.model.families.gguf_families import describe, hf_config, tensor_ind
 from k3serve.model.families.hf_config import HFConfig
 from k3serve.model.families.tensors import TensorReader
 from k3serve.weights.gguf_file import GGUFFile
+from k3serve.weights.quantized import check_load_trunk_precision
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,19 @@ def read_family_config(folder: str | Path) -> DecoderConfig:
     return family.parse(config.with_family(family.name))
 
 
+def _trunk_precision(trunk_precision: str) -> str:
+    try:
+        return check_load_trunk_precision(trunk_precision)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def load_family_gguf(path: str | Path | GGUFFile, expert_precision: str = "native",
-                     chunk_size: int | None = None) -> FamilyModel:
-    """Open a GGUF file of a supported family (`gguf_families.GGUF_ARCHITECTURES`), lazily by tensor."""
+                     chunk_size: int | None = None, trunk_precision: str = "native") -> FamilyModel:
+    """Open a GGUF file of a supported family (`gguf_families.GGUF_ARCHITECTURES`), lazily by tensor; the trunk
+    as the file stores it, or quantized to `trunk_precision` (see `load_family`)."""
     precision = normalize_precision(expert_precision)
+    trunk = _trunk_precision(trunk_precision)
     if chunk_size is not None and chunk_size < 1:
         raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
@@ -85,9 +95,9 @@ def load_family_gguf(path: str | Path | GGUFFile, expert_precision: str = "nativ
         hf = HFConfig(raw, "", f"{file.path} (GGUF {file.architecture})")
         family = family_of(hf)
         config = family.parse(hf.with_family(family.name))
-        reader = TensorReader(tensor_index(file, raw), family.name, file.path)
-        logger.info("loading %s (%s, layers %s) from GGUF %s, experts %s", family.name, describe(file),
-                    config.layer_map, file.path, precision)
+        reader = TensorReader(tensor_index(file, raw), family.name, file.path, trunk)
+        logger.info("loading %s (%s, layers %s) from GGUF %s, experts %s, trunk %s", family.name, describe(file),
+                    config.layer_map, file.path, precision, trunk)
         return family.build(config, reader, precision, chunk_size)
     except BaseException:
         file.close()
@@ -95,19 +105,23 @@ def load_family_gguf(path: str | Path | GGUFFile, expert_precision: str = "nativ
 
 
 def load_family(folder: str | Path, expert_precision: str = "native",
-                chunk_size: int | None = None) -> FamilyModel:
+                chunk_size: int | None = None, trunk_precision: str = "native") -> FamilyModel:
     """Open a Hugging Face checkpoint folder of a supported family.
 
     expert_precision: "native" (alias "bf16": the stored values), "mxfp4" or "int8" (see `experts.py`).
+    trunk_precision: "native" (alias "bf16": the trunk matrices, embedding and lm_head as stored), or "q8_0" /
+    "mxfp4": those quantized at load and multiplied from their bytes (`kernels.linear`), as llama.cpp's Q8_0 and
+    MXFP4_MOE files hold them (Q8_0: 8.5 bits a weight; lossy). Norms, routers and 1-D tensors stay as stored.
     chunk_size: None (default) runs KDA / DeltaNet through the compiled token-by-token delta rule; an int runs
     the numpy chunked form with chunks of that many tokens (the reference)."""
     precision = normalize_precision(expert_precision)
+    trunk = _trunk_precision(trunk_precision)
     if chunk_size is not None and chunk_size < 1:
         raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
     hf = HFConfig.read(folder)
     family = family_of(hf)
     config = family.parse(hf.with_family(family.name))
-    reader = TensorReader.open(folder, family.name)
-    logger.info("loading %s (%s, layers %s) from %s, experts %s", family.name, config.model_type, config.layer_map,
-                folder, precision)
+    reader = TensorReader.open(folder, family.name, trunk)
+    logger.info("loading %s (%s, layers %s) from %s, experts %s, trunk %s", family.name, config.model_type,
+                config.layer_map, folder, precision, trunk)
     return family.build(config, reader, precision, chunk_size)

@@ -21,7 +21,7 @@ from k3serve.errors import CheckpointError
 from k3serve.model.families.gguf_families import GGUFTensorIndex
 from k3serve.model.weights import keep_bf16
 from k3serve.weights.q8_0 import BLOCK_BYTES, GROUP_SIZE
-from k3serve.weights.quantized import QuantizedMatrix
+from k3serve.weights.quantized import QuantizedMatrix, check_load_trunk_precision, quantize_matrix
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
 _FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
@@ -29,16 +29,24 @@ _FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 
 class TensorReader:
     """`index` is a `SafetensorsIndex` (a checkpoint folder) or a `GGUFTensorIndex` (a GGUF file mapped to our
-    names, `gguf_families.py`)."""
+    names, `gguf_families.py`).
 
-    def __init__(self, index: SafetensorsIndex | GGUFTensorIndex, family: str, path: Path) -> None:
+    `trunk_precision` "native" gives every trunk matrix as the source stores it; "q8_0" or "mxfp4" quantizes, at
+    load, each `matrix` and the embedding that the source does not already hold at that precision (llama.cpp's
+    Q8_0 and MXFP4_MOE files hold their trunk, embedding and output matrix in Q8_0)."""
+
+    trunk_precision = "native"  # also for readers with no index (`synthetic._RandomReader`)
+
+    def __init__(self, index: SafetensorsIndex | GGUFTensorIndex, family: str, path: Path,
+                 trunk_precision: str = "native") -> None:
         self.index = index
         self.family = family
         self.path = path
+        self.trunk_precision = check_load_trunk_precision(trunk_precision)
 
     @classmethod
-    def open(cls, folder: str | Path, family: str) -> TensorReader:
-        return cls(SafetensorsIndex.open(folder), family, Path(folder))
+    def open(cls, folder: str | Path, family: str, trunk_precision: str = "native") -> TensorReader:
+        return cls(SafetensorsIndex.open(folder), family, Path(folder), trunk_precision)
 
     def __contains__(self, name: str) -> bool:
         return name in self.index
@@ -104,10 +112,23 @@ class TensorReader:
 
     def matrix(self, *names: str, shape: tuple[int, int]) -> np.ndarray | QuantizedMatrix:
         """A trunk matrix multiplied by `kernels.linear`: its Q8_0 blocks where the source stores it as Q8_0 (a GGUF
-        Q8_0 file, kept as llama.cpp holds it), else its values as bf16 bits when they are bf16, else float32."""
+        Q8_0 file, kept as llama.cpp holds it), else its values as bf16 bits when they are bf16, else float32; at a
+        quantized `trunk_precision`, those quantized to it (a matrix whose rows are not whole 32-blocks stays as
+        stored)."""
         name = self.name_of(*names)
         blocks = self._stored_blocks(name, shape)
+        if self.trunk_precision != "native" and shape[1] % GROUP_SIZE == 0:
+            if blocks is not None and blocks.precision == self.trunk_precision:
+                return blocks.copy()
+            return quantize_matrix(blocks if blocks is not None else self.values(name, shape=shape),
+                                   self.trunk_precision)
         return blocks.copy() if blocks is not None else self.values(name, shape=shape)
+
+    def embedding(self, *names: str, shape: tuple[int, int]) -> np.ndarray | QuantizedMatrix:
+        """The token embedding [V, H], looked up a few rows a step (`QuantizedMatrix.rows` decodes them): `matrix`'s
+        choice, so Q8_0 blocks where the source stores them (a GGUF Q8_0 file's were widened: a 150k-token
+        vocabulary at hidden 2048 took 1.2 GB as float32) or the trunk precision quantizes them."""
+        return self.matrix(*names, shape=shape)
 
     def values(self, *names: str, shape: tuple[int, ...]) -> np.ndarray:
         """The first present of `names` as bf16 bits (uint16) when its values are bf16, else float32 (`keep_bf16`
