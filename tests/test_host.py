@@ -25,10 +25,12 @@ def test_a_peer_runs_at_its_own_defaults_not_at_the_wait_policy_k3serve_set(monk
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
-    for name, value in (("K3SERVE_WAIT_POLICY", "passive"), ("K3SERVE_CORE_KEEPERS", "1"), ("K3SERVE_SPIN", "300")):
+    for name, value in (("K3SERVE_WAIT_POLICY", "passive"), ("K3SERVE_CORE_KEEPERS", "1"), ("K3SERVE_SPIN", "300"),
+                        ("OPENBLAS_THREAD_TIMEOUT", "4")):
         monkeypatch.setenv(name, value)
     env = defaults_environment(2)
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS", "K3SERVE_SPIN"):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS", "K3SERVE_SPIN",
+                 "OPENBLAS_THREAD_TIMEOUT"):
         assert name not in env, name
     assert env["OMP_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == "2"
     assert env["PATH"] == os.environ["PATH"]

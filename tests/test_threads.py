@@ -121,3 +121,62 @@ def test_governed_keeps_the_forward_s_name_and_result_and_nests():
         with governor.step():
             assert governor._local.depth == 2
     assert governor._local.depth == 0
+
+
+_BLAS_PROBE = """
+import os, sys, time
+if sys.argv[1] == "k3serve-first":
+    import k3serve
+import numpy as np
+import k3serve
+
+def other_threads_cpu():
+    ticks = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != os.getpid():
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+a = np.ones((512, 512), np.float32)
+for _ in range(3):
+    a @ a  # threaded in OpenBLAS: its workers then spin, or sleep at once
+before = other_threads_cpu()
+time.sleep(0.3)
+print(os.environ["OPENBLAS_THREAD_TIMEOUT"], k3serve.OPENBLAS_TIMEOUT_IN_FORCE, other_threads_cpu() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
+                    reason="reads the threads' CPU time from Linux's /proc; OpenBLAS threads need 2 cores")
+def test_importing_k3serve_before_numpy_makes_openblas_workers_sleep_after_a_call():
+    """k3serve's __init__ sets OPENBLAS_THREAD_TIMEOUT before numpy loads OpenBLAS: after a threaded matmul its
+    workers use no CPU (they spun ~0.1 s before, taking a core from the compiled kernels' threads). Imported after
+    numpy, the setting is known not to be in force; a value the user set is kept."""
+    import subprocess
+    import sys
+
+    def probe(order: str, **env: str) -> tuple[str, str, float]:
+        environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+        done = subprocess.run([sys.executable, "-c", _BLAS_PROBE, order], env={**environ, "OPENBLAS_NUM_THREADS": "2",
+                              **env}, capture_output=True, text=True, check=True)
+        timeout, in_force, cpu = done.stdout.split()
+        return timeout, in_force, float(cpu)
+
+    timeout, in_force, spun = probe("k3serve-first")
+    assert (timeout, in_force) == ("4", "True") and spun < 0.03
+    assert probe("numpy-first")[:2] == ("4", "False")  # set for children, too late for this process's OpenBLAS
+    assert probe("numpy-first", OPENBLAS_THREAD_TIMEOUT="12")[:2] == ("12", "True")
+
+
+def test_a_model_loaded_where_numpy_came_first_warns_once(monkeypatch, caplog):
+    import k3serve
+    from k3serve.loading import loaded
+
+    monkeypatch.setattr(k3serve, "OPENBLAS_TIMEOUT_IN_FORCE", False)
+    monkeypatch.setattr(loaded, "_WARNED_BLAS_SPIN", False)
+    with caplog.at_level(logging.WARNING, logger="k3serve.loading.loaded"):
+        loaded.configure_threads(4096)
+        loaded.configure_threads(4096)
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "OPENBLAS_THREAD_TIMEOUT=4" in caplog.records[0].getMessage()

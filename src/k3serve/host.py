@@ -20,8 +20,10 @@ def describe_host() -> dict[str, object]:
             "load_average": os.getloadavg()[0]}
 
 
-# OpenMP's wait settings and k3serve's own (k3serve/threads.py): none reaches a child run "at its defaults"
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "K3SERVE_WAIT_POLICY", "K3SERVE_CORE_KEEPERS", "K3SERVE_SPIN")
+# OpenMP's wait settings, OpenBLAS's (importing k3serve sets it: k3serve/__init__.py) and k3serve's own
+# (k3serve/threads.py): none reaches a child run "at its defaults", which sets its own
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "K3SERVE_WAIT_POLICY",
+                  "K3SERVE_CORE_KEEPERS", "K3SERVE_SPIN")
 
 
 def defaults_environment(threads: int | str) -> dict[str, str]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
+import k3serve
+
 from k3serve.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH
 from k3serve.hf_tokenizer import HFTokenizer
 from k3serve.model.interface import Model
@@ -94,7 +96,19 @@ def model_identity(path: Path) -> str:
 SINGLE_THREAD_BLAS_MAX_HIDDEN = 1024
 
 
+_WARNED_BLAS_SPIN = False
+
+
 def configure_threads(hidden_size: int) -> None:
-    """Give small models' matmuls one BLAS thread, leaving the cores to the parallel expert kernels."""
+    """Give small models' matmuls one BLAS thread, leaving the cores to the parallel expert kernels. Larger ones
+    keep OpenBLAS's threads, which sleep right after each call where k3serve was imported before numpy (k3serve's
+    __init__: OPENBLAS_THREAD_TIMEOUT); where numpy came first, say so once."""
+    global _WARNED_BLAS_SPIN
     if hidden_size <= SINGLE_THREAD_BLAS_MAX_HIDDEN:
         threadpool_limits(limits=1, user_api="blas")
+    elif not k3serve.OPENBLAS_TIMEOUT_IN_FORCE and not _WARNED_BLAS_SPIN:
+        _WARNED_BLAS_SPIN = True
+        logger.warning("numpy was imported before k3serve, so OpenBLAS's threads spin ~0.1 s after each call and "
+                       "take cores from the kernels' threads (batch decode and prefill up to 1.7x slower): import "
+                       "k3serve first, or set %s=%s before starting Python", k3serve.OPENBLAS_TIMEOUT_ENV,
+                       k3serve.OPENBLAS_TIMEOUT)
