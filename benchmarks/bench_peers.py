@@ -65,6 +65,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 # llama.cpp's own converter (placeholder vocab) and the config keys it reads that our writer leaves out: one copy,
@@ -518,7 +519,8 @@ class _K3ServeShapes:
         from k3serve.model.interface import ForwardItem
 
         self.item = ForwardItem
-        options = {} if spec["family"] == "k3" else {"expert_precision": spec["precision"]}
+        options = {} if spec["family"] == "k3" else {"expert_precision": spec["precision"],
+                                                       "trunk_precision": spec.get("trunk_precision", "native")}
         self.model = load_model(spec["checkpoint"], **options).model  # as the CLI loads it
         for layer in getattr(self.model, "layers", []):  # resident like llama.cpp's: every expert packed first
             if isinstance(getattr(layer, "mlp", None), MoEBlock):
@@ -637,6 +639,15 @@ def load_job(threads: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", LOAD_JOB], env=env, stdout=subprocess.DEVNULL)
 
 
+# llama.cpp's file types whose non-expert matrices (attention, embedding, output, shared experts) are Q8_0
+Q8_0_TRUNK_TYPES = ("Q8_0", "MXFP4_MOE")
+
+
+def trunk_precision(target: Target, theirs: str, mode: str) -> str:
+    """k3serve's --trunk-precision for a pair: as stored, or (mode "match") Q8_0 where the peer's file holds Q8_0."""
+    return "q8_0" if mode == "match" and target.family != "k3" and theirs in Q8_0_TRUNK_TYPES else "native"
+
+
 def measure_target(target: Target, args: argparse.Namespace) -> dict:
     """Every (engine, precision pair, policy) of `target`, alternated round by round in fresh processes; medians,
     each engine's default-policy figures and its best policy per figure, and the ratios of both."""
@@ -646,7 +657,8 @@ def measure_target(target: Target, args: argparse.Namespace) -> dict:
             "family": target.family, "checkpoint": str(target.checkpoint)}
     configs = {}
     for ours, theirs in target.pairs.items():
-        configs[("k3serve", ours)] = {**base, "engine": "k3serve", "precision": ours}
+        configs[("k3serve", ours)] = {**base, "engine": "k3serve", "precision": ours,
+                                      "trunk_precision": trunk_precision(target, theirs, args.k3serve_trunk)}
         configs[("llama.cpp", theirs)] = {**base, "engine": "llama.cpp", "gguf": str(target.ggufs[theirs])}
     runs: dict[str, list[dict]] = {}
     for (engine, precision), spec in configs.items():  # untimed: numba compiles into its cache, pages come in
@@ -745,6 +757,7 @@ def matrix(args: argparse.Namespace) -> None:
               "k3serve_mxfp4_activations": os.environ.get("K3SERVE_MXFP4_ACTIVATIONS", "f32"),
               "k3serve_int8_activations": os.environ.get("K3SERVE_INT8_ACTIVATIONS", "f32"),
               "k3serve_bf16_activations": os.environ.get("K3SERVE_BF16_ACTIVATIONS", "f32"),
+              "k3serve_trunk": args.k3serve_trunk,
               "load_job": ({"threads": args.load_job, "what": "float32 1024x1024 matmul loop, OpenBLAS"}
                            if args.load_job else None), "decode_context": args.decode_context,
               "decode_steps": args.decode_steps, "batches": args.batches, "prompt_lens": args.prompt_lens,
@@ -785,6 +798,10 @@ def main() -> None:
     parser.add_argument("--precisions", type=_csv(str), default=list(PAIRS),
                         help="k3serve expert precisions, each against its llama.cpp GGUF type (bf16 vs BF16, int8 "
                              "vs Q8_0, mxfp4 vs MXFP4_MOE; K3 has one pair, its MXFP4 experts on both sides)")
+    parser.add_argument("--k3serve-trunk", choices=("native", "match"), default="native",
+                        help="the families' trunk in k3serve: as stored (native: bf16), or match the peer's file "
+                             "(--trunk-precision q8_0 against Q8_0 and MXFP4_MOE, whose trunk, embedding and "
+                             "output llama.cpp holds in Q8_0; bf16 against BF16)")
     parser.add_argument("--policies", type=_csv(str), default=list(POLICIES),
                         help="OpenMP wait policies run for both engines: default (unset), ACTIVE, PASSIVE")
     parser.add_argument("--load-job", type=int, default=0, metavar="THREADS",

@@ -176,3 +176,11 @@ def test_trunk_precision_is_refused_for_a_packed_store_and_unknown_names(default
         load_model(default_stores["bf16"].path, trunk_precision="q8_0")
     with pytest.raises(UsageError, match="q4_k"):
         load_model(default_model_dir(), trunk_precision="q4_k")
+
+
+def test_a_trunk_quantized_at_load_is_not_placed_in_shared_pages():
+    """`share_weights` (serve lending its model to the lab's worker) shares only a trunk as stored; quantized at
+    load, the model loads as without it."""
+    loaded = load_model(default_model_dir(), share_weights=True, trunk_precision="q8_0")
+    assert loaded.shared_weights is None
+    assert isinstance(loaded.model.source.global_weights().lm_head, QuantizedMatrix)

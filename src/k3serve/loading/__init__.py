@@ -54,7 +54,8 @@ def load_model(path: str | Path | None = None, expert_precision: str = "native",
     `share_weights` places a resident checkpoint folder's weights in sealed read-only shared pages where its
     architecture offers it (K3) and the system has them (Linux): `LoadedModel.shared_weights` is then the handle a
     spawned process passes back as `shared_weights` to build the same model over the same pages, with no copy of
-    its own. Anything else (a store, a GGUF file, a family) loads as without it, with `shared_weights` None."""
+    its own. Anything else (a store, a GGUF file, a family, a trunk quantized at load) loads as without it, with
+    `shared_weights` None."""
     try:
         trunk = check_load_trunk_precision(trunk_precision)
     except ValueError as exc:
@@ -91,7 +92,8 @@ def _load(path: str | Path | None, expert_precision: str, stream: StreamOptions 
     else:
         folder = Path(path) if path is not None else default_model_dir()
         architecture = registry.of_folder(folder)
-        if share_weights and architecture.share_folder is not None and shared_pages.supported():
+        if (share_weights and architecture.share_folder is not None and shared_pages.supported()
+                and trunk_precision == "native"):  # (a quantized trunk's matrices are not placed in shared pages)
             opened, arrays = architecture.share_folder(folder, expert_precision, trunk_precision)
             return _loaded(opened, folder, architecture, SharedWeights(folder.resolve(), arrays))
         opened = architecture.open_folder(folder, expert_precision, trunk_precision)
