@@ -54,14 +54,14 @@ def test_q8_0_exact_when_every_block_sum_fits():
 def test_q8_0_rows_do_not_depend_on_the_batch_or_the_threads():
     rng = np.random.default_rng(4)
     blocks = quantize_q8_0(_matrix(rng, 600, 512))  # 600 * 544 bytes: the parallel path
-    x = rng.standard_normal((6, 512)).astype(np.float32)
+    x = rng.standard_normal((13, 512)).astype(np.float32)  # an 8-token tile (AVX-512), a 4-token pass, 1 alone
     batched = q8_0_matmul(blocks, x)
     for t in range(len(x)):
         assert np.array_equal(q8_0_matmul(blocks, x[t:t + 1])[0], batched[t])
     xq, xd = quantize_rows(x)
     for isa in kernels.AVAILABLE_ISAS:
         code = kernels.ISA_CODES[isa]
-        serial, parallel = (np.empty((6, 600), np.float32) for _ in range(2))
+        serial, parallel = (np.empty((13, 600), np.float32) for _ in range(2))
         kernels._q8_0_matmul_serial(blocks, xq, xd, kernels._F16_TO_F32, code, serial)
         kernels._q8_0_matmul_parallel(blocks, xq, xd, kernels._F16_TO_F32, code, parallel)
         assert np.array_equal(serial, parallel), isa

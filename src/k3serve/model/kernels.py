@@ -463,18 +463,35 @@ _F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float
 _Q8_0_VNNI = "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 
 
-def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1):
+def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False):
     """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows (8 float32 lanes; see
     above). With several tokens the row's bytes are loaded once per block for all of them, and each token keeps
-    its own accumulators with exactly the one-token operation order (the same bits as one at a time)."""
+    its own accumulators with exactly the one-token operation order (the same bits as one at a time). Arguments:
+    (wrow, xq_0 .. xq_{n-1}, xd_0 .. xd_{n-1}) one row each, or with `tile` (wrow, xq [T, C], xd [T, G], t0): rows
+    t0 .. t0 + n - 1 of the whole activation arrays."""
     lanes = Q8_0_LANES
 
     def codegen(context, builder, signature, args):
         wrow = context.make_array(signature.args[0])(context, builder, args[0])
-        xqs = [context.make_array(signature.args[1 + j])(context, builder, args[1 + j]) for j in range(num_tokens)]
-        xds = [context.make_array(signature.args[1 + num_tokens + j])(context, builder, args[1 + num_tokens + j])
-               for j in range(num_tokens)]
-        (num_groups,) = cgutils.unpack_tuple(builder, xds[0].shape, 1)
+        index_type = ir.IntType(64)
+        if tile:
+            xq, xd = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (1, 2))
+            _, num_groups = cgutils.unpack_tuple(builder, xd.shape, 2)
+            xq_stride = cgutils.unpack_tuple(builder, xq.strides, 2)[0]
+            xd_stride = cgutils.unpack_tuple(builder, xd.strides, 2)[0]
+            rows = [builder.add(args[3], ir.Constant(index_type, j)) for j in range(num_tokens)]
+            x_ptrs = [builder.gep(builder.bitcast(xq.data, _I8.as_pointer()), [builder.mul(r, xq_stride)])
+                      for r in rows]
+            d_ptrs = [builder.bitcast(builder.gep(builder.bitcast(xd.data, _I8.as_pointer()),
+                                                  [builder.mul(r, xd_stride)]), _F32.as_pointer()) for r in rows]
+        else:
+            xqs = [context.make_array(signature.args[1 + j])(context, builder, args[1 + j])
+                   for j in range(num_tokens)]
+            xds = [context.make_array(signature.args[1 + num_tokens + j])(context, builder, args[1 + num_tokens + j])
+                   for j in range(num_tokens)]
+            (num_groups,) = cgutils.unpack_tuple(builder, xds[0].shape, 1)
+            x_ptrs = [builder.bitcast(a.data, _I8.as_pointer()) for a in xqs]
+            d_ptrs = [a.data for a in xds]
         module = builder.module
         vb, vi, vf, vw = _vector(_I8, 4 * lanes), _vector(_I32, lanes), _vector(_F32, lanes), _vector(ir.IntType(16),
                                                                                                     2 * lanes)
@@ -498,7 +515,6 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1):
             def lane_sums(unsigned, signed):
                 return builder.call(maddwd, [builder.call(maddubs, [unsigned, signed]), ones])
 
-        index_type = ir.IntType(64)
         zero = ir.Constant(vf, [0.0] * lanes)
         acc_slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(num_tokens)]
 
@@ -510,9 +526,9 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1):
             weights = _load(builder, wrow.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
             magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
             for j in range(num_tokens):
-                x = _load(builder, builder.bitcast(xqs[j].data, _I8.as_pointer()), x_base, vb, 1)
+                x = _load(builder, x_ptrs[j], x_base, vb, 1)
                 sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
-                scale = builder.fmul(w_scale, builder.load(builder.gep(xds[j].data, [group])))
+                scale = builder.fmul(w_scale, builder.load(builder.gep(d_ptrs[j], [group])))
                 slot = acc_slots[j][parity]
                 builder.store(builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes),
                                                  builder.load(slot)]), slot)
@@ -574,6 +590,22 @@ def _q8_0_row_dot4_avx2(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
     return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
 
 
+Q8_0_TILE_TOKENS = 8  # AVX-512 (32 vector registers): activation rows a pass over the row's bytes
+
+
+@intrinsic
+def _q8_0_row_tile8_avx512(typingctx, wrow, xq, xd, t0):
+    """One Q8_0 row against activation rows t0 .. t0 + 7 of xq int8 [T, C], xd f32 [T, G]: 8 dots."""
+    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TILE_TOKENS, tile=True) if "avx512" in AVAILABLE_ISAS
+               else _unavailable_tile8_codegen)
+    return types.UniTuple(types.float32, Q8_0_TILE_TOKENS)(wrow, xq, xd, t0), codegen
+
+
+def _unavailable_tile8_codegen(context, builder, signature, args):
+    nan = ir.Constant(_F32, float("nan"))
+    return context.make_tuple(builder, signature.return_type, [nan] * Q8_0_TILE_TOKENS)
+
+
 @njit(cache=True)
 def _q8_0_row_dot_portable(wrow: np.ndarray, xq: np.ndarray, xd: np.ndarray, f16_table: np.ndarray) -> np.float32:
     """The row dot in plain numba: each block's exact int32 sum, then one scalar FMA."""
@@ -602,6 +634,11 @@ def _q8_0_row_dot(wrow, xq, xd, f16_table, isa):
 def _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task):
     for row in range(task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)):
         t = 0
+        while isa == 2 and t + Q8_0_TILE_TOKENS <= xq.shape[0]:  # AVX-512: 8 tokens per pass over the row's bytes
+            r = _q8_0_row_tile8_avx512(blocks[row], xq, xd, t)
+            for j in range(Q8_0_TILE_TOKENS):
+                out[t + j, row] = r[j]
+            t += Q8_0_TILE_TOKENS
         while isa > 0 and t + 4 <= xq.shape[0]:  # 4 tokens per pass over the row's bytes
             if isa == 2:
                 a, b, c, d = _q8_0_row_dot4_avx512(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
