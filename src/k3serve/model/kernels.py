@@ -493,8 +493,8 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False):
             x_ptrs = [builder.bitcast(a.data, _I8.as_pointer()) for a in xqs]
             d_ptrs = [a.data for a in xds]
         module = builder.module
-        vb, vi, vf, vw = _vector(_I8, 4 * lanes), _vector(_I32, lanes), _vector(_F32, lanes), _vector(ir.IntType(16),
-                                                                                                    2 * lanes)
+        vb, vi, vf = _vector(_I8, 4 * lanes), _vector(_I32, lanes), _vector(_F32, lanes)
+        vw = _vector(ir.IntType(16), 2 * lanes)
         i16 = ir.IntType(16)
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
         absolute = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, ir.IntType(1)]), "llvm.abs.v32i8")
@@ -576,7 +576,7 @@ def _unavailable_tuple_codegen(context, builder, signature, args):
 
 @intrinsic
 def _q8_0_row_dot4_avx512(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
-    """One Q8_0 row against 4 activation rows (q int8 [C], scales f32 [G] each): 4 dots, 16 lanes."""
+    """One Q8_0 row against 4 activation rows (q int8 [C], scales f32 [G] each): 4 dots, 8 lanes."""
     codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TOKENS_PER_DOT) if "avx512" in AVAILABLE_ISAS
                else _unavailable_tuple_codegen)
     return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
