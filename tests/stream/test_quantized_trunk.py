@@ -184,3 +184,13 @@ def test_a_trunk_quantized_at_load_is_not_placed_in_shared_pages():
     loaded = load_model(default_model_dir(), share_weights=True, trunk_precision="q8_0")
     assert loaded.shared_weights is None
     assert isinstance(loaded.model.source.global_weights().lm_head, QuantizedMatrix)
+
+
+def test_cli_trunk_precision_on_logits(tmp_path):
+    """`k3serve logits --trunk-precision q8_0` computes what load_model(trunk_precision="q8_0") does."""
+    out = tmp_path / "q8.npy"
+    ids = ",".join(str(t) for t in PROMPT)
+    assert main(["logits", "--ids", ids, "--out", str(out), "--trunk-precision", "q8_0"]) == 0
+    want = load_model(default_model_dir(), trunk_precision="q8_0").model.logits(PROMPT)
+    assert np.array_equal(np.load(out), want)
+    assert not np.array_equal(want, load_model(default_model_dir()).model.logits(PROMPT))
