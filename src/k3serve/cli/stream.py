@@ -124,9 +124,9 @@ def add_subcommands(sub) -> dict:
                       help="a family checkpoint's routed experts in the store: the stored values, int8 or MXFP4 "
                            "(K3 experts are MXFP4 already; default native)")
     pack.add_argument("--trunk-precision", choices=("bf16", "q8_0", "mxfp4"), default="bf16",
-                      help="a K3 store's trunk matrices: as stored (bf16, lossless), or Q8_0 (8.5 bits per weight) "
-                           "or MXFP4 (4.25), multiplied straight from those bytes (lossy: docs/STREAMING.md; "
-                           "default bf16)")
+                      help="the store's trunk matrices: as stored (bf16, lossless), or Q8_0 (8.5 bits per weight; "
+                           "K3 and family checkpoint folders) or MXFP4 (4.25; K3), multiplied straight from those "
+                           "bytes (lossy: docs/STREAMING.md; default bf16)")
     pack.add_argument("--stripe", type=_stripe_dirs, default=None, metavar="DIR1,DIR2,...",
                       help="lay trunk.bin and experts.bin over these folders, one per drive, in chunks (RAID 0 "
                            "fashion; the streaming reader keeps a queue per drive); each folder must exist "
@@ -225,10 +225,12 @@ def cmd_pack(args: argparse.Namespace) -> int:
     if args.shard is not None and not architecture.expert_shards:
         raise UsageError(f"{args.src} is a family checkpoint: --shard (expert parallelism) is built for K3 "
                          "stores; pack it whole")
-    if args.trunk_precision != "bf16" and (not architecture.routing_traces or args.shard is not None):
-        raise UsageError(f"--trunk-precision {args.trunk_precision} quantizes a K3 store's trunk; "
-                         + ("a shard holds experts only" if architecture.routing_traces else
-                            f"{args.src} is a family checkpoint, whose trunk stays resident as loaded"))
+    if args.trunk_precision != "bf16" and args.shard is not None:
+        raise UsageError(f"--trunk-precision {args.trunk_precision} quantizes a store's trunk; a shard holds "
+                         "experts only")
+    if args.trunk_precision not in ("bf16", "q8_0") and not architecture.routing_traces:
+        raise UsageError(f"--trunk-precision {args.trunk_precision}: a family store holds its trunk as stored "
+                         "(bf16) or as Q8_0 blocks (q8_0)")
     if not architecture.routing_traces:
         return _pack_family(args, architecture)
     if args.expert_precision not in ("native", "mxfp4"):
@@ -292,7 +294,7 @@ def _pack_family(args: argparse.Namespace, architecture) -> int:
         raise UsageError(f"{args.src} is a family checkpoint: its store keeps the experts in id order (--layout "
                          "natural, no --trace); the trace-driven layouts are built for K3 stores")
     with staged_folder(args.out) as staging:
-        store = architecture.pack(args.src, staging, args.expert_precision)
+        store = architecture.pack(args.src, staging, args.expert_precision, trunk_precision=args.trunk_precision)
         expert_bytes, trunk_bytes = store.expert_path.stat().st_size, store.trunk_path.stat().st_size
     print(f"packed {args.src} -> {args.out}: {store.model_type}, {store.num_experts_total} experts "
           f"({store.precision}, {store.kind} blobs of {format_size(store.expert_blob_size)}, stride "

@@ -61,7 +61,9 @@ def open_store(folder: Path, options: StreamOptions, wrap: ExpertWrapper | None 
 
 
 def pack(source: Path, out: Path, expert_precision: str = "native", **options):
-    """`k3serve pack` of a family checkpoint folder or GGUF file (the trunk as stored, experts at the precision)."""
+    """`k3serve pack` of a family checkpoint folder or GGUF file (the trunk as stored, or a folder's as Q8_0 with
+    `trunk_precision="q8_0"`; experts at the precision)."""
     from k3serve.stream.family_pack import pack_family
 
-    return pack_family(source, out, expert_precision=expert_precision, progress=True)
+    return pack_family(source, out, expert_precision=expert_precision, progress=True,
+                       trunk_precision=options.get("trunk_precision", "native"))

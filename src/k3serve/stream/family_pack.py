@@ -1,7 +1,11 @@
 """`k3serve pack` for the families: a Hugging Face checkpoint folder (or a GGUF file) of Kimi Linear, DeepSeek-V3 /
 Kimi K2, Qwen3-MoE or Qwen3-Next -> a family store (`k3serve.weights.family_store`).
 
-The trunk (every tensor that is not a routed expert) is copied byte for byte into trunk.safetensors. Each routed
+The trunk (every tensor that is not a routed expert) is copied byte for byte into trunk.safetensors; with
+`trunk_precision="q8_0"` (a checkpoint folder only) each matrix the resident loader would quantize at that
+precision (`TensorReader.quantized_at_load`: attention, shared and dense MLPs, embedding, lm_head) is stored as
+its Q8_0 blocks instead (U8 [R, C / 32 * 34], read back as the same Q8_0 matrix), so the store computes what
+`--trunk-precision q8_0` computes resident. Each routed
 expert is read once and packed at `expert_precision` ("native": the stored bf16 or float32 values; "int8";
 "mxfp4") exactly as the resident loader packs it (`ExpertStore.packed`), then written as
 one checksummed, 4 KiB-aligned blob. The index is written last, under a temporary name and renamed, so an
@@ -26,9 +30,8 @@ from pathlib import Path
 
 from k3serve.errors import CheckpointError
 from k3serve.gguf_tokenizer import write_tokenizer_files
-from k3serve.model.families import load_family
 from k3serve.model.families.gguf_families import hf_config, tensor_index
-from k3serve.model.families.loading import load_family_gguf
+from k3serve.model.families.loading import load_family_gguf, load_family_reading
 from k3serve.model.families.expert_blobs import blob_parts, blob_size, expert_arrays, write_blob
 from k3serve.model.families.experts import ExpertStore, normalize_precision
 from k3serve.model.families.moe import MoEBlock
@@ -46,12 +49,24 @@ ROUTED_EXPERT = re.compile(r"(^|\.)experts\.")
 
 
 def pack_family(source: str | Path, out: str | Path, expert_precision: str = "native",
-                progress: bool = False) -> FamilyStore:
+                progress: bool = False, trunk_precision: str = "native") -> FamilyStore:
     """Pack the family checkpoint folder `source` into `out` (see the module docstring)."""
     source, out = Path(source), Path(out)
     precision = normalize_precision(expert_precision)
     from_gguf = is_gguf_file(source)
-    model = load_family_gguf(source, precision) if from_gguf else load_family(source, expert_precision=precision)
+    if trunk_precision not in ("native", "bf16", "q8_0"):
+        raise CheckpointError(f"a family store holds its trunk as stored or as Q8_0 blocks; --trunk-precision "
+                              f"{trunk_precision} is not offered for {source}")
+    trunk_q8_0 = trunk_precision == "q8_0"
+    if from_gguf and trunk_q8_0:
+        raise CheckpointError(f"{source} is a GGUF file: its store keeps the file's trunk (a Q8_0 file's as Q8_0); "
+                              "--trunk-precision q8_0 quantizes a checkpoint folder's")
+    quantized: dict = {}
+    if from_gguf:
+        model = load_family_gguf(source, precision)
+    else:
+        model, reader = load_family_reading(source, precision, trunk_precision="q8_0" if trunk_q8_0 else "native")
+        quantized = reader.quantized_at_load  # name -> the Q8_0 matrix the model holds for it
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
     if not blocks or not isinstance(model.experts, ExpertStore):
         raise CheckpointError(f"{source}: the model has no routed experts; run it resident, there is nothing to "
@@ -69,9 +84,10 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
         with SafetensorsIndex.open(source) as index:
             trunk_names = [n for n in index if not ROUTED_EXPERT.search(n)]
             save_safetensors(out / FAMILY_TRUNK_FILE,
-                             {n: index.read_raw(n).view(STORAGE_DTYPES[index.info(n).dtype]).reshape(
-                                 index.info(n).shape) for n in trunk_names},
-                             dtypes={n: index.info(n).dtype for n in trunk_names})
+                             {n: quantized[n].data if n in quantized else index.read_raw(n).view(
+                                 STORAGE_DTYPES[index.info(n).dtype]).reshape(index.info(n).shape)
+                              for n in trunk_names},
+                             dtypes={n: "U8" if n in quantized else index.info(n).dtype for n in trunk_names})
 
     kind, parts, stride = None, None, 0
     expert_index: dict[str, dict] = {}
@@ -114,6 +130,7 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
     index_json = {
         "format": FAMILY_STORE_FORMAT, "version": FAMILY_STORE_VERSION, "model_type": model.config.model_type,
         "config_sha256": config_file_sha256(out), "expert_precision": precision, "expert_kind": kind,
+        "trunk_precision": "q8_0" if trunk_q8_0 else "native",
         "layout": "natural", "top_k": next(iter(top_k)), "num_experts": next(iter(num_experts)),
         "trunk_file": FAMILY_TRUNK_FILE, "expert_file": FAMILY_EXPERT_FILE, "parts": [p.to_json() for p in parts],
         "expert_blob_size": blob_size(parts), "expert_stride": stride, "experts": expert_index,

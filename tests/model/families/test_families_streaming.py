@@ -150,3 +150,24 @@ def test_pack_stripe_of_a_family_checkpoint_is_refused(tiny_hf, tmp_path, capsys
     assert main(["pack", str(source), str(tmp_path / "out"), "--stripe", str(drive)]) == 2
     assert "--stripe (several drives) is built for K3 stores" in capsys.readouterr().err
     assert list(drive.iterdir()) == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_a_q8_0_trunk_store_streams_what_the_resident_q8_0_trunk_computes(family, tiny_hf, tmp_path):
+    """`pack --trunk-precision q8_0` of a family folder stores each matrix the loader quantizes as its Q8_0 blocks:
+    streamed under a tight budget, the same logits and greedy tokens as `--trunk-precision q8_0` resident; the
+    trunk file is smaller. A GGUF source and an MXFP4 trunk are refused."""
+    source = tiny_hf(family)[1]
+    out = tmp_path / "store"
+    assert main(["pack", str(source), str(out), "--expert-precision", "int8", "--trunk-precision", "q8_0"]) == 0
+    store = FamilyStore(out)
+    resident = load_family(source, expert_precision="int8", trunk_precision="q8_0")
+    loaded = load_model(out, stream=StreamOptions(ram_budget=_tight_budget(store, 2), io="pread"))
+    ids = prompt(8, seed=5)
+    assert np.array_equal(loaded.model.logits(ids), resident.logits(ids))
+    assert loaded.model.greedy(ids, 4) == resident.greedy(ids, 4)
+    loaded.model.experts.close()
+    plain = tmp_path / "plain"
+    assert main(["pack", str(source), str(plain), "--expert-precision", "int8"]) == 0
+    assert store.trunk_path.stat().st_size < 0.6 * FamilyStore(plain).trunk_path.stat().st_size  # 0.25-0.52 (f32)
+    assert main(["pack", str(source), str(tmp_path / "mx"), "--trunk-precision", "mxfp4"]) != 0

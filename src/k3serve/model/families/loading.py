@@ -118,10 +118,18 @@ def load_family(folder: str | Path, expert_precision: str = "native",
     trunk = _trunk_precision(trunk_precision)
     if chunk_size is not None and chunk_size < 1:
         raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
+    return load_family_reading(folder, precision, chunk_size, trunk)[0]
+
+
+def load_family_reading(folder: str | Path, expert_precision: str = "native", chunk_size: int | None = None,
+                        trunk_precision: str = "native") -> tuple[FamilyModel, TensorReader]:
+    """`load_family`, and the reader it read the checkpoint through (whose `quantized_at_load` the family packer
+    stores)."""
+    precision, trunk = normalize_precision(expert_precision), _trunk_precision(trunk_precision)
     hf = HFConfig.read(folder)
     family = family_of(hf)
     config = family.parse(hf.with_family(family.name))
     reader = TensorReader.open(folder, family.name, trunk)
     logger.info("loading %s (%s, layers %s) from %s, experts %s, trunk %s", family.name, config.model_type,
                 config.layer_map, folder, precision, trunk)
-    return family.build(config, reader, precision, chunk_size)
+    return family.build(config, reader, precision, chunk_size), reader

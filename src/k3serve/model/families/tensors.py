@@ -43,6 +43,7 @@ class TensorReader:
         self.family = family
         self.path = path
         self.trunk_precision = check_load_trunk_precision(trunk_precision)
+        self.quantized_at_load: dict[str, QuantizedMatrix] = {}  # name -> the matrix `matrix` quantized (pack)
 
     @classmethod
     def open(cls, folder: str | Path, family: str, trunk_precision: str = "native") -> TensorReader:
@@ -120,8 +121,10 @@ class TensorReader:
         if self.trunk_precision != "native" and shape[1] % GROUP_SIZE == 0:
             if blocks is not None and blocks.precision == self.trunk_precision:
                 return blocks.copy()
-            return quantize_matrix(blocks if blocks is not None else self.values(name, shape=shape),
-                                   self.trunk_precision)
+            matrix = quantize_matrix(blocks if blocks is not None else self.values(name, shape=shape),
+                                     self.trunk_precision)
+            self.quantized_at_load[name] = matrix
+            return matrix
         return blocks.copy() if blocks is not None else self.values(name, shape=shape)
 
     def embedding(self, *names: str, shape: tuple[int, int]) -> np.ndarray | QuantizedMatrix:
