@@ -492,9 +492,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warn_if_open(tenants, args.host, lab_mounted=mount_lab_page)
     # resident, or streamed from a packed store under --ram-budget; beside the lab, a resident K3 checkpoint's
     # weights go to read-only shared pages, which the lab's worker maps instead of loading a second copy
-    # (a model loaded at another precision than stored is not shared: the lab's worker loads its own)
-    as_stored = args.expert_precision in ("native", "bf16") and args.trunk_precision in ("native", "bf16")
-    loaded = load_for_run(args, share_weights=mount_lab_page and as_stored, expert_precision=args.expert_precision,
+    # (a trunk quantized at load is not shared: `load_model` leaves it private and the lab's worker loads its own)
+    loaded = load_for_run(args, share_weights=mount_lab_page, expert_precision=args.expert_precision,
                           trunk_precision=args.trunk_precision)
     if loaded.tokenizer is None:
         raise K3Error(f"{loaded.path} has no usable tokenizer (tiktoken.model or tokenizer.json): the server needs "

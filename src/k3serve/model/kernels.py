@@ -570,8 +570,9 @@ Q8_0_TOKENS_PER_DOT = 4  # activation rows one call of the multi-token row dot s
 
 
 def _unavailable_tuple_codegen(context, builder, signature, args):
+    """NaN for every element of the tuple the signature returns (an instruction set this CPU lacks)."""
     nan = ir.Constant(_F32, float("nan"))
-    return context.make_tuple(builder, signature.return_type, [nan] * Q8_0_TOKENS_PER_DOT)
+    return context.make_tuple(builder, signature.return_type, [nan] * signature.return_type.count)
 
 
 @intrinsic
@@ -597,13 +598,8 @@ Q8_0_TILE_TOKENS = 8  # AVX-512 (32 vector registers): activation rows a pass ov
 def _q8_0_row_tile8_avx512(typingctx, wrow, xq, xd, t0):
     """One Q8_0 row against activation rows t0 .. t0 + 7 of xq int8 [T, C], xd f32 [T, G]: 8 dots."""
     codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TILE_TOKENS, tile=True) if "avx512" in AVAILABLE_ISAS
-               else _unavailable_tile8_codegen)
+               else _unavailable_tuple_codegen)
     return types.UniTuple(types.float32, Q8_0_TILE_TOKENS)(wrow, xq, xd, t0), codegen
-
-
-def _unavailable_tile8_codegen(context, builder, signature, args):
-    nan = ir.Constant(_F32, float("nan"))
-    return context.make_tuple(builder, signature.return_type, [nan] * Q8_0_TILE_TOKENS)
 
 
 @njit(cache=True)

@@ -65,8 +65,10 @@ def pack_family(source: str | Path, out: str | Path, expert_precision: str = "na
     if from_gguf:
         model = load_family_gguf(source, precision)
     else:
-        model, reader = load_family_reading(source, precision, trunk_precision="q8_0" if trunk_q8_0 else "native")
-        quantized = reader.quantized_at_load  # name -> the Q8_0 matrix the model holds for it
+        model, reader = load_family_reading(source, precision, trunk_precision="q8_0" if trunk_q8_0 else "native",
+                                            record_quantized=True)
+        quantized = reader.quantized_at_load or {}  # name -> the Q8_0 matrix the model holds for it
+        reader.quantized_at_load = None  # the expert store keeps the reader: drop these references
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
     if not blocks or not isinstance(model.experts, ExpertStore):
         raise CheckpointError(f"{source}: the model has no routed experts; run it resident, there is nothing to "

@@ -34,7 +34,7 @@ from k3serve.weights.checkpoint import Checkpoint
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
 from k3serve.weights.held import quantized_in_trunk
 from k3serve.weights.layout import LAYOUTS, layer_order
-from k3serve.weights.quantized import TRUNK_PRECISIONS, QuantizedMatrix
+from k3serve.weights.quantized import TRUNK_PRECISIONS, quantize_matrix
 from k3serve.weights.store import (ALIGNMENT, EXPERT_FILE, MXFP4_ROWS_VERSION, READABLE_STORE_VERSIONS,
                                    STORE_FORMAT, STORE_INDEX, STORE_VERSION, STRIPE_FORMAT, STRIPE_INDEX,
                                    STRIPE_VERSION, TENSOR_ALIGNMENT, TRUNK_FILE, PackedStore, StoreError, TensorEntry,
@@ -62,12 +62,7 @@ def _stored_tensor(checkpoint: Checkpoint, name: str, trunk_precision: str,
     info = checkpoint.index.info(name)
     shape = tuple(info.shape)
     if trunk_precision != "bf16" and quantized_in_trunk(name, shape):
-        values = checkpoint.read(name)
-        if isinstance(values, QuantizedMatrix) and values.precision == trunk_precision:
-            matrix = values  # a GGUF file's Q8_0 blocks, kept as they are
-        else:
-            matrix = QuantizedMatrix.quantize(values.dequantize() if isinstance(values, QuantizedMatrix) else values,
-                                              trunk_precision)
+        matrix = quantize_matrix(checkpoint.read(name), trunk_precision)  # a GGUF's blocks at it kept as they are
         return matrix.store_dtype, shape, matrix.to_bytes(rows=version >= MXFP4_ROWS_VERSION)
     return info.dtype, shape, checkpoint.index.read_raw(name).tobytes()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3serve.weights.bf16 import bf16_bits_to_f32
 from k3serve.weights.mxfp4 import dequantize_mxfp4, mxfp4_nbytes, quantize_mxfp4
 from k3serve.weights.q8_0 import BLOCK_BYTES, GROUP_SIZE, dequantize_q8_0, q8_0_nbytes, quantize_q8_0
 
@@ -62,7 +63,7 @@ def quantize_matrix(values: np.ndarray | QuantizedMatrix, precision: str,
             part = QuantizedMatrix(values.precision, values.data[start:end],
                                    None if values.scales is None else values.scales[start:end], cols).dequantize()
         elif values.dtype == np.uint16:  # bf16 bits: widening is exact
-            part = (values[start:end].astype(np.uint32) << 16).view(np.float32)
+            part = bf16_bits_to_f32(values[start:end])
         else:
             part = np.asarray(values[start:end], dtype=np.float32)
         chunk = QuantizedMatrix.quantize(part, precision)

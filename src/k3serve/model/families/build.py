@@ -61,7 +61,9 @@ def embeddings(reader: TensorReader, vocab: int, hidden: int, tied: bool) -> tup
     """(embed [V, H], lm_head [V, H]), each as bf16 bits when its values are bf16 (`keep_bf16`), or Q8_0 / MXFP4
     bytes where the source stores them so or the reader's trunk precision quantizes them; a tied model reuses the
     embedding."""
-    embed = reader.embedding("model.embed_tokens.weight", shape=(vocab, hidden))
+    # held as `matrix` holds a trunk matrix (a GGUF Q8_0 file's embedding was widened before: 1.2 GB as float32 at
+    # a 150k vocabulary); the lookup decodes its rows (`QuantizedMatrix.rows`)
+    embed = reader.matrix("model.embed_tokens.weight", shape=(vocab, hidden))
     if tied:
         return embed, embed
     return embed, reader.matrix("lm_head.weight", shape=(vocab, hidden))

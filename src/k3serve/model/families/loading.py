@@ -114,22 +114,23 @@ def load_family(folder: str | Path, expert_precision: str = "native",
     MXFP4_MOE files hold them (Q8_0: 8.5 bits a weight; lossy). Norms, routers and 1-D tensors stay as stored.
     chunk_size: None (default) runs KDA / DeltaNet through the compiled token-by-token delta rule; an int runs
     the numpy chunked form with chunks of that many tokens (the reference)."""
-    precision = normalize_precision(expert_precision)
-    trunk = _trunk_precision(trunk_precision)
-    if chunk_size is not None and chunk_size < 1:
-        raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
-    return load_family_reading(folder, precision, chunk_size, trunk)[0]
+    return load_family_reading(folder, expert_precision, chunk_size, trunk_precision)[0]
 
 
 def load_family_reading(folder: str | Path, expert_precision: str = "native", chunk_size: int | None = None,
-                        trunk_precision: str = "native") -> tuple[FamilyModel, TensorReader]:
-    """`load_family`, and the reader it read the checkpoint through (whose `quantized_at_load` the family packer
-    stores)."""
+                        trunk_precision: str = "native", record_quantized: bool = False
+                        ) -> tuple[FamilyModel, TensorReader]:
+    """`load_family`, and the reader it read the checkpoint through; with `record_quantized` the reader keeps each
+    matrix it quantized at load in `quantized_at_load` (the family packer stores them)."""
     precision, trunk = normalize_precision(expert_precision), _trunk_precision(trunk_precision)
+    if chunk_size is not None and chunk_size < 1:
+        raise ConfigError(f"chunk_size must be None (the compiled delta rule) or >= 1, got {chunk_size}")
     hf = HFConfig.read(folder)
     family = family_of(hf)
     config = family.parse(hf.with_family(family.name))
     reader = TensorReader.open(folder, family.name, trunk)
+    if record_quantized:
+        reader.quantized_at_load = {}
     logger.info("loading %s (%s, layers %s) from %s, experts %s, trunk %s", family.name, config.model_type,
                 config.layer_map, folder, precision, trunk)
     return family.build(config, reader, precision, chunk_size), reader

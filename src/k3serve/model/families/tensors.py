@@ -36,6 +36,9 @@ class TensorReader:
     Q8_0 and MXFP4_MOE files hold their trunk, embedding and output matrix in Q8_0)."""
 
     trunk_precision = "native"  # also for readers with no index (`synthetic._RandomReader`)
+    # name -> each matrix `matrix` quantized, recorded only where a caller set a dict (the family packer stores
+    # them); left None, the reader, which the expert store keeps, holds no second reference to a fused part
+    quantized_at_load: dict[str, QuantizedMatrix] | None = None
 
     def __init__(self, index: SafetensorsIndex | GGUFTensorIndex, family: str, path: Path,
                  trunk_precision: str = "native") -> None:
@@ -43,7 +46,6 @@ class TensorReader:
         self.family = family
         self.path = path
         self.trunk_precision = check_load_trunk_precision(trunk_precision)
-        self.quantized_at_load: dict[str, QuantizedMatrix] = {}  # name -> the matrix `matrix` quantized (pack)
 
     @classmethod
     def open(cls, folder: str | Path, family: str, trunk_precision: str = "native") -> TensorReader:
@@ -123,15 +125,10 @@ class TensorReader:
                 return blocks.copy()
             matrix = quantize_matrix(blocks if blocks is not None else self.values(name, shape=shape),
                                      self.trunk_precision)
-            self.quantized_at_load[name] = matrix
+            if self.quantized_at_load is not None:
+                self.quantized_at_load[name] = matrix
             return matrix
         return blocks.copy() if blocks is not None else self.values(name, shape=shape)
-
-    def embedding(self, *names: str, shape: tuple[int, int]) -> np.ndarray | QuantizedMatrix:
-        """The token embedding [V, H], looked up a few rows a step (`QuantizedMatrix.rows` decodes them): `matrix`'s
-        choice, so Q8_0 blocks where the source stores them (a GGUF Q8_0 file's were widened: a 150k-token
-        vocabulary at hidden 2048 took 1.2 GB as float32) or the trunk precision quantizes them."""
-        return self.matrix(*names, shape=shape)
 
     def values(self, *names: str, shape: tuple[int, ...]) -> np.ndarray:
         """The first present of `names` as bf16 bits (uint16) when its values are bf16, else float32 (`keep_bf16`
