@@ -7,7 +7,9 @@ prefill kernels of issue 33 against the settings before them, in one process.
     (default)    A/B: "before" = row dot under 32 tokens an expert, BLAS on a float32 copy from 32, MXFP4 experts
                  by the row dot at every size, [256 x 1024] attention tiles; "after" = the tile kernels
                  (`dense_experts_tiled` from 8 tokens, BLAS from 64, `mxfp4_experts_tiled` from 16), [128 x 256]
-                 tiles. The two alternate on the same model, so load swings hit both alike.
+                 tiles. The two alternate on the same model, so load swings hit both alike. Since per-row int8,
+                 bf16 and float32 experts take the row dot at every count (`experts.DENSE_BLAS_MIN_TOKENS`), "dense"
+                 sets the float tile's threshold of block-scaled experts only, and int8 experts never take BLAS.
 
     --decode-batches 1 8   decode steps instead: B sequences (a --decode-context-token prompt each), one token
                  each per step, timed per op as --profile does (issue 33: a batch-8 step was slower per token than
@@ -103,7 +105,7 @@ def build_model(layers: int, precision: str):
 
 def use(model, name: str) -> None:
     s = SETTINGS[name]
-    family_experts.DENSE_KERNEL_MAX_TOKENS = s["dense"]
+    family_experts.DENSE_TILE_MIN_TOKENS = s["dense"]  # block-scaled experts only since the row dot took the rest
     family_experts.DENSE_BLAS_MIN_TOKENS = s["blas"]
     family_experts.MXFP4_TILE_MIN_TOKENS = s["mxfp4"]
     kernels.MXFP4_ACTIVATIONS = s["activations"]  # read at each expert call

@@ -66,14 +66,19 @@ def test_scale_255_group_contributes_nothing() -> None:
     assert mxfp4_matmul(packed, scales, x).tolist() == [[0.0, 192.0]]
 
 
-def test_batch_and_thread_count_do_not_change_bits() -> None:
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+def test_batch_and_thread_count_do_not_change_bits(isa: str) -> None:
+    """11 tokens (two 2-row x 4-token passes and 3 left; 29 rows: 14 pairs and one alone) give each token the bits
+    it gets alone, on each instruction set."""
     rng = np.random.default_rng(4)
     packed, scales = _random_mxfp4(rng, 29, 256, num_nan_scales=3)
-    x = rng.standard_normal((6, 256)).astype(np.float32)
-    batched = mxfp4_matmul(packed, scales, x)
-    for token in range(6):
-        alone = mxfp4_matmul(packed, scales, x[token : token + 1])
+    x = rng.standard_normal((11, 256)).astype(np.float32)
+    batched = mxfp4_matmul(packed, scales, x, isa=isa)
+    for token in range(11):
+        alone = mxfp4_matmul(packed, scales, x[token : token + 1], isa=isa)
         assert np.array_equal(alone[0], batched[token]), f"token {token} differs alone vs batched"
+    if isa != kernels.AVAILABLE_ISAS[-1]:
+        return
     previous = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
@@ -484,3 +489,46 @@ def test_mxfp4_tiled_experts_match_numpy_twin_on_odd_group_sizes(hidden, inner):
         np.testing.assert_array_equal(mxfp4_experts_tiled(stacked, expert_ids, x, tokens, starts, ends), got)
     finally:
         numba.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("isa", [i for i in ("avx512", "avx2") if i in kernels.AVAILABLE_ISAS])
+def test_mxfp4_row_widening_is_exact_on_every_instruction_set(isa):
+    """The prefill tile's row decode (register lookups, nibbles interleaved back into natural order) gives the
+    dequantized row bit for bit, a NaN-scale group included, on each vector instruction set the host has."""
+    from numba import njit
+
+    from k3serve.weights.mxfp4 import dequantize_mxfp4
+
+    widen = kernels._mxfp4_widen_row_avx512 if isa == "avx512" else kernels._mxfp4_widen_row_avx2
+
+    @njit
+    def run(packed, scales, half_scales, out):
+        for r in range(packed.shape[0]):
+            widen(packed[r], scales[r], half_scales, out[r])
+
+    packed, scales = _random_mxfp4(np.random.default_rng(3), 6, 96, num_nan_scales=2)
+    out = np.full((6, 96), 7.0, np.float32)
+    run(packed, scales, kernels._HALF_SCALES, out)
+    np.testing.assert_array_equal(out, dequantize_mxfp4(packed, scales))
+
+
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+def test_mxfp4_experts_prefill_tiles_keep_the_one_token_bits(isa):
+    """An expert with 9 tokens (2 x 4 tiles and one left) gives each token the bits it gets alone, gate/up and down
+    stages both, on each instruction set."""
+    from k3serve.model.kernels import mxfp4_experts_run
+    from k3serve.weights.mxfp4 import quantize_mxfp4
+
+    rng = np.random.default_rng(12)
+    latent, inter = 96, 64
+    mats = [quantize_mxfp4(rng.standard_normal(shape).astype(np.float32))
+            for shape in ((inter, latent), (inter, latent), (latent, inter))]
+    stacked = tuple(a[None] for m in mats for a in m)
+    z = rng.standard_normal((12, latent)).astype(np.float32)
+    tokens = np.array([3, 0, 7, 11, 5, 2, 9, 4, 8], np.int64)
+    zero, nine = np.zeros(1, np.int64), np.full(1, 9, np.int64)
+    together = mxfp4_experts_run(stacked, zero, z, tokens, zero, nine, 4.0, 25.0, isa=isa, activations="f32")
+    for n, t in enumerate(tokens):
+        alone = mxfp4_experts_run(stacked, zero, z, np.array([t]), zero, np.ones(1, np.int64), 4.0, 25.0, isa=isa,
+                                  activations="f32")
+        np.testing.assert_array_equal(alone[0], together[n])

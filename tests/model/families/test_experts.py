@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3serve.errors import CheckpointError
-from k3serve.model.families.experts import (DENSE_KERNEL_MAX_TOKENS, BF16Expert, ExpertStore, FloatExpert,
+from k3serve.model.families.experts import (DENSE_BLAS_MIN_TOKENS, BF16Expert, ExpertStore, FloatExpert,
                                             QuantizedExpert, outputs_one_by_one, pack_expert)
 from k3serve.model.kernels import dense_expert_reference
 from k3serve.model.routing import pairs_by_expert
@@ -26,7 +26,7 @@ def _relative_rms(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
 
 
-@pytest.mark.parametrize("tokens", [1, 5, DENSE_KERNEL_MAX_TOKENS + 3])
+@pytest.mark.parametrize("tokens", [1, 5, DENSE_BLAS_MIN_TOKENS + 3])
 def test_bf16_weights_stay_bf16_and_compute_the_same(tokens):
     gate, up, down = (_bf16_round(m) for m in _matrices(1))
     expert = pack_expert(gate, up, down, "native")
@@ -47,9 +47,22 @@ def test_quantized_expert_fused_call_matches_dequantized_float(precision):
     assert isinstance(expert, QuantizedExpert)
     dequantized = FloatExpert(np.concatenate([expert.gate.dequantize(), expert.up.dequantize()]),
                               expert.down.dequantize())
-    for tokens in (1, 4, DENSE_KERNEL_MAX_TOKENS + 1):
+    for tokens in (1, 4, DENSE_BLAS_MIN_TOKENS + 1):
         x = np.random.default_rng(tokens).standard_normal((tokens, 64)).astype(np.float32)
         assert _relative_rms(expert(x), dequantized(x)) < 1e-5, f"{precision}, {tokens} tokens"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "native"])
+def test_a_tokens_bits_do_not_depend_on_how_many_tokens_share_its_expert(precision):
+    """Per-row int8, bf16 and float32 experts run the row dot's tiles at every count below DENSE_BLAS_MIN_TOKENS:
+    a prefill-sized group gives each token the bits it gets alone (decode)."""
+    matrices = _matrices(6)
+    expert = pack_expert(*((_bf16_round(m) for m in matrices) if precision == "bf16" else matrices),
+                         "native" if precision == "bf16" else precision)
+    x = np.random.default_rng(7).standard_normal((41, 64)).astype(np.float32)
+    together = expert(x)
+    np.testing.assert_array_equal(together, np.concatenate([expert(x[i:i + 1]) for i in range(41)]))
+    np.testing.assert_array_equal(together[:9], expert(x[:9]))
 
 
 def _float_twin(expert) -> FloatExpert:
@@ -70,14 +83,14 @@ def test_store_runs_a_layer_in_one_call_as_one_by_one_and_numpy(precision):
     """The resident store packs each expert into its layer's stack (the expert is a view of it) and runs the
     layer's active experts in one call: the same bits as one expert at a time (the streaming path), and the
     numpy form of each expert within float32 rounding, prefill-sized groups (BLAS) included."""
-    num_experts, hidden, tokens_total = 6, 64, DENSE_KERNEL_MAX_TOKENS + 8
+    num_experts, hidden, tokens_total = 6, 64, DENSE_BLAS_MIN_TOKENS + 8
     matrices = {e: _matrices(10 + e) for e in range(num_experts)}
     if precision == "bf16":
         matrices = {e: tuple(_bf16_round(m) for m in ms) for e, ms in matrices.items()}
     store = ExpertStore(lambda layer, e: matrices[e], precision, num_experts)
     rng = np.random.default_rng(5)
     ids = np.stack([rng.choice([0, 2, 5], size=2, replace=False) for _ in range(tokens_total)])  # [T, 2]
-    ids[:DENSE_KERNEL_MAX_TOKENS + 2, 0] = 3  # expert 3 gets enough tokens for the BLAS path
+    ids[:DENSE_BLAS_MIN_TOKENS + 2, 0] = 3  # expert 3 gets enough tokens for the BLAS path
     pairs = pairs_by_expert(ids)
     x = rng.standard_normal((tokens_total, hidden)).astype(np.float32)
     together = store.expert_outputs(1, pairs, x)

@@ -17,13 +17,14 @@ experts in stacked [NE, ...] arrays (a packed expert is a view into its layer's 
 are never touched), and the kernel takes the stack, the active expert ids and the token rows of each. A streaming
 store's experts live in slots, so it calls the same kernel once per expert on a stack of one (the same bits per
 row: each output row is one row dot, whatever the other rows of the call).
-Experts with DENSE_KERNEL_MAX_TOKENS tokens or more (prefill) run the tiled kernel (`dense_experts_tiled`: each
-weight row widened once and multiplied by four tokens at a time, all such experts in one compiled call); from
-DENSE_BLAS_MIN_TOKENS on, an expert widens to float32 (a transient copy, never kept) and uses BLAS, which is
-faster still once the copy is shared by that many tokens. MXFP4 experts with MXFP4_TILE_MIN_TOKENS or more run
-`mxfp4_experts_tiled` (each row decoded to float32 once per call, the same four-token tile). With
-`K3SERVE_MXFP4_ACTIVATIONS=q8` every MXFP4 expert runs the int8 path in one call (`mxfp4_experts_run`), whose
-tiles serve 8 or 4 tokens a pass over a decoded row at any token count. With `K3SERVE_INT8_ACTIVATIONS=q8` the
+Dense experts (float32, bf16, int8 with a scale per row) run the row dot's 2 x 4 tiles at every token count
+(`dense_experts_run`: each dot the bits of the one-token row dot), until bf16 and float32 ones with
+DENSE_BLAS_MIN_TOKENS tokens or more widen to float32 (a transient copy, never kept) and use BLAS. Block-scaled
+ones (a GGUF's Q8_0 experts) with DENSE_TILE_MIN_TOKENS or more run the tiled kernel (`dense_experts_tiled`: each
+weight row widened once and multiplied by four tokens at a time, all such experts in one compiled call). MXFP4
+experts run the MXFP4 row dot at every count (`mxfp4_experts_run`; from `kernels.MXFP4_TILE_TOKENS` tokens two
+rows against four tokens a pass, each dot the one-token bits), or with `K3SERVE_MXFP4_ACTIVATIONS=q8` the int8
+path, whose tiles serve 8 or 4 tokens a pass over a decoded row. With `K3SERVE_INT8_ACTIVATIONS=q8` the
 "int8" experts (per-row scales) multiply Q8_0 activations with int8 dot products (`kernels.int8_experts_q8`, every
 token count, one call); GGUF Q8_0 experts (block scales) and widths not multiples of 32 stay on the float path.
 With `K3SERVE_BF16_ACTIVATIONS=bf16` (`--bf16-activations bf16`) bf16 experts run `kernels.bf16_experts_run` at
@@ -42,7 +43,7 @@ import numpy as np
 from k3serve.errors import CheckpointError, ConfigError
 from k3serve.model import kernels
 from k3serve.model.kernels import (bf16_experts_on, bf16_experts_run, dense_expert_reference, dense_experts_run,
-                                   dense_experts_tiled, mxfp4_experts_run, mxfp4_experts_tiled)
+                                   dense_experts_tiled, mxfp4_experts_run)
 from k3serve.model.expert_source import ExpertSource
 from k3serve.model.routing import ExpertPairs
 from k3serve.weights.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
@@ -52,12 +53,16 @@ _ZERO = np.zeros(1, np.int64)
 # a packed expert as the kernels take it: ("dense", (gate_up, gate_up scales or None, down, down scales or None))
 # or ("mxfp4", (gate packed, gate scales, up packed, up scales, down packed, down scales)); stacked: [E, ...] each
 ExpertParts = tuple[str, tuple]
-# tokens of one expert from which the tiled kernel, then BLAS, beat the row dot (bf16 expert 768 x 2048, one core:
-# row dot 0.29 ms a token; tiled 1.6 ms + 0.16 ms a token; BLAS 4.5 ms + 0.105 ms a token; benchmarks in
-# docs/BENCHMARKS.md "Prefill at real widths")
-DENSE_KERNEL_MAX_TOKENS = 8
-DENSE_BLAS_MIN_TOKENS = 64
-MXFP4_TILE_MIN_TOKENS = 16  # MXFP4: the row dot 0.23 ms a token; tiled 1.5 ms + 0.15 ms a token
+# Tokens of one expert from which another kernel beats the row dot's 2 x 4 tiles (`dense_experts_run`), measured
+# at Qwen3-30B-A3B's expert shape (768 x 2048, 16 experts a call, 2 cores; benchmarks/bench_dense_expert_paths.py,
+# docs/BENCHMARKS.md "Dense experts at prefill: the row dot at every count"): per-row int8, bf16 and float32 experts
+# take the row dot up to DENSE_BLAS_MIN_TOKENS (int8 0.52 / 0.68 / 3.6 ms an expert at 1 / 8 / 64 tokens; the float
+# tile 0.52 / 1.06 / 5.5 ms), so a token's bits do not depend on how many others share its expert; bf16 and
+# float32 then BLAS (bf16 at 256: 16.1 against 17.5 ms); int8 never BLAS (widening in numpy: 10 ms an expert).
+# Block-scaled experts (a GGUF's Q8_0) have no row-dot tile: the float tile from DENSE_TILE_MIN_TOKENS (1.0 ms
+# against 2.1 at 8 tokens, 5.2 against 15.8 at 64).
+DENSE_TILE_MIN_TOKENS = 4
+DENSE_BLAS_MIN_TOKENS = 256
 PRECISION_ALIASES = {"bf16": "native"}
 
 
@@ -203,43 +208,31 @@ def expert_from_parts(expert: Expert, parts: tuple) -> Expert:
 def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
     """y [N, H]: y[n] = Expert_e(x[pairs.tokens[n]]) for e = pairs.expert_ids[k] on rows starts[k]:ends[k],
     every expert in one compiled call over the stacked parts [E, ...] (`kind`, `stacked`: `ExpertParts` of a
-    stack), except that dense experts with DENSE_KERNEL_MAX_TOKENS tokens or more run the tiled kernel, and those with
-    DENSE_BLAS_MIN_TOKENS or more BLAS on a transient float32 copy; MXFP4 ones from MXFP4_TILE_MIN_TOKENS tiled."""
+    stack), except that block-scaled experts with DENSE_TILE_MIN_TOKENS tokens or more run the tiled kernel, and
+    bf16 and float32 ones with DENSE_BLAS_MIN_TOKENS or more BLAS on a transient float32 copy (see the module's
+    comment)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids, starts, ends, tokens = pairs.expert_ids, pairs.starts, pairs.ends, pairs.tokens
-    if kind == "mxfp4":
-        if kernels.MXFP4_ACTIVATIONS == "q8":  # the int8 path tiles an expert's tokens itself, whatever their number
-            return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
-        many = ends - starts >= MXFP4_TILE_MIN_TOKENS  # [K]
-        if not np.any(many):
-            return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
-        out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
-        few = ~many
-        if np.any(few):  # only the few-token experts' pairs: each row's bits do not depend on the other rows
-            counts = ends[few] - starts[few]  # [F]
-            rows = np.concatenate([np.arange(a, b) for a, b in zip(starts[few], ends[few])])  # [sum counts]
-            compact_ends = np.cumsum(counts)
-            out[rows] = mxfp4_experts_run(stacked, ids[few], x, tokens[rows], compact_ends - counts, compact_ends,
-                                          0.0, 0.0, activation="silu")
-        mxfp4_experts_tiled(stacked, ids[many], x, tokens, starts[many], ends[many], out=out)
-        return out
+    if kind == "mxfp4":  # the row dot at every count (2 rows x 4 tokens a pass from kernels.MXFP4_TILE_TOKENS)
+        return mxfp4_experts_run(stacked, ids, x, tokens, starts, ends, 0.0, 0.0, activation="silu")
     gate_up, gate_up_scales, down, down_scales = stacked
     if bf16_experts_on(gate_up, gate_up_scales):  # bf16 activations: one kernel at every count, the same bits
         return bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends)
     if kernels.int8_experts_q8_on(gate_up, gate_up_scales, down):  # per-row int8 x Q8_0, every token count
         return kernels.int8_experts_q8(*stacked, ids, x, tokens, starts, ends)
-    out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     counts = ends - starts  # [K]
-    many = counts >= DENSE_BLAS_MIN_TOKENS  # [K]
-    tiled = (counts >= DENSE_KERNEL_MAX_TOKENS) & ~many  # [K]
+    block_scaled = gate_up_scales is not None and gate_up_scales.size > gate_up.shape[0] * gate_up.shape[1]
+    tiled = (counts >= DENSE_TILE_MIN_TOKENS) & block_scaled  # [K]
+    many = (counts >= DENSE_BLAS_MIN_TOKENS) & (gate_up_scales is None)  # [K]: bf16 and float32 only
+    if not np.any(tiled | many):
+        return dense_experts_run(*stacked, ids, x, tokens, starts, ends)
+    out = np.empty((tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
     if np.any(tiled):
         dense_experts_tiled(*stacked, ids[tiled], x, tokens, starts[tiled], ends[tiled], out=out)
     for k in np.flatnonzero(many):
         e = ids[k]
-        out[starts[k]:ends[k]] = dense_expert_reference(
-            gate_up[e], None if gate_up_scales is None else gate_up_scales[e], down[e],
-            None if down_scales is None else down_scales[e], x[tokens[starts[k]:ends[k]]])
-    few = counts < DENSE_KERNEL_MAX_TOKENS
+        out[starts[k]:ends[k]] = dense_expert_reference(gate_up[e], None, down[e], None, x[tokens[starts[k]:ends[k]]])
+    few = ~(tiled | many)
     return dense_experts_run(*stacked, ids[few], x, tokens, starts[few], ends[few], out=out)
 
 
