@@ -5,11 +5,12 @@ prefill kernels of issue 33 against the settings before them, in one process.
     --profile    time per op of one prefill (wall and CPU seconds): attention projections, the causal softmax,
                  rope, norms, router, the routed experts, their weighted sum, lm_head (last position only)
     (default)    A/B: "before" = row dot under 32 tokens an expert, BLAS on a float32 copy from 32, MXFP4 experts
-                 by the row dot at every size, [256 x 1024] attention tiles; "after" = the tile kernels
-                 (`dense_experts_tiled` from 8 tokens, BLAS from 64, `mxfp4_experts_tiled` from 16), [128 x 256]
-                 tiles. The two alternate on the same model, so load swings hit both alike. Since per-row int8,
-                 bf16 and float32 experts take the row dot at every count (`experts.DENSE_BLAS_MIN_TOKENS`), "dense"
-                 sets the float tile's threshold of block-scaled experts only, and int8 experts never take BLAS.
+                 by the row dot at every size, [256 x 1024] attention tiles; "after" = the defaults of
+                 `families.experts` (since 2026-12-06 late: the row dot's 2 x 4 tiles at every count for per-row
+                 int8, bf16, float32 and MXFP4 experts, BLAS for bf16 / float32 from 256 tokens, the float tile
+                 for block-scaled experts from 4), [128 x 256] tiles. The two alternate on the same model, so load
+                 swings hit both alike. "before" is no longer the code it once measured: int8 experts never take
+                 BLAS now, and MXFP4 experts always run the row dot.
 
     --decode-batches 1 8   decode steps instead: B sequences (a --decode-context-token prompt each), one token
                  each per step, timed per op as --profile does (issue 33: a batch-8 step was slower per token than
@@ -57,11 +58,11 @@ QWEN3_30B_A3B_WIDTHS = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_att
                         "max_position_embeddings": 40960, "use_sliding_window": False, "rope_parameters": _ROPE,
                         "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
                         "tie_word_embeddings": False}
-_AFTER = dict(dense=8, blas=64, mxfp4=16, blocks=(128, 256))
+_AFTER = dict(dense=family_experts.DENSE_TILE_MIN_TOKENS, blas=family_experts.DENSE_BLAS_MIN_TOKENS, blocks=(128, 256))
 # "after" and the next two differ only in the MXFP4 experts' activations: float32 (the default), Q8_0 on the int8
 # row dot (one token a pass, before the tiles), Q8_0 on the int8 tiles (`kernels.Q8_TILE_TOKENS`)
 # (--precision mxfp4), and "int8-q8" the int8 experts on Q8_0 activations (--precision int8, `int8_experts_q8`)
-SETTINGS = {"before": dict(dense=32, blas=32, mxfp4=1 << 30, blocks=(256, 1024), activations="f32", tile=None,
+SETTINGS = {"before": dict(dense=32, blas=32, blocks=(256, 1024), activations="f32", tile=None,
                            int8="f32", bf16="f32"),
             "after": dict(_AFTER, activations="f32", tile=None, int8="f32", bf16="f32"),
             "q8-rowdot": dict(_AFTER, activations="q8", tile=1, int8="f32", bf16="f32"),
@@ -107,7 +108,6 @@ def use(model, name: str) -> None:
     s = SETTINGS[name]
     family_experts.DENSE_TILE_MIN_TOKENS = s["dense"]  # block-scaled experts only since the row dot took the rest
     family_experts.DENSE_BLAS_MIN_TOKENS = s["blas"]
-    family_experts.MXFP4_TILE_MIN_TOKENS = s["mxfp4"]
     kernels.MXFP4_ACTIVATIONS = s["activations"]  # read at each expert call
     kernels.Q8_TILE_TOKENS = _DEFAULT_TILE_TOKENS if s["tile"] is None else s["tile"]
     kernels.INT8_ACTIVATIONS = s["int8"]

@@ -88,8 +88,8 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale:
             scores -= new_max[..., None]
             p = np.exp(scores, out=scores)  # [..., bq, bk], in place: one tile of memory
             if folded:
-                tile_out = (p.reshape(*p.shape[:len(kept)], -1, p.shape[-1]) @ value_rows[..., k_start:k_end, :]).reshape(
-                    *p.shape[:-1], values.shape[-1])  # [..., bq, DV]
+                rows = p.reshape(*p.shape[:len(kept)], -1, p.shape[-1])  # [kept..., folded rows x bq, bk]
+                tile_out = (rows @ value_rows[..., k_start:k_end, :]).reshape(*p.shape[:-1], values.shape[-1])
             else:
                 tile_out = p @ values[..., k_start:k_end, :]  # [..., bq, DV]
             if running_max is None:
