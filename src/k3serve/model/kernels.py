@@ -143,6 +143,29 @@ def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vector_type: 
     return builder.load(builder.bitcast(builder.gep(base, [offset]), vector_type.as_pointer()), align=align)
 
 
+def _nibble_lookup(builder: ir.IRBuilder, lanes: int):
+    """A function of `builder` that maps i32 lanes holding MXFP4 nibbles (bits above the 4th ignored) to float32
+    lanes V[nibble] (the doubled E2M1 values): AVX-512's vpermps over the 16-entry table, or AVX2's over its 8
+    magnitudes with the nibble's sign bit moved into the float's."""
+    vf, vi = _vector(_F32, lanes), _vector(_I32, lanes)
+    if lanes == 16:
+        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]),
+                                                 "llvm.x86.avx512.permvar.sf.512")
+        table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1])
+    else:
+        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx2.permps")
+        table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1[:8]])
+
+    def lookup(nibbles):
+        values = builder.call(permute, [table, nibbles])
+        if lanes == 16:
+            return values
+        sign = builder.shl(builder.and_(nibbles, ir.Constant(vi, [8] * lanes)), ir.Constant(vi, [28] * lanes))
+        return builder.bitcast(builder.xor(builder.bitcast(values, vi), sign), vf)
+
+    return lookup
+
+
 def _row_dot_codegen(lanes: int, num_rows: int = 1, num_tokens: int = 1):
     """IR of the row dot with `lanes` float32 lanes (16: AVX-512 vpermd, 8: AVX2 vpermps and a sign flip), for
     `num_rows` rows of the same matrix against `num_tokens` permuted x rows in one pass (args: the rows' packed
@@ -164,23 +187,7 @@ def _row_dot_codegen(lanes: int, num_rows: int = 1, num_tokens: int = 1):
         module = builder.module
         vf, vi, vb = _vector(_F32, lanes), _vector(_I32, lanes), _vector(_I8, lanes)
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-        if lanes == 16:
-            permute = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vi]),
-                                                     "llvm.x86.avx512.permvar.sf.512")
-            table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1])
-        else:
-            permute = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx2.permps")
-            table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1[:8]])
-        sign_mask = ir.Constant(vi, [8] * lanes)
-        sign_shift = ir.Constant(vi, [28] * lanes)
-
-        def lookup(nibbles):  # vi in 0..15 (upper bits ignored) -> vf V[nibble]
-            values = builder.call(permute, [table, nibbles])
-            if lanes == 16:
-                return values
-            sign = builder.shl(builder.and_(nibbles, sign_mask), sign_shift)
-            return builder.bitcast(builder.xor(builder.bitcast(values, vi), sign), vf)
-
+        lookup = _nibble_lookup(builder, lanes)
         acc_slots = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_tokens)]
                      for _ in range(num_rows)]
         index_type = ir.IntType(64)
@@ -2393,23 +2400,8 @@ def _mxfp4_widen_codegen(lanes: int):
         prow, srow, half_scales, out = (context.make_array(t)(context, builder, a)
                                         for t, a in zip(signature.args, args))
         (num_groups,) = cgutils.unpack_tuple(builder, srow.shape, 1)
-        module = builder.module
         vf, vi, vb = _vector(_F32, lanes), _vector(_I32, lanes), _vector(_I8, lanes)
-        if lanes == 16:
-            permute = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vi]),
-                                                     "llvm.x86.avx512.permvar.sf.512")
-            table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1])
-        else:
-            permute = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx2.permps")
-            table = ir.Constant(vf, [float(v) for v in _DOUBLED_E2M1[:8]])
-
-        def lookup(nibbles):  # vi in 0..15 (upper bits ignored) -> vf V[nibble]
-            values = builder.call(permute, [table, nibbles])
-            if lanes == 16:
-                return values
-            sign = builder.shl(builder.and_(nibbles, ir.Constant(vi, [8] * lanes)), ir.Constant(vi, [28] * lanes))
-            return builder.bitcast(builder.xor(builder.bitcast(values, vi), sign), vf)
-
+        lookup = _nibble_lookup(builder, lanes)
         index_type = ir.IntType(64)
         interleave = ir.Constant(_vector(_I32, 2 * lanes), [i // 2 + (lanes if i % 2 else 0) for i in range(2 * lanes)])
         with cgutils.for_range(builder, num_groups) as loop:
