@@ -11,7 +11,7 @@ of --repeats, after one untimed call that compiles):
 - "tile": `kernels.dense_experts_tiled` / `kernels.mxfp4_experts_tiled` (rows widened to float32 once a call);
 - "blas": `kernels.dense_expert_reference` an expert (a transient float32 copy, then numpy's BLAS).
 Prints ms an expert per path, one line per (kind, n), then a JSON record on the last line. Figures:
-docs/BENCHMARKS.md, "Dense experts at prefill: the row dot at every count".
+docs/BENCHMARKS.md, "Experts at prefill: the row dot at every count".
 """
 
 from __future__ import annotations

@@ -55,12 +55,12 @@ _ZERO = np.zeros(1, np.int64)
 ExpertParts = tuple[str, tuple]
 # Tokens of one expert from which another kernel beats the row dot's 2 x 4 tiles (`dense_experts_run`), measured
 # at Qwen3-30B-A3B's expert shape (768 x 2048, 16 experts a call, 2 cores; benchmarks/bench_dense_expert_paths.py,
-# docs/BENCHMARKS.md "Dense experts at prefill: the row dot at every count"): per-row int8, bf16 and float32 experts
-# take the row dot up to DENSE_BLAS_MIN_TOKENS (int8 0.52 / 0.68 / 3.6 ms an expert at 1 / 8 / 64 tokens; the float
-# tile 0.52 / 1.06 / 5.5 ms), so a token's bits do not depend on how many others share its expert; bf16 and
-# float32 then BLAS (bf16 at 256: 16.1 against 17.5 ms); int8 never BLAS (widening in numpy: 10 ms an expert).
-# Block-scaled experts (a GGUF's Q8_0) have no row-dot tile: the float tile from DENSE_TILE_MIN_TOKENS (1.0 ms
-# against 2.1 at 8 tokens, 5.2 against 15.8 at 64).
+# docs/BENCHMARKS.md "Experts at prefill: the row dot at every count"): per-row int8, bf16 and float32 experts take
+# the row dot up to DENSE_BLAS_MIN_TOKENS (int8 0.76 / 2.34 / 4.80 ms an expert at 8 / 32 / 64 tokens; the float
+# tile 1.15 / 3.42 / 6.77 ms), so a token's bits do not depend on how many others share its expert; bf16 and
+# float32 then BLAS (bf16 at 256: 17.6 against 19.2 ms); int8 never BLAS (widening in numpy: 9-15 ms an expert).
+# Block-scaled experts (a GGUF's Q8_0) have no row-dot tile: the float tile from DENSE_TILE_MIN_TOKENS (0.89 ms
+# against 2.10 at 8 tokens, 6.40 against 16.26 at 64).
 DENSE_TILE_MIN_TOKENS = 4
 DENSE_BLAS_MIN_TOKENS = 256
 PRECISION_ALIASES = {"bf16": "native"}
