@@ -512,10 +512,39 @@ def test_mxfp4_row_widening_is_exact_on_every_instruction_set(isa):
     np.testing.assert_array_equal(out, dequantize_mxfp4(packed, scales))
 
 
+@pytest.mark.parametrize("isa", [i for i in ("avx512", "avx2") if i in kernels.AVAILABLE_ISAS])
+def test_mxfp4_two_row_four_token_pass_has_the_one_token_bits(isa):
+    """The prefill pass (two rows against four x rows) on each vector instruction set the host has, whichever one
+    the kernels compile it for (`_TILE_ISA`): each of its 8 dots has the one-row dot's bits, NaN scales included."""
+    from numba import njit
+
+    tile = kernels._row_dots_2x4_avx512 if isa == "avx512" else kernels._row_dots_2x4_avx2
+    code = kernels.ISA_CODES[isa]
+
+    @njit
+    def run(packed, scales, xp, half_scales, out, alone):
+        for r in range(0, packed.shape[0], 2):
+            d = tile(packed[r], packed[r + 1], scales[r], scales[r + 1], xp[0], xp[1], xp[2], xp[3], half_scales)
+            for j in range(8):
+                out[r + j // 4, j % 4] = d[j]  # row-major: row r's 4 dots, then row r + 1's
+            for i in range(2):
+                for t in range(4):
+                    alone[r + i, t] = kernels._row_dot(packed[r + i], scales[r + i], xp[t], half_scales, code)
+
+    rng = np.random.default_rng(13)
+    packed, scales = _random_mxfp4(rng, 6, 160, num_nan_scales=2)
+    x = rng.standard_normal((4, 160)).astype(np.float32)
+    xp = np.empty_like(x)
+    kernels.permute_groups(x, xp)
+    out, alone = np.full((6, 4), 7.0, np.float32), np.zeros((6, 4), np.float32)
+    run(packed, scales, xp, kernels._HALF_SCALES, out, alone)
+    np.testing.assert_array_equal(out, alone)
+
+
 @pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
 def test_mxfp4_experts_prefill_tiles_keep_the_one_token_bits(isa):
-    """An expert with 9 tokens (2 x 4 tiles and one left) gives each token the bits it gets alone, gate/up and down
-    stages both, on each instruction set."""
+    """An expert with 9 tokens (on `_TILE_ISA`, 2 x 4 passes and one left; elsewhere one token at a time) gives
+    each token the bits it gets alone, gate/up and down stages both, on each instruction set."""
     from k3serve.model.kernels import mxfp4_experts_run
     from k3serve.weights.mxfp4 import quantize_mxfp4
 

@@ -335,17 +335,18 @@ def _row_dots_2x4_avx2(typingctx, p0, p1, s0, s1, x0, x1, x2, x3, half_scales):
     return _row_dots_intrinsic("avx2", 2, 4)(typingctx, p0, p1, s0, s1, x0, x1, x2, x3, half_scales)
 
 
+# The instruction set the prefill tiles are compiled for: the host's best vector one (0: none, no tiles). Other
+# instruction sets (a debug toggle, the tests) run their one-token dots at every count, so each still gives a
+# token the same bits at every count; compiling the tile for all three cost ~25 s of a cold start.
+_TILE_ISA = ISA_CODES[AVAILABLE_ISAS[-1]]
+
+
 @njit(inline="always")
-def _row_dots_2x4(p0, p1, s0, s1, x0, x1, x2, x3, half_scales, isa):
-    """The `_row_dot` of two rows against four x rows in one pass (row-major results); portable: one at a time."""
-    if isa == 2:
+def _row_dots_2x4(p0, p1, s0, s1, x0, x1, x2, x3, half_scales):
+    """The `_row_dot` of two rows against four x rows in one pass (row-major results), on `_TILE_ISA`."""
+    if _TILE_ISA == 2:
         return _row_dots_2x4_avx512(p0, p1, s0, s1, x0, x1, x2, x3, half_scales)
-    if isa == 1:
-        return _row_dots_2x4_avx2(p0, p1, s0, s1, x0, x1, x2, x3, half_scales)
-    return (_row_dot_portable(p0, s0, x0, half_scales), _row_dot_portable(p0, s0, x1, half_scales),
-            _row_dot_portable(p0, s0, x2, half_scales), _row_dot_portable(p0, s0, x3, half_scales),
-            _row_dot_portable(p1, s1, x0, half_scales), _row_dot_portable(p1, s1, x1, half_scales),
-            _row_dot_portable(p1, s1, x2, half_scales), _row_dot_portable(p1, s1, x3, half_scales))
+    return _row_dots_2x4_avx2(p0, p1, s0, s1, x0, x1, x2, x3, half_scales)
 
 
 @njit(inline="always")
@@ -370,7 +371,7 @@ def _row_dots4(p0, p1, p2, p3, s0, s1, s2, s3, x, half_scales, isa):
 
 
 @njit
-def _rows_dot_tiles(packed, scales, xs, half_scales, isa, row, row_end, first, last, out):
+def _rows_dot_tiles(packed, scales, xs, half_scales, row, row_end, first, last, out):
     """`_rows_dot_into`'s prefill pass: rows in pairs against four x rows at a time, the last 1-3 x rows a pair at a
     time; returns the first row left (an odd last one). A function of its own, called, not inlined: inlined into
     the one-token loop it cost that loop ~20% (an expert's one-token dots 3.7 -> 4.5 ms at Qwen3-30B-A3B's shape)."""
@@ -378,13 +379,13 @@ def _rows_dot_tiles(packed, scales, xs, half_scales, isa, row, row_end, first, l
         n = first
         while n + 4 <= last:
             a0, a1, a2, a3, b0, b1, b2, b3 = _row_dots_2x4(packed[row], packed[row + 1], scales[row], scales[row + 1],
-                                                           xs[n], xs[n + 1], xs[n + 2], xs[n + 3], half_scales, isa)
+                                                           xs[n], xs[n + 1], xs[n + 2], xs[n + 3], half_scales)
             out[n, row], out[n + 1, row], out[n + 2, row], out[n + 3, row] = a0, a1, a2, a3
             out[n, row + 1], out[n + 1, row + 1], out[n + 2, row + 1], out[n + 3, row + 1] = b0, b1, b2, b3
             n += 4
         while n < last:
             out[n, row], out[n, row + 1] = _row_dots2(packed[row], packed[row + 1], scales[row], scales[row + 1],
-                                                      xs[n], half_scales, isa)
+                                                      xs[n], half_scales, _TILE_ISA)
             n += 1
         row += 2
     return row
@@ -396,8 +397,8 @@ def _rows_dot_into(packed, scales, xs, half_scales, isa, rows_per_dot, row, row_
     (1, 2 or 4) a pass over xs[n] while that many are left, then pairs, then single rows; rows outer, so a row's
     bytes stay in L1 for all n. From MXFP4_TILE_TOKENS x rows on, rows in pairs against four x rows a pass
     (`_row_dots_2x4`: each row decoded once for four tokens). Every output has the one-row dot's bits."""
-    if last - first >= MXFP4_TILE_TOKENS:
-        row = _rows_dot_tiles(packed, scales, xs, half_scales, isa, row, row_end, first, last, out)
+    if isa == _TILE_ISA and isa != 0 and last - first >= MXFP4_TILE_TOKENS:
+        row = _rows_dot_tiles(packed, scales, xs, half_scales, row, row_end, first, last, out)
     while rows_per_dot >= 4 and row + 4 <= row_end:
         for n in range(first, last):
             a, b, c, d = _row_dots4(packed[row], packed[row + 1], packed[row + 2], packed[row + 3], scales[row],
@@ -1603,7 +1604,7 @@ ACTIVATIONS = {"situ": 0, "silu": 1}
 
 
 @njit
-def _gate_up_tiles(w1, w1s, w3, w3s, zp, tokens, start, end, half_scales, isa, gate, up, row, row_end):
+def _gate_up_tiles(w1, w1s, w3, w3s, zp, tokens, start, end, half_scales, gate, up, row, row_end):
     """`_gate_up_task`'s prefill pass: for each index of row:row_end, its w1 and w3 rows (one expert's) against the
     tokens start:end four at a time, the last 1-3 one at a time. Called, not inlined (see `_rows_dot_tiles`)."""
     for r in range(row, row_end):
@@ -1612,12 +1613,13 @@ def _gate_up_tiles(w1, w1s, w3, w3s, zp, tokens, start, end, half_scales, isa, g
         while n + 4 <= end:
             g0, g1, g2, g3, u0, u1, u2, u3 = _row_dots_2x4(w1[r], w3[r], w1s[r], w3s[r], zp[tokens[n]],
                                                            zp[tokens[n + 1]], zp[tokens[n + 2]], zp[tokens[n + 3]],
-                                                           half_scales, isa)
+                                                           half_scales)
             gate[n, column], gate[n + 1, column], gate[n + 2, column], gate[n + 3, column] = g0, g1, g2, g3
             up[n, column], up[n + 1, column], up[n + 2, column], up[n + 3, column] = u0, u1, u2, u3
             n += 4
         while n < end:
-            gate[n, column], up[n, column] = _row_dots2(w1[r], w3[r], w1s[r], w3s[r], zp[tokens[n]], half_scales, isa)
+            gate[n, column], up[n, column] = _row_dots2(w1[r], w3[r], w1s[r], w3s[r], zp[tokens[n]], half_scales,
+                                                        _TILE_ISA)
             n += 1
 
 
@@ -1630,9 +1632,9 @@ def _gate_up_task(w1p, w1s, w3p, w3s, expert_ids, zp, tokens, starts, ends, half
     e = expert_ids[k]
     row = (task % blocks) * ROWS_PER_TASK
     row_end = min(w1p.shape[1], row + ROWS_PER_TASK)
-    if ends[k] - starts[k] >= MXFP4_TILE_TOKENS:  # prefill: an index's w1 and w3 rows against four tokens a pass
-        _gate_up_tiles(w1p[e], w1s[e], w3p[e], w3s[e], zp, tokens, starts[k], ends[k], half_scales, isa, gate, up,
-                       row, row_end)
+    if isa == _TILE_ISA and isa != 0 and ends[k] - starts[k] >= MXFP4_TILE_TOKENS:  # prefill: w1 and w3 rows x 4
+        _gate_up_tiles(w1p[e], w1s[e], w3p[e], w3s[e], zp, tokens, starts[k], ends[k], half_scales, gate, up, row,
+                       row_end)
         return
     while rows_per_dot >= 4 and row + 2 <= row_end:
         column, next_column = _permuted_index(row), _permuted_index(row + 1)
