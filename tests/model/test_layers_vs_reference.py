@@ -130,6 +130,27 @@ def test_moe_layer_matches_reference(tiny_model, tiny_reference, checkpoint, T):
     assert error < RTOL, f"MoE T={T}: relative RMS {error:.2e}"
 
 
+def test_moe_runs_a_long_prompts_stacked_experts_in_chunks_with_the_same_bits(tiny_model, monkeypatch):
+    """A resident (stacked) layer runs a prompt's experts MOE_CHUNK_TOKENS tokens a call (prefill's peak memory):
+    the output is the bits of one call, and of the one-call-per-expert path."""
+    from k3serve.model import routing as routing_module
+
+    config, layer = tiny_model.config, 5
+    x = (2.0 * np.random.default_rng(7).normal(size=(23, config.hidden_size))).astype(np.float32)
+    w, source = tiny_model.source.layer(layer).mlp, tiny_model.source
+    fetch = lambda ids: source.experts(layer, ids)  # noqa: E731
+    stacked = source.stacked_experts(layer)
+    assert stacked is not None
+    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 5)
+    chunked, routing = moe_forward(config, w, x, fetch, stacked=stacked)
+    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 1 << 20)
+    whole, _ = moe_forward(config, w, x, fetch, stacked=stacked)
+    one_by_one, _ = moe_forward(config, w, x, fetch)
+    assert len(np.unique(routing.expert_ids)) > 4  # chunks that route to different experts
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(chunked, one_by_one)
+
+
 def test_moe_inputs_reach_the_situ_caps(tiny_model):
     """The oracle's experts see gate inputs beyond 4 and up inputs beyond 25, so a cap bug would show."""
     from k3serve.model.kernels import mxfp4_matmul

@@ -23,6 +23,7 @@ from k3serve.model.kernels import (StackedExperts, accumulate_expert_rows, linea
                                    mxfp4_experts_run, stack_expert)
 from k3serve.model.fused_ops import select_top_k, route_top_k
 from k3serve.model.ops import rms_norm, sigmoid, situ_glu
+from k3serve.model import routing as routing_module
 from k3serve.model.routing import ExpertPairs, Routing, pairs_by_expert
 from k3serve.model.weights import DenseMLPPieces, DenseMLPWeights, ExpertWeights, LayerWeights, MoEWeights
 
@@ -103,9 +104,19 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     if remote_y is not None:  # [T*TOPK, LT] from the expert owners
         accumulate_expert_rows(remote_y, tokens_by_expert, weights_by_expert, mixed)
     elif stacked is not None:  # every expert of the layer in one call, spread over the cores
-        mxfp4_experts_accumulate_stacked(stacked, np.asarray(needed, np.int64), z, tokens_by_expert,
-                                         np.asarray(starts, np.int64), np.asarray(ends, np.int64),
-                                         weights_by_expert, beta, linear_beta, mixed)
+        # a long prompt MOE_CHUNK_TOKENS tokens a call (routing.py: the calls' buffers were prefill's peak memory);
+        # each token's row is the same bits, its experts added in ascending id as in one call
+        step = routing_module.MOE_CHUNK_TOKENS
+        for first in range(0, T, step):
+            if T > step:
+                rows = slice(first, first + step)
+                pairs = pairs_by_expert(routing.expert_ids[rows])
+                weights_by_expert = np.ascontiguousarray(routing.weights[rows].ravel()[pairs.order])
+            else:
+                rows = slice(0, T)
+            mxfp4_experts_accumulate_stacked(stacked, np.asarray(pairs.expert_ids, np.int64), z[rows], pairs.tokens,
+                                             np.asarray(pairs.starts, np.int64), np.asarray(pairs.ends, np.int64),
+                                             weights_by_expert, beta, linear_beta, mixed[rows])
     else:  # one call per expert, ascending id (a lazy mapping may reuse a slot for the next expert)
         experts = fetch_experts([int(e) for e in needed])
         single = np.zeros(1, np.int64)

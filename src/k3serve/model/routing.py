@@ -128,6 +128,13 @@ class ExpertPairs:
     order: np.ndarray  # [N] each pair's index in the flattened [T*TOPK] routing
 
 
+# Tokens of a prompt whose routed experts one compiled call runs, where the experts are resident (K3's stacked
+# layers, the families' ExpertStore): the pairs' outputs and hidden rows scale with the tokens of a call (at 2048
+# tokens 134 MB in Qwen3-30B-A3B's widths, 160 MB in the widened K3's) and were prefill's peak memory. Each token
+# gets the same bits whatever the other tokens of its call, and its experts are still added in ascending id.
+MOE_CHUNK_TOKENS = 512
+
+
 def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:
     """expert_ids [T, TOPK] -> the pairs grouped by expert (N = T*TOPK less the DROPPED slots)."""
     flat = np.ascontiguousarray(expert_ids, dtype=np.int64).ravel()  # [T*TOPK]

@@ -26,11 +26,10 @@ from k3serve.model.expert_source import ExpertSource
 from k3serve.model.families.experts import ExpertStore, outputs_one_by_one
 from k3serve.model.fused_ops import shift_by_row_max, softmax_top_k
 from k3serve.model.kernels import accumulate_expert_rows, linear
+from k3serve.model import routing as routing_module
 from k3serve.model.routing import ExpertTopP, Routing, keep_top_p, pairs_by_expert
 from k3serve.model.ops import sigmoid, silu
 
-
-MOE_CHUNK_TOKENS = 512  # tokens of a prompt whose routed experts run in one call (resident store)
 
 
 def _top_k(values: np.ndarray, k: int) -> np.ndarray:
@@ -113,11 +112,10 @@ class MoEBlock:
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing]:
         routing = keep_top_p(self.router(x), self.top_p, self.router.normalize)
         out = np.zeros(x.shape, np.float32)  # [T, H]
-        # The resident store runs a long prompt's experts MOE_CHUNK_TOKENS tokens at a time: the pairs' outputs
-        # [N, H] (N = T x TOPK: 134 MB at 2048 tokens of Qwen3-30B-A3B) and hidden rows were prefill's peak memory;
-        # every expert path but BLAS (bf16 / float32 experts with 256 tokens or more) and the block-scaled tile gives
-        # a token the same bits whatever the other tokens. A streaming store would read its experts once a chunk.
-        step = MOE_CHUNK_TOKENS if isinstance(self.experts, ExpertStore) else max(1, x.shape[0])
+        # The resident store runs a long prompt's experts MOE_CHUNK_TOKENS tokens at a time (routing.py); every
+        # expert path but BLAS (bf16 / float32 experts with 256 tokens or more) and the block-scaled tile gives a
+        # token the same bits whatever the other tokens. A streaming store would read its experts once a chunk.
+        step = routing_module.MOE_CHUNK_TOKENS if isinstance(self.experts, ExpertStore) else max(1, x.shape[0])
         for first in range(0, x.shape[0], step):
             rows = slice(first, first + step)
             pairs = pairs_by_expert(routing.expert_ids[rows])  # experts ascending: a fixed order per token
