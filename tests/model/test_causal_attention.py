@@ -66,6 +66,26 @@ def test_query_rows_sharing_their_keys_are_folded_into_one_product(q_shape, key_
     assert _relative_max(ours, ref) < RTOL
 
 
+@pytest.mark.parametrize("T", [0, 1, 4])
+@pytest.mark.parametrize("q_shape, key_lead", [((4, 8), (4, 1)), ((16,), ())])
+def test_one_tile_decode_takes_the_folded_products(T, q_shape, key_lead):
+    """Where one tile holds every score (decode, speculative verification, short prompts), the same folded products
+    run once over all the keys: within round-off of the dense twin, and of the last query run alone (BLAS may
+    block a GQA group's rows differently for another count of them)."""
+    rng = np.random.default_rng(T + len(q_shape))
+    N = 90
+    q = rng.standard_normal((*q_shape, T, 32), dtype=np.float32) * 3
+    keys = rng.standard_normal((*key_lead, N, 32), dtype=np.float32)
+    values = rng.standard_normal((*key_lead, N, 16), dtype=np.float32)
+    ours = causal_attention(q, keys, values, 0.2)  # default blocks: T x N is within one tile
+    ref = causal_attention_reference(q, keys, values, 0.2)
+    assert ours.shape == ref.shape == (*q_shape, T, 16)
+    if T:
+        assert _relative_max(ours, ref) < RTOL
+        last = causal_attention(q[..., -1:, :], keys, values, 0.2)  # the last query alone
+        assert _relative_max(last, ours[..., -1:, :]) < RTOL
+
+
 def test_mla_attend_tiled_equals_the_dense_twin(tiny_model):
     config = tiny_model.config
     layer = config.full_attn_layers[0] - 1
