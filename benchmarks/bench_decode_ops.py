@@ -2,13 +2,17 @@
 per token per op, and each op's bandwidth against a STREAM triad (issue 33's "profile of what remains").
 
     python benchmarks/bench_decode_ops.py [--steps 200] [--rounds 3] [--threads 2] [--engines k3serve,llama.cpp]
+        [--target k3 | --target qwen3_moe --precision int8]
         [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz]
 
 --engines k3serve runs k3serve's side alone (no llama.cpp build, GGUF or perf).
 
-The model is the widened trained K3 of bench_peers.py (1.5 GB, MXFP4 experts, bf16 trunk; built once) and its GGUF
-from llama.cpp's own converter; each engine in a fresh process at its own defaults (`host.defaults_environment`),
-2 threads, the processes alternated round by round; medians.
+--target k3 (default): the widened trained K3 of bench_peers.py (1.5 GB, MXFP4 experts, bf16 trunk; built once)
+and its GGUF from llama.cpp's own converter. --target qwen3_moe (or another family): the family's real-width
+fixture of bench_peers.py (Qwen3-30B-A3B's widths, 4 of its 48 layers) at --precision bf16 / int8 / mxfp4 against
+BF16 / Q8_0 / MXFP4_MOE, k3serve's trunk matching the file's as bench_peers.py's `--k3serve-trunk match` does
+(Q8_0 against Q8_0 and MXFP4_MOE), every expert resident. Each engine in a fresh process at its own defaults
+(`host.defaults_environment`), 2 threads, the processes alternated round by round; medians.
 
 - k3serve: the model's kernel entry points are wrapped with a wall clock (routed experts, each module's `linear`,
   the MLA and KDA cores); "the rest" is the step less the timed ops (Python, norms, routing, the residual
@@ -17,8 +21,11 @@ from llama.cpp's own converter; each engine in a fresh process at its own defaul
 - llama.cpp: `perf record` (cpu-clock, 1999 Hz, both threads) started and stopped through its control fifo
   around the timed decode only, samples grouped by symbol into the same ops (`ggml_vec_dot_mxfp4_q8_0`: routed
   experts; `ggml_vec_dot_bf16` and the bf16 conversions: trunk matmuls; the activation quantizers; attention;
-  the thread pool's barrier and spin). An op's ms per token is its share of the samples times the decode's wall
-  time per token (every ggml op runs on all threads between barriers, so a CPU share is a wall share). Needs
+  the thread pool's barrier and spin). A family's file multiplies its experts, trunk and lm_head with one dot per
+  format (`ggml_vec_dot_q8_0_q8_0` for all three in a Q8_0 file), so its ops are grouped by format, not by role:
+  compare their sum with k3serve's matmul rows. An op's ms per token is its share of the samples times the
+  decode's wall time per token (every ggml op runs on all threads between barriers, so a CPU share is a wall
+  share). Needs
   `perf` (linux-perf); without it that side is skipped and said so.
 
 Prints the machine, one table per engine, and a JSON record on the last line (--out also writes it).
@@ -43,15 +50,15 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-K3SERVE_CHILD = r"""
+# The k3serve children: a head (the timers and the wrapper), the model's own part (load, what to wrap), a tail (the
+# timed decode and its JSON line, "the rest" named by REST).
+CHILD_HEAD = r"""
 import json, sys, time
 import numpy as np
 spec = json.loads(sys.argv[1])
 from k3serve.loading import load_model
-from k3serve.model import k3 as k3_module, kda, mla, moe
 from k3serve.model.interface import ForwardItem
 
-model = load_model(spec["checkpoint"]).model
 timers = {}
 bytes_read = {}
 
@@ -69,16 +76,9 @@ def wrap(module, name, op, count_bytes):
         bytes_read[op] = bytes_read.get(op, 0) + count_bytes(args)
         return out
     setattr(module, name, timed)
+"""
 
-def expert_bytes(args):
-    stacked, ids = args[0], args[1]
-    return sum(int(a[0].nbytes) for a in stacked) * len(ids)
-
-wrap(moe, "mxfp4_experts_accumulate_stacked", "routed experts (MXFP4)", expert_bytes)
-wrap(moe, "linear", "MoE trunk matmuls (latent down/up, shared expert)", lambda a: weight_bytes(a[1]))
-wrap(kda, "linear", "KDA projections", lambda a: weight_bytes(a[1]))
-wrap(mla, "linear", "MLA projections", lambda a: weight_bytes(a[1]))
-wrap(k3_module, "linear", "lm_head and dense MLP", lambda a: weight_bytes(a[1]))
+CHILD_TAIL = r"""
 rng = np.random.default_rng(0)
 prompt = rng.integers(3, model.config.vocab_size - 8, 64)
 cache = model.new_cache()
@@ -91,10 +91,49 @@ for _ in range(spec["steps"]):
     token = int(np.argmax(model.forward([ForwardItem(np.array([token]), cache)]).logits[0][-1]))
 wall = (time.perf_counter() - started) / spec["steps"]
 ops = {op: {"ms": t / spec["steps"] * 1e3, "bytes": bytes_read[op] // spec["steps"]} for op, t in timers.items()}
-ops["the rest (Python, norms, routing, attention cores, residual stack)"] = {
-    "ms": wall * 1e3 - sum(o["ms"] for o in ops.values()), "bytes": 0}
+ops[REST] = {"ms": wall * 1e3 - sum(o["ms"] for o in ops.values()), "bytes": 0}
 print(json.dumps({"wall_ms": wall * 1e3, "ops": ops}))
 """
+
+K3SERVE_CHILD = CHILD_HEAD + r"""
+from k3serve.model import k3 as k3_module, kda, mla, moe
+
+model = load_model(spec["checkpoint"]).model
+
+def expert_bytes(args):
+    stacked, ids = args[0], args[1]
+    return sum(int(a[0].nbytes) for a in stacked) * len(ids)
+
+wrap(moe, "mxfp4_experts_accumulate_stacked", "routed experts (MXFP4)", expert_bytes)
+wrap(moe, "linear", "MoE trunk matmuls (latent down/up, shared expert)", lambda a: weight_bytes(a[1]))
+wrap(kda, "linear", "KDA projections", lambda a: weight_bytes(a[1]))
+wrap(mla, "linear", "MLA projections", lambda a: weight_bytes(a[1]))
+wrap(k3_module, "linear", "lm_head and dense MLP", lambda a: weight_bytes(a[1]))
+REST = "the rest (Python, norms, routing, attention cores, residual stack)"
+""" + CHILD_TAIL
+
+FAMILY_CHILD = CHILD_HEAD + r"""
+from k3serve.model.families import attention, decoder, experts, moe
+from k3serve.model.families.moe import MoEBlock
+
+model = load_model(spec["checkpoint"], expert_precision=spec["precision"],
+                   trunk_precision=spec["trunk_precision"]).model
+for layer in model.layers:  # resident, as llama.cpp's: every expert packed first
+    if isinstance(layer.mlp, MoEBlock):
+        for expert in range(layer.mlp.router.weight.shape[0]):
+            layer.mlp.experts.get(layer.mlp.layer, expert)
+
+def expert_bytes(args):
+    stacked, pairs = args[1], args[2]
+    return sum(int(a[0].nbytes) for a in stacked if a is not None) * len(pairs.expert_ids)
+
+wrap(experts, "run_experts", f"routed experts ({spec['precision']})", expert_bytes)
+wrap(attention, "linear", f"attention projections ({spec['trunk_precision']} trunk)", lambda a: weight_bytes(a[1]))
+wrap(attention, "causal_attention", "attention core (over the cache)", lambda a: 0)
+wrap(moe, "linear", "MoE trunk matmuls (shared expert)", lambda a: weight_bytes(a[1]))
+wrap(decoder, "linear", "lm_head", lambda a: weight_bytes(a[1]))
+REST = "the rest (Python, norms, routing, rope, residual adds)"
+""" + CHILD_TAIL
 
 LLAMA_CHILD = r"""
 import json, os, sys, time
@@ -131,9 +170,19 @@ LLAMA_OPS = [
     ("math (exp, tanh, sigmoid, norms)", r"exp|tanh|sigmoid|norm|silu|glu|unary|mul$|add$|forward_mul|"
                                          r"forward_add|forward_scale|ssm|gla|delta"),
 ]
+# a family's file: one dot per weight format, whatever the matrix's role (experts, trunk, lm_head)
+LLAMA_FAMILY_OPS = [
+    ("matmuls on MXFP4 (the experts of MXFP4_MOE)", r"mxfp4"),
+    ("matmuls on Q8_0 (a Q8_0 file's experts, trunk, lm_head; MXFP4_MOE's trunk, lm_head)",
+     r"q8_0_q8_0|gemv_q8|gemm_q8"),
+    ("matmuls on BF16 (a BF16 file's experts, trunk, lm_head)", r"vec_dot_bf16|bf16_to_fp32|fp32_to_bf16|gemm_bf16"),
+    ("activation quantization (q8_0)", r"quantize_row_q8|quantize_q8"),
+    ("other matmul code (mul_mat, mul_mat_id)", r"mul_mat"),
+    *LLAMA_OPS[3:],
+]
 
 
-def llama_ops(perf_data: Path, wall_ms: float) -> dict:
+def llama_ops(perf_data: Path, wall_ms: float, groups: list[tuple[str, str]] = LLAMA_OPS) -> dict:
     report = subprocess.run(["perf", "report", "-i", str(perf_data), "--no-children", "--sort", "symbol",
                              "-F", "overhead,sym", "--stdio", "-g", "none", "--percent-limit", "0"], capture_output=True, text=True)
     shares: dict[str, float] = {}
@@ -144,7 +193,7 @@ def llama_ops(perf_data: Path, wall_ms: float) -> dict:
             continue
         share, symbol = float(match.group(1)) / 100, re.sub(r"[\s-]+$", "", match.group(2))
         symbols[symbol] = symbols.get(symbol, 0.0) + share
-        op = next((name for name, pattern in LLAMA_OPS if re.search(pattern, symbol)), "other")
+        op = next((name for name, pattern in groups if re.search(pattern, symbol)), "other")
         shares[op] = shares.get(op, 0.0) + share
     total = sum(shares.values()) or 1.0
     top = sorted(symbols.items(), key=lambda kv: -kv[1])[:12]
@@ -155,7 +204,8 @@ def llama_ops(perf_data: Path, wall_ms: float) -> dict:
 def run_k3serve(spec: dict) -> dict:
     from k3serve.host import defaults_environment
 
-    done = subprocess.run([sys.executable, "-c", K3SERVE_CHILD, json.dumps(spec)], capture_output=True, text=True,
+    child = K3SERVE_CHILD if spec["family"] == "k3" else FAMILY_CHILD
+    done = subprocess.run([sys.executable, "-c", child, json.dumps(spec)], capture_output=True, text=True,
                           env=defaults_environment(spec["threads"]), check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -176,7 +226,7 @@ def run_llama(spec: dict, perf: str | None) -> dict:
                                f"fifo:{fifo}", "-o", str(data), "--", *command, json.dumps(spec)],
                               capture_output=True, text=True, env=env, check=True)
         out = json.loads(next(line for line in reversed(done.stdout.strip().splitlines()) if line.startswith("{")))
-        out.update(llama_ops(data, out["wall_ms"]))
+        out.update(llama_ops(data, out["wall_ms"], LLAMA_OPS if spec["family"] == "k3" else LLAMA_FAMILY_OPS))
         return out
 
 
@@ -189,21 +239,33 @@ def main() -> None:
     parser.add_argument("--latent", type=int, default=32)
     parser.add_argument("--sdist", type=Path, default=Path("/tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz"))
     parser.add_argument("--engines", default="k3serve,llama.cpp", help="comma-separated subset of k3serve,llama.cpp")
+    parser.add_argument("--target", default="k3", help="k3 (the widened K3) or a family's real-width fixture: "
+                                                       "qwen3_moe, kimi_linear, deepseek_v3, qwen3_next")
+    parser.add_argument("--precision", default="int8", choices=("bf16", "int8", "mxfp4"),
+                        help="a family's k3serve precision (against BF16 / Q8_0 / MXFP4_MOE)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engines = args.engines.split(",")
     if not engines or any(e not in ("k3serve", "llama.cpp") for e in engines):
         parser.error(f"--engines must name k3serve and/or llama.cpp, got {args.engines!r}")
 
-    from bench_peers import build_gguf, llama_cpp_tree, triad_bandwidth, widened_checkpoint
+    from bench_peers import (PAIRS, build_gguf, family_target, llama_cpp_tree, triad_bandwidth, trunk_precision,
+                             widened_checkpoint)
     from k3serve.host import describe_host
     from k3serve.weights.checkpoint import Checkpoint
 
-    checkpoint = widened_checkpoint(args.inner, args.latent)
-    gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist)) if "llama.cpp" in engines else None
-    vocab = Checkpoint(checkpoint).config.vocab_size
-    spec = {"checkpoint": str(checkpoint), "gguf": str(gguf), "steps": args.steps, "threads": args.threads,
-            "vocab": vocab, "benchmarks": str(HERE)}
+    spec: dict = {"family": args.target}
+    if args.target == "k3":
+        checkpoint = widened_checkpoint(args.inner, args.latent)
+        gguf = build_gguf(checkpoint, llama_cpp_tree(args.sdist)) if "llama.cpp" in engines else None
+    else:  # the GGUFs come with the fixture (llama.cpp's converter and quantizer: needs the sdist's tree)
+        target = family_target(args.target, "real", llama_cpp_tree(args.sdist), [args.precision])
+        checkpoint, gguf = target.checkpoint, target.ggufs[PAIRS[args.precision]]
+        spec.update(precision=args.precision,
+                    trunk_precision=trunk_precision(target, PAIRS[args.precision], "match"))
+    vocab = Checkpoint(checkpoint).config.vocab_size if args.target == "k3" else target.vocab
+    spec.update({"checkpoint": str(checkpoint), "gguf": str(gguf), "steps": args.steps, "threads": args.threads,
+                 "vocab": vocab, "benchmarks": str(HERE)})
     perf = shutil.which("perf")
     triad = triad_bandwidth()
     runs: dict[str, list[dict]] = {engine: [] for engine in engines}
@@ -216,7 +278,9 @@ def main() -> None:
     host = describe_host()
     print(host, f"| triad {triad:.1f} GB/s | perf: {perf or 'not found (llama.cpp per-op skipped)'}")
     record: dict = {"benchmark": "decode_ops", "machine": host, "triad_gb_s": triad, "steps": args.steps,
-                    "rounds": args.rounds, "threads": args.threads, "checkpoint": str(checkpoint),
+                    "rounds": args.rounds, "threads": args.threads, "target": args.target,
+                    "precision": spec.get("precision"), "trunk_precision": spec.get("trunk_precision"),
+                    "checkpoint": str(checkpoint),
                     "gguf": str(gguf), "engines": {}, "runs": runs}
     for engine, rs in runs.items():
         wall = statistics.median(r["wall_ms"] for r in rs)
