@@ -47,7 +47,7 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale:
     if T > N:
         raise ValueError(f"{T} queries over {N} keys: the queries must be the last T of the keys")
     if T * N <= query_block * key_block:  # one tile holds every score (decode, short prompts): the folded products
-        query_block, key_block = max(T, 1), max(N, 1)  # below, once (2.1x the whole-matrix twin at decode)
+        query_block, key_block = max(T, 1), max(N, 1)  # below, once (1.25-1.7x the whole-matrix twin at decode)
     lead = np.broadcast_shapes(q.shape[:-2], keys.shape[:-2], values.shape[:-2])
     out = np.empty(lead + (T, values.shape[-1]), np.float32)  # [..., T, DV]
     scaled = q * np.float32(scale)

@@ -31,7 +31,6 @@ from k3serve.model.routing import ExpertTopP, Routing, keep_top_p, pairs_by_expe
 from k3serve.model.ops import sigmoid, silu
 
 
-
 def _top_k(values: np.ndarray, k: int) -> np.ndarray:
     """Indices [T, k] of the k largest values per row, best first; the stable sort keeps lower ids first."""
     return np.argsort(-values, axis=1, kind="stable")[:, :k]
