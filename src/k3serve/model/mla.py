@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from k3serve.config import K3Config
-from k3serve.model.causal_attention import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, causal_attention
+from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, absorb_queries, causal_attention,
+                                            values_from_latent)
 from k3serve.model.kernels import linear
 from k3serve.model.ops import rms_norm, sigmoid, softmax
 from k3serve.model.weights import MLAWeights
@@ -46,12 +47,12 @@ def mla_attend(config: K3Config, w: MLAWeights, q: np.ndarray, cache: np.ndarray
     q [T, NA, DN+DR], cache [N, KL+DR], gate [T, NA*DV] -> [T, H]."""
     KL, DN, DR = config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim
     T = q.shape[0]
-    q_latent = np.einsum("tad,adk->atk", q[:, :, :DN], w.w_uk)  # [NA, T, KL]
+    q_latent = absorb_queries(q[:, :, :DN], w.w_uk)  # [NA, T, KL]
     q_rope = q[:, :, DN:].transpose(1, 0, 2)  # [NA, T, DR]
     absorbed = np.concatenate([q_latent, q_rope], axis=2)  # [NA, T, KL+DR], against cache rows [latent | k_rope]
     out_latent = causal_attention(absorbed, cache, cache[:, :KL], 1.0 / np.sqrt(DN + DR),
                                   query_block, key_block)  # [NA, T, KL]
-    attn = np.einsum("atk,avk->tav", out_latent, w.w_uv).reshape(T, -1)  # [T, NA*DV]
+    attn = values_from_latent(out_latent, w.w_uv)  # [T, NA*DV]
     if gate is not None:
         attn = attn * sigmoid(gate)
     return linear(attn, w.o_proj)
@@ -83,7 +84,7 @@ def mla_decode_batch(config: K3Config, w: MLAWeights, q: np.ndarray, caches: lis
     The same function as `mla_attend` on each sequence alone (one query sees every cached row)."""
     KL, DN, DR = config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim
     B, NA = q.shape[0], q.shape[1]
-    q_latent = np.einsum("bad,adk->bak", q[:, :, :DN], w.w_uk)  # [B, NA, KL]
+    q_latent = absorb_queries(q[:, :, :DN], w.w_uk).transpose(1, 0, 2)  # [B, NA, KL]
     absorbed = np.concatenate([q_latent, q[:, :, DN:]], axis=2)  # [B, NA, KL+DR]
     scale = np.float32(1.0 / np.sqrt(DN + DR))
     out_latent = np.empty((B, NA, KL), np.float32)  # [B, NA, KL]
@@ -91,7 +92,7 @@ def mla_decode_batch(config: K3Config, w: MLAWeights, q: np.ndarray, caches: lis
         scores = (absorbed[b] @ rows.T) * scale  # [NA, N_b]
         probs = np.exp(scores - scores.max(axis=1, keepdims=True))
         out_latent[b] = (probs @ rows[:, :KL]) / probs.sum(axis=1, keepdims=True)
-    attn = np.einsum("bak,avk->bav", out_latent, w.w_uv).reshape(B, -1)  # [B, NA*DV]
+    attn = values_from_latent(out_latent.transpose(1, 0, 2), w.w_uv)  # [B, NA*DV]
     if gate is not None:
         attn = attn * sigmoid(gate)
     return linear(attn, w.o_proj)

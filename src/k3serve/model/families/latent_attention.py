@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, causal_attention,
-                                            causal_attention_reference)
+from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, absorb_queries,
+                                            causal_attention, causal_attention_reference, values_from_latent)
 from k3serve.model.families.decoder import Batch
 from k3serve.model.families.rope import Rotary
 from k3serve.model.kernels import linear
@@ -88,14 +88,14 @@ class LatentAttention:
 
     def _absorbed(self, q: np.ndarray) -> np.ndarray:
         """q [T, NA, DN+DR] -> [W_uk^T q_nope | q_rope] [NA, T, KL+DR], against cached rows [latent | k_rope]."""
-        q_latent = np.einsum("tad,adk->atk", q[:, :, :self.nope_dim], self.weights.w_uk)  # [NA, T, KL]
+        q_latent = absorb_queries(q[:, :, :self.nope_dim], self.weights.w_uk)  # [NA, T, KL]
         return np.concatenate([q_latent, q[:, :, self.nope_dim:].transpose(1, 0, 2)], axis=2)
 
     def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
         """q [T, NA, DN+DR] over cached rows [N, KL+DR]; the new tokens are the last T rows. -> [T, NA*DV]."""
         out_latent = causal_attention(self._absorbed(q), cached, cached[:, :self.kv_lora_rank], self.scale,
                                       self.query_block, self.key_block)  # [NA, T, KL]
-        return np.einsum("atk,avk->tav", out_latent, self.weights.w_uv).reshape(q.shape[0], -1)  # [T, NA*DV]
+        return values_from_latent(out_latent, self.weights.w_uv)  # [T, NA*DV]
 
     def _attend_reference(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
         """The dense twin of `_attend` ([NA, T, N] scores at once)."""
