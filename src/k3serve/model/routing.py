@@ -129,9 +129,10 @@ class ExpertPairs:
 
 
 # Tokens of a prompt whose routed experts one compiled call runs, where the experts are resident (K3's stacked
-# layers, the families' ExpertStore): the pairs' outputs and hidden rows scale with the tokens of a call (at 2048
-# tokens 134 MB in Qwen3-30B-A3B's widths, 240 MiB in the widened K3's) and were prefill's peak memory. Each token
-# gets the same bits whatever the other tokens of its call, and its experts are still added in ascending id.
+# layers, the families' ExpertStore), and that one call of a family's dense or shared MLP runs: the pairs' outputs
+# and hidden rows scale with the tokens of a call (at 2048 tokens 134 MB in Qwen3-30B-A3B's widths, 240 MiB in the
+# widened K3's; a dense MLP's gate and up rows 368 MB in Moonlight's layer 0) and were prefill's peak memory. Each
+# token gets the same bits whatever the other tokens of its call, and its experts are still added in ascending id.
 MOE_CHUNK_TOKENS = 512
 
 

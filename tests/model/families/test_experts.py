@@ -117,6 +117,25 @@ def test_store_refuses_an_expert_outside_the_layer_or_in_another_format():
         store.get(0, 3)
 
 
+def test_a_dense_mlp_runs_a_long_prompt_in_chunks(monkeypatch):
+    """A dense (or shared) SiLU-GLU MLP runs a long prompt MOE_CHUNK_TOKENS rows at a time (prefill's peak memory):
+    the rows of one call, within float32 round-off (BLAS may block other row counts differently)."""
+    from k3serve.model import routing as routing_module
+    from k3serve.model.families import moe
+
+    rng = np.random.default_rng(10)
+    mlp = moe.GLUWeights(rng.standard_normal((2 * 24, 16), dtype=np.float32),
+                         rng.standard_normal((16, 24), dtype=np.float32))
+    x = rng.standard_normal((23, 16), dtype=np.float32)
+    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 5)
+    chunked = mlp(x)
+    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 1 << 20)
+    whole = mlp(x)
+    assert chunked.shape == whole.shape == (23, 16)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(chunked[7], mlp(x[7:8])[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("precision", ["int8", "mxfp4", "native"])
 def test_a_long_prompt_runs_its_experts_in_chunks_with_the_same_bits(precision, monkeypatch):
     """The MoE block runs a resident store's experts MOE_CHUNK_TOKENS tokens at a time (prefill's peak memory):
