@@ -86,7 +86,8 @@ class GLUWeights:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         # a long prompt MOE_CHUNK_TOKENS rows at a time: gate and up [T, 2I] and the product [T, I] were the peak of
-        # a 2048-token prefill (Moonlight's dense layer 0, I = 11264: 368 MB); a row's arithmetic is unchanged
+        # a 2048-token prefill (Moonlight's dense layer 0, I = 11264: 368 MB); each row runs the same operations
+        # (the Q8_0 and bf16 row dots give it the same bits; BLAS may round another row count differently)
         step = routing_module.MOE_CHUNK_TOKENS
         if x.shape[0] <= step:
             return self._rows(x)
