@@ -87,7 +87,8 @@ class GLUWeights:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         # a long prompt MOE_CHUNK_TOKENS rows at a time: gate and up [T, 2I] and the product [T, I] were the peak of
         # a 2048-token prefill (Moonlight's dense layer 0, I = 11264: 368 MB); each row runs the same operations
-        # (the Q8_0 and bf16 row dots give it the same bits; BLAS may round another row count differently)
+        # (a Q8_0 trunk's row dot gives it the same bits; bf16 and float32 matrices go to BLAS from 32 rows, which
+        # may round another row count differently)
         step = routing_module.MOE_CHUNK_TOKENS
         if x.shape[0] <= step:
             return self._rows(x)
