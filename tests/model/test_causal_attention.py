@@ -116,6 +116,19 @@ def test_mla_attend_tiled_equals_the_dense_twin(tiny_model):
     assert _relative_max(ours, mla_attend_reference(config, w, q, cache, gate)) < 1e-5
 
 
+NA, KL, DN, DR, DV = 3, 16, 8, 4, 8  # the small latent attention below: heads, latent, nope, rope, value widths
+
+
+def _latent_attention(rng: np.random.Generator, query_block: int) -> LatentAttention:
+    """Only the attention core's weights (W_uk, W_uv): `_attend` and its twin, without projections."""
+    weights = LatentAttentionWeights(in_proj=None, q_a_norm=None, q_b=None, kv_a_norm=None,
+                                     w_uk=rng.standard_normal((NA, DN, KL), dtype=np.float32),
+                                     w_uv=rng.standard_normal((NA, DV, KL), dtype=np.float32), o_proj=None)
+    return LatentAttention(layer=0, weights=weights, num_heads=NA, q_lora_rank=None, kv_lora_rank=KL, nope_dim=DN,
+                           rope_dim=DR, value_dim=DV, scale=0.3, rotary=None, norm_eps=1e-6,
+                           query_block=query_block, key_block=10)
+
+
 def test_family_attention_tiled_equals_the_dense_twin():
     rng = np.random.default_rng(4)
     gqa = GQAAttention(layer=0, weights=None, num_heads=6, num_kv_heads=2, head_dim=8, rotary=None, eps=1e-6,
@@ -124,13 +137,7 @@ def test_family_attention_tiled_equals_the_dense_twin():
     cached = rng.standard_normal((60, 2 * 2 * 8), dtype=np.float32)
     assert _relative_max(gqa._attend(q, cached), gqa._attend_reference(q, cached)) < RTOL
 
-    NA, KL, DN, DR, DV = 3, 16, 8, 4, 8
-    weights = LatentAttentionWeights(in_proj=None, q_a_norm=None, q_b=None, kv_a_norm=None,
-                                     w_uk=rng.standard_normal((NA, DN, KL), dtype=np.float32),
-                                     w_uv=rng.standard_normal((NA, DV, KL), dtype=np.float32), o_proj=None)
-    latent = LatentAttention(layer=0, weights=weights, num_heads=NA, q_lora_rank=None, kv_lora_rank=KL,
-                             nope_dim=DN, rope_dim=DR, value_dim=DV, scale=0.3, rotary=None, norm_eps=1e-6,
-                             query_block=6, key_block=10)
+    latent = _latent_attention(rng, query_block=6)
     q = rng.standard_normal((33, NA, DN + DR), dtype=np.float32)
     cached = rng.standard_normal((50, KL + DR), dtype=np.float32)
     assert _relative_max(latent._attend(q, cached), latent._attend_reference(q, cached)) < 1e-5
@@ -142,13 +149,7 @@ def test_latent_attention_runs_a_long_prompts_queries_in_chunks(monkeypatch):
     from k3serve.model import routing
 
     rng = np.random.default_rng(6)
-    NA, KL, DN, DR, DV = 3, 16, 8, 4, 8
-    weights = LatentAttentionWeights(in_proj=None, q_a_norm=None, q_b=None, kv_a_norm=None,
-                                     w_uk=rng.standard_normal((NA, DN, KL), dtype=np.float32),
-                                     w_uv=rng.standard_normal((NA, DV, KL), dtype=np.float32), o_proj=None)
-    latent = LatentAttention(layer=0, weights=weights, num_heads=NA, q_lora_rank=None, kv_lora_rank=KL,
-                             nope_dim=DN, rope_dim=DR, value_dim=DV, scale=0.3, rotary=None, norm_eps=1e-6,
-                             query_block=4, key_block=10)
+    latent = _latent_attention(rng, query_block=4)
     q = rng.standard_normal((33, NA, DN + DR), dtype=np.float32) * 3
     cached = rng.standard_normal((50, KL + DR), dtype=np.float32)
     monkeypatch.setattr(routing, "MOE_CHUNK_TOKENS", 8)  # a multiple of the query tile, and a short last chunk
