@@ -130,7 +130,7 @@ def expert_bytes(args):
 wrap(experts, "run_experts", f"routed experts ({spec['precision']})", expert_bytes)
 wrap(attention, "linear", f"attention projections ({spec['trunk_precision']} trunk)", lambda a: weight_bytes(a[1]))
 wrap(attention, "causal_attention", "attention core (over the cache)", lambda a: 0)
-wrap(moe, "linear", "MoE trunk matmuls (shared expert)", lambda a: weight_bytes(a[1]))
+wrap(moe, "linear", "dense and shared MLPs", lambda a: weight_bytes(a[1]))
 wrap(decoder, "linear", "lm_head", lambda a: weight_bytes(a[1]))
 REST = "the rest (Python, norms, routing, rope, residual adds)"
 """ + CHILD_TAIL

@@ -144,7 +144,7 @@ def test_family_attention_tiled_equals_the_dense_twin():
 
 
 def test_latent_attention_runs_a_long_prompts_queries_in_chunks(monkeypatch):
-    """A long prompt's queries go MOE_CHUNK_TOKENS at a time, each chunk over the cached rows up to its last query
+    """A long prompt's queries go PREFILL_CHUNK_TOKENS at a time, each chunk over the cached rows up to its last query
     (prefill's peak memory): within round-off of one call and of the dense twin."""
     from k3serve.model import routing
 
@@ -152,9 +152,9 @@ def test_latent_attention_runs_a_long_prompts_queries_in_chunks(monkeypatch):
     latent = _latent_attention(rng, query_block=4)
     q = rng.standard_normal((33, NA, DN + DR), dtype=np.float32) * 3
     cached = rng.standard_normal((50, KL + DR), dtype=np.float32)
-    monkeypatch.setattr(routing, "MOE_CHUNK_TOKENS", 8)  # a multiple of the query tile, and a short last chunk
+    monkeypatch.setattr(routing, "PREFILL_CHUNK_TOKENS", 8)  # a multiple of the query tile, and a short last chunk
     chunked = latent._attend(q, cached)
-    monkeypatch.setattr(routing, "MOE_CHUNK_TOKENS", 1 << 20)
+    monkeypatch.setattr(routing, "PREFILL_CHUNK_TOKENS", 1 << 20)
     whole = latent._attend(q, cached)
     assert chunked.shape == whole.shape == (33, NA * DV)
     assert _relative_max(chunked, whole) < RTOL

@@ -104,19 +104,17 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     if remote_y is not None:  # [T*TOPK, LT] from the expert owners
         accumulate_expert_rows(remote_y, tokens_by_expert, weights_by_expert, mixed)
     elif stacked is not None:  # every expert of the layer in one call, spread over the cores
-        # a long prompt MOE_CHUNK_TOKENS tokens a call (routing.py: the calls' buffers were prefill's peak memory);
+        # a long prompt PREFILL_CHUNK_TOKENS tokens a call (routing.py: the calls' buffers were prefill's peak memory);
         # each token's row is the same bits, its experts added in ascending id as in one call
-        step = routing_module.MOE_CHUNK_TOKENS
+        step = routing_module.PREFILL_CHUNK_TOKENS
         for first in range(0, T, step):
-            if T > step:
-                rows = slice(first, first + step)
-                pairs = pairs_by_expert(routing.expert_ids[rows])
-                weights_by_expert = np.ascontiguousarray(routing.weights[rows].ravel()[pairs.order])
-            else:
-                rows = slice(0, T)
-            mxfp4_experts_accumulate_stacked(stacked, np.asarray(pairs.expert_ids, np.int64), z[rows], pairs.tokens,
-                                             np.asarray(pairs.starts, np.int64), np.asarray(pairs.ends, np.int64),
-                                             weights_by_expert, beta, linear_beta, mixed[rows])
+            rows = slice(first, first + step)
+            chunk = pairs if T <= step else pairs_by_expert(routing.expert_ids[rows])
+            chunk_weights = (weights_by_expert if T <= step
+                             else np.ascontiguousarray(routing.weights[rows].ravel()[chunk.order]))
+            mxfp4_experts_accumulate_stacked(stacked, np.asarray(chunk.expert_ids, np.int64), z[rows], chunk.tokens,
+                                             np.asarray(chunk.starts, np.int64), np.asarray(chunk.ends, np.int64),
+                                             chunk_weights, beta, linear_beta, mixed[rows])
     else:  # one call per expert, ascending id (a lazy mapping may reuse a slot for the next expert)
         experts = fetch_experts([int(e) for e in needed])
         single = np.zeros(1, np.int64)

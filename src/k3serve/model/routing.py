@@ -133,7 +133,7 @@ class ExpertPairs:
 # and hidden rows scale with the tokens of a call (at 2048 tokens 134 MB in Qwen3-30B-A3B's widths, 240 MiB in the
 # widened K3's; a dense MLP's gate and up rows 368 MB in Moonlight's layer 0) and were prefill's peak memory. Each
 # token gets the same bits whatever the other tokens of its call, and its experts are still added in ascending id.
-MOE_CHUNK_TOKENS = 512
+PREFILL_CHUNK_TOKENS = 512
 
 
 def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:

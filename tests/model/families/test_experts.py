@@ -118,7 +118,7 @@ def test_store_refuses_an_expert_outside_the_layer_or_in_another_format():
 
 
 def test_a_dense_mlp_runs_a_long_prompt_in_chunks(monkeypatch):
-    """A dense (or shared) SiLU-GLU MLP runs a long prompt MOE_CHUNK_TOKENS rows at a time (prefill's peak memory):
+    """A dense (or shared) SiLU-GLU MLP runs a long prompt PREFILL_CHUNK_TOKENS rows at a time (prefill's peak memory):
     the rows of one call, within float32 round-off (BLAS may block other row counts differently)."""
     from k3serve.model import routing as routing_module
     from k3serve.model.families import moe
@@ -127,9 +127,9 @@ def test_a_dense_mlp_runs_a_long_prompt_in_chunks(monkeypatch):
     mlp = moe.GLUWeights(rng.standard_normal((2 * 24, 16), dtype=np.float32),
                          rng.standard_normal((16, 24), dtype=np.float32))
     x = rng.standard_normal((23, 16), dtype=np.float32)
-    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 5)
+    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 5)
     chunked = mlp(x)
-    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 1 << 20)
+    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 1 << 20)
     whole = mlp(x)
     assert chunked.shape == whole.shape == (23, 16)
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
@@ -138,7 +138,7 @@ def test_a_dense_mlp_runs_a_long_prompt_in_chunks(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["int8", "mxfp4", "native"])
 def test_a_long_prompt_runs_its_experts_in_chunks_with_the_same_bits(precision, monkeypatch):
-    """The MoE block runs a resident store's experts MOE_CHUNK_TOKENS tokens at a time (prefill's peak memory):
+    """The MoE block runs a resident store's experts PREFILL_CHUNK_TOKENS tokens at a time (prefill's peak memory):
     each token's output has the bits of the whole prompt in one call."""
     from k3serve.model import routing as routing_module
     from k3serve.model.families import moe
@@ -150,9 +150,9 @@ def test_a_long_prompt_runs_its_experts_in_chunks_with_the_same_bits(precision, 
                          experts=ExpertStore(lambda layer, e: matrices[e], precision, num_experts), shared=None,
                          shared_gate=None)
     x = np.random.default_rng(9).standard_normal((23, hidden)).astype(np.float32)
-    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 5)
+    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 5)
     chunked, routing = block(x)
-    monkeypatch.setattr(routing_module, "MOE_CHUNK_TOKENS", 1 << 20)
+    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 1 << 20)
     whole, _ = block(x)
     np.testing.assert_array_equal(chunked, whole)
     assert routing.expert_ids.shape == (23, 2) and block.experts.num_loaded > 2

@@ -94,10 +94,10 @@ class LatentAttention:
 
     def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
         """q [T, NA, DN+DR] over cached rows [N, KL+DR]; the new tokens are the last T rows. -> [T, NA*DV]. A long
-        prompt's queries go MOE_CHUNK_TOKENS at a time, each chunk over the rows up to its last query: the absorbed
+        prompt's queries go PREFILL_CHUNK_TOKENS at a time, each chunk over the rows up to its last query: the absorbed
         queries and latent outputs [NA, T, KL] were a 2048-token prefill's peak (Moonlight's 16 heads: 290 MB
         with their copies); each query row sees the same key tiles in the same order."""
-        T, N, step = q.shape[0], cached.shape[0], routing.MOE_CHUNK_TOKENS
+        T, N, step = q.shape[0], cached.shape[0], routing.PREFILL_CHUNK_TOKENS
         if T <= step:
             return self._attend_rows(q, cached)
         out = np.empty((T, self.num_heads * self.value_dim), np.float32)  # [T, NA*DV]

@@ -85,11 +85,11 @@ class GLUWeights:
     down: np.ndarray  # [H, I]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        # a long prompt MOE_CHUNK_TOKENS rows at a time: gate and up [T, 2I] and the product [T, I] were the peak of
+        # a long prompt PREFILL_CHUNK_TOKENS rows at a time: gate and up [T, 2I] and the product [T, I] were the peak of
         # a 2048-token prefill (Moonlight's dense layer 0, I = 11264: 368 MB); each row runs the same operations
         # (a Q8_0 trunk's row dot gives it the same bits; bf16 and float32 matrices go to BLAS from 32 rows, which
         # may round another row count differently)
-        step = routing_module.MOE_CHUNK_TOKENS
+        step = routing_module.PREFILL_CHUNK_TOKENS
         if x.shape[0] <= step:
             return self._rows(x)
         out = np.empty((x.shape[0], self.down.shape[0]), np.float32)  # [T, H]
@@ -124,10 +124,10 @@ class MoEBlock:
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing]:
         routing = keep_top_p(self.router(x), self.top_p, self.router.normalize)
         out = np.zeros(x.shape, np.float32)  # [T, H]
-        # The resident store runs a long prompt's experts MOE_CHUNK_TOKENS tokens at a time (routing.py); every
+        # The resident store runs a long prompt's experts PREFILL_CHUNK_TOKENS tokens at a time (routing.py); every
         # expert path but BLAS (bf16 / float32 experts with 256 tokens or more) and the block-scaled tile gives a
         # token the same bits whatever the other tokens. A streaming store would read its experts once a chunk.
-        step = routing_module.MOE_CHUNK_TOKENS if isinstance(self.experts, ExpertStore) else max(1, x.shape[0])
+        step = routing_module.PREFILL_CHUNK_TOKENS if isinstance(self.experts, ExpertStore) else max(1, x.shape[0])
         for first in range(0, x.shape[0], step):
             rows = slice(first, first + step)
             pairs = pairs_by_expert(routing.expert_ids[rows])  # experts ascending: a fixed order per token
