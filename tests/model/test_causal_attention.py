@@ -143,24 +143,6 @@ def test_family_attention_tiled_equals_the_dense_twin():
     assert _relative_max(latent._attend(q, cached), latent._attend_reference(q, cached)) < 1e-5
 
 
-def test_latent_attention_runs_a_long_prompts_queries_in_chunks(monkeypatch):
-    """A long prompt's queries go PREFILL_CHUNK_TOKENS at a time, each chunk over the cached rows up to its last query
-    (prefill's peak memory): within round-off of one call and of the dense twin."""
-    from k3serve.model import routing
-
-    rng = np.random.default_rng(6)
-    latent = _latent_attention(rng, query_block=4)
-    q = rng.standard_normal((33, NA, DN + DR), dtype=np.float32) * 3
-    cached = rng.standard_normal((50, KL + DR), dtype=np.float32)
-    monkeypatch.setattr(routing, "PREFILL_CHUNK_TOKENS", 8)  # a multiple of the query tile, and a short last chunk
-    chunked = latent._attend(q, cached)
-    monkeypatch.setattr(routing, "PREFILL_CHUNK_TOKENS", 1 << 20)
-    whole = latent._attend(q, cached)
-    assert chunked.shape == whole.shape == (33, NA * DV)
-    assert _relative_max(chunked, whole) < RTOL
-    assert _relative_max(chunked, latent._attend_reference(q, cached)) < 1e-5
-
-
 def test_whole_model_with_small_tiles_equals_one_tile(tiny_model):
     tiled = K3Model(tiny_model.source, attention_blocks=(7, 16))
     ids = np.random.default_rng(5).integers(3, 256, 150)

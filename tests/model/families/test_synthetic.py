@@ -86,3 +86,42 @@ def test_the_streamed_writer_scales_by_fan_in_and_keeps_a_finished_folder(tmp_pa
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     write_random_checkpoint_streaming(raw, folder, seed=9)  # a finished folder is kept as it is
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_row_groups_cut_only_the_segments_longer_than_a_group():
+    from k3serve.model.families.decoder import Batch
+
+    batch = Batch(segments=[(0, 3), (3, 15), (15, 16), (16, 18)], caches=["a", "b", "c", "d"], positions=np.arange(18))
+    groups = batch.row_groups(5)
+    assert [(first, last, part.segments, list(part.caches)) for first, last, part in groups] == [
+        (0, 3, [(0, 3)], ["a"]), (3, 8, [(0, 5)], ["b"]), (8, 13, [(0, 5)], ["b"]),
+        (13, 18, [(0, 2), (2, 3), (3, 5)], ["b", "c", "d"])]
+    assert all(np.array_equal(part.positions, np.arange(first, last)) for first, last, part in groups)
+    assert [(first, last) for first, last, _ in batch.row_groups(4)] == [(0, 3), (3, 7), (7, 11), (11, 15), (15, 18)]
+
+
+@pytest.mark.parametrize("family", SYNTHETIC_FAMILIES)
+def test_a_long_prompt_runs_its_mixers_in_row_groups(tmp_path, family, monkeypatch):
+    """Every mixer (GQA, MLA, KDA, gated DeltaNet) runs a long prompt PREFILL_CHUNK_TOKENS rows a call (prefill's
+    peak memory), each call from the attention rows, state and conv tail the previous one wrote: the logits of the
+    whole prompt in one call within float32 round-off (BLAS blocks other row counts differently), with a short
+    sequence in the same batch, and the same state after it."""
+    from k3serve.model import routing as routing_module
+    from k3serve.model.interface import ForwardItem
+
+    model = load_family(write_random_family(family, tmp_path, seed=6))
+    prompt = np.random.default_rng(6).integers(3, 60, 23)
+
+    def run() -> list[np.ndarray]:
+        long, short = model.new_cache(), model.new_cache()
+        first = model.forward([ForwardItem(prompt, long, all_logits=True), ForwardItem(prompt[:3], short, True)])
+        return first.logits + model.forward([ForwardItem(prompt[:1], long)]).logits  # the state after the prompt
+
+    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 5)
+    chunked = run()
+    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 1 << 20)
+    whole = run()
+    V = model.config.vocab_size
+    assert [a.shape for a in chunked] == [a.shape for a in whole] == [(23, V), (3, V), (1, V)]
+    for a, b in zip(chunked, whole):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)

@@ -24,6 +24,7 @@ from k3serve.model.interface import (MIXER, MLP, ForwardItem, ForwardResult, Pau
                                      SingleSequenceMixin, finish_batch, flatten_items, logit_rows)
 from k3serve.model.fused_ops import add_rms_norm, rms_norm_into
 from k3serve.model.kernels import linear, widen_bf16
+from k3serve.model import routing as routing_module
 from k3serve.model.routing import ExpertTopP, KeptExperts, Routing
 from k3serve.model.ops import rms_norm
 from k3serve.model.cache import CacheLayout, DenseSequenceCache, SequenceCache
@@ -90,6 +91,34 @@ class Batch:
         if key not in self.rotations:
             self.rotations[key] = rotary.cos_sin(self.positions)
         return self.rotations[key]
+
+    def row_groups(self, step: int) -> list[tuple[int, int, Batch]]:
+        """The batch as consecutive calls of at most `step` rows: (first row, end row, sub-batch) each.
+
+        A segment longer than `step` is cut into `step`-token pieces that run in order, each from the attention rows,
+        recurrent state and conv tail the previous piece wrote: a chunked prefill, with each token's result that of
+        the whole segment in one call up to float32 round-off. A shorter segment is never cut, so a speculative
+        verify window (at most 33 tokens) records its rollback window in one piece."""
+        groups: list[tuple[int, int, Batch]] = []
+        pending: list[tuple[int, int, SequenceCache]] = []
+
+        def flush() -> None:
+            if pending:
+                first, last = pending[0][0], pending[-1][1]
+                groups.append((first, last, Batch(segments=[(s - first, e - first) for s, e, _ in pending],
+                                                  caches=[cache for _, _, cache in pending],
+                                                  positions=self.positions[first:last])))
+                pending.clear()
+
+        for (start, end), cache in zip(self.segments, self.caches):
+            pieces = [(start, end)] if end - start <= step else [(s, min(s + step, end))
+                                                                  for s in range(start, end, step)]
+            for s, e in pieces:
+                if pending and e - pending[0][0] > step:
+                    flush()
+                pending.append((s, e, cache))
+        flush()
+        return groups
 
 
 class Mixer(Protocol):
@@ -208,8 +237,14 @@ class FamilyModel(SingleSequenceMixin):
         layers = self.layers
         if layers:
             rms_norm_into(h, layers[0].input_norm, eps32, x)
+        # A long prompt's mixers run PREFILL_CHUNK_TOKENS rows a call (routing.py): their projections, conv outputs,
+        # gates and queries (a dozen [T, heads x head dim] float32 arrays in KDA, 546 MB at 2048 tokens in Kimi
+        # Linear's widths) were the peak of prefill once the MLPs ran in chunks.
+        step = routing_module.PREFILL_CHUNK_TOKENS
+        groups = batch.row_groups(step) if ids.shape[0] > step else None
         for index, layer in enumerate(layers):
-            add_rms_norm(h, layer.mixer(x, batch), layer.post_attention_norm, eps32, x)  # h += mixer; x = norm(h)
+            mixed = layer.mixer(x, batch) if groups is None else _mix_in_groups(layer.mixer, x, groups)
+            add_rms_norm(h, mixed, layer.post_attention_norm, eps32, x)  # h += mixer; x = norm(h)
             if at_pause is not None:
                 at_pause(index, MIXER)
             if experts is not None and experts.prefetching:
@@ -230,6 +265,14 @@ class FamilyModel(SingleSequenceMixin):
 
         logits = linear(x[logit_rows(items, segments)], self.lm_head)  # [R, V]
         return finish_batch(items, segments, logits, result)
+
+
+def _mix_in_groups(mixer: Mixer, x: np.ndarray, groups: list[tuple[int, int, Batch]]) -> np.ndarray:
+    """mixer(x, batch) as one call per row group of `Batch.row_groups`, in order."""
+    out = np.empty_like(x)
+    for first, last, part in groups:
+        out[first:last] = mixer(x[first:last], part)
+    return out
 
 
 def pre_norm_layer(reader: TensorReader, prefix: str, hidden: int, mixer: Mixer, mlp: Mlp) -> DecoderLayer:

@@ -26,7 +26,6 @@ from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLO
                                             causal_attention, causal_attention_reference, values_from_latent)
 from k3serve.model.families.decoder import Batch
 from k3serve.model.families.rope import Rotary
-from k3serve.model import routing
 from k3serve.model.kernels import linear
 from k3serve.model.ops import rms_norm
 
@@ -93,20 +92,8 @@ class LatentAttention:
         return np.concatenate([q_latent, q[:, :, self.nope_dim:].transpose(1, 0, 2)], axis=2)
 
     def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
-        """q [T, NA, DN+DR] over cached rows [N, KL+DR]; the new tokens are the last T rows. -> [T, NA*DV]. A long
-        prompt's queries go PREFILL_CHUNK_TOKENS at a time, each chunk over the rows up to its last query: the absorbed
-        queries and latent outputs [NA, T, KL] were a 2048-token prefill's peak (Moonlight's 16 heads: 290 MB
-        with their copies); each query row sees the same key tiles in the same order."""
-        T, N, step = q.shape[0], cached.shape[0], routing.PREFILL_CHUNK_TOKENS
-        if T <= step:
-            return self._attend_rows(q, cached)
-        out = np.empty((T, self.num_heads * self.value_dim), np.float32)  # [T, NA*DV]
-        for first in range(0, T, step):
-            last = min(first + step, T)
-            out[first:last] = self._attend_rows(q[first:last], cached[:N - T + last])
-        return out
-
-    def _attend_rows(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        """q [T, NA, DN+DR] over cached rows [N, KL+DR]; the new tokens are the last T rows. -> [T, NA*DV]. (A long
+        prompt arrives PREFILL_CHUNK_TOKENS rows at a time: `Batch.row_groups`.)"""
         out_latent = causal_attention(self._absorbed(q), cached, cached[:, :self.kv_lora_rank], self.scale,
                                       self.query_block, self.key_block)  # [NA, T, KL]
         return values_from_latent(out_latent, self.weights.w_uv)  # [T, NA*DV]
