@@ -591,8 +591,12 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False):
         def block(group, parity: int) -> None:
             w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
-            scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]), i16.as_pointer()), align=1)
-            w_scale = builder.fpext(builder.bitcast(scale_bits, ir.HalfType()), _F32)
+            # The scale as the first of 4 halves (8 bytes, inside the block): a whole-register vcvtph2ps from memory.
+            # A lone i16 load became vpinsrw into a live register, which chained every block's scale to the last.
+            scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]), _vector(i16, 4).as_pointer()),
+                                      align=1)
+            w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits, _vector(ir.HalfType(), 4)),
+                                                            _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
             weights = _load(builder, wrow.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
             magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
             for j in range(num_tokens):
