@@ -22,6 +22,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import k3serve  # noqa: F401  (before numpy: OpenBLAS's threads then sleep between calls, k3serve/__init__.py)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
