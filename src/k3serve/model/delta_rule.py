@@ -30,19 +30,26 @@ PARALLEL_MIN_WORK = 2**21
 
 
 @njit(inline="always")
-def _update(k, v, g, beta, S, h, t, u):
-    """One token's state update of head h: S [Dk, Dv] in place (u: scratch [Dv])."""
+def _decay_and_project(k, g, S_in, S, h, t, u):
+    """S = diag(exp(g_t)) S_in and u = S^T k_t (S_in may be S), in one pass over the rows: each element is decayed,
+    stored, then added into u in row order, the operations and order of separate decay and projection passes."""
     Dk, Dv = S.shape
-    for i in range(Dk):
-        a = np.float32(np.exp(g[t, h, i]))
-        for j in range(Dv):
-            S[i, j] *= a
     for j in range(Dv):
         u[j] = 0.0
     for i in range(Dk):
+        a = np.float32(np.exp(g[t, h, i]))
         ki = k[t, h, i]
         for j in range(Dv):
-            u[j] += S[i, j] * ki
+            decayed = S_in[i, j] * a
+            S[i, j] = decayed
+            u[j] += decayed * ki
+
+
+@njit(inline="always")
+def _update(k, v, g, beta, S_in, S, h, t, u):
+    """One token's state update of head h from S_in [Dk, Dv] into S (S_in may be S; u: scratch [Dv])."""
+    Dk, Dv = S.shape
+    _decay_and_project(k, g, S_in, S, h, t, u)
     b = beta[t, h]
     for j in range(Dv):
         u[j] = b * (v[t, h, j] - u[j])
@@ -53,38 +60,49 @@ def _update(k, v, g, beta, S, h, t, u):
 
 
 @njit(inline="always")
-def _read(q, S, h, t, out):
-    """o_t = S^T q_t for head h, into out[t, h]."""
+def _update_and_read(q, k, v, g, beta, S_in, S, h, t, u, out):
+    """`_update`, then o_t = S^T q_t into out[t, h]; the read rides the update's pass over the rows (each element
+    updated, then added into the output in row order: the bits of two passes) -- two passes over S, not four."""
     Dk, Dv = S.shape
+    _decay_and_project(k, g, S_in, S, h, t, u)
+    b = beta[t, h]
     for j in range(Dv):
+        u[j] = b * (v[t, h, j] - u[j])
         out[t, h, j] = 0.0
     for i in range(Dk):
-        qi = q[t, h, i]
+        ki, qi = k[t, h, i], q[t, h, i]
         for j in range(Dv):
-            out[t, h, j] += S[i, j] * qi
+            updated = S[i, j] + ki * u[j]
+            S[i, j] = updated
+            out[t, h, j] += updated * qi
 
 
 @njit(inline="always")
-def _segments_task(q, k, v, g, beta, states, starts, ends, out, task):
+def _segments_task(q, k, v, g, beta, states, new_states, starts, ends, out, task):
+    """Sequence b, head h: its first token reads the old state and writes the new one (no copy first), the rest
+    update the new one in place."""
     NH = states.shape[1]
     b, h = task // NH, task % NH
-    S = states[b, h]
+    S = new_states[b, h]
+    if ends[b] <= starts[b]:
+        S[:] = states[b, h]
+        return
     u = np.empty(S.shape[1], np.float32)
-    for t in range(starts[b], ends[b]):
-        _update(k, v, g, beta, S, h, t, u)
-        _read(q, S, h, t, out)
+    _update_and_read(q, k, v, g, beta, states[b, h], S, h, starts[b], u, out)
+    for t in range(starts[b] + 1, ends[b]):
+        _update_and_read(q, k, v, g, beta, S, S, h, t, u, out)
 
 
 @njit(cache=True, fastmath=False)
-def _segments_serial(q, k, v, g, beta, states, starts, ends, out):
+def _segments_serial(q, k, v, g, beta, states, new_states, starts, ends, out):
     for task in range(states.shape[0] * states.shape[1]):
-        _segments_task(q, k, v, g, beta, states, starts, ends, out, task)
+        _segments_task(q, k, v, g, beta, states, new_states, starts, ends, out, task)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def _segments_parallel(q, k, v, g, beta, states, starts, ends, out):
+def _segments_parallel(q, k, v, g, beta, states, new_states, starts, ends, out):
     for task in prange(states.shape[0] * states.shape[1]):
-        _segments_task(q, k, v, g, beta, states, starts, ends, out, task)
+        _segments_task(q, k, v, g, beta, states, new_states, starts, ends, out, task)
 
 
 def delta_rule_segments(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
@@ -94,13 +112,14 @@ def delta_rule_segments(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarr
     Returns (o [T, NH, Dv], new states [B, NH, Dk, Dv])."""
     f32 = np.float32
     q, k, v, g, beta = (np.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta))
-    new = np.array(states, dtype=f32, order="C", copy=True)
+    states = np.ascontiguousarray(states, dtype=f32)
+    new = np.empty(states.shape, f32)  # written from `states` by each sequence's first token (no copy first)
     out = np.empty(v.shape, f32)
     starts = np.ascontiguousarray(segments[:, 0], dtype=np.int64)
     ends = np.ascontiguousarray(segments[:, 1], dtype=np.int64)
     work = v.shape[0] * new.shape[1] * new.shape[2] * new.shape[3] * 4
     kernel = _segments_parallel if work >= PARALLEL_MIN_WORK and new.shape[0] * new.shape[1] > 1 else _segments_serial
-    kernel(q, k, v, g, beta, new, starts, ends, out)
+    kernel(q, k, v, g, beta, states, new, starts, ends, out)
     return out, new
 
 
@@ -109,7 +128,7 @@ def _trajectory(k, v, g, beta, S, num_steps, states):
     u = np.empty(S.shape[2], np.float32)
     for t in range(num_steps):
         for h in range(S.shape[0]):
-            _update(k, v, g, beta, S[h], h, t, u)
+            _update(k, v, g, beta, S[h], S[h], h, t, u)
         if states.shape[0] > 0:
             states[t] = S
 

@@ -148,8 +148,9 @@ def run_delta_rule(inputs: KDAInputs, segments: Sequence[tuple[int, int]], cache
     segments in the chunked form with chunks of that many tokens (parity tests and the chunked form's reference)."""
     states = [cache.recurrent_state(layer) for cache in caches]
     if chunk_size is None:
-        o, new_states = delta_rule_segments(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
-                                            np.stack([state for state, _ in states]), np.asarray(segments, np.int64))
+        stacked = states[0][0][None] if len(states) == 1 else np.stack([state for state, _ in states])  # one: a view
+        o, new_states = delta_rule_segments(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, stacked,
+                                            np.asarray(segments, np.int64))
     else:
         o = np.empty(inputs.v.shape, np.float32)
         new_states = [None] * len(caches)
