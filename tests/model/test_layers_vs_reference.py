@@ -131,7 +131,7 @@ def test_moe_layer_matches_reference(tiny_model, tiny_reference, checkpoint, T):
 
 
 def test_moe_runs_a_long_prompts_stacked_experts_in_chunks_with_the_same_bits(tiny_model, monkeypatch):
-    """A resident (stacked) layer runs a prompt's experts PREFILL_CHUNK_TOKENS tokens a call (prefill's peak memory):
+    """A resident (stacked) layer runs a prompt's experts EXPERT_CHUNK_TOKENS tokens a call (prefill's peak memory):
     the output is the bits of one call, and of the one-call-per-expert path."""
     from k3serve.model import routing as routing_module
 
@@ -141,9 +141,9 @@ def test_moe_runs_a_long_prompts_stacked_experts_in_chunks_with_the_same_bits(ti
     fetch = lambda ids: source.experts(layer, ids)  # noqa: E731
     stacked = source.stacked_experts(layer)
     assert stacked is not None
-    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 5)
+    monkeypatch.setattr(routing_module, "EXPERT_CHUNK_TOKENS", 5)
     chunked, routing = moe_forward(config, w, x, fetch, stacked=stacked)
-    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 1 << 20)
+    monkeypatch.setattr(routing_module, "EXPERT_CHUNK_TOKENS", 1 << 20)
     whole, _ = moe_forward(config, w, x, fetch, stacked=stacked)
     one_by_one, _ = moe_forward(config, w, x, fetch)
     assert len(np.unique(routing.expert_ids)) > 4  # chunks that route to different experts

@@ -104,9 +104,9 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
     if remote_y is not None:  # [T*TOPK, LT] from the expert owners
         accumulate_expert_rows(remote_y, tokens_by_expert, weights_by_expert, mixed)
     elif stacked is not None:  # every expert of the layer in one call, spread over the cores
-        # a long prompt PREFILL_CHUNK_TOKENS tokens a call (routing.py: the calls' buffers were prefill's peak memory);
+        # a long prompt EXPERT_CHUNK_TOKENS tokens a call (routing.py: the calls' buffers were prefill's peak memory);
         # each token's row is the same bits, its experts added in ascending id as in one call
-        step = routing_module.PREFILL_CHUNK_TOKENS
+        step = routing_module.EXPERT_CHUNK_TOKENS
         for first in range(0, T, step):
             rows = slice(first, first + step)
             chunk = pairs if T <= step else pairs_by_expert(routing.expert_ids[rows])

@@ -129,14 +129,17 @@ class ExpertPairs:
 
 
 # Tokens of a prompt that one call runs through a family's mixer (`Batch.row_groups`: projections, conv, gates,
-# queries), its dense or shared MLP, and the routed experts where they are resident (K3's stacked layers, the
-# families' ExpertStore). Those calls' buffers scale with their tokens and were prefill's peak memory at 2048 tokens
-# (the experts' pair rows 134 MB in Qwen3-30B-A3B's widths and 240 MiB in the widened K3's, a dense MLP's gate and
-# up rows 368 MB in Moonlight's layer 0, KDA's inputs 546 MB in Kimi Linear's). 512 -> 256 took another ~60 MiB off
-# the MoE call and ran a 2048-token prefill no slower (Qwen3-MoE MXFP4 204 / 206 tok/s, widened K3 277 / 300,
-# medians of 3 alternated in one process). Each token gets the same bits whatever the other tokens of its call
-# (bar BLAS's blocking), and its experts are still added in ascending id.
-PREFILL_CHUNK_TOKENS = 256
+# queries) or its dense or shared MLP, and (EXPERT_CHUNK_TOKENS) through the routed experts where they are resident
+# (K3's stacked layers, the families' ExpertStore). Those calls' buffers scale with their tokens and were prefill's
+# peak memory at 2048 tokens (the experts' pair rows 134 MB in Qwen3-30B-A3B's widths and 240 MiB in the widened
+# K3's, a dense MLP's gate and up rows 368 MB in Moonlight's layer 0, KDA's inputs 546 MB in Kimi Linear's). The
+# experts' buffers hold top-k rows a token, so they take the smaller chunk: 512 -> 256 took another ~60 MiB off the
+# MoE call with a 2048-token prefill no slower (Qwen3-MoE MXFP4 204 / 206 tok/s, widened K3 277 / 300, medians of 3
+# alternated in one process). The trunk's calls keep 512: a bf16 trunk widens each matrix once a call, and at 256
+# Qwen3-Next's bf16 prefill fell 238 -> 192 tok/s (peers matrix, 512 tokens). Each token gets the same bits
+# whatever the other tokens of its call (bar BLAS's blocking), and its experts are still added in ascending id.
+PREFILL_CHUNK_TOKENS = 512
+EXPERT_CHUNK_TOKENS = 256
 
 
 def pairs_by_expert(expert_ids: np.ndarray) -> ExpertPairs:

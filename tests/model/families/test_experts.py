@@ -138,7 +138,7 @@ def test_a_dense_mlp_runs_a_long_prompt_in_chunks(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["int8", "mxfp4", "native"])
 def test_a_long_prompt_runs_its_experts_in_chunks_with_the_same_bits(precision, monkeypatch):
-    """The MoE block runs a resident store's experts PREFILL_CHUNK_TOKENS tokens at a time (prefill's peak memory):
+    """The MoE block runs a resident store's experts EXPERT_CHUNK_TOKENS tokens at a time (prefill's peak memory):
     each token's output has the bits of the whole prompt in one call."""
     from k3serve.model import routing as routing_module
     from k3serve.model.families import moe
@@ -150,9 +150,9 @@ def test_a_long_prompt_runs_its_experts_in_chunks_with_the_same_bits(precision, 
                          experts=ExpertStore(lambda layer, e: matrices[e], precision, num_experts), shared=None,
                          shared_gate=None)
     x = np.random.default_rng(9).standard_normal((23, hidden)).astype(np.float32)
-    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 5)
+    monkeypatch.setattr(routing_module, "EXPERT_CHUNK_TOKENS", 5)
     chunked, routing = block(x)
-    monkeypatch.setattr(routing_module, "PREFILL_CHUNK_TOKENS", 1 << 20)
+    monkeypatch.setattr(routing_module, "EXPERT_CHUNK_TOKENS", 1 << 20)
     whole, _ = block(x)
     np.testing.assert_array_equal(chunked, whole)
     assert routing.expert_ids.shape == (23, 2) and block.experts.num_loaded > 2

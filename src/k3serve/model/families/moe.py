@@ -124,10 +124,10 @@ class MoEBlock:
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, Routing]:
         routing = keep_top_p(self.router(x), self.top_p, self.router.normalize)
         out = np.zeros(x.shape, np.float32)  # [T, H]
-        # The resident store runs a long prompt's experts PREFILL_CHUNK_TOKENS tokens at a time (routing.py); every
+        # The resident store runs a long prompt's experts EXPERT_CHUNK_TOKENS tokens at a time (routing.py); every
         # expert path but BLAS (bf16 / float32 experts with 256 tokens or more) and the block-scaled tile gives a
         # token the same bits whatever the other tokens. A streaming store would read its experts once a chunk.
-        step = routing_module.PREFILL_CHUNK_TOKENS if isinstance(self.experts, ExpertStore) else max(1, x.shape[0])
+        step = routing_module.EXPERT_CHUNK_TOKENS if isinstance(self.experts, ExpertStore) else max(1, x.shape[0])
         for first in range(0, x.shape[0], step):
             rows = slice(first, first + step)
             pairs = pairs_by_expert(routing.expert_ids[rows])  # experts ascending: a fixed order per token
