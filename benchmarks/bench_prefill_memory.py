@@ -30,14 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_fixture import FAMILIES, SIZES, fixture_dir  # noqa: E402
 
 
-def high_water_mib() -> float:
-    """VmHWM of this process in MiB (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 FORWARD = "whole forward"
 
 
@@ -78,13 +70,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from bench_peers import _K3ServeShapes  # the peers benchmark's loader, as its k3serve child loads
+    from bench_peers import _K3ServeShapes, peak_rss_mib  # the peers benchmark's loader and its VmHWM
 
     trunk = args.trunk_precision or ("native" if args.precision == "bf16" else "q8_0")
     checkpoint = fixture_dir(args.target, args.size)
     engine = _K3ServeShapes({"family": args.target, "checkpoint": str(checkpoint), "precision": args.precision,
                              "trunk_precision": trunk})
-    after_load = high_water_mib()
+    after_load = peak_rss_mib()
     peaks = watch_parts(engine.model)
     vocab = engine.model.config.vocab_size
     prompt = np.random.default_rng(0).integers(3, min(1000, vocab), args.tokens).tolist()
@@ -98,7 +90,7 @@ def main() -> None:
               "trunk_precision": trunk, "tokens": args.tokens, "checkpoint": str(checkpoint),
               "part_peak_mib": {name: round(b / 2**20, 1) for name, b in sorted(peaks.items())},
               "forward_peak_mib": round(forward_peak / 2**20, 1), "hwm_after_load_mib": round(after_load, 1),
-              "hwm_after_prefill_mib": round(high_water_mib(), 1),
+              "hwm_after_prefill_mib": round(peak_rss_mib(), 1),
               "prefill_seconds_under_tracemalloc": round(seconds, 2)}
     print(f"{args.target} {args.size} {args.precision} (trunk {trunk}), one {args.tokens}-token prefill:")
     for name, mib in record["part_peak_mib"].items():

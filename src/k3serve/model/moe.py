@@ -109,9 +109,11 @@ def moe_forward(config: K3Config, w: MoEWeights, x: np.ndarray, fetch_experts: E
         step = routing_module.EXPERT_CHUNK_TOKENS
         for first in range(0, T, step):
             rows = slice(first, first + step)
-            chunk = pairs if T <= step else pairs_by_expert(routing.expert_ids[rows])
-            chunk_weights = (weights_by_expert if T <= step
-                             else np.ascontiguousarray(routing.weights[rows].ravel()[chunk.order]))
+            if T <= step:
+                chunk, chunk_weights = pairs, weights_by_expert
+            else:
+                chunk = pairs_by_expert(routing.expert_ids[rows])
+                chunk_weights = np.ascontiguousarray(routing.weights[rows].ravel()[chunk.order])
             mxfp4_experts_accumulate_stacked(stacked, np.asarray(chunk.expert_ids, np.int64), z[rows], chunk.tokens,
                                              np.asarray(chunk.starts, np.int64), np.asarray(chunk.ends, np.int64),
                                              chunk_weights, beta, linear_beta, mixed[rows])
