@@ -659,6 +659,8 @@ def measure_target(target: Target, args: argparse.Namespace) -> dict:
     for ours, theirs in target.pairs.items():
         configs[("k3serve", ours)] = {**base, "engine": "k3serve", "precision": ours,
                                       "trunk_precision": trunk_precision(target, theirs, args.k3serve_trunk)}
+        if args.k3serve_source == "gguf":  # the very file llama.cpp loads, its tensors at the types it stores
+            configs[("k3serve", ours)].update(checkpoint=str(target.ggufs[theirs]), trunk_precision="native")
         configs[("llama.cpp", theirs)] = {**base, "engine": "llama.cpp", "gguf": str(target.ggufs[theirs])}
     runs: dict[str, list[dict]] = {}
     for (engine, precision), spec in configs.items():  # untimed: numba compiles into its cache, pages come in
@@ -757,7 +759,7 @@ def matrix(args: argparse.Namespace) -> None:
               "k3serve_mxfp4_activations": os.environ.get("K3SERVE_MXFP4_ACTIVATIONS", "f32"),
               "k3serve_int8_activations": os.environ.get("K3SERVE_INT8_ACTIVATIONS", "f32"),
               "k3serve_bf16_activations": os.environ.get("K3SERVE_BF16_ACTIVATIONS", "f32"),
-              "k3serve_trunk": args.k3serve_trunk,
+              "k3serve_trunk": args.k3serve_trunk, "k3serve_source": args.k3serve_source,
               "load_job": ({"threads": args.load_job, "what": "float32 1024x1024 matmul loop, OpenBLAS"}
                            if args.load_job else None), "decode_context": args.decode_context,
               "decode_steps": args.decode_steps, "batches": args.batches, "prompt_lens": args.prompt_lens,
@@ -802,6 +804,10 @@ def main() -> None:
                         help="the families' trunk in k3serve: as stored (native: bf16), or match the peer's file "
                              "(--trunk-precision q8_0 against Q8_0 and MXFP4_MOE, whose trunk, embedding and "
                              "output llama.cpp holds in Q8_0; bf16 against BF16)")
+    parser.add_argument("--k3serve-source", choices=("checkpoint", "gguf"), default="checkpoint",
+                        help="what k3serve loads: the safetensors checkpoint (quantized at load as --k3serve-trunk "
+                             "says), or gguf: the same GGUF file llama.cpp loads, held at the types it stores "
+                             "(--k3serve-trunk is then moot)")
     parser.add_argument("--policies", type=_csv(str), default=list(POLICIES),
                         help="OpenMP wait policies run for both engines: default (unset), ACTIVE, PASSIVE")
     parser.add_argument("--load-job", type=int, default=0, metavar="THREADS",

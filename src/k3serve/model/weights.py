@@ -296,6 +296,13 @@ def fuse_rows(parts: list[np.ndarray | QuantizedMatrix], views: bool = False) ->
     return keep_bf16(np.concatenate([_widened(part) for part in parts], axis=0))
 
 
+def take_rows(matrix: np.ndarray | QuantizedMatrix, rows: np.ndarray) -> np.ndarray | QuantizedMatrix:
+    """Rows `rows` of a trunk matrix as held (float32, bf16 bits, or Q8_0 / MXFP4 bytes), in that order (a copy)."""
+    if isinstance(matrix, QuantizedMatrix):
+        return matrix.take_rows(rows)
+    return np.ascontiguousarray(matrix[rows])
+
+
 def build_layer(config: K3Config, layer: int, read: TensorReader, trunk_dtype: str = "float32",
                 views: bool = False, mlp: DenseMLPPieces | None = None) -> LayerWeights:
     """Assemble one layer from released tensors; `read(name)` returns a float32 (or native) array, or bf16 bits

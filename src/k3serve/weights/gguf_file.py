@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -111,6 +112,8 @@ class GGUFFile:
                                       f"({file_size} bytes); the file is truncated")
             self.tensors[tensor.name] = GGUFTensor(tensor.name, type_name, shape, tensor.data)
         self._reader = reader
+        self._mapping = getattr(reader.data, "_mmap", None)  # the mmap under the reader's memmap, if numpy has one
+        self._base = reader.data.ctypes.data if self._mapping is not None else 0
         self.architecture = self.metadata.get("general.architecture")
         if not isinstance(self.architecture, str):
             raise CheckpointError(f"{self.path}: GGUF metadata has no general.architecture")
@@ -152,13 +155,16 @@ class GGUFFile:
         self._check_type(tensor, SUPPORTED_TYPES)
         shape = tensor.shape if index is None else tensor.shape[1:]
         data = tensor.data if index is None else tensor.data[index]
-        if tensor.type_name == "F32":
-            return np.array(data, dtype=np.float32).reshape(shape)
-        if tensor.type_name == "F16":
-            return np.asarray(data, dtype=np.float16).astype(np.float32).reshape(shape)
-        if tensor.type_name == "BF16":
-            bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
-            return bits.view(np.float32).reshape(shape)
+        if tensor.type_name in FLOAT_TYPES:
+            if tensor.type_name == "F32":
+                values = np.array(data, dtype=np.float32).reshape(shape)
+            elif tensor.type_name == "F16":
+                values = np.asarray(data, dtype=np.float16).astype(np.float32).reshape(shape)
+            else:
+                bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
+                values = bits.view(np.float32).reshape(shape)
+            self.release(data)
+            return values
         if tensor.type_name == "Q8_0":
             values, scales = self.q8_0(name, index)
             return (values.reshape(*scales.shape, QK).astype(np.float32) * scales[:, :, None]).reshape(shape)
@@ -176,6 +182,7 @@ class GGUFFile:
         blocks = np.ascontiguousarray(data).reshape(rows, shape[-1] // QK, Q8_0_BLOCK_BYTES)  # [R, G, 34]
         scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].astype(np.float32)  # [R, G]
         values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, shape[-1])  # [R, C]
+        self.release(data)
         return values, scales
 
     def mxfp4(self, name: str, index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +199,26 @@ class GGUFFile:
         qs = blocks[:, :, 1:]  # [R, G, 16]: byte j = value j (low nibble) | value j + 16 (high nibble)
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [R, G, 32] in value order
         packed = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).reshape(rows, cols // 2)  # [R, C/2]
-        return np.ascontiguousarray(packed, dtype=np.uint8), scales
+        packed = np.ascontiguousarray(packed, dtype=np.uint8)
+        self.release(data)
+        return packed, scales
+
+    def release(self, data: np.ndarray) -> None:
+        """Drop this process's mapped pages of `data` (a contiguous part of the mapped file) once its bytes have been
+        copied out: every read above (`f32`, `q8_0`, `mxfp4`) converts into new arrays, and without this the file's
+        pages stay resident beside the copies, so an MXFP4 GGUF's experts counted twice in the high-water mark
+        (4.4 GB for a 2.0 GB file at Qwen3-30B-A3B's widths). Only whole pages inside `data` are dropped; the
+        mapping is shared and read-only, so a later read (a trunk matrix kept as its Q8_0 blocks, views of the
+        map) faults them back in from the page cache. A no-op where numpy exposes no mmap."""
+        if self._mapping is None or self._mapping.closed or not data.flags.c_contiguous or data.nbytes == 0:
+            return
+        start = data.ctypes.data - self._base
+        if start < 0 or start + data.nbytes > len(self._mapping):
+            return  # not a view of this map (a copy somewhere along the way)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -204,3 +230,4 @@ class GGUFFile:
         # the gguf package holds a numpy memmap; dropping the references lets it unmap
         self.tensors = {}
         self._reader = None
+        self._mapping = None

@@ -173,6 +173,11 @@ class QuantizedMatrix:
         return QuantizedMatrix(precision, raw[:split].reshape(num_rows, cols // 2),
                                raw[split:].reshape(num_rows, cols // GROUP_SIZE), cols)
 
+    def take_rows(self, rows: np.ndarray) -> QuantizedMatrix:
+        """Rows `rows` [R'] of the matrix, in that order (a copy). Exact: a row's blocks are its own."""
+        scales = None if self.scales is None else np.ascontiguousarray(self.scales[rows])
+        return QuantizedMatrix(self.precision, np.ascontiguousarray(self.data[rows]), scales, self.cols)
+
     @staticmethod
     def stack(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
         """Row-wise concatenation of matrices of one precision and width (a fused projection)."""

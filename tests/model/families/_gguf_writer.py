@@ -186,7 +186,9 @@ def write_gguf(folder: Path, out: Path, tensor_type: str = "F32", skip: tuple[st
                 experts(l, f"{p}mlp.", ("gate_proj", "up_proj", "down_proj"))
                 if family == "qwen3_next":
                     glu(f"{p}mlp.shared_expert.", "_shexp", l, c.shared_expert_intermediate_size)
-                    o.add(f"blk.{l}.ffn_gate_inp_shexp.weight", reader.f32(f"{p}mlp.shared_expert_gate.weight"))
+                    # a vector [H], as llama.cpp's converter writes the [1, H] gate
+                    o.add(f"blk.{l}.ffn_gate_inp_shexp.weight",
+                          reader.f32(f"{p}mlp.shared_expert_gate.weight").reshape(-1))
             else:
                 glu(f"{p}mlp.", "", l, c.intermediate_size)
         if family in ("deepseek_v3", "kimi_linear"):
@@ -228,8 +230,8 @@ def write_gguf(folder: Path, out: Path, tensor_type: str = "F32", skip: tuple[st
             writer.add_uint32(k("rope.dimension_count"), c.rotary_dim)
     else:
         writer.add_uint32(k("attention.kv_lora_rank"), c.kv_lora_rank)
-        if c.q_lora_rank is not None:
-            writer.add_uint32(k("attention.q_lora_rank"), c.q_lora_rank)
+        # 0 where there is no query LoRA, as the files llama.cpp loads state it (its deepseek2 loader needs the key)
+        writer.add_uint32(k("attention.q_lora_rank"), c.q_lora_rank or 0)
         writer.add_uint32(k("attention.key_length"), c.kv_lora_rank + c.qk_rope_head_dim)
         writer.add_uint32(k("attention.value_length"), c.kv_lora_rank)
         writer.add_uint32(k("attention.key_length_mla"), c.qk_nope_head_dim + c.qk_rope_head_dim)

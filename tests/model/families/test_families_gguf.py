@@ -371,6 +371,27 @@ def test_a_trunk_quantized_at_load_holds_llama_cpps_q8_0_bytes(family, gguf_tiny
                                   quantized.embed.dequantize()[ids])  # the lookup decodes its rows
 
 
+def test_qwen3_next_in_proj_is_held_quantized(gguf_tiny, tmp_path):
+    """Qwen3-Next's gated DeltaNet in_proj, regrouped from the checkpoint's rows (q, k, v, z and b, a, head by head),
+    is held quantized like every other trunk matrix: a Q8_0 file keeps its attn_qkv / attn_gate / ssm_ba blocks
+    (the same values, row for row, as the float twin's in_proj), and `trunk_precision="q8_0"` quantizes it to
+    those same bytes (it was left bf16 or float32 beside a Q8_0 trunk)."""
+    from k3serve.model.families.delta import GatedDeltaNet
+
+    folder = gguf_tiny("qwen3_next")
+    from_file = load_family_gguf(write_gguf(folder, tmp_path / "m.gguf", "Q8_0"))
+    quantized = load_family(folder, trunk_precision="q8_0")
+    twin = load_family(_twin(folder, tmp_path / "twin", "Q8_0"))
+    mixers = [(a.mixer, b.mixer, c.mixer) for a, b, c in zip(from_file.layers, quantized.layers, twin.layers)
+              if isinstance(a.mixer, GatedDeltaNet)]
+    assert mixers
+    for file_mixer, quantized_mixer, twin_mixer in mixers:
+        held, requantized = file_mixer.weights.in_proj, quantized_mixer.weights.in_proj
+        assert isinstance(held, QuantizedMatrix) and held.precision == "q8_0"
+        assert np.array_equal(held.dequantize(), twin_mixer.weights.in_proj)
+        assert isinstance(requantized, QuantizedMatrix) and np.array_equal(requantized.data, held.data)
+
+
 @pytest.mark.parametrize("precision", ["mxfp4", "bf16"])
 def test_trunk_precision_mxfp4_and_the_native_alias(precision, gguf_tiny):
     folder = gguf_tiny("qwen3_moe", bf16=True)

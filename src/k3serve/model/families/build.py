@@ -62,8 +62,10 @@ def embeddings(reader: TensorReader, vocab: int, hidden: int, tied: bool) -> tup
     bytes where the source stores them so or the reader's trunk precision quantizes them; a tied model reuses the
     embedding."""
     # held as `matrix` holds a trunk matrix (a GGUF Q8_0 file's embedding was widened before: 1.2 GB as float32 at
-    # a 150k vocabulary); the lookup decodes its rows (`QuantizedMatrix.rows`)
-    embed = reader.matrix("model.embed_tokens.weight", shape=(vocab, hidden))
+    # a 150k vocabulary); the lookup decodes its rows (`QuantizedMatrix.rows`). An untied GGUF Q8_0 embedding stays
+    # in the mapped file, as llama.cpp leaves it: only the rows a prompt looks up become resident (315 MB at
+    # Qwen3-30B-A3B's 151,936 x 2048 when copied)
+    embed = reader.matrix("model.embed_tokens.weight", shape=(vocab, hidden), mapped=not tied)
     if tied:
         return embed, embed
     return embed, reader.matrix("lm_head.weight", shape=(vocab, hidden))

@@ -153,7 +153,9 @@ def _mla(file: GGUFFile) -> dict[str, Any]:
     q_lora = file.get("{arch}.attention.q_lora_rank", None)
     return {
         "num_attention_heads": heads,
-        "q_lora_rank": None if q_lora is None else int(q_lora),
+        # llama.cpp writes 0 (or nothing) for a model without a query LoRA (Moonlight, DeepSeek-V2-Lite) and
+        # builds the layer without one when the rank is 0
+        "q_lora_rank": int(q_lora) or None if q_lora is not None else None,
         "kv_lora_rank": int(file.get("{arch}.attention.kv_lora_rank")),
         "qk_nope_head_dim": key_mla - rope_dim,
         "qk_rope_head_dim": rope_dim,
@@ -288,6 +290,10 @@ def _a_log(ssm_a: np.ndarray) -> np.ndarray:
     return np.log(-ssm_a.reshape(-1)).astype(np.float32)
 
 
+def _one_row(w: np.ndarray) -> np.ndarray:
+    return w.reshape(1, -1)
+
+
 def _minus_one(w: np.ndarray) -> np.ndarray:
     return (w - np.float32(1.0)).astype(np.float32)
 
@@ -338,15 +344,33 @@ def _grouped_router(b: _Builder, prefix: str, l: int) -> None:
 def _qkvz(file: GGUFFile, l: int, key_heads: int, key_dim: int, value_dim_per_key_head: int) -> Loader:
     """in_proj_qkvz [NKH*(2Dk + 2gDv), H] from attn_qkv [2*NKH*Dk + NKH*gDv, H] and attn_gate [NKH*gDv, H]."""
     def load() -> np.ndarray:
-        qkv = file.f32(f"blk.{l}.attn_qkv.weight")
-        z = file.f32(f"blk.{l}.attn_gate.weight")
-        H = qkv.shape[1]
-        q_rows = key_heads * key_dim
-        q = qkv[:q_rows].reshape(key_heads, key_dim, H)
-        k = qkv[q_rows:2 * q_rows].reshape(key_heads, key_dim, H)
-        v = qkv[2 * q_rows:].reshape(key_heads, value_dim_per_key_head, H)
-        gate = z.reshape(key_heads, value_dim_per_key_head, H)
-        return np.ascontiguousarray(np.concatenate([q, k, v, gate], axis=1).reshape(-1, H))
+        rows = np.concatenate([file.f32(f"blk.{l}.attn_qkv.weight"), file.f32(f"blk.{l}.attn_gate.weight")])
+        return np.ascontiguousarray(rows[_qkvz_rows(key_heads, key_dim, value_dim_per_key_head)])
+
+    return load
+
+
+def _qkvz_rows(key_heads: int, key_dim: int, value_dim_per_key_head: int) -> np.ndarray:
+    """The rows of [attn_qkv; attn_gate] that make in_proj_qkvz, head by head: q, k, v, z of key head 0, then 1..."""
+    q_rows, v_rows = key_heads * key_dim, key_heads * value_dim_per_key_head
+    heads = np.arange(key_heads)[:, None]
+    q = heads * key_dim + np.arange(key_dim)
+    v = heads * value_dim_per_key_head + np.arange(value_dim_per_key_head)
+    return np.concatenate([q, q_rows + q, 2 * q_rows + v, 2 * q_rows + v_rows + v], axis=1).reshape(-1)
+
+
+def _qkvz_blocks(file: GGUFFile, l: int, key_heads: int, key_dim: int,
+                 value_dim_per_key_head: int) -> Callable[[], QuantizedMatrix]:
+    """in_proj_qkvz as Q8_0 blocks, for a file whose attn_qkv and attn_gate are both Q8_0: the same rows as `_qkvz`
+    picks, taken from the blocks (a row's blocks are its own), so the matrix stays as the file holds it."""
+    def load() -> QuantizedMatrix:
+        parts = [file.tensor(f"blk.{l}.{name}.weight") for name in ("attn_qkv", "attn_gate")]
+        data = np.concatenate([np.asarray(part.data).reshape(part.shape[0], -1) for part in parts])
+        held = QuantizedMatrix("q8_0", data[_qkvz_rows(key_heads, key_dim, value_dim_per_key_head)], None,
+                               parts[0].shape[1])
+        for part in parts:
+            file.release(part.data)
+        return held
 
     return load
 
@@ -375,6 +399,8 @@ def tensor_index(file: GGUFFile, config: dict[str, Any]) -> GGUFTensorIndex:
                 a = f"{p}linear_attn."
                 if f"blk.{l}.attn_qkv.weight" in file and f"blk.{l}.attn_gate.weight" in file:
                     b.loaders[f"{a}in_proj_qkvz.weight"] = _qkvz(file, l, NKH, Dk, NVH // NKH * Dv)
+                    if all(file.tensor(f"blk.{l}.{n}.weight").type_name == "Q8_0" for n in ("attn_qkv", "attn_gate")):
+                        b.blocks[f"{a}in_proj_qkvz.weight"] = _qkvz_blocks(file, l, NKH, Dk, NVH // NKH * Dv)
                 b.plain(f"{a}in_proj_ba.weight", f"blk.{l}.ssm_ba.weight")
                 b.plain(f"{a}conv1d.weight", f"blk.{l}.ssm_conv1d.weight", lambda w: w.reshape(w.shape[0], 1, -1))
                 b.plain(f"{a}A_log", f"blk.{l}.ssm_a", _a_log)
@@ -384,7 +410,8 @@ def tensor_index(file: GGUFFile, config: dict[str, Any]) -> GGUFTensorIndex:
             b.plain(f"{p}mlp.gate.weight", f"blk.{l}.ffn_gate_inp.weight")
             b.experts(lambda e, m, p=p: f"{p}mlp.experts.{e}.{m}.weight", l, ("gate_proj", "up_proj", "down_proj"))
             _shared_experts(b, f"{p}mlp.shared_expert.", l)
-            b.plain(f"{p}mlp.shared_expert_gate.weight", f"blk.{l}.ffn_gate_inp_shexp.weight")
+            # llama.cpp's converter writes the [1, H] gate as a vector [H] (its loader asks for { n_embd })
+            b.plain(f"{p}mlp.shared_expert_gate.weight", f"blk.{l}.ffn_gate_inp_shexp.weight", _one_row)
             _dense_mlp(b, f"{p}mlp.", l)
     elif arch == "deepseek2":
         _common_tensors(b, L)

@@ -29,7 +29,7 @@ from k3serve.model.families.moe import DenseMLP, MoEBlock
 from k3serve.model.families.qwen3_moe import GQAConfig, build_gqa, read_gqa_config, softmax_router, sparse_layers
 from k3serve.model.families.rope import rotary_from_config
 from k3serve.model.families.tensors import TensorReader
-from k3serve.model.weights import keep_bf16
+from k3serve.model.weights import fuse_rows, take_rows
 
 _LAYER_TYPES = {"full_attention": "attention", "linear_attention": "gated_deltanet"}
 
@@ -77,16 +77,21 @@ def build_gated_deltanet(reader: TensorReader, config: Qwen3NextConfig, layer: i
     group = NVH // NKH
     a = f"model.layers.{layer}.linear_attn."
     # the checkpoint lays rows out per key-head group: [q Dk | k Dk | v group*Dv | z group*Dv] and [b group | a
-    # group]; regrouped here to [q | k | v | z | b | a] so that one slice per part serves every head
-    qkvz = reader.f32(f"{a}in_proj_qkvz.weight", shape=(NKH * (2 * Dk + 2 * group * Dv), H))
-    qkvz = qkvz.reshape(NKH, 2 * Dk + 2 * group * Dv, H)
-    ba = reader.f32(f"{a}in_proj_ba.weight", shape=(NKH * 2 * group, H)).reshape(NKH, 2 * group, H)
+    # group]; regrouped here to [q | k | v | z | b | a] so that one slice per part serves every head. The rows are
+    # picked from the matrices as held (`reader.matrix`: bf16 bits, or Q8_0 blocks from a Q8_0 GGUF or at a
+    # quantized trunk precision, whose rows quantize alone), so the biggest trunk matrix of the layer is no longer
+    # widened to float32 or left bf16 beside a Q8_0 trunk
+    width = 2 * Dk + 2 * group * Dv
+    qkvz = reader.matrix(f"{a}in_proj_qkvz.weight", shape=(NKH * width, H))
+    ba = reader.matrix(f"{a}in_proj_ba.weight", shape=(NKH * 2 * group, H))
     bounds = np.cumsum([0, Dk, Dk, group * Dv, group * Dv])
-    parts = [qkvz[:, bounds[i]:bounds[i + 1]].reshape(-1, H) for i in range(4)]
-    parts += [ba[:, :group].reshape(NVH, H), ba[:, group:].reshape(NVH, H)]
+    heads = np.arange(NKH)[:, None]
+    order = [(heads * width + np.arange(bounds[i], bounds[i + 1])).reshape(-1) for i in range(4)]
+    ba_rows = NKH * width + heads * 2 * group
+    order += [(ba_rows + np.arange(group)).reshape(-1), (ba_rows + group + np.arange(group)).reshape(-1)]
     C = 2 * NKH * Dk + NVH * Dv
     weights = GatedDeltaWeights(
-        in_proj=keep_bf16(np.concatenate(parts)),
+        in_proj=take_rows(fuse_rows([qkvz, ba]), np.concatenate(order)),
         conv=np.ascontiguousarray(reader.f32(f"{a}conv1d.weight", shape=(C, 1, K))[:, 0, :]),
         a_exp=np.exp(reader.f32(f"{a}A_log", shape=(NVH,))).astype(np.float32),
         dt_bias=reader.f32(f"{a}dt_bias", shape=(NVH,)),

@@ -89,7 +89,7 @@ class _RandomReader(TensorReader):
     def kept(self, name: str) -> None:
         return None
 
-    def _stored_blocks(self, name: str, shape) -> None:  # made-up tensors are never stored as Q8_0
+    def _stored_blocks(self, name: str, shape, mapped: bool = False) -> None:  # made-up tensors: never Q8_0
         return None
 
     def _stored_bf16(self, name: str, shape) -> None:  # nor as a checkpoint's bf16 bits

@@ -99,36 +99,45 @@ class TensorReader:
                 f"implies {list(shape)}"
             )
 
-    def _stored_blocks(self, name: str, shape: Sequence[int]) -> QuantizedMatrix | None:
+    def _stored_blocks(self, name: str, shape: Sequence[int], mapped: bool = False) -> QuantizedMatrix | None:
         """`name`'s Q8_0 blocks where the source holds them: a GGUF file's Q8_0 trunk tensor, or, in a family store
-        packed from one, a U8 tensor [R, C / 32 * 34] standing for a float [R, C] (`stream/family_pack.py`)."""
+        packed from one, a U8 tensor [R, C / 32 * 34] standing for a float [R, C] (`stream/family_pack.py`). A copy
+        of the blocks, and a GGUF file's pages of them dropped once copied (`GGUFFile.release`: the copy and the
+        mapped pages had both stayed resident); `mapped` keeps a GGUF tensor as views of the mapped file instead,
+        for an embedding, whose lookups touch only the rows they read."""
         if len(shape) != 2 or shape[1] % GROUP_SIZE:
             return None
         rows, cols = shape
         if isinstance(self.index, GGUFTensorIndex):
             matrix = self.index.q8_0_blocks(name)
-            return matrix if matrix is not None and matrix.shape == (rows, cols) else None
+            if matrix is None or matrix.shape != (rows, cols):
+                return None
+            if mapped:
+                return matrix
+            held = matrix.copy()
+            self.index.file.release(matrix.data)
+            return held
         info = self.index.info(name)
         if info.dtype == "U8" and tuple(info.shape) == (rows, cols // GROUP_SIZE * BLOCK_BYTES):
-            return QuantizedMatrix("q8_0", np.ascontiguousarray(self.index.read(name), np.uint8), None, cols)
+            return QuantizedMatrix("q8_0", np.array(self.index.read(name), np.uint8), None, cols)
         return None
 
-    def matrix(self, *names: str, shape: tuple[int, int]) -> np.ndarray | QuantizedMatrix:
+    def matrix(self, *names: str, shape: tuple[int, int], mapped: bool = False) -> np.ndarray | QuantizedMatrix:
         """A trunk matrix multiplied by `kernels.linear`: its Q8_0 blocks where the source stores it as Q8_0 (a GGUF
-        Q8_0 file, kept as llama.cpp holds it), else its values as bf16 bits when they are bf16, else float32; at a
-        quantized `trunk_precision`, those quantized to it (a matrix whose rows are not whole 32-blocks stays as
-        stored)."""
+        Q8_0 file, kept as llama.cpp holds it; `mapped`: as views of the file, see `_stored_blocks`), else its
+        values as bf16 bits when they are bf16, else float32; at a quantized `trunk_precision`, those quantized to
+        it (a matrix whose rows are not whole 32-blocks stays as stored)."""
         name = self.name_of(*names)
-        blocks = self._stored_blocks(name, shape)
+        blocks = self._stored_blocks(name, shape, mapped)
         if self.trunk_precision != "native" and shape[1] % GROUP_SIZE == 0:
             if blocks is not None and blocks.precision == self.trunk_precision:
-                return blocks.copy()
+                return blocks
             matrix = quantize_matrix(blocks if blocks is not None else self.values(name, shape=shape),
                                      self.trunk_precision)
             if self.quantized_at_load is not None:
                 self.quantized_at_load[name] = matrix
             return matrix
-        return blocks.copy() if blocks is not None else self.values(name, shape=shape)
+        return blocks if blocks is not None else self.values(name, shape=shape)
 
     def values(self, *names: str, shape: tuple[int, ...]) -> np.ndarray:
         """The first present of `names` as bf16 bits (uint16) when its values are bf16, else float32 (`keep_bf16`
