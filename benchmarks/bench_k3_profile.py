@@ -60,13 +60,13 @@ def main() -> None:
     prefill = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
     wall, cpu = time.perf_counter(), time.process_time()
     for i in range(args.steps):
-        model.forward([ForwardItem(prompt[i:i + 1], cache)])
+        model.forward([ForwardItem(prompt[i % len(prompt):][:1], cache)])  # --steps may exceed the prompt
     decode = {"wall_ms_per_token": (time.perf_counter() - wall) / args.steps * 1e3,
               "cpu_ms_per_token": (time.process_time() - cpu) / args.steps * 1e3}
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     for i in range(args.steps):
-        model.forward([ForwardItem(prompt[i:i + 1], cache)])
+        model.forward([ForwardItem(prompt[i % len(prompt):][:1], cache)])  # --steps may exceed the prompt
     profiler.disable()
     stats = pstats.Stats(profiler)
     parts = split(stats.stats, args.steps)  # type: ignore[attr-defined]

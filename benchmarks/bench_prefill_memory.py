@@ -5,9 +5,11 @@ peak RSS under its protocol; this says which part of a layer sets it.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill_memory.py --target kimi_linear --precision mxfp4
     PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill_memory.py --target qwen3_moe --size smoke --tokens 256
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill_memory.py --target qwen3_next --source gguf
 
 The model loads as bench_peers.py loads it (every expert packed first; --trunk-precision q8_0 is what its
-`--k3serve-trunk match` gives the int8 and mxfp4 pairs), then one prompt of --tokens random ids runs in one
+`--k3serve-trunk match` gives the int8 and mxfp4 pairs; --source gguf loads the fixture's GGUF of the precision's
+llama.cpp type instead, as `bench_peers.py --k3serve-source gguf` does), then one prompt of --tokens random ids runs in one
 forward. tracemalloc sees numpy's allocations (not numba's or BLAS's own scratch); VmHWM sees everything. Prints a
 table and a JSON record on the last line (--json FILE writes it too).
 """
@@ -66,14 +68,20 @@ def main() -> None:
     parser.add_argument("--precision", choices=("bf16", "int8", "mxfp4"), default="mxfp4")
     parser.add_argument("--trunk-precision", choices=("native", "q8_0"), default=None,
                         help="default: q8_0 for int8 and mxfp4 (bench_peers.py's --k3serve-trunk match), else native")
+    parser.add_argument("--source", choices=("checkpoint", "gguf"), default="checkpoint")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from bench_peers import _K3ServeShapes, peak_rss_mib  # the peers benchmark's loader and its VmHWM
+    from bench_peers import PAIRS, _K3ServeShapes, peak_rss_mib  # the peers benchmark's loader and its VmHWM
 
-    trunk = args.trunk_precision or ("native" if args.precision == "bf16" else "q8_0")
+    trunk = args.trunk_precision or ("native" if args.precision == "bf16" or args.source == "gguf" else "q8_0")
     checkpoint = fixture_dir(args.target, args.size)
+    if args.source == "gguf":  # the GGUF bench_peers.py builds beside the checkpoint (family_ggufs)
+        checkpoint = checkpoint.parent / f"{PAIRS[args.precision]}.gguf"
+        if not checkpoint.exists():
+            parser.error(f"{checkpoint} does not exist: bench_peers.py --targets {args.target} --sizes {args.size} "
+                         "builds it")
     engine = _K3ServeShapes({"family": args.target, "checkpoint": str(checkpoint), "precision": args.precision,
                              "trunk_precision": trunk})
     after_load = peak_rss_mib()
@@ -87,7 +95,7 @@ def main() -> None:
     forward_peak = max(peaks.pop(FORWARD, 0), tracemalloc.get_traced_memory()[1])
     tracemalloc.stop()
     record = {"benchmark": "prefill_memory", "target": args.target, "size": args.size, "precision": args.precision,
-              "trunk_precision": trunk, "tokens": args.tokens, "checkpoint": str(checkpoint),
+              "source": args.source, "trunk_precision": trunk, "tokens": args.tokens, "checkpoint": str(checkpoint),
               "part_peak_mib": {name: round(b / 2**20, 1) for name, b in sorted(peaks.items())},
               "forward_peak_mib": round(forward_peak / 2**20, 1), "hwm_after_load_mib": round(after_load, 1),
               "hwm_after_prefill_mib": round(peak_rss_mib(), 1),

@@ -59,3 +59,24 @@ def test_a_read_drops_the_files_pages_it_copied(gguf_path, name, read):
     again = read(file, name)  # the map still reads (the pages fault back in from the page cache)
     for a, b in zip(values if isinstance(values, tuple) else (values,), again if isinstance(again, tuple) else (again,)):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
+def test_a_mapped_embeddings_lookups_leave_no_pages_behind(gguf_path):
+    """An untied GGUF Q8_0 embedding stays in the map (`MappedQuantizedMatrix`); each lookup drops the pages it
+    faulted in (with the pages the kernel maps around each fault), also after the file object is closed."""
+    from k3serve.weights.quantized import MappedQuantizedMatrix, QuantizedMatrix
+
+    file = GGUFFile(gguf_path)
+    data = np.asarray(file.tensor("q8.weight").data).reshape(ROWS, -1)
+    mapped = MappedQuantizedMatrix("q8_0", data, None, COLS, after_rows=file.dropper(data))
+    plain = QuantizedMatrix("q8_0", data.copy(), None, COLS)
+    file.close()  # the loaders close the file after the load; the dropper holds the map
+    ids = np.random.default_rng(1).integers(0, ROWS, 200)
+    mapped.after_rows()  # the copy above read every page
+    baseline = _mapped_kib(gguf_path)
+    assert baseline < data.nbytes // 1024 // 4
+    assert np.array_equal(mapped.rows(ids), plain.rows(ids))
+    assert _mapped_kib(gguf_path) <= baseline + 8, (baseline, _mapped_kib(gguf_path))
+    np.asarray(data).reshape(-1)[::1024].sum()  # without the drop the rows stay: the check can fail
+    assert _mapped_kib(gguf_path) > baseline + data.nbytes // 1024 // 2

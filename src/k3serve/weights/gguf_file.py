@@ -19,11 +19,12 @@ Any other type is refused with a `CheckpointError` naming it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import mmap
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -75,6 +76,19 @@ def check_gguf_path(path: str | Path) -> None:
         raise CheckpointError(f"GGUF file {path} does not exist")
     if path.is_file() and not is_gguf_file(path):
         raise CheckpointError(f"{path} is not a valid GGUF file (it does not start with the GGUF magic bytes)")
+
+
+def _drop_pages(mapping: mmap.mmap | None, base: int, data: np.ndarray) -> None:
+    """madvise(MADV_DONTNEED) over the whole pages of `data`, a contiguous view of `mapping` (mapped at `base`)."""
+    if mapping is None or mapping.closed or not data.flags.c_contiguous or data.nbytes == 0:
+        return
+    start = data.ctypes.data - base
+    if start < 0 or start + data.nbytes > len(mapping):
+        return  # not a view of this map (a copy somewhere along the way)
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 class GGUFFile:
@@ -210,15 +224,11 @@ class GGUFFile:
         (4.4 GB for a 2.0 GB file at Qwen3-30B-A3B's widths). Only whole pages inside `data` are dropped; the
         mapping is shared and read-only, so a later read (a trunk matrix kept as its Q8_0 blocks, views of the
         map) faults them back in from the page cache. A no-op where numpy exposes no mmap."""
-        if self._mapping is None or self._mapping.closed or not data.flags.c_contiguous or data.nbytes == 0:
-            return
-        start = data.ctypes.data - self._base
-        if start < 0 or start + data.nbytes > len(self._mapping):
-            return  # not a view of this map (a copy somewhere along the way)
-        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if last > first:
-            self._mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+        _drop_pages(self._mapping, self._base, data)
+
+    def dropper(self, data: np.ndarray) -> Callable[[], None]:
+        """`release(data)` as a call that outlives `close()` (it holds the mmap itself, which `data` keeps open)."""
+        return functools.partial(_drop_pages, self._mapping, self._base, data)
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -21,7 +21,8 @@ from k3serve.errors import CheckpointError
 from k3serve.model.families.gguf_families import GGUFTensorIndex
 from k3serve.model.weights import keep_bf16
 from k3serve.weights.q8_0 import BLOCK_BYTES, GROUP_SIZE
-from k3serve.weights.quantized import QuantizedMatrix, check_load_trunk_precision, quantize_matrix
+from k3serve.weights.quantized import (MappedQuantizedMatrix, QuantizedMatrix, check_load_trunk_precision,
+                                      quantize_matrix)
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
 _FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
@@ -112,8 +113,9 @@ class TensorReader:
             matrix = self.index.q8_0_blocks(name)
             if matrix is None or matrix.shape != (rows, cols):
                 return None
-            if mapped:
-                return matrix
+            if mapped:  # views of the map, its pages dropped after each lookup
+                return MappedQuantizedMatrix(matrix.precision, matrix.data, matrix.scales, matrix.cols,
+                                             after_rows=self.index.file.dropper(matrix.data))
             held = matrix.copy()
             self.index.file.release(matrix.data)
             return held
