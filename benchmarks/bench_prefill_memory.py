@@ -6,6 +6,8 @@ peak RSS under its protocol; this says which part of a layer sets it.
     PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill_memory.py --target kimi_linear --precision mxfp4
     PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill_memory.py --target qwen3_moe --size smoke --tokens 256
     PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill_memory.py --target qwen3_next --source gguf
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill_memory.py --target qwen3_moe --precision bf16 \
+        --tokens 512 --profile 8
 
 The model loads as bench_peers.py loads it (every expert packed first; --trunk-precision q8_0 is what its
 `--k3serve-trunk match` gives the int8 and mxfp4 pairs; --source gguf loads the fixture's GGUF of the precision's
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import sys
 import time
 import tracemalloc
@@ -61,6 +65,25 @@ def watch_parts(model) -> dict[str, int]:
     return peaks
 
 
+def profile_prefill(engine, prompt: list[int], top: int) -> dict:
+    """One timed prefill, then one under cProfile: its `top` functions by own time (seconds and share)."""
+    started = time.perf_counter()
+    engine.prefill([prompt])
+    seconds = time.perf_counter() - started
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine.prefill([prompt])
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    total = sum(entry[2] for entry in stats.values())
+    rows = sorted(((entry[2], f"{Path(key[0]).name}:{key[2]}") for key, entry in stats.items()), reverse=True)[:top]
+    print(f"  prefill {len(prompt) / seconds:.1f} tok/s ({seconds:.2f} s); profiled, by own time:")
+    for spent, name in rows:
+        print(f"    {name:<58} {spent:7.3f} s {spent / total:6.1%}")
+    return {"prefill_tok_s": round(len(prompt) / seconds, 1),
+            "profile_top": [{"function": name, "seconds": round(spent, 4)} for spent, name in rows]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=FAMILIES, required=True)
@@ -71,6 +94,9 @@ def main() -> None:
     parser.add_argument("--source", choices=("checkpoint", "gguf"), default="checkpoint")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="then time one more prefill (no tracemalloc) and profile another (cProfile), printing "
+                             "its TOP functions by own time: where a prefill's time goes")
     args = parser.parse_args()
 
     from bench_peers import PAIRS, _K3ServeShapes, peak_rss_mib  # the peers benchmark's loader and its VmHWM
@@ -106,6 +132,8 @@ def main() -> None:
     print(f"  whole forward (tracemalloc)   {record['forward_peak_mib']:8.1f} MiB")
     print(f"  VmHWM after load {record['hwm_after_load_mib']:.0f} MiB, after the prefill "
           f"{record['hwm_after_prefill_mib']:.0f} MiB")
+    if args.profile:
+        record.update(profile_prefill(engine, prompt, args.profile))
     line = json.dumps(record)
     if args.json is not None:
         args.json.write_text(line + "\n")

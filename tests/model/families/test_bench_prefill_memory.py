@@ -16,7 +16,7 @@ def test_the_prefill_memory_benchmark_names_each_part_and_the_high_water_marks(t
     out = tmp_path / "record.json"
     env = {**os.environ, "K3BENCH_DIR": str(tmp_path / "bench"), "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, str(BENCH), "--target", "qwen3_next", "--size", "smoke", "--tokens", "300",
-                           "--precision", "int8", "--json", str(out)], env=env, capture_output=True, text=True,
+                           "--precision", "int8", "--json", str(out), "--profile", "5"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -27,3 +27,5 @@ def test_the_prefill_memory_benchmark_names_each_part_and_the_high_water_marks(t
     assert record["forward_peak_mib"] >= max(parts.values())
     assert record["hwm_after_prefill_mib"] >= record["hwm_after_load_mib"] > 0
     assert "GatedDeltaNet" in done.stdout and record == json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["prefill_tok_s"] > 0 and len(record["profile_top"]) == 5  # --profile: where the time goes
+    assert all(row["seconds"] >= 0 and ":" in row["function"] for row in record["profile_top"])
