@@ -80,7 +80,8 @@ def check_gguf_path(path: str | Path) -> None:
 
 def _drop_pages(mapping: mmap.mmap | None, base: int, data: np.ndarray) -> None:
     """madvise(MADV_DONTNEED) over the whole pages of `data`, a contiguous view of `mapping` (mapped at `base`)."""
-    if mapping is None or mapping.closed or not data.flags.c_contiguous or data.nbytes == 0:
+    if (mapping is None or mapping.closed or not data.flags.c_contiguous or data.nbytes == 0
+            or not hasattr(mmap, "MADV_DONTNEED")):  # Linux and macOS have it
         return
     start = data.ctypes.data - base
     if start < 0 or start + data.nbytes > len(mapping):

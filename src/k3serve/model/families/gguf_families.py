@@ -155,7 +155,7 @@ def _mla(file: GGUFFile) -> dict[str, Any]:
         "num_attention_heads": heads,
         # llama.cpp writes 0 (or nothing) for a model without a query LoRA (Moonlight, DeepSeek-V2-Lite) and
         # builds the layer without one when the rank is 0
-        "q_lora_rank": int(q_lora) or None if q_lora is not None else None,
+        "q_lora_rank": int(q_lora or 0) or None,
         "kv_lora_rank": int(file.get("{arch}.attention.kv_lora_rank")),
         "qk_nope_head_dim": key_mla - rope_dim,
         "qk_rope_head_dim": rope_dim,
