@@ -40,7 +40,7 @@ def main() -> None:
     import numba
 
     from bench_peers import bytes_per_token, widened_checkpoint
-    from profile_split import line, split
+    from profile_split import by_own_time, line, split
     from k3serve.host import describe_host
     from k3serve.loading import load_model
     from k3serve.model.interface import ForwardItem
@@ -71,7 +71,7 @@ def main() -> None:
     stats = pstats.Stats(profiler)
     parts = split(stats.stats, args.steps)  # type: ignore[attr-defined]
     total = sum(entry[2] for entry in stats.stats.values())  # tottime
-    rows = sorted(((entry[2], f"{Path(key[0]).name}:{key[2]}") for key, entry in stats.stats.items()), reverse=True)
+    rows = by_own_time(stats.stats)  # type: ignore[attr-defined]
     table = [{"function": name, "cpu_ms_per_token": round(t / args.steps * 1e3, 3), "share": round(t / total, 3)}
              for t, name in rows[:args.top]]
     moved = bytes_per_token(Path(checkpoint)) if args.model is None else None

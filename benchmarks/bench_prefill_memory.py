@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from family_fixture import FAMILIES, SIZES, fixture_dir  # noqa: E402
+from profile_split import by_own_time  # noqa: E402
 
 
 FORWARD = "whole forward"
@@ -76,7 +77,7 @@ def profile_prefill(engine, prompt: list[int], top: int) -> dict:
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     total = sum(entry[2] for entry in stats.values())
-    rows = sorted(((entry[2], f"{Path(key[0]).name}:{key[2]}") for key, entry in stats.items()), reverse=True)[:top]
+    rows = by_own_time(stats)[:top]
     print(f"  prefill {len(prompt) / seconds:.1f} tok/s ({seconds:.2f} s); profiled, by own time:")
     for spent, name in rows:
         print(f"    {name:<58} {spent:7.3f} s {spent / total:6.1%}")

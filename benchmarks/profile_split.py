@@ -12,6 +12,7 @@ each call), so compare shares measured the same way; `calls_per_step` (every pro
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from numba.core.dispatcher import Dispatcher
 
@@ -40,6 +41,11 @@ def split(stats: dict, steps: int) -> dict:
             "c_calls_ms": round(c_calls / steps * 1e3, 3), "python_ms": round(python / steps * 1e3, 3),
             "python_share": round(python / total, 3),
             "calls_per_step": round(sum(v[1] for v in stats.values()) / steps, 1)}
+
+
+def by_own_time(stats: dict) -> list[tuple[float, str]]:
+    """stats: pstats.Stats(...).stats -> (own time, "file.py:function") of every function, largest first."""
+    return sorted(((entry[2], f"{Path(key[0]).name}:{key[2]}") for key, entry in stats.items()), reverse=True)
 
 
 def line(parts: dict) -> str:

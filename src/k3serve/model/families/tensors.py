@@ -130,7 +130,8 @@ class TensorReader:
         values as bf16 bits when they are bf16, else float32; at a quantized `trunk_precision`, those quantized to
         it (a matrix whose rows are not whole 32-blocks stays as stored)."""
         name = self.name_of(*names)
-        blocks = self._stored_blocks(name, shape, mapped)
+        requantized = self.trunk_precision not in ("native", "q8_0") and shape[1] % GROUP_SIZE == 0
+        blocks = self._stored_blocks(name, shape, mapped and not requantized)  # mapped only if kept as stored
         if self.trunk_precision != "native" and shape[1] % GROUP_SIZE == 0:
             if blocks is not None and blocks.precision == self.trunk_precision:
                 return blocks
