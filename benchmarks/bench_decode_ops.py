@@ -2,7 +2,7 @@
 per token per op, and each op's bandwidth against a STREAM triad (issue 33's "profile of what remains").
 
     python benchmarks/bench_decode_ops.py [--steps 200] [--rounds 3] [--threads 2] [--engines k3serve,llama.cpp]
-        [--target k3 | --target qwen3_moe --precision int8]
+        [--target k3 | --target qwen3_moe --precision int8 [--k3serve-source checkpoint | gguf]]
         [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz]
 
 --engines k3serve runs k3serve's side alone (no llama.cpp build, GGUF or perf).
@@ -11,7 +11,8 @@ per token per op, and each op's bandwidth against a STREAM triad (issue 33's "pr
 and its GGUF from llama.cpp's own converter. --target qwen3_moe (or another family): the family's real-width
 fixture of bench_peers.py (Qwen3-30B-A3B's widths, 4 of its 48 layers) at --precision bf16 / int8 / mxfp4 against
 BF16 / Q8_0 / MXFP4_MOE, k3serve's trunk matching the file's as bench_peers.py's `--k3serve-trunk match` does
-(Q8_0 against Q8_0 and MXFP4_MOE), every expert resident. Each engine in a fresh process at its own defaults
+(Q8_0 against Q8_0 and MXFP4_MOE), or with --k3serve-source gguf the very GGUF llama.cpp loads, at the types it
+stores; every expert resident. Each engine in a fresh process at its own defaults
 (`host.defaults_environment`), 2 threads, the processes alternated round by round; medians.
 
 - k3serve: the model's kernel entry points are wrapped with a wall clock (routed experts, each module's `linear`,
@@ -113,10 +114,11 @@ REST = "the rest (Python, norms, routing, attention cores, residual stack)"
 """ + CHILD_TAIL
 
 FAMILY_CHILD = CHILD_HEAD + r"""
-from k3serve.model.families import attention, decoder, experts, moe
+from k3serve.model.families import attention, decoder, delta, experts, latent_attention, moe
 from k3serve.model.families.moe import MoEBlock
 
-model = load_model(spec["checkpoint"], expert_precision=spec["precision"],
+model = load_model(spec.get("model", spec["checkpoint"]), expert_precision=spec.get("expert_precision",
+                                                                                  spec["precision"]),
                    trunk_precision=spec["trunk_precision"]).model
 for layer in model.layers:  # resident, as llama.cpp's: every expert packed first
     if isinstance(layer.mlp, MoEBlock):
@@ -128,8 +130,15 @@ def expert_bytes(args):
     return sum(int(a[0].nbytes) for a in stacked if a is not None) * len(pairs.expert_ids)
 
 wrap(experts, "run_experts", f"routed experts ({spec['precision']})", expert_bytes)
-wrap(attention, "linear", f"attention projections ({spec['trunk_precision']} trunk)", lambda a: weight_bytes(a[1]))
-wrap(attention, "causal_attention", "attention core (over the cache)", lambda a: 0)
+PROJECTIONS = f"attention projections ({spec['trunk_precision']} trunk)"
+CORE = "attention core (over the cache; a delta rule's recurrence)"
+for module in (attention, latent_attention, delta):  # GQA, MLA, KDA / Gated DeltaNet
+    wrap(module, "linear", PROJECTIONS, lambda a: weight_bytes(a[1]))
+wrap(attention, "causal_attention", CORE, lambda a: 0)
+wrap(latent_attention, "causal_attention", CORE, lambda a: 0)
+wrap(delta, "run_delta_rule", CORE, lambda a: 0)
+wrap(latent_attention, "absorb_queries", "MLA W_uk / W_uv (float32, per head)", lambda a: weight_bytes(a[1]))
+wrap(latent_attention, "values_from_latent", "MLA W_uk / W_uv (float32, per head)", lambda a: weight_bytes(a[1]))
 wrap(moe, "linear", "dense and shared MLPs", lambda a: weight_bytes(a[1]))
 wrap(decoder, "linear", "lm_head", lambda a: weight_bytes(a[1]))
 REST = "the rest (Python, norms, routing, rope, residual adds)"
@@ -243,6 +252,10 @@ def main() -> None:
                                                        "qwen3_moe, kimi_linear, deepseek_v3, qwen3_next")
     parser.add_argument("--precision", default="int8", choices=("bf16", "int8", "mxfp4"),
                         help="a family's k3serve precision (against BF16 / Q8_0 / MXFP4_MOE)")
+    parser.add_argument("--k3serve-source", choices=("checkpoint", "gguf"), default="checkpoint",
+                        help="a family's k3serve model: the checkpoint with its trunk matching the file's (as "
+                             "bench_peers.py --k3serve-trunk match), or gguf: the very GGUF llama.cpp loads "
+                             "(as bench_peers.py --k3serve-source gguf)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engines = args.engines.split(",")
@@ -263,6 +276,8 @@ def main() -> None:
         checkpoint, gguf = target.checkpoint, target.ggufs[PAIRS[args.precision]]
         spec.update(precision=args.precision,
                     trunk_precision=trunk_precision(target, PAIRS[args.precision], "match"))
+        if args.k3serve_source == "gguf":  # the file's tensors at the types it stores
+            spec.update(model=str(gguf), trunk_precision="native", expert_precision="native")
     vocab = Checkpoint(checkpoint).config.vocab_size if args.target == "k3" else target.vocab
     spec.update({"checkpoint": str(checkpoint), "gguf": str(gguf), "steps": args.steps, "threads": args.threads,
                  "vocab": vocab, "benchmarks": str(HERE)})
@@ -280,7 +295,7 @@ def main() -> None:
     record: dict = {"benchmark": "decode_ops", "machine": host, "triad_gb_s": triad, "steps": args.steps,
                     "rounds": args.rounds, "threads": args.threads, "target": args.target,
                     "precision": spec.get("precision"), "trunk_precision": spec.get("trunk_precision"),
-                    "checkpoint": str(checkpoint),
+                    "checkpoint": str(checkpoint), "k3serve_source": args.k3serve_source,
                     "gguf": str(gguf), "engines": {}, "runs": runs}
     for engine, rs in runs.items():
         wall = statistics.median(r["wall_ms"] for r in rs)

@@ -519,7 +519,8 @@ class _K3ServeShapes:
         from k3serve.model.interface import ForwardItem
 
         self.item = ForwardItem
-        options = {} if spec["family"] == "k3" else {"expert_precision": spec["precision"],
+        options = {} if spec["family"] == "k3" else {"expert_precision": spec.get("expert_precision",
+                                                                                   spec["precision"]),
                                                        "trunk_precision": spec.get("trunk_precision", "native")}
         self.model = load_model(spec["checkpoint"], **options).model  # as the CLI loads it
         for layer in getattr(self.model, "layers", []):  # resident like llama.cpp's: every expert packed first
@@ -660,7 +661,9 @@ def measure_target(target: Target, args: argparse.Namespace) -> dict:
         configs[("k3serve", ours)] = {**base, "engine": "k3serve", "precision": ours,
                                       "trunk_precision": trunk_precision(target, theirs, args.k3serve_trunk)}
         if args.k3serve_source == "gguf":  # the very file llama.cpp loads, its tensors at the types it stores
-            configs[("k3serve", ours)].update(checkpoint=str(target.ggufs[theirs]), trunk_precision="native")
+            # (expert precision "native": "int8" would requantize a Q8_0 file's experts to per-row int8)
+            configs[("k3serve", ours)].update(checkpoint=str(target.ggufs[theirs]), trunk_precision="native",
+                                              expert_precision="native")
         configs[("llama.cpp", theirs)] = {**base, "engine": "llama.cpp", "gguf": str(target.ggufs[theirs])}
     runs: dict[str, list[dict]] = {}
     for (engine, precision), spec in configs.items():  # untimed: numba compiles into its cache, pages come in

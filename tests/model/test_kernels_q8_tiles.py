@@ -1,7 +1,9 @@
 """The int8 tiles of the MXFP4 experts at prefill (kernels section "int8 tiles"): 8 or 4 tokens a pass over
 a row decoded once, each output the int8 row dot's bits on every instruction set this CPU has for it (AVX-512 VNNI,
 AVX2), on odd token counts (tiles of 8, of 4, then single tails), odd group counts (the masked last step), 255-scale
-groups and NaN / inf activation blocks; the families' MXFP4 experts on the int8 path; the float path unchanged."""
+groups and NaN / inf activation blocks; the families' MXFP4 experts on the int8 path; the float path unchanged. The
+families' int8 experts on Q8_0 activations: per-row scales (`int8_experts_q8`, opt-in) and a GGUF's Q8_0 block
+scales (`q8_0_experts_run`, the default for them), each against its numpy twin, and the switch that picks them."""
 
 from __future__ import annotations
 
@@ -227,28 +229,98 @@ def test_int8_experts_each_token_has_its_own_bits() -> None:
         np.testing.assert_array_equal(_bits(alone[0]), _bits(together[n]))
 
 
-def test_int8_switch_in_the_families_and_block_scales_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """K3SERVE_INT8_ACTIVATIONS=q8: the families' per-row int8 experts are `int8_experts_q8`'s bits; f32 (the
-    default) keeps the float kernels' bits; Q8_0 block scales are refused by the int8 kernel (the families keep
-    them on the float path)."""
+def test_int8_switch_in_the_families(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K3SERVE_INT8_ACTIVATIONS: "auto" (the default) keeps the families' per-row int8 experts on the float kernels'
+    bits and runs block-scaled ones (a GGUF's Q8_0) on Q8_0 activations (`q8_0_experts_run`); "q8" puts both on
+    Q8_0 activations; "f32" both on floats. The per-row int8 kernel refuses block scales."""
     rng = np.random.default_rng(4)
     stacked = _int8_experts(rng, 5, 64, 96)
     expert_ids, tokens, starts, ends = _routing(rng, [2, 9, 70], 40)
     pairs = ExpertPairs(expert_ids, starts, ends, tokens, np.arange(tokens.shape[0]))
     x = rng.standard_normal((40, 96)).astype(np.float32)
-    assert kernels.INT8_ACTIVATIONS == "f32"
+    gate_up, _, down, _ = stacked
+    block_scales = (rng.uniform(5e-3, 2e-2, (5, 128, 3)).astype(np.float32),
+                    rng.uniform(5e-3, 2e-2, (5, 96, 2)).astype(np.float32))
+    blocked = (gate_up, block_scales[0], down, block_scales[1])
+    assert kernels.INT8_ACTIVATIONS == "auto"
     float_path = run_experts("dense", stacked, pairs, x)
     few = np.array([0])
     np.testing.assert_array_equal(_bits(float_path[:2]), _bits(kernels.dense_experts_run(
         *stacked, expert_ids[few], x, tokens, starts[few], ends[few])[:2]))
+    q8_blocked = kernels.q8_0_experts_run(*blocked, expert_ids, x, tokens, starts, ends)
+    np.testing.assert_array_equal(_bits(run_experts("dense", blocked, pairs, x)), _bits(q8_blocked))
     monkeypatch.setattr(kernels, "INT8_ACTIVATIONS", "q8")
     np.testing.assert_array_equal(_bits(run_experts("dense", stacked, pairs, x)),
                                   _bits(kernels.int8_experts_q8(*stacked, expert_ids, x, tokens, starts, ends)))
-    gate_up, _, down, _ = stacked
-    block_scales = (np.ones((5, 128, 3), np.float32), np.ones((5, 96, 2), np.float32))
+    np.testing.assert_array_equal(_bits(run_experts("dense", blocked, pairs, x)), _bits(q8_blocked))
     with pytest.raises(ValueError, match="per-row scales"):
-        kernels.int8_experts_q8(gate_up, block_scales[0], down, block_scales[1], expert_ids, x, tokens, starts, ends)
-    block_path = run_experts("dense", (gate_up, block_scales[0], down, block_scales[1]), pairs, x)
+        kernels.int8_experts_q8(*blocked, expert_ids, x, tokens, starts, ends)
     monkeypatch.setattr(kernels, "INT8_ACTIVATIONS", "f32")
-    np.testing.assert_array_equal(_bits(block_path), _bits(run_experts(
-        "dense", (gate_up, block_scales[0], down, block_scales[1]), pairs, x)))
+    np.testing.assert_array_equal(_bits(run_experts("dense", stacked, pairs, x)), _bits(float_path))
+    float_blocked = run_experts("dense", blocked, pairs, x)  # the float row dot (2 tokens), the float tile (9, 70)
+    np.testing.assert_array_equal(_bits(float_blocked[:2]), _bits(kernels.dense_experts_run(
+        *blocked, expert_ids[few], x, tokens, starts[few], ends[few])[:2]))
+    error = np.sqrt(np.mean((q8_blocked - float_blocked) ** 2) / np.mean(float_blocked ** 2))
+    assert 1e-4 < error < 5e-2
+
+
+def _q8_0_experts(rng: np.random.Generator, num_experts: int, inter: int, hidden: int):
+    """A GGUF's Q8_0 experts as the families hold them: int8 values and one half-precision scale per 32 values
+    (widened to float32), gate_up [E, 2I, H] / [E, 2I, H/32], down [E, H, I] / [E, H, I/32]."""
+    gate_up, _, down, _ = _int8_experts(rng, num_experts, inter, hidden)
+    gate_up_scales = rng.uniform(5e-3, 2e-2, (num_experts, 2 * inter, hidden // 32)).astype(np.float16)
+    down_scales = rng.uniform(5e-3, 2e-2, (num_experts, hidden, inter // 32)).astype(np.float16)
+    return gate_up, gate_up_scales.astype(np.float32), down, down_scales.astype(np.float32)
+
+
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+@pytest.mark.parametrize(("hidden", "inter"), [(96, 64), (64, 160)])
+def test_q8_0_experts_equal_their_twin(isa: str, hidden: int, inter: int) -> None:
+    """`q8_0_experts_run` on every instruction set against its numpy twin (`q8_0_experts_reference`: the same
+    activation quantization, exact products and block sums in float64), on token counts that take the 8-, 4- and
+    1-token passes and a skipped expert; a NaN block poisons its own token's rows only."""
+    rng = np.random.default_rng(11)
+    stacked = _q8_0_experts(rng, 10, inter, hidden)
+    expert_ids, tokens, starts, ends = _routing(rng, [1, 0, 13, 4, 23], 30)
+    x = rng.standard_normal((30, hidden)).astype(np.float32)
+    got = kernels.q8_0_experts_run(*stacked, expert_ids, x, tokens, starts, ends, isa=isa)
+    want = kernels.q8_0_experts_reference(*stacked, expert_ids, x, tokens, starts, ends)
+    # a hidden value on a rounding edge may quantize one step apart from the twin's: a small tolerance
+    assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)) < 1e-5
+    float_path = kernels.dense_experts_run(*stacked, expert_ids, x, tokens, starts, ends)
+    assert 1e-4 < np.sqrt(np.mean((got - float_path) ** 2) / np.mean(float_path ** 2)) < 5e-2
+    if isa != "portable":  # AVX2 and AVX-512 run the same float operations on the same exact integers
+        best = kernels.q8_0_experts_run(*stacked, expert_ids, x, tokens, starts, ends)
+        np.testing.assert_array_equal(_bits(got), _bits(best))
+    x[tokens[2], 7] = np.nan
+    poisoned = kernels.q8_0_experts_run(*stacked, expert_ids, x, tokens, starts, ends, isa=isa)
+    hit = tokens == tokens[2]
+    assert np.all(np.isnan(poisoned[hit])) and np.all(np.isfinite(poisoned[~hit]))
+    np.testing.assert_array_equal(_bits(poisoned[~hit]), _bits(got[~hit]))
+
+
+def test_q8_0_experts_each_token_has_its_own_bits() -> None:
+    """A token's output does not depend on the pass it ran in (8, 4 or 1 tokens) or the other tokens of its
+    expert: one expert with 13 tokens against each token alone."""
+    rng = np.random.default_rng(12)
+    stacked = _q8_0_experts(rng, 2, 64, 96)
+    x = rng.standard_normal((13, 96)).astype(np.float32)
+    one = np.ones(1, np.int64)
+    together = kernels.q8_0_experts_run(*stacked, one, x, np.arange(13), np.zeros(1, np.int64),
+                                        np.full(1, 13, np.int64))
+    for n in (0, 7, 8, 12):
+        alone = kernels.q8_0_experts_run(*stacked, one, x[n:n + 1], np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                         one)
+        np.testing.assert_array_equal(_bits(alone[0]), _bits(together[n]))
+
+
+def test_q8_0_experts_refuse_other_shapes() -> None:
+    rng = np.random.default_rng(13)
+    gate_up, gate_up_scales, down, down_scales = _q8_0_experts(rng, 2, 64, 96)
+    ids, x = np.zeros(1, np.int64), np.zeros((1, 96), np.float32)
+    args = (ids, x, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64))
+    with pytest.raises(ValueError, match="block scales"):
+        kernels.q8_0_experts_run(gate_up, gate_up_scales[:, :, :1], down, down_scales, *args)  # per row
+    with pytest.raises(ValueError, match="block scales"):
+        kernels.q8_0_experts_run(gate_up.astype(np.float32), gate_up_scales, down, down_scales, *args)
+    assert not kernels.q8_0_experts_on(gate_up, gate_up_scales[:, :, :1], down)

@@ -93,10 +93,12 @@ def _add_wait_policy_arg(parser: argparse.ArgumentParser) -> None:
                              "bits) or Q8_0-quantized ones with int8 dot products (q8: llama.cpp's arithmetic; "
                              "1.4-1.9x faster expert kernels, logits within ~4e-3 relative RMS of f32; needs AVX2 or "
                              "AVX-512 VNNI; docs/BENCHMARKS.md)")
-    parser.add_argument("--int8-activations", choices=("f32", "q8"), default=None,
-                        help="the families' int8 experts (--expert-precision int8) multiply float32 activations (f32, "
-                             "the default, today's bits) or Q8_0-quantized ones with int8 dot products (q8: "
-                             "llama.cpp's Q8_0 x Q8_0 arithmetic; needs AVX2 or AVX-512 VNNI; docs/BENCHMARKS.md)")
+    parser.add_argument("--int8-activations", choices=("auto", "f32", "q8"), default=None,
+                        help="the families' int8 experts multiply float32 activations (f32) or Q8_0-quantized ones "
+                             "with int8 dot products (q8: llama.cpp's Q8_0 x Q8_0 arithmetic; needs AVX2 or AVX-512 "
+                             "VNNI). auto, the default: a GGUF's Q8_0 experts on Q8_0 activations (as its Q8_0 trunk "
+                             "matrices and llama.cpp), experts packed at --expert-precision int8 on float32 ones "
+                             "(docs/BENCHMARKS.md)")
     parser.add_argument("--bf16-activations", choices=("f32", "bf16"), default=None,
                         help="bf16 weights (a bf16 checkpoint's trunk and experts) multiply float32 activations (f32, "
                              "the default, the reference bits) or activations rounded to bf16 with AVX512_BF16 dot "

@@ -38,7 +38,8 @@ and w3 rows of one index. An opt-in path (section "MXFP4 x int8") quantizes the 
 products exactly (AVX-512 VNNI or AVX2), llama.cpp's arithmetic: about twice the float path's speed, other bits.
 At prefill that path runs in tiles (section "int8 tiles": two rows decoded once, 8 or 4 tokens a pass, the int8
 row dot's bits), and the families' per-row int8 experts have the same kind of tiles on Q8_0 activations (opt-in,
-K3SERVE_INT8_ACTIVATIONS=q8).
+K3SERVE_INT8_ACTIVATIONS=q8). A GGUF's Q8_0 experts multiply Q8_0 activations by default, as the file's Q8_0 trunk
+matrices do (section "a GGUF's Q8_0 experts on Q8_0 activations"; K3SERVE_INT8_ACTIVATIONS=f32 keeps them on floats).
 
 TODO: the float path's prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode
 is one instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
@@ -533,31 +534,38 @@ _F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float
 _Q8_0_VNNI = "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 
 
-def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False):
+def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, split: bool = False):
     """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows (8 float32 lanes; see
     above). With several tokens the row's bytes are loaded once per block for all of them, and each token keeps
     its own accumulators with exactly the one-token operation order (the same bits as one at a time). Arguments:
     (wrow, xq_0 .. xq_{n-1}, xd_0 .. xd_{n-1}) one row each, or with `tile` (wrow, xq [T, C], xd [T, G], t0): rows
-    t0 .. t0 + n - 1 of the whole activation arrays."""
+    t0 .. t0 + n - 1 of the whole activation arrays. `split`: the row is its values int8 [C] and their block scales
+    float32 [G] apart (a GGUF's Q8_0 experts as the families hold them), the arguments (wrow, wscales, ...); the
+    same operations on the same numbers, so the same bits as the row's 34-byte blocks when the scales are the
+    blocks' half-precision ones."""
     lanes = Q8_0_LANES
+    first_x = 2 if split else 1  # the first activation argument
 
     def codegen(context, builder, signature, args):
         wrow = context.make_array(signature.args[0])(context, builder, args[0])
+        wscales = context.make_array(signature.args[1])(context, builder, args[1]) if split else None
         index_type = ir.IntType(64)
         if tile:
-            xq, xd = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (1, 2))
+            xq, xd = (context.make_array(signature.args[k])(context, builder, args[k])
+                      for k in (first_x, first_x + 1))
             _, num_groups = cgutils.unpack_tuple(builder, xd.shape, 2)
             xq_stride = cgutils.unpack_tuple(builder, xq.strides, 2)[0]
             xd_stride = cgutils.unpack_tuple(builder, xd.strides, 2)[0]
-            rows = [builder.add(args[3], ir.Constant(index_type, j)) for j in range(num_tokens)]
+            rows = [builder.add(args[first_x + 2], ir.Constant(index_type, j)) for j in range(num_tokens)]
             x_ptrs = [builder.gep(builder.bitcast(xq.data, _I8.as_pointer()), [builder.mul(r, xq_stride)])
                       for r in rows]
             d_ptrs = [builder.bitcast(builder.gep(builder.bitcast(xd.data, _I8.as_pointer()),
                                                   [builder.mul(r, xd_stride)]), _F32.as_pointer()) for r in rows]
         else:
-            xqs = [context.make_array(signature.args[1 + j])(context, builder, args[1 + j])
+            xqs = [context.make_array(signature.args[first_x + j])(context, builder, args[first_x + j])
                    for j in range(num_tokens)]
-            xds = [context.make_array(signature.args[1 + num_tokens + j])(context, builder, args[1 + num_tokens + j])
+            xds = [context.make_array(signature.args[first_x + num_tokens + j])(context, builder,
+                                                                                 args[first_x + num_tokens + j])
                    for j in range(num_tokens)]
             (num_groups,) = cgutils.unpack_tuple(builder, xds[0].shape, 1)
             x_ptrs = [builder.bitcast(a.data, _I8.as_pointer()) for a in xqs]
@@ -589,15 +597,21 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False):
         acc_slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(num_tokens)]
 
         def block(group, parity: int) -> None:
-            w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
-            # The scale as the first of 4 halves (8 bytes, inside the block): a whole-register vcvtph2ps from memory.
-            # A lone i16 load became vpinsrw into a live register, which chained every block's scale to the last.
-            scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]), _vector(i16, 4).as_pointer()),
-                                      align=1)
-            w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits, _vector(ir.HalfType(), 4)),
-                                                            _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
-            weights = _load(builder, wrow.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
+            if split:
+                w_scale = builder.load(builder.gep(wscales.data, [group]))
+                weights = _load(builder, builder.bitcast(wrow.data, _I8.as_pointer()), x_base, vb, 1)
+            else:
+                w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
+                # The scale as the first of 4 halves (8 bytes, inside the block): a whole-register vcvtph2ps from
+                # memory. A lone i16 load became vpinsrw into a live register, which chained every block's scale to
+                # the last.
+                scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]),
+                                                          _vector(i16, 4).as_pointer()), align=1)
+                w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits,
+                                                                                _vector(ir.HalfType(), 4)),
+                                                                _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
+                weights = _load(builder, wrow.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
             magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
             for j in range(num_tokens):
                 x = _load(builder, x_ptrs[j], x_base, vb, 1)
@@ -733,6 +747,225 @@ def _q8_0_matmul_parallel(blocks, xq, xd, f16_table, isa, out):
 def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
     for task in range((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+
+
+# ------------------------------------------------------------ a GGUF's Q8_0 experts on Q8_0 activations
+# The families hold a GGUF's Q8_0 experts as their int8 values [E, R, C] and float32 block scales [E, R, C / 32]
+# (`families.experts.Int8Matrix`, what a streaming store's blobs hold too). The same row dot as the trunk's Q8_0
+# matrices (above: exact int32 block sums, one FMA a block scaled by d_w d_x, even and odd blocks in two chains),
+# reading each block's scale from the scales array instead of the block's first two bytes: llama.cpp's
+# ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers (the scales are the file's half-precision ones, widened).
+@intrinsic
+def _q8s_row_dot_avx512(typingctx, wrow, wscales, xq, xd):
+    """One Q8_0 row as values int8 [C] and block scales f32 [G] . activation q int8 [C] with scales f32 [G]."""
+    codegen = _q8_0_row_dot_codegen("avx512", split=True) if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(wrow, wscales, xq, xd), codegen
+
+
+@intrinsic
+def _q8s_row_dot_avx2(typingctx, wrow, wscales, xq, xd):
+    """The same row dot on AVX2."""
+    codegen = _q8_0_row_dot_codegen("avx2", split=True) if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
+    return types.float32(wrow, wscales, xq, xd), codegen
+
+
+@intrinsic
+def _q8s_row_dot4_avx512(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3):
+    """One split Q8_0 row against 4 activation rows: 4 dots, each the one-token bits."""
+    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TOKENS_PER_DOT, split=True) if "avx512" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return (types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3),
+            codegen)
+
+
+@intrinsic
+def _q8s_row_dot4_avx2(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3):
+    """The same 4 dots on AVX2."""
+    codegen = (_q8_0_row_dot_codegen("avx2", Q8_0_TOKENS_PER_DOT, split=True) if "avx2" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return (types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3),
+            codegen)
+
+
+@intrinsic
+def _q8s_row_tile8_avx512(typingctx, wrow, wscales, xq, xd, t0):
+    """One split Q8_0 row against activation rows t0 .. t0 + 7 of xq int8 [N, C], xd f32 [N, G]: 8 dots."""
+    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TILE_TOKENS, tile=True, split=True)
+               if "avx512" in AVAILABLE_ISAS else _unavailable_tuple_codegen)
+    return types.UniTuple(types.float32, Q8_0_TILE_TOKENS)(wrow, wscales, xq, xd, t0), codegen
+
+
+@njit(cache=True)
+def _q8s_row_dot_portable(wrow, wscales, xq, xd):
+    """The split row dot in plain numba: each block's exact int32 sum, then one scalar FMA."""
+    total = np.float32(0.0)
+    for group in range(xd.shape[0]):
+        block_sum = np.int32(0)
+        for k in range(GROUP_SIZE):
+            block_sum += np.int32(wrow[group * GROUP_SIZE + k]) * np.int32(xq[group * GROUP_SIZE + k])
+        total += np.float32(block_sum) * (wscales[group] * xd[group])
+    return total
+
+
+@njit(inline="always")
+def _q8s_row_dots(wrow, wscales, xq, xd, first, last, isa, out, column):
+    """out[t, column] = wrow . activation row t for t in first:last (xq int8 [N, C], xd f32 [N, G]): 8 rows a pass
+    over the weights on AVX-512, then 4, then one; each output the one-token bits."""
+    t = first
+    while isa == 2 and t + Q8_0_TILE_TOKENS <= last:
+        r = _q8s_row_tile8_avx512(wrow, wscales, xq, xd, t)
+        for j in range(Q8_0_TILE_TOKENS):
+            out[t + j, column] = r[j]
+        t += Q8_0_TILE_TOKENS
+    while isa > 0 and t + 4 <= last:
+        if isa == 2:
+            a, b, c, d = _q8s_row_dot4_avx512(wrow, wscales, xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
+                                              xd[t + 1], xd[t + 2], xd[t + 3])
+        else:
+            a, b, c, d = _q8s_row_dot4_avx2(wrow, wscales, xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t], xd[t + 1],
+                                            xd[t + 2], xd[t + 3])
+        out[t, column], out[t + 1, column], out[t + 2, column], out[t + 3, column] = a, b, c, d
+        t += 4
+    for t in range(t, last):
+        if isa == 2:
+            out[t, column] = _q8s_row_dot_avx512(wrow, wscales, xq[t], xd[t])
+        elif isa == 1:
+            out[t, column] = _q8s_row_dot_avx2(wrow, wscales, xq[t], xd[t])
+        else:
+            out[t, column] = _q8s_row_dot_portable(wrow, wscales, xq[t], xd[t])
+
+
+@njit(inline="always")
+def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, first, last, isa, out):
+    """out[t, r - shift] = w[r] . activation row t for rows begin:end and t in first:last: 8 activation rows (one
+    tile, 16 KB at C = 2048: in L1) against every row of the block (in L2) before the next 8, so that neither side
+    is read from farther than L2 more than once."""
+    t = first
+    while t < last:
+        t_end = min(t + Q8_0_TILE_TOKENS, last)
+        for row in range(begin, end):
+            _q8s_row_dots(w[row], scales[row], xq, xd, t, t_end, isa, out, row - shift)
+        t = t_end
+
+
+@njit(inline="always")
+def _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, gate, up, hidden, task, blocks):
+    k = task // blocks
+    e = expert_ids[k]
+    width = hidden.shape[1]
+    begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
+    _q8s_block_dots(gate_up[e], scales[e], begin, end, 0, xq, xd, starts[k], ends[k], isa, gate)
+    _q8s_block_dots(gate_up[e], scales[e], width + begin, width + end, width, xq, xd, starts[k], ends[k], isa, up)
+    for n in range(starts[k], ends[k]):
+        for row in range(begin, end):
+            hidden[n, row] = _silu_glu(gate[n, row], up[n, row])
+
+
+@njit(inline="always")
+def _q8s_down_task(down, scales, expert_ids, hq, hd, starts, ends, isa, out, task, blocks):
+    k = task // blocks
+    e = expert_ids[k]
+    begin, end = (task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
+    _q8s_block_dots(down[e], scales[e], begin, end, 0, hq, hd, starts[k], ends[k], isa, out)
+
+
+@njit(cache=True, parallel=True)
+def _q8s_gate_up_parallel(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, gate, up, hidden):
+    """hidden [N, I] = SiLU-GLU of every (pair, gate/up row), over (expert, row block) tasks."""
+    blocks = (hidden.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, gate, up, hidden, task, blocks)
+
+
+@njit(cache=True)
+def _q8s_gate_up_serial(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, gate, up, hidden):
+    blocks = (hidden.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in range(expert_ids.shape[0] * blocks):
+        _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, gate, up, hidden, task, blocks)
+
+
+@njit(cache=True, parallel=True)
+def _q8s_down_parallel(down, scales, expert_ids, hq, hd, starts, ends, isa, out):
+    """out [N, H] rows of the experts' pairs = down . hidden, over (expert, row block) tasks."""
+    blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * blocks):
+        _q8s_down_task(down, scales, expert_ids, hq, hd, starts, ends, isa, out, task, blocks)
+
+
+@njit(cache=True)
+def _q8s_down_serial(down, scales, expert_ids, hq, hd, starts, ends, isa, out):
+    blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in range(expert_ids.shape[0] * blocks):
+        _q8s_down_task(down, scales, expert_ids, hq, hd, starts, ends, isa, out, task, blocks)
+
+
+def q8_0_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray, down_scales: np.ndarray,
+                     expert_ids: np.ndarray, x: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+                     ends: np.ndarray, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+    """`dense_experts_run` for a GGUF's Q8_0 experts (gate_up int8 [E, 2I, H], down int8 [E, H, I], block scales
+    f32 [E, 2I, H/32] and [E, H, I/32]) with x and the hidden rows quantized to Q8_0 first, as llama.cpp multiplies
+    them (ggml_vec_dot_q8_0_q8_0): exact int32 block sums, not the float path's bits. y[n] = down_e
+    SiLU-GLU(gate_up_e x[tokens[n]]) for expert k's pairs starts[k]:ends[k]; `out` [N, H], when given, is filled on
+    those rows only. Each y[n] has the same bits whatever the other pairs, experts and threads of the call. `isa`
+    picks the instruction set (default the best here; "portable" is plain numba)."""
+    code = _isa_code(isa)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    num_experts, hidden_size, width = down.shape
+    if (gate_up.dtype != np.int8 or down.dtype != np.int8 or gate_up.shape != (num_experts, 2 * width, hidden_size)
+            or x.ndim != 2 or x.shape[1] != hidden_size or hidden_size % GROUP_SIZE or width % GROUP_SIZE
+            or np.shape(gate_up_scales) != (num_experts, 2 * width, hidden_size // GROUP_SIZE)
+            or np.shape(down_scales) != (num_experts, hidden_size, width // GROUP_SIZE)):
+        raise ValueError(f"Q8_0 experts gate_up {gate_up.shape} {gate_up.dtype} / down {down.shape} {down.dtype} with "
+                         f"block scales {np.shape(gate_up_scales)} / {np.shape(down_scales)} do not fit x {x.shape} "
+                         f"(one scale per {GROUP_SIZE} values)")
+    if out is None:
+        out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
+    if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
+        return out
+    expert_ids = np.ascontiguousarray(expert_ids, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
+    xq, xd = quantize_activations(x)  # [T, H], [T, H / 32]
+    tokens = np.asarray(tokens, dtype=np.int64)
+    xq, xd = xq[tokens], xd[tokens]  # [N, H], [N, H / 32]: each pair's row, the experts' rows contiguous
+    gate = np.empty((tokens.shape[0], width), np.float32)  # [N, I]
+    up = np.empty((tokens.shape[0], width), np.float32)  # [N, I]
+    hidden = np.zeros((tokens.shape[0], width), np.float32)  # [N, I]; rows of experts not in this call stay 0
+    parallel = expert_ids.shape[0] * gate_up[0].size >= PARALLEL_MIN_WEIGHTS
+    gate_up_scales = np.ascontiguousarray(gate_up_scales, np.float32)
+    (_q8s_gate_up_parallel if parallel else _q8s_gate_up_serial)(
+        np.ascontiguousarray(gate_up), gate_up_scales, expert_ids, xq, xd, starts, ends, code, gate, up, hidden)
+    hq, hd = quantize_activations(hidden)  # [N, I], [N, I / 32]
+    (_q8s_down_parallel if parallel else _q8s_down_serial)(
+        np.ascontiguousarray(down), np.ascontiguousarray(down_scales, np.float32), expert_ids, hq, hd, starts, ends,
+        code, out)
+    return out
+
+
+def q8_0_experts_reference(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray,
+                           down_scales: np.ndarray, expert_ids: np.ndarray, x: np.ndarray, tokens: np.ndarray,
+                           starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The numpy twin of `q8_0_experts_run`: the same activation quantization (`weights.q8_0.quantize_rows`), both
+    sides decoded to float64 (every product and block sum exact), float64 matmuls, SiLU-GLU in float32. -> [N, H]"""
+    out = np.zeros((tokens.shape[0], down.shape[1]), np.float32)
+    for k, e in enumerate(expert_ids):
+        rows = np.asarray(x, np.float32)[tokens[starts[k]:ends[k]]]
+        if not len(rows):
+            continue
+        gate_up_e = gate_up[e].astype(np.float64) * np.repeat(gate_up_scales[e].astype(np.float64), GROUP_SIZE, 1)
+        down_e = down[e].astype(np.float64) * np.repeat(down_scales[e].astype(np.float64), GROUP_SIZE, 1)
+        projected = (_q8_decoded(rows) @ gate_up_e.T).astype(np.float32)  # [n, 2I]
+        width = down.shape[2]
+        gate, up = projected[:, :width], projected[:, width:]
+        hidden = gate / (np.float32(1.0) + np.exp(-gate)) * up
+        out[starts[k]:ends[k]] = (_q8_decoded(hidden) @ down_e.T).astype(np.float32)
+    return out
+
+
+def _q8_decoded(x: np.ndarray) -> np.ndarray:
+    """x float32 [n, C] quantized to Q8_0 (`quantize_rows`) and decoded back, float64."""
+    xq, xd = quantize_rows(x)
+    return (xq.reshape(len(x), -1, GROUP_SIZE) * xd[:, :, None].astype(np.float64)).reshape(x.shape)
 
 
 @njit(cache=True)
@@ -1297,7 +1530,8 @@ def _experts_q8_tiled_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, s
 
 # The families' int8 experts (per row: w[r, c] = q_w[r, c] s[r], `families.experts.Int8Matrix`) on Q8_0
 # activations, llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic with a per-row weight scale (opt-in:
-# K3SERVE_INT8_ACTIVATIONS=q8, `generate`/`serve --int8-activations q8`):
+# K3SERVE_INT8_ACTIVATIONS=q8, `generate`/`serve --int8-activations q8`; the switch's default, "auto", keeps these
+# on float activations and puts a GGUF's Q8_0 experts, which carry block scales, on Q8_0 ones: `q8_0_experts_on`):
 #
 #     y[t, r] = s[r] * sum_lanes sum_k d[t, g(lane)] * (sum_{4 bytes of the lane} q_w q_x)
 #
@@ -1305,11 +1539,12 @@ def _experts_q8_tiled_down(w2p, w2s, expert_ids, xq, corrections, lane_scales, s
 # row for all tokens) and 128 * (each lane's 4 q_x), precomputed per token, is subtracted. AVX2: vpmaddubsw on |w|
 # and q_x with w's sign (vpsignb; |w| <= 128 and |q_x| <= 127, so a pair's sum stays under 32767), then vpmaddwd by
 # ones. Each lane's int32 is exact; one FMA a lane folds it in with d. The same tiles of 2 rows x 8, 4 or 1 tokens.
-INT8_ACTIVATIONS = os.environ.get("K3SERVE_INT8_ACTIVATIONS", "f32").strip().lower() or "f32"
-if INT8_ACTIVATIONS not in ("f32", "q8") or (INT8_ACTIVATIONS == "q8" and not Q8_ISAS):
-    logger.warning("K3SERVE_INT8_ACTIVATIONS=%r: %s; the int8 experts run on float activations (f32)",
-                   INT8_ACTIVATIONS, "known: f32, q8" if INT8_ACTIVATIONS != "q8" else
-                   "q8 needs AVX2 or AVX-512 VNNI, which this CPU lacks")
+INT8_ACTIVATIONS = os.environ.get("K3SERVE_INT8_ACTIVATIONS", "auto").strip().lower() or "auto"
+if INT8_ACTIVATIONS not in ("auto", "f32", "q8") or (INT8_ACTIVATIONS != "f32" and not Q8_ISAS):
+    if INT8_ACTIVATIONS != "auto":  # auto on a CPU without the int8 instructions: floats, silently
+        logger.warning("K3SERVE_INT8_ACTIVATIONS=%r: %s; the int8 experts run on float activations (f32)",
+                       INT8_ACTIVATIONS, "known: auto, f32, q8" if INT8_ACTIVATIONS != "q8" else
+                       "q8 needs AVX2 or AVX-512 VNNI, which this CPU lacks")
     INT8_ACTIVATIONS = "f32"
 elif INT8_ACTIVATIONS == "q8":
     logger.info("int8 experts on Q8_0 activations (int8 dot products, %s)", Q8_ISAS[-1])
@@ -1998,32 +2233,51 @@ def _dense_dots_1x4(typingctx, w0, x0, x1, x2, x3):
     return _dense_dots_intrinsic(1, 4)(typingctx, w0, x0, x1, x2, x3)
 
 
-def _block_scaled_row_dot_codegen(kind: str):
-    return lambda context, builder, signature, args: _block_scaled_row_dot_ir(kind, context, builder, signature,
-                                                                               args)
+@intrinsic
+def _dense_dots_4x1(typingctx, w0, w1, w2, w3, x):
+    """(w0.x, w1.x, w2.x, w3.x), each with the bits of `_dense_row_dot`: one token against four rows, four FMA
+    chains at once where the one-row dot waits on one chain's latency (decode, and a tile's leftover tokens)."""
+    return _dense_dots_intrinsic(4, 1)(typingctx, w0, w1, w2, w3, x)
 
 
-def _block_scaled_row_dot_ir(kind: str, context, builder, signature, args):
-    w_t, s_t, x_t = signature.args
-    w = context.make_array(w_t)(context, builder, args[0])
-    s = context.make_array(s_t)(context, builder, args[1])
-    x = context.make_array(x_t)(context, builder, args[2])
-    (length,) = cgutils.unpack_tuple(builder, w.shape, 1)
-    (groups,) = cgutils.unpack_tuple(builder, s.shape, 1)
-    lanes = DENSE_LANES
-    vf = _vector(_F32, lanes)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-    index_type = length.type
-    block = builder.udiv(length, groups)
-    acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
-    with cgutils.for_range(builder, builder.udiv(length, ir.Constant(index_type, lanes))) as loop:
-        base = builder.mul(loop.index, ir.Constant(index_type, lanes))
-        scale = builder.load(builder.gep(s.data, [builder.udiv(base, block)]))
-        stored = _load(builder, w.data, base, _vector(_DENSE_STORED[kind], lanes), 4 if kind == "f32" else 1)
-        weights = builder.fmul(_widen(builder, kind, stored, lanes), _splat(builder, scale, lanes))
-        inputs = _load(builder, x.data, base, vf, 4)
-        builder.store(builder.call(fma, [weights, inputs, builder.load(acc_slot)]), acc_slot)
-    return _pairwise_sum(builder, builder.load(acc_slot), lanes)
+def _block_scaled_dots_codegen(kind: str, num_rows: int = 1):
+    """IR of `num_rows` block-scaled row dots against one x row: sum_c (w_r[c] * s_r[c // B]) x[c] for each r, every
+    dot with its own accumulator and the one-row operation order (each 16-lane chunk widened, scaled, then one FMA;
+    the fixed pairwise lane sum), so each has the bits of `_block_scaled_row_dot`. Loops over the scale blocks, then
+    the chunks of a block (B a multiple of DENSE_LANES), so no chunk divides to find its scale; the rows' chains are
+    independent, which hides the FMA latency one chain waits on."""
+    def codegen(context, builder, signature, args):
+        ws = [context.make_array(signature.args[r])(context, builder, args[r]) for r in range(num_rows)]
+        ss = [context.make_array(signature.args[num_rows + r])(context, builder, args[num_rows + r])
+              for r in range(num_rows)]
+        x = context.make_array(signature.args[2 * num_rows])(context, builder, args[2 * num_rows])
+        (length,) = cgutils.unpack_tuple(builder, ws[0].shape, 1)
+        (groups,) = cgutils.unpack_tuple(builder, ss[0].shape, 1)
+        lanes = DENSE_LANES
+        vf = _vector(_F32, lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                             f"llvm.fma.v{lanes}f32")
+        index_type = length.type
+        block = builder.udiv(length, groups)
+        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_rows)]
+        with cgutils.for_range(builder, groups) as group_loop:
+            group_base = builder.mul(group_loop.index, block)
+            scales = [_splat(builder, builder.load(builder.gep(s.data, [group_loop.index])), lanes) for s in ss]
+            with cgutils.for_range(builder, builder.udiv(block, ir.Constant(index_type, lanes))) as loop:
+                base = builder.add(group_base, builder.mul(loop.index, ir.Constant(index_type, lanes)))
+                inputs = _load(builder, x.data, base, vf, 4)
+                for r in range(num_rows):
+                    stored = _load(builder, ws[r].data, base, _vector(_DENSE_STORED[kind], lanes),
+                                   4 if kind == "f32" else 1)
+                    weights = builder.fmul(_widen(builder, kind, stored, lanes), scales[r])
+                    slot = acc_slots[r]
+                    builder.store(builder.call(fma, [weights, inputs, builder.load(slot)]), slot)
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        if num_rows == 1:
+            return totals[0]
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return codegen
 
 
 @intrinsic
@@ -2032,7 +2286,18 @@ def _block_scaled_row_dot(typingctx, w_row, scales, x):
     float32 scales [G], B = C / G a multiple of DENSE_LANES: each weight scaled as it is widened, then the float32
     row dot's FMA order, so the bits are those of `_dense_row_dot` on the dequantized row."""
     if w_row.dtype in _DENSE_KINDS and scales.dtype == types.float32:
-        return types.float32(w_row, scales, x), _block_scaled_row_dot_codegen(_DENSE_KINDS[w_row.dtype])
+        return types.float32(w_row, scales, x), _block_scaled_dots_codegen(_DENSE_KINDS[w_row.dtype])
+    return None
+
+
+@intrinsic
+def _block_scaled_dots_4x1(typingctx, w0, w1, w2, w3, s0, s1, s2, s3, x):
+    """Four `_block_scaled_row_dot`s against one x row (rows w0..w3 with their block scales s0..s3), each with its
+    bits, in one pass."""
+    if (w0.dtype in _DENSE_KINDS and all(w.dtype == w0.dtype for w in (w1, w2, w3))
+            and all(s.dtype == types.float32 for s in (s0, s1, s2, s3))):
+        return (types.UniTuple(types.float32, 4)(w0, w1, w2, w3, s0, s1, s2, s3, x),
+                _block_scaled_dots_codegen(_DENSE_KINDS[w0.dtype], 4))
     return None
 
 
@@ -2054,19 +2319,49 @@ def _row_scale(scales, scaled):
 
 
 @njit(inline="always")
+def _scaled_dots_4x1(w, scales, scaled, r0, r1, r2, r3, x):
+    """Rows r0..r3 of w [R, C] against one x [C]: four `_scaled_row_dot`s (scales [R, G], read only when `scaled`),
+    each with its bits, in one pass over x with four independent FMA chains."""
+    if scaled and scales.shape[1] > 1:
+        return _block_scaled_dots_4x1(w[r0], w[r1], w[r2], w[r3], scales[r0], scales[r1], scales[r2], scales[r3], x)
+    a, b, c, d = _dense_dots_4x1(w[r0], w[r1], w[r2], w[r3], x)
+    if scaled:
+        a, b, c, d = a * scales[r0, 0], b * scales[r1, 0], c * scales[r2, 0], d * scales[r3, 0]
+    return a, b, c, d
+
+
+@njit(inline="always")
+def _gate_up_one_token(w, scales, scaled, x, tokens, first, last, hidden, begin, end):
+    """hidden[n, r] = SiLU-GLU(gate_r . x[tokens[n]], up_r . x[tokens[n]]) for rows begin:end and n in first:last,
+    one token at a time: two gate rows and their up rows (w [2I, C]: gate rows, then up rows) in one pass, then a
+    last odd pair alone. Each dot has the one-row bits."""
+    width = hidden.shape[1]
+    if end - begin >= 2 and last > first:  # the rows streamed in first, in order (`_touch_rows`); the tiles write over
+        hidden[first, begin] = np.float32(_touch_rows(w, begin, end) + _touch_rows(w, width + begin, width + end))
+    row = begin
+    while row + 2 <= end:
+        for n in range(first, last):
+            g0, u0, g1, u1 = _scaled_dots_4x1(w, scales, scaled, row, width + row, row + 1, width + row + 1,
+                                              x[tokens[n]])
+            hidden[n, row] = _silu_glu(g0, u0)
+            hidden[n, row + 1] = _silu_glu(g1, u1)
+        row += 2
+    if row < end:
+        for n in range(first, last):
+            x_row = x[tokens[n]]
+            gate = _scaled_row_dot(w[row], scales[row if scaled else 0], scaled, x_row)
+            up = _scaled_row_dot(w[width + row], scales[width + row if scaled else 0], scaled, x_row)
+            hidden[n, row] = _silu_glu(gate, up)
+
+
+@njit(inline="always")
 def _dense_gate_up_task(gate_up, gate_up_scales, scaled, expert_ids, x, tokens, starts, ends, hidden, task, blocks):
     k = task // blocks
     e = expert_ids[k]
     width = hidden.shape[1]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
-    if scaled and gate_up_scales.shape[2] > 1:  # block scales (Q8_0): one pair at a time
-        for row in range(begin, end):
-            gate_scales, up_scales = gate_up_scales[e, row], gate_up_scales[e, width + row]
-            for n in range(starts[k], ends[k]):
-                x_row = x[tokens[n]]
-                gate = _scaled_row_dot(gate_up[e, row], gate_scales, scaled, x_row)
-                up = _scaled_row_dot(gate_up[e, width + row], up_scales, scaled, x_row)
-                hidden[n, row] = _silu_glu(gate, up)
+    if scaled and gate_up_scales.shape[2] > 1:  # block scales (Q8_0): one token at a time, two row pairs a pass
+        _gate_up_one_token(gate_up[e], gate_up_scales[e], scaled, x, tokens, starts[k], ends[k], hidden, begin, end)
         return
     # the same dots in tiles: a gate row and its up row against 4 tokens
     if ends[k] - starts[k] >= DOT_TILE_TOKENS and begin < end:  # the rows streamed in first (`_touch_rows`)
@@ -2102,10 +2397,8 @@ def _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden
     k = task // blocks
     e = expert_ids[k]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
-    if scaled and down_scales.shape[2] > 1:  # block scales (Q8_0): one dot at a time
-        for row in range(begin, end):
-            for n in range(starts[k], ends[k]):
-                out[n, row] = _scaled_row_dot(down[e, row], down_scales[e, row], scaled, hidden[n])
+    if scaled and down_scales.shape[2] > 1:  # block scales (Q8_0): one token at a time, four rows a pass
+        _rows_one_token(down[e], down_scales[e], scaled, hidden, starts[k], ends[k], out, begin, end)
         return
     _dense_rows_tiled(down[e], down_scales[e if scaled else 0], scaled, hidden, starts[k], ends[k], out, begin, end)
 
@@ -2140,6 +2433,23 @@ def _dense_rows_tiled(w, scales, scaled, x, first, last, out, begin, end):
         for row in range(begin, end):
             out[n, row] = _scaled_row_dot(w[row], scales[row if scaled else 0], scaled, x[n])
         n += 1
+
+
+@njit(inline="always")
+def _rows_one_token(w, scales, scaled, x, first, last, out, begin, end):
+    """out[n, r] = `_scaled_row_dot`(w[r], x[n]) for rows begin:end and x rows first:last, one token at a time, four
+    rows a pass (`_scaled_dots_4x1`), the last rows alone: each dot the one-row bits."""
+    if end - begin >= 4 and last > first:  # the rows streamed in first, in order (`_touch_rows`)
+        out[first, begin] = np.float32(_touch_rows(w, begin, end))
+    row = begin
+    while row + 4 <= end:
+        for n in range(first, last):
+            out[n, row], out[n, row + 1], out[n, row + 2], out[n, row + 3] = _scaled_dots_4x1(
+                w, scales, scaled, row, row + 1, row + 2, row + 3, x[n])
+        row += 4
+    for row in range(row, end):
+        for n in range(first, last):
+            out[n, row] = _scaled_row_dot(w[row], scales[row if scaled else 0], scaled, x[n])
 
 
 @njit(cache=True, parallel=True)
@@ -2995,6 +3305,15 @@ def bf16_experts_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None) -> b
     return bf16_activations_on() and gate_up.dtype == np.uint16 and gate_up_scales is None
 
 
+def q8_0_experts_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, down: np.ndarray) -> bool:
+    """Whether block-scaled int8 experts (a GGUF's Q8_0: a scale per 32 values) run `q8_0_experts_run` (Q8_0
+    activations, llama.cpp's arithmetic) at every token count: the switch is "auto" (the default) or "q8", and both
+    widths hold whole blocks of 32."""
+    return (INT8_ACTIVATIONS in ("auto", "q8") and gate_up.dtype == np.int8 and down.dtype == np.int8
+            and gate_up_scales is not None and gate_up.shape[2] % GROUP_SIZE == 0 and down.shape[2] % GROUP_SIZE == 0
+            and gate_up_scales.shape == (*gate_up.shape[:2], gate_up.shape[2] // GROUP_SIZE))
+
+
 def int8_experts_q8_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, down: np.ndarray) -> bool:
     """Whether int8 experts run `int8_experts_q8` (Q8_0 activations) at every token count: the switch is on, the
     scales are per row (a GGUF's Q8_0 block scales stay on the float path) and both widths are multiples of 32."""
@@ -3035,6 +3354,17 @@ def warmup() -> None:
     if INT8_ACTIVATIONS == "q8":
         int8_experts_q8(np.zeros((1, 64, 32), np.int8), np.ones((1, 64), np.float32), np.zeros((1, 32, 32), np.int8),
                         np.ones((1, 32), np.float32), one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
+    if INT8_ACTIVATIONS != "f32":
+        gate_up, down = np.zeros((1, 64, 32), np.int8), np.zeros((1, 32, 32), np.int8)  # I = 32, H = 32
+        gate_up_scales, down_scales = np.ones((1, 64, 1), np.float32), np.ones((1, 32, 1), np.float32)
+        xq, xd = quantize_activations(x)
+        for kernel in (_q8s_gate_up_serial, _q8s_gate_up_parallel):
+            kernel(gate_up, gate_up_scales, one, xq, xd, np.zeros(1, np.int64), np.full(1, 2, np.int64),
+                   ISA_CODES[ISA], np.empty((2, 32), np.float32), np.empty((2, 32), np.float32),
+                   np.empty((2, 32), np.float32))
+        for kernel in (_q8s_down_serial, _q8s_down_parallel):
+            kernel(down, down_scales, one, xq, xd, np.zeros(1, np.int64), np.full(1, 2, np.int64), ISA_CODES[ISA],
+                   np.empty((2, 32), np.float32))
     for dtype in (np.uint16, np.int8, np.float32):
         gate_up, down = np.zeros((1, 64, 32), dtype), np.zeros((1, 32, 32), dtype)  # I = 32, H = 32
         for kernel in (_dense_experts_serial, _dense_experts_parallel):

@@ -20,13 +20,18 @@ row: each output row is one row dot, whatever the other rows of the call).
 Dense experts (float32, bf16, int8 with a scale per row) run the row dot's 2 x 4 tiles at every token count
 (`dense_experts_run`: each dot the bits of the one-token row dot), until bf16 and float32 ones with
 DENSE_BLAS_MIN_TOKENS tokens or more widen to float32 (a transient copy, never kept) and use BLAS. Block-scaled
-ones (a GGUF's Q8_0 experts) with DENSE_TILE_MIN_TOKENS or more run the tiled kernel (`dense_experts_tiled`: each
-weight row widened once and multiplied by four tokens at a time, all such experts in one compiled call). MXFP4
+ones (a GGUF's Q8_0 experts) on float activations (below) with DENSE_TILE_MIN_TOKENS or more run the tiled kernel
+(`dense_experts_tiled`: each weight row widened once and multiplied by four tokens at a time, all such experts in one
+compiled call). MXFP4
 experts run the MXFP4 row dot at every count (`mxfp4_experts_run`; from `kernels.MXFP4_TILE_TOKENS` tokens two
 rows against four tokens a pass, each dot the one-token bits), or with `K3SERVE_MXFP4_ACTIVATIONS=q8` the int8
-path, whose tiles serve 8 or 4 tokens a pass over a decoded row. With `K3SERVE_INT8_ACTIVATIONS=q8` the
-"int8" experts (per-row scales) multiply Q8_0 activations with int8 dot products (`kernels.int8_experts_q8`, every
-token count, one call); GGUF Q8_0 experts (block scales) and widths not multiples of 32 stay on the float path.
+path, whose tiles serve 8 or 4 tokens a pass over a decoded row. A GGUF's Q8_0 experts (block
+scales) multiply Q8_0 activations with int8 dot products at every token count by default (`kernels.q8_0_experts_run`,
+llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers, as the file's Q8_0 trunk matrices already did:
+1.3-2x the float path's speed from 1 to 64 tokens an expert); `K3SERVE_INT8_ACTIVATIONS=f32` keeps them on the
+float path above. With `K3SERVE_INT8_ACTIVATIONS=q8` the "int8" experts (per-row scales, packed by k3serve) multiply
+Q8_0 activations too (`kernels.int8_experts_q8`, every token count, one call); widths not multiples of 32 stay on
+the float path.
 With `K3SERVE_BF16_ACTIVATIONS=bf16` (`--bf16-activations bf16`) bf16 experts run `kernels.bf16_experts_run` at
 every token count instead.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
@@ -220,6 +225,8 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         return bf16_experts_run(gate_up, down, ids, x, tokens, starts, ends)
     if kernels.int8_experts_q8_on(gate_up, gate_up_scales, down):  # per-row int8 x Q8_0, every token count
         return kernels.int8_experts_q8(*stacked, ids, x, tokens, starts, ends)
+    if kernels.q8_0_experts_on(gate_up, gate_up_scales, down):  # a GGUF's Q8_0 x Q8_0, every token count
+        return kernels.q8_0_experts_run(*stacked, ids, x, tokens, starts, ends)
     counts = ends - starts  # [K]
     block_scaled = gate_up_scales is not None and gate_up_scales.size > gate_up.shape[0] * gate_up.shape[1]
     tiled = (counts >= DENSE_TILE_MIN_TOKENS) & block_scaled  # [K]
