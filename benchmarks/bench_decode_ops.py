@@ -129,7 +129,7 @@ def expert_bytes(args):
     stacked, pairs = args[1], args[2]
     return sum(int(a[0].nbytes) for a in stacked if a is not None) * len(pairs.expert_ids)
 
-wrap(experts, "run_experts", f"routed experts ({spec['precision']})", expert_bytes)
+wrap(experts, "run_experts", f"routed experts ({spec.get('expert_precision', spec['precision'])})", expert_bytes)
 PROJECTIONS = f"attention projections ({spec['trunk_precision']} trunk)"
 CORE = "attention core (over the cache; a delta rule's recurrence)"
 for module in (attention, latent_attention, delta):  # GQA, MLA, KDA / Gated DeltaNet

@@ -760,7 +760,7 @@ def matrix(args: argparse.Namespace) -> None:
     record = {"benchmark": "peers_matrix", "machine": describe_host(), "rounds": args.rounds,
               "threads": args.threads, "policies": args.policies,
               "k3serve_mxfp4_activations": os.environ.get("K3SERVE_MXFP4_ACTIVATIONS", "f32"),
-              "k3serve_int8_activations": os.environ.get("K3SERVE_INT8_ACTIVATIONS", "f32"),
+              "k3serve_int8_activations": os.environ.get("K3SERVE_INT8_ACTIVATIONS", "auto"),
               "k3serve_bf16_activations": os.environ.get("K3SERVE_BF16_ACTIVATIONS", "f32"),
               "k3serve_trunk": args.k3serve_trunk, "k3serve_source": args.k3serve_source,
               "load_job": ({"threads": args.load_job, "what": "float32 1024x1024 matmul loop, OpenBLAS"}

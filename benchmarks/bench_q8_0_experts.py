@@ -1,13 +1,17 @@
-"""The families' expert kernel on a GGUF's Q8_0 experts kept as stored (int8 values, one float32 scale per block of
-32) against the same kernel on float32 experts (what widening Q8_0 on read held before) and on int8 experts with
-one scale per row (`--expert-precision int8`).
+"""The families' expert kernels on a GGUF's Q8_0 experts kept as stored (int8 values, one float32 scale per block
+of 32), on Q8_0 activations (the default since 2026-12-07: `q8_0_experts_run`, llama.cpp's Q8_0 x Q8_0) and on
+float activations (`K3SERVE_INT8_ACTIVATIONS=f32`: the float row dot below DENSE_TILE_MIN_TOKENS tokens an expert,
+the float tile from there, as `run_experts` dispatches them), against the float kernels on float32 experts (what
+widening Q8_0 on read held before) and on int8 experts with one scale per row (`--expert-precision int8`).
 
-One MoE layer's active experts in one call (`dense_experts_run`): 8 of 16 stacked experts of Qwen3-30B-A3B's shape
-(H 2048, I 768), at T = 1 token (decode: every token to each of the 8 experts) and T = 8 tokens. The three methods
-run alternately in rounds, so drifting machine load hits them alike; each figure is the median over the rounds.
-Bytes are the weight bytes held per expert.
+One MoE layer's active experts in one call: --active (at most 8) of 16 stacked experts of Qwen3-30B-A3B's shape
+by default (H 2048, I 768; `--hidden 2048 --inner 1408 --active 6` is Moonlight's), at T = 1 token (decode: every
+token to each active expert), 2, 8 and 64 tokens an expert. The methods run alternately in rounds, so drifting machine load
+hits them alike; each figure is the median over the rounds. Bytes are the weight bytes held per expert. The
+experts (active x 3 x H x I bytes, 58 MB at Moonlight's) exceed L3 only by about twice, so a round's later calls
+find part of them cached: the model, where other weights stream in between, reads them colder.
 
-Usage: python benchmarks/bench_q8_0_experts.py [--rounds N] [--hidden H] [--inner I]
+Usage: python benchmarks/bench_q8_0_experts.py [--rounds N] [--hidden H] [--inner I] [--active A]
 Prints a table, then a JSON record on the last line.
 """
 
@@ -20,10 +24,11 @@ import time
 
 import numpy as np
 
-from k3serve.model.kernels import dense_experts_run, warmup
+from k3serve.model.families.experts import DENSE_TILE_MIN_TOKENS
+from k3serve.model.kernels import dense_experts_run, dense_experts_tiled, q8_0_experts_run, warmup
 
-METHODS = ("q8_0", "float32", "int8_row")
-NUM_EXPERTS, ACTIVE = 16, 8
+METHODS = ("q8_0_q8", "q8_0_f32", "float32", "int8_row")
+NUM_EXPERTS = 16
 
 
 def stacks(rng: np.random.Generator, hidden: int, inner: int) -> dict[str, tuple]:
@@ -36,7 +41,8 @@ def stacks(rng: np.random.Generator, hidden: int, inner: int) -> dict[str, tuple
     def widen(w: np.ndarray, s: np.ndarray) -> np.ndarray:
         return (w.reshape(*s.shape, 32).astype(np.float32) * s[..., None]).reshape(w.shape)
 
-    return {"q8_0": (gate_up, gate_up_blocks, down, down_blocks),
+    return {"q8_0_q8": (gate_up, gate_up_blocks, down, down_blocks),
+            "q8_0_f32": (gate_up, gate_up_blocks, down, down_blocks),
             "float32": (widen(gate_up, gate_up_blocks), None, widen(down, down_blocks), None),
             "int8_row": (gate_up, gate_up_blocks.mean(axis=2), down, down_blocks.mean(axis=2))}
 
@@ -46,28 +52,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inner", type=int, default=768)
+    parser.add_argument("--active", type=int, default=8)
     args = parser.parse_args()
     warmup()
     rng = np.random.default_rng(0)
     experts = stacks(rng, args.hidden, args.inner)
-    expert_ids = np.arange(0, NUM_EXPERTS, NUM_EXPERTS // ACTIVE, dtype=np.int64)
-    record = {"hidden": args.hidden, "inner": args.inner, "active": ACTIVE, "rounds": args.rounds,
+    expert_ids = np.arange(0, 2 * args.active, 2, dtype=np.int64)
+    record = {"hidden": args.hidden, "inner": args.inner, "active": args.active, "rounds": args.rounds,
               "load_avg": os.getloadavg()[0], "bytes_per_expert": {}, "ms": {}}
     for method, parts in experts.items():
         record["bytes_per_expert"][method] = sum(a[0].nbytes for a in parts if a is not None)
     print(f"{'tokens':>6} " + " ".join(f"{m:>10}" for m in METHODS) + "   (ms per layer call, median)")
-    for tokens in (1, 8):
+    for tokens in (1, 2, 8, 64):
         x = rng.standard_normal((tokens, args.hidden)).astype(np.float32)
-        rows = np.tile(np.arange(tokens, dtype=np.int64), ACTIVE)
-        starts = np.arange(ACTIVE, dtype=np.int64) * tokens
+        rows = np.tile(np.arange(tokens, dtype=np.int64), args.active)
+        starts = np.arange(args.active, dtype=np.int64) * tokens
         ends = starts + tokens
+        kernels = {m: dense_experts_run for m in METHODS}
+        kernels["q8_0_q8"] = q8_0_experts_run
+        if tokens >= DENSE_TILE_MIN_TOKENS:  # run_experts' float dispatch for block scales
+            kernels["q8_0_f32"] = dense_experts_tiled
         for method in METHODS:  # compile each signature once before timing
-            dense_experts_run(*experts[method], expert_ids, x, rows, starts, ends)
+            kernels[method](*experts[method], expert_ids, x, rows, starts, ends)
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         for _ in range(args.rounds):
             for method in METHODS:
                 start = time.perf_counter()
-                dense_experts_run(*experts[method], expert_ids, x, rows, starts, ends)
+                kernels[method](*experts[method], expert_ids, x, rows, starts, ends)
                 times[method].append(time.perf_counter() - start)
         medians = {m: float(np.median(t)) * 1e3 for m, t in times.items()}
         record["ms"][str(tokens)] = medians
