@@ -6,10 +6,10 @@ widening Q8_0 on read held before) and on int8 experts with one scale per row (`
 
 One MoE layer's active experts in one call: --active (at most 8) of 16 stacked experts of Qwen3-30B-A3B's shape
 by default (H 2048, I 768; `--hidden 2048 --inner 1408 --active 6` is Moonlight's), at T = 1 token (decode: every
-token to each active expert), 2, 8 and 64 tokens an expert. The methods run alternately in rounds, so drifting machine load
-hits them alike; each figure is the median over the rounds. Bytes are the weight bytes held per expert. The
-experts (active x 3 x H x I bytes, 58 MB at Moonlight's) exceed L3 only by about twice, so a round's later calls
-find part of them cached: the model, where other weights stream in between, reads them colder.
+token to each active expert), 2, 8 and 64 tokens an expert. The methods run alternately in rounds, so drifting
+machine load hits them alike; each figure is the median over the rounds. Bytes are the weight bytes held per
+expert. The experts (active x 3 x H x I bytes, 52 MB at Moonlight's) exceed L3 only by about twice, so a round's
+later calls find part of them cached: the model, where other weights stream in between, reads them colder.
 
 Usage: python benchmarks/bench_q8_0_experts.py [--rounds N] [--hidden H] [--inner I] [--active A]
 Prints a table, then a JSON record on the last line.

@@ -28,7 +28,7 @@ rows against four tokens a pass, each dot the one-token bits), or with `K3SERVE_
 path, whose tiles serve 8 or 4 tokens a pass over a decoded row. A GGUF's Q8_0 experts (block
 scales) multiply Q8_0 activations with int8 dot products at every token count by default (`kernels.q8_0_experts_run`,
 llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers, as the file's Q8_0 trunk matrices already did:
-1.3-2x the float path's speed from 1 to 64 tokens an expert); `K3SERVE_INT8_ACTIVATIONS=f32` keeps them on the
+1.25-1.9x the float path's speed from 1 to 64 tokens an expert); `K3SERVE_INT8_ACTIVATIONS=f32` keeps them on the
 float path above. With `K3SERVE_INT8_ACTIVATIONS=q8` the "int8" experts (per-row scales, packed by k3serve) multiply
 Q8_0 activations too (`kernels.int8_experts_q8`, every token count, one call); widths not multiples of 32 stay on
 the float path.
