@@ -172,6 +172,17 @@ def test_families_mxfp4_experts_follow_the_switch(monkeypatch: pytest.MonkeyPatc
     assert 1e-4 < np.sqrt(np.mean((int8[2:19] - twin) ** 2) / np.mean(twin ** 2)) < 5e-2
 
 
+def _assert_nan_stays_in_its_token(run, x: np.ndarray, tokens: np.ndarray, got: np.ndarray, token: int) -> None:
+    """A NaN in one block of x[token] makes every output row of that token NaN and leaves the others' bits as
+    `got` (run(x) before the NaN)."""
+    x = x.copy()
+    x[token, 5] = np.nan
+    poisoned = run(x)
+    hit = tokens == token
+    assert np.all(np.isnan(poisoned[hit])) and np.all(np.isfinite(poisoned[~hit]))
+    np.testing.assert_array_equal(_bits(poisoned[~hit]), _bits(got[~hit]))
+
+
 def _int8_experts(rng: np.random.Generator, num_experts: int, inter: int, hidden: int):
     """Per-row int8 experts (gate_up [E, 2I, H], scales [E, 2I]; down [E, H, I], scales [E, H]); one row of -128."""
     gate_up = rng.integers(-127, 128, size=(num_experts, 2 * inter, hidden), dtype=np.int8)
@@ -210,11 +221,8 @@ def test_int8_experts_on_q8_activations_equal_their_twin(isa: str, hidden: int, 
         assert np.sqrt(np.mean((block - want) ** 2) / np.mean(want ** 2)) < 1e-4
     float_path = kernels.dense_experts_run(*stacked, expert_ids, x, tokens, starts, ends)
     assert 1e-4 < np.sqrt(np.mean((got - float_path) ** 2) / np.mean(float_path ** 2)) < 5e-2
-    x[tokens[0], 5] = np.nan
-    poisoned = kernels.int8_experts_q8(*stacked, expert_ids, x, tokens, starts, ends, isa=isa)
-    hit = tokens == tokens[0]
-    assert np.all(np.isnan(poisoned[hit])) and np.all(np.isfinite(poisoned[~hit]))
-    np.testing.assert_array_equal(_bits(poisoned[~hit]), _bits(got[~hit]))
+    _assert_nan_stays_in_its_token(lambda x: kernels.int8_experts_q8(*stacked, expert_ids, x, tokens, starts, ends,
+                                                                     isa=isa), x, tokens, got, tokens[0])
 
 
 def test_int8_experts_each_token_has_its_own_bits() -> None:
@@ -292,11 +300,8 @@ def test_q8_0_experts_equal_their_twin(isa: str, hidden: int, inter: int) -> Non
     if isa != "portable":  # AVX2 and AVX-512 run the same float operations on the same exact integers
         best = kernels.q8_0_experts_run(*stacked, expert_ids, x, tokens, starts, ends)
         np.testing.assert_array_equal(_bits(got), _bits(best))
-    x[tokens[2], 7] = np.nan
-    poisoned = kernels.q8_0_experts_run(*stacked, expert_ids, x, tokens, starts, ends, isa=isa)
-    hit = tokens == tokens[2]
-    assert np.all(np.isnan(poisoned[hit])) and np.all(np.isfinite(poisoned[~hit]))
-    np.testing.assert_array_equal(_bits(poisoned[~hit]), _bits(got[~hit]))
+    _assert_nan_stays_in_its_token(lambda x: kernels.q8_0_experts_run(*stacked, expert_ids, x, tokens, starts,
+                                                                      ends, isa=isa), x, tokens, got, tokens[2])
 
 
 def test_q8_0_experts_each_token_has_its_own_bits() -> None:

@@ -755,44 +755,47 @@ def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
 # matrices (above: exact int32 block sums, one FMA a block scaled by d_w d_x, even and odd blocks in two chains),
 # reading each block's scale from the scales array instead of the block's first two bytes: llama.cpp's
 # ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers (the scales are the file's half-precision ones, widened).
+def _q8s_typer(isa: str, num_tokens: int = 1, tile: bool = False):
+    """The typer of a split Q8_0 row dot intrinsic (`_q8_0_row_dot_codegen(split=True)`): one float32, or a tuple
+    of `num_tokens`; NaN where this CPU lacks `isa` (never called there: the drivers pick the ISA)."""
+    def typer(typingctx, *operands):
+        if num_tokens == 1 and not tile:
+            codegen = _q8_0_row_dot_codegen(isa, split=True) if isa in AVAILABLE_ISAS else _unavailable_codegen
+            return types.float32(*operands), codegen
+        codegen = (_q8_0_row_dot_codegen(isa, num_tokens, tile=tile, split=True) if isa in AVAILABLE_ISAS
+                   else _unavailable_tuple_codegen)
+        return types.UniTuple(types.float32, num_tokens)(*operands), codegen
+    return typer
+
+
 @intrinsic
 def _q8s_row_dot_avx512(typingctx, wrow, wscales, xq, xd):
     """One Q8_0 row as values int8 [C] and block scales f32 [G] . activation q int8 [C] with scales f32 [G]."""
-    codegen = _q8_0_row_dot_codegen("avx512", split=True) if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
-    return types.float32(wrow, wscales, xq, xd), codegen
+    return _q8s_typer("avx512")(typingctx, wrow, wscales, xq, xd)
 
 
 @intrinsic
 def _q8s_row_dot_avx2(typingctx, wrow, wscales, xq, xd):
     """The same row dot on AVX2."""
-    codegen = _q8_0_row_dot_codegen("avx2", split=True) if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
-    return types.float32(wrow, wscales, xq, xd), codegen
+    return _q8s_typer("avx2")(typingctx, wrow, wscales, xq, xd)
 
 
 @intrinsic
 def _q8s_row_dot4_avx512(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3):
     """One split Q8_0 row against 4 activation rows: 4 dots, each the one-token bits."""
-    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TOKENS_PER_DOT, split=True) if "avx512" in AVAILABLE_ISAS
-               else _unavailable_tuple_codegen)
-    return (types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3),
-            codegen)
+    return _q8s_typer("avx512", Q8_0_TOKENS_PER_DOT)(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3)
 
 
 @intrinsic
 def _q8s_row_dot4_avx2(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3):
     """The same 4 dots on AVX2."""
-    codegen = (_q8_0_row_dot_codegen("avx2", Q8_0_TOKENS_PER_DOT, split=True) if "avx2" in AVAILABLE_ISAS
-               else _unavailable_tuple_codegen)
-    return (types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3),
-            codegen)
+    return _q8s_typer("avx2", Q8_0_TOKENS_PER_DOT)(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3)
 
 
 @intrinsic
 def _q8s_row_tile8_avx512(typingctx, wrow, wscales, xq, xd, t0):
     """One split Q8_0 row against activation rows t0 .. t0 + 7 of xq int8 [N, C], xd f32 [N, G]: 8 dots."""
-    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TILE_TOKENS, tile=True, split=True)
-               if "avx512" in AVAILABLE_ISAS else _unavailable_tuple_codegen)
-    return types.UniTuple(types.float32, Q8_0_TILE_TOKENS)(wrow, wscales, xq, xd, t0), codegen
+    return _q8s_typer("avx512", Q8_0_TILE_TOKENS, tile=True)(typingctx, wrow, wscales, xq, xd, t0)
 
 
 @njit(cache=True)
