@@ -21,17 +21,16 @@ Dense experts (float32, bf16, int8 with a scale per row) run the row dot's 2 x 4
 (`dense_experts_run`: each dot the bits of the one-token row dot), until bf16 and float32 ones with
 DENSE_BLAS_MIN_TOKENS tokens or more widen to float32 (a transient copy, never kept) and use BLAS. Block-scaled
 ones (a GGUF's Q8_0 experts) on float activations (below) with DENSE_TILE_MIN_TOKENS or more run the tiled kernel
-(`dense_experts_tiled`: each weight row widened once and multiplied by four tokens at a time, all such experts in one
-compiled call). MXFP4
-experts run the MXFP4 row dot at every count (`mxfp4_experts_run`; from `kernels.MXFP4_TILE_TOKENS` tokens two
-rows against four tokens a pass, each dot the one-token bits), or with `K3SERVE_MXFP4_ACTIVATIONS=q8` the int8
-path, whose tiles serve 8 or 4 tokens a pass over a decoded row. A GGUF's Q8_0 experts (block
-scales) multiply Q8_0 activations with int8 dot products at every token count by default (`kernels.q8_0_experts_run`,
-llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers, as the file's Q8_0 trunk matrices already did:
-1.25-1.9x the float path's speed from 1 to 64 tokens an expert); `K3SERVE_INT8_ACTIVATIONS=f32` keeps them on the
-float path above. With `K3SERVE_INT8_ACTIVATIONS=q8` the "int8" experts (per-row scales, packed by k3serve) multiply
-Q8_0 activations too (`kernels.int8_experts_q8`, every token count, one call); widths not multiples of 32 stay on
-the float path.
+(`dense_experts_tiled`: each weight row widened once and multiplied by four tokens at a time, all such experts in
+one compiled call). MXFP4 experts run the MXFP4 row dot at every count (`mxfp4_experts_run`; from
+`kernels.MXFP4_TILE_TOKENS` tokens two rows against four tokens a pass, each dot the one-token bits), or with
+`K3SERVE_MXFP4_ACTIVATIONS=q8` the int8 path, whose tiles serve 8 or 4 tokens a pass over a decoded row. A GGUF's
+Q8_0 experts (block scales) multiply Q8_0 activations with int8 dot products at every token count by default
+(`kernels.q8_0_experts_run`, llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers, as the file's
+Q8_0 trunk matrices already did: 1.25-1.9x the float path's speed from 1 to 64 tokens an expert);
+`K3SERVE_INT8_ACTIVATIONS=f32` keeps them on the float path above. With `K3SERVE_INT8_ACTIVATIONS=q8` the "int8"
+experts (per-row scales, packed by k3serve) multiply Q8_0 activations too (`kernels.int8_experts_q8`, every token
+count, one call); widths not multiples of 32 stay on the float path.
 With `K3SERVE_BF16_ACTIVATIONS=bf16` (`--bf16-activations bf16`) bf16 experts run `kernels.bf16_experts_run` at
 every token count instead.
 Quantization happens once, when an expert is first read (the packing step); parity with transformers is checked
@@ -213,9 +212,10 @@ def expert_from_parts(expert: Expert, parts: tuple) -> Expert:
 def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
     """y [N, H]: y[n] = Expert_e(x[pairs.tokens[n]]) for e = pairs.expert_ids[k] on rows starts[k]:ends[k],
     every expert in one compiled call over the stacked parts [E, ...] (`kind`, `stacked`: `ExpertParts` of a
-    stack), except that block-scaled experts with DENSE_TILE_MIN_TOKENS tokens or more run the tiled kernel, and
-    bf16 and float32 ones with DENSE_BLAS_MIN_TOKENS or more BLAS on a transient float32 copy (see the module's
-    comment)."""
+    stack): on Q8_0 activations where the int8 switch puts them there (a GGUF's Q8_0 experts by default), else
+    the float kernels, except that block-scaled experts with DENSE_TILE_MIN_TOKENS tokens or more run the tiled
+    kernel, and bf16 and float32 ones with DENSE_BLAS_MIN_TOKENS or more BLAS on a transient float32 copy (see the
+    module's comment)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids, starts, ends, tokens = pairs.expert_ids, pairs.starts, pairs.ends, pairs.tokens
     if kind == "mxfp4":  # the row dot at every count (2 rows x 4 tokens a pass from kernels.MXFP4_TILE_TOKENS)
