@@ -2236,51 +2236,32 @@ def _dense_dots_1x4(typingctx, w0, x0, x1, x2, x3):
     return _dense_dots_intrinsic(1, 4)(typingctx, w0, x0, x1, x2, x3)
 
 
-@intrinsic
-def _dense_dots_4x1(typingctx, w0, w1, w2, w3, x):
-    """(w0.x, w1.x, w2.x, w3.x), each with the bits of `_dense_row_dot`: one token against four rows, four FMA
-    chains at once where the one-row dot waits on one chain's latency (decode, and a tile's leftover tokens)."""
-    return _dense_dots_intrinsic(4, 1)(typingctx, w0, w1, w2, w3, x)
+def _block_scaled_row_dot_codegen(kind: str):
+    return lambda context, builder, signature, args: _block_scaled_row_dot_ir(kind, context, builder, signature,
+                                                                               args)
 
 
-def _block_scaled_dots_codegen(kind: str, num_rows: int = 1):
-    """IR of `num_rows` block-scaled row dots against one x row: sum_c (w_r[c] * s_r[c // B]) x[c] for each r, every
-    dot with its own accumulator and the one-row operation order (each 16-lane chunk widened, scaled, then one FMA;
-    the fixed pairwise lane sum), so each has the bits of `_block_scaled_row_dot`. Loops over the scale blocks, then
-    the chunks of a block (B a multiple of DENSE_LANES), so no chunk divides to find its scale; the rows' chains are
-    independent, which hides the FMA latency one chain waits on."""
-    def codegen(context, builder, signature, args):
-        ws = [context.make_array(signature.args[r])(context, builder, args[r]) for r in range(num_rows)]
-        ss = [context.make_array(signature.args[num_rows + r])(context, builder, args[num_rows + r])
-              for r in range(num_rows)]
-        x = context.make_array(signature.args[2 * num_rows])(context, builder, args[2 * num_rows])
-        (length,) = cgutils.unpack_tuple(builder, ws[0].shape, 1)
-        (groups,) = cgutils.unpack_tuple(builder, ss[0].shape, 1)
-        lanes = DENSE_LANES
-        vf = _vector(_F32, lanes)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                             f"llvm.fma.v{lanes}f32")
-        index_type = length.type
-        block = builder.udiv(length, groups)
-        acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(num_rows)]
-        with cgutils.for_range(builder, groups) as group_loop:
-            group_base = builder.mul(group_loop.index, block)
-            scales = [_splat(builder, builder.load(builder.gep(s.data, [group_loop.index])), lanes) for s in ss]
-            with cgutils.for_range(builder, builder.udiv(block, ir.Constant(index_type, lanes))) as loop:
-                base = builder.add(group_base, builder.mul(loop.index, ir.Constant(index_type, lanes)))
-                inputs = _load(builder, x.data, base, vf, 4)
-                for r in range(num_rows):
-                    stored = _load(builder, ws[r].data, base, _vector(_DENSE_STORED[kind], lanes),
-                                   4 if kind == "f32" else 1)
-                    weights = builder.fmul(_widen(builder, kind, stored, lanes), scales[r])
-                    slot = acc_slots[r]
-                    builder.store(builder.call(fma, [weights, inputs, builder.load(slot)]), slot)
-        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
-        if num_rows == 1:
-            return totals[0]
-        return context.make_tuple(builder, signature.return_type, totals)
-
-    return codegen
+def _block_scaled_row_dot_ir(kind: str, context, builder, signature, args):
+    w_t, s_t, x_t = signature.args
+    w = context.make_array(w_t)(context, builder, args[0])
+    s = context.make_array(s_t)(context, builder, args[1])
+    x = context.make_array(x_t)(context, builder, args[2])
+    (length,) = cgutils.unpack_tuple(builder, w.shape, 1)
+    (groups,) = cgutils.unpack_tuple(builder, s.shape, 1)
+    lanes = DENSE_LANES
+    vf = _vector(_F32, lanes)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+    index_type = length.type
+    block = builder.udiv(length, groups)
+    acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes))
+    with cgutils.for_range(builder, builder.udiv(length, ir.Constant(index_type, lanes))) as loop:
+        base = builder.mul(loop.index, ir.Constant(index_type, lanes))
+        scale = builder.load(builder.gep(s.data, [builder.udiv(base, block)]))
+        stored = _load(builder, w.data, base, _vector(_DENSE_STORED[kind], lanes), 4 if kind == "f32" else 1)
+        weights = builder.fmul(_widen(builder, kind, stored, lanes), _splat(builder, scale, lanes))
+        inputs = _load(builder, x.data, base, vf, 4)
+        builder.store(builder.call(fma, [weights, inputs, builder.load(acc_slot)]), acc_slot)
+    return _pairwise_sum(builder, builder.load(acc_slot), lanes)
 
 
 @intrinsic
@@ -2289,18 +2270,7 @@ def _block_scaled_row_dot(typingctx, w_row, scales, x):
     float32 scales [G], B = C / G a multiple of DENSE_LANES: each weight scaled as it is widened, then the float32
     row dot's FMA order, so the bits are those of `_dense_row_dot` on the dequantized row."""
     if w_row.dtype in _DENSE_KINDS and scales.dtype == types.float32:
-        return types.float32(w_row, scales, x), _block_scaled_dots_codegen(_DENSE_KINDS[w_row.dtype])
-    return None
-
-
-@intrinsic
-def _block_scaled_dots_4x1(typingctx, w0, w1, w2, w3, s0, s1, s2, s3, x):
-    """Four `_block_scaled_row_dot`s against one x row (rows w0..w3 with their block scales s0..s3), each with its
-    bits, in one pass."""
-    if (w0.dtype in _DENSE_KINDS and all(w.dtype == w0.dtype for w in (w1, w2, w3))
-            and all(s.dtype == types.float32 for s in (s0, s1, s2, s3))):
-        return (types.UniTuple(types.float32, 4)(w0, w1, w2, w3, s0, s1, s2, s3, x),
-                _block_scaled_dots_codegen(_DENSE_KINDS[w0.dtype], 4))
+        return types.float32(w_row, scales, x), _block_scaled_row_dot_codegen(_DENSE_KINDS[w_row.dtype])
     return None
 
 
@@ -2322,49 +2292,19 @@ def _row_scale(scales, scaled):
 
 
 @njit(inline="always")
-def _scaled_dots_4x1(w, scales, scaled, r0, r1, r2, r3, x):
-    """Rows r0..r3 of w [R, C] against one x [C]: four `_scaled_row_dot`s (scales [R, G], read only when `scaled`),
-    each with its bits, in one pass over x with four independent FMA chains."""
-    if scaled and scales.shape[1] > 1:
-        return _block_scaled_dots_4x1(w[r0], w[r1], w[r2], w[r3], scales[r0], scales[r1], scales[r2], scales[r3], x)
-    a, b, c, d = _dense_dots_4x1(w[r0], w[r1], w[r2], w[r3], x)
-    if scaled:
-        a, b, c, d = a * scales[r0, 0], b * scales[r1, 0], c * scales[r2, 0], d * scales[r3, 0]
-    return a, b, c, d
-
-
-@njit(inline="always")
-def _gate_up_one_token(w, scales, scaled, x, tokens, first, last, hidden, begin, end):
-    """hidden[n, r] = SiLU-GLU(gate_r . x[tokens[n]], up_r . x[tokens[n]]) for rows begin:end and n in first:last,
-    one token at a time: two gate rows and their up rows (w [2I, C]: gate rows, then up rows) in one pass, then a
-    last odd pair alone. Each dot has the one-row bits."""
-    width = hidden.shape[1]
-    if end - begin >= 2 and last > first:  # the rows streamed in first, in order (`_touch_rows`); the tiles write over
-        hidden[first, begin] = np.float32(_touch_rows(w, begin, end) + _touch_rows(w, width + begin, width + end))
-    row = begin
-    while row + 2 <= end:
-        for n in range(first, last):
-            g0, u0, g1, u1 = _scaled_dots_4x1(w, scales, scaled, row, width + row, row + 1, width + row + 1,
-                                              x[tokens[n]])
-            hidden[n, row] = _silu_glu(g0, u0)
-            hidden[n, row + 1] = _silu_glu(g1, u1)
-        row += 2
-    if row < end:
-        for n in range(first, last):
-            x_row = x[tokens[n]]
-            gate = _scaled_row_dot(w[row], scales[row if scaled else 0], scaled, x_row)
-            up = _scaled_row_dot(w[width + row], scales[width + row if scaled else 0], scaled, x_row)
-            hidden[n, row] = _silu_glu(gate, up)
-
-
-@njit(inline="always")
 def _dense_gate_up_task(gate_up, gate_up_scales, scaled, expert_ids, x, tokens, starts, ends, hidden, task, blocks):
     k = task // blocks
     e = expert_ids[k]
     width = hidden.shape[1]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
-    if scaled and gate_up_scales.shape[2] > 1:  # block scales (Q8_0): one token at a time, two row pairs a pass
-        _gate_up_one_token(gate_up[e], gate_up_scales[e], scaled, x, tokens, starts[k], ends[k], hidden, begin, end)
+    if scaled and gate_up_scales.shape[2] > 1:  # block scales (Q8_0): one pair at a time
+        for row in range(begin, end):
+            gate_scales, up_scales = gate_up_scales[e, row], gate_up_scales[e, width + row]
+            for n in range(starts[k], ends[k]):
+                x_row = x[tokens[n]]
+                gate = _scaled_row_dot(gate_up[e, row], gate_scales, scaled, x_row)
+                up = _scaled_row_dot(gate_up[e, width + row], up_scales, scaled, x_row)
+                hidden[n, row] = _silu_glu(gate, up)
         return
     # the same dots in tiles: a gate row and its up row against 4 tokens
     if ends[k] - starts[k] >= DOT_TILE_TOKENS and begin < end:  # the rows streamed in first (`_touch_rows`)
@@ -2400,8 +2340,10 @@ def _dense_down_task(down, down_scales, scaled, expert_ids, starts, ends, hidden
     k = task // blocks
     e = expert_ids[k]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
-    if scaled and down_scales.shape[2] > 1:  # block scales (Q8_0): one token at a time, four rows a pass
-        _rows_one_token(down[e], down_scales[e], scaled, hidden, starts[k], ends[k], out, begin, end)
+    if scaled and down_scales.shape[2] > 1:  # block scales (Q8_0): one dot at a time
+        for row in range(begin, end):
+            for n in range(starts[k], ends[k]):
+                out[n, row] = _scaled_row_dot(down[e, row], down_scales[e, row], scaled, hidden[n])
         return
     _dense_rows_tiled(down[e], down_scales[e if scaled else 0], scaled, hidden, starts[k], ends[k], out, begin, end)
 
@@ -2436,23 +2378,6 @@ def _dense_rows_tiled(w, scales, scaled, x, first, last, out, begin, end):
         for row in range(begin, end):
             out[n, row] = _scaled_row_dot(w[row], scales[row if scaled else 0], scaled, x[n])
         n += 1
-
-
-@njit(inline="always")
-def _rows_one_token(w, scales, scaled, x, first, last, out, begin, end):
-    """out[n, r] = `_scaled_row_dot`(w[r], x[n]) for rows begin:end and x rows first:last, one token at a time, four
-    rows a pass (`_scaled_dots_4x1`), the last rows alone: each dot the one-row bits."""
-    if end - begin >= 4 and last > first:  # the rows streamed in first, in order (`_touch_rows`)
-        out[first, begin] = np.float32(_touch_rows(w, begin, end))
-    row = begin
-    while row + 4 <= end:
-        for n in range(first, last):
-            out[n, row], out[n, row + 1], out[n, row + 2], out[n, row + 3] = _scaled_dots_4x1(
-                w, scales, scaled, row, row + 1, row + 2, row + 3, x[n])
-        row += 4
-    for row in range(row, end):
-        for n in range(first, last):
-            out[n, row] = _scaled_row_dot(w[row], scales[row if scaled else 0], scaled, x[n])
 
 
 @njit(cache=True, parallel=True)
@@ -3357,7 +3282,7 @@ def warmup() -> None:
     if INT8_ACTIVATIONS == "q8":
         int8_experts_q8(np.zeros((1, 64, 32), np.int8), np.ones((1, 64), np.float32), np.zeros((1, 32, 32), np.int8),
                         np.ones((1, 32), np.float32), one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
-    if INT8_ACTIVATIONS != "f32":
+    if INT8_ACTIVATIONS == "q8":  # at "auto" only a Q8_0 GGUF's experts use these: compiled at their first call
         gate_up, down = np.zeros((1, 64, 32), np.int8), np.zeros((1, 32, 32), np.int8)  # I = 32, H = 32
         gate_up_scales, down_scales = np.ones((1, 64, 1), np.float32), np.ones((1, 32, 1), np.float32)
         xq, xd = quantize_activations(x)
