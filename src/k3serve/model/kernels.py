@@ -1032,9 +1032,7 @@ def q8_0_matmul_reference(blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     matmul (every product and block sum exact), rounded to float32. -> [T, R]"""
     x = np.asarray(x, dtype=np.float32)
     _check_q8_0(np.asarray(blocks), x)
-    xq, xd = quantize_rows(x)
-    x_decoded = (xq.reshape(len(x), -1, GROUP_SIZE) * xd[:, :, None].astype(np.float64)).reshape(x.shape)
-    return (x_decoded @ dequantize_q8_0(blocks).astype(np.float64).T).astype(np.float32)
+    return (_q8_decoded(x) @ dequantize_q8_0(blocks).astype(np.float64).T).astype(np.float32)
 
 
 def quantized_matmul(w: QuantizedMatrix, x: np.ndarray, isa: str | None = None) -> np.ndarray:
