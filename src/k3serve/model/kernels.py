@@ -3160,16 +3160,27 @@ def bf16_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @njit(inline="always")
-def _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, starts, ends, hidden, task, blocks):
-    """hidden[n, r] = SiLU(gate_e[r] . x_n) (up_e[r] . x_n) for the rows r of the task's block and the tokens n of
-    its expert (x_n = xb[tokens[n]]): gate rows r, r + 1 and up rows r, r + 1 form a tile's four rows."""
-    k = task // blocks
+def _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, xg, starts, ends, projected, task, blocks):
+    """Task (k, half, block) of stage 1, projected [N, 2I]. Under BF16_TILE_TOKENS tokens (decode) a task streams
+    one run of rows of one matrix, gate (half 0) or up (half 1), into projected (`_bf16_rows_tiled`: one row at a
+    time, in order): a gate and an up run side by side in one task read them slower (Qwen3-30B-A3B's 8 experts, one
+    token, cold: 24-26 against 27-30 GB/s; see `_q8s_gate_up_parallel`). From BF16_TILE_TOKENS tokens (prefill)
+    half 0 computes the block's gate rows r, r + 1 and up rows r, r + 1 as one tile's four rows against four tokens
+    and writes SiLU-GLU into projected's gate columns at once (the separate runs and a GLU pass after measured
+    slower there); half 1 has nothing to do. The same bits either way (each dot's operations are its own)."""
+    k = task // (2 * blocks)
+    half, block = (task // blocks) % 2, task % blocks
     e = expert_ids[k]
-    width = hidden.shape[1]
-    begin, end = (task % blocks) * ROWS_PER_TASK, min(width, (task % blocks + 1) * ROWS_PER_TASK)
-    if ends[k] > starts[k] and begin < end:  # the rows streamed in first; the tiles overwrite
-        hidden[starts[k], begin] = np.float32(_touch_rows(gate_up[e], begin, end)
-                                              + _touch_rows(gate_up[e], width + begin, width + end))
+    width = projected.shape[1] // 2
+    begin, end = block * ROWS_PER_TASK, min(width, (block + 1) * ROWS_PER_TASK)
+    if ends[k] - starts[k] < BF16_TILE_TOKENS:
+        _bf16_rows_tiled(gate_up[e], xg, starts[k], ends[k], projected, half * width + begin, half * width + end)
+        return
+    if half == 1:
+        return
+    if begin < end:  # the rows streamed in first; the tiles overwrite
+        projected[starts[k], begin] = np.float32(_touch_rows(gate_up[e], begin, end)
+                                                 + _touch_rows(gate_up[e], width + begin, width + end))
     n = starts[k]
     while n + BF16_TILE_TOKENS <= ends[k]:
         x0, x1, x2, x3 = xb[tokens[n]], xb[tokens[n + 1]], xb[tokens[n + 2]], xb[tokens[n + 3]]
@@ -3177,35 +3188,39 @@ def _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, starts, ends, hidden, ta
             other = min(row + 1, end - 1)
             g0, g1, g2, g3, h0, h1, h2, h3, u0, u1, u2, u3, v0, v1, v2, v3 = _bf16_dots_4x4(
                 gate_up[e, row], gate_up[e, other], gate_up[e, width + row], gate_up[e, width + other], x0, x1, x2, x3)
-            hidden[n, row] = _silu_glu(g0, u0)
-            hidden[n + 1, row] = _silu_glu(g1, u1)
-            hidden[n + 2, row] = _silu_glu(g2, u2)
-            hidden[n + 3, row] = _silu_glu(g3, u3)
-            hidden[n, other] = _silu_glu(h0, v0)
-            hidden[n + 1, other] = _silu_glu(h1, v1)
-            hidden[n + 2, other] = _silu_glu(h2, v2)
-            hidden[n + 3, other] = _silu_glu(h3, v3)
+            projected[n, row] = _silu_glu(g0, u0)
+            projected[n + 1, row] = _silu_glu(g1, u1)
+            projected[n + 2, row] = _silu_glu(g2, u2)
+            projected[n + 3, row] = _silu_glu(g3, u3)
+            projected[n, other] = _silu_glu(h0, v0)
+            projected[n + 1, other] = _silu_glu(h1, v1)
+            projected[n + 2, other] = _silu_glu(h2, v2)
+            projected[n + 3, other] = _silu_glu(h3, v3)
         n += BF16_TILE_TOKENS
     while n < ends[k]:
-        x0 = xb[tokens[n]]
         for row in range(begin, end, 2):
             other = min(row + 1, end - 1)
             g0, h0, u0, v0 = _bf16_dots_4x1(gate_up[e, row], gate_up[e, other], gate_up[e, width + row],
-                                            gate_up[e, width + other], x0)
-            hidden[n, row], hidden[n, other] = _silu_glu(g0, u0), _silu_glu(h0, v0)
+                                            gate_up[e, width + other], xb[tokens[n]])
+            projected[n, row], projected[n, other] = _silu_glu(g0, u0), _silu_glu(h0, v0)
         n += 1
 
 
 @njit(cache=True, parallel=True)
-def _bf16_experts_parallel(gate_up, down, expert_ids, xb, tokens, starts, ends, hidden, hidden_bits, out):
-    """Stage 1 over (expert, gate/up row block); the hidden rows rounded to bf16; stage 2 over (expert, down row
-    block). See `bf16_experts_run`."""
-    blocks = (hidden.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(expert_ids.shape[0] * blocks):
-        _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, starts, ends, hidden, task, blocks)
+def _bf16_experts_parallel(gate_up, down, expert_ids, xb, tokens, xg, starts, ends, projected, hidden_bits, out):
+    """Stage 1 over (expert, gate or up, 16-row block) into projected [N, 2I] (`_bf16_gate_up_task`); SiLU-GLU where
+    stage 1 left it, and the hidden rows rounded to bf16; stage 2 over (expert, down row block). xg [N, H] holds
+    each pair's activation row. See `bf16_experts_run`."""
+    width = hidden_bits.shape[1]
+    blocks = (width + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(expert_ids.shape[0] * 2 * blocks):
+        _bf16_gate_up_task(gate_up, expert_ids, xb, tokens, xg, starts, ends, projected, task, blocks)
     for k in prange(expert_ids.shape[0]):
         for n in range(starts[k], ends[k]):
-            _round_row_bf16(hidden[n], hidden_bits[n])
+            if ends[k] - starts[k] < BF16_TILE_TOKENS:  # the hidden row in place of the gate values
+                for i in range(width):
+                    projected[n, i] = _silu_glu(projected[n, i], projected[n, width + i])
+            _round_row_bf16(projected[n, :width], hidden_bits[n])
     blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
         k = task // blocks
@@ -3231,12 +3246,14 @@ def bf16_experts_run(gate_up: np.ndarray, down: np.ndarray, expert_ids: np.ndarr
         out = np.empty((tokens.shape[0], hidden_size), np.float32)  # [N, H]
     if tokens.shape[0] == 0 or expert_ids.shape[0] == 0:
         return out
-    hidden = np.empty((tokens.shape[0], width), np.float32)  # [N, I]
+    projected = np.empty((tokens.shape[0], 2 * width), np.float32)  # [N, 2I]
     hidden_bits = np.empty((tokens.shape[0], width), np.uint16)  # [N, I]
+    xb, tokens = round_to_bf16(x), np.ascontiguousarray(tokens, dtype=np.int64)
+    xg = xb[tokens]  # [N, H]: each pair's row, the experts' contiguous
     _bf16_experts_parallel(np.ascontiguousarray(gate_up), np.ascontiguousarray(down),
-                           np.ascontiguousarray(expert_ids, dtype=np.int64), round_to_bf16(x),
-                           np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64),
-                           np.ascontiguousarray(ends, dtype=np.int64), hidden, hidden_bits, out)
+                           np.ascontiguousarray(expert_ids, dtype=np.int64), xb, tokens, xg,
+                           np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(ends, dtype=np.int64),
+                           projected, hidden_bits, out)
     return out
 
 
