@@ -1509,23 +1509,17 @@ def _q8_tile_rows(pa, sa, pb, sb, xq, corrections, lane_scales, rows, gathered, 
 @njit(cache=True, parallel=True)
 def _experts_q8_tiled_gate_up(w1p, w1s, w3p, w3s, expert_ids, xq, corrections, lane_scales, tokens, starts, ends,
                               isa, tile_tokens, gate, up):
-    """`_experts_q8_gate_up` in tiles: gate, up [N, MI] (natural order), the same bits. A task is 16 rows of one
-    matrix, w1 or w3 (rows in pairs, an odd last row twice): one contiguous stream. The w1 and w3 rows of one
-    index in one tile (two streams a task, jumping between them) ran decode's one token at 11.7 GB/s against 15
-    (Qwen3-30B-A3B's 8 experts, cold)."""
+    """`_experts_q8_gate_up` in tiles: gate, up [N, MI] (natural order), the same bits."""
     blocks = (w1p.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(expert_ids.shape[0] * 2 * blocks):
-        k, block = task // (2 * blocks), task % blocks
+    for task in prange(expert_ids.shape[0] * blocks):
+        k, block = task // blocks, task % blocks
         e = expert_ids[k]
-        first = task % (2 * blocks) < blocks  # w1 (gate) or w3 (up)
-        packed, scales, out = (w1p, w1s, gate) if first else (w3p, w3s, up)
         row_end = min(w1p.shape[1], (block + 1) * ROWS_PER_TASK)
         for chunk in range(starts[k], ends[k], Q8_TILE_CHUNK_TOKENS):
             chunk_end = min(ends[k], chunk + Q8_TILE_CHUNK_TOKENS)
-            for row in range(block * ROWS_PER_TASK, row_end, 2):
-                other = min(row + 1, row_end - 1)
-                _q8_tile_rows(packed[e, row], scales[e, row], packed[e, other], scales[e, other], xq, corrections,
-                              lane_scales, tokens, True, chunk, chunk_end, isa, tile_tokens, out, out, row, other)
+            for row in range(block * ROWS_PER_TASK, row_end):  # the w1 and w3 row of one index together
+                _q8_tile_rows(w1p[e, row], w1s[e, row], w3p[e, row], w3s[e, row], xq, corrections, lane_scales,
+                              tokens, True, chunk, chunk_end, isa, tile_tokens, gate, up, row, row)
 
 
 @njit(cache=True, parallel=True)
