@@ -1,6 +1,6 @@
-"""The families' expert kernels on a GGUF's Q8_0 experts kept as stored (int8 values, one float32 scale per block
-of 32), on Q8_0 activations (the default since 2026-12-07: `q8_0_experts_run`, llama.cpp's Q8_0 x Q8_0) and on
-float activations (`K3SERVE_INT8_ACTIVATIONS=f32`: the float row dot below DENSE_TILE_MIN_TOKENS tokens an expert,
+"""The families' expert kernels on a GGUF's Q8_0 experts kept as stored (int8 values, one scale per block of 32:
+float16 as the families hold them since 2026-12-07 afternoon, float32 for the float kernels), on Q8_0 activations
+(the default since 2026-12-07: `q8_0_experts_run`, llama.cpp's Q8_0 x Q8_0) and on float activations (`K3SERVE_INT8_ACTIVATIONS=f32`: the float row dot below DENSE_TILE_MIN_TOKENS tokens an expert,
 the float tile from there, as `run_experts` dispatches them), against the float kernels on float32 experts (what
 widening Q8_0 on read held before) and on int8 experts with one scale per row (`--expert-precision int8`).
 
@@ -35,13 +35,15 @@ def stacks(rng: np.random.Generator, hidden: int, inner: int) -> dict[str, tuple
     """method -> (gate_up, gate_up scales, down, down scales) stacked [E, ...], the same int8 values in each."""
     gate_up = rng.integers(-127, 128, (NUM_EXPERTS, 2 * inner, hidden)).astype(np.int8)
     down = rng.integers(-127, 128, (NUM_EXPERTS, hidden, inner)).astype(np.int8)
-    gate_up_blocks = rng.uniform(5e-4, 1.5e-3, (NUM_EXPERTS, 2 * inner, hidden // 32)).astype(np.float32)
-    down_blocks = rng.uniform(5e-4, 1.5e-3, (NUM_EXPERTS, hidden, inner // 32)).astype(np.float32)
+    # half-precision values (a GGUF's), held as float32 for the float kernels
+    gate_up_blocks = rng.uniform(5e-4, 1.5e-3, (NUM_EXPERTS, 2 * inner, hidden // 32)).astype(np.float16)
+    down_blocks = rng.uniform(5e-4, 1.5e-3, (NUM_EXPERTS, hidden, inner // 32)).astype(np.float16)
+    gate_up_blocks, down_blocks = gate_up_blocks.astype(np.float32), down_blocks.astype(np.float32)
 
     def widen(w: np.ndarray, s: np.ndarray) -> np.ndarray:
         return (w.reshape(*s.shape, 32).astype(np.float32) * s[..., None]).reshape(w.shape)
 
-    return {"q8_0_q8": (gate_up, gate_up_blocks, down, down_blocks),
+    return {"q8_0_q8": (gate_up, gate_up_blocks.astype(np.float16), down, down_blocks.astype(np.float16)),
             "q8_0_f32": (gate_up, gate_up_blocks, down, down_blocks),
             "float32": (widen(gate_up, gate_up_blocks), None, widen(down, down_blocks), None),
             "int8_row": (gate_up, gate_up_blocks.mean(axis=2), down, down_blocks.mean(axis=2))}

@@ -561,3 +561,28 @@ def test_mxfp4_experts_prefill_tiles_keep_the_one_token_bits(isa):
         alone = mxfp4_experts_run(stacked, zero, z, np.array([t]), zero, np.ones(1, np.int64), 4.0, 25.0, isa=isa,
                                   activations="f32")
         np.testing.assert_array_equal(alone[0], together[n])
+
+
+def test_half_bits_widen_exactly_in_compiled_code() -> None:
+    """`kernels._half_to_f32` (the Q8_0 experts' float16 block scales in plain numba) on every one of the 65536
+    half-precision bit patterns: numpy's float16 -> float32 bits (NaNs as NaN); and `kernel_block_scales` hands
+    float16 scales over as their bits, without a copy, float32 ones as they are."""
+    import numba
+
+    @numba.njit
+    def widen(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = kernels._half_to_f32(bits[i])
+
+    bits = np.arange(65536, dtype=np.uint16)
+    got = np.empty(65536, np.float32)
+    widen(bits, got)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    half = np.ones((3, 4), np.float16)
+    assert kernels.kernel_block_scales(half).dtype == np.uint16
+    assert np.shares_memory(kernels.kernel_block_scales(half), half)
+    wide = np.ones((3, 4), np.float32)
+    assert kernels.kernel_block_scales(wide) is wide

@@ -319,6 +319,26 @@ def test_q8_0_experts_each_token_has_its_own_bits() -> None:
         np.testing.assert_array_equal(_bits(alone[0]), _bits(together[n]))
 
 
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+def test_q8_0_experts_take_half_scales_with_the_float32_bits(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The families hold a GGUF's Q8_0 block scales as the file does (float16, 2 bytes a block): the Q8_0 path
+    widens them in the kernel and the float path (`K3SERVE_INT8_ACTIVATIONS=f32`) an expert at a time, each with
+    the bits of the same scales widened to float32 beforehand."""
+    rng = np.random.default_rng(14)
+    gate_up, gate_up_scales, down, down_scales = _q8_0_experts(rng, 12, 64, 96)
+    half = (gate_up, gate_up_scales.astype(np.float16), down, down_scales.astype(np.float16))
+    wide = (gate_up, gate_up_scales, down, down_scales)
+    expert_ids, tokens, starts, ends = _routing(rng, [1, 0, 9, 4, 2, 5], 12)
+    x = rng.standard_normal((12, 96)).astype(np.float32)
+    np.testing.assert_array_equal(
+        _bits(kernels.q8_0_experts_run(*half, expert_ids, x, tokens, starts, ends, isa=isa)),
+        _bits(kernels.q8_0_experts_run(*wide, expert_ids, x, tokens, starts, ends, isa=isa)))
+    pairs = ExpertPairs(expert_ids, starts, ends, tokens, np.arange(tokens.shape[0]))
+    monkeypatch.setattr(kernels, "INT8_ACTIVATIONS", "f32")  # the float row dot (1, 2 tokens) and tile (4-9)
+    np.testing.assert_array_equal(_bits(run_experts("dense", half, pairs, x)),
+                                  _bits(run_experts("dense", wide, pairs, x)))
+
+
 def test_q8_0_experts_refuse_other_shapes() -> None:
     rng = np.random.default_rng(13)
     gate_up, gate_up_scales, down, down_scales = _q8_0_experts(rng, 2, 64, 96)

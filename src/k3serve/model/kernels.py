@@ -48,6 +48,7 @@ is one instruction per 16 weights); a register-blocked multi-token row dot would
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 # How OpenMP workers wait between parallel regions is set before numba starts its pool: by default libgomp's own
@@ -62,7 +63,7 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.core import config as numba_config  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
 from k3serve.model.ops import silu, situ_glu  # noqa: E402
 from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32  # noqa: E402
@@ -540,15 +541,16 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
     its own accumulators with exactly the one-token operation order (the same bits as one at a time). Arguments:
     (wrow, xq_0 .. xq_{n-1}, xd_0 .. xd_{n-1}) one row each, or with `tile` (wrow, xq [T, C], xd [T, G], t0): rows
     t0 .. t0 + n - 1 of the whole activation arrays. `split`: the row is its values int8 [C] and their block scales
-    float32 [G] apart (a GGUF's Q8_0 experts as the families hold them), the arguments (wrow, wscales, ...); the
-    same operations on the same numbers, so the same bits as the row's 34-byte blocks when the scales are the
-    blocks' half-precision ones."""
+    float32 [G], or their half-precision bits uint16 [G], apart (a GGUF's Q8_0 experts as the families hold them),
+    the arguments (wrow, wscales, ...); the same operations on the same numbers, so the same bits as the row's
+    34-byte blocks when the scales are the blocks' half-precision ones."""
     lanes = Q8_0_LANES
     first_x = 2 if split else 1  # the first activation argument
 
     def codegen(context, builder, signature, args):
         wrow = context.make_array(signature.args[0])(context, builder, args[0])
         wscales = context.make_array(signature.args[1])(context, builder, args[1]) if split else None
+        half_scales = split and signature.args[1].dtype == types.uint16
         index_type = ir.IntType(64)
         if tile:
             xq, xd = (context.make_array(signature.args[k])(context, builder, args[k])
@@ -600,6 +602,8 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
             if split:
                 w_scale = builder.load(builder.gep(wscales.data, [group]))
+                if half_scales:  # the file's half-precision bits (uint16): widened exactly
+                    w_scale = builder.fpext(builder.bitcast(w_scale, ir.HalfType()), _F32)
                 weights = _load(builder, builder.bitcast(wrow.data, _I8.as_pointer()), x_base, vb, 1)
             else:
                 w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
@@ -749,12 +753,48 @@ def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
         _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
 
 
+@njit(inline="always")
+def _half_to_f32(bits):
+    """An IEEE half's bits (uint16) -> its float32 value, exactly (integer operations only: plain numba has no
+    float16, and LLVM's conversion needs F16C, which a CPU without AVX2 may lack)."""
+    h = np.int64(bits)
+    exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
+    if exponent == 0x1F:
+        magnitude = np.float32(np.inf) if mantissa == 0 else np.float32(np.nan)
+    elif exponent == 0:  # zero and subnormals: mantissa * 2^-24
+        magnitude = np.float32(math.ldexp(np.float64(mantissa), -24))
+    else:  # (1024 + mantissa) * 2^(exponent - 25)
+        magnitude = np.float32(math.ldexp(np.float64(1024 + mantissa), exponent - 25))
+    return -magnitude if h & 0x8000 else magnitude
+
+
+def _block_scale(scales, index):
+    """scales[index] as float32: float32 scales as they are, half-precision bits (uint16) widened (compiled only)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_block_scale, inline="always")
+def _block_scale_overload(scales, index):
+    if scales.dtype == types.uint16:
+        return lambda scales, index: _half_to_f32(scales[index])
+    return lambda scales, index: scales[index]
+
+
+def kernel_block_scales(scales: np.ndarray) -> np.ndarray:
+    """Block scales as the Q8_0 expert kernels take them: float32 as they are, float16 (a GGUF's Q8_0 experts as
+    stored, 2 bytes a block) as their uint16 bits (a view, no copy)."""
+    if scales.dtype == np.float16:
+        return np.ascontiguousarray(scales).view(np.uint16)
+    return np.ascontiguousarray(scales, np.float32)
+
+
 # ------------------------------------------------------------ a GGUF's Q8_0 experts on Q8_0 activations
-# The families hold a GGUF's Q8_0 experts as their int8 values [E, R, C] and float32 block scales [E, R, C / 32]
-# (`families.experts.Int8Matrix`, what a streaming store's blobs hold too). The same row dot as the trunk's Q8_0
+# The families hold a GGUF's Q8_0 experts as their int8 values [E, R, C] and block scales [E, R, C / 32], float16
+# as the file stores them (`families.experts.Int8Matrix`, what a streaming store's blobs hold too; passed to the
+# kernels as their uint16 bits, `kernel_block_scales`) or float32. The same row dot as the trunk's Q8_0
 # matrices (above: exact int32 block sums, one FMA a block scaled by d_w d_x, even and odd blocks in two chains),
 # reading each block's scale from the scales array instead of the block's first two bytes: llama.cpp's
-# ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers (the scales are the file's half-precision ones, widened).
+# ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers (half-precision scales widened in the kernel, exactly).
 def _q8s_typer(isa: str, num_tokens: int = 1, tile: bool = False):
     """The typer of a split Q8_0 row dot intrinsic (`_q8_0_row_dot_codegen(split=True)`): one float32, or a tuple
     of `num_tokens`; NaN where this CPU lacks `isa` (never called there: the drivers pick the ISA)."""
@@ -806,7 +846,7 @@ def _q8s_row_dot_portable(wrow, wscales, xq, xd):
         block_sum = np.int32(0)
         for k in range(GROUP_SIZE):
             block_sum += np.int32(wrow[group * GROUP_SIZE + k]) * np.int32(xq[group * GROUP_SIZE + k])
-        total += np.float32(block_sum) * (wscales[group] * xd[group])
+        total += np.float32(block_sum) * (_block_scale(wscales, group) * xd[group])
     return total
 
 
@@ -916,7 +956,7 @@ def q8_0_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.n
                      expert_ids: np.ndarray, x: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
                      ends: np.ndarray, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
     """`dense_experts_run` for a GGUF's Q8_0 experts (gate_up int8 [E, 2I, H], down int8 [E, H, I], block scales
-    f32 [E, 2I, H/32] and [E, H, I/32]) with x and the hidden rows quantized to Q8_0 first, as llama.cpp multiplies
+    [E, 2I, H/32] and [E, H, I/32], float16 as the file stores them or float32: the same bits) with x and the hidden rows quantized to Q8_0 first, as llama.cpp multiplies
     them (ggml_vec_dot_q8_0_q8_0): exact int32 block sums, not the float path's bits. y[n] = down_e
     SiLU-GLU(gate_up_e x[tokens[n]]) for expert k's pairs starts[k]:ends[k]; `out` [N, H], when given, is filled on
     those rows only. Each y[n] has the same bits whatever the other pairs, experts and threads of the call. `isa`
@@ -944,13 +984,12 @@ def q8_0_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.n
     projected = np.empty((tokens.shape[0], 2 * width), np.float32)  # [N, 2I]: gate, then up
     hidden = np.zeros((tokens.shape[0], width), np.float32)  # [N, I]; rows of experts not in this call stay 0
     parallel = expert_ids.shape[0] * gate_up[0].size >= PARALLEL_MIN_WEIGHTS
-    gate_up_scales = np.ascontiguousarray(gate_up_scales, np.float32)
     (_q8s_gate_up_parallel if parallel else _q8s_gate_up_serial)(
-        np.ascontiguousarray(gate_up), gate_up_scales, expert_ids, xq, xd, starts, ends, code, projected, hidden)
+        np.ascontiguousarray(gate_up), kernel_block_scales(gate_up_scales), expert_ids, xq, xd, starts, ends, code,
+        projected, hidden)
     hq, hd = quantize_activations(hidden)  # [N, I], [N, I / 32]
     (_q8s_down_parallel if parallel else _q8s_down_serial)(
-        np.ascontiguousarray(down), np.ascontiguousarray(down_scales, np.float32), expert_ids, hq, hd, starts, ends,
-        code, out)
+        np.ascontiguousarray(down), kernel_block_scales(down_scales), expert_ids, hq, hd, starts, ends, code, out)
     return out
 
 

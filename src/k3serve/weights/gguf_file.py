@@ -188,14 +188,14 @@ class GGUFFile:
 
     def q8_0(self, name: str, index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """A Q8_0 tensor (or slice) as it is stored, every leading dimension folded into R: (values i8 [R, C],
-        scales f32 [R, C/32]; the f16 block scales widened, exactly)."""
+        scales f16 [R, C/32]), fresh arrays: 1.0625 bytes a value, as in the file."""
         tensor = self.tensor(name)
         self._check_type(tensor, ("Q8_0",))
         shape = tensor.shape if index is None else tensor.shape[1:]
         rows = math.prod(shape[:-1])
         data = tensor.data if index is None else tensor.data[index]
         blocks = np.ascontiguousarray(data).reshape(rows, shape[-1] // QK, Q8_0_BLOCK_BYTES)  # [R, G, 34]
-        scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].astype(np.float32)  # [R, G]
+        scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].copy()  # [R, G]
         values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, shape[-1])  # [R, C]
         self.release(data)
         return values, scales

@@ -214,9 +214,10 @@ def test_int8_precision_requantizes_gguf_mxfp4_experts(gguf_tiny, tmp_path):
     assert np.array_equal(model.logits(ids), twin.logits(ids))
 
 
-def test_q8_0_experts_take_1_125_bytes_a_weight_and_requantize_at_int8_and_mxfp4(gguf_tiny, tmp_path):
-    """native keeps Q8_0's int8 values and per-block scales (float32: 1 + 4/32 bytes a weight, not float32's 4);
-    int8 and mxfp4 requantize the block values exactly as they quantize a checkpoint holding them."""
+def test_q8_0_experts_take_the_files_bytes_and_requantize_at_int8_and_mxfp4(gguf_tiny, tmp_path):
+    """native keeps Q8_0's int8 values and per-block scales as the file stores them (float16: 1 + 2/32 bytes a
+    weight, the file's 34 bytes per 32, not float32's 4); int8 and mxfp4 requantize the block values exactly as they
+    quantize a checkpoint holding them."""
     folder = gguf_tiny("qwen3_moe")
     path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0")
     twin_folder = _twin(folder, tmp_path / "twin", "Q8_0")
@@ -225,7 +226,8 @@ def test_q8_0_experts_take_1_125_bytes_a_weight_and_requantize_at_int8_and_mxfp4
     native.logits(ids)
     experts = native.experts.loaded().values()
     weights = sum(m.values.size for e in experts for m in (e.gate_up, e.down))
-    assert sum(e.nbytes for e in experts) == weights * (1 + 4 / 32)
+    assert all(m.scales.dtype == np.float16 for e in experts for m in (e.gate_up, e.down))
+    assert sum(e.nbytes for e in experts) == weights * (1 + 2 / 32)
     for precision in ("int8", "mxfp4"):
         model = load_family_gguf(path, expert_precision=precision)
         twin = load_family(twin_folder, expert_precision=precision)

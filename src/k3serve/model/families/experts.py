@@ -10,8 +10,9 @@ The checkpoints ship experts in bf16 (or f32 in tests). The precision is a load 
 - "int8": symmetric per-row 8-bit, w[r, c] ~ q[r, c] * s[r], s[r] = max_c |w[r, c]| / 127, q rounded to nearest;
   y = (x @ q^T) * s, by the same kernel as bf16.
 A GGUF's Q8_0 experts (int8 with one f16 scale per block of 32 values) are kept as stored at "native" (int8
-values, the scales widened to float32: 1.125 bytes a weight) and multiplied by the same kernel, each block's dot
-scaled (`dense_experts_run`).
+values and their float16 block scales apart: 1.0625 bytes a weight, the file's size; float32 scales, 1.125 bytes,
+until 2026-12-07) and multiplied on Q8_0 activations (below), or by the same float kernel, each block's dot
+scaled (`dense_experts_run`, which takes float32 scales: each routed expert's scales widened at its call).
 One MoE layer's active experts run in ONE compiled call, as K3's do: the resident store keeps each layer's packed
 experts in stacked [NE, ...] arrays (a packed expert is a view into its layer's stack; pages of experts never used
 are never touched), and the kernel takes the stack, the active expert ids and the token rows of each. A streaming
@@ -227,6 +228,8 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         return kernels.int8_experts_q8(*stacked, ids, x, tokens, starts, ends)
     if kernels.q8_0_experts_on(gate_up, gate_up_scales, down):  # a GGUF's Q8_0 x Q8_0, every token count
         return kernels.q8_0_experts_run(*stacked, ids, x, tokens, starts, ends)
+    if gate_up_scales is not None and gate_up_scales.dtype == np.float16:  # the float kernels take float32 scales
+        return _half_scales_one_by_one(stacked, pairs, x)
     counts = ends - starts  # [K]
     block_scaled = gate_up_scales is not None and gate_up_scales.size > gate_up.shape[0] * gate_up.shape[1]
     tiled = (counts >= DENSE_TILE_MIN_TOKENS) & block_scaled  # [K]
@@ -241,6 +244,21 @@ def run_experts(kind: str, stacked: tuple, pairs: ExpertPairs, x: np.ndarray) ->
         out[starts[k]:ends[k]] = dense_expert_reference(gate_up[e], None, down[e], None, x[tokens[starts[k]:ends[k]]])
     few = ~(tiled | many)
     return dense_experts_run(*stacked, ids[few], x, tokens, starts[few], ends[few], out=out)
+
+
+def _half_scales_one_by_one(stacked: tuple, pairs: ExpertPairs, x: np.ndarray) -> np.ndarray:
+    """`run_experts` on float activations for Q8_0 experts held with their half-precision block scales (a GGUF's,
+    as stored): each routed expert on a stack of one, its scales widened to float32 (exactly) for the float
+    kernels. The same bits as the whole stack widened: a pair's output never depends on the other experts."""
+    gate_up, gate_up_scales, down, down_scales = stacked
+    out = np.empty((pairs.tokens.shape[0], x.shape[1]), np.float32)  # [N, H]
+    for k, e in enumerate(pairs.expert_ids):
+        start, end = int(pairs.starts[k]), int(pairs.ends[k])
+        one = (gate_up[e:e + 1], gate_up_scales[e:e + 1].astype(np.float32), down[e:e + 1],
+               down_scales[e:e + 1].astype(np.float32))
+        out[start:end] = run_experts("dense", one, ExpertPairs(_ZERO, _ZERO, np.full(1, end - start, np.int64),
+                                                               pairs.tokens[start:end], np.arange(end - start)), x)
+    return out
 
 
 def run_one_expert(expert: Expert, x: np.ndarray) -> np.ndarray:
