@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from family_fixture import add_model_args, model_path

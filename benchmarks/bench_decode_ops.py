@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -54,6 +55,7 @@ sys.path.insert(0, str(HERE))
 # The k3serve children: a head (the timers and the wrapper), the model's own part (load, what to wrap), a tail (the
 # timed decode and its JSON line, "the rest" named by REST).
 CHILD_HEAD = r"""
+import k3serve  # before numpy, as the CLI runs: numpy first leaves OpenBLAS's workers spinning (k3serve/__init__.py)
 import json, sys, time
 import numpy as np
 spec = json.loads(sys.argv[1])

@@ -17,6 +17,7 @@ import argparse
 import json
 import time
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.engine.config import EngineConfig

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -23,6 +23,7 @@ import pstats
 import time
 from pathlib import Path
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from profile_split import line, split

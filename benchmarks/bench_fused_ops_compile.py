@@ -12,6 +12,7 @@ import json
 import os
 import time
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.model import fused_ops

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import numba
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.model.kernels import mxfp4_matmul, mxfp4_matmul_reference, warmup

@@ -25,6 +25,7 @@ import json
 import time
 
 import numba
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.model import kernels

@@ -15,6 +15,7 @@ import argparse
 import json
 import time
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.model.kernels import mxfp4_matmul

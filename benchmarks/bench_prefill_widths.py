@@ -41,6 +41,7 @@ import statistics
 import time
 import zlib
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.model.families import attention, decoder, experts as family_experts, moe as family_moe, rope

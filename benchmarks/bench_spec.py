@@ -22,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.engine.generate import generate

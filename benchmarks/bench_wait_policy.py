@@ -38,6 +38,7 @@ SETTINGS = {
 
 CHILD = r"""
 import json, sys, time
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 from k3serve.loading import load_model
 from k3serve.model.interface import ForwardItem

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.loading import load_model

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 
+import k3serve  # noqa: F401  (before numpy, as the CLI imports it: OpenBLAS's workers then sleep after a call)
 import numpy as np
 
 from k3serve.loading import default_model_dir, load_model
