@@ -1,8 +1,9 @@
 """The families' expert kernels on a GGUF's Q8_0 experts kept as stored (int8 values, one scale per block of 32:
 float16 as the families hold them since 2026-12-07 afternoon, float32 for the float kernels), on Q8_0 activations
-(the default since 2026-12-07: `q8_0_experts_run`, llama.cpp's Q8_0 x Q8_0) and on float activations (`K3SERVE_INT8_ACTIVATIONS=f32`: the float row dot below DENSE_TILE_MIN_TOKENS tokens an expert,
-the float tile from there, as `run_experts` dispatches them), against the float kernels on float32 experts (what
-widening Q8_0 on read held before) and on int8 experts with one scale per row (`--expert-precision int8`).
+(the default since 2026-12-07: `q8_0_experts_run`, llama.cpp's Q8_0 x Q8_0) and on float activations
+(`K3SERVE_INT8_ACTIVATIONS=f32`: the float row dot below DENSE_TILE_MIN_TOKENS tokens an expert, the float tile
+from there, as `run_experts` dispatches them), against the float kernels on float32 experts (what widening Q8_0 on
+read held before) and on int8 experts with one scale per row (`--expert-precision int8`).
 
 One MoE layer's active experts in one call: --active (at most 8) of 16 stacked experts of Qwen3-30B-A3B's shape
 by default (H 2048, I 768; `--hidden 2048 --inner 1408 --active 6` is Moonlight's), at T = 1 token (decode: every
