@@ -80,3 +80,22 @@ def test_a_mapped_embeddings_lookups_leave_no_pages_behind(gguf_path):
     assert _mapped_kib(gguf_path) <= baseline + 8, (baseline, _mapped_kib(gguf_path))
     np.asarray(data).reshape(-1)[::1024].sum()  # without the drop the rows stay: the check can fail
     assert _mapped_kib(gguf_path) > baseline + data.nbytes // 1024 // 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
+def test_a_mapped_embedding_drops_its_pages_every_few_rows(gguf_path):
+    """Each drop flushes every core's TLB (costly in a VM), so decode's one-row lookups drop the tensor's pages once
+    DROP_EVERY_ROWS rows have been read, not after every row: the pages stay mapped until then, and no longer."""
+    from k3serve.weights.gguf_file import DROP_EVERY_ROWS
+    from k3serve.weights.quantized import MappedQuantizedMatrix
+
+    file = GGUFFile(gguf_path)
+    data = np.asarray(file.tensor("q8.weight").data).reshape(ROWS, -1)
+    mapped = MappedQuantizedMatrix("q8_0", data, None, COLS, after_rows=file.dropper(data))
+    mapped.after_rows()
+    baseline = _mapped_kib(gguf_path)
+    for row in range(0, DROP_EVERY_ROWS - 1):  # rows 16 KB apart: each in pages of its own
+        mapped.rows(np.array([row * ROWS // DROP_EVERY_ROWS]))
+    assert _mapped_kib(gguf_path) >= baseline + 4 * (DROP_EVERY_ROWS - 1), (baseline, _mapped_kib(gguf_path))
+    mapped.rows(np.array([ROWS - 1]))  # the DROP_EVERY_ROWS-th row
+    assert _mapped_kib(gguf_path) <= baseline + 8, (baseline, _mapped_kib(gguf_path))

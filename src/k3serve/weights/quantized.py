@@ -191,16 +191,17 @@ class QuantizedMatrix:
 
 @dataclass(frozen=True)
 class MappedQuantizedMatrix(QuantizedMatrix):
-    """A matrix read in place from a mapped file (an untied GGUF Q8_0 embedding): each lookup's pages are dropped
-    from the process after it (`after_rows`). A fault on a mapped file maps the pages around it too (64 KB on Linux),
-    so the 2,000-3,000 random rows a benchmark's prompts look up in a 163,840-row embedding made 170-190 MB resident,
-    more than the copy they saved."""
-    after_rows: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    """A matrix read in place from a mapped file (an untied GGUF Q8_0 embedding): the pages lookups fault in are
+    dropped from the process after them (`after_rows(ids)`, told the rows read: the GGUF's dropper drops every 8
+    rows, `gguf_file.DROP_EVERY_ROWS`; `after_rows()` at once). A fault on a mapped file maps the pages around it
+    too (64 KB on Linux), so the 2,000-3,000 random rows a benchmark's prompts look up in a 163,840-row embedding
+    made 170-190 MB resident, more than the copy they saved."""
+    after_rows: Callable[..., None] | None = field(default=None, compare=False, repr=False)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         try:
             return super().rows(ids)
         finally:
             if self.after_rows is not None:
-                self.after_rows()
+                self.after_rows(np.asarray(ids))
 
