@@ -93,7 +93,7 @@ def _drop_pages(mapping: mmap.mmap | None, base: int, data: np.ndarray) -> None:
 
 # Rows a mapped embedding's lookups may leave mapped before `_Dropper` drops the tensor's pages. Each drop is a
 # madvise that flushes the TLBs of every core the process runs on: in a VM, where that is an inter-processor
-# interrupt per core, 0.19-0.25 ms a decode step on Moonlight's 163,840 x 2,048 Q8_0 embedding (16 us alone in a
+# interrupt per core, 0.19-0.20 ms a decode step on Moonlight's 163,840 x 2,048 Q8_0 embedding (16 us alone in a
 # one-thread process), occasionally 5-7 ms. Every 8 rows amortizes it; what stays mapped meanwhile is 8 rows' fault
 # windows (64 KB each on Linux, a large page-cache folio at most: 2 MiB).
 DROP_EVERY_ROWS = 8
