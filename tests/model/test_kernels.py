@@ -564,15 +564,13 @@ def test_mxfp4_experts_prefill_tiles_keep_the_one_token_bits(isa):
 
 
 def test_half_bits_widen_exactly_in_compiled_code() -> None:
-    """`kernels._half_to_f32` (the Q8_0 experts' float16 block scales in plain numba) on every one of the 65536
-    half-precision bit patterns: numpy's float16 -> float32 bits (NaNs as NaN); and `kernel_block_scales` hands
-    float16 scales over as their bits, without a copy, float32 ones as they are."""
-    import numba
-
+    """`kernels._block_scale` (the Q8_0 experts' float16 block scales in plain numba, as uint16 bits) on every one
+    of the 65536 half-precision bit patterns: numpy's float16 -> float32 bits (NaNs as NaN); and
+    `kernel_block_scales` hands float16 scales over as their bits, without a copy, float32 ones as they are."""
     @numba.njit
     def widen(bits, out):
         for i in range(bits.shape[0]):
-            out[i] = kernels._half_to_f32(bits[i])
+            out[i] = kernels._block_scale(bits, i)
 
     bits = np.arange(65536, dtype=np.uint16)
     got = np.empty(65536, np.float32)

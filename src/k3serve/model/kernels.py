@@ -48,7 +48,6 @@ is one instruction per 16 weights); a register-blocked multi-token row dot would
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 # How OpenMP workers wait between parallel regions is set before numba starts its pool: by default libgomp's own
@@ -753,21 +752,6 @@ def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
         _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
 
 
-@njit(inline="always")
-def _half_to_f32(bits):
-    """An IEEE half's bits (uint16) -> its float32 value, exactly (integer operations only: plain numba has no
-    float16, and LLVM's conversion needs F16C, which a CPU without AVX2 may lack)."""
-    h = np.int64(bits)
-    exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
-    if exponent == 0x1F:
-        magnitude = np.float32(np.inf) if mantissa == 0 else np.float32(np.nan)
-    elif exponent == 0:  # zero and subnormals: mantissa * 2^-24
-        magnitude = np.float32(math.ldexp(np.float64(mantissa), -24))
-    else:  # (1024 + mantissa) * 2^(exponent - 25)
-        magnitude = np.float32(math.ldexp(np.float64(1024 + mantissa), exponent - 25))
-    return -magnitude if h & 0x8000 else magnitude
-
-
 def _block_scale(scales, index):
     """scales[index] as float32: float32 scales as they are, half-precision bits (uint16) widened (compiled only)."""
     raise NotImplementedError("compiled code only")
@@ -775,8 +759,8 @@ def _block_scale(scales, index):
 
 @overload(_block_scale, inline="always")
 def _block_scale_overload(scales, index):
-    if scales.dtype == types.uint16:
-        return lambda scales, index: _half_to_f32(scales[index])
+    if scales.dtype == types.uint16:  # the trunk's half table (a constant of the compiled code), exact
+        return lambda scales, index: _F16_TO_F32[scales[index]]
     return lambda scales, index: scales[index]
 
 
@@ -901,13 +885,12 @@ def _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, pr
 
 
 @njit(inline="always")
-def _q8s_glu(projected, expert_ids, starts, ends, hidden):
-    """hidden[n, i] = SiLU(gate) * up from projected [N, 2I] (gate columns, then up), on the call's pairs."""
+def _q8s_glu(projected, starts, ends, hidden, k):
+    """hidden[n, i] = SiLU(gate) * up from projected [N, 2I] (gate columns, then up), on expert k's pairs."""
     width = hidden.shape[1]
-    for k in range(expert_ids.shape[0]):
-        for n in range(starts[k], ends[k]):
-            for i in range(width):
-                hidden[n, i] = _silu_glu(projected[n, i], projected[n, width + i])
+    for n in range(starts[k], ends[k]):
+        for i in range(width):
+            hidden[n, i] = _silu_glu(projected[n, i], projected[n, width + i])
 
 
 @njit(inline="always")
@@ -926,7 +909,8 @@ def _q8s_gate_up_parallel(gate_up, scales, expert_ids, xq, xd, starts, ends, isa
     blocks = (projected.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
         _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, projected, task, blocks)
-    _q8s_glu(projected, expert_ids, starts, ends, hidden)
+    for k in prange(expert_ids.shape[0]):
+        _q8s_glu(projected, starts, ends, hidden, k)
 
 
 @njit(cache=True)
@@ -934,7 +918,8 @@ def _q8s_gate_up_serial(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, 
     blocks = (projected.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in range(expert_ids.shape[0] * blocks):
         _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, projected, task, blocks)
-    _q8s_glu(projected, expert_ids, starts, ends, hidden)
+    for k in range(expert_ids.shape[0]):
+        _q8s_glu(projected, starts, ends, hidden, k)
 
 
 @njit(cache=True, parallel=True)
@@ -3348,7 +3333,8 @@ def warmup() -> None:
                         np.ones((1, 32), np.float32), one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
     if INT8_ACTIVATIONS == "q8":  # at "auto" only a Q8_0 GGUF's experts use these: compiled at their first call
         gate_up, down = np.zeros((1, 64, 32), np.int8), np.zeros((1, 32, 32), np.int8)  # I = 32, H = 32
-        gate_up_scales, down_scales = np.ones((1, 64, 1), np.float32), np.ones((1, 32, 1), np.float32)
+        # the families' scales: a GGUF's float16 ones, as their bits (`kernel_block_scales`)
+        gate_up_scales, down_scales = np.ones((1, 64, 1), np.uint16), np.ones((1, 32, 1), np.uint16)
         xq, xd = quantize_activations(x)
         for kernel in (_q8s_gate_up_serial, _q8s_gate_up_parallel):
             kernel(gate_up, gate_up_scales, one, xq, xd, np.zeros(1, np.int64), np.full(1, 2, np.int64),
