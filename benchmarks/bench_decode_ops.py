@@ -139,8 +139,9 @@ for module in (attention, latent_attention, delta):  # GQA, MLA, KDA / Gated Del
 wrap(attention, "causal_attention", CORE, lambda a: 0)
 wrap(latent_attention, "causal_attention", CORE, lambda a: 0)
 wrap(delta, "run_delta_rule", CORE, lambda a: 0)
-wrap(latent_attention, "absorb_queries", "MLA W_uk / W_uv (float32, per head)", lambda a: weight_bytes(a[1]))
-wrap(latent_attention, "values_from_latent", "MLA W_uk / W_uv (float32, per head)", lambda a: weight_bytes(a[1]))
+# float32 per head (BLAS), or a GGUF's Q8_0 attn_k_b / attn_v_b (q8_0_heads_matmul)
+wrap(latent_attention, "absorb_heads", "MLA W_uk / W_uv (per head)", lambda a: weight_bytes(a[1]))
+wrap(latent_attention, "heads_values", "MLA W_uk / W_uv (per head)", lambda a: weight_bytes(a[1]))
 wrap(moe, "linear", "dense and shared MLPs", lambda a: weight_bytes(a[1]))
 wrap(decoder, "linear", "lm_head", lambda a: weight_bytes(a[1]))
 REST = "the rest (Python, norms, routing, rope, residual adds)"

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from k3serve.model import kernels
-from k3serve.model.kernels import linear, mxfp4_matmul, q8_0_matmul, q8_0_matmul_reference
+from k3serve.model.kernels import (linear, mxfp4_matmul, q8_0_heads_matmul, q8_0_heads_matmul_reference, q8_0_matmul,
+                                   q8_0_matmul_reference)
 from k3serve.weights.q8_0 import dequantize_q8_0, quantize_q8_0, quantize_rows, split_q8_0
 from k3serve.weights.quantized import QuantizedMatrix
 
@@ -65,6 +66,56 @@ def test_q8_0_rows_do_not_depend_on_the_batch_or_the_threads():
         kernels._q8_0_matmul_serial(blocks, xq, xd, kernels._F16_TO_F32, code, serial)
         kernels._q8_0_matmul_parallel(blocks, xq, xd, kernels._F16_TO_F32, code, parallel)
         assert np.array_equal(serial, parallel), isa
+
+
+@pytest.mark.parametrize("cols", [32, 96, 128, 256])
+def test_short_q8_0_rows_four_at_a_time_give_the_one_row_bits(cols):
+    """At 1-3 tokens, rows of at most Q8_0_ROWS_MAX_GROUPS blocks go 4 at a time (`_q8_0_rows4_*`); each of their
+    dots is the one-row dot's operations: the same bits as the multi-token passes (whose last tokens run the one-row
+    dot), on both vector instruction sets, with tails of 1-3 rows."""
+    assert cols // 32 <= kernels.Q8_0_ROWS_MAX_GROUPS
+    rng = np.random.default_rng(cols)
+    blocks = quantize_q8_0(_matrix(rng, 39, cols))  # 16 + 16 + 7 rows: 4-row passes, then 3 alone
+    x = rng.standard_normal((13, cols)).astype(np.float32)
+    for isa in [isa for isa in kernels.AVAILABLE_ISAS if isa != "portable"]:
+        batched = q8_0_matmul(blocks, x, isa=isa)
+        for t in range(len(x)):
+            assert np.array_equal(q8_0_matmul(blocks, x[t:t + 1], isa=isa)[0], batched[t]), (isa, t)
+        assert np.array_equal(q8_0_matmul(blocks, x[3:6], isa=isa), batched[3:6]), isa  # 3 tokens: 4 rows a pass
+        assert _relative_rms(batched, q8_0_matmul_reference(blocks, x)) < 1e-6, isa
+
+
+@pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
+@pytest.mark.parametrize(("heads", "rows", "cols", "tokens"), [(3, 40, 128, 1), (4, 17, 512, 3), (2, 512, 128, 9)])
+def test_q8_0_heads_matmul_is_q8_0_matmul_head_by_head(isa, heads, rows, cols, tokens):
+    """MLA's per-head Q8_0 matrices in one call: each head's output has `q8_0_matmul`'s bits for that head, whatever
+    the token count, serial or parallel, and matches the numpy twin."""
+    rng = np.random.default_rng(heads * rows + cols + tokens)
+    blocks = quantize_q8_0(_matrix(rng, heads * rows, cols)).reshape(heads, rows, -1)
+    x = rng.standard_normal((heads, tokens, cols)).astype(np.float32)
+    got = q8_0_heads_matmul(blocks, x, isa=isa)
+    assert got.shape == (heads, tokens, rows) and got.dtype == np.float32
+    for h in range(heads):
+        assert np.array_equal(got[h], q8_0_matmul(blocks[h], x[h], isa=isa)), (isa, h)
+    assert np.array_equal(q8_0_heads_matmul(blocks, x[:, -1:], isa=isa), got[:, -1:])
+    assert _relative_rms(got, q8_0_heads_matmul_reference(blocks, x)) < 1e-6, isa
+    xq, xd = quantize_rows(x.reshape(heads * tokens, cols))
+    xq, xd = xq.reshape(heads, tokens, cols), xd.reshape(heads, tokens, -1)
+    serial, parallel = (np.empty((heads, tokens, rows), np.float32) for _ in range(2))
+    code = kernels.ISA_CODES[isa]
+    kernels._q8_0_heads_serial(blocks, xq, xd, kernels._F16_TO_F32, code, serial)
+    kernels._q8_0_heads_parallel(blocks, xq, xd, kernels._F16_TO_F32, code, parallel)
+    assert np.array_equal(serial, got) and np.array_equal(parallel, got), isa
+
+
+def test_q8_0_heads_matmul_refuses_mismatched_shapes():
+    blocks = np.zeros((2, 8, 4 * 34), np.uint8)  # 2 heads of [8, 128]
+    with pytest.raises(ValueError, match="x must be"):
+        q8_0_heads_matmul(blocks, np.zeros((3, 1, 128), np.float32))  # 3 heads
+    with pytest.raises(ValueError, match="x must be"):
+        q8_0_heads_matmul(blocks, np.zeros((2, 1, 96), np.float32))
+    with pytest.raises(ValueError, match="per-head Q8_0 blocks"):
+        q8_0_heads_matmul(blocks.reshape(16, -1), np.zeros((2, 1, 128), np.float32))
 
 
 def test_q8_0_vector_paths_give_the_same_bits():

@@ -534,7 +534,8 @@ _F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float
 _Q8_0_VNNI = "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 
 
-def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, split: bool = False):
+def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, split: bool = False,
+                          num_rows: int = 1):
     """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows (8 float32 lanes; see
     above). With several tokens the row's bytes are loaded once per block for all of them, and each token keeps
     its own accumulators with exactly the one-token operation order (the same bits as one at a time). Arguments:
@@ -542,12 +543,17 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
     t0 .. t0 + n - 1 of the whole activation arrays. `split`: the row is its values int8 [C] and their block scales
     float32 [G], or their half-precision bits uint16 [G], apart (a GGUF's Q8_0 experts as the families hold them),
     the arguments (wrow, wscales, ...); the same operations on the same numbers, so the same bits as the row's
-    34-byte blocks when the scales are the blocks' half-precision ones."""
+    34-byte blocks when the scales are the blocks' half-precision ones. `num_rows` > 1 (one token, blocks in the
+    row): (wrow_0 .. wrow_{n-1}, xq, xd), n rows against one activation row, its bytes loaded once per block for
+    all of them; each row the one-row dot's operations (the same bits) and n dots in flight (rows of 4 blocks, MLA's
+    W_uk, cost ~17 ns a row alone: the reduction and the call, not the blocks)."""
     lanes = Q8_0_LANES
-    first_x = 2 if split else 1  # the first activation argument
+    first_x = 2 if split else num_rows  # the first activation argument
+    assert num_rows == 1 or (num_tokens == 1 and not tile and not split)
 
     def codegen(context, builder, signature, args):
-        wrow = context.make_array(signature.args[0])(context, builder, args[0])
+        wrows = [context.make_array(signature.args[r])(context, builder, args[r]) for r in range(num_rows)]
+        wrow = wrows[0]
         wscales = context.make_array(signature.args[1])(context, builder, args[1]) if split else None
         half_scales = split and signature.args[1].dtype == types.uint16
         index_type = ir.IntType(64)
@@ -595,9 +601,13 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
                 return builder.call(maddwd, [builder.call(maddubs, [unsigned, signed]), ones])
 
         zero = ir.Constant(vf, [0.0] * lanes)
-        acc_slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(num_tokens)]
+        acc_slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+                     for _ in range(max(num_tokens, num_rows))]
 
         def block(group, parity: int) -> None:
+            if num_rows > 1:
+                rows_block(group, parity)
+                return
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
             if split:
                 w_scale = builder.load(builder.gep(wscales.data, [group]))
@@ -624,6 +634,25 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
                 builder.store(builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes),
                                                  builder.load(slot)]), slot)
 
+        def rows_block(group, parity: int) -> None:  # the one-token block above, for each of the rows
+            x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
+            w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
+            x = _load(builder, x_ptrs[0], x_base, vb, 1)
+            x_scale = builder.load(builder.gep(d_ptrs[0], [group]))
+            for row, row_slots in zip(wrows, acc_slots):
+                scale_bits = builder.load(builder.bitcast(builder.gep(row.data, [w_base]),
+                                                          _vector(i16, 4).as_pointer()), align=1)
+                w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits,
+                                                                                _vector(ir.HalfType(), 4)),
+                                                                _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
+                weights = _load(builder, row.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
+                magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
+                sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
+                slot = row_slots[parity]
+                builder.store(builder.call(fma, [builder.sitofp(sums, vf),
+                                                 _splat(builder, builder.fmul(w_scale, x_scale), lanes),
+                                                 builder.load(slot)]), slot)
+
         pairs = builder.udiv(num_groups, ir.Constant(index_type, 2))
         with cgutils.for_range(builder, pairs) as loop:
             even = builder.mul(loop.index, ir.Constant(index_type, 2))
@@ -635,7 +664,7 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
             block(last, 0)
         totals = [_pairwise_sum(builder, builder.fadd(builder.load(even), builder.load(odd)), lanes)
                   for even, odd in acc_slots]
-        if num_tokens == 1:
+        if len(totals) == 1:
             return totals[0]
         return context.make_tuple(builder, signature.return_type, totals)
 
@@ -658,6 +687,12 @@ def _q8_0_row_dot_avx2(typingctx, wrow, xq, xd):
 
 
 Q8_0_TOKENS_PER_DOT = 4  # activation rows one call of the multi-token row dot serves (prefill, decode batches)
+Q8_0_ROWS_PER_DOT = 4  # weight rows one call of the multi-row dot serves (one token: decode)
+# Rows of at most this many blocks go 4 at a time at decode (`_q8_0_matmul_task`): a row of 4 blocks (MLA's W_uk,
+# 128 wide) cost ~17 ns alone, the reduction and the call, not its bytes; 4 at a time ran 2-4x faster, hot or
+# from memory (8 blocks: 1.9x serial, 1.1x on 2 threads). Longer rows ran 2-3x slower 4 at a time from memory
+# (16-64 blocks: four streams 0.5-2 KB apart), so they stay one at a time. In-process A/B, docs/BENCHMARKS.md.
+Q8_0_ROWS_MAX_GROUPS = 8
 
 
 def _unavailable_tuple_codegen(context, builder, signature, args):
@@ -680,6 +715,22 @@ def _q8_0_row_dot4_avx2(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
     codegen = (_q8_0_row_dot_codegen("avx2", Q8_0_TOKENS_PER_DOT) if "avx2" in AVAILABLE_ISAS
                else _unavailable_tuple_codegen)
     return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
+
+
+@intrinsic
+def _q8_0_rows4_avx512(typingctx, w0, w1, w2, w3, xq, xd):
+    """4 Q8_0 rows against one activation row (q int8 [C], scales f32 [G]): 4 dots, 8 lanes."""
+    codegen = (_q8_0_row_dot_codegen("avx512", num_rows=Q8_0_ROWS_PER_DOT) if "avx512" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return types.UniTuple(types.float32, Q8_0_ROWS_PER_DOT)(w0, w1, w2, w3, xq, xd), codegen
+
+
+@intrinsic
+def _q8_0_rows4_avx2(typingctx, w0, w1, w2, w3, xq, xd):
+    """The same 4 dots on 8 lanes (AVX2)."""
+    codegen = (_q8_0_row_dot_codegen("avx2", num_rows=Q8_0_ROWS_PER_DOT) if "avx2" in AVAILABLE_ISAS
+               else _unavailable_tuple_codegen)
+    return types.UniTuple(types.float32, Q8_0_ROWS_PER_DOT)(w0, w1, w2, w3, xq, xd), codegen
 
 
 Q8_0_TILE_TOKENS = 8  # AVX-512 (32 vector registers): activation rows a pass over the row's bytes
@@ -718,8 +769,28 @@ def _q8_0_row_dot(wrow, xq, xd, f16_table, isa):
 
 
 @njit(inline="always")
+def _q8_0_rows4(w0, w1, w2, w3, xq, xd, isa):
+    if isa == 2:
+        return _q8_0_rows4_avx512(w0, w1, w2, w3, xq, xd)
+    return _q8_0_rows4_avx2(w0, w1, w2, w3, xq, xd)
+
+
+@njit(inline="always")
 def _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task):
-    for row in range(task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)):
+    first, last = task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)
+    # a few tokens (decode) and short rows: 4 rows a pass for each token (see Q8_0_ROWS_MAX_GROUPS)
+    if isa > 0 and xq.shape[0] < Q8_0_TOKENS_PER_DOT and xd.shape[1] <= Q8_0_ROWS_MAX_GROUPS:
+        row = first
+        while row + Q8_0_ROWS_PER_DOT <= last:
+            for t in range(xq.shape[0]):
+                out[t, row], out[t, row + 1], out[t, row + 2], out[t, row + 3] = _q8_0_rows4(
+                    blocks[row], blocks[row + 1], blocks[row + 2], blocks[row + 3], xq[t], xd[t], isa)
+            row += Q8_0_ROWS_PER_DOT
+        for row in range(row, last):
+            for t in range(xq.shape[0]):
+                out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
+        return
+    for row in range(first, last):
         t = 0
         while isa == 2 and t + Q8_0_TILE_TOKENS <= xq.shape[0]:  # AVX-512: 8 tokens per pass over the row's bytes
             r = _q8_0_row_tile8_avx512(blocks[row], xq, xd, t)
@@ -1067,6 +1138,70 @@ def q8_0_matmul_reference(blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     _check_q8_0(np.asarray(blocks), x)
     return (_q8_decoded(x) @ dequantize_q8_0(blocks).astype(np.float64).T).astype(np.float32)
+
+
+@njit(cache=True, parallel=True)
+def _q8_0_heads_parallel(blocks, xq, xd, f16_table, isa, out):
+    """out [NA, T, R] = per head h, x[h] W_h^T; blocks u8 [NA, R, G * 34], xq int8 [NA, T, C], xd f32 [NA, T, G].
+    One parallel region for every head: a task is 16 rows of one head (`_q8_0_matmul_task`)."""
+    tasks = (blocks.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for job in prange(blocks.shape[0] * tasks):
+        head = job // tasks
+        _q8_0_matmul_task(blocks[head], xq[head], xd[head], f16_table, isa, out[head], job - head * tasks)
+
+
+@njit(cache=True)
+def _q8_0_heads_serial(blocks, xq, xd, f16_table, isa, out):
+    tasks = (blocks.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for head in range(blocks.shape[0]):
+        for task in range(tasks):
+            _q8_0_matmul_task(blocks[head], xq[head], xd[head], f16_table, isa, out[head], task)
+
+
+def _check_q8_0_heads(blocks: np.ndarray, x: np.ndarray) -> int:
+    if blocks.ndim != 3 or blocks.dtype != np.uint8 or blocks.shape[2] % Q8_0_BLOCK_BYTES:
+        raise ValueError(f"per-head Q8_0 blocks must be uint8 [NA, R, G * {Q8_0_BLOCK_BYTES}], got {blocks.dtype} "
+                         f"{blocks.shape}")
+    cols = blocks.shape[2] // Q8_0_BLOCK_BYTES * GROUP_SIZE
+    if x.ndim != 3 or x.shape[0] != blocks.shape[0] or x.shape[2] != cols:
+        raise ValueError(f"x must be [{blocks.shape[0]}, T, {cols}] to multiply {blocks.shape[0]} Q8_0 "
+                         f"[{blocks.shape[1]}, {cols}] matrices, got {x.shape}")
+    return cols
+
+
+# Block bytes x tokens from which `q8_0_heads_matmul` runs on every thread: MLA's per-head matrices are ~1 MB a layer
+# side, and at one token one thread took 0.71 ms a DeepSeek-V3 step for the 8 calls, a parallel region each 1.0 ms
+# (waking the workers costs more than half of a call saves; `bench_decode_ops.py`, docs/BENCHMARKS.md).
+Q8_0_HEADS_PARALLEL_MIN_WORK = 2**22
+
+
+def q8_0_heads_matmul(blocks: np.ndarray, x: np.ndarray, isa: str | None = None) -> np.ndarray:
+    """Per head h, x[h] @ dequantize_q8_0(blocks[h]).T, each x row quantized to Q8_0 first: `q8_0_matmul` for NA
+    matrices of one shape at once (MLA's per-head W_uk / W_uv as a GGUF holds them, llama.cpp's arithmetic), in one
+    parallel region. blocks u8 [NA, R, G * 34], x float32 [NA, T, C] -> [NA, T, R]; each output is the bits of
+    `q8_0_matmul(blocks[h], x[h])`, whatever T and the threads."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    blocks = np.ascontiguousarray(blocks)
+    cols = _check_q8_0_heads(blocks, x)
+    heads, tokens = x.shape[0], x.shape[1]
+    out = np.empty((heads, tokens, blocks.shape[1]), np.float32)  # [NA, T, R]
+    if out.size == 0:
+        return out
+    xq, xd = quantize_activations(x.reshape(heads * tokens, cols))  # [NA*T, C] int8, [NA*T, G] float32
+    parallel = blocks.size * tokens >= Q8_0_HEADS_PARALLEL_MIN_WORK
+    kernel = _q8_0_heads_parallel if parallel else _q8_0_heads_serial
+    kernel(blocks, xq.reshape(heads, tokens, cols), xd.reshape(heads, tokens, -1), _F16_TO_F32, _isa_code(isa), out)
+    return out
+
+
+def q8_0_heads_matmul_reference(blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The numpy twin of `q8_0_heads_matmul`: `q8_0_matmul_reference` head by head. -> [NA, T, R]"""
+    x = np.asarray(x, dtype=np.float32)
+    _check_q8_0_heads(np.asarray(blocks), x)
+    if x.shape[1] == 0:
+        return np.zeros((blocks.shape[0], 0, blocks.shape[1]), np.float32)
+    return np.stack([q8_0_matmul_reference(blocks[h], x[h]) for h in range(blocks.shape[0])]).reshape(
+        blocks.shape[0], x.shape[1], blocks.shape[1])
 
 
 def quantized_matmul(w: QuantizedMatrix, x: np.ndarray, isa: str | None = None) -> np.ndarray:

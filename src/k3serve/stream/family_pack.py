@@ -155,6 +155,10 @@ def _write_gguf_trunk_and_files(source: Path, out: Path) -> None:
         # a Q8_0 trunk matrix is stored as its blocks, U8 [R, C / 32 * 34] (`TensorReader` reads it back as the
         # same Q8_0 matrix, or dequantized), so the store computes what the file computes resident
         blocks = {n: index.q8_0_blocks(n) for n in trunk_names}
+        # MLA's kv_b: where its halves are kept as Q8_0 blocks (`kv_b_proj.k_b` / `.v_b`, what the model multiplies
+        # with), not also as the joined float32 matrix (4x their bytes, never read)
+        trunk_names = [n for n in trunk_names if not (n.endswith("kv_b_proj.weight") and all(
+            blocks.get(n[:-len("weight")] + half) is not None for half in ("k_b", "v_b")))]
         save_safetensors(out / FAMILY_TRUNK_FILE,
                          {n: index.read(n) if blocks[n] is None else blocks[n].data for n in trunk_names},
                          dtypes={n: "F32" if blocks[n] is None else "U8" for n in trunk_names})

@@ -8,6 +8,7 @@ DeepSeek-V3 with mscale == mscale_all_dim, Kimi Linear with one routing group.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,13 +18,18 @@ from safetensors.numpy import save_file
 
 from _gguf_writer import dequantized, hf_keeps_f32, write_gguf
 from _hf_tiny import FAMILIES, build_tiny, prompt
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLMEngine
+from k3serve.engine.sampling import SamplingParams
 from k3serve.errors import CheckpointError, ConfigError
 from k3serve.loading import load_model
 from k3serve.model import kernels
 from k3serve.model.families import load_family, read_family_config
 from k3serve.model.families.experts import Int8Matrix, QuantizedExpert
+from k3serve.model.families.latent_attention import LatentAttention, absorb_heads, heads_values
 from k3serve.model.families.loading import load_family_gguf
 from k3serve.weights.gguf_file import GGUFFile
+from k3serve.weights.q8_0 import dequantize_q8_0
 from k3serve.weights.quantized import QuantizedMatrix
 from k3serve.weights.safetensors_io import SafetensorsIndex
 
@@ -265,6 +271,68 @@ def test_q8_0_trunk_is_held_as_the_files_blocks(family, gguf_tiny, tmp_path, mon
     assert np.all(np.isfinite(logits)) and not np.array_equal(logits, expected)  # activations quantized
     error = float(np.sqrt(np.mean((logits - expected) ** 2) / np.mean(expected ** 2)))
     assert error < 0.25  # measured 0.015-0.13 (kimi_linear's random routers amplify most)
+
+
+def _mla_mixers(model) -> list:
+    return [layer.mixer for layer in model.layers if isinstance(layer.mixer, LatentAttention)]
+
+
+def _engine_tokens(model, prompts, num_tokens: int) -> list[list[int]]:
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=128, max_batch_tokens=16), stop_ids=())
+    ids = [engine.add_request(p, SamplingParams(max_tokens=num_tokens, ignore_eos=True)) for p in prompts]
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    return [final[i] for i in ids]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear"])
+def test_q8_0_mla_heads_stay_the_files_blocks(family, tmp_path):
+    """attn_k_b / attn_v_b stored as Q8_0 (head dims of whole 32-blocks) stay the file's blocks, per head, as
+    llama.cpp holds them: W_uk and W_uv multiply Q8_0 activations (`q8_0_heads_matmul`) for every token of a step at
+    once, so a sequence's tokens do not depend on its batch; the logits stay close to those of the same model with
+    the blocks' values as float32 heads (the float path)."""
+    folder = tmp_path / "hf"
+    build_tiny(family, folder, qk_nope_head_dim=32, v_head_dim=32, **GGUF_SETTINGS[family])
+    path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0")
+    model = load_family_gguf(path)
+    mixers = _mla_mixers(model)
+    assert mixers
+    file = GGUFFile(path)
+    try:
+        for mixer in mixers:
+            NA, KL, DN, DV = mixer.num_heads, mixer.kv_lora_rank, mixer.nope_dim, mixer.value_dim
+            w_uk, w_uv = mixer.weights.w_uk, mixer.weights.w_uv
+            assert isinstance(w_uk, QuantizedMatrix) and isinstance(w_uv, QuantizedMatrix)
+            assert w_uk.shape == (NA * KL, DN) and w_uv.shape == (NA * DV, KL)
+            for held, name in ((w_uk, "attn_k_b"), (w_uv, "attn_v_b")):  # the file's bytes
+                stored = np.asarray(file.tensor(f"blk.{mixer.layer}.{name}.weight").data)
+                assert np.array_equal(held.data, stored.reshape(held.data.shape))
+    finally:
+        file.close()
+    prompts = [prompt(6, seed=1), prompt(9, seed=2), prompt(4, seed=3)]
+    alone = [model.greedy(p, 4) for p in prompts]
+    assert _engine_tokens(model, prompts, 4) == alone
+    ids = prompt(10, seed=7)
+    logits = model.logits(ids)
+    rng = np.random.default_rng(0)
+    for mixer in mixers:  # the same values as float32 heads: the float path (BLAS a head)
+        NA, KL, DN, DV = mixer.num_heads, mixer.kv_lora_rank, mixer.nope_dim, mixer.value_dim
+        w = mixer.weights
+        mixer.weights = dataclasses.replace(
+            w, w_uk=np.ascontiguousarray(dequantize_q8_0(w.w_uk.data).reshape(NA, KL, DN).transpose(0, 2, 1)),
+            w_uv=dequantize_q8_0(w.w_uv.data).reshape(NA, DV, KL))
+        q_nope, latent = rng.standard_normal((5, NA, DN), np.float32), rng.standard_normal((NA, 5, KL), np.float32)
+        for got, want in ((absorb_heads(q_nope, w.w_uk), absorb_heads(q_nope, mixer.weights.w_uk)),
+                          (heads_values(latent, w.w_uv), heads_values(latent, mixer.weights.w_uv))):
+            assert got.shape == want.shape  # one product: only the activations' Q8_0 rounding (~0.5%)
+            assert float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2))) < 0.02
+    floats = model.logits(ids)
+    assert not np.array_equal(logits, floats)
+    error = float(np.sqrt(np.mean((logits - floats) ** 2) / np.mean(floats ** 2)))
+    assert error < 0.25, error  # measured 0.099 (DeepSeek-V3), 0.018 (Kimi Linear): random weights amplify it
 
 
 def test_load_model_opens_a_gguf_file(gguf_tiny, tmp_path):

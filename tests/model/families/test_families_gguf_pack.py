@@ -19,6 +19,8 @@ from k3serve.model.families.loading import load_family_gguf
 from k3serve.stream.family_source import StreamingExperts, trunk_float32_bytes
 from k3serve.stream.options import StreamOptions
 from k3serve.weights.family_store import FamilyStore
+from k3serve.weights.quantized import QuantizedMatrix
+from k3serve.weights.safetensors_io import SafetensorsIndex
 from test_families_gguf import GGUF_SETTINGS
 
 # family -> (GGUF tensor type, --expert-precision, the store's blob kind)
@@ -65,4 +67,32 @@ def test_a_packed_gguf_streams_the_resident_gguf_tokens(family, tmp_path):
     assert _engine_tokens(model, prompts) == want
     stats = model.experts.stats().stream
     assert stats.expert_evictions > 0, stats
+    model.experts.close()
+
+
+def test_a_packed_gguf_keeps_q8_0_mla_heads_as_blocks(tmp_path):
+    """DeepSeek-V3 with a Q8_0 trunk and 32-wide heads: attn_k_b / attn_v_b go into the store as their Q8_0 blocks
+    (`kv_b_proj.k_b` / `.v_b`, U8), without the joined float32 kv_b (never read), and the model streamed from the
+    store multiplies the same blocks: the resident file's greedy tokens."""
+    folder = tmp_path / "hf"
+    build_tiny("deepseek_v3", folder, qk_nope_head_dim=32, v_head_dim=32, **GGUF_SETTINGS["deepseek_v3"])
+    path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0")
+    out = tmp_path / "store"
+    assert main(["pack", str(path), str(out)]) == 0
+    store = FamilyStore(out)
+    trunk = SafetensorsIndex.open(store.trunk_path)
+    try:
+        names = set(trunk)
+        layers = [n[:-len("kv_b_proj.k_b")] for n in names if n.endswith("kv_b_proj.k_b")]
+        assert layers and not any(n.endswith("kv_b_proj.weight") for n in names)
+        assert all(trunk.info(p + "kv_b_proj.k_b").dtype == "U8" and trunk.info(p + "kv_b_proj.v_b").dtype == "U8"
+                   for p in layers)
+    finally:
+        trunk.close()
+    resident = load_family_gguf(path)
+    prompts = [prompt(6, seed=1), prompt(9, seed=2)]
+    want = [resident.greedy(p, NUM_TOKENS) for p in prompts]
+    model = load_model(out, stream=StreamOptions(ram_budget=1 << 30, io="pread")).model
+    assert all(isinstance(layer.mixer.weights.w_uk, QuantizedMatrix) for layer in model.layers)
+    assert [model.greedy(p, NUM_TOKENS) for p in prompts] == want
     model.experts.close()

@@ -136,11 +136,18 @@ def build_mla(reader: TensorReader, config: DecoderConfig, mla: MLAConfig, layer
         in_proj = fuse_rows([reader.matrix(f"{a}q_a_proj.weight", shape=(QL, H)), kv_a])
         q_a_norm = reader.f32(f"{a}q_a_layernorm.weight", shape=(QL,))
         q_b = reader.matrix(f"{a}q_b_proj.weight", shape=(NA * (DN + DR), QL))
-    kv_b = reader.f32(f"{a}kv_b_proj.weight", shape=(NA * (DN + DV), KL)).reshape(NA, DN + DV, KL)
+    # a GGUF's Q8_0 attn_k_b / attn_v_b (or a store packed from one) stay Q8_0, per head, as llama.cpp holds them
+    k_b = reader.q8_0(f"{a}kv_b_proj.k_b", shape=(NA * KL, DN))
+    v_b = reader.q8_0(f"{a}kv_b_proj.v_b", shape=(NA * DV, KL)) if k_b is not None else None
+    if k_b is not None and v_b is not None:
+        w_uk, w_uv = k_b, v_b
+    else:
+        kv_b = reader.f32(f"{a}kv_b_proj.weight", shape=(NA * (DN + DV), KL)).reshape(NA, DN + DV, KL)
+        w_uk, w_uv = np.ascontiguousarray(kv_b[:, :DN]), np.ascontiguousarray(kv_b[:, DN:])
     weights = LatentAttentionWeights(
         in_proj=in_proj, q_a_norm=q_a_norm, q_b=q_b,
         kv_a_norm=reader.f32(f"{a}kv_a_layernorm.weight", shape=(KL,)),
-        w_uk=np.ascontiguousarray(kv_b[:, :DN]), w_uv=np.ascontiguousarray(kv_b[:, DN:]),
+        w_uk=w_uk, w_uv=w_uv,
         o_proj=reader.matrix(f"{a}o_proj.weight", shape=(H, NA * DV)),
     )
     return LatentAttention(layer=layer, weights=weights, num_heads=NA, q_lora_rank=QL, kv_lora_rank=KL, nope_dim=DN,

@@ -12,7 +12,8 @@ What the converter changes, and what is undone here (per tensor, on read):
 - routed experts are stacked per layer into `blk.{l}.ffn_{gate,up,down}_exps` [E, R, C]: one expert is one
   slice of the memory map; MXFP4 and Q8_0 experts are handed over as stored (`GGUFTensorIndex.kept`);
 - MLA's `kv_b_proj` [NA*(DN+DV), KL] is split into `attn_k_b` [NA, KL, DN] (transposed) and `attn_v_b`
-  [NA, DV, KL]: joined back;
+  [NA, DV, KL]: joined back; stored as Q8_0, they are also given as they are, `kv_b_proj.k_b` [NA*KL, DN] and
+  `kv_b_proj.v_b` [NA*DV, KL] (2-D, heads stacked), which the MLA builder keeps as Q8_0 blocks (`build_mla`);
 - KDA and gated DeltaNet store `ssm_a = -exp(A_log)`: A_log = log(-ssm_a) (the builders take exp again, so
   exp(log(a)) differs from a by rounding only); `dt_bias` is `ssm_dt.bias`;
 - Qwen3-Next: its (1 + w) RMSNorm weights are stored with the 1 added (we subtract it, exactly, since the
@@ -284,6 +285,16 @@ class _Builder:
             return np.ascontiguousarray(joined.reshape(-1, joined.shape[2]))
 
         self.loaders[ours] = load
+        k_tensor, v_tensor = file.tensor(k_name), file.tensor(v_name)
+        if k_tensor.type_name == "Q8_0" and v_tensor.type_name == "Q8_0" and len(k_tensor.shape) == 3 \
+                and len(v_tensor.shape) == 3:  # also kept as the file holds them: per-head Q8_0 (KV_B_HEADS)
+            prefix = ours[:-len("weight")]
+            for suffix, name, (heads, rows, cols) in (("k_b", k_name, k_tensor.shape),
+                                                      ("v_b", v_name, v_tensor.shape)):
+                self.loaders[prefix + suffix] = (lambda n=name, r=heads * rows: file.f32(n).reshape(r, -1))
+                self.blocks[prefix + suffix] = (
+                    lambda n=name, r=heads * rows, c=cols: QuantizedMatrix(
+                        "q8_0", np.asarray(file.tensor(n).data).reshape(r, -1), None, c))
 
 
 def _a_log(ssm_a: np.ndarray) -> np.ndarray:

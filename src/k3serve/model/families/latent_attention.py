@@ -13,6 +13,11 @@ the latent with W_uk absorbed into the query and W_uv into the output:
     q_nope . (W_uk latent_j) = (W_uk^T q_nope) . latent_j,     sum_j p_j W_uv latent_j = W_uv (sum_j p_j latent_j)
 and the softmax runs in tiles (model/causal_attention.py): prefill memory O(T x block), not O(T x N).
 
+W_uk and W_uv are float32 [NA, DN, KL] / [NA, DV, KL] (one BLAS product a head, per sequence), or, from a GGUF
+that stores attn_k_b / attn_v_b as Q8_0, those blocks as they are (`QuantizedMatrix` [NA*KL, DN] / [NA*DV, KL],
+heads stacked): llama.cpp's arithmetic (activations quantized to Q8_0 per head and token, `q8_0_heads_matmul`), a
+quarter of the bytes, and every token of a step in one call, since each output's bits depend on its own row alone.
+
 Shapes: T new tokens of a sequence, N cached positions (including the new ones), NA heads.
 """
 
@@ -26,8 +31,9 @@ from k3serve.model.causal_attention import (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLO
                                             causal_attention, causal_attention_reference, values_from_latent)
 from k3serve.model.families.decoder import Batch
 from k3serve.model.families.rope import Rotary
-from k3serve.model.kernels import linear
+from k3serve.model.kernels import linear, q8_0_heads_matmul
 from k3serve.model.ops import rms_norm
+from k3serve.weights.quantized import QuantizedMatrix
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,8 @@ class LatentAttentionWeights:
     q_a_norm: np.ndarray | None  # [QL], None without a query low-rank
     q_b: np.ndarray | None  # [NA*(DN+DR), QL]
     kv_a_norm: np.ndarray  # [KL]
-    w_uk: np.ndarray  # [NA, DN, KL]
-    w_uv: np.ndarray  # [NA, DV, KL]
+    w_uk: np.ndarray | QuantizedMatrix  # [NA, DN, KL], or Q8_0 attn_k_b [NA*KL, DN] (transposed per head)
+    w_uv: np.ndarray | QuantizedMatrix  # [NA, DV, KL], or Q8_0 attn_v_b [NA*DV, KL]
     o_proj: np.ndarray  # [H, NA*DV]
 
 
@@ -80,6 +86,15 @@ class LatentAttention:
             q = np.concatenate([q[:, :, :DN], self.rotary.apply(q[:, :, DN:], cos, sin)], axis=2)
             k_rope = self.rotary.apply(k_rope[:, None, :], cos, sin)[:, 0, :]
         rows = np.concatenate([latent, k_rope], axis=1)  # [T, KL+DR]
+        if isinstance(w.w_uk, QuantizedMatrix):  # per-token bits: every sequence's tokens in one call each side
+            absorbed = self._absorbed(q)  # [NA, T, KL+DR]
+            out_latent = np.empty((NA, T, KL), np.float32)
+            for (start, end), cache in zip(batch.segments, batch.caches):
+                cache.append_rows(self.layer, rows[start:end])
+                cached = cache.attention_rows(self.layer)
+                out_latent[:, start:end] = causal_attention(absorbed[:, start:end], cached, cached[:, :KL],
+                                                            self.scale, self.query_block, self.key_block)
+            return linear(heads_values(out_latent, w.w_uv), w.o_proj)
         out = np.empty((T, NA * self.value_dim), np.float32)
         for (start, end), cache in zip(batch.segments, batch.caches):
             cache.append_rows(self.layer, rows[start:end])
@@ -88,7 +103,7 @@ class LatentAttention:
 
     def _absorbed(self, q: np.ndarray) -> np.ndarray:
         """q [T, NA, DN+DR] -> [W_uk^T q_nope | q_rope] [NA, T, KL+DR], against cached rows [latent | k_rope]."""
-        q_latent = absorb_queries(q[:, :, :self.nope_dim], self.weights.w_uk)  # [NA, T, KL]
+        q_latent = absorb_heads(q[:, :, :self.nope_dim], self.weights.w_uk)  # [NA, T, KL]
         return np.concatenate([q_latent, q[:, :, self.nope_dim:].transpose(1, 0, 2)], axis=2)
 
     def _attend(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
@@ -96,9 +111,31 @@ class LatentAttention:
         prompt arrives PREFILL_CHUNK_TOKENS rows at a time: `Batch.row_groups`.)"""
         out_latent = causal_attention(self._absorbed(q), cached, cached[:, :self.kv_lora_rank], self.scale,
                                       self.query_block, self.key_block)  # [NA, T, KL]
-        return values_from_latent(out_latent, self.weights.w_uv)  # [T, NA*DV]
+        return heads_values(out_latent, self.weights.w_uv)  # [T, NA*DV]
 
     def _attend_reference(self, q: np.ndarray, cached: np.ndarray) -> np.ndarray:
         """The dense twin of `_attend` ([NA, T, N] scores at once)."""
         out_latent = causal_attention_reference(self._absorbed(q), cached, cached[:, :self.kv_lora_rank], self.scale)
-        return np.einsum("atk,avk->tav", out_latent, self.weights.w_uv).reshape(q.shape[0], -1)
+        w_uv = self.weights.w_uv
+        if isinstance(w_uv, QuantizedMatrix):
+            return heads_values(out_latent, w_uv)
+        return np.einsum("atk,avk->tav", out_latent, w_uv).reshape(q.shape[0], -1)
+
+
+def absorb_heads(q_nope: np.ndarray, w_uk: np.ndarray | QuantizedMatrix) -> np.ndarray:
+    """W_uk^T q_nope per head: q_nope [T, NA, DN] -> [NA, T, KL], for w_uk float32 [NA, DN, KL] (BLAS,
+    `absorb_queries`) or Q8_0 attn_k_b [NA*KL, DN] (`q8_0_heads_matmul`)."""
+    if not isinstance(w_uk, QuantizedMatrix):
+        return absorb_queries(q_nope, w_uk)
+    heads = q_nope.shape[1]
+    return q8_0_heads_matmul(w_uk.data.reshape(heads, -1, w_uk.data.shape[1]), q_nope.transpose(1, 0, 2))
+
+
+def heads_values(out_latent: np.ndarray, w_uv: np.ndarray | QuantizedMatrix) -> np.ndarray:
+    """W_uv out_latent per head: out_latent [NA, T, KL] -> [T, NA*DV], for w_uv float32 [NA, DV, KL] (BLAS,
+    `values_from_latent`) or Q8_0 attn_v_b [NA*DV, KL] (`q8_0_heads_matmul`)."""
+    if not isinstance(w_uv, QuantizedMatrix):
+        return values_from_latent(out_latent, w_uv)
+    heads, tokens = out_latent.shape[0], out_latent.shape[1]
+    values = q8_0_heads_matmul(w_uv.data.reshape(heads, -1, w_uv.data.shape[1]), out_latent)  # [NA, T, DV]
+    return values.transpose(1, 0, 2).reshape(tokens, -1)

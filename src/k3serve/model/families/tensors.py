@@ -142,6 +142,11 @@ class TensorReader:
             return matrix
         return blocks if blocks is not None else self.values(name, shape=shape)
 
+    def q8_0(self, name: str, shape: tuple[int, int]) -> QuantizedMatrix | None:
+        """`name`'s Q8_0 blocks where the source holds it as Q8_0 (a GGUF's Q8_0 tensor, a family store's blocks),
+        whatever `trunk_precision`; else (or if absent) None."""
+        return self._stored_blocks(name, shape) if self.exists(name) else None
+
     def values(self, *names: str, shape: tuple[int, ...]) -> np.ndarray:
         """The first present of `names` as bf16 bits (uint16) when its values are bf16, else float32 (`keep_bf16`
         of `f32`). A checkpoint's BF16 tensor is read as stored: widening it first cost 4-6x its size in transient
