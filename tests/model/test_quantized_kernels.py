@@ -68,6 +68,20 @@ def test_q8_0_rows_do_not_depend_on_the_batch_or_the_threads():
         assert np.array_equal(serial, parallel), isa
 
 
+def test_a_long_prompt_in_token_chunks_keeps_each_tokens_bits():
+    """Past Q8_0_CHUNK_BYTES of activations a task's rows pass over the tokens a chunk at a time (here 16 tokens at
+    C = 7168, chunks ending inside what would be one 8-token tile): each token still gets its own row dot's bits."""
+    rng = np.random.default_rng(6)
+    cols = 7168
+    assert kernels.Q8_0_CHUNK_BYTES // cols < 45
+    blocks = quantize_q8_0(_matrix(rng, 17, cols))
+    x = rng.standard_normal((45, cols)).astype(np.float32)
+    for isa in kernels.AVAILABLE_ISAS:
+        batched = q8_0_matmul(blocks, x, isa=isa)
+        singles = np.concatenate([q8_0_matmul(blocks, x[t:t + 1], isa=isa) for t in range(len(x))])
+        assert np.array_equal(batched, singles), isa
+
+
 @pytest.mark.parametrize("cols", [32, 96, 128, 256])
 def test_short_q8_0_rows_four_at_a_time_give_the_one_row_bits(cols):
     """At 1-3 tokens, rows of at most Q8_0_ROWS_MAX_GROUPS blocks go 4 at a time (`_q8_0_rows4_*`); each of their

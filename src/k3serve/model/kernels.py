@@ -734,6 +734,11 @@ def _q8_0_rows4_avx2(typingctx, w0, w1, w2, w3, xq, xd):
 
 
 Q8_0_TILE_TOKENS = 8  # AVX-512 (32 vector registers): activation rows a pass over the row's bytes
+# Activation bytes (whole 8-token tiles, at least one) a task's 16 weight rows pass over before the next ones
+# (`_q8_0_matmul_task`), so that both stay in L2. Each row used to pass over every token, reading all of a long
+# prompt's activations (1 MB at 512 tokens, C = 2048) from L3 once per row. The same tiles on the same tokens: the
+# same bits.
+Q8_0_CHUNK_BYTES = 2**17
 
 
 @intrinsic
@@ -790,24 +795,27 @@ def _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task):
             for t in range(xq.shape[0]):
                 out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
         return
-    for row in range(first, last):
-        t = 0
-        while isa == 2 and t + Q8_0_TILE_TOKENS <= xq.shape[0]:  # AVX-512: 8 tokens per pass over the row's bytes
-            r = _q8_0_row_tile8_avx512(blocks[row], xq, xd, t)
-            for j in range(Q8_0_TILE_TOKENS):
-                out[t + j, row] = r[j]
-            t += Q8_0_TILE_TOKENS
-        while isa > 0 and t + 4 <= xq.shape[0]:  # 4 tokens per pass over the row's bytes
-            if isa == 2:
-                a, b, c, d = _q8_0_row_dot4_avx512(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
-                                                   xd[t + 1], xd[t + 2], xd[t + 3])
-            else:
-                a, b, c, d = _q8_0_row_dot4_avx2(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
-                                                 xd[t + 1], xd[t + 2], xd[t + 3])
-            out[t, row], out[t + 1, row], out[t + 2, row], out[t + 3, row] = a, b, c, d
-            t += 4
-        for t in range(t, xq.shape[0]):
-            out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
+    chunk = max(Q8_0_TILE_TOKENS, Q8_0_CHUNK_BYTES // xq.shape[1] // Q8_0_TILE_TOKENS * Q8_0_TILE_TOKENS)
+    for start in range(0, xq.shape[0], chunk):  # the task's rows pass over a chunk of tokens at a time
+        stop = min(xq.shape[0], start + chunk)
+        for row in range(first, last):
+            t = start
+            while isa == 2 and t + Q8_0_TILE_TOKENS <= stop:  # AVX-512: 8 tokens per pass over the row's bytes
+                r = _q8_0_row_tile8_avx512(blocks[row], xq, xd, t)
+                for j in range(Q8_0_TILE_TOKENS):
+                    out[t + j, row] = r[j]
+                t += Q8_0_TILE_TOKENS
+            while isa > 0 and t + 4 <= stop:  # 4 tokens per pass over the row's bytes
+                if isa == 2:
+                    a, b, c, d = _q8_0_row_dot4_avx512(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
+                                                       xd[t + 1], xd[t + 2], xd[t + 3])
+                else:
+                    a, b, c, d = _q8_0_row_dot4_avx2(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
+                                                     xd[t + 1], xd[t + 2], xd[t + 3])
+                out[t, row], out[t + 1, row], out[t + 2, row], out[t + 3, row] = a, b, c, d
+                t += 4
+            for t in range(t, stop):
+                out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
 
 
 @njit(cache=True, parallel=True)
