@@ -26,6 +26,7 @@ from k3serve.loading import load_model
 from k3serve.model import kernels
 from k3serve.model.families import load_family, read_family_config
 from k3serve.model.families.experts import Int8Matrix, QuantizedExpert
+from k3serve.model.families.delta import KimiDeltaAttention
 from k3serve.model.families.latent_attention import LatentAttention, absorb_heads, heads_values
 from k3serve.model.families.loading import load_family_gguf
 from k3serve.weights.gguf_file import GGUFFile
@@ -291,15 +292,20 @@ def _engine_tokens(model, prompts, num_tokens: int) -> list[list[int]]:
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear"])
 def test_q8_0_mla_heads_stay_the_files_blocks(family, tmp_path):
     """attn_k_b / attn_v_b stored as Q8_0 (head dims of whole 32-blocks) stay the file's blocks, per head, as
-    llama.cpp holds them: W_uk and W_uv multiply Q8_0 activations (`q8_0_heads_matmul`) for every token of a step at
+    llama.cpp holds them (and Kimi Linear's KDA f_b / g_b, 32-wide here, too): W_uk and W_uv multiply Q8_0 activations (`q8_0_heads_matmul`) for every token of a step at
     once, so a sequence's tokens do not depend on its batch; the logits stay close to those of the same model with
     the blocks' values as float32 heads (the float path)."""
     folder = tmp_path / "hf"
-    build_tiny(family, folder, qk_nope_head_dim=32, v_head_dim=32, **GGUF_SETTINGS[family])
+    kda = {"linear_head_dim": 32} if family == "kimi_linear" else {}  # KDA's f_b / g_b [P, D]: Q8_0 rows too
+    build_tiny(family, folder, qk_nope_head_dim=32, v_head_dim=32, **kda, **GGUF_SETTINGS[family])
     path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0")
     model = load_family_gguf(path)
     mixers = _mla_mixers(model)
     assert mixers
+    deltas = [layer.mixer for layer in model.layers if isinstance(layer.mixer, KimiDeltaAttention)]
+    assert len(deltas) == (len(model.layers) - len(mixers) if kda else 0)
+    assert all(isinstance(d.weights.f_b, QuantizedMatrix) and isinstance(d.weights.g_b, QuantizedMatrix)
+               and d.weights.f_b.shape == (d.num_heads * d.head_dim, d.head_dim) for d in deltas)
     file = GGUFFile(path)
     try:
         for mixer in mixers:

@@ -34,6 +34,7 @@ from k3serve.model.families.decoder import Batch
 from k3serve.model.kda import KDAInputs, causal_conv, run_delta_rule
 from k3serve.model.kernels import linear
 from k3serve.model.ops import l2_normalize, rms_norm, sigmoid, silu
+from k3serve.weights.quantized import QuantizedMatrix
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -55,8 +56,8 @@ def _conv_segments(mixed: np.ndarray, taps: np.ndarray, batch: Batch, layer: int
 class KimiDeltaWeights:
     in_proj: np.ndarray  # [3P + 2D + NH, H]: q, k, v, f_a, g_a, b stacked
     conv: np.ndarray  # [3P, K] q, k, v taps, oldest to newest
-    f_b: np.ndarray  # [P, D]
-    g_b: np.ndarray  # [P, D]
+    f_b: np.ndarray | QuantizedMatrix  # [P, D]: float32, or a Q8_0 GGUF's blocks (multiplied by `linear`)
+    g_b: np.ndarray | QuantizedMatrix  # [P, D]
     a_exp: np.ndarray  # [NH] exp(A_log)
     dt_bias: np.ndarray  # [P]
     o_norm: np.ndarray  # [D]
@@ -86,11 +87,11 @@ class KimiDeltaAttention:
         k = l2_normalize(qkv[:, 1])
         v = np.ascontiguousarray(qkv[:, 2])
         f_a, g_a, b = proj[:, 3 * P:3 * P + D], proj[:, 3 * P + D:3 * P + 2 * D], proj[:, 3 * P + 2 * D:]
-        z = (f_a @ w.f_b.T + w.dt_bias).reshape(T, NH, D)
+        z = (linear(f_a, w.f_b) + w.dt_bias).reshape(T, NH, D)
         g = -w.a_exp[None, :, None] * softplus(z)  # [T, NH, D], <= 0
         inputs = KDAInputs(q=q, k=k, v=v, g=g.astype(np.float32), beta=sigmoid(b), conv_inputs=proj[:, :3 * P])
         o = run_delta_rule(inputs, batch.segments, batch.caches, self.layer, new_tails, self.chunk_size)  # [T, NH, D]
-        gate = (g_a @ w.g_b.T).reshape(T, NH, D)
+        gate = linear(g_a, w.g_b).reshape(T, NH, D)
         return linear((rms_norm(o, w.o_norm, self.eps) * sigmoid(gate)).reshape(T, P), w.o_proj)
 
 

@@ -32,6 +32,7 @@ from k3serve.model.families.latent_attention import LatentAttention
 from k3serve.model.families.moe import DenseMLP, MoEBlock
 from k3serve.model.families.tensors import TensorReader
 from k3serve.model.weights import fuse_rows
+from k3serve.weights.quantized import QuantizedMatrix
 
 _LAYER_TYPES = {"full_attention": "mla", "linear_attention": "kda"}
 _MLP_TYPES = {"dense": "dense", "sparse": "moe"}
@@ -80,6 +81,13 @@ class KimiLinearConfig(DecoderConfig, MLAConfig):
                    linear_conv_kernel_dim=pick("linear_conv_kernel_dim", "short_conv_kernel_size"))
 
 
+def _up_projection(reader: TensorReader, shape: tuple[int, int], *names: str) -> np.ndarray | QuantizedMatrix:
+    """f_b / g_b [P, D]: the file's Q8_0 blocks where it stores them so (a Q8_0 GGUF: 128-wide rows, the short-row
+    Q8_0 kernel), else float32 as the checkpoint gives them."""
+    blocks = reader.q8_0(reader.name_of(*names), shape)
+    return blocks if blocks is not None else reader.f32(*names, shape=shape)
+
+
 def build_kda(reader: TensorReader, config: KimiLinearConfig, layer: int,
               chunk_size: int | None) -> KimiDeltaAttention:
     NH, D, K, H = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim, config.hidden_size
@@ -97,8 +105,8 @@ def build_kda(reader: TensorReader, config: KimiLinearConfig, layer: int,
     a_log = reader.f32(f"{a}A_log", f"{gate}A_log", size=NH).reshape(NH)
     weights = KimiDeltaWeights(
         in_proj=in_proj, conv=np.ascontiguousarray(conv),
-        f_b=reader.f32(f"{a}f_b_proj.weight", f"{gate}f_b_proj.weight", shape=(P, D)),
-        g_b=reader.f32(f"{a}g_b_proj.weight", shape=(P, D)),
+        f_b=_up_projection(reader, (P, D), f"{a}f_b_proj.weight", f"{gate}f_b_proj.weight"),
+        g_b=_up_projection(reader, (P, D), f"{a}g_b_proj.weight"),
         a_exp=np.exp(a_log).astype(np.float32),
         dt_bias=reader.f32(f"{a}dt_bias", f"{gate}dt_bias", size=P).reshape(P),
         o_norm=reader.f32(f"{a}o_norm.weight", shape=(D,)),
