@@ -130,6 +130,12 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
     return builder.shuffle_vector(first, undef, ir.Constant(_vector(_I32, count), [0] * count))
 
 
+def _opaque(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """`v` through an empty inline asm (no instruction): LLVM cannot see that it is a splat, so it keeps a vector
+    operation on it as one (instcombine rewrites a binary operation on two splats as a scalar one, then a broadcast)."""
+    return builder.asm(ir.FunctionType(v.type, [v.type]), "", "=v,0", [v], False)
+
+
 def _pairwise_sum(builder: ir.IRBuilder, v: ir.Value, count: int) -> ir.Value:
     """Sum of the lanes as a fixed tree: (lanes [0, n/2) + lanes [n/2, n)) recursively."""
     while count > 1:
@@ -626,13 +632,16 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
                                                                 _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
                 weights = _load(builder, wrow.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
             magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
+            # the scale product w_scale * d in every lane, the token's d broadcast from memory: one vector multiply
+            # (the same product as a scalar one), where a scalar multiply then a register broadcast cost one more
+            # vector op per block and token
+            w_scales = _opaque(builder, _splat(builder, w_scale, lanes))
             for j in range(num_tokens):
                 x = _load(builder, x_ptrs[j], x_base, vb, 1)
                 sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
-                scale = builder.fmul(w_scale, builder.load(builder.gep(d_ptrs[j], [group])))
+                scale = builder.fmul(w_scales, _splat(builder, builder.load(builder.gep(d_ptrs[j], [group])), lanes))
                 slot = acc_slots[j][parity]
-                builder.store(builder.call(fma, [builder.sitofp(sums, vf), _splat(builder, scale, lanes),
-                                                 builder.load(slot)]), slot)
+                builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(slot)]), slot)
 
         def rows_block(group, parity: int) -> None:  # the one-token block above, for each of the rows
             x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
