@@ -1,12 +1,14 @@
 """MLA's per-head W_uk / W_uv of a Q8_0 GGUF, held as the file's Q8_0 blocks (the default, `q8_0_heads_matmul`)
 against the same values as float32 heads (the path before: a BLAS product a head and sequence), alternated in one
 process on one loaded model: the A/B that separate processes on this VM cannot resolve (their decode swings 20-38%).
+`--part kda` does the same for Kimi Linear's KDA f_b / g_b [P, D] (Q8_0 blocks through `linear` against float32).
 
 The model is loaded as bench_peers.py's k3serve harness loads it (every expert resident); each round prefills B
 random 64-token prompts and times `--steps` decode steps of all B sequences, once with each variant, the order
 alternating round by round.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_mla_heads.py MODEL.gguf [--batches 1 8] [--rounds 6] [--steps 32]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_mla_heads.py MODEL.gguf [--part mla|kda] [--batches 1 8]
+                                                                  [--rounds 6] [--steps 32]
 
 Prints, per batch size, each variant's tok/s per round and median and the per-round ratio; then a JSON record on the
 last line. MODEL.gguf: a DeepSeek-V3 or Kimi Linear GGUF whose attn_k_b / attn_v_b are Q8_0 (benchmarks/
@@ -29,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import _K3ServeShapes  # noqa: E402
 
+from k3serve.model.families.delta import KimiDeltaAttention  # noqa: E402
 from k3serve.model.families.latent_attention import LatentAttention  # noqa: E402
 from k3serve.weights.q8_0 import dequantize_q8_0  # noqa: E402
 from k3serve.weights.quantized import QuantizedMatrix  # noqa: E402
@@ -48,16 +51,23 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--part", choices=("mla", "kda"), default="mla")
     args = parser.parse_args()
     harness = _K3ServeShapes({"family": "gguf", "checkpoint": args.gguf, "precision": "native"})
-    mixers = [layer.mixer for layer in harness.model.layers if isinstance(layer.mixer, LatentAttention)]
-    if not mixers or not all(isinstance(m.weights.w_uk, QuantizedMatrix) for m in mixers):
-        print(f"{args.gguf}: no MLA layer holds Q8_0 heads (attn_k_b / attn_v_b not Q8_0)", file=sys.stderr)
+    kind, held = ((LatentAttention, "w_uk") if args.part == "mla" else (KimiDeltaAttention, "f_b"))
+    mixers = [layer.mixer for layer in harness.model.layers if isinstance(layer.mixer, kind)]
+    if not mixers or not all(isinstance(getattr(m.weights, held), QuantizedMatrix) for m in mixers):
+        print(f"{args.gguf}: no {args.part} layer holds Q8_0 blocks there", file=sys.stderr)
         return 2
-    variants = {"q8_0 heads": [m.weights for m in mixers], "float32 heads": [float_heads(m) for m in mixers]}
+    if args.part == "mla":
+        floats = [float_heads(m) for m in mixers]
+    else:
+        floats = [dataclasses.replace(m.weights, f_b=m.weights.f_b.dequantize(), g_b=m.weights.g_b.dequantize())
+                  for m in mixers]
+    variants = {"q8_0": [m.weights for m in mixers], "float32": floats}
     rng = np.random.default_rng(0)
     vocab = harness.model.config.vocab_size
-    record = {"benchmark": "mla_heads", "gguf": args.gguf, "machine": platform.processor() or platform.machine(),
+    record = {"benchmark": "mla_heads", "part": args.part, "gguf": args.gguf, "machine": platform.processor() or platform.machine(),
               "steps": args.steps, "rounds": args.rounds, "batches": {}}
     for batch in args.batches:
         prompts = [rng.integers(3, vocab - 8, 64).tolist() for _ in range(batch)]
@@ -70,9 +80,9 @@ def main() -> int:
                 started = time.perf_counter()
                 harness.decode([[t] for t in first], args.steps)
                 runs[name].append(batch * args.steps / (time.perf_counter() - started))
-        ratios = [a / b for a, b in zip(runs["q8_0 heads"], runs["float32 heads"])]
+        ratios = [a / b for a, b in zip(runs["q8_0"], runs["float32"])]
         for name, values in runs.items():
-            print(f"batch {batch}: {name:13s} tok/s {[round(v, 1) for v in values]} median "
+            print(f"batch {batch}: {name:7s} tok/s {[round(v, 1) for v in values]} median "
                   f"{np.median(values):.1f}")
         print(f"batch {batch}: q8_0 / float32 per round {[round(x, 3) for x in ratios]}, median "
               f"{np.median(ratios):.3f}")

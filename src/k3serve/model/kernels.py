@@ -40,6 +40,7 @@ At prefill that path runs in tiles (section "int8 tiles": two rows decoded once,
 row dot's bits), and the families' per-row int8 experts have the same kind of tiles on Q8_0 activations (opt-in,
 K3SERVE_INT8_ACTIVATIONS=q8). A GGUF's Q8_0 experts multiply Q8_0 activations by default, as the file's Q8_0 trunk
 matrices do (section "a GGUF's Q8_0 experts on Q8_0 activations"; K3SERVE_INT8_ACTIVATIONS=f32 keeps them on floats).
+MLA's per-head W_uk / W_uv of a Q8_0 GGUF go through `q8_0_heads_matmul` (the same Q8_0 dot, every head in one call).
 
 TODO: the float path's prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode
 is one instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
