@@ -622,46 +622,42 @@ def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, spl
                     w_scale = builder.fpext(builder.bitcast(w_scale, ir.HalfType()), _F32)
                 weights = _load(builder, builder.bitcast(wrow.data, _I8.as_pointer()), x_base, vb, 1)
             else:
-                w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
-                # The scale as the first of 4 halves (8 bytes, inside the block): a whole-register vcvtph2ps from
-                # memory. A lone i16 load became vpinsrw into a live register, which chained every block's scale to
-                # the last.
-                scale_bits = builder.load(builder.bitcast(builder.gep(wrow.data, [w_base]),
-                                                          _vector(i16, 4).as_pointer()), align=1)
-                w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits,
-                                                                                _vector(ir.HalfType(), 4)),
-                                                                _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
-                weights = _load(builder, wrow.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
+                w_scale, weights = stored_block(wrow, group)
             magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
-            # the scale product w_scale * d in every lane, the token's d broadcast from memory: one vector multiply
-            # (the same product as a scalar one), where a scalar multiply then a register broadcast cost one more
-            # vector op per block and token
             w_scales = _opaque(builder, _splat(builder, w_scale, lanes))
             for j in range(num_tokens):
                 x = _load(builder, x_ptrs[j], x_base, vb, 1)
                 sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
-                scale = builder.fmul(w_scales, _splat(builder, builder.load(builder.gep(d_ptrs[j], [group])), lanes))
-                slot = acc_slots[j][parity]
-                builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(slot)]), slot)
+                accumulate(acc_slots[j][parity], sums, w_scales, d_ptrs[j], group)
+
+        def stored_block(row, group):
+            """(the block's scale as float32, its 32 int8 values) of a row of 34-byte blocks."""
+            w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
+            # The scale as the first of 4 halves (8 bytes, inside the block): a whole-register vcvtph2ps from
+            # memory. A lone i16 load became vpinsrw into a live register, which chained every block's scale to
+            # the last.
+            scale_bits = builder.load(builder.bitcast(builder.gep(row.data, [w_base]),
+                                                      _vector(i16, 4).as_pointer()), align=1)
+            w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits, _vector(ir.HalfType(), 4)),
+                                                            _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
+            return w_scale, _load(builder, row.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
+
+        def accumulate(slot, sums, w_scales, d_ptr, group) -> None:
+            """slot += float(sums) * (w_scale * d) in every lane: the product as one vector multiply with the
+            token's d broadcast from memory (the same product as a scalar one; a scalar multiply then a register
+            broadcast cost one more vector op per block and token). w_scales is `_opaque`: a multiply of two
+            plain splats is turned back into the scalar form by LLVM."""
+            scale = builder.fmul(w_scales, _splat(builder, builder.load(builder.gep(d_ptr, [group])), lanes))
+            builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(slot)]), slot)
 
         def rows_block(group, parity: int) -> None:  # the one-token block above, for each of the rows
-            x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
-            w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
-            x = _load(builder, x_ptrs[0], x_base, vb, 1)
-            x_scale = builder.load(builder.gep(d_ptrs[0], [group]))
+            x = _load(builder, x_ptrs[0], builder.mul(group, ir.Constant(index_type, GROUP_SIZE)), vb, 1)
             for row, row_slots in zip(wrows, acc_slots):
-                scale_bits = builder.load(builder.bitcast(builder.gep(row.data, [w_base]),
-                                                          _vector(i16, 4).as_pointer()), align=1)
-                w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits,
-                                                                                _vector(ir.HalfType(), 4)),
-                                                                _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
-                weights = _load(builder, row.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
+                w_scale, weights = stored_block(row, group)
                 magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
                 sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
-                slot = row_slots[parity]
-                builder.store(builder.call(fma, [builder.sitofp(sums, vf),
-                                                 _splat(builder, builder.fmul(w_scale, x_scale), lanes),
-                                                 builder.load(slot)]), slot)
+                accumulate(row_slots[parity], sums, _opaque(builder, _splat(builder, w_scale, lanes)), d_ptrs[0],
+                           group)
 
         pairs = builder.udiv(num_groups, ir.Constant(index_type, 2))
         with cgutils.for_range(builder, pairs) as loop:

@@ -11,9 +11,6 @@ import pytest
 from _gguf_writer import write_gguf
 from _hf_tiny import build_tiny, prompt
 from k3serve.cli.main import main
-from k3serve.engine.config import EngineConfig
-from k3serve.engine.engine import LLMEngine
-from k3serve.engine.sampling import SamplingParams
 from k3serve.loading import load_model
 from k3serve.model.families.loading import load_family_gguf
 from k3serve.stream.family_source import StreamingExperts, trunk_float32_bytes
@@ -21,7 +18,7 @@ from k3serve.stream.options import StreamOptions
 from k3serve.weights.family_store import FamilyStore
 from k3serve.weights.quantized import QuantizedMatrix
 from k3serve.weights.safetensors_io import SafetensorsIndex
-from test_families_gguf import GGUF_SETTINGS
+from test_families_gguf import GGUF_SETTINGS, _engine_tokens
 
 # family -> (GGUF tensor type, --expert-precision, the store's blob kind)
 CASES = {
@@ -31,17 +28,6 @@ CASES = {
     "qwen3_next": ("F32", "int8", "int8"),
 }
 NUM_TOKENS = 5
-
-
-def _engine_tokens(model, prompts) -> list[list[int]]:
-    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=128, max_batch_tokens=16), stop_ids=())
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)) for p in prompts]
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
-    return [final[i] for i in ids]
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -64,7 +50,7 @@ def test_a_packed_gguf_streams_the_resident_gguf_tokens(family, tmp_path):
     assert isinstance(model.experts, StreamingExperts)
     assert model.experts.plan.expert_slots == store.top_k + 2 < store.num_experts_total
     assert [model.greedy(p, NUM_TOKENS) for p in prompts] == want
-    assert _engine_tokens(model, prompts) == want
+    assert _engine_tokens(model, prompts, NUM_TOKENS) == want
     stats = model.experts.stats().stream
     assert stats.expert_evictions > 0, stats
     model.experts.close()
