@@ -287,7 +287,7 @@ class _Builder:
         self.loaders[ours] = load
         k_tensor, v_tensor = file.tensor(k_name), file.tensor(v_name)
         if k_tensor.type_name == "Q8_0" and v_tensor.type_name == "Q8_0" and len(k_tensor.shape) == 3 \
-                and len(v_tensor.shape) == 3:  # also kept as the file holds them: per-head Q8_0 (KV_B_HEADS)
+                and len(v_tensor.shape) == 3:  # also given as the file holds them: per-head Q8_0 (`build_mla`)
             prefix = ours[:-len("weight")]
             for suffix, name, (heads, rows, cols) in (("k_b", k_name, k_tensor.shape),
                                                       ("v_b", v_name, v_tensor.shape)):
