@@ -4,6 +4,8 @@ with expert shards."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -17,6 +19,24 @@ from k3serve.weights.checkpoint import Checkpoint  # noqa: E402
 from k3serve.weights.synthetic import write_random_checkpoint  # noqa: E402
 
 TINY_SEED = 0
+
+_precompile: subprocess.Popen | None = None
+
+
+def pytest_sessionstart(session):
+    """numba compiles each kernel once per machine into its cache. The first tests (the CLI's, K3 in subprocesses)
+    compile K3's kernels on one core; the families' dense expert kernels (~72 s of a ~100 s cold compile on 2 cores,
+    compiled by `load_model` only for a family) compile meanwhile on the other, so the family tests later load them
+    from the cache. Nothing depends on it: a test that gets there first compiles them itself."""
+    global _precompile
+    _precompile = subprocess.Popen([sys.executable, "-c", "from k3serve.model.kernels import warmup_dense_experts; "
+                                    "warmup_dense_experts()"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _precompile is not None and _precompile.poll() is None:
+        _precompile.kill()
+        _precompile.wait()
 
 
 @pytest.fixture(scope="session")

@@ -169,6 +169,19 @@ def test_warmup_runs() -> None:
     assert mxfp4_matmul(packed, np.array([[127]], dtype=np.uint8), np.ones((1, 32), dtype=np.float32))[0, 0] == 32.0
 
 
+def test_warmup_without_dense_experts_leaves_their_kernels_alone(monkeypatch) -> None:
+    """K3's loader warms without the families' bf16 / int8 / float32 expert kernels (most of a cold compile)."""
+    import k3serve.model.kernels as kernels
+
+    called: list[str] = []
+    for name in ("_dense_experts_serial", "_dense_experts_parallel", "_tiled_experts_parallel"):
+        monkeypatch.setattr(kernels, name, lambda *args, name=name: called.append(name))
+    kernels.warmup(dense_experts=False)
+    assert called == []
+    kernels.warmup()
+    assert sorted(set(called)) == ["_dense_experts_parallel", "_dense_experts_serial", "_tiled_experts_parallel"]
+
+
 @pytest.mark.parametrize("latent,inter,tokens", [(64, 96, 1), (128, 128, 5), (512, 384, 3)])
 def test_fused_expert_forward_matches_numpy_twin(latent, inter, tokens):
     """The one-call expert (small shapes) and the three-call path (large shapes) both equal the numpy form."""

@@ -48,7 +48,7 @@ class OwnerActor:
 
         threadpool_limits(limits=1)
         self.core = ExpertOwnerCore(shard_path, options, index)
-        warmup()
+        warmup(dense_experts=False)  # a K3 shard's experts are MXFP4
 
     def info(self) -> OwnerInfo:
         return self.core.info

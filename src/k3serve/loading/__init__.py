@@ -117,7 +117,7 @@ def _loaded(opened: Opened, folder: Path, architecture: registry.Architecture,
     _check_vocabulary(opened, folder)
     configure_threads(opened.model.config.hidden_size)  # the trunk's BLAS must not fight the expert kernels
     if shared is None:
-        _load_kernels()  # compile (or load the cached) numba kernels now, not inside the first request
+        _load_kernels(architecture.dense_experts)  # compile (or load the cached) kernels now, not in a request
     else:  # the kernels' read-only variants only (the writable ones load when a writable model first runs)
         _warm_read_only(opened.model)
     return LoadedModel(model=opened.model, checkpoint=opened.checkpoint, tokenizer=opened.tokenizer, path=folder,
@@ -160,5 +160,5 @@ def _check_vocabulary(opened: Opened, path: Path) -> None:
 
 
 @functools.cache
-def _load_kernels() -> None:
-    warmup_kernels()
+def _load_kernels(dense_experts: bool) -> None:
+    warmup_kernels(dense_experts)

@@ -54,11 +54,13 @@ class Architecture:
     # lab's worker)
     share_folder: Callable[[Path, str, str], tuple[Opened, SharedArrays]] | None = None
     open_shared: Callable[[Path, SharedArrays], Opened] | None = None
+    dense_experts: bool = True  # its experts may be bf16, int8 or float32 (the loader compiles those kernels too)
 
 
 K3 = Architecture("kimi_k3", ("kimi_k3",), (K3_GGUF_ARCHITECTURE,), k3.open_folder, k3.open_gguf, k3.open_store,
                   k3.pack, routing_traces=True, expert_shards=True, cluster_replicas=True,
-                  record_routing=k3.record_routing, share_folder=k3.share_folder, open_shared=k3.open_shared)
+                  record_routing=k3.record_routing, share_folder=k3.share_folder, open_shared=k3.open_shared,
+                  dense_experts=False)  # K3's experts are MXFP4 (moe.py)
 
 
 def _family(name: str) -> Architecture:

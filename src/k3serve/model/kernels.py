@@ -3448,8 +3448,12 @@ def int8_experts_q8_on(gate_up: np.ndarray, gate_up_scales: np.ndarray | None, d
             and gate_up.shape[2] % GROUP_SIZE == 0 and down.shape[2] % GROUP_SIZE == 0)
 
 
-def warmup() -> None:
-    """Compile (or load from numba's cache) every kernel of this module on tiny inputs, for this CPU's ISA."""
+def warmup(dense_experts: bool = True) -> None:
+    """Compile (or load from numba's cache) every kernel of this module on tiny inputs, for this CPU's ISA.
+
+    `dense_experts` False leaves out the families' bf16, int8 and float32 expert kernels (`dense_experts_run`,
+    `dense_experts_tiled`; compiled at their first call): K3 models never run them, and they are ~70 % of a cold
+    compile (~72 of ~100 s on 2 cores, 2026-12-07)."""
     packed = np.zeros((3, BYTES_PER_GROUP), dtype=np.uint8)  # [3, 16]
     scales = np.full((3, 1), 127, dtype=np.uint8)  # [3, 1]
     x = np.ones((2, GROUP_SIZE), dtype=np.float32)  # [2, 32]
@@ -3491,6 +3495,20 @@ def warmup() -> None:
         for kernel in (_q8s_down_serial, _q8s_down_parallel):
             kernel(down, down_scales, one, xq, xd, np.zeros(1, np.int64), np.full(1, 2, np.int64), ISA_CODES[ISA],
                    np.empty((2, 32), np.float32))
+    if dense_experts:
+        warmup_dense_experts()
+    if bf16_activations_on():
+        bits = np.zeros((1, 64, 32), np.uint16)  # I = 32, H = 32
+        bf16_experts_run(bits, bits[:, :32], one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
+        for kernel in (_bf16_linear_serial, _bf16_linear_parallel):
+            kernel(bits[0], round_to_bf16(x), np.empty((2, 64), np.float32))
+        for kernel in (_round_bf16_serial, _round_bf16_parallel):
+            kernel(x, np.empty(x.shape, np.uint16))
+
+
+def warmup_dense_experts() -> None:
+    """Compile (or load from numba's cache) the families' bf16, int8 and float32 expert kernels (part of `warmup`)."""
+    one, x = np.zeros(1, np.int64), np.ones((2, GROUP_SIZE), dtype=np.float32)  # [2, 32]
     for dtype in (np.uint16, np.int8, np.float32):
         gate_up, down = np.zeros((1, 64, 32), dtype), np.zeros((1, 32, 32), dtype)  # I = 32, H = 32
         for kernel in (_dense_experts_serial, _dense_experts_parallel):
@@ -3502,10 +3520,3 @@ def warmup() -> None:
                                     scaled, _KIND_CODES[np.dtype(dtype)], one, x, np.zeros(2, np.int64), one,
                                     np.full(1, 2, np.int64), np.empty((2, 32), np.float32),
                                     np.empty((2, 32), np.float32))
-    if bf16_activations_on():
-        bits = np.zeros((1, 64, 32), np.uint16)  # I = 32, H = 32
-        bf16_experts_run(bits, bits[:, :32], one, x, np.zeros(2, np.int64), one, np.full(1, 2, np.int64))
-        for kernel in (_bf16_linear_serial, _bf16_linear_parallel):
-            kernel(bits[0], round_to_bf16(x), np.empty((2, 64), np.float32))
-        for kernel in (_round_bf16_serial, _round_bf16_parallel):
-            kernel(x, np.empty(x.shape, np.uint16))

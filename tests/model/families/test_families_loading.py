@@ -165,6 +165,20 @@ def test_load_model_gives_a_small_family_model_one_blas_thread(tiny_hf):
         assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] in ([1], [1, 1])
 
 
+def test_the_loader_warms_the_dense_expert_kernels_for_a_family_and_not_for_k3(tiny_hf, tiny_dir, monkeypatch):
+    import k3serve.loading as loading
+
+    warmed: list[bool] = []
+    monkeypatch.setattr(loading, "warmup_kernels", warmed.append)
+    loading._load_kernels.cache_clear()
+    try:
+        loading.load_model(tiny_dir)
+        loading.load_model(tiny_hf("qwen3_moe")[1])
+    finally:
+        loading._load_kernels.cache_clear()
+    assert warmed == [False, True]
+
+
 def test_runtime_needs_neither_torch_nor_transformers(tiny_hf):
     """A fresh interpreter in which importing torch or transformers fails loads and runs every family."""
     folders = {family: str(tiny_hf(family)[1]) for family in FAMILIES}
