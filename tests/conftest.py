@@ -24,13 +24,10 @@ _precompile: subprocess.Popen | None = None
 
 
 def pytest_sessionstart(session):
-    """numba compiles each kernel once per machine into its cache. The first tests (the CLI's, K3 in subprocesses)
-    compile K3's kernels on one core; the families' dense expert kernels (~72 s of a ~100 s cold compile on 2 cores,
-    compiled by `load_model` only for a family) compile meanwhile on the other, so the family tests later load them
-    from the cache. Nothing depends on it: a test that gets there first compiles them itself."""
+    """Compile what the first tests leave to later ones on the core they leave idle (tests/_precompile.py)."""
     global _precompile
-    _precompile = subprocess.Popen([sys.executable, "-c", "from k3serve.model.kernels import warmup_dense_experts; "
-                                    "warmup_dense_experts()"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _precompile = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_precompile.py")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_sessionfinish(session, exitstatus):
