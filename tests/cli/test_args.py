@@ -182,7 +182,7 @@ def test_ctrl_c_during_generate_is_one_line_and_exit_130():
                    preexec_fn=_default_sigint)
     try:
         # generation has started: text comes out. The window only guards against a hang: on a fresh clone the
-        # process compiles every kernel first (kernels.warmup: ~100 s cold on 2 cores, 2026-12-07), then generates.
+        # process compiles K3's kernels first (~45 s cold on 2 cores, 2026-12-07; ~100 s with every kernel).
         ready, _, _ = select.select([process.stdout], [], [], 240)
         assert ready and os.read(process.stdout.fileno(), 1), "generate printed nothing"
         process.send_signal(signal.SIGINT)

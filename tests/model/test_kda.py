@@ -100,6 +100,23 @@ def test_compiled_delta_rule_equals_the_recurrence(T):
     assert o.dtype == s.dtype == np.float32
 
 
+def test_the_delta_rule_warmup_compiles_what_the_engine_calls():
+    """The loader's warm-up of the recurrence (delta_rule.warmup) leaves nothing for a first request to compile:
+    both kernels' signatures are those `delta_rule_segments` calls them with (one token: serial; 700: parallel)."""
+    from k3serve.model import delta_rule
+
+    delta_rule.warmup()
+    kernels = (delta_rule._segments_serial, delta_rule._segments_parallel)
+    warmed = [list(kernel.signatures) for kernel in kernels]
+    assert all(len(signatures) >= 1 for signatures in warmed)
+    rng = np.random.default_rng(7)
+    for T in (1, 700):  # 700 x 3 heads x 16 x 16 x 4 >= PARALLEL_MIN_WORK
+        x = _inputs(rng, T, strong_decay=False)
+        state = rng.normal(size=(3, 16, 16)).astype(np.float32) * 0.3
+        delta_rule.delta_rule_segments(x.q, x.k, x.v, x.g, x.beta, state[None], np.array([[0, T]]))
+    assert [list(kernel.signatures) for kernel in kernels] == warmed
+
+
 def test_compiled_delta_rule_bits_do_not_depend_on_the_split_the_batch_or_the_threads():
     """One call, two calls, token by token, inside a batch with other sequences, serial or parallel, and a replayed
     rollback trajectory: the same bits (prefix-cache hits and speculative rollback rely on it)."""

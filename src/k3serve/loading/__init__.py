@@ -13,6 +13,8 @@ import functools
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from k3serve.default_model import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_PATH, cache_root, default_model_dir,
                                    verify_checksums)
 from k3serve.errors import CheckpointError, TokenizerError, UsageError
@@ -21,8 +23,10 @@ from k3serve.loading import registry
 from k3serve.loading.loaded import LoadedModel, SharedWeights, configure_threads
 from k3serve.loading.opened import ExpertWrapper, Opened
 from k3serve.loading.streaming import default_packed_dir
+from k3serve.model import delta_rule
 from k3serve.model.kernels import warmup as warmup_kernels
-from k3serve.model.routing import ExpertTopP
+from k3serve.model.ops import l2_normalize
+from k3serve.model.routing import ExpertTopP, KeptExperts
 from k3serve.stream.options import StreamOptions
 from k3serve.weights import shared_pages
 from k3serve.weights.gguf_file import GGUFFile, is_gguf_file
@@ -117,7 +121,8 @@ def _loaded(opened: Opened, folder: Path, architecture: registry.Architecture,
     _check_vocabulary(opened, folder)
     configure_threads(opened.model.config.hidden_size)  # the trunk's BLAS must not fight the expert kernels
     if shared is None:
-        _load_kernels(architecture.dense_experts)  # compile (or load the cached) kernels now, not in a request
+        # compile (or load the cached) kernels now, not in a request
+        _load_kernels(architecture.dense_experts, bool(opened.model.cache_layout.recurrent_shapes))
     else:  # the kernels' read-only variants only (the writable ones load when a writable model first runs)
         _warm_read_only(opened.model)
     return LoadedModel(model=opened.model, checkpoint=opened.checkpoint, tokenizer=opened.tokenizer, path=folder,
@@ -160,5 +165,9 @@ def _check_vocabulary(opened: Opened, path: Path) -> None:
 
 
 @functools.cache
-def _load_kernels(dense_experts: bool) -> None:
+def _load_kernels(dense_experts: bool, recurrent: bool) -> None:
     warmup_kernels(dense_experts)
+    KeptExperts(1).add(np.zeros((1, 1), np.int64))  # every MoE forward counts its kept experts
+    if recurrent:  # KDA / gated DeltaNet layers: their q and k norms and the recurrence
+        l2_normalize(np.ones((1, 4), np.float32))
+        delta_rule.warmup()

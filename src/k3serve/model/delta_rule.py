@@ -105,6 +105,17 @@ def _segments_parallel(q, k, v, g, beta, states, new_states, starts, ends, out):
         _segments_task(q, k, v, g, beta, states, new_states, starts, ends, out, task)
 
 
+def warmup() -> None:
+    """Compile (or load from numba's cache) both forms of `delta_rule_segments`' kernel on tiny inputs (the loader
+    runs it for a model with recurrent layers, so that a first request does not compile it: ~4 s serial)."""
+    f32 = np.float32
+    qkg, v, beta = np.zeros((2, 2, 4), f32), np.zeros((2, 2, 4), f32), np.zeros((2, 2), f32)  # T = 2, NH = 2
+    states = np.zeros((1, 2, 4, 4), f32)
+    for kernel in (_segments_serial, _segments_parallel):
+        kernel(qkg, qkg, v, qkg, beta, states, np.empty_like(states), np.zeros(1, np.int64), np.full(1, 2, np.int64),
+               np.empty_like(v))
+
+
 def delta_rule_segments(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                         states: np.ndarray, segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every sequence's tokens in one call. q, k, g [T, NH, Dk]; v [T, NH, Dv]; beta [T, NH]; states

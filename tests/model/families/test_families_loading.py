@@ -165,18 +165,21 @@ def test_load_model_gives_a_small_family_model_one_blas_thread(tiny_hf):
         assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] in ([1], [1, 1])
 
 
-def test_the_loader_warms_the_dense_expert_kernels_for_a_family_and_not_for_k3(tiny_hf, tiny_dir, monkeypatch):
+def test_the_loader_warms_dense_experts_for_a_family_and_the_delta_rule_for_recurrent_models(tiny_hf, tiny_dir, monkeypatch):
     import k3serve.loading as loading
 
     warmed: list[bool] = []
+    recurrences: list[int] = []
     monkeypatch.setattr(loading, "warmup_kernels", warmed.append)
+    monkeypatch.setattr(loading.delta_rule, "warmup", lambda: recurrences.append(len(warmed)))
     loading._load_kernels.cache_clear()
     try:
-        loading.load_model(tiny_dir)
-        loading.load_model(tiny_hf("qwen3_moe")[1])
+        loading.load_model(tiny_dir)  # K3: KDA layers
+        loading.load_model(tiny_hf("qwen3_moe")[1])  # attention only
     finally:
         loading._load_kernels.cache_clear()
     assert warmed == [False, True]
+    assert recurrences == [1]  # the delta rule warmed for K3 alone
 
 
 def test_runtime_needs_neither_torch_nor_transformers(tiny_hf):
