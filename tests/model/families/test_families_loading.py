@@ -165,7 +165,8 @@ def test_load_model_gives_a_small_family_model_one_blas_thread(tiny_hf):
         assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] in ([1], [1, 1])
 
 
-def test_the_loader_warms_dense_experts_for_a_family_and_the_delta_rule_for_recurrent_models(tiny_hf, tiny_dir, monkeypatch):
+def test_the_loader_warms_dense_experts_for_a_family_and_the_delta_rule_for_recurrent_models(tiny_hf, tiny_dir,
+                                                                                               monkeypatch):
     import k3serve.loading as loading
 
     warmed: list[bool] = []
