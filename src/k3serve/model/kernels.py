@@ -3452,8 +3452,8 @@ def warmup(dense_experts: bool = True) -> None:
     """Compile (or load from numba's cache) every kernel of this module on tiny inputs, for this CPU's ISA.
 
     `dense_experts` False leaves out the families' bf16, int8 and float32 expert kernels (`dense_experts_run`,
-    `dense_experts_tiled`; compiled at their first call): K3 models never run them, and they are ~70 % of a cold
-    compile (~72 of ~100 s on 2 cores, 2026-12-07)."""
+    `dense_experts_tiled`; compiled at their first call): K3 models never run them, and they were ~71 of the 98 s
+    of a cold compile on 2 cores (2026-12-07, docs/BENCHMARKS.md)."""
     packed = np.zeros((3, BYTES_PER_GROUP), dtype=np.uint8)  # [3, 16]
     scales = np.full((3, 1), 127, dtype=np.uint8)  # [3, 1]
     x = np.ones((2, GROUP_SIZE), dtype=np.float32)  # [2, 32]
