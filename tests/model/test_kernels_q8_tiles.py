@@ -285,8 +285,8 @@ def _q8_0_experts(rng: np.random.Generator, num_experts: int, inter: int, hidden
 @pytest.mark.parametrize(("hidden", "inter"), [(96, 64), (64, 160)])
 def test_q8_0_experts_equal_their_twin(isa: str, hidden: int, inter: int) -> None:
     """`q8_0_experts_run` on every instruction set against its numpy twin (`q8_0_experts_reference`: the same
-    activation quantization, exact products and block sums in float64), on token counts that take the 8-, 4- and
-    1-token passes and a skipped expert; a NaN block poisons its own token's rows only."""
+    activation quantization, exact products and block sums in float64), on token counts that take whole and
+    padded tiles, one dot per token and a skipped expert; a NaN block poisons its own token's rows only."""
     rng = np.random.default_rng(11)
     stacked = _q8_0_experts(rng, 10, inter, hidden)
     expert_ids, tokens, starts, ends = _routing(rng, [1, 0, 13, 4, 23], 30)
@@ -305,15 +305,19 @@ def test_q8_0_experts_equal_their_twin(isa: str, hidden: int, inter: int) -> Non
 
 
 def test_q8_0_experts_each_token_has_its_own_bits() -> None:
-    """A token's output does not depend on the pass it ran in (8, 4 or 1 tokens) or the other tokens of its
-    expert: one expert with 13 tokens against each token alone."""
+    """A token's output does not depend on the pass it ran in (a tile of 16 or 8 tokens, whole or padded, or one
+    dot per token) or the other tokens of its expert: one expert with 19 and one with 13 tokens against each token
+    alone."""
     rng = np.random.default_rng(12)
     stacked = _q8_0_experts(rng, 2, 64, 96)
-    x = rng.standard_normal((13, 96)).astype(np.float32)
+    x = rng.standard_normal((19, 96)).astype(np.float32)
     one = np.ones(1, np.int64)
-    together = kernels.q8_0_experts_run(*stacked, one, x, np.arange(13), np.zeros(1, np.int64),
+    together = kernels.q8_0_experts_run(*stacked, one, x, np.arange(19), np.zeros(1, np.int64),
+                                        np.full(1, 19, np.int64))
+    thirteen = kernels.q8_0_experts_run(*stacked, one, x, np.arange(13), np.zeros(1, np.int64),
                                         np.full(1, 13, np.int64))
-    for n in (0, 7, 8, 12):
+    np.testing.assert_array_equal(_bits(thirteen), _bits(together[:13]))
+    for n in (0, 7, 8, 12, 15, 16, 18):
         alone = kernels.q8_0_experts_run(*stacked, one, x[n:n + 1], np.zeros(1, np.int64), np.zeros(1, np.int64),
                                          one)
         np.testing.assert_array_equal(_bits(alone[0]), _bits(together[n]))

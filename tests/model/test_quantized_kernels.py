@@ -55,25 +55,26 @@ def test_q8_0_exact_when_every_block_sum_fits():
 def test_q8_0_rows_do_not_depend_on_the_batch_or_the_threads():
     rng = np.random.default_rng(4)
     blocks = quantize_q8_0(_matrix(rng, 600, 512))  # 600 * 544 bytes: the parallel path
-    x = rng.standard_normal((13, 512)).astype(np.float32)  # an 8-token tile (AVX-512), a 4-token pass, 1 alone
+    x = rng.standard_normal((13, 512)).astype(np.float32)  # one padded 16-token tile (VNNI), or 8 and a padded 5
     batched = q8_0_matmul(blocks, x)
     for t in range(len(x)):
         assert np.array_equal(q8_0_matmul(blocks, x[t:t + 1])[0], batched[t])
     xq, xd = quantize_rows(x)
     for isa in kernels.AVAILABLE_ISAS:
         code = kernels.ISA_CODES[isa]
+        xt, dt = kernels._q8_0_tiles(xq, xd, code, aligned=True)
         serial, parallel = (np.empty((13, 600), np.float32) for _ in range(2))
-        kernels._q8_0_matmul_serial(blocks, xq, xd, kernels._F16_TO_F32, code, serial)
-        kernels._q8_0_matmul_parallel(blocks, xq, xd, kernels._F16_TO_F32, code, parallel)
+        kernels._q8_0_matmul_serial(blocks, xq, xd, xt, dt, kernels._F16_TO_F32, code, serial)
+        kernels._q8_0_matmul_parallel(blocks, xq, xd, xt, dt, kernels._F16_TO_F32, code, parallel)
         assert np.array_equal(serial, parallel), isa
+        assert np.array_equal(serial, batched) or code != kernels.ISA_CODES[kernels.ISA], isa
 
 
-def test_a_long_prompt_in_token_chunks_keeps_each_tokens_bits():
-    """Past Q8_0_CHUNK_BYTES of activations a task's rows pass over the tokens a chunk at a time (here 16 tokens at
-    C = 7168, chunks ending inside what would be one 8-token tile): each token still gets its own row dot's bits."""
+def test_a_long_prompt_keeps_each_tokens_bits():
+    """45 tokens at C = 7168 (224 blocks): whole tiles, then a padded one (VNNI: 16, 16 and 13 of 16 lanes), each
+    token with the bits of its own one-token dot."""
     rng = np.random.default_rng(6)
     cols = 7168
-    assert kernels.Q8_0_CHUNK_BYTES // cols < 45
     blocks = quantize_q8_0(_matrix(rng, 17, cols))
     x = rng.standard_normal((45, cols)).astype(np.float32)
     for isa in kernels.AVAILABLE_ISAS:
@@ -99,6 +100,35 @@ def test_short_q8_0_rows_four_at_a_time_give_the_one_row_bits(cols):
         assert _relative_rms(batched, q8_0_matmul_reference(blocks, x)) < 1e-6, isa
 
 
+@pytest.mark.parametrize("cols", [96, 256, 288, 7168])
+def test_q8_0_tiles_give_every_token_its_one_token_bits(cols):
+    """From Q8_0_TILE_MIN_TOKENS tokens a row runs tiles (lanes = tokens, the activations laid out + 128 for VNNI);
+    at 1-3 one dot per token (lanes = the 8 accumulators). Both keep one float order, so every token count (tiles,
+    padded tiles, tiles then 1-3 single dots) gives each token the bits of the token alone, on both vector
+    instruction sets and between them; G = 3, 8, 9 and 224 blocks cover the tails of fewer than 8 blocks."""
+    rng = np.random.default_rng(cols + 1)
+    blocks = quantize_q8_0(_matrix(rng, 21, cols))
+    x = rng.standard_normal((41, cols)).astype(np.float32)
+    x[5] = 0.0  # a zero row: d = 0 in every block
+    singles = {isa: np.concatenate([q8_0_matmul(blocks, x[t:t + 1], isa=isa) for t in range(len(x))])
+               for isa in kernels.AVAILABLE_ISAS if isa != "portable"}
+    for isa, want in singles.items():
+        for count in (4, 5, 8, 15, 16, 17, 19, 33, 41):  # padded tiles, whole tiles, tiles then 1-3 alone
+            assert np.array_equal(q8_0_matmul(blocks, x[:count], isa=isa), want[:count]), (isa, count)
+        assert _relative_rms(want, q8_0_matmul_reference(blocks, x)) < 1e-6, isa
+    assert all(np.array_equal(want, singles["avx2"]) for want in singles.values())
+
+
+def test_the_portable_q8_0_dot_follows_the_vector_paths_order():
+    """Plain numba takes the block sums into the same 8 accumulators, with a float64 add for the FMA: on these
+    matrices (none hits a double rounding) its bits are the vector paths'."""
+    rng = np.random.default_rng(11)
+    for rows, cols, tokens in [(40, 256, 1), (33, 320, 20), (17, 7168, 15)]:
+        blocks = quantize_q8_0(_matrix(rng, rows, cols))
+        x = rng.standard_normal((tokens, cols)).astype(np.float32)
+        assert np.array_equal(q8_0_matmul(blocks, x, isa="portable"), q8_0_matmul(blocks, x))
+
+
 @pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
 @pytest.mark.parametrize(("heads", "rows", "cols", "tokens"), [(3, 40, 128, 1), (4, 17, 512, 3), (2, 512, 128, 9)])
 def test_q8_0_heads_matmul_is_q8_0_matmul_head_by_head(isa, heads, rows, cols, tokens):
@@ -117,8 +147,10 @@ def test_q8_0_heads_matmul_is_q8_0_matmul_head_by_head(isa, heads, rows, cols, t
     xq, xd = xq.reshape(heads, tokens, cols), xd.reshape(heads, tokens, -1)
     serial, parallel = (np.empty((heads, tokens, rows), np.float32) for _ in range(2))
     code = kernels.ISA_CODES[isa]
-    kernels._q8_0_heads_serial(blocks, xq, xd, kernels._F16_TO_F32, code, serial)
-    kernels._q8_0_heads_parallel(blocks, xq, xd, kernels._F16_TO_F32, code, parallel)
+    tiles = [kernels._q8_0_tiles(xq[h], xd[h], code, aligned=True) for h in range(heads)]
+    xt, dt = np.stack([t[0] for t in tiles]), np.stack([t[1] for t in tiles])
+    kernels._q8_0_heads_serial(blocks, xq, xd, xt, dt, kernels._F16_TO_F32, code, serial)
+    kernels._q8_0_heads_parallel(blocks, xq, xd, xt, dt, kernels._F16_TO_F32, code, parallel)
     assert np.array_equal(serial, got) and np.array_equal(parallel, got), isa
 
 

@@ -41,6 +41,9 @@ row dot's bits), and the families' per-row int8 experts have the same kind of ti
 K3SERVE_INT8_ACTIVATIONS=q8). A GGUF's Q8_0 experts multiply Q8_0 activations by default, as the file's Q8_0 trunk
 matrices do (section "a GGUF's Q8_0 experts on Q8_0 activations"; K3SERVE_INT8_ACTIVATIONS=f32 keeps them on floats).
 MLA's per-head W_uk / W_uv of a Q8_0 GGUF go through `q8_0_heads_matmul` (the same Q8_0 dot, every head in one call).
+Every Q8_0 x Q8_0 product (trunk, heads, experts) keeps one float order whatever the token count: exact int32 block
+sums into 8 accumulators by block; one token runs with the accumulators as lanes, 4 or more with the tokens as
+lanes (16 a vector on AVX-512 VNNI, the weight bytes broadcast), so each token has its one-token bits.
 
 TODO: the float path's prefill re-decodes a row for every token routed to it (cheap: the row stays in L1 and decode
 is one instruction per 16 weights); a register-blocked multi-token row dot would save the remaining decode work.
@@ -63,7 +66,7 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.core import config as numba_config  # noqa: E402
-from numba.extending import intrinsic, overload  # noqa: E402
+from numba.extending import intrinsic, overload, register_jitable  # noqa: E402
 
 from k3serve.model.ops import silu, situ_glu  # noqa: E402
 from k3serve.weights.mxfp4 import E2M1_VALUES, check_mxfp4_shapes, dequantize_mxfp4, scale_bytes_to_f32  # noqa: E402
@@ -526,179 +529,356 @@ def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray
 # scale d_w then 32 int8 q_w), multiplied as llama.cpp multiplies it: the activation row is quantized to Q8_0 too
 # (blocks of 32, scale d_x = max|x| / 127 rounded to half, q_x = roundf(x / d_x)), then
 #
-#     y[t, r] = sum_g (d_w[r, g] d_x[t, g]) * sum_{k < 32} q_w[r, 32 g + k] q_x[t, 32 g + k]
+#     y[t, r] = sum_g (d_w[r, g] d_x[t, g]) * S[t, r, g],    S[t, r, g] = sum_{k < 32} q_w[r, 32 g + k] q_x[t, 32 g + k]
 #
-# The inner sums are exact int32, 8 lanes of 4 products each (lane l holds bytes 4 l .. 4 l + 3 of a block): |q_w|
-# (unsigned) times q_x with q_w's sign, by AVX-512 VNNI's vpdpbusd, or, on AVX2 (and AVX-512 without VNNI), by
-# vpmaddubsw (pairs; |q_w| <= 128 and |q_x| <= 127 never saturate) then vpmaddwd by ones. One float FMA a block folds
-# a lane in, scaled by d_w d_x, into one of two accumulators (even and odd blocks: two FMA chains), added and summed
-# pairwise at the end. Both instruction sets run the same float operations on the same exact integers, so they give
-# the same bits; so does a row whatever T, the other rows and the threads (the per-lane order is fixed in IR).
-# Plain numba (portable) takes each block's integer sum, then one scalar multiply-add.
+# Each block sum S is an exact int32, so its order is free; the float order is fixed, the same on every path:
+# eight accumulators, block g into accumulator g mod 8 by one FMA, a_m = fma(float(S), d_w d_x, a_m) in increasing
+# g (the product d_w d_x rounded to float32 first), then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). Hence a
+# token's output has the same bits whatever T, the other tokens, rows and threads, and the instruction set.
+# - One token (decode; `_q8_0_dot_codegen`): the lanes are the 8 accumulators. A block's 32 products go into 8
+#   int32 lanes (|q_w| times q_x with q_w's sign: AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw then vpmaddwd by
+#   ones; |q_w| <= 128 and |q_x| <= 127 never saturate); 8 blocks' lanes are summed into one vector of 8 block
+#   sums (a transpose by shuffles and integer adds), then one FMA scales them by 8 products at once.
+# - Several tokens (prefill, decode batches; `_q8_0_tile_codegen`): the lanes are tokens, 16 (AVX-512 VNNI) or 8.
+#   The activations are laid out [G, 8, T + lanes, 4] (`_q8_0_tiles`): 4 bytes of each token side by side, so that
+#   4 weight bytes, broadcast to every lane from memory, multiply 16 tokens at once, and a block's sum for every
+#   token is 8 vpdpbusd with no lane sum; one convert, one multiply and one FMA a block then serve all the lanes
+#   (the previous layout spent the scale product d_w d_x on every token and block: a fifth of its time). vpdpbusd
+#   multiplies unsigned by signed bytes, so in a call of more than 8 tokens the activations are stored + 128 and
+#   each block's 128 sum q_w (`_q8_0_row_prepare`, once a row and call) is taken off before the conversion; in a
+#   call of 8 or fewer (a decode batch) the 8-lane tile takes q_x with the weight bytes' sign and their magnitudes
+#   instead, with nothing to prepare (as AVX2 does, through vpmaddubsw). Two rows a pass share each activation
+#   load (one row alone took ~1.8x as long a row). From Q8_0_TILE_MIN_TOKENS tokens; fewer run one dot each.
+# Plain numba (portable) takes each block's integer sum, then the same 8 accumulators with a separate multiply and
+# an add in float64 (the same bits as the vector paths unless the float64 sum rounds onto a float32 tie).
 Q8_0_BLOCK_BYTES = 34
-Q8_0_LANES = 8
+Q8_0_LANES = 8  # accumulators (float order, above)
 _F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] scale table
 _Q8_0_VNNI = "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
+Q8_0_TILE_MIN_TOKENS = 4  # from this many tokens a row runs tiles (the last one padded) rather than one dot each
 
 
-def _q8_0_row_dot_codegen(isa: str, num_tokens: int = 1, tile: bool = False, split: bool = False,
-                          num_rows: int = 1):
-    """IR of sum_c W[r, c] x[c] for one Q8_0 row against `num_tokens` Q8_0 activation rows (8 float32 lanes; see
-    above). With several tokens the row's bytes are loaded once per block for all of them, and each token keeps
-    its own accumulators with exactly the one-token operation order (the same bits as one at a time). Arguments:
-    (wrow, xq_0 .. xq_{n-1}, xd_0 .. xd_{n-1}) one row each, or with `tile` (wrow, xq [T, C], xd [T, G], t0): rows
-    t0 .. t0 + n - 1 of the whole activation arrays. `split`: the row is its values int8 [C] and their block scales
-    float32 [G], or their half-precision bits uint16 [G], apart (a GGUF's Q8_0 experts as the families hold them),
-    the arguments (wrow, wscales, ...); the same operations on the same numbers, so the same bits as the row's
-    34-byte blocks when the scales are the blocks' half-precision ones. `num_rows` > 1 (one token, blocks in the
-    row): (wrow_0 .. wrow_{n-1}, xq, xd), n rows against one activation row, its bytes loaded once per block for
-    all of them; each row the one-row dot's operations (the same bits) and n dots in flight (rows of 4 blocks, MLA's
-    W_uk, cost ~17 ns a row alone: the reduction and the call, not the blocks)."""
+def tile_lanes(isa: int) -> int:
+    """Tokens one Q8_0 tile computes on instruction set `isa` (a code): 16 with AVX-512 VNNI, else 8."""
+    return 16 if isa == 2 and _Q8_0_VNNI else 8
+
+
+def _q8_0_isa_ops(builder: ir.IRBuilder, vnni: bool, lanes: int):
+    """(lane_sums(acc, unsigned, signed) -> acc + int32 lanes of 4 products each, absolute, psign) on `lanes` int32
+    lanes; absolute and psign (declared at their first use) exist for 32-byte vectors only."""
+    module = builder.module
+    vb, vi = _vector(_I8, 4 * lanes), _vector(_I32, lanes)
+
+    def absolute(v):
+        fn = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, ir.IntType(1)]), "llvm.abs.v32i8")
+        return builder.call(fn, [v, ir.Constant(ir.IntType(1), 0)])
+
+    def psign(x, w):
+        fn = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.psign.b")
+        return builder.call(fn, [x, w])
+
+    if vnni:
+        dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                f"llvm.x86.avx512.vpdpbusd.{32 * lanes}")
+
+        def lane_sums(acc, unsigned, signed):
+            return builder.call(dpbusd, [acc, builder.bitcast(unsigned, vi), builder.bitcast(signed, vi)])
+    else:
+        vw = _vector(ir.IntType(16), 2 * lanes)
+        maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]), "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+        ones = ir.Constant(vw, [1] * (2 * lanes))
+
+        def lane_sums(acc, unsigned, signed):
+            return builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [unsigned, signed]), ones]))
+    return lane_sums, absolute, psign
+
+
+def _combine_accumulators(builder: ir.IRBuilder, accs: list) -> ir.Value:
+    """((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): `_pairwise_sum`'s tree over 8 lanes, on 8 values."""
+    half = [builder.fadd(accs[i], accs[i + 4]) for i in range(4)]
+    quarter = [builder.fadd(half[i], half[i + 2]) for i in range(2)]
+    return builder.fadd(quarter[0], quarter[1])
+
+
+def _block_sums8(builder: ir.IRBuilder, parts: list) -> ir.Value:
+    """8 vectors of 8 int32 lanes -> one vector whose lane b is the sum of vector b's lanes (exact: any order)."""
+    def level(a, b, first, second):
+        return builder.add(builder.shuffle_vector(a, b, ir.Constant(_vector(_I32, 8), first)),
+                           builder.shuffle_vector(a, b, ir.Constant(_vector(_I32, 8), second)))
+    pairs = [level(parts[i], parts[i + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15])
+             for i in range(0, 8, 2)]  # lanes: b0 b1 b0 b1 ... (pair sums)
+    quads = [level(pairs[i], pairs[i + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+             for i in range(0, 4, 2)]  # b0 b1 b2 b3 (lanes 0-3 of each), b0 b1 b2 b3 (lanes 4-7)
+    return level(quads[0], quads[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def _q8_0_dot_codegen(isa: str, split: bool = False, num_rows: int = 1):
+    """IR of sum_c W[r, c] x[c] for one token (see above: lanes = the 8 accumulators). Arguments (wrow_0 ..
+    wrow_{n-1}, xq int8 [C], xd f32 [G]): rows of 34-byte blocks; with `split` (wrow int8 [C], wscales [G] float32
+    or half-precision bits uint16, xq, xd), a GGUF's Q8_0 experts as the families hold them (the same operations on
+    the same numbers). `num_rows` > 1: n rows against one activation row, its bytes loaded once a block for all."""
     lanes = Q8_0_LANES
-    first_x = 2 if split else num_rows  # the first activation argument
-    assert num_rows == 1 or (num_tokens == 1 and not tile and not split)
+    first_x = 2 if split else num_rows
+    assert num_rows == 1 or not split
 
     def codegen(context, builder, signature, args):
         wrows = [context.make_array(signature.args[r])(context, builder, args[r]) for r in range(num_rows)]
-        wrow = wrows[0]
         wscales = context.make_array(signature.args[1])(context, builder, args[1]) if split else None
         half_scales = split and signature.args[1].dtype == types.uint16
+        xq, xd = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (first_x, first_x + 1))
+        (num_groups,) = cgutils.unpack_tuple(builder, xd.shape, 1)
         index_type = ir.IntType(64)
-        if tile:
-            xq, xd = (context.make_array(signature.args[k])(context, builder, args[k])
-                      for k in (first_x, first_x + 1))
-            _, num_groups = cgutils.unpack_tuple(builder, xd.shape, 2)
-            xq_stride = cgutils.unpack_tuple(builder, xq.strides, 2)[0]
-            xd_stride = cgutils.unpack_tuple(builder, xd.strides, 2)[0]
-            rows = [builder.add(args[first_x + 2], ir.Constant(index_type, j)) for j in range(num_tokens)]
-            x_ptrs = [builder.gep(builder.bitcast(xq.data, _I8.as_pointer()), [builder.mul(r, xq_stride)])
-                      for r in rows]
-            d_ptrs = [builder.bitcast(builder.gep(builder.bitcast(xd.data, _I8.as_pointer()),
-                                                  [builder.mul(r, xd_stride)]), _F32.as_pointer()) for r in rows]
-        else:
-            xqs = [context.make_array(signature.args[first_x + j])(context, builder, args[first_x + j])
-                   for j in range(num_tokens)]
-            xds = [context.make_array(signature.args[first_x + num_tokens + j])(context, builder,
-                                                                                 args[first_x + num_tokens + j])
-                   for j in range(num_tokens)]
-            (num_groups,) = cgutils.unpack_tuple(builder, xds[0].shape, 1)
-            x_ptrs = [builder.bitcast(a.data, _I8.as_pointer()) for a in xqs]
-            d_ptrs = [a.data for a in xds]
-        module = builder.module
-        vb, vi, vf = _vector(_I8, 4 * lanes), _vector(_I32, lanes), _vector(_F32, lanes)
-        vw = _vector(ir.IntType(16), 2 * lanes)
-        i16 = ir.IntType(16)
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-        absolute = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, ir.IntType(1)]), "llvm.abs.v32i8")
-        psign = cgutils.get_or_insert_function(module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.avx2.psign.b")
-        if isa == "avx512" and _Q8_0_VNNI:
-            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi, vi, vi]),
-                                                    "llvm.x86.avx512.vpdpbusd.256")
+        i16, half = ir.IntType(16), ir.HalfType()
+        vb, vi, vf = _vector(_I8, 32), _vector(_I32, lanes), _vector(_F32, lanes)
+        lane_sums, absolute, psign = _q8_0_isa_ops(builder, isa == "avx512" and _Q8_0_VNNI, lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v8f32")
+        x_ptr = builder.bitcast(xq.data, _I8.as_pointer())
+        zero_i, zero_f = ir.Constant(vi, [0] * lanes), ir.Constant(vf, [0.0] * lanes)
+        acc_slots = [cgutils.alloca_once_value(builder, zero_f) for _ in range(num_rows)]
 
-            def lane_sums(unsigned, signed):
-                return builder.call(dpbusd, [ir.Constant(vi, [0] * lanes), builder.bitcast(unsigned, vi),
-                                             builder.bitcast(signed, vi)])
-        else:
-            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(vw, [vb, vb]),
-                                                     "llvm.x86.avx2.pmadd.ub.sw")
-            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
-            ones = ir.Constant(vw, [1] * (2 * lanes))
+        def const(v):
+            return ir.Constant(index_type, v)
 
-            def lane_sums(unsigned, signed):
-                return builder.call(maddwd, [builder.call(maddubs, [unsigned, signed]), ones])
-
-        zero = ir.Constant(vf, [0.0] * lanes)
-        acc_slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)]
-                     for _ in range(max(num_tokens, num_rows))]
-
-        def block(group, parity: int) -> None:
-            if num_rows > 1:
-                rows_block(group, parity)
-                return
-            x_base = builder.mul(group, ir.Constant(index_type, GROUP_SIZE))
+        def block_sums(row, group, x):
+            """int32 lanes of row's block `group` against x (32 bytes), 4 products each."""
             if split:
-                w_scale = builder.load(builder.gep(wscales.data, [group]))
-                if half_scales:  # the file's half-precision bits (uint16): widened exactly
-                    w_scale = builder.fpext(builder.bitcast(w_scale, ir.HalfType()), _F32)
-                weights = _load(builder, builder.bitcast(wrow.data, _I8.as_pointer()), x_base, vb, 1)
+                weights = _load(builder, builder.bitcast(row.data, _I8.as_pointer()),
+                                builder.mul(group, const(GROUP_SIZE)), vb, 1)
             else:
-                w_scale, weights = stored_block(wrow, group)
-            magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
-            w_scales = _opaque(builder, _splat(builder, w_scale, lanes))
-            for j in range(num_tokens):
-                x = _load(builder, x_ptrs[j], x_base, vb, 1)
-                sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
-                accumulate(acc_slots[j][parity], sums, w_scales, d_ptrs[j], group)
+                weights = _load(builder, row.data, builder.add(builder.mul(group, const(Q8_0_BLOCK_BYTES)),
+                                                                const(2)), vb, 1)
+            return lane_sums(zero_i, absolute(weights), psign(x, weights))
 
-        def stored_block(row, group):
-            """(the block's scale as float32, its 32 int8 values) of a row of 34-byte blocks."""
-            w_base = builder.mul(group, ir.Constant(index_type, Q8_0_BLOCK_BYTES))
-            # The scale as the first of 4 halves (8 bytes, inside the block): a whole-register vcvtph2ps from
-            # memory. A lone i16 load became vpinsrw into a live register, which chained every block's scale to
-            # the last.
-            scale_bits = builder.load(builder.bitcast(builder.gep(row.data, [w_base]),
-                                                      _vector(i16, 4).as_pointer()), align=1)
-            w_scale = builder.extract_element(builder.fpext(builder.bitcast(scale_bits, _vector(ir.HalfType(), 4)),
-                                                            _vector(_F32, 4)), ir.Constant(ir.IntType(32), 0))
-            return w_scale, _load(builder, row.data, builder.add(w_base, ir.Constant(index_type, 2)), vb, 1)
+        def scale_bits(row, group):
+            """The block's half-precision scale bits (i16) of a row of 34-byte blocks."""
+            return builder.load(builder.bitcast(builder.gep(row.data, [builder.mul(group, const(Q8_0_BLOCK_BYTES))]),
+                                                i16.as_pointer()), align=1)
 
-        def accumulate(slot, sums, w_scales, d_ptr, group) -> None:
-            """slot += float(sums) * (w_scale * d) in every lane: the product as one vector multiply with the
-            token's d broadcast from memory (the same product as a scalar one; a scalar multiply then a register
-            broadcast cost one more vector op per block and token). w_scales is `_opaque`: a multiply of two
-            plain splats is turned back into the scalar form by LLVM."""
-            scale = builder.fmul(w_scales, _splat(builder, builder.load(builder.gep(d_ptr, [group])), lanes))
-            builder.store(builder.call(fma, [builder.sitofp(sums, vf), scale, builder.load(slot)]), slot)
+        def fold(slot, sums, w_scales, x_scales):
+            products = builder.fmul(w_scales, x_scales)
+            builder.store(builder.call(fma, [builder.sitofp(_block_sums8(builder, sums), vf), products,
+                                             builder.load(slot)]), slot)
 
-        def rows_block(group, parity: int) -> None:  # the one-token block above, for each of the rows
-            x = _load(builder, x_ptrs[0], builder.mul(group, ir.Constant(index_type, GROUP_SIZE)), vb, 1)
-            for row, row_slots in zip(wrows, acc_slots):
-                w_scale, weights = stored_block(row, group)
-                magnitudes = builder.call(absolute, [weights, ir.Constant(ir.IntType(1), 0)])
-                sums = lane_sums(magnitudes, builder.call(psign, [x, weights]))
-                accumulate(row_slots[parity], sums, _opaque(builder, _splat(builder, w_scale, lanes)), d_ptrs[0],
-                           group)
+        def widen(bits):  # <8 x i16> half bits -> <8 x float>
+            return builder.fpext(builder.bitcast(bits, _vector(half, lanes)), vf)
 
-        pairs = builder.udiv(num_groups, ir.Constant(index_type, 2))
-        with cgutils.for_range(builder, pairs) as loop:
-            even = builder.mul(loop.index, ir.Constant(index_type, 2))
-            block(even, 0)
-            block(builder.add(even, ir.Constant(index_type, 1)), 1)
-        last = builder.sub(num_groups, ir.Constant(index_type, 1))
-        with builder.if_then(builder.icmp_unsigned("!=", builder.mul(pairs, ir.Constant(index_type, 2)),
-                                                   num_groups)):
-            block(last, 0)
-        totals = [_pairwise_sum(builder, builder.fadd(builder.load(even), builder.load(odd)), lanes)
-                  for even, odd in acc_slots]
-        if len(totals) == 1:
+        eights = builder.udiv(num_groups, const(lanes))
+        with cgutils.for_range(builder, eights) as loop:
+            first = builder.mul(loop.index, const(lanes))
+            groups = [builder.add(first, const(b)) for b in range(lanes)]
+            xs = [_load(builder, x_ptr, builder.mul(g, const(GROUP_SIZE)), vb, 1) for g in groups]
+            x_scales = _load(builder, xd.data, first, vf, 4)
+            for row, slot in zip(wrows, acc_slots):
+                sums = [block_sums(row, g, x) for g, x in zip(groups, xs)]
+                if split and half_scales:
+                    w_scales = widen(_load(builder, wscales.data, first, _vector(i16, lanes), 2))
+                elif split:
+                    w_scales = _load(builder, wscales.data, first, vf, 4)
+                else:
+                    bits = ir.Constant(_vector(i16, lanes), ir.Undefined)
+                    for b, g in enumerate(groups):
+                        bits = builder.insert_element(bits, scale_bits(row, g), ir.Constant(_I32, b))
+                    w_scales = widen(bits)
+                fold(slot, sums, w_scales, x_scales)
+        # the last G mod 8 blocks, branch-free: lane b takes block min(done + b, G - 1), and a lane past G gets the
+        # activation scale 0, so its product d_w * 0 is 0 and fma(S, 0, a) = a + 0 = a (a is never -0; a NaN or inf
+        # d_w is block G - 1's own, which makes the row's dot NaN anyway)
+        done = builder.mul(eights, const(lanes))
+        last = builder.sub(num_groups, const(1))
+
+        def tail(count: int) -> None:  # lanes 0 .. count - 1 read blocks (clamped), the others zero sums and scales
+            groups, valid = [], []
+            for b in range(count):
+                group = builder.add(done, const(b))
+                inside = builder.icmp_unsigned("<", group, num_groups)
+                groups.append(builder.select(inside, group, last))
+                valid.append(inside)
+            xs = [_load(builder, x_ptr, builder.mul(g, const(GROUP_SIZE)), vb, 1) for g in groups]
+            x_scales = ir.Constant(vf, [0.0] * lanes)
+            for b, (g, inside) in enumerate(zip(groups, valid)):
+                scale = builder.select(inside, builder.load(builder.gep(xd.data, [g])), ir.Constant(_F32, 0.0))
+                x_scales = builder.insert_element(x_scales, scale, ir.Constant(_I32, b))
+            for row, slot in zip(wrows, acc_slots):
+                sums = [block_sums(row, g, x) for g, x in zip(groups, xs)] + [zero_i] * (lanes - count)
+                if split and not half_scales:  # float32 scales
+                    w_scales = ir.Constant(vf, [0.0] * lanes)
+                    for b, g in enumerate(groups):
+                        w_scales = builder.insert_element(w_scales, builder.load(builder.gep(wscales.data, [g])),
+                                                          ir.Constant(_I32, b))
+                else:  # half-precision bits, the split array's or the blocks' own
+                    bits = ir.Constant(_vector(i16, lanes), [0] * lanes)
+                    for b, g in enumerate(groups):
+                        scale = builder.load(builder.gep(wscales.data, [g])) if split else scale_bits(row, g)
+                        bits = builder.insert_element(bits, scale, ir.Constant(_I32, b))
+                    w_scales = widen(bits)
+                fold(slot, sums, w_scales, x_scales)
+
+        with builder.if_then(builder.icmp_unsigned("!=", done, num_groups)):  # 1-7 blocks: 4 or 8 lanes' work
+            with builder.if_else(builder.icmp_unsigned("<=", builder.sub(num_groups, done), const(4))) as (few, more):
+                with few:
+                    tail(4)
+                with more:
+                    tail(lanes)
+        totals = [_pairwise_sum(builder, builder.load(slot), lanes) for slot in acc_slots]
+        if num_rows == 1:
             return totals[0]
         return context.make_tuple(builder, signature.return_type, totals)
 
     return codegen
 
 
-@intrinsic
-def _q8_0_row_dot_avx512(typingctx, wrow, xq, xd):
-    """One Q8_0 row u8 [G * 34] . activation q int8 [C] with scales f32 [G], 8 lanes (AVX-512 VNNI's vpdpbusd,
-    or the AVX2 instructions on an AVX-512 CPU without VNNI)."""
-    codegen = _q8_0_row_dot_codegen("avx512") if "avx512" in AVAILABLE_ISAS else _unavailable_codegen
-    return types.float32(wrow, xq, xd), codegen
+def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: int = 16, offset: bool = True,
+                       chains: int = 2):
+    """IR of `num_rows` Q8_0 rows against `lanes` tokens t0 .. t0 + lanes - 1 (see above: lanes = tokens).
+    Arguments (wrow_0 .., wscale_0 .., wcorr_0 .., xt u8 [G, 8, N, 4], dt f32 [G, N], t0, res): each row's 34-byte
+    blocks (`split`: its int8 values), its block scales f32 [G] and -128 sum q_w per block i32 [G]
+    (`_q8_0_row_prepare`), the activations' tile layout (`_q8_0_tiles`: + 128 on AVX-512 VNNI, as they are on AVX2), res f32 [>= rows * lanes]: row i's dots go to res[i * lanes:(i + 1) * lanes]. The rows share each
+    activation load (one row alone ran ~1.8x as long a row: the loads, not the multiplies, bound it; running the
+    blocks in L1-sized ranges for all of a task's rows gained nothing more, in-process timing 2026-12-07).
+    `lanes`: 16 or 8 with AVX-512 VNNI, 8 otherwise. `offset` False (8 lanes): the activations as they are,
+    multiplied with the weight bytes' sign and magnitudes (no correction, so no sums of q_w to prepare: a call of 8
+    tokens or fewer). `chains`: independent integer sums a row and block (exact, so any number gives the same
+    bits). -> lanes (int64)"""
+    vnni = isa == "avx512" and _Q8_0_VNNI
+    lanes = lanes if vnni and offset else 8
+    offset = offset and vnni
+
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(signature.args[k])(context, builder, args[k]) for k in range(3 * num_rows + 2)]
+        wrows, wscales, wcorrs = arrays[:num_rows], arrays[num_rows:2 * num_rows], arrays[2 * num_rows:3 * num_rows]
+        xt, dt = arrays[3 * num_rows:]
+        t0 = args[3 * num_rows + 2]
+        res = context.make_array(signature.args[3 * num_rows + 3])(context, builder, args[3 * num_rows + 3])
+        num_groups, words, padded, _ = cgutils.unpack_tuple(builder, xt.shape, 4)
+        index_type = ir.IntType(64)
+        vb, vi, vf = _vector(_I8, 4 * lanes), _vector(_I32, lanes), _vector(_F32, lanes)
+        lane_sums, absolute, psign = _q8_0_isa_ops(builder, vnni, lanes)
+        flip = ir.Constant(vi, [-0x7F7F7F80] * lanes)  # 0x80808080: + 128 in each byte
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                             f"llvm.fma.v{lanes}f32")
+        w_ptrs = [builder.bitcast(w.data, _I8.as_pointer()) for w in wrows]
+        x_ptr = builder.bitcast(xt.data, _I8.as_pointer())
+        stride, skip = (GROUP_SIZE, 0) if split else (Q8_0_BLOCK_BYTES, 2)
+
+        def const(v):
+            return ir.Constant(index_type, v)
+
+        zero = ir.Constant(vf, [0.0] * lanes)
+        acc_slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(Q8_0_LANES)] for _ in range(num_rows)]
+
+        def block(group, m: int) -> None:
+            w_base = builder.add(builder.mul(group, const(stride)), const(skip))
+            row_base = builder.mul(group, words)
+
+            def x_at(k: int):
+                return _load(builder, x_ptr, builder.mul(builder.add(builder.mul(builder.add(row_base, const(k)), padded),
+                                                                     t0), const(4)), vi, 1)
+
+            zeros = ir.Constant(vi, [0] * lanes)
+            if offset:  # the weights' correction, per row
+                starts = [_splat(builder, builder.load(builder.gep(wcorr.data, [group])), lanes) for wcorr in wcorrs]
+            elif vnni:  # the activations' correction, per token (xt's 9th word)
+                starts = [x_at(Q8_0_LANES)] * num_rows
+            else:
+                starts = [zeros] * num_rows
+            sums = [[start] + [zeros] * (chains - 1) for start in starts]
+            for k in range(Q8_0_LANES):
+                x = x_at(k)
+                for r, w_ptr in enumerate(w_ptrs):
+                    w = _splat(builder, builder.load(builder.bitcast(
+                        builder.gep(w_ptr, [builder.add(w_base, const(4 * k))]), _I32.as_pointer()), align=1), lanes)
+                    c = k % chains
+                    if offset:  # unsigned activations (+ 128), the weights signed, broadcast
+                        sums[r][c] = lane_sums(sums[r][c], x, w)
+                    elif vnni:  # unsigned weights (+ 128, broadcast; flipped as a vector: LLVM would flip the
+                        # scalar, then broadcast from a register), the activations signed
+                        sums[r][c] = lane_sums(sums[r][c], builder.xor(_opaque(builder, w), flip), x)
+                    else:  # |w| unsigned, the activations with w's sign
+                        wb = builder.bitcast(w, vb)
+                        sums[r][c] = lane_sums(sums[r][c], absolute(wb), psign(builder.bitcast(x, vb), wb))
+            x_scales = _load(builder, dt.data, builder.add(builder.mul(group, padded), t0), vf, 4)
+            for r in range(num_rows):
+                parts = sums[r]
+                while len(parts) > 1:
+                    parts = [builder.add(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+                products = builder.fmul(x_scales, _splat(builder, builder.load(builder.gep(wscales[r].data, [group])),
+                                                         lanes))
+                slot = acc_slots[r][m]
+                builder.store(builder.call(fma, [builder.sitofp(parts[0], vf), products, builder.load(slot)]), slot)
+
+        eights = builder.udiv(num_groups, const(Q8_0_LANES))
+        with cgutils.for_range(builder, eights) as loop:
+            first = builder.mul(loop.index, const(Q8_0_LANES))
+            for m in range(Q8_0_LANES):
+                block(builder.add(first, const(m)), m)
+        done = builder.mul(eights, const(Q8_0_LANES))
+        for m in range(Q8_0_LANES - 1):
+            group = builder.add(done, const(m))
+            with builder.if_then(builder.icmp_unsigned("<", group, num_groups)):
+                block(group, m)
+        for r in range(num_rows):
+            total = _combine_accumulators(builder, [builder.load(slot) for slot in acc_slots[r]])
+            builder.store(total, builder.bitcast(builder.gep(res.data, [const(r * lanes)]), vf.as_pointer()), align=4)
+        return ir.Constant(ir.IntType(64), lanes)
+
+    return codegen
 
 
-@intrinsic
-def _q8_0_row_dot_avx2(typingctx, wrow, xq, xd):
-    """The same row dot on 8 lanes (AVX2)."""
-    codegen = _q8_0_row_dot_codegen("avx2") if "avx2" in AVAILABLE_ISAS else _unavailable_codegen
-    return types.float32(wrow, xq, xd), codegen
+def _q8_0_prepare_codegen(isa: str, split: bool = False):
+    """IR of a row's tile operands for its first G - G mod 8 blocks (`_q8_0_row_prepare` does the rest): the block
+    scales as float32 and, for AVX-512 VNNI's tile, -128 sum q_w of each block (8 blocks' sums at once, as the
+    one-token dot sums its lanes). Arguments (wrow, wscale f32 [G], wcorr i32 [G]), split (wrow, wscales, wscale,
+    wcorr). -> the blocks done (int64)"""
+    vnni = isa == "avx512" and _Q8_0_VNNI
+    lanes = Q8_0_LANES
 
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
+        wrow = arrays[0]
+        wscales = arrays[1] if split else None
+        wscale, wcorr = arrays[-2:]
+        half_scales = split and signature.args[1].dtype == types.uint16
+        (num_groups,) = cgutils.unpack_tuple(builder, wscale.shape, 1)
+        index_type = ir.IntType(64)
+        i16, half = ir.IntType(16), ir.HalfType()
+        vb, vi, vf = _vector(_I8, 32), _vector(_I32, lanes), _vector(_F32, lanes)
+        lane_sums, _, _ = _q8_0_isa_ops(builder, isa == "avx512" and _Q8_0_VNNI, lanes)
+        ones = ir.Constant(vb, [1] * 32)
 
-Q8_0_TOKENS_PER_DOT = 4  # activation rows one call of the multi-token row dot serves (prefill, decode batches)
-Q8_0_ROWS_PER_DOT = 4  # weight rows one call of the multi-row dot serves (one token: decode)
-# Rows of at most this many blocks go 4 at a time at decode (`_q8_0_matmul_task`): a row of 4 blocks (MLA's W_uk,
-# 128 wide) cost ~17 ns alone, the reduction and the call, not its bytes; 4 at a time ran 2-4x faster, hot or
-# from memory (8 blocks: 1.9x serial, 1.1x on 2 threads). Longer rows ran 2-3x slower 4 at a time from memory
-# (16-64 blocks: four streams 0.5-2 KB apart), so they stay one at a time. In-process A/B, docs/BENCHMARKS.md.
-Q8_0_ROWS_MAX_GROUPS = 8
+        def const(v):
+            return ir.Constant(index_type, v)
+
+        eights = builder.udiv(num_groups, const(lanes))
+        with cgutils.for_range(builder, eights) as loop:
+            first = builder.mul(loop.index, const(lanes))
+            groups = [builder.add(first, const(b)) for b in range(lanes)]
+            if split and half_scales:
+                bits = _load(builder, wscales.data, first, _vector(i16, lanes), 2)
+                scales = builder.fpext(builder.bitcast(bits, _vector(half, lanes)), vf)
+            elif split:
+                scales = _load(builder, wscales.data, first, vf, 4)
+            else:
+                bits = ir.Constant(_vector(i16, lanes), ir.Undefined)
+                for b, g in enumerate(groups):
+                    scale = builder.load(builder.bitcast(builder.gep(wrow.data, [builder.mul(g, const(Q8_0_BLOCK_BYTES))]),
+                                                         i16.as_pointer()), align=1)
+                    bits = builder.insert_element(bits, scale, ir.Constant(_I32, b))
+                scales = builder.fpext(builder.bitcast(bits, _vector(half, lanes)), vf)
+            builder.store(scales, builder.bitcast(builder.gep(wscale.data, [first]), vf.as_pointer()), align=4)
+            if vnni:
+                w_ptr = builder.bitcast(wrow.data, _I8.as_pointer())
+                sums = []
+                for g in groups:
+                    offset = (builder.mul(g, const(GROUP_SIZE)) if split else
+                              builder.add(builder.mul(g, const(Q8_0_BLOCK_BYTES)), const(2)))
+                    sums.append(lane_sums(ir.Constant(vi, [0] * lanes), ones, _load(builder, w_ptr, offset, vb, 1)))
+                corrections = builder.mul(_block_sums8(builder, sums), ir.Constant(vi, [-128] * lanes))
+                builder.store(corrections, builder.bitcast(builder.gep(wcorr.data, [first]), vi.as_pointer()),
+                              align=4)
+        return builder.mul(eights, const(lanes))
+
+    return codegen
 
 
 def _unavailable_tuple_codegen(context, builder, signature, args):
@@ -707,58 +887,130 @@ def _unavailable_tuple_codegen(context, builder, signature, args):
     return context.make_tuple(builder, signature.return_type, [nan] * signature.return_type.count)
 
 
-@intrinsic
-def _q8_0_row_dot4_avx512(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
-    """One Q8_0 row against 4 activation rows (q int8 [C], scales f32 [G] each): 4 dots, 8 lanes."""
-    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TOKENS_PER_DOT) if "avx512" in AVAILABLE_ISAS
-               else _unavailable_tuple_codegen)
-    return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
+def _unavailable_lanes_codegen(context, builder, signature, args):
+    """0 lanes computed (an instruction set this CPU lacks; never called there)."""
+    return ir.Constant(ir.IntType(64), 0)
+
+
+def _q8_0_typer(isa: str, split: bool = False, num_rows: int = 1, tile: int = 0, prepare: bool = False,
+                offset: bool = True):
+    """The typer of a Q8_0 intrinsic: float32 (one dot) or a tuple of `num_rows`; a tile of `tile` lanes or the
+    prepare step, which return int64 and write their outputs. NaN (0) where this CPU lacks `isa` (never called
+    there: the drivers pick the instruction set)."""
+    def typer(typingctx, *operands):
+        if tile:
+            codegen = (_q8_0_tile_codegen(isa, split, num_rows, tile, offset) if isa in AVAILABLE_ISAS
+                       else _unavailable_lanes_codegen)
+            return types.int64(*operands), codegen
+        if prepare:
+            codegen = _q8_0_prepare_codegen(isa, split) if isa in AVAILABLE_ISAS else _unavailable_lanes_codegen
+            return types.int64(*operands), codegen
+        if num_rows == 1:
+            codegen = _q8_0_dot_codegen(isa, split) if isa in AVAILABLE_ISAS else _unavailable_codegen
+            return types.float32(*operands), codegen
+        codegen = (_q8_0_dot_codegen(isa, num_rows=num_rows) if isa in AVAILABLE_ISAS
+                   else _unavailable_tuple_codegen)
+        return types.UniTuple(types.float32, num_rows)(*operands), codegen
+    return typer
 
 
 @intrinsic
-def _q8_0_row_dot4_avx2(typingctx, wrow, x0, x1, x2, x3, d0, d1, d2, d3):
-    """The same 4 dots on 8 lanes (AVX2)."""
-    codegen = (_q8_0_row_dot_codegen("avx2", Q8_0_TOKENS_PER_DOT) if "avx2" in AVAILABLE_ISAS
-               else _unavailable_tuple_codegen)
-    return types.UniTuple(types.float32, Q8_0_TOKENS_PER_DOT)(wrow, x0, x1, x2, x3, d0, d1, d2, d3), codegen
+def _q8_0_row_dot_avx512(typingctx, wrow, xq, xd):
+    """One Q8_0 row u8 [G * 34] . activation q int8 [C] with scales f32 [G] (AVX-512 VNNI's vpdpbusd, or the AVX2
+    instructions on an AVX-512 CPU without VNNI)."""
+    return _q8_0_typer("avx512")(typingctx, wrow, xq, xd)
+
+
+@intrinsic
+def _q8_0_row_dot_avx2(typingctx, wrow, xq, xd):
+    """The same row dot (AVX2)."""
+    return _q8_0_typer("avx2")(typingctx, wrow, xq, xd)
+
+
+Q8_0_ROWS_PER_DOT = 4  # weight rows one call of the multi-row dot serves (one token: decode)
+# Rows of at most this many blocks go 4 at a time at decode (`_q8_0_matmul_task`): a row of 4 blocks (MLA's W_uk,
+# 128 wide) cost ~17 ns alone, the reduction and the call, not its bytes; 4 at a time ran 2-4x faster, hot or
+# from memory (8 blocks: 1.9x serial, 1.1x on 2 threads). Longer rows ran 2-3x slower 4 at a time from memory
+# (16-64 blocks: four streams 0.5-2 KB apart), so they stay one at a time. In-process A/B, docs/BENCHMARKS.md.
+Q8_0_ROWS_MAX_GROUPS = 8
 
 
 @intrinsic
 def _q8_0_rows4_avx512(typingctx, w0, w1, w2, w3, xq, xd):
-    """4 Q8_0 rows against one activation row (q int8 [C], scales f32 [G]): 4 dots, 8 lanes."""
-    codegen = (_q8_0_row_dot_codegen("avx512", num_rows=Q8_0_ROWS_PER_DOT) if "avx512" in AVAILABLE_ISAS
-               else _unavailable_tuple_codegen)
-    return types.UniTuple(types.float32, Q8_0_ROWS_PER_DOT)(w0, w1, w2, w3, xq, xd), codegen
+    """4 Q8_0 rows against one activation row (q int8 [C], scales f32 [G]): 4 dots."""
+    return _q8_0_typer("avx512", num_rows=Q8_0_ROWS_PER_DOT)(typingctx, w0, w1, w2, w3, xq, xd)
 
 
 @intrinsic
 def _q8_0_rows4_avx2(typingctx, w0, w1, w2, w3, xq, xd):
-    """The same 4 dots on 8 lanes (AVX2)."""
-    codegen = (_q8_0_row_dot_codegen("avx2", num_rows=Q8_0_ROWS_PER_DOT) if "avx2" in AVAILABLE_ISAS
-               else _unavailable_tuple_codegen)
-    return types.UniTuple(types.float32, Q8_0_ROWS_PER_DOT)(w0, w1, w2, w3, xq, xd), codegen
-
-
-Q8_0_TILE_TOKENS = 8  # AVX-512 (32 vector registers): activation rows a pass over the row's bytes
-# Activation bytes (whole 8-token tiles, at least one) a task's 16 weight rows pass over before the next ones
-# (`_q8_0_matmul_task`), so that both stay in L2. Each row used to pass over every token, reading all of a long
-# prompt's activations (1 MB at 512 tokens, C = 2048) from L3 once per row. The same tiles on the same tokens: the
-# same bits.
-Q8_0_CHUNK_BYTES = 2**17
+    """The same 4 dots (AVX2)."""
+    return _q8_0_typer("avx2", num_rows=Q8_0_ROWS_PER_DOT)(typingctx, w0, w1, w2, w3, xq, xd)
 
 
 @intrinsic
-def _q8_0_row_tile8_avx512(typingctx, wrow, xq, xd, t0):
-    """One Q8_0 row against activation rows t0 .. t0 + 7 of xq int8 [T, C], xd f32 [T, G]: 8 dots."""
-    codegen = (_q8_0_row_dot_codegen("avx512", Q8_0_TILE_TOKENS, tile=True) if "avx512" in AVAILABLE_ISAS
-               else _unavailable_tuple_codegen)
-    return types.UniTuple(types.float32, Q8_0_TILE_TOKENS)(wrow, xq, xd, t0), codegen
+def _q8_0_tile_avx512_8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """The same on 8 lanes (ymm; 4-8 tokens)."""
+    return _q8_0_typer("avx512", tile=8)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_tile_avx512_s8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
+    return _q8_0_typer("avx512", tile=8, offset=False)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_tile_avx512(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """One Q8_0 row against the tile's tokens t0 .. t0 + 15 (AVX-512 VNNI; 8 without VNNI)."""
+    return _q8_0_typer("avx512", tile=16)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_tile_avx2(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """One Q8_0 row against the tile's tokens t0 .. t0 + 7 (AVX2)."""
+    return _q8_0_typer("avx2", tile=16)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_tile2_avx512_8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """The same on 8 lanes (ymm; 4-8 tokens)."""
+    return _q8_0_typer("avx512", tile=8, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_tile2_avx512_s8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
+    return _q8_0_typer("avx512", tile=8, num_rows=2, offset=False)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_tile2_avx512(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """Two Q8_0 rows against the tile's tokens t0 .. t0 + 15 (AVX-512 VNNI; 8 without VNNI), sharing the loads."""
+    return _q8_0_typer("avx512", tile=16, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_tile2_avx2(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """Two Q8_0 rows against the tile's tokens t0 .. t0 + 7 (AVX2)."""
+    return _q8_0_typer("avx2", tile=16, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8_0_prepare_avx512(typingctx, wrow, wscale, wcorr):
+    """A row's block scales and VNNI corrections, 8 blocks at a time (`_q8_0_prepare_codegen`)."""
+    return _q8_0_typer("avx512", prepare=True)(typingctx, wrow, wscale, wcorr)
+
+
+@intrinsic
+def _q8_0_prepare_avx2(typingctx, wrow, wscale, wcorr):
+    """A row's block scales, 8 blocks at a time (AVX2's tile takes no correction)."""
+    return _q8_0_typer("avx2", prepare=True)(typingctx, wrow, wscale, wcorr)
 
 
 @njit(cache=True)
 def _q8_0_row_dot_portable(wrow: np.ndarray, xq: np.ndarray, xd: np.ndarray, f16_table: np.ndarray) -> np.float32:
-    """The row dot in plain numba: each block's exact int32 sum, then one scalar FMA."""
-    total = np.float32(0.0)
+    """The row dot in plain numba: each block's exact int32 sum, then the 8 accumulators (a multiply and an add)."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     for group in range(xd.shape[0]):
         base = group * Q8_0_BLOCK_BYTES
         scale = f16_table[np.int64(wrow[base]) | (np.int64(wrow[base + 1]) << 8)] * xd[group]
@@ -766,8 +1018,25 @@ def _q8_0_row_dot_portable(wrow: np.ndarray, xq: np.ndarray, xd: np.ndarray, f16
         for k in range(GROUP_SIZE):
             w = np.int32(wrow[base + 2 + k])
             block_sum += (w - np.int32(256) if w >= 128 else w) * np.int32(xq[group * GROUP_SIZE + k])
-        total += np.float32(block_sum) * scale
-    return total
+        term = np.float64(block_sum) * np.float64(scale)
+        m = group % Q8_0_LANES
+        if m == 0:
+            a0 = np.float32(a0 + term)
+        elif m == 1:
+            a1 = np.float32(a1 + term)
+        elif m == 2:
+            a2 = np.float32(a2 + term)
+        elif m == 3:
+            a3 = np.float32(a3 + term)
+        elif m == 4:
+            a4 = np.float32(a4 + term)
+        elif m == 5:
+            a5 = np.float32(a5 + term)
+        elif m == 6:
+            a6 = np.float32(a6 + term)
+        else:
+            a7 = np.float32(a7 + term)
+    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
 
 
 @njit(inline="always")
@@ -786,55 +1055,166 @@ def _q8_0_rows4(w0, w1, w2, w3, xq, xd, isa):
     return _q8_0_rows4_avx2(w0, w1, w2, w3, xq, xd)
 
 
+@register_jitable
+def _q8_0_offset(isa, tokens):
+    """Whether the tiles of a call with `tokens` activation rows take them + 128 (AVX-512 VNNI, more than 8 rows:
+    16-lane tiles) or as they are (8-lane tiles; no sums of q_w to prepare)."""
+    return isa == 2 and _Q8_0_VNNI and tokens > 8
+
+
+def _q8_0_tiles(xq: np.ndarray, xd: np.ndarray, isa: int, aligned: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The tiles' activation layout for instruction set `isa` (a code): xt u8 [G, 9, N, 4] and dt f32 [G, N]
+    (`_q8_0_tile_codegen`), or empty arrays where the tokens run one dot each. `aligned`: every tile starts at a
+    multiple of its width (a matrix's tokens, not the experts' runs), so N is T rounded up to it (8 tokens of a
+    decode batch: 32 bytes a word row, 20 KB at C = 2304, in L1), else T + the width; a long N that is a multiple
+    of 16 gets one width more."""
+    tokens, groups = xd.shape
+    if isa == 0 or tokens < Q8_0_TILE_MIN_TOKENS:
+        return np.zeros((0, Q8_0_LANES + 1, 0, 4), np.uint8), np.zeros((0, 0), np.float32)
+    width = 16 if _q8_0_offset(isa, tokens) else 8
+    padded = -(-tokens // width) * width if aligned else tokens + width
+    if padded >= 64 and padded % 16 == 0:  # word rows 4 * N bytes apart: not a multiple of 64 lines (L1's sets;
+        padded += width  # 512 tokens exactly ran the prefill tile at 0.7x)
+    offset = _q8_0_offset(isa, tokens)
+    flip = 0x80808080 if offset else 0  # + 128 in each byte (mod 256: the top bit flipped)
+    # xt[g, k, t] (k < 8) = bytes 4 k .. 4 k + 3 of token t's block g (a transpose of the rows' 4-byte words), +
+    # 128 each with `offset`; xt[g, 8, t] = -128 sum_k q_x (int32), the correction of the unsigned weights (AVX-512
+    # VNNI without `offset`). Tokens T .. N - 1 are padding (q_x 0, d_x 0).
+    words = np.empty((groups, Q8_0_LANES + 1, padded), np.uint32)  # [G, 9, N]
+    np.bitwise_xor(np.ascontiguousarray(xq).view(np.uint32).T.reshape(groups, Q8_0_LANES, tokens), np.uint32(flip),
+                   out=words[:, :Q8_0_LANES, :tokens])
+    words[:, :Q8_0_LANES, tokens:] = flip
+    words[:, Q8_0_LANES] = 0
+    if isa == 2 and _Q8_0_VNNI and not offset:
+        sums = xq.reshape(tokens, groups, GROUP_SIZE).sum(axis=2, dtype=np.int32)  # [T, G]
+        words[:, Q8_0_LANES, :tokens] = (sums * np.int32(-128)).T.view(np.uint32)
+    dt = np.zeros((groups, padded), np.float32)  # [G, N]
+    dt[:, :tokens] = xd.T
+    return words.view(np.uint8).reshape(groups, Q8_0_LANES + 1, padded, 4), dt
+
+
 @njit(inline="always")
-def _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task):
+def _q8_0_row_prepare(wrow, f16_table, wscale, wcorr, isa, offset):
+    """A row of 34-byte blocks -> its block scales (float32) and -128 sum q_w per block (the VNNI tile's
+    correction, where the activations are offset): 8 blocks at a time compiled, the last G mod 8 here."""
+    done = 0
+    if isa == 2 and offset:
+        done = _q8_0_prepare_avx512(wrow, wscale, wcorr)
+    elif isa > 0:
+        done = _q8_0_prepare_avx2(wrow, wscale, wcorr)
+    for group in range(done, wscale.shape[0]):
+        base = group * Q8_0_BLOCK_BYTES
+        wscale[group] = f16_table[np.int64(wrow[base]) | (np.int64(wrow[base + 1]) << 8)]
+        total = np.int32(0)
+        for k in range(GROUP_SIZE):
+            w = np.int32(wrow[base + 2 + k])
+            total += w - np.int32(256) if w >= 128 else w
+        wcorr[group] = np.int32(-128) * total
+
+
+@njit(inline="always")
+def _q8_0_tile(wrow, wscale, wcorr, xt, dt, t0, res, isa, narrow, offset):
+    """One row's tile (`narrow`: 8 lanes) -> its lanes."""
+    if isa == 2:
+        if narrow and not offset:
+            return _q8_0_tile_avx512_s8(wrow, wscale, wcorr, xt, dt, t0, res)
+        if narrow:
+            return _q8_0_tile_avx512_8(wrow, wscale, wcorr, xt, dt, t0, res)
+        return _q8_0_tile_avx512(wrow, wscale, wcorr, xt, dt, t0, res)
+    return _q8_0_tile_avx2(wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@njit(inline="always")
+def _q8_0_tile2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res, isa, narrow, offset):
+    """Two rows' tile (`narrow`: 8 lanes) -> its lanes (row 1's dots at res[lanes:])."""
+    if isa == 2:
+        if narrow and not offset:
+            return _q8_0_tile2_avx512_s8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+        if narrow:
+            return _q8_0_tile2_avx512_8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+        return _q8_0_tile2_avx512(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+    return _q8_0_tile2_avx2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@njit(inline="always")
+def _q8s_tile(wrow, wscale, wcorr, xt, dt, t0, res, isa, narrow, offset):
+    if isa == 2:
+        if narrow and not offset:
+            return _q8s_tile_avx512_s8(wrow, wscale, wcorr, xt, dt, t0, res)
+        if narrow:
+            return _q8s_tile_avx512_8(wrow, wscale, wcorr, xt, dt, t0, res)
+        return _q8s_tile_avx512(wrow, wscale, wcorr, xt, dt, t0, res)
+    return _q8s_tile_avx2(wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@njit(inline="always")
+def _q8s_tile2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res, isa, narrow, offset):
+    if isa == 2:
+        if narrow and not offset:
+            return _q8s_tile2_avx512_s8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+        if narrow:
+            return _q8s_tile2_avx512_8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+        return _q8s_tile2_avx512(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+    return _q8s_tile2_avx2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@njit(inline="always")
+def _q8_0_matmul_task(blocks, xq, xd, xt, dt, f16_table, isa, out, task):
     first, last = task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)
-    # a few tokens (decode) and short rows: 4 rows a pass for each token (see Q8_0_ROWS_MAX_GROUPS)
-    if isa > 0 and xq.shape[0] < Q8_0_TOKENS_PER_DOT and xd.shape[1] <= Q8_0_ROWS_MAX_GROUPS:
+    tokens, groups = xd.shape
+    if isa == 0 or tokens < Q8_0_TILE_MIN_TOKENS:  # one dot per token (decode)
+        # short rows: 4 rows a pass for each token (see Q8_0_ROWS_MAX_GROUPS)
         row = first
-        while row + Q8_0_ROWS_PER_DOT <= last:
-            for t in range(xq.shape[0]):
-                out[t, row], out[t, row + 1], out[t, row + 2], out[t, row + 3] = _q8_0_rows4(
-                    blocks[row], blocks[row + 1], blocks[row + 2], blocks[row + 3], xq[t], xd[t], isa)
-            row += Q8_0_ROWS_PER_DOT
+        if isa > 0 and groups <= Q8_0_ROWS_MAX_GROUPS:
+            while row + Q8_0_ROWS_PER_DOT <= last:
+                for t in range(tokens):
+                    out[t, row], out[t, row + 1], out[t, row + 2], out[t, row + 3] = _q8_0_rows4(
+                        blocks[row], blocks[row + 1], blocks[row + 2], blocks[row + 3], xq[t], xd[t], isa)
+                row += Q8_0_ROWS_PER_DOT
         for row in range(row, last):
-            for t in range(xq.shape[0]):
+            for t in range(tokens):
                 out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
         return
-    chunk = max(Q8_0_TILE_TOKENS, Q8_0_CHUNK_BYTES // xq.shape[1] // Q8_0_TILE_TOKENS * Q8_0_TILE_TOKENS)
-    for start in range(0, xq.shape[0], chunk):  # the task's rows pass over a chunk of tokens at a time
-        stop = min(xq.shape[0], start + chunk)
-        for row in range(first, last):
-            t = start
-            while isa == 2 and t + Q8_0_TILE_TOKENS <= stop:  # AVX-512: 8 tokens per pass over the row's bytes
-                r = _q8_0_row_tile8_avx512(blocks[row], xq, xd, t)
-                for j in range(Q8_0_TILE_TOKENS):
-                    out[t + j, row] = r[j]
-                t += Q8_0_TILE_TOKENS
-            while isa > 0 and t + 4 <= stop:  # 4 tokens per pass over the row's bytes
-                if isa == 2:
-                    a, b, c, d = _q8_0_row_dot4_avx512(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
-                                                       xd[t + 1], xd[t + 2], xd[t + 3])
-                else:
-                    a, b, c, d = _q8_0_row_dot4_avx2(blocks[row], xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
-                                                     xd[t + 1], xd[t + 2], xd[t + 3])
-                out[t, row], out[t + 1, row], out[t + 2, row], out[t + 3, row] = a, b, c, d
-                t += 4
-            for t in range(t, stop):
-                out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
+    lanes = 16 if isa == 2 and _Q8_0_VNNI else 8
+    offset = _q8_0_offset(isa, tokens)
+    rows = last - first
+    wscale = np.empty((rows, groups), np.float32)
+    wcorr = np.empty((rows, groups), np.int32)
+    res = np.empty(16 * (rows + 1), np.float32)  # row i's dots at res[16 i:]
+    for row in range(first, last):
+        _q8_0_row_prepare(blocks[row], f16_table, wscale[row - first], wcorr[row - first], isa, offset)
+    t = 0
+    while tokens - t >= Q8_0_TILE_MIN_TOKENS:  # a tile (the last one padded) against the task's rows
+        count = min(lanes, tokens - t)
+        narrow = count <= 8
+        width = lanes
+        for i in range(0, rows, 1 if narrow else 2):  # 8 lanes: a row a pass (two spilled: ~12% slower at 8 tokens)
+            if i + 1 < rows and not narrow:
+                width = _q8_0_tile2(blocks[first + i], blocks[first + i + 1], wscale[i], wscale[i + 1], wcorr[i],
+                                    wcorr[i + 1], xt, dt, t, res[16 * i:], isa, narrow, offset)
+            else:
+                width = _q8_0_tile(blocks[first + i], wscale[i], wcorr[i], xt, dt, t, res[16 * i:], isa, narrow,
+                                   offset)
+        for i in range(rows):
+            for j in range(count):
+                out[t + j, first + i] = res[16 * i + j]
+        t += width
+    for row in range(first, last):  # the last 1-3 tokens
+        for u in range(t, tokens):
+            out[u, row] = _q8_0_row_dot(blocks[row], xq[u], xd[u], f16_table, isa)
 
 
 @njit(cache=True, parallel=True)
-def _q8_0_matmul_parallel(blocks, xq, xd, f16_table, isa, out):
-    """out [T, R] = x W^T; blocks u8 [R, G * 34], xq int8 [T, C], xd f32 [T, G]."""
+def _q8_0_matmul_parallel(blocks, xq, xd, xt, dt, f16_table, isa, out):
+    """out [T, R] = x W^T; blocks u8 [R, G * 34], xq int8 [T, C], xd f32 [T, G], (xt, dt) their tile layout."""
     for task in prange((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+        _q8_0_matmul_task(blocks, xq, xd, xt, dt, f16_table, isa, out, task)
 
 
 @njit(cache=True)
-def _q8_0_matmul_serial(blocks, xq, xd, f16_table, isa, out):
+def _q8_0_matmul_serial(blocks, xq, xd, xt, dt, f16_table, isa, out):
     for task in range((blocks.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        _q8_0_matmul_task(blocks, xq, xd, f16_table, isa, out, task)
+        _q8_0_matmul_task(blocks, xq, xd, xt, dt, f16_table, isa, out, task)
 
 
 def _block_scale(scales, index):
@@ -860,113 +1240,185 @@ def kernel_block_scales(scales: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------ a GGUF's Q8_0 experts on Q8_0 activations
 # The families hold a GGUF's Q8_0 experts as their int8 values [E, R, C] and block scales [E, R, C / 32], float16
 # as the file stores them (`families.experts.Int8Matrix`, what a streaming store's blobs hold too; passed to the
-# kernels as their uint16 bits, `kernel_block_scales`) or float32. The same row dot as the trunk's Q8_0
-# matrices (above: exact int32 block sums, one FMA a block scaled by d_w d_x, even and odd blocks in two chains),
-# reading each block's scale from the scales array instead of the block's first two bytes: llama.cpp's
-# ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers (half-precision scales widened in the kernel, exactly).
-def _q8s_typer(isa: str, num_tokens: int = 1, tile: bool = False):
-    """The typer of a split Q8_0 row dot intrinsic (`_q8_0_row_dot_codegen(split=True)`): one float32, or a tuple
-    of `num_tokens`; NaN where this CPU lacks `isa` (never called there: the drivers pick the ISA)."""
-    def typer(typingctx, *operands):
-        if num_tokens == 1 and not tile:
-            codegen = _q8_0_row_dot_codegen(isa, split=True) if isa in AVAILABLE_ISAS else _unavailable_codegen
-            return types.float32(*operands), codegen
-        codegen = (_q8_0_row_dot_codegen(isa, num_tokens, tile=tile, split=True) if isa in AVAILABLE_ISAS
-                   else _unavailable_tuple_codegen)
-        return types.UniTuple(types.float32, num_tokens)(*operands), codegen
-    return typer
-
-
+# kernels as their uint16 bits, `kernel_block_scales`) or float32. The same dots and tiles as the trunk's Q8_0
+# matrices (above: exact int32 block sums, the 8 accumulators), reading each block's scale from the scales array
+# instead of the block's first two bytes: llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic on the file's numbers
+# (half-precision scales widened in the kernel, exactly).
 @intrinsic
 def _q8s_row_dot_avx512(typingctx, wrow, wscales, xq, xd):
-    """One Q8_0 row as values int8 [C] and block scales f32 [G] . activation q int8 [C] with scales f32 [G]."""
-    return _q8s_typer("avx512")(typingctx, wrow, wscales, xq, xd)
+    """One Q8_0 row as values int8 [C] and block scales [G] . activation q int8 [C] with scales f32 [G]."""
+    return _q8_0_typer("avx512", split=True)(typingctx, wrow, wscales, xq, xd)
 
 
 @intrinsic
 def _q8s_row_dot_avx2(typingctx, wrow, wscales, xq, xd):
     """The same row dot on AVX2."""
-    return _q8s_typer("avx2")(typingctx, wrow, wscales, xq, xd)
+    return _q8_0_typer("avx2", split=True)(typingctx, wrow, wscales, xq, xd)
 
 
 @intrinsic
-def _q8s_row_dot4_avx512(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3):
-    """One split Q8_0 row against 4 activation rows: 4 dots, each the one-token bits."""
-    return _q8s_typer("avx512", Q8_0_TOKENS_PER_DOT)(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3)
+def _q8s_tile_avx512_8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """The same on 8 lanes (ymm; 4-8 tokens)."""
+    return _q8_0_typer("avx512", split=True, tile=8)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
 
 
 @intrinsic
-def _q8s_row_dot4_avx2(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3):
-    """The same 4 dots on AVX2."""
-    return _q8s_typer("avx2", Q8_0_TOKENS_PER_DOT)(typingctx, wrow, wscales, x0, x1, x2, x3, d0, d1, d2, d3)
+def _q8s_tile_avx512_s8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
+    return _q8_0_typer("avx512", split=True, tile=8, offset=False)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
 
 
 @intrinsic
-def _q8s_row_tile8_avx512(typingctx, wrow, wscales, xq, xd, t0):
-    """One split Q8_0 row against activation rows t0 .. t0 + 7 of xq int8 [N, C], xd f32 [N, G]: 8 dots."""
-    return _q8s_typer("avx512", Q8_0_TILE_TOKENS, tile=True)(typingctx, wrow, wscales, xq, xd, t0)
+def _q8s_tile_avx512(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """One split Q8_0 row against the tile's tokens t0 .. (AVX-512)."""
+    return _q8_0_typer("avx512", split=True, tile=16)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8s_tile_avx2(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
+    """One split Q8_0 row against the tile's tokens t0 .. t0 + 7 (AVX2)."""
+    return _q8_0_typer("avx2", split=True, tile=16)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8s_tile2_avx512_8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """The same on 8 lanes (ymm; 4-8 tokens)."""
+    return _q8_0_typer("avx512", split=True, tile=8, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8s_tile2_avx512_s8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
+    return _q8_0_typer("avx512", split=True, tile=8, num_rows=2, offset=False)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8s_tile2_avx512(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """Two split Q8_0 rows against the tile's tokens (AVX-512), sharing the loads."""
+    return _q8_0_typer("avx512", split=True, tile=16, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0,
+                                                                    res)
+
+
+@intrinsic
+def _q8s_tile2_avx2(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
+    """Two split Q8_0 rows against the tile's tokens t0 .. t0 + 7 (AVX2)."""
+    return _q8_0_typer("avx2", split=True, tile=16, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+
+
+@intrinsic
+def _q8s_prepare_avx512(typingctx, wrow, wscales, wscale, wcorr):
+    """A split row's block scales and VNNI corrections, 8 blocks at a time."""
+    return _q8_0_typer("avx512", split=True, prepare=True)(typingctx, wrow, wscales, wscale, wcorr)
+
+
+@intrinsic
+def _q8s_prepare_avx2(typingctx, wrow, wscales, wscale, wcorr):
+    """A split row's block scales, 8 blocks at a time."""
+    return _q8_0_typer("avx2", split=True, prepare=True)(typingctx, wrow, wscales, wscale, wcorr)
 
 
 @njit(cache=True)
 def _q8s_row_dot_portable(wrow, wscales, xq, xd):
-    """The split row dot in plain numba: each block's exact int32 sum, then one scalar FMA."""
-    total = np.float32(0.0)
+    """The split row dot in plain numba: each block's exact int32 sum, then the 8 accumulators."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     for group in range(xd.shape[0]):
         block_sum = np.int32(0)
         for k in range(GROUP_SIZE):
             block_sum += np.int32(wrow[group * GROUP_SIZE + k]) * np.int32(xq[group * GROUP_SIZE + k])
-        total += np.float32(block_sum) * (_block_scale(wscales, group) * xd[group])
-    return total
+        term = np.float64(block_sum) * np.float64(_block_scale(wscales, group) * xd[group])
+        m = group % Q8_0_LANES
+        if m == 0:
+            a0 = np.float32(a0 + term)
+        elif m == 1:
+            a1 = np.float32(a1 + term)
+        elif m == 2:
+            a2 = np.float32(a2 + term)
+        elif m == 3:
+            a3 = np.float32(a3 + term)
+        elif m == 4:
+            a4 = np.float32(a4 + term)
+        elif m == 5:
+            a5 = np.float32(a5 + term)
+        elif m == 6:
+            a6 = np.float32(a6 + term)
+        else:
+            a7 = np.float32(a7 + term)
+    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
 
 
 @njit(inline="always")
-def _q8s_row_dots(wrow, wscales, xq, xd, first, last, isa, out, column):
-    """out[t, column] = wrow . activation row t for t in first:last (xq int8 [N, C], xd f32 [N, G]): 8 rows a pass
-    over the weights on AVX-512, then 4, then one; each output the one-token bits."""
-    t = first
-    while isa == 2 and t + Q8_0_TILE_TOKENS <= last:
-        r = _q8s_row_tile8_avx512(wrow, wscales, xq, xd, t)
-        for j in range(Q8_0_TILE_TOKENS):
-            out[t + j, column] = r[j]
-        t += Q8_0_TILE_TOKENS
-    while isa > 0 and t + 4 <= last:
-        if isa == 2:
-            a, b, c, d = _q8s_row_dot4_avx512(wrow, wscales, xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t],
-                                              xd[t + 1], xd[t + 2], xd[t + 3])
-        else:
-            a, b, c, d = _q8s_row_dot4_avx2(wrow, wscales, xq[t], xq[t + 1], xq[t + 2], xq[t + 3], xd[t], xd[t + 1],
-                                            xd[t + 2], xd[t + 3])
-        out[t, column], out[t + 1, column], out[t + 2, column], out[t + 3, column] = a, b, c, d
-        t += 4
-    for t in range(t, last):
-        if isa == 2:
-            out[t, column] = _q8s_row_dot_avx512(wrow, wscales, xq[t], xd[t])
-        elif isa == 1:
-            out[t, column] = _q8s_row_dot_avx2(wrow, wscales, xq[t], xd[t])
-        else:
-            out[t, column] = _q8s_row_dot_portable(wrow, wscales, xq[t], xd[t])
+def _q8s_row_prepare(wrow, wscales, wscale, wcorr, isa, offset):
+    """A split row -> its block scales (float32) and -128 sum q_w per block (the VNNI tile's correction, where
+    the activations are offset)."""
+    done = 0
+    if isa == 2 and offset:
+        done = _q8s_prepare_avx512(wrow, wscales, wscale, wcorr)
+    elif isa > 0:
+        done = _q8s_prepare_avx2(wrow, wscales, wscale, wcorr)
+    for group in range(done, wscale.shape[0]):
+        wscale[group] = _block_scale(wscales, group)
+        total = np.int32(0)
+        for k in range(GROUP_SIZE):
+            total += np.int32(wrow[group * GROUP_SIZE + k])
+        wcorr[group] = np.int32(-128) * total
 
 
 @njit(inline="always")
-def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, first, last, isa, out):
-    """out[t, r - shift] = w[r] . activation row t for rows begin:end and t in first:last: 8 activation rows (one
-    tile, 16 KB at C = 2048: in L1) against every row of the block (in L2) before the next 8, so that neither side
-    is read from farther than L2 more than once."""
-    t = first
-    while t < last:
-        t_end = min(t + Q8_0_TILE_TOKENS, last)
+def _q8s_dot(wrow, wscales, xq, xd, isa):
+    if isa == 2:
+        return _q8s_row_dot_avx512(wrow, wscales, xq, xd)
+    if isa == 1:
+        return _q8s_row_dot_avx2(wrow, wscales, xq, xd)
+    return _q8s_row_dot_portable(wrow, wscales, xq, xd)
+
+
+@njit(inline="always")
+def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, xt, dt, first, last, isa, out):
+    """out[t, r - shift] = w[r] . activation row t for rows begin:end and t in first:last: with 4 tokens or more,
+    one tile of tokens (16 KB at C = 2048: in L1) against every row of the block (in L2) before the next tile, so
+    that neither side is read from farther than L2 more than once; fewer run one dot per token. A tile's lanes
+    past `last` (the next expert's tokens, or padding) are computed and dropped."""
+    if isa == 0 or last - first < Q8_0_TILE_MIN_TOKENS:
         for row in range(begin, end):
-            _q8s_row_dots(w[row], scales[row], xq, xd, t, t_end, isa, out, row - shift)
-        t = t_end
+            for t in range(first, last):
+                out[t, row - shift] = _q8s_dot(w[row], scales[row], xq[t], xd[t], isa)
+        return
+    lanes = 16 if isa == 2 and _Q8_0_VNNI else 8
+    offset = _q8_0_offset(isa, xq.shape[0])
+    groups = xd.shape[1]
+    rows = end - begin
+    wscale = np.empty((rows, groups), np.float32)
+    wcorr = np.empty((rows, groups), np.int32)
+    res = np.empty(16 * (rows + 1), np.float32)  # row i's dots at res[16 i:]
+    for row in range(begin, end):
+        _q8s_row_prepare(w[row], scales[row], wscale[row - begin], wcorr[row - begin], isa, offset)
+    t = first
+    while last - t >= Q8_0_TILE_MIN_TOKENS:  # a tile (the last one padded) against the block's rows
+        count = min(lanes, last - t)
+        narrow = count <= 8
+        width = lanes
+        for i in range(0, rows, 1 if narrow else 2):  # 8 lanes: a row a pass, as `_q8_0_matmul_task`
+            if i + 1 < rows and not narrow:
+                width = _q8s_tile2(w[begin + i], w[begin + i + 1], wscale[i], wscale[i + 1], wcorr[i], wcorr[i + 1], xt,
+                                   dt, t, res[16 * i:], isa, narrow, offset)
+            else:
+                width = _q8s_tile(w[begin + i], wscale[i], wcorr[i], xt, dt, t, res[16 * i:], isa, narrow, offset)
+        for i in range(rows):
+            for j in range(count):
+                out[t + j, begin + i - shift] = res[16 * i + j]
+        t += width
+    for row in range(begin, end):  # the last 1-3 tokens
+        for u in range(t, last):
+            out[u, row - shift] = _q8s_dot(w[row], scales[row], xq[u], xd[u], isa)
 
 
 @njit(inline="always")
-def _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, projected, task, blocks):
+def _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, xt, dt, starts, ends, isa, projected, task, blocks):
     """Rows block * 16 .. of expert k's gate_up [2I, H] (gate rows, then up rows: one contiguous stream a task)."""
     k = task // blocks
     e = expert_ids[k]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(projected.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
-    _q8s_block_dots(gate_up[e], scales[e], begin, end, 0, xq, xd, starts[k], ends[k], isa, projected)
+    _q8s_block_dots(gate_up[e], scales[e], begin, end, 0, xq, xd, xt, dt, starts[k], ends[k], isa, projected)
 
 
 @njit(inline="always")
@@ -979,47 +1431,47 @@ def _q8s_glu(projected, starts, ends, hidden, k):
 
 
 @njit(inline="always")
-def _q8s_down_task(down, scales, expert_ids, hq, hd, starts, ends, isa, out, task, blocks):
+def _q8s_down_task(down, scales, expert_ids, hq, hd, ht, hdt, starts, ends, isa, out, task, blocks):
     k = task // blocks
     e = expert_ids[k]
     begin, end = (task % blocks) * ROWS_PER_TASK, min(out.shape[1], (task % blocks + 1) * ROWS_PER_TASK)
-    _q8s_block_dots(down[e], scales[e], begin, end, 0, hq, hd, starts[k], ends[k], isa, out)
+    _q8s_block_dots(down[e], scales[e], begin, end, 0, hq, hd, ht, hdt, starts[k], ends[k], isa, out)
 
 
 @njit(cache=True, parallel=True)
-def _q8s_gate_up_parallel(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, projected, hidden):
+def _q8s_gate_up_parallel(gate_up, scales, expert_ids, xq, xd, xt, dt, starts, ends, isa, projected, hidden):
     """projected [N, 2I] = gate_up . x over (expert, 16-row block of gate_up) tasks, then hidden [N, I] =
     SiLU-GLU of it. A task streams one run of 16 rows: gate and up rows of the same index in one task (two streams,
     jumping between them) read them at 22 against 28 GB/s (Moonlight's 6 experts, one token, cold)."""
     blocks = (projected.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
-        _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, projected, task, blocks)
+        _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, xt, dt, starts, ends, isa, projected, task, blocks)
     for k in prange(expert_ids.shape[0]):
         _q8s_glu(projected, starts, ends, hidden, k)
 
 
 @njit(cache=True)
-def _q8s_gate_up_serial(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, projected, hidden):
+def _q8s_gate_up_serial(gate_up, scales, expert_ids, xq, xd, xt, dt, starts, ends, isa, projected, hidden):
     blocks = (projected.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in range(expert_ids.shape[0] * blocks):
-        _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, starts, ends, isa, projected, task, blocks)
+        _q8s_gate_up_task(gate_up, scales, expert_ids, xq, xd, xt, dt, starts, ends, isa, projected, task, blocks)
     for k in range(expert_ids.shape[0]):
         _q8s_glu(projected, starts, ends, hidden, k)
 
 
 @njit(cache=True, parallel=True)
-def _q8s_down_parallel(down, scales, expert_ids, hq, hd, starts, ends, isa, out):
+def _q8s_down_parallel(down, scales, expert_ids, hq, hd, ht, hdt, starts, ends, isa, out):
     """out [N, H] rows of the experts' pairs = down . hidden, over (expert, row block) tasks."""
     blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(expert_ids.shape[0] * blocks):
-        _q8s_down_task(down, scales, expert_ids, hq, hd, starts, ends, isa, out, task, blocks)
+        _q8s_down_task(down, scales, expert_ids, hq, hd, ht, hdt, starts, ends, isa, out, task, blocks)
 
 
 @njit(cache=True)
-def _q8s_down_serial(down, scales, expert_ids, hq, hd, starts, ends, isa, out):
+def _q8s_down_serial(down, scales, expert_ids, hq, hd, ht, hdt, starts, ends, isa, out):
     blocks = (out.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in range(expert_ids.shape[0] * blocks):
-        _q8s_down_task(down, scales, expert_ids, hq, hd, starts, ends, isa, out, task, blocks)
+        _q8s_down_task(down, scales, expert_ids, hq, hd, ht, hdt, starts, ends, isa, out, task, blocks)
 
 
 def q8_0_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.ndarray, down_scales: np.ndarray,
@@ -1055,12 +1507,15 @@ def q8_0_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.n
     projected = np.empty((tokens.shape[0], 2 * width), np.float32)  # [N, 2I]: gate, then up
     hidden = np.zeros((tokens.shape[0], width), np.float32)  # [N, I]; rows of experts not in this call stay 0
     parallel = expert_ids.shape[0] * gate_up[0].size >= PARALLEL_MIN_WEIGHTS
+    xt, dt = _q8_0_tiles(xq, xd, code)  # the tiles' layout (empty when every expert has under 4 tokens)
     (_q8s_gate_up_parallel if parallel else _q8s_gate_up_serial)(
-        np.ascontiguousarray(gate_up), kernel_block_scales(gate_up_scales), expert_ids, xq, xd, starts, ends, code,
-        projected, hidden)
+        np.ascontiguousarray(gate_up), kernel_block_scales(gate_up_scales), expert_ids, xq, xd, xt, dt, starts, ends,
+        code, projected, hidden)
     hq, hd = quantize_activations(hidden)  # [N, I], [N, I / 32]
+    ht, hdt = _q8_0_tiles(hq, hd, code)
     (_q8s_down_parallel if parallel else _q8s_down_serial)(
-        np.ascontiguousarray(down), kernel_block_scales(down_scales), expert_ids, hq, hd, starts, ends, code, out)
+        np.ascontiguousarray(down), kernel_block_scales(down_scales), expert_ids, hq, hd, ht, hdt, starts, ends, code,
+        out)
     return out
 
 
@@ -1141,8 +1596,9 @@ def q8_0_matmul(blocks: np.ndarray, x: np.ndarray, isa: str | None = None) -> np
         return out
     code = _isa_code(isa)
     xq, xd = quantize_activations(x)  # [T, C] int8, [T, G] float32
+    xt, dt = _q8_0_tiles(xq, xd, code, aligned=True)
     kernel = _q8_0_matmul_parallel if blocks.size >= PARALLEL_MIN_WEIGHTS else _q8_0_matmul_serial
-    kernel(blocks, xq, xd, _F16_TO_F32, code, out)
+    kernel(blocks, xq, xd, xt, dt, _F16_TO_F32, code, out)
     return out
 
 
@@ -1155,21 +1611,24 @@ def q8_0_matmul_reference(blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, parallel=True)
-def _q8_0_heads_parallel(blocks, xq, xd, f16_table, isa, out):
-    """out [NA, T, R] = per head h, x[h] W_h^T; blocks u8 [NA, R, G * 34], xq int8 [NA, T, C], xd f32 [NA, T, G].
-    One parallel region for every head: a task is 16 rows of one head (`_q8_0_matmul_task`)."""
+def _q8_0_heads_parallel(blocks, xq, xd, xt, dt, f16_table, isa, out):
+    """out [NA, T, R] = per head h, x[h] W_h^T; blocks u8 [NA, R, G * 34], xq int8 [NA, T, C], xd f32 [NA, T, G],
+    (xt, dt) each head's tile layout. One parallel region for every head: a task is 16 rows of one head
+    (`_q8_0_matmul_task`)."""
     tasks = (blocks.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for job in prange(blocks.shape[0] * tasks):
         head = job // tasks
-        _q8_0_matmul_task(blocks[head], xq[head], xd[head], f16_table, isa, out[head], job - head * tasks)
+        _q8_0_matmul_task(blocks[head], xq[head], xd[head], xt[min(head, xt.shape[0] - 1)],
+                          dt[min(head, dt.shape[0] - 1)], f16_table, isa, out[head], job - head * tasks)
 
 
 @njit(cache=True)
-def _q8_0_heads_serial(blocks, xq, xd, f16_table, isa, out):
+def _q8_0_heads_serial(blocks, xq, xd, xt, dt, f16_table, isa, out):
     tasks = (blocks.shape[1] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for head in range(blocks.shape[0]):
         for task in range(tasks):
-            _q8_0_matmul_task(blocks[head], xq[head], xd[head], f16_table, isa, out[head], task)
+            _q8_0_matmul_task(blocks[head], xq[head], xd[head], xt[min(head, xt.shape[0] - 1)],
+                              dt[min(head, dt.shape[0] - 1)], f16_table, isa, out[head], task)
 
 
 def _check_q8_0_heads(blocks: np.ndarray, x: np.ndarray) -> int:
@@ -1204,7 +1663,9 @@ def q8_0_heads_matmul(blocks: np.ndarray, x: np.ndarray, isa: str | None = None)
     xq, xd = quantize_activations(x.reshape(heads * tokens, cols))  # [NA*T, C] int8, [NA*T, G] float32
     parallel = blocks.size * tokens >= Q8_0_HEADS_PARALLEL_MIN_WORK
     kernel = _q8_0_heads_parallel if parallel else _q8_0_heads_serial
-    kernel(blocks, xq.reshape(heads, tokens, cols), xd.reshape(heads, tokens, -1), _F16_TO_F32, _isa_code(isa), out)
+    xq, xd, code = xq.reshape(heads, tokens, cols), xd.reshape(heads, tokens, -1), _isa_code(isa)
+    tiles = [_q8_0_tiles(xq[h], xd[h], code, aligned=True) for h in range(heads)]  # [NA, G, 9, N, 4], [NA, G, N]
+    kernel(blocks, xq, xd, np.stack([t[0] for t in tiles]), np.stack([t[1] for t in tiles]), _F16_TO_F32, code, out)
     return out
 
 
@@ -3477,8 +3938,9 @@ def warmup(dense_experts: bool = True) -> None:
     _accumulate_rows(np.zeros((1, 32), np.float32), one, np.ones(1, np.float32), np.zeros((1, 32), np.float32))
     permute_groups(x, np.empty_like(x))
     q8_blocks, (xq, xd) = np.zeros((3, Q8_0_BLOCK_BYTES), np.uint8), quantize_activations(x)
+    xt, dt = _q8_0_tiles(xq, xd, ISA_CODES[ISA])  # 2 tokens: empty (the kernels compile every path regardless)
     for kernel in (_q8_0_matmul_serial, _q8_0_matmul_parallel):
-        kernel(q8_blocks, xq, xd, _F16_TO_F32, ISA_CODES[ISA], out)
+        kernel(q8_blocks, xq, xd, xt, dt, _F16_TO_F32, ISA_CODES[ISA], out)
     for kernel in (_bf16_matmul_serial, _bf16_matmul_parallel):
         kernel(np.zeros((3, 32), np.uint16), x, out)
     if INT8_ACTIVATIONS == "q8":
@@ -3489,12 +3951,13 @@ def warmup(dense_experts: bool = True) -> None:
         # the families' scales: a GGUF's float16 ones, as their bits (`kernel_block_scales`)
         gate_up_scales, down_scales = np.ones((1, 64, 1), np.uint16), np.ones((1, 32, 1), np.uint16)
         xq, xd = quantize_activations(x)
+        xt, dt = _q8_0_tiles(xq, xd, ISA_CODES[ISA])  # 2 tokens: empty
         for kernel in (_q8s_gate_up_serial, _q8s_gate_up_parallel):
-            kernel(gate_up, gate_up_scales, one, xq, xd, np.zeros(1, np.int64), np.full(1, 2, np.int64),
+            kernel(gate_up, gate_up_scales, one, xq, xd, xt, dt, np.zeros(1, np.int64), np.full(1, 2, np.int64),
                    ISA_CODES[ISA], np.empty((2, 64), np.float32), np.empty((2, 32), np.float32))
         for kernel in (_q8s_down_serial, _q8s_down_parallel):
-            kernel(down, down_scales, one, xq, xd, np.zeros(1, np.int64), np.full(1, 2, np.int64), ISA_CODES[ISA],
-                   np.empty((2, 32), np.float32))
+            kernel(down, down_scales, one, xq, xd, xt, dt, np.zeros(1, np.int64), np.full(1, 2, np.int64),
+                   ISA_CODES[ISA], np.empty((2, 32), np.float32))
     if dense_experts:
         warmup_dense_experts()
     if bf16_activations_on():
