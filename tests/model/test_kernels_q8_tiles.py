@@ -305,19 +305,22 @@ def test_q8_0_experts_equal_their_twin(isa: str, hidden: int, inter: int) -> Non
 
 
 def test_q8_0_experts_each_token_has_its_own_bits() -> None:
-    """A token's output does not depend on the pass it ran in (a tile of 16 or 8 tokens, whole or padded, or one
-    dot per token) or the other tokens of its expert: one expert with 19 and one with 13 tokens against each token
-    alone."""
+    """A token's output does not depend on the pass it ran in (a tile of 16 or 8 tokens, whole or padded, the
+    activations offset or not, or one dot per token) or the other tokens of its expert: one expert with 24, 19, 13
+    and 8 tokens against each token alone."""
     rng = np.random.default_rng(12)
     stacked = _q8_0_experts(rng, 2, 64, 96)
-    x = rng.standard_normal((19, 96)).astype(np.float32)
+    x = rng.standard_normal((24, 96)).astype(np.float32)
     one = np.ones(1, np.int64)
-    together = kernels.q8_0_experts_run(*stacked, one, x, np.arange(19), np.zeros(1, np.int64),
-                                        np.full(1, 19, np.int64))
-    thirteen = kernels.q8_0_experts_run(*stacked, one, x, np.arange(13), np.zeros(1, np.int64),
-                                        np.full(1, 13, np.int64))
-    np.testing.assert_array_equal(_bits(thirteen), _bits(together[:13]))
-    for n in (0, 7, 8, 12, 15, 16, 18):
+
+    def run(count: int) -> np.ndarray:
+        return kernels.q8_0_experts_run(*stacked, one, x, np.arange(count), np.zeros(1, np.int64),
+                                        np.full(1, count, np.int64))
+
+    together = run(24)  # 16 lanes, then 8
+    for count in (19, 13, 8):  # 16 lanes then 3 dots; 16 lanes padded; 8 lanes on the rows as they are
+        np.testing.assert_array_equal(_bits(run(count)), _bits(together[:count]))
+    for n in (0, 7, 8, 12, 15, 16, 23):
         alone = kernels.q8_0_experts_run(*stacked, one, x[n:n + 1], np.zeros(1, np.int64), np.zeros(1, np.int64),
                                          one)
         np.testing.assert_array_equal(_bits(alone[0]), _bits(together[n]))

@@ -113,7 +113,7 @@ def test_q8_0_tiles_give_every_token_its_one_token_bits(cols):
     singles = {isa: np.concatenate([q8_0_matmul(blocks, x[t:t + 1], isa=isa) for t in range(len(x))])
                for isa in kernels.AVAILABLE_ISAS if isa != "portable"}
     for isa, want in singles.items():
-        for count in (4, 5, 8, 15, 16, 17, 19, 33, 41):  # padded tiles, whole tiles, tiles then 1-3 alone
+        for count in (4, 5, 8, 15, 16, 17, 19, 20, 24, 33, 41):  # 8-lane, 16-lane, padded, then 8 lanes or 1-3 alone
             assert np.array_equal(q8_0_matmul(blocks, x[:count], isa=isa), want[:count]), (isa, count)
         assert _relative_rms(want, q8_0_matmul_reference(blocks, x)) < 1e-6, isa
     assert all(np.array_equal(want, singles["avx2"]) for want in singles.values())

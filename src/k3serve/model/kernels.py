@@ -556,6 +556,10 @@ Q8_0_LANES = 8  # accumulators (float order, above)
 _F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] scale table
 _Q8_0_VNNI = "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 Q8_0_TILE_MIN_TOKENS = 4  # from this many tokens a row runs tiles (the last one padded) rather than one dot each
+# An expert's run of pairs from which its rows run tiles: runs of 4-7 (64 tokens over 128 experts) ran 1.13x the
+# previous kernels as one dot per token and 0.88x as a padded tile, whose rows' prepared sums serve one tile only
+# (in-process A/B, docs/BENCHMARKS.md); a run's last 4-7 tokens after whole tiles still take a tile.
+Q8_0_EXPERT_TILE_MIN_TOKENS = 8
 
 
 def tile_lanes(isa: int) -> int:
@@ -733,12 +737,13 @@ def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: 
     """IR of `num_rows` Q8_0 rows against `lanes` tokens t0 .. t0 + lanes - 1 (see above: lanes = tokens).
     Arguments (wrow_0 .., wscale_0 .., wcorr_0 .., xt u8 [G, 8, N, 4], dt f32 [G, N], t0, res): each row's 34-byte
     blocks (`split`: its int8 values), its block scales f32 [G] and -128 sum q_w per block i32 [G]
-    (`_q8_0_row_prepare`), the activations' tile layout (`_q8_0_tiles`: + 128 on AVX-512 VNNI, as they are on AVX2), res f32 [>= rows * lanes]: row i's dots go to res[i * lanes:(i + 1) * lanes]. The rows share each
-    activation load (one row alone ran ~1.8x as long a row: the loads, not the multiplies, bound it; running the
-    blocks in L1-sized ranges for all of a task's rows gained nothing more, in-process timing 2026-12-07).
-    `lanes`: 16 or 8 with AVX-512 VNNI, 8 otherwise. `offset` False (8 lanes): the activations as they are,
-    multiplied with the weight bytes' sign and magnitudes (no correction, so no sums of q_w to prepare: a call of 8
-    tokens or fewer). `chains`: independent integer sums a row and block (exact, so any number gives the same
+    (`_q8_0_row_prepare`), the activations' tile layout (`_q8_0_tiles`: + 128 with `offset`), res f32 [>= 16
+    rows]: row i's dots go to res[16 i:16 i + lanes]. The rows share each activation load (one row alone ran ~1.8x
+    as long a row from L2: the loads bound it; running the blocks in L1-sized ranges for all of a task's rows gained
+    nothing more, in-process timing 2026-12-07). `lanes`: 16 or 8 with AVX-512 VNNI, 8 otherwise. `offset` False
+    (8 lanes): the activations as they are, multiplied on VNNI by the weight bytes + 128 (broadcast) with xt's 9th
+    word, -128 sum q_x, as the correction, on AVX2 by the weight bytes' magnitudes with their sign; nothing to
+    prepare (a call of 8 tokens or fewer). `chains`: independent integer sums a row and block (exact, so any number gives the same
     bits). -> lanes (int64)"""
     vnni = isa == "avx512" and _Q8_0_VNNI
     lanes = lanes if vnni and offset else 8
@@ -819,7 +824,7 @@ def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: 
                 block(group, m)
         for r in range(num_rows):
             total = _combine_accumulators(builder, [builder.load(slot) for slot in acc_slots[r]])
-            builder.store(total, builder.bitcast(builder.gep(res.data, [const(r * lanes)]), vf.as_pointer()), align=4)
+            builder.store(total, builder.bitcast(builder.gep(res.data, [const(r * 16)]), vf.as_pointer()), align=4)
         return ir.Constant(ir.IntType(64), lanes)
 
     return codegen
@@ -1058,7 +1063,8 @@ def _q8_0_rows4(w0, w1, w2, w3, xq, xd, isa):
 @register_jitable
 def _q8_0_offset(isa, tokens):
     """Whether the tiles of a call with `tokens` activation rows take them + 128 (AVX-512 VNNI, more than 8 rows:
-    16-lane tiles) or as they are (8-lane tiles; no sums of q_w to prepare)."""
+    16-lane tiles, whose sums of q_w a row, `_q8_0_row_prepare`, serve the call's tiles) or as they are (8-lane
+    tiles on the weights + 128: no sums of q_w to prepare; a decode batch)."""
     return isa == 2 and _Q8_0_VNNI and tokens > 8
 
 
@@ -1175,8 +1181,8 @@ def _q8_0_matmul_task(blocks, xq, xd, xt, dt, f16_table, isa, out, task):
             for t in range(tokens):
                 out[t, row] = _q8_0_row_dot(blocks[row], xq[t], xd[t], f16_table, isa)
         return
-    lanes = 16 if isa == 2 and _Q8_0_VNNI else 8
     offset = _q8_0_offset(isa, tokens)
+    lanes = 16 if offset else 8
     rows = last - first
     wscale = np.empty((rows, groups), np.float32)
     wcorr = np.empty((rows, groups), np.int32)
@@ -1188,7 +1194,7 @@ def _q8_0_matmul_task(blocks, xq, xd, xt, dt, f16_table, isa, out, task):
         count = min(lanes, tokens - t)
         narrow = count <= 8
         width = lanes
-        for i in range(0, rows, 1 if narrow else 2):  # 8 lanes: a row a pass (two spilled: ~12% slower at 8 tokens)
+        for i in range(0, rows, 1 if narrow else 2):  # 8 lanes (in L1): a row a pass, two ran ~12% slower
             if i + 1 < rows and not narrow:
                 width = _q8_0_tile2(blocks[first + i], blocks[first + i + 1], wscale[i], wscale[i + 1], wcorr[i],
                                     wcorr[i + 1], xt, dt, t, res[16 * i:], isa, narrow, offset)
@@ -1378,13 +1384,13 @@ def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, xt, dt, first, last, i
     one tile of tokens (16 KB at C = 2048: in L1) against every row of the block (in L2) before the next tile, so
     that neither side is read from farther than L2 more than once; fewer run one dot per token. A tile's lanes
     past `last` (the next expert's tokens, or padding) are computed and dropped."""
-    if isa == 0 or last - first < Q8_0_TILE_MIN_TOKENS:
+    if isa == 0 or last - first < Q8_0_EXPERT_TILE_MIN_TOKENS:
         for row in range(begin, end):
             for t in range(first, last):
                 out[t, row - shift] = _q8s_dot(w[row], scales[row], xq[t], xd[t], isa)
         return
-    lanes = 16 if isa == 2 and _Q8_0_VNNI else 8
     offset = _q8_0_offset(isa, xq.shape[0])
+    lanes = 16 if offset else 8
     groups = xd.shape[1]
     rows = end - begin
     wscale = np.empty((rows, groups), np.float32)
@@ -1397,8 +1403,8 @@ def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, xt, dt, first, last, i
         count = min(lanes, last - t)
         narrow = count <= 8
         width = lanes
-        for i in range(0, rows, 1 if narrow else 2):  # 8 lanes: a row a pass, as `_q8_0_matmul_task`
-            if i + 1 < rows and not narrow:
+        for i in range(0, rows, 2):  # two rows a pass (the runs' activations come from L2: one row alone ran
+            if i + 1 < rows:  # ~1.8x as long a row; a matrix's 8 tokens, in L1, run a row a pass)
                 width = _q8s_tile2(w[begin + i], w[begin + i + 1], wscale[i], wscale[i + 1], wcorr[i], wcorr[i + 1], xt,
                                    dt, t, res[16 * i:], isa, narrow, offset)
             else:
@@ -1507,7 +1513,7 @@ def q8_0_experts_run(gate_up: np.ndarray, gate_up_scales: np.ndarray, down: np.n
     projected = np.empty((tokens.shape[0], 2 * width), np.float32)  # [N, 2I]: gate, then up
     hidden = np.zeros((tokens.shape[0], width), np.float32)  # [N, I]; rows of experts not in this call stay 0
     parallel = expert_ids.shape[0] * gate_up[0].size >= PARALLEL_MIN_WEIGHTS
-    xt, dt = _q8_0_tiles(xq, xd, code)  # the tiles' layout (empty when every expert has under 4 tokens)
+    xt, dt = _q8_0_tiles(xq, xd, code)  # the tiles' layout (empty under 4 pairs)
     (_q8s_gate_up_parallel if parallel else _q8s_gate_up_serial)(
         np.ascontiguousarray(gate_up), kernel_block_scales(gate_up_scales), expert_ids, xq, xd, xt, dt, starts, ends,
         code, projected, hidden)
