@@ -282,7 +282,7 @@ def _q8_0_experts(rng: np.random.Generator, num_experts: int, inter: int, hidden
 
 
 @pytest.mark.parametrize("isa", kernels.AVAILABLE_ISAS)
-@pytest.mark.parametrize(("hidden", "inter"), [(96, 64), (64, 160)])
+@pytest.mark.parametrize(("hidden", "inter"), [(96, 64), (64, 160), (288, 320)])  # short rows: dots; 9-10 blocks: tiles
 def test_q8_0_experts_equal_their_twin(isa: str, hidden: int, inter: int) -> None:
     """`q8_0_experts_run` on every instruction set against its numpy twin (`q8_0_experts_reference`: the same
     activation quantization, exact products and block sums in float64), on token counts that take whole and
@@ -307,10 +307,10 @@ def test_q8_0_experts_equal_their_twin(isa: str, hidden: int, inter: int) -> Non
 def test_q8_0_experts_each_token_has_its_own_bits() -> None:
     """A token's output does not depend on the pass it ran in (a tile of 16 or 8 tokens, whole or padded, the
     activations offset or not, or one dot per token) or the other tokens of its expert: one expert with 24, 19, 13
-    and 8 tokens against each token alone."""
+    and 8 tokens against each token alone (rows of 9 and 10 blocks: tiles, with a tail of 1-2 blocks)."""
     rng = np.random.default_rng(12)
-    stacked = _q8_0_experts(rng, 2, 64, 96)
-    x = rng.standard_normal((24, 96)).astype(np.float32)
+    stacked = _q8_0_experts(rng, 2, 320, 288)
+    x = rng.standard_normal((24, 288)).astype(np.float32)
     one = np.ones(1, np.int64)
 
     def run(count: int) -> np.ndarray:
@@ -332,11 +332,11 @@ def test_q8_0_experts_take_half_scales_with_the_float32_bits(isa: str, monkeypat
     widens them in the kernel and the float path (`K3SERVE_INT8_ACTIVATIONS=f32`) an expert at a time, each with
     the bits of the same scales widened to float32 beforehand."""
     rng = np.random.default_rng(14)
-    gate_up, gate_up_scales, down, down_scales = _q8_0_experts(rng, 12, 64, 96)
+    gate_up, gate_up_scales, down, down_scales = _q8_0_experts(rng, 12, 320, 288)  # rows of 9-10 blocks: tiles
     half = (gate_up, gate_up_scales.astype(np.float16), down, down_scales.astype(np.float16))
     wide = (gate_up, gate_up_scales, down, down_scales)
     expert_ids, tokens, starts, ends = _routing(rng, [1, 0, 9, 4, 2, 5], 12)
-    x = rng.standard_normal((12, 96)).astype(np.float32)
+    x = rng.standard_normal((12, 288)).astype(np.float32)
     np.testing.assert_array_equal(
         _bits(kernels.q8_0_experts_run(*half, expert_ids, x, tokens, starts, ends, isa=isa)),
         _bits(kernels.q8_0_experts_run(*wide, expert_ids, x, tokens, starts, ends, isa=isa)))

@@ -105,7 +105,8 @@ def test_q8_0_tiles_give_every_token_its_one_token_bits(cols):
     """From Q8_0_TILE_MIN_TOKENS tokens a row runs tiles (lanes = tokens, the activations laid out + 128 for VNNI);
     at 1-3 one dot per token (lanes = the 8 accumulators). Both keep one float order, so every token count (tiles,
     padded tiles, tiles then 1-3 single dots) gives each token the bits of the token alone, on both vector
-    instruction sets and between them; G = 3, 8, 9 and 224 blocks cover the tails of fewer than 8 blocks."""
+    instruction sets and between them. Rows of G = 3 and 8 blocks run one dot per token at every count
+    (`_q8_0_dots_only`); 9 and 224 blocks run tiles, with and without a tail of fewer than 8 blocks."""
     rng = np.random.default_rng(cols + 1)
     blocks = quantize_q8_0(_matrix(rng, 21, cols))
     x = rng.standard_normal((41, cols)).astype(np.float32)

@@ -743,8 +743,8 @@ def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: 
     nothing more, in-process timing 2026-12-07). `lanes`: 16 or 8 with AVX-512 VNNI, 8 otherwise. `offset` False
     (8 lanes): the activations as they are, multiplied on VNNI by the weight bytes + 128 (broadcast) with xt's 9th
     word, -128 sum q_x, as the correction, on AVX2 by the weight bytes' magnitudes with their sign; nothing to
-    prepare (a call of 8 tokens or fewer). `chains`: independent integer sums a row and block (exact, so any number gives the same
-    bits). -> lanes (int64)"""
+    prepare (a call of 8 tokens or fewer). `chains`: independent integer sums a row and block (exact, so any number
+    gives the same bits). -> lanes (int64)"""
     vnni = isa == "avx512" and _Q8_0_VNNI
     lanes = lanes if vnni and offset else 8
     offset = offset and vnni
@@ -777,8 +777,8 @@ def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: 
             row_base = builder.mul(group, words)
 
             def x_at(k: int):
-                return _load(builder, x_ptr, builder.mul(builder.add(builder.mul(builder.add(row_base, const(k)), padded),
-                                                                     t0), const(4)), vi, 1)
+                word_row = builder.mul(builder.add(row_base, const(k)), padded)
+                return _load(builder, x_ptr, builder.mul(builder.add(word_row, t0), const(4)), vi, 1)
 
             zeros = ir.Constant(vi, [0] * lanes)
             if offset:  # the weights' correction, per row
@@ -866,8 +866,8 @@ def _q8_0_prepare_codegen(isa: str, split: bool = False):
             else:
                 bits = ir.Constant(_vector(i16, lanes), ir.Undefined)
                 for b, g in enumerate(groups):
-                    scale = builder.load(builder.bitcast(builder.gep(wrow.data, [builder.mul(g, const(Q8_0_BLOCK_BYTES))]),
-                                                         i16.as_pointer()), align=1)
+                    block_start = builder.gep(wrow.data, [builder.mul(g, const(Q8_0_BLOCK_BYTES))])
+                    scale = builder.load(builder.bitcast(block_start, i16.as_pointer()), align=1)
                     bits = builder.insert_element(bits, scale, ir.Constant(_I32, b))
                 scales = builder.fpext(builder.bitcast(bits, _vector(half, lanes)), vf)
             builder.store(scales, builder.bitcast(builder.gep(wscale.data, [first]), vf.as_pointer()), align=4)
@@ -1061,6 +1061,14 @@ def _q8_0_rows4(w0, w1, w2, w3, xq, xd, isa):
 
 
 @register_jitable
+def _q8_0_dots_only(isa, tokens, groups):
+    """Whether a matrix's rows run one dot per token: portable, under Q8_0_TILE_MIN_TOKENS tokens, or rows of at most
+    Q8_0_ROWS_MAX_GROUPS blocks (MLA's 128-wide W_uk: 4 rows a pass per token ran 4x the tiles at 8 tokens, whose
+    per-row costs 4 blocks do not repay)."""
+    return isa == 0 or tokens < Q8_0_TILE_MIN_TOKENS or groups <= Q8_0_ROWS_MAX_GROUPS
+
+
+@register_jitable
 def _q8_0_offset(isa, tokens):
     """Whether the tiles of a call with `tokens` activation rows take them + 128 (AVX-512 VNNI, more than 8 rows:
     16-lane tiles, whose sums of q_w a row, `_q8_0_row_prepare`, serve the call's tiles) or as they are (8-lane
@@ -1069,14 +1077,15 @@ def _q8_0_offset(isa, tokens):
 
 
 def _q8_0_tiles(xq: np.ndarray, xd: np.ndarray, isa: int, aligned: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The tiles' activation layout for instruction set `isa` (a code): xt u8 [G, 9, N, 4] and dt f32 [G, N]
-    (`_q8_0_tile_codegen`), or empty arrays where the tokens run one dot each. `aligned`: every tile starts at a
+    """The tiles' activation layout for instruction set `isa` (a code), of xq [..., T, C] and xd [..., T, G]: xt u8
+    [..., G, 9, N, 4] and dt f32 [..., G, N] (`_q8_0_tile_codegen`; the leading axes: MLA's heads), or empty arrays
+    where the tokens run one dot each (`_q8_0_dots_only`). `aligned`: every tile starts at a
     multiple of its width (a matrix's tokens, not the experts' runs), so N is T rounded up to it (8 tokens of a
     decode batch: 32 bytes a word row, 20 KB at C = 2304, in L1), else T + the width; a long N that is a multiple
     of 16 gets one width more."""
-    tokens, groups = xd.shape
-    if isa == 0 or tokens < Q8_0_TILE_MIN_TOKENS:
-        return np.zeros((0, Q8_0_LANES + 1, 0, 4), np.uint8), np.zeros((0, 0), np.float32)
+    *lead, tokens, groups = xd.shape
+    if _q8_0_dots_only(isa, tokens, groups):
+        return np.zeros((*lead, 0, Q8_0_LANES + 1, 0, 4), np.uint8), np.zeros((*lead, 0, 0), np.float32)
     width = 16 if _q8_0_offset(isa, tokens) else 8
     padded = -(-tokens // width) * width if aligned else tokens + width
     if padded >= 64 and padded % 16 == 0:  # word rows 4 * N bytes apart: not a multiple of 64 lines (L1's sets;
@@ -1086,17 +1095,18 @@ def _q8_0_tiles(xq: np.ndarray, xd: np.ndarray, isa: int, aligned: bool = False)
     # xt[g, k, t] (k < 8) = bytes 4 k .. 4 k + 3 of token t's block g (a transpose of the rows' 4-byte words), +
     # 128 each with `offset`; xt[g, 8, t] = -128 sum_k q_x (int32), the correction of the unsigned weights (AVX-512
     # VNNI without `offset`). Tokens T .. N - 1 are padding (q_x 0, d_x 0).
-    words = np.empty((groups, Q8_0_LANES + 1, padded), np.uint32)  # [G, 9, N]
-    np.bitwise_xor(np.ascontiguousarray(xq).view(np.uint32).T.reshape(groups, Q8_0_LANES, tokens), np.uint32(flip),
-                   out=words[:, :Q8_0_LANES, :tokens])
-    words[:, :Q8_0_LANES, tokens:] = flip
-    words[:, Q8_0_LANES] = 0
+    words = np.empty((*lead, groups, Q8_0_LANES + 1, padded), np.uint32)  # [..., G, 9, N]
+    source = np.ascontiguousarray(xq).view(np.uint32).swapaxes(-1, -2)  # [..., C / 4, T]
+    np.bitwise_xor(source.reshape(*lead, groups, Q8_0_LANES, tokens), np.uint32(flip),
+                   out=words[..., :Q8_0_LANES, :tokens])
+    words[..., :Q8_0_LANES, tokens:] = flip
+    words[..., Q8_0_LANES, :] = 0
     if isa == 2 and _Q8_0_VNNI and not offset:
-        sums = xq.reshape(tokens, groups, GROUP_SIZE).sum(axis=2, dtype=np.int32)  # [T, G]
-        words[:, Q8_0_LANES, :tokens] = (sums * np.int32(-128)).T.view(np.uint32)
-    dt = np.zeros((groups, padded), np.float32)  # [G, N]
-    dt[:, :tokens] = xd.T
-    return words.view(np.uint8).reshape(groups, Q8_0_LANES + 1, padded, 4), dt
+        sums = xq.reshape(*lead, tokens, groups, GROUP_SIZE).sum(axis=-1, dtype=np.int32)  # [..., T, G]
+        words[..., Q8_0_LANES, :tokens] = (sums * np.int32(-128)).swapaxes(-1, -2).view(np.uint32)
+    dt = np.zeros((*lead, groups, padded), np.float32)  # [..., G, N]
+    dt[..., :tokens] = xd.swapaxes(-1, -2)
+    return words.view(np.uint8).reshape(*lead, groups, Q8_0_LANES + 1, padded, 4), dt
 
 
 @njit(inline="always")
@@ -1168,7 +1178,7 @@ def _q8s_tile2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res, isa, narrow, offset):
 def _q8_0_matmul_task(blocks, xq, xd, xt, dt, f16_table, isa, out, task):
     first, last = task * ROWS_PER_TASK, min(blocks.shape[0], (task + 1) * ROWS_PER_TASK)
     tokens, groups = xd.shape
-    if isa == 0 or tokens < Q8_0_TILE_MIN_TOKENS:  # one dot per token (decode)
+    if _q8_0_dots_only(isa, tokens, groups):  # one dot per token (decode; short rows)
         # short rows: 4 rows a pass for each token (see Q8_0_ROWS_MAX_GROUPS)
         row = first
         if isa > 0 and groups <= Q8_0_ROWS_MAX_GROUPS:
@@ -1295,7 +1305,8 @@ def _q8s_tile2_avx512_8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
 @intrinsic
 def _q8s_tile2_avx512_s8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
     """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
-    return _q8_0_typer("avx512", split=True, tile=8, num_rows=2, offset=False)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
+    return _q8_0_typer("avx512", split=True, tile=8, num_rows=2, offset=False)(typingctx, w0, w1, s0, s1, c0, c1, xt,
+                                                                                  dt, t0, res)
 
 
 @intrinsic
@@ -1384,7 +1395,7 @@ def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, xt, dt, first, last, i
     one tile of tokens (16 KB at C = 2048: in L1) against every row of the block (in L2) before the next tile, so
     that neither side is read from farther than L2 more than once; fewer run one dot per token. A tile's lanes
     past `last` (the next expert's tokens, or padding) are computed and dropped."""
-    if isa == 0 or last - first < Q8_0_EXPERT_TILE_MIN_TOKENS:
+    if _q8_0_dots_only(isa, xq.shape[0], xd.shape[1]) or last - first < Q8_0_EXPERT_TILE_MIN_TOKENS:
         for row in range(begin, end):
             for t in range(first, last):
                 out[t, row - shift] = _q8s_dot(w[row], scales[row], xq[t], xd[t], isa)
@@ -1670,8 +1681,8 @@ def q8_0_heads_matmul(blocks: np.ndarray, x: np.ndarray, isa: str | None = None)
     parallel = blocks.size * tokens >= Q8_0_HEADS_PARALLEL_MIN_WORK
     kernel = _q8_0_heads_parallel if parallel else _q8_0_heads_serial
     xq, xd, code = xq.reshape(heads, tokens, cols), xd.reshape(heads, tokens, -1), _isa_code(isa)
-    tiles = [_q8_0_tiles(xq[h], xd[h], code, aligned=True) for h in range(heads)]  # [NA, G, 9, N, 4], [NA, G, N]
-    kernel(blocks, xq, xd, np.stack([t[0] for t in tiles]), np.stack([t[1] for t in tiles]), _F16_TO_F32, code, out)
+    xt, dt = _q8_0_tiles(xq, xd, code, aligned=True)  # [NA, G, 9, N, 4], [NA, G, N] (or empty)
+    kernel(blocks, xq, xd, xt, dt, _F16_TO_F32, code, out)
     return out
 
 
