@@ -903,8 +903,9 @@ def _q8_0_typer(isa: str, split: bool = False, num_rows: int = 1, tile: int = 0,
     prepare step, which return int64 and write their outputs. NaN (0) where this CPU lacks `isa` (never called
     there: the drivers pick the instruction set)."""
     def typer(typingctx, *operands):
-        if tile:
-            codegen = (_q8_0_tile_codegen(isa, split, num_rows, tile, offset) if isa in AVAILABLE_ISAS
+        if tile:  # a row of 34-byte blocks (uint8) or of int8 values (a GGUF's Q8_0 experts as the families hold them)
+            values = operands[0].dtype == types.int8
+            codegen = (_q8_0_tile_codegen(isa, values, num_rows, tile, offset) if isa in AVAILABLE_ISAS
                        else _unavailable_lanes_codegen)
             return types.int64(*operands), codegen
         if prepare:
@@ -954,13 +955,15 @@ def _q8_0_rows4_avx2(typingctx, w0, w1, w2, w3, xq, xd):
 
 @intrinsic
 def _q8_0_tile_avx512_8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
-    """The same on 8 lanes (ymm; 4-8 tokens)."""
+    """One Q8_0 row (34-byte blocks, or int8 values) against tokens t0 .. t0 + 7, offset activations (AVX-512 VNNI,
+    8 lanes: a longer call's last 4-8 tokens)."""
     return _q8_0_typer("avx512", tile=8)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
 
 
 @intrinsic
 def _q8_0_tile_avx512_s8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
-    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
+    """One Q8_0 row against tokens t0 .. t0 + 7, the activations as they are (AVX-512 VNNI, 8 lanes: a call of 8
+    tokens or fewer)."""
     return _q8_0_typer("avx512", tile=8, offset=False)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
 
 
@@ -978,13 +981,13 @@ def _q8_0_tile_avx2(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
 
 @intrinsic
 def _q8_0_tile2_avx512_8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
-    """The same on 8 lanes (ymm; 4-8 tokens)."""
+    """Two Q8_0 rows against tokens t0 .. t0 + 7, offset activations (AVX-512 VNNI, 8 lanes)."""
     return _q8_0_typer("avx512", tile=8, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
 
 
 @intrinsic
 def _q8_0_tile2_avx512_s8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
-    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
+    """Two Q8_0 rows against tokens t0 .. t0 + 7, the activations as they are (AVX-512 VNNI, 8 lanes)."""
     return _q8_0_typer("avx512", tile=8, num_rows=2, offset=False)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
 
 
@@ -1012,36 +1015,36 @@ def _q8_0_prepare_avx2(typingctx, wrow, wscale, wcorr):
     return _q8_0_typer("avx2", prepare=True)(typingctx, wrow, wscale, wcorr)
 
 
-@njit(cache=True)
-def _q8_0_row_dot_portable(wrow: np.ndarray, xq: np.ndarray, xd: np.ndarray, f16_table: np.ndarray) -> np.float32:
-    """The row dot in plain numba: each block's exact int32 sum, then the 8 accumulators (a multiply and an add)."""
+@njit(inline="always")
+def _q8_0_dot_portable(wrow, wscales, xq, xd, stored):
+    """The dot in plain numba: each block's exact int32 sum, then the 8 accumulators (a float32 product d_w d_x, a
+    float64 multiply and add for the FMA). `stored`: wrow is a row of 34-byte blocks (wscales unused), else int8
+    values with their block scales."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     for group in range(xd.shape[0]):
-        base = group * Q8_0_BLOCK_BYTES
-        scale = f16_table[np.int64(wrow[base]) | (np.int64(wrow[base + 1]) << 8)] * xd[group]
         block_sum = np.int32(0)
-        for k in range(GROUP_SIZE):
-            w = np.int32(wrow[base + 2 + k])
-            block_sum += (w - np.int32(256) if w >= 128 else w) * np.int32(xq[group * GROUP_SIZE + k])
-        term = np.float64(block_sum) * np.float64(scale)
-        m = group % Q8_0_LANES
-        if m == 0:
-            a0 = np.float32(a0 + term)
-        elif m == 1:
-            a1 = np.float32(a1 + term)
-        elif m == 2:
-            a2 = np.float32(a2 + term)
-        elif m == 3:
-            a3 = np.float32(a3 + term)
-        elif m == 4:
-            a4 = np.float32(a4 + term)
-        elif m == 5:
-            a5 = np.float32(a5 + term)
-        elif m == 6:
-            a6 = np.float32(a6 + term)
+        if stored:
+            base = group * Q8_0_BLOCK_BYTES
+            scale = _F16_TO_F32[np.int64(wrow[base]) | (np.int64(wrow[base + 1]) << 8)] * xd[group]
+            for k in range(GROUP_SIZE):
+                w = np.int32(wrow[base + 2 + k])
+                block_sum += (w - np.int32(256) if w >= 128 else w) * np.int32(xq[group * GROUP_SIZE + k])
         else:
-            a7 = np.float32(a7 + term)
+            scale = _block_scale(wscales, group) * xd[group]
+            for k in range(GROUP_SIZE):
+                block_sum += np.int32(wrow[group * GROUP_SIZE + k]) * np.int32(xq[group * GROUP_SIZE + k])
+        # the block's accumulator (g mod 8) is always a0: added to, then rotated to the back
+        a0, a1, a2, a3, a4, a5, a6, a7 = a1, a2, a3, a4, a5, a6, a7, np.float32(a0 + np.float64(block_sum) *
+                                                                                   np.float64(scale))
+    for _ in range((Q8_0_LANES - xd.shape[0] % Q8_0_LANES) % Q8_0_LANES):  # back to a_m in position m
+        a0, a1, a2, a3, a4, a5, a6, a7 = a1, a2, a3, a4, a5, a6, a7, a0
     return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+@njit(cache=True)
+def _q8_0_row_dot_portable(wrow: np.ndarray, xq: np.ndarray, xd: np.ndarray, f16_table: np.ndarray) -> np.float32:
+    """The row dot of a row of 34-byte blocks in plain numba (`_q8_0_dot_portable`)."""
+    return _q8_0_dot_portable(wrow, f16_table, xq, xd, True)
 
 
 @njit(inline="always")
@@ -1130,7 +1133,7 @@ def _q8_0_row_prepare(wrow, f16_table, wscale, wcorr, isa, offset):
 
 @njit(inline="always")
 def _q8_0_tile(wrow, wscale, wcorr, xt, dt, t0, res, isa, narrow, offset):
-    """One row's tile (`narrow`: 8 lanes) -> its lanes."""
+    """One row's tile (`narrow`: 8 lanes; a row of 34-byte blocks or of int8 values) -> its lanes."""
     if isa == 2:
         if narrow and not offset:
             return _q8_0_tile_avx512_s8(wrow, wscale, wcorr, xt, dt, t0, res)
@@ -1142,7 +1145,7 @@ def _q8_0_tile(wrow, wscale, wcorr, xt, dt, t0, res, isa, narrow, offset):
 
 @njit(inline="always")
 def _q8_0_tile2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res, isa, narrow, offset):
-    """Two rows' tile (`narrow`: 8 lanes) -> its lanes (row 1's dots at res[lanes:])."""
+    """Two rows' tile (`narrow`: 8 lanes) -> its lanes (row 1's dots at res[16:])."""
     if isa == 2:
         if narrow and not offset:
             return _q8_0_tile2_avx512_s8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
@@ -1150,28 +1153,6 @@ def _q8_0_tile2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res, isa, narrow, offset):
             return _q8_0_tile2_avx512_8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
         return _q8_0_tile2_avx512(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
     return _q8_0_tile2_avx2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
-
-
-@njit(inline="always")
-def _q8s_tile(wrow, wscale, wcorr, xt, dt, t0, res, isa, narrow, offset):
-    if isa == 2:
-        if narrow and not offset:
-            return _q8s_tile_avx512_s8(wrow, wscale, wcorr, xt, dt, t0, res)
-        if narrow:
-            return _q8s_tile_avx512_8(wrow, wscale, wcorr, xt, dt, t0, res)
-        return _q8s_tile_avx512(wrow, wscale, wcorr, xt, dt, t0, res)
-    return _q8s_tile_avx2(wrow, wscale, wcorr, xt, dt, t0, res)
-
-
-@njit(inline="always")
-def _q8s_tile2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res, isa, narrow, offset):
-    if isa == 2:
-        if narrow and not offset:
-            return _q8s_tile2_avx512_s8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
-        if narrow:
-            return _q8s_tile2_avx512_8(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
-        return _q8s_tile2_avx512(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
-    return _q8s_tile2_avx2(w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
 
 
 @njit(inline="always")
@@ -1273,56 +1254,6 @@ def _q8s_row_dot_avx2(typingctx, wrow, wscales, xq, xd):
 
 
 @intrinsic
-def _q8s_tile_avx512_8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
-    """The same on 8 lanes (ymm; 4-8 tokens)."""
-    return _q8_0_typer("avx512", split=True, tile=8)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
-
-
-@intrinsic
-def _q8s_tile_avx512_s8(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
-    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
-    return _q8_0_typer("avx512", split=True, tile=8, offset=False)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
-
-
-@intrinsic
-def _q8s_tile_avx512(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
-    """One split Q8_0 row against the tile's tokens t0 .. (AVX-512)."""
-    return _q8_0_typer("avx512", split=True, tile=16)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
-
-
-@intrinsic
-def _q8s_tile_avx2(typingctx, wrow, wscale, wcorr, xt, dt, t0, res):
-    """One split Q8_0 row against the tile's tokens t0 .. t0 + 7 (AVX2)."""
-    return _q8_0_typer("avx2", split=True, tile=16)(typingctx, wrow, wscale, wcorr, xt, dt, t0, res)
-
-
-@intrinsic
-def _q8s_tile2_avx512_8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
-    """The same on 8 lanes (ymm; 4-8 tokens)."""
-    return _q8_0_typer("avx512", split=True, tile=8, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
-
-
-@intrinsic
-def _q8s_tile2_avx512_s8(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
-    """The same on 8 lanes, the activations as they are (a call of 8 tokens or fewer)."""
-    return _q8_0_typer("avx512", split=True, tile=8, num_rows=2, offset=False)(typingctx, w0, w1, s0, s1, c0, c1, xt,
-                                                                                  dt, t0, res)
-
-
-@intrinsic
-def _q8s_tile2_avx512(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
-    """Two split Q8_0 rows against the tile's tokens (AVX-512), sharing the loads."""
-    return _q8_0_typer("avx512", split=True, tile=16, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0,
-                                                                    res)
-
-
-@intrinsic
-def _q8s_tile2_avx2(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res):
-    """Two split Q8_0 rows against the tile's tokens t0 .. t0 + 7 (AVX2)."""
-    return _q8_0_typer("avx2", split=True, tile=16, num_rows=2)(typingctx, w0, w1, s0, s1, c0, c1, xt, dt, t0, res)
-
-
-@intrinsic
 def _q8s_prepare_avx512(typingctx, wrow, wscales, wscale, wcorr):
     """A split row's block scales and VNNI corrections, 8 blocks at a time."""
     return _q8_0_typer("avx512", split=True, prepare=True)(typingctx, wrow, wscales, wscale, wcorr)
@@ -1336,31 +1267,8 @@ def _q8s_prepare_avx2(typingctx, wrow, wscales, wscale, wcorr):
 
 @njit(cache=True)
 def _q8s_row_dot_portable(wrow, wscales, xq, xd):
-    """The split row dot in plain numba: each block's exact int32 sum, then the 8 accumulators."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for group in range(xd.shape[0]):
-        block_sum = np.int32(0)
-        for k in range(GROUP_SIZE):
-            block_sum += np.int32(wrow[group * GROUP_SIZE + k]) * np.int32(xq[group * GROUP_SIZE + k])
-        term = np.float64(block_sum) * np.float64(_block_scale(wscales, group) * xd[group])
-        m = group % Q8_0_LANES
-        if m == 0:
-            a0 = np.float32(a0 + term)
-        elif m == 1:
-            a1 = np.float32(a1 + term)
-        elif m == 2:
-            a2 = np.float32(a2 + term)
-        elif m == 3:
-            a3 = np.float32(a3 + term)
-        elif m == 4:
-            a4 = np.float32(a4 + term)
-        elif m == 5:
-            a5 = np.float32(a5 + term)
-        elif m == 6:
-            a6 = np.float32(a6 + term)
-        else:
-            a7 = np.float32(a7 + term)
-    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+    """The split row dot in plain numba (`_q8_0_dot_portable`)."""
+    return _q8_0_dot_portable(wrow, wscales, xq, xd, False)
 
 
 @njit(inline="always")
@@ -1416,10 +1324,10 @@ def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, xt, dt, first, last, i
         width = lanes
         for i in range(0, rows, 2):  # two rows a pass (the runs' activations come from L2: one row alone ran
             if i + 1 < rows:  # ~1.8x as long a row; a matrix's 8 tokens, in L1, run a row a pass)
-                width = _q8s_tile2(w[begin + i], w[begin + i + 1], wscale[i], wscale[i + 1], wcorr[i], wcorr[i + 1], xt,
-                                   dt, t, res[16 * i:], isa, narrow, offset)
+                width = _q8_0_tile2(w[begin + i], w[begin + i + 1], wscale[i], wscale[i + 1], wcorr[i], wcorr[i + 1], xt,
+                                    dt, t, res[16 * i:], isa, narrow, offset)
             else:
-                width = _q8s_tile(w[begin + i], wscale[i], wcorr[i], xt, dt, t, res[16 * i:], isa, narrow, offset)
+                width = _q8_0_tile(w[begin + i], wscale[i], wcorr[i], xt, dt, t, res[16 * i:], isa, narrow, offset)
         for i in range(rows):
             for j in range(count):
                 out[t + j, begin + i - shift] = res[16 * i + j]
