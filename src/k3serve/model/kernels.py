@@ -540,15 +540,17 @@ def mxfp4_matmul_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray
 #   ones; |q_w| <= 128 and |q_x| <= 127 never saturate); 8 blocks' lanes are summed into one vector of 8 block
 #   sums (a transpose by shuffles and integer adds), then one FMA scales them by 8 products at once.
 # - Several tokens (prefill, decode batches; `_q8_0_tile_codegen`): the lanes are tokens, 16 (AVX-512 VNNI) or 8.
-#   The activations are laid out [G, 8, T + lanes, 4] (`_q8_0_tiles`): 4 bytes of each token side by side, so that
+#   The activations are laid out [G, 9, N, 4] (`_q8_0_tiles`): 4 bytes of each token side by side, so that
 #   4 weight bytes, broadcast to every lane from memory, multiply 16 tokens at once, and a block's sum for every
 #   token is 8 vpdpbusd with no lane sum; one convert, one multiply and one FMA a block then serve all the lanes
 #   (the previous layout spent the scale product d_w d_x on every token and block: a fifth of its time). vpdpbusd
 #   multiplies unsigned by signed bytes, so in a call of more than 8 tokens the activations are stored + 128 and
 #   each block's 128 sum q_w (`_q8_0_row_prepare`, once a row and call) is taken off before the conversion; in a
-#   call of 8 or fewer (a decode batch) the 8-lane tile takes q_x with the weight bytes' sign and their magnitudes
-#   instead, with nothing to prepare (as AVX2 does, through vpmaddubsw). Two rows a pass share each activation
-#   load (one row alone took ~1.8x as long a row). From Q8_0_TILE_MIN_TOKENS tokens; fewer run one dot each.
+#   call of 8 or fewer (a decode batch) the 8-lane tile multiplies the weight bytes + 128 by q_x as it is and takes
+#   off -128 sum q_x (the layout's 9th word), with nothing to prepare. AVX2 multiplies |q_w| by q_x with q_w's sign
+#   (vpmaddubsw). Two rows a pass share each activation load (one row alone took ~1.8x as long a row from L2); a
+#   matrix's 8 tokens, in L1, run a row a pass. From Q8_0_TILE_MIN_TOKENS tokens, rows of more than 8 blocks
+#   (`_q8_0_dots_only`); the rest run one dot per token.
 # Plain numba (portable) takes each block's integer sum, then the same 8 accumulators with a separate multiply and
 # an add in float64 (the same bits as the vector paths unless the float64 sum rounds onto a float32 tie).
 Q8_0_BLOCK_BYTES = 34
@@ -560,11 +562,6 @@ Q8_0_TILE_MIN_TOKENS = 4  # from this many tokens a row runs tiles (the last one
 # previous kernels as one dot per token and 0.88x as a padded tile, whose rows' prepared sums serve one tile only
 # (in-process A/B, docs/BENCHMARKS.md); a run's last 4-7 tokens after whole tiles still take a tile.
 Q8_0_EXPERT_TILE_MIN_TOKENS = 8
-
-
-def tile_lanes(isa: int) -> int:
-    """Tokens one Q8_0 tile computes on instruction set `isa` (a code): 16 with AVX-512 VNNI, else 8."""
-    return 16 if isa == 2 and _Q8_0_VNNI else 8
 
 
 def _q8_0_isa_ops(builder: ir.IRBuilder, vnni: bool, lanes: int):
@@ -735,7 +732,7 @@ def _q8_0_dot_codegen(isa: str, split: bool = False, num_rows: int = 1):
 def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: int = 16, offset: bool = True,
                        chains: int = 2):
     """IR of `num_rows` Q8_0 rows against `lanes` tokens t0 .. t0 + lanes - 1 (see above: lanes = tokens).
-    Arguments (wrow_0 .., wscale_0 .., wcorr_0 .., xt u8 [G, 8, N, 4], dt f32 [G, N], t0, res): each row's 34-byte
+    Arguments (wrow_0 .., wscale_0 .., wcorr_0 .., xt u8 [G, 9, N, 4], dt f32 [G, N], t0, res): each row's 34-byte
     blocks (`split`: its int8 values), its block scales f32 [G] and -128 sum q_w per block i32 [G]
     (`_q8_0_row_prepare`), the activations' tile layout (`_q8_0_tiles`: + 128 with `offset`), res f32 [>= 16
     rows]: row i's dots go to res[16 i:16 i + lanes]. The rows share each activation load (one row alone ran ~1.8x
@@ -1324,8 +1321,8 @@ def _q8s_block_dots(w, scales, begin, end, shift, xq, xd, xt, dt, first, last, i
         width = lanes
         for i in range(0, rows, 2):  # two rows a pass (the runs' activations come from L2: one row alone ran
             if i + 1 < rows:  # ~1.8x as long a row; a matrix's 8 tokens, in L1, run a row a pass)
-                width = _q8_0_tile2(w[begin + i], w[begin + i + 1], wscale[i], wscale[i + 1], wcorr[i], wcorr[i + 1], xt,
-                                    dt, t, res[16 * i:], isa, narrow, offset)
+                width = _q8_0_tile2(w[begin + i], w[begin + i + 1], wscale[i], wscale[i + 1], wcorr[i], wcorr[i + 1],
+                                    xt, dt, t, res[16 * i:], isa, narrow, offset)
             else:
                 width = _q8_0_tile(w[begin + i], wscale[i], wcorr[i], xt, dt, t, res[16 * i:], isa, narrow, offset)
         for i in range(rows):
