@@ -1182,8 +1182,9 @@ def _q8_0_matmul_task(blocks, xq, xd, xt, dt, f16_table, isa, out, task):
         count = min(lanes, tokens - t)
         narrow = count <= 8
         width = lanes
-        for i in range(0, rows, 1 if narrow else 2):  # 8 lanes (in L1): a row a pass, two ran ~12% slower
-            if i + 1 < rows and not narrow:
+        single = tokens <= 8  # one tile, its layout in L1: a row a pass (two ran ~12% slower); from L2 two
+        for i in range(0, rows, 1 if single else 2):
+            if i + 1 < rows and not single:
                 width = _q8_0_tile2(blocks[first + i], blocks[first + i + 1], wscale[i], wscale[i + 1], wcorr[i],
                                     wcorr[i + 1], xt, dt, t, res[16 * i:], isa, narrow, offset)
             else:
