@@ -729,8 +729,7 @@ def _q8_0_dot_codegen(isa: str, split: bool = False, num_rows: int = 1):
     return codegen
 
 
-def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: int = 16, offset: bool = True,
-                       chains: int = 2):
+def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: int = 16, offset: bool = True):
     """IR of `num_rows` Q8_0 rows against `lanes` tokens t0 .. t0 + lanes - 1 (see above: lanes = tokens).
     Arguments (wrow_0 .., wscale_0 .., wcorr_0 .., xt u8 [G, 9, N, 4], dt f32 [G, N], t0, res): each row's 34-byte
     blocks (`split`: its int8 values), its block scales f32 [G] and -128 sum q_w per block i32 [G]
@@ -740,8 +739,8 @@ def _q8_0_tile_codegen(isa: str, split: bool = False, num_rows: int = 1, lanes: 
     nothing more, in-process timing 2026-12-07). `lanes`: 16 or 8 with AVX-512 VNNI, 8 otherwise. `offset` False
     (8 lanes): the activations as they are, multiplied on VNNI by the weight bytes + 128 (broadcast) with xt's 9th
     word, -128 sum q_x, as the correction, on AVX2 by the weight bytes' magnitudes with their sign; nothing to
-    prepare (a call of 8 tokens or fewer). `chains`: independent integer sums a row and block (exact, so any number
-    gives the same bits). -> lanes (int64)"""
+    prepare (a call of 8 tokens or fewer). -> lanes (int64)"""
+    chains = 2  # independent integer sums a row and block (exact: 2, 4 or 8 gave the same bits and the same time)
     vnni = isa == "avx512" and _Q8_0_VNNI
     lanes = lanes if vnni and offset else 8
     offset = offset and vnni
@@ -1086,11 +1085,11 @@ def _q8_0_tiles(xq: np.ndarray, xd: np.ndarray, isa: int, aligned: bool = False)
     *lead, tokens, groups = xd.shape
     if _q8_0_dots_only(isa, tokens, groups):
         return np.zeros((*lead, 0, Q8_0_LANES + 1, 0, 4), np.uint8), np.zeros((*lead, 0, 0), np.float32)
-    width = 16 if _q8_0_offset(isa, tokens) else 8
+    offset = _q8_0_offset(isa, tokens)
+    width = 16 if offset else 8
     padded = -(-tokens // width) * width if aligned else tokens + width
     if padded >= 64 and padded % 16 == 0:  # word rows 4 * N bytes apart: not a multiple of 64 lines (L1's sets;
         padded += width  # 512 tokens exactly ran the prefill tile at 0.7x)
-    offset = _q8_0_offset(isa, tokens)
     flip = 0x80808080 if offset else 0  # + 128 in each byte (mod 256: the top bit flipped)
     # xt[g, k, t] (k < 8) = bytes 4 k .. 4 k + 3 of token t's block g (a transpose of the rows' 4-byte words), +
     # 128 each with `offset`; xt[g, 8, t] = -128 sum_k q_x (int32), the correction of the unsigned weights (AVX-512
