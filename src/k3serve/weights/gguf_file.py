@@ -149,11 +149,10 @@ class GGUFFile:
                 raise CheckpointError(f"{self.path}: tensor {tensor.name!r} runs past the end of the file "
                                       f"({file_size} bytes); the file is truncated")
             self.tensors[tensor.name] = GGUFTensor(tensor.name, type_name, shape, tensor.data)
-        # the map, not the reader: the reader's fields hold numpy views of every metadata value's parts (a length
-        # and the bytes of each vocabulary string and merge), ~220 MiB of a process's peak RSS at a 152k
-        # vocabulary, resident beside the weights for the model's life until 2026-12-08; the values were copied
-        # into `metadata` above
-        self._data = reader.data
+        # No reference to the reader is kept (the tensors' views and `_mapping` keep the map open): its fields hold
+        # numpy views of every metadata value's parts (a length and the bytes of each vocabulary string and merge),
+        # ~220 MiB of a process's peak RSS at a 152k vocabulary, resident beside the weights for the model's life
+        # until 2026-12-08; the values were copied into `metadata` above
         self._mapping = getattr(reader.data, "_mmap", None)  # the mmap under the reader's memmap, if numpy has one
         self._base = reader.data.ctypes.data if self._mapping is not None else 0
         self.architecture = self.metadata.get("general.architecture")
@@ -268,5 +267,4 @@ class GGUFFile:
     def close(self) -> None:
         # the gguf package holds a numpy memmap; dropping the references lets it unmap
         self.tensors = {}
-        self._data = None
         self._mapping = None
