@@ -180,3 +180,40 @@ def test_a_model_loaded_where_numpy_came_first_warns_once(monkeypatch, caplog):
         loaded.configure_threads(4096)
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     assert "OPENBLAS_THREAD_TIMEOUT=4" in caplog.records[0].getMessage()
+
+
+def test_workers_spin_reads_the_environment_libgomp_reads():
+    from k3serve.threads import workers_spin
+
+    assert workers_spin({"OMP_WAIT_POLICY": "PASSIVE"}) is False  # adaptive and passive
+    assert workers_spin({"OMP_WAIT_POLICY": "active"}) is True
+    assert workers_spin({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"}) is False  # PASSIVE wins
+    assert workers_spin({}) is True  # libgomp's own default: spin ~300,000 pauses, then sleep
+    assert workers_spin({"GOMP_SPINCOUNT": "0"}) is False
+    assert workers_spin({"GOMP_SPINCOUNT": "300"}) is True  # K3SERVE_SPIN=300
+    assert workers_spin({"GOMP_SPINCOUNT": "2k"}) is True and workers_spin({"GOMP_SPINCOUNT": "infinite"}) is True
+    env: dict[str, str] = {}
+    configure_wait_policy(env)
+    assert workers_spin(env) is False  # k3serve's default sleeps at once (keepers hold the cores instead)
+    env = {"K3SERVE_WAIT_POLICY": "active"}
+    configure_wait_policy(env)
+    assert workers_spin(env) is True
+
+
+def test_spinning_workers_give_numpy_s_blas_one_thread(monkeypatch):
+    """Under `--wait-policy active` (or an explicit ACTIVE / spin count) a model of any width gets one BLAS thread:
+    OpenBLAS's second thread would share a core with a spinning kernel worker. Sleeping workers leave a wide
+    model's BLAS its threads."""
+    from k3serve import threads
+    from k3serve.loading import loaded
+
+    calls: list[int] = []
+    monkeypatch.setattr(loaded, "threadpool_limits", lambda limits, user_api: calls.append(limits))
+    monkeypatch.setattr(threads, "workers_spin", lambda environ=None: False)
+    loaded.configure_threads(4096)
+    assert calls == []
+    loaded.configure_threads(512)  # a small model: one thread whatever the policy
+    assert calls == [1]
+    monkeypatch.setattr(threads, "workers_spin", lambda environ=None: True)
+    loaded.configure_threads(4096)
+    assert calls == [1, 1]

@@ -97,6 +97,24 @@ def _spin_count(env) -> int:
         return 0
 
 
+def workers_spin(environ: dict[str, str] | None = None) -> bool:
+    """Whether the kernels' OpenMP workers spin between parallel regions under the environment libgomp reads (after
+    `configure_wait_policy`): OMP_WAIT_POLICY=ACTIVE (`K3SERVE_WAIT_POLICY=active`, or set by the user), a spin count
+    (GOMP_SPINCOUNT, `K3SERVE_SPIN`), or libgomp's own default where neither variable is set (~300,000 pauses, then
+    sleep). PASSIVE, or a spin count of 0, sleeps at once. Spinning workers hold their cores between the kernels'
+    regions, so OpenBLAS's own threads, woken by a numpy matmul in between, share those cores with them
+    (`loading.configure_threads` then gives BLAS one thread)."""
+    env = os.environ if environ is None else environ
+    policy = env.get("OMP_WAIT_POLICY", "").strip().upper()
+    if policy in ("ACTIVE", "PASSIVE"):
+        return policy == "ACTIVE"
+    count = env.get("GOMP_SPINCOUNT", "").strip().lower()
+    if not count or count in ("infinite", "infinity"):
+        return True  # libgomp's default spin, or an endless one
+    digits = count.rstrip("kmgt")
+    return not digits.isdigit() or int(digits) > 0  # libgomp ignores a value it cannot read: its default spin
+
+
 def cpu_quota_cores(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
     """The CPU time quota of this process's cgroup in cores (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us`), or
     None where there is none (or no cgroup file to read)."""

@@ -100,11 +100,22 @@ _WARNED_BLAS_SPIN = False
 
 
 def configure_threads(hidden_size: int) -> None:
-    """Give small models' matmuls one BLAS thread, leaving the cores to the parallel expert kernels. Larger ones
-    keep OpenBLAS's threads, which sleep right after each call where k3serve was imported before numpy (k3serve's
-    __init__: OPENBLAS_THREAD_TIMEOUT); where numpy came first, say so once."""
+    """Give small models' matmuls one BLAS thread, leaving the cores to the parallel expert kernels, and every
+    model's where the kernels' workers spin between regions (`threads.workers_spin`: `--wait-policy active`, an
+    OMP_WAIT_POLICY=ACTIVE or a spin count): a threaded numpy matmul would wake OpenBLAS's second thread onto the
+    core a spinning worker holds, and the two share it by time slices. Measured at Moonlight's widths, Q8_0, one
+    token a step under ACTIVE: the MLA core over the cache (numpy matmuls) 15-17 ms a token on two BLAS threads
+    against 0.8 on one (docs/BENCHMARKS.md). Otherwise larger models keep OpenBLAS's threads, which sleep right
+    after each call where k3serve was imported before numpy (k3serve's __init__: OPENBLAS_THREAD_TIMEOUT); where
+    numpy came first, say so once."""
     global _WARNED_BLAS_SPIN
-    if hidden_size <= SINGLE_THREAD_BLAS_MAX_HIDDEN:
+    import k3serve.model.kernels  # noqa: F401  (its import sets the wait policy libgomp will read)
+    from k3serve import threads
+
+    spinning = threads.workers_spin()
+    if hidden_size <= SINGLE_THREAD_BLAS_MAX_HIDDEN or spinning:
+        if spinning and hidden_size > SINGLE_THREAD_BLAS_MAX_HIDDEN:
+            logger.info("the kernels' workers spin between regions: numpy's BLAS runs on one thread")
         threadpool_limits(limits=1, user_api="blas")
     elif not k3serve.OPENBLAS_TIMEOUT_IN_FORCE and not _WARNED_BLAS_SPIN:
         _WARNED_BLAS_SPIN = True
