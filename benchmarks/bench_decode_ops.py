@@ -5,7 +5,10 @@ per token per op, and each op's bandwidth against a STREAM triad (issue 33's "pr
         [--target k3 | --target qwen3_moe --precision int8 [--k3serve-source checkpoint | gguf]]
         [--sdist /tmp/llama_sdist/llama_cpp_python-0.3.36.tar.gz]
 
---engines k3serve runs k3serve's side alone (no llama.cpp build, GGUF or perf).
+--engines k3serve runs k3serve's side alone (no llama.cpp build, GGUF or perf). --k3serve-variants alternates
+several k3serve settings round by round, each a label and the variables set for its child, e.g. the wait policies:
+"default;passive:K3SERVE_CORE_KEEPERS=0;active:K3SERVE_WAIT_POLICY=active" (one table per setting). --load-job 2
+runs bench_peers.py's other 2-thread job throughout, for the loaded machine.
 
 --target k3 (default): the widened trained K3 of bench_peers.py (1.5 GB, MXFP4 experts, bf16 trunk; built once)
 and its GGUF from llama.cpp's own converter. --target qwen3_moe (or another family): the family's real-width
@@ -213,12 +216,30 @@ def llama_ops(perf_data: Path, wall_ms: float, groups: list[tuple[str, str]] = L
             "top_symbols": [{"symbol": sym, "share": s / total} for sym, s in top]}
 
 
-def run_k3serve(spec: dict) -> dict:
+def parse_variants(text: str) -> dict[str, dict[str, str]]:
+    """--k3serve-variants "default;passive:K3SERVE_CORE_KEEPERS=0;active:K3SERVE_WAIT_POLICY=active" -> {label:
+    the environment variables set for that k3serve child on top of the defaults}."""
+    variants: dict[str, dict[str, str]] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        label, _, assignments = item.partition(":")
+        env = {}
+        for assignment in filter(None, (a.strip() for a in assignments.split(","))):
+            name, sep, value = assignment.partition("=")
+            if not sep or not name:
+                raise ValueError(f"--k3serve-variants: {assignment!r} is not NAME=VALUE")
+            env[name] = value
+        if label.strip() in variants:
+            raise ValueError(f"--k3serve-variants: {label.strip()!r} twice")
+        variants[label.strip()] = env
+    return variants
+
+
+def run_k3serve(spec: dict, extra_env: dict[str, str] | None = None) -> dict:
     from k3serve.host import defaults_environment
 
     child = K3SERVE_CHILD if spec["family"] == "k3" else FAMILY_CHILD
     done = subprocess.run([sys.executable, "-c", child, json.dumps(spec)], capture_output=True, text=True,
-                          env=defaults_environment(spec["threads"]), check=True)
+                          env={**defaults_environment(spec["threads"]), **(extra_env or {})}, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -259,14 +280,25 @@ def main() -> None:
                         help="a family's k3serve model: the checkpoint with its trunk matching the file's (as "
                              "bench_peers.py --k3serve-trunk match), or gguf: the very GGUF llama.cpp loads "
                              "(as bench_peers.py --k3serve-source gguf)")
+    parser.add_argument("--k3serve-variants", default="",
+                        help='k3serve settings alternated round by round, "label[:NAME=VALUE,...];...", e.g. '
+                             '"default;passive:K3SERVE_CORE_KEEPERS=0;active:K3SERVE_WAIT_POLICY=active" (each '
+                             'a fresh process at the defaults plus its variables; default: one, at the defaults)')
+    parser.add_argument("--load-job", type=int, default=0, metavar="THREADS",
+                        help="run another job on the machine throughout (bench_peers.py's: an OpenBLAS float32 "
+                             "matmul loop on THREADS threads), for the loaded-machine figures")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engines = args.engines.split(",")
     if not engines or any(e not in ("k3serve", "llama.cpp") for e in engines):
         parser.error(f"--engines must name k3serve and/or llama.cpp, got {args.engines!r}")
+    try:
+        variants = parse_variants(args.k3serve_variants) or {"": {}}
+    except ValueError as exc:
+        parser.error(str(exc))
 
-    from bench_peers import (PAIRS, build_gguf, family_target, llama_cpp_tree, triad_bandwidth, trunk_precision,
-                             widened_checkpoint)
+    from bench_peers import (PAIRS, build_gguf, family_target, llama_cpp_tree, load_job, triad_bandwidth,
+                             trunk_precision, widened_checkpoint)
     from k3serve.host import describe_host
     from k3serve.weights.checkpoint import Checkpoint
 
@@ -286,20 +318,33 @@ def main() -> None:
                  "vocab": vocab, "benchmarks": str(HERE)})
     perf = shutil.which("perf")
     triad = triad_bandwidth()
-    runs: dict[str, list[dict]] = {engine: [] for engine in engines}
-    for round_ in range(args.rounds):
-        print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        if "k3serve" in runs:
-            runs["k3serve"].append(run_k3serve(spec))
-        if "llama.cpp" in runs:
-            runs["llama.cpp"].append(run_llama(spec, perf))
+    names = {label: f"k3serve[{label}]" if label else "k3serve" for label in variants}
+    runs: dict[str, list[dict]] = {}
+    for engine in engines:
+        runs.update({name: [] for name in names.values()} if engine == "k3serve" else {engine: []})
+    job = load_job(args.load_job) if args.load_job else None  # started after the triad: it measures the machine
+    try:
+        for round_ in range(args.rounds):
+            print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            if "k3serve" in engines:
+                for label, env in variants.items():
+                    runs[names[label]].append(run_k3serve(spec, env))
+            if "llama.cpp" in runs:
+                runs["llama.cpp"].append(run_llama(spec, perf))
+    finally:
+        if job is not None:
+            job.kill()
+            job.wait()
     host = describe_host()
     print(host, f"| triad {triad:.1f} GB/s | perf: {perf or 'not found (llama.cpp per-op skipped)'}")
     record: dict = {"benchmark": "decode_ops", "machine": host, "triad_gb_s": triad, "steps": args.steps,
                     "rounds": args.rounds, "threads": args.threads, "target": args.target,
                     "precision": spec.get("precision"), "trunk_precision": spec.get("trunk_precision"),
                     "checkpoint": str(checkpoint), "k3serve_source": args.k3serve_source,
-                    "gguf": str(gguf), "engines": {}, "runs": runs}
+                    "gguf": str(gguf), "k3serve_variants": {names[label]: env for label, env in variants.items()},
+                    "load_job": {"threads": args.load_job, "what": "float32 1024x1024 matmul loop, OpenBLAS"}
+                    if args.load_job else None, "load_average": list(os.getloadavg()),
+                    "engines": {}, "runs": runs}
     for engine, rs in runs.items():
         wall = statistics.median(r["wall_ms"] for r in rs)
         names = sorted({op for r in rs for op in r.get("ops", {})})
@@ -307,7 +352,7 @@ def main() -> None:
         for op in names:
             ms = statistics.median(r["ops"].get(op, {}).get("ms", 0.0) for r in rs)
             entry = {"ms_per_token": ms, "share": ms / wall}
-            if engine == "k3serve":
+            if engine.startswith("k3serve"):
                 nbytes = statistics.median(r["ops"][op]["bytes"] for r in rs if op in r["ops"])
                 entry["bytes_per_token"] = nbytes
                 if nbytes and ms > 0:
