@@ -20,7 +20,10 @@ libgomp reads its setting once per process, so no choice of it is right in both 
   the workers behave exactly as PASSIVE ones. Tens of milliseconds after the last forward the keepers stop
   spinning and poll every few milliseconds.
 Measured: 8.69 ms idle (1.18x of the 1.46x recovered) and 12.14 ms beside the job, the best of every setting there;
-at batch 8 the keepers measured 12% slower than PASSIVE, not explained yet (docs/BENCHMARKS.md).
+at batch 8 the keepers measured 12% slower than PASSIVE, not explained yet (docs/BENCHMARKS.md). Remeasured on
+2026-12-08 with two real-width families (docs/BENCHMARKS.md, "How the kernels' threads wait, at real widths"): idle,
+the keepers were worth -3% to +12% against PASSIVE and ACTIVE ran 1.07-1.24x the default; beside the job the keepers
+ran 1.11-1.29x slower than PASSIVE (runs 1.5-1.8x apart) and ACTIVE 2.1-2.9x: the default is not settled.
 `K3SERVE_SPIN=N` adds a spin of N pauses before a worker sleeps (off by default: 10-16% faster idle, 32-47% slower
 beside a job). `K3SERVE_WAIT_POLICY=passive` is PASSIVE without keepers (k3serve's default before 2026-12-06 evening), `active`
 is ACTIVE; an explicit `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment is respected (no keepers). The
