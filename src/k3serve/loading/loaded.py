@@ -105,7 +105,7 @@ def configure_threads(hidden_size: int) -> None:
     OMP_WAIT_POLICY=ACTIVE or a spin count): a threaded numpy matmul would wake OpenBLAS's second thread onto the
     core a spinning worker holds, and the two share it by time slices. Measured at Moonlight's widths, Q8_0, one
     token a step under ACTIVE: the MLA core over the cache (numpy matmuls) 15-17 ms a token on two BLAS threads
-    against 0.8 on one (docs/BENCHMARKS.md). Otherwise larger models keep OpenBLAS's threads, which sleep right
+    against about 0.9 on one (docs/BENCHMARKS.md). Otherwise larger models keep OpenBLAS's threads, which sleep right
     after each call where k3serve was imported before numpy (k3serve's __init__: OPENBLAS_THREAD_TIMEOUT); where
     numpy came first, say so once."""
     global _WARNED_BLAS_SPIN
