@@ -3,7 +3,7 @@ environment variables its child gets on top of the defaults."""
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
 
 import pytest
@@ -11,15 +11,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode_ops.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_decode_ops", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_variants_are_labels_with_their_environment():
-    parse = _module().parse_variants
+    parse = runpy.run_path(str(BENCH))["parse_variants"]
     assert parse("") == {}
     assert parse("default; passive:K3SERVE_CORE_KEEPERS=0 ;active:K3SERVE_WAIT_POLICY=active,OPENBLAS_NUM_THREADS=1") \
         == {"default": {}, "passive": {"K3SERVE_CORE_KEEPERS": "0"},
