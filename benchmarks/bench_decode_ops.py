@@ -318,17 +318,17 @@ def main() -> None:
                  "vocab": vocab, "benchmarks": str(HERE)})
     perf = shutil.which("perf")
     triad = triad_bandwidth()
-    names = {label: f"k3serve[{label}]" if label else "k3serve" for label in variants}
+    variant_names = {label: f"k3serve[{label}]" if label else "k3serve" for label in variants}
     runs: dict[str, list[dict]] = {}
     for engine in engines:
-        runs.update({name: [] for name in names.values()} if engine == "k3serve" else {engine: []})
+        runs.update({name: [] for name in variant_names.values()} if engine == "k3serve" else {engine: []})
     job = load_job(args.load_job) if args.load_job else None  # started after the triad: it measures the machine
     try:
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
             if "k3serve" in engines:
                 for label, env in variants.items():
-                    runs[names[label]].append(run_k3serve(spec, env))
+                    runs[variant_names[label]].append(run_k3serve(spec, env))
             if "llama.cpp" in runs:
                 runs["llama.cpp"].append(run_llama(spec, perf))
     finally:
@@ -341,7 +341,8 @@ def main() -> None:
                     "rounds": args.rounds, "threads": args.threads, "target": args.target,
                     "precision": spec.get("precision"), "trunk_precision": spec.get("trunk_precision"),
                     "checkpoint": str(checkpoint), "k3serve_source": args.k3serve_source,
-                    "gguf": str(gguf), "k3serve_variants": {names[label]: env for label, env in variants.items()},
+                    "gguf": str(gguf),
+                    "k3serve_variants": {variant_names[label]: env for label, env in variants.items()},
                     "load_job": {"threads": args.load_job, "what": "float32 1024x1024 matmul loop, OpenBLAS"}
                     if args.load_job else None, "load_average": list(os.getloadavg()),
                     "engines": {}, "runs": runs}
