@@ -6,7 +6,7 @@ the wake-up a decode step pays a few hundred times).
 
 Each setting runs in a fresh process at the defaults (`host.defaults_environment`) plus its variables, the
 settings alternated round by round; medians. A child times the Q8_0 matrix-vector kernel on a 64 x 2048 matrix
-(70 KB, in L2: the call is all overhead) on one thread (`_q8_0_matmul_serial`) and as a parallel region over the
+(139 KB, in L2: the call is mostly overhead) on one thread (`_q8_0_matmul_serial`) and as a parallel region over the
 threads (`_q8_0_matmul_parallel`), each inside a governed step as a model's forward runs them (the core keepers
 spin there under the default policy), back to back and after a 50 us gap of Python (a decode step's gap between two
 regions). The region's start is the parallel call less the serial one. Prints the machine, a table and a JSON
